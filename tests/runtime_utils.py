@@ -1,0 +1,79 @@
+"""Helpers shared by the runtime tests: capture a run's own q/k and kept sets."""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from h2o_lens import hooks
+from h2o_lens.reference import simulate
+
+
+class KeptRecorder:
+    """A cache listener that keeps every layer's kept sets, step by step."""
+
+    def __init__(self):
+        self.kept = defaultdict(list)  # layer -> list of (b, Hs) lists of sorted positions
+
+    def on_prefill(self, layer, ev):
+        pos = torch.where(ev.keep, ev.positions, -1)
+        self.kept[layer].append(_sets(pos))
+
+    def on_decode(self, layer, ev):
+        self.kept[layer].append(_sets(ev.kept))
+
+
+def _sets(pos: torch.Tensor) -> list[list[list[int]]]:
+    return [[sorted(p for p in row.tolist() if p >= 0) for row in req] for req in pos]
+
+
+@contextlib.contextmanager
+def capture_qk():
+    """Record the post-RoPE queries and keys the H2O attention receives, per layer."""
+    from transformers import AttentionInterface
+
+    seen = defaultdict(lambda: {"q": [], "k": [], "scaling": None})
+
+    def spy(module, query, key, value, attention_mask, **kw):
+        rec = seen[module.layer_idx]
+        rec["q"].append(query.detach().double().clone())
+        rec["k"].append(key.detach().double().clone())
+        rec["scaling"] = kw.get("scaling")
+        return hooks.h2o_attention(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register(hooks.ATTN_NAME, spy)
+    try:
+        yield seen
+    finally:
+        AttentionInterface.register(hooks.ATTN_NAME, hooks.h2o_attention)
+
+
+def reference_sets(rec: dict, request: int, prefill: int, heavy: int, recent: int, gqa: str,
+                   offset: int = 0) -> list[list[list[int]]]:
+    """Kept sets per step and KV set computed by the FP64 reference from captured q/k.
+
+    ``offset`` drops left-padding columns of the request.
+    """
+    q = torch.cat(rec["q"], dim=2)[request, :, offset:]  # (Hq, N, d)
+    k = torch.cat(rec["k"], dim=2)[request, :, offset:]  # (Hs, N, d)
+    hq, hs = q.shape[0], k.shape[0]
+    group = hq // hs
+    scaling = rec["scaling"] or q.shape[-1] ** -0.5
+    per_set = []
+    for g in range(hs):
+        logits = torch.einsum("hnd,md->hnm", q[g * group:(g + 1) * group], k[g]) * scaling
+        per_set.append(simulate(logits.numpy(), prefill, heavy, recent, "sum" if gqa == "none" else gqa))
+    steps = len(per_set[0])
+    return [[per_set[g][s] for g in range(hs)] for s in range(steps)]
+
+
+def assert_same_sets(runtime: list, expected: list, where: str) -> None:
+    assert len(runtime) == len(expected), f"{where}: {len(runtime)} steps vs {len(expected)}"
+    for s, (a, b) in enumerate(zip(runtime, expected)):
+        assert a == b, f"{where}, step {s}: runtime kept {a} but the FP64 reference kept {b}"
+
+
+def np_seed(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)

@@ -1,0 +1,37 @@
+"""Tiny random-initialised causal LMs of each supported family (no downloads)."""
+from __future__ import annotations
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+
+
+def tiny_model(family: str = "llama", *, layers: int = 2, q_heads: int = 4, kv_heads: int = 2,
+               head_dim: int = 16, vocab: int = 256, seed: int = 0, attn: str = "sdpa"):
+    """A random model of ``family`` with real GQA, RoPE and the family's attention code."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=q_heads * head_dim, intermediate_size=2 * q_heads * head_dim,
+                  num_hidden_layers=layers, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=1024, tie_word_embeddings=False)
+    if family == "llama":
+        cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
+    elif family == "qwen2":
+        cfg, cls = tf.Qwen2Config(**common, use_sliding_window=False), tf.Qwen2ForCausalLM
+    elif family == "qwen3":
+        cfg, cls = tf.Qwen3Config(**common, head_dim=head_dim, use_sliding_window=False), tf.Qwen3ForCausalLM
+    elif family == "mistral":
+        cfg, cls = tf.MistralConfig(**common, sliding_window=None), tf.MistralForCausalLM
+    elif family == "phi3":
+        cfg, cls = tf.Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2), tf.Phi3ForCausalLM
+    else:
+        raise ValueError(family)
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    # sharper attention than the default init, so that heads prefer positions
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("q_proj", "k_proj", "qkv_proj")):
+                p.mul_(4.0)
+    return model
