@@ -40,7 +40,7 @@ class _Decoder:
 
 
 def bench_decode(model_name: str | None = None, contexts=(512, 2048, 4096), keep: float = 0.2,
-                 steps: int = 16, rounds: int = 3, prefill_context: int = 2048) -> int:
+                 steps: int = 16, rounds: int = 3, prefill_context: int = 2048, model=None) -> int:
     """H2O decode step ÷ full-cache SDPA decode step, prefill ratio, and KV bytes.
 
     Prints one table; returns 0.
@@ -51,7 +51,8 @@ def bench_decode(model_name: str | None = None, contexts=(512, 2048, 4096), keep
     from .models import load_model
     from .runtime import full_kv_bytes, h2o
 
-    model, _ = load_model(model_name)
+    if model is None:
+        model, _ = load_model(model_name)
     text = model.config.get_text_config(decoder=True)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     vocab = text.vocab_size
@@ -70,8 +71,9 @@ def bench_decode(model_name: str | None = None, contexts=(512, 2048, 4096), keep
         full = _Decoder(model, DynamicCache(config=model.config), ctx)
         with h2o(model, cfg) as session:
             fast = _Decoder(model, session.new_cache(), ctx)
-            full.run(2)
             fast.run(2)  # warm-up
+            model.set_attn_implementation("sdpa")
+            full.run(2)
             t_full, t_h2o = [], []
             for _ in range(rounds):
                 model.set_attn_implementation("sdpa")

@@ -171,14 +171,21 @@ class H2OCacheLayer(CacheLayerMixin):
         b, hs, p, d = key.shape
         owner = self.owner
         args = owner.resolve_args(p)
-        out, scores = ops.prefill_attention(query, key, value, valid, scaling, args.gqa,
-                                            chunk=owner.prefill_chunk)
+        if owner.resolve_backend(key.device) == "triton":
+            from .kernels import prefill_scores_triton
+
+            out, _ = ops.prefill_attention(query, key, value, valid, scaling, args.gqa, need_scores=False)
+            scores = prefill_scores_triton(query.contiguous(), key.contiguous(), valid, scaling, args.gqa)
+        else:
+            out, scores = ops.prefill_attention(query, key, value, valid, scaling, args.gqa,
+                                                chunk=owner.prefill_chunk)
         if valid is None:
             pos = torch.arange(p, device=key.device, dtype=POS_DTYPE).expand(b, p)
         else:
             pos = (valid.cumsum(-1) - 1).to(POS_DTYPE).masked_fill(~valid, policy.EMPTY)
         positions = pos[:, None, :].expand(b, hs, p)  # (b, Hs, P)
         keep = ops.prefill_select(scores, positions, args, owner.generator)
+        stored = scores if args.scored else torch.zeros_like(scores)  # local/sink/random: unscored
         cap = args.capacity
         count = pos.amax(-1).to(torch.int64) + 1  # (b,) real tokens
         # slots hold the kept positions in ascending order, then empty slots
@@ -193,7 +200,7 @@ class H2OCacheLayer(CacheLayerMixin):
         gidx = order[..., None].expand(b, hs, n, d)
         self.keys[:, :, :n] = key.gather(2, gidx)
         self.values[:, :, :n] = value.gather(2, gidx)
-        self.scores[:, :, :n] = torch.where(kept_pos >= 0, scores.gather(-1, order), 0.0)
+        self.scores[:, :, :n] = torch.where(kept_pos >= 0, stored.gather(-1, order), 0.0)
         self.positions[:, :, :n] = kept_pos
         self.next_pos = count.to(POS_DTYPE)
         fill = count.clamp(max=cap)
@@ -211,9 +218,14 @@ class H2OCacheLayer(CacheLayerMixin):
         owner = self.owner
         listener = owner.listener
         step = self.next_pos  # (b,)
-        res = ops.decode_step(query[:, :, 0], key[:, :, 0], value[:, :, 0], self.keys, self.values,
+        step_fn = ops.decode_step
+        if listener is None and owner.backend == "triton" and owner.args.policy != "random":
+            from .kernels import decode_step_triton as step_fn
+        res = step_fn(query[:, :, 0].contiguous(), key[:, :, 0].contiguous(), value[:, :, 0].contiguous(),
+                      self.keys, self.values,
                               self.scores, self.positions, step, self.fill, scaling, owner.args,
-                              generator=owner.generator, want_candidates=listener is not None)
+                              generator=owner.generator,
+                              **({"want_candidates": True} if listener is not None else {}))
         if listener is not None:
             stats = policy.step_stats(res.cand_scores, res.cand_positions, res.cand_eligible,
                                       res.slot, res.evicts, step[:, None], owner.args.recent)
@@ -266,6 +278,7 @@ class H2OCache(Cache):
         self.prefill_chunk = prefill_chunk
         self.generator = torch.Generator().manual_seed(config.seed)
         self._args: ops.PolicyArgs | None = None
+        self.backend: str | None = None  # "torch" | "triton", resolved at the first prefill
         self.resolved_config: H2OConfig | None = config if config.resolved else None
         super().__init__(layers=[H2OCacheLayer(self, i) for i in range(n_layers)])
 
@@ -283,6 +296,14 @@ class H2OCache(Cache):
             self.resolved_config = cfg
             self._args = ops.PolicyArgs(cfg.policy, heavy, recent, sink, cfg.gqa)
         return self._args
+
+    def resolve_backend(self, device: torch.device) -> str:
+        """``auto`` → Triton on CUDA, torch elsewhere; resolved once, on the first prefill."""
+        if self.backend is None:
+            from .kernels import resolve_backend
+
+            self.backend = resolve_backend(self.config.backend, device)
+        return self.backend
 
     def nbytes(self) -> dict[str, int]:
         """Physical bytes held: ``kv`` (keys + values) and ``metadata`` (scores + positions)."""

@@ -48,7 +48,7 @@ def _group_view(x: torch.Tensor, sets: int) -> torch.Tensor:
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       valid: torch.Tensor | None, scaling: float, gqa: str,
-                      chunk: int = 512, need_scores: bool = True
+                      chunk: int = 128, need_scores: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention over a prompt and the per-key column sums of its weights.
 
@@ -69,6 +69,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """
     b, hq, p, d = query.shape
     hs = key.shape[1]
+    if valid is None and query.device.type == "cpu" and query.dtype in _FLASH_CPU_DTYPES:
+        return _prefill_flash_cpu(query, key, value, scaling, gqa, chunk, need_scores)
     qg = _group_view(query, hs)  # (b, Hs, G, P, d)
     kt = key.transpose(-1, -2)[:, :, None]  # (b, Hs, 1, d, P)
     vg = value[:, :, None]  # (b, Hs, 1, P, d)
@@ -95,6 +97,48 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             agg = w.sum(2) if gqa != "max" else w.amax(2)  # (b,Hs,c,e)
             scores[..., :e] += agg.sum(-2)
     out = out.view(b, hq, p, d).transpose(1, 2)
+    return out, scores
+
+
+_FLASH_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _upper(c: int, device) -> torch.Tensor:
+    """``(c, c)`` True strictly above the diagonal."""
+    return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1)
+
+
+def _prefill_flash_cpu(query, key, value, scaling, gqa, chunk, need_scores):
+    """No padding, on CPU: the fused flash kernel gives the output and each row's
+    log-sum-exp; the column sums then need only ``exp(q·k·s − lse)`` per block."""
+    b, hq, p, d = query.shape
+    hs = key.shape[1]
+    group = hq // hs
+    k = key.repeat_interleave(group, dim=1) if group > 1 else key
+    v = value.repeat_interleave(group, dim=1) if group > 1 else value
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, k, v, 0.0, True, scale=scaling)[:2]  # (b,Hq,P,d), (b,Hq,P)
+    out = out.transpose(1, 2)
+    if not need_scores:
+        return out, None
+    # rows ordered (position, head) so that a block of positions is a view
+    qg = (_group_view(query.float() * scaling, hs).transpose(2, 3)
+          .reshape(b * hs, p * group, d))  # (b·Hs, P·G, d)
+    lse = _group_view(lse.float(), hs).transpose(2, 3).reshape(b * hs, p * group, 1)
+    kf = key.float().reshape(b * hs, p, d)
+    scores = torch.zeros(b, hs, p, dtype=torch.float32, device=query.device)
+    for s in range(0, p, chunk):
+        e = min(p, s + chunk)
+        c = e - s
+        # w = exp(q·k·scaling − lse): the softmax weights (a broadcast baddbmm is slower on CPU)
+        w = torch.bmm(qg[:, s * group:e * group], kf[:, :e].transpose(1, 2))  # (b·Hs, c·G, e)
+        w.sub_(lse[:, s * group:e * group]).exp_()
+        w = w.view(b, hs, c, group, e)
+        w[..., s:e].masked_fill_(_upper(c, query.device)[:, None, :], 0.0)  # future keys
+        if gqa == "max":
+            scores[..., :e] += w.amax(3).sum(2)
+        else:
+            scores[..., :e] += w.sum(dim=(2, 3))
     return out, scores
 
 
@@ -144,10 +188,10 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     key, value : ``(b, Hs, d)`` the new token's key/value
     keys, values : ``(b, Hs, B, d)`` slot storage, updated in place
     scores : ``(b, Hs, B)`` float32 cumulative scores, updated in place
-    positions : ``(b, Hs, B)`` int64 original positions, ``-1`` empty, in place
-    step : ``(b,)`` int64, the query position of each request
-    fill : ``(b,)`` int64 number of used slots per request, or None when every
-        slot is used (then every request evicts)
+    positions : ``(b, Hs, B)`` integer original positions, ``-1`` empty, in place
+    step : ``(b,)`` the query position of each request
+    fill : ``(b,)`` number of used slots per request, or None when every slot
+        is used (then every request evicts)
     scaling : float
     args : :class:`PolicyArgs`
 
@@ -157,20 +201,22 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     victim slot with the new token's K, V, score and position.
     """
     b, hs, cap, d = keys.shape
-    qg = _group_view(query, hs)  # (b, Hs, G, d)
-    logits_c = torch.matmul(qg, keys.transpose(-1, -2))  # (b,Hs,G,B)
-    logits_n = torch.matmul(qg, key[..., None])  # (b,Hs,G,1)
-    logits = torch.cat([logits_c, logits_n], dim=-1) * scaling  # (b,Hs,G,B+1)
+    qg = _group_view(query, hs) * scaling  # (b, Hs, G, d)
+    cand_k = torch.cat([keys, key[:, :, None]], dim=2)  # (b,Hs,B+1,d) transient D
+    cand_v = torch.cat([values, value[:, :, None]], dim=2)
+    logits = torch.matmul(qg, cand_k.transpose(-1, -2))  # (b,Hs,G,B+1)
     if fill is not None:
         logits = logits.masked_fill(_empty_cols(positions), _NEG)
-    w = torch.softmax(logits, dim=-1, dtype=scores.dtype)  # (b,Hs,G,B+1), FP32 (FP64 in tests)
-    wv = w.to(values.dtype)
-    out = torch.matmul(wv[..., :cap], values) + wv[..., cap:] * value[:, :, None, :]  # (b,Hs,G,d)
+    w = torch.softmax(logits, dim=-1, dtype=scores.dtype)  # FP32 (FP64 in tests)
+    out = torch.matmul(w.to(values.dtype), cand_v)  # (b,Hs,G,d)
 
     step_col = step[:, None, None]  # (b,1,1)
-    new_pos = step_col.expand(b, hs, 1)
+    new_pos = step_col.expand(b, hs, 1).to(positions.dtype)
     if args.scored:
-        agg = w.sum(2) if args.gqa != "max" else w.amax(2)  # (b,Hs,B+1)
+        if w.shape[2] == 1:
+            agg = w[:, :, 0]
+        else:
+            agg = w.sum(2) if args.gqa != "max" else w.amax(2)  # (b,Hs,B+1)
         scores += agg[..., :cap]
         new_score = agg[..., cap:]  # (b,Hs,1)
     elif args.policy == "random":
@@ -179,22 +225,22 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     else:
         new_score = scores.new_zeros(b, hs, 1)
 
+    c_scores = c_pos = None
     if args.recent == 0:
         # heavy-only: the new token competes too and may be its own victim
         c_scores = torch.cat([scores, new_score], -1)
         c_pos = torch.cat([positions, new_pos], -1)
         c_elig = policy.eligible_mask(c_pos, step_col, 0, args.sink)
-        victim, found = policy.select_victim(c_scores, c_pos, c_elig)
+        victim = _lowest(c_scores, c_pos, c_elig)
     else:
         c_elig = policy.eligible_mask(positions, step_col, args.recent, args.sink)
-        victim, found = policy.select_victim(scores, positions, c_elig)
-        c_scores = c_pos = None
+        victim = _lowest(scores, positions, c_elig)
     if fill is None:
-        slot, evicts = victim, found
+        slot, evicts = victim, None
     else:
         full = (fill >= cap)[:, None]  # (b,1)
         slot = torch.where(full, victim, fill[:, None].expand(b, hs))
-        evicts = full & found
+        evicts = full.expand(b, hs)
 
     cands = {}
     if want_candidates:
@@ -203,9 +249,19 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             c_pos = torch.cat([positions, new_pos], -1)
             c_elig = torch.cat([c_elig, torch.zeros_like(new_pos, dtype=torch.bool)], -1)
         cands = dict(cand_scores=c_scores, cand_positions=c_pos, cand_eligible=c_elig)
+    found = c_elig.any(-1)
+    evicts = found if evicts is None else evicts & found
 
-    _write_slot(keys, values, scores, positions, slot, key, value, new_score, new_pos)
+    _write_slot(keys, values, scores, positions, slot, key, value, new_score, new_pos,
+                may_skip=args.recent == 0)
     return DecodeResult(out=out.reshape(b, hs * qg.shape[2], d), slot=slot, evicts=evicts, **cands)
+
+
+def _lowest(scores: torch.Tensor, positions: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    """:func:`policy.select_victim` without the ``found`` flag (fewer ops on the hot path)."""
+    s = torch.where(eligible, scores, torch.finfo(scores.dtype).max)
+    tied = s == s.amin(-1, keepdim=True)
+    return torch.where(tied, positions, torch.iinfo(positions.dtype).max).argmin(-1)
 
 
 def _empty_cols(positions: torch.Tensor) -> torch.Tensor:
@@ -214,10 +270,11 @@ def _empty_cols(positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([empty, empty.new_zeros(*empty.shape[:2], 1)], -1)[:, :, None, :]
 
 
-def _write_slot(keys, values, scores, positions, slot, key, value, new_score, new_pos) -> None:
+def _write_slot(keys, values, scores, positions, slot, key, value, new_score, new_pos,
+                may_skip: bool = False) -> None:
     """Overwrite ``slot (b, Hs)`` with the new token; ``slot == B`` writes nothing."""
     cap = keys.shape[2]
-    if bool((slot >= cap).any()):
+    if may_skip and bool((slot >= cap).any()):
         keep_old = slot >= cap  # (b,Hs)
         slot = slot.clamp(max=cap - 1)
         idx = slot[..., None, None].expand(-1, -1, 1, keys.shape[-1])

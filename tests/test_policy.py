@@ -177,3 +177,21 @@ def test_config_split_and_resolve():
     assert (c.heavy, c.recent, c.capacity) == (100, 100, 200)
     with pytest.raises(ConfigError, match="not resolved"):
         H2OConfig(ratio=0.2).capacity
+
+
+@pytest.mark.parametrize("gqa", ["sum", "max"])
+def test_prefill_fused_path_equals_chunked_eager(gqa):
+    """The CPU flash+LSE path (no padding) and the chunked eager path give the same output and scores."""
+    from h2o_lens.ops import prefill_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 37, 16, generator=g)
+    k = torch.randn(2, 2, 37, 16, generator=g)
+    v = torch.randn(2, 2, 37, 16, generator=g)
+    o1, s1 = prefill_attention(q, k, v, None, 0.25, gqa, chunk=8)
+    o2, s2 = prefill_attention(q, k, v, torch.ones(2, 37, dtype=torch.bool), 0.25, gqa, chunk=5)
+    assert torch.allclose(o1, o2, atol=1e-5)
+    assert torch.allclose(s1, s2, atol=1e-4)
+    # column sums of full causal softmax rows: every row sums to 1, so Σ scores = P per query head
+    if gqa == "sum":
+        assert torch.allclose(s1.sum(-1), torch.full((2, 2), 37.0 * 3), atol=1e-3)

@@ -242,3 +242,31 @@ def test_bad_input_errors():
     with h2o_lens.h2o(mistral, heavy=4, recent=4):
         with pytest.raises(UnsupportedModelError, match="sliding-window"):
             _greedy(mistral, _ids(12), 2)
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton needs a GPU or TRITON_INTERPRET=1 (set by `make test`)")
+@pytest.mark.parametrize("gqa", ["sum", "max"])
+def test_triton_backend_equals_torch_backend(gqa):
+    """backend='triton' (the fused step and the prefill-score kernel) gives the same run."""
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
+    ids = _ids(18, seed=3)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device)
+    runs = {}
+    for backend in ("torch", "triton"):
+        with h2o_lens.h2o(model, H2OConfig(heavy=4, recent=3, gqa=gqa, backend=backend)) as s:
+            out = _greedy(model, ids.to(device), 10)
+        assert s.last_cache.backend == backend
+        runs[backend] = (out.sequences, [layer.positions.sort(-1).values for layer in s.last_cache.layers])
+    assert torch.equal(runs["torch"][0], runs["triton"][0])
+    for a, b in zip(runs["torch"][1], runs["triton"][1]):
+        assert torch.equal(a, b)
+
+
+def test_auto_backend_is_torch_on_cpu():
+    model = tiny_model("llama")
+    with h2o_lens.h2o(model, heavy=4, recent=4) as s:
+        _greedy(model, _ids(10), 2)
+    assert s.last_cache.backend == "torch"

@@ -1,0 +1,221 @@
+"""Kernel benchmarks: ratios measured side by side in one run.
+
+On a GPU :func:`bench_kernels` prints, per shape, the median of rounds that
+alternate the paths being compared (same process, same data):
+
+* fused decode step ÷ the torch path (:func:`h2o_lens.ops.decode_step`);
+* fused decode step ÷ plain SDPA over the same ``B`` slots (no scores, no eviction);
+* prefill scores kernel ÷ SDPA causal prefill;
+* replay kernel ÷ chunked torch replay;
+* achieved memory bandwidth of the decode step ÷ the device's peak.
+
+Without a GPU it says so and prints the interpreter-mode correctness summary
+(small shapes, ``TRITON_INTERPRET=1``) instead.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from typing import Callable
+
+import torch
+
+from .. import ops
+
+__all__ = ["bench_kernels"]
+
+# (Hq, Hkv, d): the default model (SmolLM2-135M) and a Llama-8B-like layer
+_HEADS = ((9, 3, 64), (32, 8, 128))
+
+
+def _alternate(fns: dict[str, Callable[[], object]], rounds: int, inner: int) -> dict[str, float]:
+    """Median milliseconds per call of each function, rounds alternating between them."""
+    for fn in fns.values():  # warm-up and compile
+        fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / inner)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _peak_bandwidth(device: torch.device) -> tuple[float, str]:
+    """Peak DRAM bandwidth in bytes/s and where the figure comes from."""
+    props = torch.cuda.get_device_properties(device)
+    clock, width = getattr(props, "memory_clock_rate", None), getattr(props, "memory_bus_width", None)
+    source = "device properties"
+    if not (clock and width):
+        try:
+            from triton.runtime import driver
+
+            info = driver.active.utils.get_device_properties(device.index or 0)
+            clock, width = info.get("mem_clock_rate"), info.get("mem_bus_width")
+            source = "triton driver properties"
+        except Exception:
+            clock = width = None
+    if clock and width:
+        return 2.0 * clock * 1e3 * width / 8, source  # kHz, bits; double data rate
+    x = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    ms = _alternate({"copy": lambda: y.copy_(x)}, rounds=5, inner=10)["copy"]
+    return 2 * x.numel() / (ms * 1e-3), "copy benchmark (a lower bound of the peak)"
+
+
+def _decode_case(b: int, hq: int, hs: int, cap: int, d: int, dtype, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype)  # noqa: E731
+    state = dict(keys=r(b, hs, cap, d), values=r(b, hs, cap, d),
+                 scores=torch.rand(b, hs, cap, generator=g, device=device),
+                 positions=torch.arange(cap, device=device, dtype=torch.int32).repeat(b, hs, 1))
+    new = dict(query=r(b, hq, d), key=r(b, hs, d), value=r(b, hs, d))
+    step = torch.full((b,), cap, dtype=torch.int32, device=device)
+    return state, new, step
+
+
+def _bench_decode(device, dtype, rounds: int, inner: int) -> None:
+    import torch.nn.functional as F
+
+    from .decode import decode_step_triton
+
+    peak, source = _peak_bandwidth(device)
+    print(f"\ndecode step ({dtype}), ms per layer call; peak bandwidth {peak / 1e9:.0f} GB/s from {source}")
+    print(f"{'b':>3} {'Hq/Hkv/d':>10} {'B':>5} {'fused':>8} {'torch':>8} {'f/torch':>8} {'sdpa':>8} "
+          f"{'f/sdpa':>7} {'GB/s':>7} {'of peak':>8}")
+    for hq, hs, d in _HEADS:
+        for b in (1, 8):
+            for cap in (512, 2048, 4096):
+                state, new, step = _decode_case(b, hq, hs, cap, d, dtype, device)
+                args = ops.PolicyArgs("h2o", cap // 2, cap - cap // 2, 0, "sum")
+                twin = {k: v.clone() for k, v in state.items()}
+                q4 = new["query"][:, :, None]  # (b, Hq, 1, d)
+                scaling = d ** -0.5
+                t = _alternate({
+                    "fused": lambda: decode_step_triton(**new, **state, step=step, fill=None,
+                                                        scaling=scaling, args=args),
+                    "torch": lambda: ops.decode_step(**new, **twin, step=step, fill=None,
+                                                     scaling=scaling, args=args),
+                    "sdpa": lambda: F.scaled_dot_product_attention(q4, state["keys"], state["values"],
+                                                                   scale=scaling, enable_gqa=True),
+                }, rounds, inner)
+                elt = state["keys"].element_size()
+                moved = (2 * b * hs * cap * d * elt  # keys and values read
+                         + b * hs * cap * (4 * 2 + 4 * 2)  # scores read+write, positions read twice
+                         + b * hq * cap * 4 * 2  # scratch logits written and read back
+                         + 2 * b * hq * d * elt + 2 * b * hs * d * elt)  # q, out, new k/v
+                bw = moved / (t["fused"] * 1e-3)
+                print(f"{b:>3} {f'{hq}/{hs}/{d}':>10} {cap:>5} {t['fused']:>8.4f} {t['torch']:>8.4f} "
+                      f"{t['fused'] / t['torch']:>8.3f} {t['sdpa']:>8.4f} {t['fused'] / t['sdpa']:>7.2f} "
+                      f"{bw / 1e9:>7.0f} {bw / peak:>8.1%}", flush=True)
+
+
+def _bench_prefill_and_replay(device, dtype, rounds: int, n: int) -> None:
+    import torch.nn.functional as F
+
+    from .prefill import prefill_scores_triton
+    from .replay import replay_dropped_mass_torch, replay_dropped_mass_triton
+
+    print(f"\nprefill and replay at {n} tokens ({dtype}), ms")
+    print(f"{'Hq/Hkv/d':>10} {'scores':>8} {'sdpa':>8} {'sc/sdpa':>8} {'torch pre':>10} {'tp/sdpa':>8} "
+          f"{'replay':>8} {'torch rep':>10} {'r/torch':>8}")
+    g = torch.Generator(device=device).manual_seed(0)
+    for hq, hs, d in _HEADS:
+        q = torch.randn(1, hq, n, d, generator=g, device=device, dtype=dtype)
+        k = torch.randn(1, hs, n, d, generator=g, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        ev = torch.randint(0, 2 * n, (1, hs, n), generator=g, device=device)
+        s = d ** -0.5
+        t = _alternate({
+            "scores": lambda: prefill_scores_triton(q, k, None, s, "sum"),
+            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s, enable_gqa=True),
+            "torch_prefill": lambda: ops.prefill_attention(q, k, v, None, s, "sum"),
+            "replay": lambda: replay_dropped_mass_triton(q, k, ev, s),
+            "torch_replay": lambda: replay_dropped_mass_torch(q, k, ev, s, chunk=512),
+        }, rounds, inner=1)
+        print(f"{f'{hq}/{hs}/{d}':>10} {t['scores']:>8.2f} {t['sdpa']:>8.2f} {t['scores'] / t['sdpa']:>8.2f} "
+              f"{t['torch_prefill']:>10.2f} {t['torch_prefill'] / t['sdpa']:>8.2f} {t['replay']:>8.2f} "
+              f"{t['torch_replay']:>10.2f} {t['replay'] / t['torch_replay']:>8.3f}", flush=True)
+
+
+def _interpreter_summary() -> None:
+    """Small cases through the kernels in Triton's interpreter, against the torch contract."""
+    from .decode import decode_step_triton
+    from .prefill import prefill_scores_triton
+    from .replay import replay_dropped_mass_torch, replay_dropped_mass_triton
+
+    g = torch.Generator().manual_seed(0)
+    b, hq, hs, cap, d = 2, 6, 2, 21, 16
+    args = ops.PolicyArgs("h2o", 11, 10, 0, "sum")
+    state, _, step = _decode_case(b, hq, hs, cap, d, torch.float32, torch.device("cpu"))
+    twin = {k: v.clone() for k, v in state.items()}
+    same, err = True, 0.0
+    for i in range(3):
+        new = dict(query=torch.randn(b, hq, d, generator=g), key=torch.randn(b, hs, d, generator=g),
+                   value=torch.randn(b, hs, d, generator=g))
+        r_k = decode_step_triton(**new, **state, step=step + i, fill=None, scaling=d ** -0.5, args=args)
+        r_t = ops.decode_step(**new, **twin, step=step + i, fill=None, scaling=d ** -0.5, args=args)
+        same &= bool(torch.equal(r_k.slot, r_t.slot) and torch.equal(state["positions"], twin["positions"]))
+        err = max(err, (r_k.out - r_t.out).abs().max().item(),
+                  (state["scores"] - twin["scores"]).abs().max().item())
+    print(f"decode step, 3 steps b={b} Hq={hq} Hkv={hs} B={cap}: slots and positions equal torch: {same}; "
+          f"max |out, score difference| {err:.2e}")
+    p = 37
+    q, k = torch.randn(b, hq, p, d, generator=g), torch.randn(b, hs, p, d, generator=g)
+    valid = torch.ones(b, p, dtype=torch.bool)
+    valid[1, :5] = False
+    s_k = prefill_scores_triton(q, k, valid, d ** -0.5, "sum", block_m=16, block_n=16)
+    _, s_t = ops.prefill_attention(q, k, k, valid, d ** -0.5, "sum")
+    print(f"prefill scores, P={p} with padding: max |difference| to torch "
+          f"{(s_k - s_t).abs().max().item():.2e}")
+    ev = torch.randint(0, p + 4, (b, hs, p), generator=g)
+    m_k = replay_dropped_mass_triton(q, k, ev, d ** -0.5, block_m=16, block_n=16)
+    m_t = replay_dropped_mass_torch(q, k, ev, d ** -0.5, chunk=8)
+    print(f"replay dropped mass, N={p}: max |difference| to torch {(m_k - m_t).abs().max().item():.2e}")
+
+
+def bench_kernels(rounds: int = 7, inner: int = 20, prefill_tokens: int = 8192,
+                  dtype: torch.dtype = torch.bfloat16) -> int:
+    """Print the kernel ratios on a GPU, or the interpreter correctness summary without one.
+
+    Returns 0.
+    """
+    from . import triton_available
+    from ._checks import interpret_mode
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: kernel timings need a GPU.")
+        if not interpret_mode() and "triton" in sys.modules:
+            print("triton was imported without TRITON_INTERPRET=1; rerun with TRITON_INTERPRET=1 set "
+                  "for the interpreter-mode correctness summary")
+            return 0
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"  # read by triton at import and when a kernel is built
+        try:
+            if not triton_available():
+                print("triton does not import on this machine (pip install 'h2o-lens[gpu]')")
+                return 0
+            print("Correctness summary in Triton's interpreter (TRITON_INTERPRET=1, small shapes):")
+            _interpreter_summary()
+        finally:
+            if old is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = old
+        return 0
+    if not triton_available():
+        print("triton does not import on this machine: no kernels to measure (pip install 'h2o-lens[gpu]')")
+        return 0
+    device = torch.device("cuda", torch.cuda.current_device())
+    print(f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}; medians of {rounds} "
+          f"alternating rounds")
+    with torch.no_grad():
+        _bench_decode(device, dtype, rounds, inner)
+        _bench_prefill_and_replay(device, dtype, rounds, prefill_tokens)
+    return 0

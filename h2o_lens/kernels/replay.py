@@ -1,0 +1,153 @@
+"""Dropped mass of a compressed run under the full-cache teacher (DESIGN.md §6).
+
+``m(t, h) = Σ_{i <= t, evict_step[kv(h), i] < t} a_full(h, t, i)``: the share of the
+full causal attention of query ``t`` that falls on keys the run no longer held
+at step ``t``. A position evicted at step ``s`` was still in the candidate set of
+step ``s``, so it counts as dropped from query ``s + 1`` on.
+
+Two implementations of one contract: :func:`replay_dropped_mass_torch` (plain
+torch, chunked rows, CPU or GPU) and :func:`replay_dropped_mass_triton`, which
+walks the keys once per row block with an online softmax carrying two sums (all
+keys, dropped keys) rescaled by the same running max, so it never forms
+``N x N``. Triton is imported on first use.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ._checks import (FLOAT_DTYPES, INT_DTYPES, KernelInputError, cdiv, check_device, check_tensor,
+                      dot_options, next_pow2)
+
+__all__ = ["replay_dropped_mass_triton", "replay_dropped_mass_torch"]
+
+_LOG2E = 1.0 / math.log(2.0)
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _dropped_mass(q_ptr, k_ptr, ev_ptr, out_ptr, N, HQ, HS, HEAD_DIM, scale2,
+                      G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)  # b * Hq + h
+        kv = (bh // HQ) * HS + (bh % HQ) // G
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < N
+        dd = tl.arange(0, BLOCK_D)
+        dmask = dd < HEAD_DIM
+        q = tl.load(q_ptr + (bh.to(tl.int64) * N + rows)[:, None] * HEAD_DIM + dd[None, :],
+                    mask=rmask[:, None] & dmask[None, :], other=0.0)  # (BLOCK_M, D)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_all = tl.zeros([BLOCK_M], tl.float32)
+        l_drop = tl.zeros([BLOCK_M], tl.float32)
+        end = tl.minimum(N, (pid_m + 1) * BLOCK_M)
+        for start in range(0, end, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            cmask = cols < N
+            k = tl.load(k_ptr + (kv.to(tl.int64) * N + cols)[:, None] * HEAD_DIM + dd[None, :],
+                        mask=cmask[:, None] & dmask[None, :], other=0.0)  # (BLOCK_N, D)
+            if DOT_F32:
+                k = k.to(tl.float32)
+            ev = tl.load(ev_ptr + kv.to(tl.int64) * N + cols, mask=cmask, other=0).to(tl.int64)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale2  # (BLOCK_M, BLOCK_N)
+            ok = (cols[None, :] <= rows[:, None]) & cmask[None, :]
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            gone = ev[None, :] < rows[:, None].to(tl.int64)  # evicted before step t
+            l_all = l_all * alpha + tl.sum(p, axis=1)
+            l_drop = l_drop * alpha + tl.sum(tl.where(gone, p, 0.0), axis=1)
+            m_i = m_new
+        tl.store(out_ptr + bh.to(tl.int64) * N + rows, l_drop / l_all, mask=rmask)
+
+    return _dropped_mass
+
+
+def _check(fn: str, query, key, evict_step, for_triton: bool) -> tuple[int, int, int, int, int]:
+    """Shapes ``(b, Hq, N, d), (b, Hs, N, d), (b, Hs, N)``; the kernel also needs contiguity
+    and a dtype it computes in (the torch path takes float64 too)."""
+    if query.dim() != 4 or key.dim() != 4:
+        raise KernelInputError(f"{fn}: query {tuple(query.shape)} and key {tuple(key.shape)} must be "
+                               "(b, Hq, N, d) and (b, Hs, N, d)")
+    b, hq, n, d = query.shape
+    hs = key.shape[1]
+    if hs < 1 or hq % hs:
+        raise KernelInputError(f"{fn}: query has {hq} heads and key {hs}; Hq must be a multiple of Hs")
+    dtypes = FLOAT_DTYPES if for_triton else (*FLOAT_DTYPES, torch.float64)
+    check_tensor(fn, "query", query, (b, hq, n, d), dtypes, for_triton)
+    check_tensor(fn, "key", key, (b, hs, n, d), (query.dtype,), for_triton)
+    check_tensor(fn, "evict_step", evict_step, (b, hs, n), INT_DTYPES, for_triton)
+    return b, hq, hs, n, d
+
+
+def replay_dropped_mass_triton(query: torch.Tensor, key: torch.Tensor, evict_step: torch.Tensor,
+                               scaling: float, *, block_m: int = 64, block_n: int = 64,
+                               num_warps: int = 4) -> torch.Tensor:
+    """Dropped mass per query position and head, flash-style.
+
+    Parameters
+    ----------
+    query : ``(b, Hq, N, d)`` fp16/bf16/fp32, contiguous, the teacher's queries (after RoPE)
+    key : ``(b, Hs, N, d)`` same dtype, ``Hq`` a multiple of ``Hs`` (heads ``h*G..h*G+G-1``
+        share KV set ``h``)
+    evict_step : ``(b, Hs, N)`` int32/int64, the decode step at which each position left
+        the cache of that KV set; a value ``>= N`` if it never did
+    scaling : float
+    block_m, block_n : rows / keys per block (powers of two >= 16)
+
+    Returns
+    -------
+    ``(b, Hq, N)`` float32, ``out[b, h, t] = Σ_{i <= t, evict_step[b, kv(h), i] < t} a(h, t, i)``.
+    """
+    fn = "replay_dropped_mass_triton"
+    b, hq, hs, n, d = _check(fn, query, key, evict_step, for_triton=True)
+    check_device(fn, query=query, key=key, evict_step=evict_step)
+    for name, blk in (("block_m", block_m), ("block_n", block_n)):
+        if blk < 16 or blk & (blk - 1):
+            raise KernelInputError(f"{fn}: {name}={blk}; expected a power of two >= 16")
+    out = torch.empty(b, hq, n, dtype=torch.float32, device=query.device)
+    if b == 0 or n == 0:
+        return out
+    _kernels()[(cdiv(n, block_m), b * hq)](
+        query, key, evict_step, out, n, hq, hs, d, float(scaling) * _LOG2E,
+        G=hq // hs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
+        num_warps=num_warps, **dot_options(query.dtype))
+    return out
+
+
+def replay_dropped_mass_torch(query: torch.Tensor, key: torch.Tensor, evict_step: torch.Tensor,
+                              scaling: float, chunk: int = 256) -> torch.Tensor:
+    """The same dropped mass in plain torch, ``chunk`` query rows at a time.
+
+    Memory is ``O(b · Hq · chunk · N)``; works on any device. Shapes as in
+    :func:`replay_dropped_mass_triton`. Returns float32 (float64 for float64 inputs).
+    """
+    fn = "replay_dropped_mass_torch"
+    b, hq, hs, n, d = _check(fn, query, key, evict_step, for_triton=False)
+    if chunk < 1:
+        raise KernelInputError(f"{fn}: chunk={chunk}; expected a positive number of rows")
+    g = hq // hs
+    acc = torch.promote_types(query.dtype, torch.float32)
+    qg = query.reshape(b, hs, g, n, d)  # (b, Hs, G, N, d)
+    kt = key.transpose(-1, -2)[:, :, None]  # (b, Hs, 1, d, N)
+    ev = evict_step[:, :, None, None, :]  # (b, Hs, 1, 1, N)
+    out = torch.empty(b, hs, g, n, dtype=acc, device=query.device)
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        logits = torch.matmul(qg[..., s:e, :], kt[..., :e]) * scaling  # (b, Hs, G, c, e)
+        rows = torch.arange(s, e, device=query.device)[:, None]  # (c, 1)
+        cols = torch.arange(e, device=query.device)[None, :]  # (1, e)
+        w = torch.softmax(logits.masked_fill(cols > rows, float("-inf")), dim=-1, dtype=acc)
+        gone = ev[..., :e] < rows  # (b, Hs, 1, c, e)
+        out[..., s:e] = (w * gone).sum(-1)
+    return out.reshape(b, hq, n)

@@ -1,0 +1,49 @@
+"""Storage layer of the H2O Lens eviction recorder: log format v1 (DESIGN.md §5).
+
+Writing::
+
+    from recorders import RunWriter
+    with RunWriter("runs", config={"policy": "h2o", "heavy": 64, "recent": 64},
+                   model="HuggingFaceTB/SmolLM2-135M-Instruct") as run:
+        run.append("evictions", {"request": 0, "step": steps, "layer": layer, ...})
+
+Reading::
+
+    from recorders import open_runs, query
+    con = open_runs("runs")
+    con.sql("SELECT layer, count(*) FROM evictions GROUP BY layer")
+
+This package needs numpy, pyarrow and duckdb only: logs open on machines
+without torch or a model.
+"""
+from __future__ import annotations
+
+from .catalog import Catalog, Problem, SegmentFile, inspect_file, scan_root
+from .errors import (DamagedFileError, ManifestError, QueryError, RecorderError, RecorderWarning,
+                     RunExistsError, RunIdError, SchemaError, SchemaVersionError)
+from .manifest import (MANIFEST_NAME, STATUSES, mark_interrupted, new_run_id, read_manifest,
+                       sanitize_run_id, validate_run_id)
+from .query import query
+from .run import RunWriter
+from .schema import KEYS, RUNS, SCHEMA_VERSION, TABLE_NAMES, TABLES, VIEW_NAMES, empty_table, to_arrow
+from .segments import SegmentWriter, list_segments, write_segment
+from .store import LoadedRun, RunCheck, check_run, list_runs, load_run, open_runs
+from .synthetic import synthetic_tables, write_synthetic_run
+
+__all__ = [
+    # schema
+    "SCHEMA_VERSION", "TABLES", "TABLE_NAMES", "RUNS", "VIEW_NAMES", "KEYS", "empty_table",
+    "to_arrow",
+    # writing
+    "RunWriter", "SegmentWriter", "write_segment", "list_segments",
+    "new_run_id", "sanitize_run_id", "validate_run_id", "read_manifest", "mark_interrupted",
+    "MANIFEST_NAME", "STATUSES",
+    # reading
+    "open_runs", "list_runs", "query", "check_run", "load_run", "scan_root", "inspect_file",
+    "Catalog", "Problem", "SegmentFile", "RunCheck", "LoadedRun",
+    # synthetic runs
+    "write_synthetic_run", "synthetic_tables",
+    # errors
+    "RecorderError", "RunIdError", "RunExistsError", "SchemaError", "SchemaVersionError",
+    "DamagedFileError", "ManifestError", "QueryError", "RecorderWarning",
+]

@@ -1,0 +1,291 @@
+"""Run ids and ``manifest.json``: what a run is and whether its writer still lives.
+
+The manifest is written atomically when a run starts (status ``running``,
+with the writer's pid, host, boot id and process start time) and rewritten
+when it ends (``complete``, or ``failed`` with the error). A reader that
+finds a ``running`` manifest whose writer process is gone (same host and
+boot, pid dead or reused by a process with another start time) reports the
+run as ``interrupted``; :func:`mark_interrupted` rewrites it as such.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import re
+import secrets
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .errors import DamagedFileError, ManifestError, RunIdError, SchemaVersionError
+from .schema import SCHEMA_VERSION
+
+__all__ = [
+    "MANIFEST_NAME",
+    "STATUSES",
+    "validate_run_id",
+    "sanitize_run_id",
+    "new_run_id",
+    "process_identity",
+    "writer_alive",
+    "new_manifest",
+    "write_manifest",
+    "read_manifest",
+    "effective_status",
+    "mark_interrupted",
+    "config_dict",
+    "utc_now",
+    "iso_utc",
+]
+
+MANIFEST_NAME = "manifest.json"
+STATUSES = ("running", "complete", "failed", "interrupted")
+
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_NUMERIC_RE = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def validate_run_id(run_id: Any) -> str:
+    """Return ``run_id`` if it can name a run folder, else raise :class:`RunIdError`.
+
+    A run id is 1-128 characters from ``[A-Za-z0-9._-]``, starts with a letter
+    or digit and must not look like a number: readers would cast a numeric
+    folder name to an integer and lose leading zeros (DESIGN.md §7).
+    """
+    if not isinstance(run_id, str):
+        raise RunIdError(f"run id must be a string, got {run_id!r} ({type(run_id).__name__})")
+    if _NUMERIC_RE.fullmatch(run_id):
+        raise RunIdError(f"run id {run_id!r} is numeric; numeric folder names are read back as "
+                         f"numbers. Use a name with a letter, e.g. 'run-{run_id}'")
+    if not _RUN_ID_RE.fullmatch(run_id):
+        raise RunIdError(f"run id {run_id!r} is not a valid folder name; use 1-128 characters "
+                         "from A-Z a-z 0-9 . _ - starting with a letter or digit, "
+                         "or pass the name through sanitize_run_id()")
+    return run_id
+
+
+def sanitize_run_id(name: str) -> str:
+    """Turn a free-form name into a run id (invalid characters become ``-``).
+
+    Raises :class:`RunIdError` when nothing usable is left or the result is
+    numeric: a numeric id is refused, never silently renamed.
+    """
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", str(name).strip())
+    cleaned = re.sub(r"-{2,}", "-", cleaned).lstrip("._-")[:128].rstrip("-")
+    if not cleaned:
+        raise RunIdError(f"name {name!r} holds no letter or digit usable as a run id; "
+                         "pass a name such as 'h2o-needle-test'")
+    return validate_run_id(cleaned)
+
+
+def utc_now() -> dt.datetime:
+    """Current time, naive UTC (the convention of every timestamp in the logs)."""
+    return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+
+
+def new_run_id(policy: str = "run", *, now: dt.datetime | None = None) -> str:
+    """A fresh run id such as ``20261129-153012-h2o-a1b2`` (UTC time, policy, 4 hex digits)."""
+    stamp = (now or utc_now()).strftime("%Y%m%d-%H%M%S")
+    return sanitize_run_id(f"{stamp}-{policy}-{secrets.token_hex(2)}")
+
+
+# -- writer process identity ---------------------------------------------------
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of ``pid``, or None if unknown."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
+    return fields[0], int(fields[19])
+
+
+def _started_at(start_ticks: int) -> str | None:
+    """Wall-clock start of a process from its start ticks and the boot time, ISO UTC."""
+    try:
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime "))
+        seconds = btime + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, ValueError):
+        return None
+    return iso_utc(dt.datetime.fromtimestamp(seconds, dt.timezone.utc).replace(tzinfo=None))
+
+
+def process_identity(pid: int | None = None) -> dict[str, Any]:
+    """Who writes a run: pid, hostname, boot id and process start time.
+
+    ``start_ticks`` (clock ticks since boot, from ``/proc/<pid>/stat``) tells a
+    live writer from a reused pid; ``started_at`` is the same instant in UTC.
+    """
+    pid = os.getpid() if pid is None else pid
+    stat = _proc_stat(pid)
+    return {
+        "pid": pid,
+        "hostname": socket.gethostname(),
+        "boot_id": _boot_id(),
+        "start_ticks": stat[1] if stat else None,
+        "started_at": _started_at(stat[1]) if stat else None,
+    }
+
+
+def writer_alive(writer: Mapping[str, Any]) -> bool | None:
+    """Whether the process described by ``writer`` still runs.
+
+    Returns None when it cannot be told (another host). A zombie counts as
+    dead; a pid whose start time differs was reused by another process.
+    """
+    if writer.get("hostname") != socket.gethostname():
+        return None
+    boot = _boot_id()
+    if writer.get("boot_id") and boot and writer["boot_id"] != boot:
+        return False
+    pid = writer.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return None
+    stat = _proc_stat(pid)
+    if stat is None:
+        if Path("/proc/self/stat").exists():
+            return False
+        try:  # no procfs: only the pid can be checked
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    state, start = stat
+    if state in ("Z", "X"):
+        return False
+    expected = writer.get("start_ticks")
+    return expected is None or expected == start
+
+
+# -- manifest files ---------------------------------------------------------------
+
+def config_dict(config: Any) -> dict[str, Any]:
+    """A JSON-ready dict from a mapping, a dataclass or None."""
+    if config is None:
+        return {}
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    if not isinstance(config, Mapping):
+        raise TypeError(f"run config must be a mapping or a dataclass, got {type(config).__name__}")
+    out = dict(config)
+    try:
+        json.dumps(out)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"run config must be JSON-serialisable: {exc}") from exc
+    return out
+
+
+def iso_utc(value: dt.datetime) -> str:
+    return value.isoformat(timespec="microseconds") + "Z"
+
+
+def new_manifest(run_id: str, *, config: Any = None, model: Any = None,
+                 **info: Any) -> dict[str, Any]:
+    """The manifest of a run that starts now (status ``running``).
+
+    ``model`` is a model id string or a dict with at least ``name``; ``info``
+    holds other fields of the ``runs`` view (``name``, ``source_run``,
+    ``prompt_len``, ...), stored top-level.
+    """
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": validate_run_id(run_id),
+        "status": "running",
+        "created_at": iso_utc(utc_now()),
+        "finished_at": None,
+        "writer": process_identity(),
+        "config": config_dict(config),
+        "model": model if isinstance(model, (str, type(None))) else dict(model),
+        **info,
+    }
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(run_dir: str | os.PathLike, manifest: Mapping[str, Any]) -> Path:
+    """Write ``manifest.json`` atomically (temp file, fsync, rename, fsync folder)."""
+    run_dir = Path(run_dir)
+    target = run_dir / MANIFEST_NAME
+    tmp = run_dir / f"{MANIFEST_NAME}.{os.getpid()}.{secrets.token_hex(3)}.tmp"
+    data = json.dumps(manifest, indent=2, sort_keys=True, default=str).encode()
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, target)
+    _fsync_dir(run_dir)
+    return target
+
+
+def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """Read a run's manifest.
+
+    Raises
+    ------
+    ManifestError
+        No ``manifest.json`` in ``run_dir``.
+    DamagedFileError
+        The manifest is not valid JSON or not an object.
+    SchemaVersionError
+        The manifest was written by a newer schema version.
+    """
+    path = Path(run_dir) / MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ManifestError(f"run folder {str(run_dir)!r} has no {MANIFEST_NAME}; "
+                            "it was not written by recorders or its writer died at start") from None
+    try:
+        manifest = json.loads(raw)
+    except ValueError as exc:
+        raise DamagedFileError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise DamagedFileError(f"{path}: expected a JSON object, got {type(manifest).__name__}")
+    version = manifest.get("schema_version")
+    if isinstance(version, int) and version > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{path}: written with log schema version {version}, this code reads versions "
+            f"<= {SCHEMA_VERSION}; upgrade h2o-lens to open it")
+    return manifest
+
+
+def effective_status(manifest: Mapping[str, Any]) -> str:
+    """The manifest's status, or ``interrupted`` for a ``running`` run whose writer is gone."""
+    status = manifest.get("status", "unknown")
+    if status == "running" and writer_alive(manifest.get("writer") or {}) is False:
+        return "interrupted"
+    return status
+
+
+def mark_interrupted(run_dir: str | os.PathLike) -> bool:
+    """Rewrite a ``running`` manifest whose writer is gone as ``interrupted``.
+
+    Returns True when the manifest was rewritten.
+    """
+    manifest = read_manifest(run_dir)
+    if manifest.get("status") != "running" or effective_status(manifest) != "interrupted":
+        return False
+    manifest["status"] = "interrupted"
+    manifest["error"] = manifest.get("error") or "writer process ended without closing the run"
+    write_manifest(run_dir, manifest)
+    return True

@@ -1,0 +1,293 @@
+"""The log schema, declared once (DESIGN.md §5, log format v1).
+
+Every table of a run is a pyarrow schema below; the segment writer, the
+readers, the DuckDB views and the synthetic-run generator all derive from
+these declarations. Columns are only ever added, nullable, in a later
+version; a reader of version N opens files of any version <= N.
+
+Integer widths: ``request`` int32, ``step``/``position`` int64, head and layer
+indices int16, scores, margins and masses float32, flags bool. Timestamps of
+the ``runs`` view are naive UTC.
+"""
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .errors import SchemaError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "META_SCHEMA_VERSION",
+    "META_CONFIG",
+    "META_TABLE",
+    "META_RUN_ID",
+    "TABLES",
+    "TABLE_NAMES",
+    "RUNS",
+    "VIEW_NAMES",
+    "KEYS",
+    "table_schema",
+    "duckdb_type",
+    "empty_table",
+    "to_arrow",
+    "schema_mismatches",
+]
+
+SCHEMA_VERSION = 1
+
+META_SCHEMA_VERSION = "h2o_lens.schema_version"
+META_CONFIG = "h2o_lens.config"
+META_TABLE = "h2o_lens.table"
+META_RUN_ID = "h2o_lens.run_id"
+
+
+def _f(name: str, type_: pa.DataType, doc: str, *, nullable: bool = False) -> pa.Field:
+    return pa.field(name, type_, nullable=nullable, metadata={"doc": doc})
+
+
+_RUN_ID = _f("run_id", pa.string(), "run folder name (non-numeric)")
+_REQUEST = _f("request", pa.int32(), "request (batch row) index within the run")
+_STEP = _f("step", pa.int64(), "query position being processed; prefill rows carry prompt_len - 1")
+_LAYER = _f("layer", pa.int16(), "decoder layer index")
+_KV_HEAD = _f("kv_head", pa.int16(), "KV head index")
+_Q_HEAD_OPT = _f("q_head", pa.int16(), "query head, only when gqa='none' keeps one set per query head",
+                 nullable=True)
+
+TABLES: dict[str, pa.Schema] = {
+    "tokens": pa.schema([
+        _RUN_ID, _REQUEST,
+        _f("position", pa.int64(), "original input position"),
+        _f("token_id", pa.int32(), "vocabulary id"),
+        _f("text", pa.string(), "decoded text of the token", nullable=True),
+        _f("is_prompt", pa.bool_(), "token belongs to the prompt"),
+        _f("evidence", pa.string(), "evidence span label, or null", nullable=True),
+    ]),
+    "evictions": pa.schema([
+        _RUN_ID, _REQUEST, _STEP, _LAYER, _KV_HEAD,
+        _f("position", pa.int64(), "original position of the evicted token"),
+        _f("score", pa.float32(), "cumulative score of the victim when evicted"),
+        _f("margin", pa.float32(), "lowest surviving eligible score - victim score (>= 0)"),
+        _f("age", pa.int64(), "step - position"),
+        _f("left_recent", pa.bool_(), "the victim is the token that left the recent window this step"),
+        _f("phase", pa.string(), "'prefill' or 'decode'", nullable=True),
+        _Q_HEAD_OPT,
+    ]),
+    "steps": pa.schema([
+        _RUN_ID, _REQUEST, _STEP, _LAYER, _KV_HEAD,
+        _f("min_heavy_score", pa.float32(), "lowest score among the heavy slots after the step",
+           nullable=True),
+        _f("promoted", pa.bool_(), "the token leaving the recent window survived (null: none left)",
+           nullable=True),
+        _f("exiting_position", pa.int64(), "position that left the recent window (null: none)",
+           nullable=True),
+        _f("kept", pa.int32(), "slots held after the step", nullable=True),
+        _f("heavy_age_mean", pa.float32(), "mean age (step - position) of the heavy slots",
+           nullable=True),
+        _Q_HEAD_OPT,
+    ]),
+    "replay": pa.schema([
+        _RUN_ID, _REQUEST, _STEP, _LAYER,
+        _f("q_head", pa.int16(), "query head index"),
+        _KV_HEAD,
+        _f("dropped_mass", pa.float32(), "full-cache teacher weight on positions not in the cache"),
+    ]),
+    "replay_steps": pa.schema([
+        _RUN_ID, _REQUEST, _STEP,
+        _f("kl", pa.float32(), "KL(teacher || run) of the next-token distributions"),
+        _f("top1_agree", pa.bool_(), "teacher and run agree on the most likely next token"),
+        _f("teacher_logprob", pa.float32(), "teacher log-probability of the run's next token"),
+    ]),
+}
+TABLE_NAMES: tuple[str, ...] = tuple(TABLES)
+
+#: Row identity of each table (the order the writer and ``load_run`` sort by).
+KEYS: dict[str, tuple[str, ...]] = {
+    "tokens": ("run_id", "request", "position"),
+    "evictions": ("run_id", "request", "step", "layer", "kv_head", "position"),
+    "steps": ("run_id", "request", "step", "layer", "kv_head"),
+    "replay": ("run_id", "request", "step", "layer", "q_head"),
+    "replay_steps": ("run_id", "request", "step"),
+}
+
+#: The ``runs`` view: one row per run, built from the manifests.
+RUNS = pa.schema([
+    _RUN_ID,
+    _f("status", pa.string(), "running | complete | failed | interrupted | unknown"),
+    _f("model", pa.string(), "model id or path", nullable=True),
+    _f("policy", pa.string(), "h2o | full | local | heavy | sink | random", nullable=True),
+    _f("heavy", pa.int32(), "heavy slot count", nullable=True),
+    _f("recent", pa.int32(), "recent slot count", nullable=True),
+    _f("gqa", pa.string(), "sum | max | none", nullable=True),
+    _f("prompt_len", pa.int64(), "prompt tokens (longest request)", nullable=True),
+    _f("new_tokens", pa.int64(), "generated tokens (longest request)", nullable=True),
+    _f("created_at", pa.timestamp("us"), "start of the run, UTC", nullable=True),
+    _f("finished_at", pa.timestamp("us"), "end of the run, UTC", nullable=True),
+    _f("name", pa.string(), "free-form run name", nullable=True),
+    _f("sink", pa.int32(), "sink slot count (sink policy)", nullable=True),
+    _f("seed", pa.int64(), "seed of the random policy / sampling", nullable=True),
+    _f("backend", pa.string(), "auto | torch | triton", nullable=True),
+    _f("requests", pa.int32(), "number of requests in the run", nullable=True),
+    _f("source_run", pa.string(), "run this one is paired with (e.g. the full-cache teacher)",
+       nullable=True),
+    _f("max_logit_diff", pa.float64(), "implementation check: max |logit difference| of the replay",
+       nullable=True),
+    _f("error", pa.string(), "error message of a failed run", nullable=True),
+    _f("error_type", pa.string(), "exception type of a failed run", nullable=True),
+    _f("schema_version", pa.int32(), "log format version of the manifest", nullable=True),
+    _f("config", pa.string(), "run configuration, JSON", nullable=True),
+    _f("path", pa.string(), "run folder", nullable=True),
+])
+
+VIEW_NAMES: tuple[str, ...] = ("runs",) + TABLE_NAMES
+
+_DUCKDB_TYPES = {
+    pa.bool_(): "BOOLEAN",
+    pa.int8(): "TINYINT",
+    pa.int16(): "SMALLINT",
+    pa.int32(): "INTEGER",
+    pa.int64(): "BIGINT",
+    pa.float32(): "FLOAT",
+    pa.float64(): "DOUBLE",
+    pa.string(): "VARCHAR",
+    pa.timestamp("us"): "TIMESTAMP",
+}
+
+
+def table_schema(table: str) -> pa.Schema:
+    """Return the declared schema of ``table`` or raise :class:`SchemaError`."""
+    if table == "runs":
+        return RUNS
+    try:
+        return TABLES[table]
+    except KeyError:
+        raise SchemaError(f"unknown table {table!r}; expected one of {', '.join(TABLE_NAMES)}") from None
+
+
+def duckdb_type(type_: pa.DataType) -> str:
+    """DuckDB SQL type name of a declared pyarrow type."""
+    try:
+        return _DUCKDB_TYPES[type_]
+    except KeyError:
+        raise SchemaError(f"no DuckDB type declared for {type_}") from None
+
+
+def empty_table(table: str) -> pa.Table:
+    """A zero-row table with the declared schema of ``table``."""
+    return table_schema(table).empty_table()
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (str, bytes, bool, numbers.Number, np.generic)) or (
+        isinstance(value, np.ndarray) and value.ndim == 0)
+
+
+def repeat_string(value: str, n: int) -> pa.Array:
+    """A string array of ``n`` copies of ``value``, built from buffers (no Python list)."""
+    data = value.encode()
+    if (n + 1) * len(data) >= 2**31:
+        raise SchemaError(f"{n} copies of {value!r} exceed 2 GiB in one string column; "
+                          "append the rows in smaller batches")
+    offsets = np.arange(n + 1, dtype=np.int32) * np.int32(len(data))
+    return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data * n))
+
+
+def _column(table: str, field: pa.Field, value: Any, n: int) -> pa.Array:
+    where = f"column {table}.{field.name}"
+    if _is_scalar(value):
+        if value is None:
+            return pa.nulls(n, field.type)
+        if pa.types.is_string(field.type):
+            return repeat_string(str(value), n)
+        value = np.full(n, value)
+    try:
+        if isinstance(value, pa.ChunkedArray):
+            value = value.combine_chunks()
+        if isinstance(value, pa.Array):
+            arr = value
+        elif isinstance(value, np.ndarray) and value.dtype != object:
+            mask = np.ma.getmaskarray(value) if isinstance(value, np.ma.MaskedArray) else None
+            arr = pa.array(np.ma.getdata(value), mask=mask if mask is not None and mask.any() else None)
+        else:
+            arr = pa.array(value, type=field.type)
+        if arr.type != field.type:
+            arr = arr.cast(field.type, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError) as exc:
+        raise SchemaError(f"{where}: cannot store the values as {field.type}: {exc}; "
+                          f"pass values of type {field.type}") from exc
+    if len(arr) != n:
+        raise SchemaError(f"{where} has {len(arr)} rows, expected {n} like the other columns; "
+                          "pass columns of equal length")
+    if not field.nullable and arr.null_count:
+        raise SchemaError(f"{where} holds {arr.null_count} nulls but is not nullable; "
+                          "fill the missing values")
+    return arr
+
+
+def to_arrow(table: str, columns: Mapping[str, Any], *, run_id: str | None = None) -> pa.Table:
+    """Convert one batch of rows into a table with the declared schema.
+
+    Parameters
+    ----------
+    table : str
+        One of :data:`TABLE_NAMES`.
+    columns : mapping of column name to array-like, shape (n,), or scalar
+        Scalars are broadcast to ``n`` rows. Missing nullable columns become
+        nulls; ``run_id`` defaults to the ``run_id`` argument.
+    run_id : str, optional
+        Value of the ``run_id`` column when ``columns`` lacks it.
+
+    Raises
+    ------
+    SchemaError
+        Unknown table or column, missing required column, unequal lengths,
+        values that do not fit the declared type (e.g. overflow) or nulls in
+        a required column.
+    """
+    schema = table_schema(table)
+    unknown = sorted(set(columns) - set(schema.names))
+    if unknown:
+        raise SchemaError(f"table {table!r} has no column(s) {', '.join(unknown)}; "
+                          f"declared columns: {', '.join(schema.names)}")
+    lengths = {len(v) for v in columns.values() if not _is_scalar(v)}
+    if not lengths:
+        raise SchemaError(f"table {table!r}: at least one column must be an array, got only scalars")
+    if len(lengths) > 1:
+        sizes = {k: len(v) for k, v in columns.items() if not _is_scalar(v)}
+        raise SchemaError(f"table {table!r}: columns have unequal lengths {sizes}; "
+                          "pass columns of equal length")
+    n = lengths.pop()
+    arrays = []
+    for field in schema:
+        value = columns.get(field.name)
+        if value is None and field.name == "run_id":
+            value = run_id
+        if value is None and not field.nullable:
+            raise SchemaError(f"table {table!r} requires column {field.name!r} ({field.type}); "
+                              "it is missing from the batch")
+        arrays.append(_column(table, field, value, n))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def schema_mismatches(table: str, file_schema: pa.Schema) -> list[str]:
+    """Differences between a file's schema and the declaration that a reader cannot bridge.
+
+    Extra columns are allowed (added by a later version); declared columns
+    must have the declared type, and required ones must be present.
+    """
+    declared = table_schema(table)
+    problems = []
+    for field in declared:
+        idx = file_schema.get_field_index(field.name)
+        if idx < 0:
+            if not field.nullable:
+                problems.append(f"required column {field.name!r} is missing")
+            continue
+        found = file_schema.field(idx).type
+        if found != field.type:
+            problems.append(f"column {field.name!r} is {found}, expected {field.type}")
+    return problems

@@ -1,0 +1,242 @@
+"""DuckDB views over a runs root, and the readers of a single run.
+
+:func:`open_runs` returns a DuckDB connection with the views ``runs``,
+``tokens``, ``evictions``, ``steps``, ``replay``, ``replay_steps`` (DESIGN.md
+§5) and ``problems``. The data views read an explicit list of validated
+files with ``union_by_name=true``: a damaged file is left out and reported,
+never allowed to fail a query over all runs. Every view exists, with the
+declared columns, even when no run has written that table yet; columns added
+by later versions appear after the declared ones.
+
+:func:`check_run` and :func:`load_run` are strict: a damaged file raises an
+error that names it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import math
+import os
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .catalog import Catalog, RunEntry, SegmentFile, run_row, scan_root, scan_run
+from .errors import DamagedFileError, RecorderWarning
+from .manifest import mark_interrupted
+from .schema import RUNS, TABLE_NAMES, duckdb_type, table_schema
+
+__all__ = ["open_runs", "create_views", "list_runs", "check_run", "load_run", "RunCheck",
+           "LoadedRun"]
+
+_PROBLEM_COLUMNS = ("path", "run_id", "table_name", "reason")
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _literal(value: Any, type_: pa.DataType) -> str:
+    sql_type = duckdb_type(type_)
+    if value is None or (isinstance(value, float) and math.isnan(value) and
+                         not pa.types.is_floating(type_)):
+        return f"CAST(NULL AS {sql_type})"
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, (int, float)):
+        text = f"'{value!r}'" if isinstance(value, float) and not math.isfinite(value) else repr(value)
+    elif isinstance(value, dt.datetime):
+        text = "'" + value.isoformat(sep=" ") + "'"
+    else:
+        text = "'" + str(value).replace("'", "''") + "'"
+    return f"CAST({text} AS {sql_type})"
+
+
+def _values_view(name: str, schema: pa.Schema, rows: Iterable[dict[str, Any]]) -> str:
+    """SQL of a view holding ``rows`` as literals (no table, no Python object behind it)."""
+    rows = list(rows)
+    if not rows:
+        cols = ", ".join(f"CAST(NULL AS {duckdb_type(f.type)}) AS {_ident(f.name)}" for f in schema)
+        return f"CREATE OR REPLACE VIEW {_ident(name)} AS SELECT {cols} WHERE false"
+    values = ",\n".join("(" + ", ".join(_literal(r.get(f.name), f.type) for f in schema) + ")"
+                        for r in rows)
+    names = ", ".join(_ident(f.name) for f in schema)
+    return f"CREATE OR REPLACE VIEW {_ident(name)} AS SELECT * FROM (VALUES {values}) AS t({names})"
+
+
+def _table_view(table: str, files: list[SegmentFile]) -> str:
+    schema = table_schema(table)
+    if not files:
+        return _values_view(table, schema, [])
+    present = {c for f in files for c in f.columns}
+    cols = [_ident(f.name) if f.name in present else
+            f"CAST(NULL AS {duckdb_type(f.type)}) AS {_ident(f.name)}" for f in schema]
+    extras: list[str] = []
+    for f in files:  # columns added by later versions, in order of appearance
+        extras += [c for c in f.columns if c not in schema.names and c not in extras]
+    cols += [_ident(c) for c in extras]
+    paths = ", ".join("'" + str(f.path).replace("'", "''") + "'" for f in files)
+    return (f"CREATE OR REPLACE VIEW {_ident(table)} AS SELECT {', '.join(cols)} "
+            f"FROM read_parquet([{paths}], union_by_name = true)")
+
+
+def create_views(con: duckdb.DuckDBPyConnection, catalog: Catalog) -> None:
+    """Create or replace the views of ``catalog`` in ``con``."""
+    con.execute(_values_view("runs", RUNS, (run_row(r) for r in catalog.runs)))
+    for table in TABLE_NAMES:
+        con.execute(_table_view(table, catalog.files(table)))
+    problem_schema = pa.schema([pa.field(c, pa.string()) for c in _PROBLEM_COLUMNS])
+    con.execute(_values_view("problems", problem_schema, (
+        {"path": p.path, "run_id": p.run_id, "table_name": p.table, "reason": p.reason}
+        for p in catalog.problems)))
+
+
+def open_runs(root: str | os.PathLike, *, con: duckdb.DuckDBPyConnection | None = None,
+              warn: bool = True) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection with the views of every run under ``root``.
+
+    Parameters
+    ----------
+    root : path-like
+        Runs root, ``<root>/<run_id>/manifest.json`` and segments.
+    con : DuckDBPyConnection, optional
+        Connection to (re)create the views in, e.g. to refresh after new
+        segments were written; default a new in-memory database.
+    warn : bool
+        Emit a :class:`RecorderWarning` per skipped file or folder. The
+        ``problems`` view lists them either way.
+
+    Raises
+    ------
+    SchemaVersionError
+        A file or manifest was written by a newer schema version.
+    """
+    catalog = scan_root(root)
+    if con is None:
+        con = duckdb.connect(":memory:")
+        con.execute("SET parquet_metadata_cache = true")
+    create_views(con, catalog)
+    if warn:
+        for problem in catalog.problems:
+            warnings.warn(f"skipped {problem}", RecorderWarning, stacklevel=2)
+    return con
+
+
+def list_runs(root: str | os.PathLike, *, mark: bool = False) -> list[dict[str, Any]]:
+    """The runs under ``root`` as ``runs``-view rows, oldest first.
+
+    A ``running`` run whose writer process is gone has status
+    ``interrupted``; with ``mark=True`` its manifest is rewritten as such.
+    """
+    catalog = scan_root(root)
+    if mark:
+        for run in catalog.runs:
+            if run.status == "interrupted" and run.manifest and run.manifest["status"] == "running":
+                mark_interrupted(run.path)
+    rows = [run_row(r) for r in catalog.runs]
+    return sorted(rows, key=lambda r: (r["created_at"] or dt.datetime.min, r["run_id"]))
+
+
+# -- one run, strict -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RunCheck:
+    """Result of :func:`check_run`: a run whose every file was read in full."""
+
+    run_id: str
+    status: str
+    rows: dict[str, int]
+    files: tuple[Path, ...]
+    leftover_temp_files: tuple[Path, ...]
+
+
+@dataclasses.dataclass
+class LoadedRun:
+    """A run in memory: its manifest, status and one table per written table."""
+
+    run_id: str
+    status: str
+    manifest: dict[str, Any]
+    tables: dict[str, pa.Table]
+
+    def __getitem__(self, table: str) -> pa.Table:
+        return self.tables[table]
+
+
+def _read_segment(seg: SegmentFile) -> pa.Table:
+    try:
+        return pq.read_table(seg.path)
+    except (OSError, pa.ArrowException, ValueError) as exc:
+        raise DamagedFileError(f"{seg.path}: footer is valid but the data cannot be read ({exc}); "
+                               "move it away or delete it") from None
+
+
+def _strict_run(run_dir: str | os.PathLike) -> RunEntry:
+    run, problems = scan_run(run_dir, strict=True)
+    if problems:  # only the folder/run_id naming note is left in strict mode
+        warnings.warn("; ".join(str(p) for p in problems), RecorderWarning, stacklevel=3)
+    return run
+
+
+def check_run(run_dir: str | os.PathLike) -> RunCheck:
+    """Read every file of one run in full; raise on the first damaged one.
+
+    Raises
+    ------
+    ManifestError, DamagedFileError, SchemaError, SchemaVersionError
+        Each names the file concerned.
+    """
+    run = _strict_run(run_dir)
+    rows: dict[str, int] = {}
+    files: list[Path] = []
+    for table, segs in run.files.items():
+        for seg in segs:
+            rows[table] = rows.get(table, 0) + _read_segment(seg).num_rows
+            files.append(seg.path)
+    temps = tuple(sorted(Path(run_dir).glob("*.tmp")))
+    return RunCheck(run.run_id, run.status, rows, tuple(files), temps)
+
+
+def _conform(table: str, parts: list[pa.Table]) -> pa.Table:
+    """Concatenate segments of any version <= current into the declared column order."""
+    schema = table_schema(table)
+    data = pa.concat_tables([p.replace_schema_metadata(None) for p in parts],
+                            promote_options="default")
+    columns, fields = [], []
+    for field in schema:
+        if field.name in data.column_names:
+            columns.append(data[field.name])
+        else:
+            columns.append(pa.nulls(data.num_rows, field.type))
+        fields.append(field)
+    for name in data.column_names:
+        if name not in schema.names:
+            columns.append(data[name])
+            fields.append(data.schema.field(name))
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields))
+
+
+def load_run(run_dir: str | os.PathLike, tables: Iterable[str] | None = None) -> LoadedRun:
+    """Load one run into memory (rows in write order), strictly.
+
+    Tables the run never wrote come back empty with the declared schema.
+
+    Raises
+    ------
+    ManifestError, DamagedFileError, SchemaError, SchemaVersionError
+        Each names the file concerned.
+    """
+    run = _strict_run(run_dir)
+    out = {}
+    for table in (tables or TABLE_NAMES):
+        segs = run.files.get(table, [])
+        parts = [_read_segment(s) for s in segs] or [table_schema(table).empty_table()]
+        out[table] = _conform(table, parts)
+    assert run.manifest is not None
+    return LoadedRun(run.run_id, run.status, run.manifest, out)
+
