@@ -22,6 +22,7 @@ _EXPORTS = {
     "H2OCache": ".cache",
     "simulate": ".reference",
     "load_model": ".models",
+    "record": "recorders.recorder",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -29,7 +30,8 @@ __all__ = ["__version__", *_EXPORTS]
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        module = _EXPORTS[name]
+        value = getattr(importlib.import_module(module, __name__ if module.startswith(".") else None), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'h2o_lens' has no attribute {name!r}")

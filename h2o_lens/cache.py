@@ -42,15 +42,37 @@ class PrefillEvent:
 
 @dataclass
 class DecodeEvent:
-    """What one layer decided at one decode step.
+    """What one layer decided at one decode step, in raw form (cheap to emit).
 
-    ``step (b,)`` query positions, ``stats`` the :class:`~h2o_lens.policy.StepStats`
-    per ``(b, Hs)``, ``kept (b, Hs, B)`` positions held after the step (-1 empty).
+    ``step (b,)`` query positions; ``cand_scores``/``cand_positions``
+    ``(b, Hs, B + 1)`` the candidate set D after the score update (slots, then
+    the new token); ``slot (b, Hs)`` the slot overwritten (``B``: the new token
+    was its own victim); ``evicts (b, Hs)`` whether a position left the cache;
+    ``kept (b, Hs, B)`` the live slot positions after the step (copy it to keep
+    it). :meth:`stats` derives the recorder's facts, batched if wanted.
     """
 
     step: torch.Tensor
-    stats: policy.StepStats
+    slot: torch.Tensor
+    evicts: torch.Tensor
+    cand_scores: torch.Tensor
+    cand_positions: torch.Tensor
     kept: torch.Tensor
+
+    def stats(self, recent: int, sink: int = 0) -> policy.StepStats:
+        return decode_stats(self.cand_scores, self.cand_positions, self.slot, self.evicts,
+                            self.step, recent, sink)
+
+
+def decode_stats(cand_scores: torch.Tensor, cand_positions: torch.Tensor, slot: torch.Tensor,
+                 evicts: torch.Tensor, step: torch.Tensor, recent: int, sink: int = 0) -> policy.StepStats:
+    """:class:`~h2o_lens.policy.StepStats` of decode steps, any leading dims.
+
+    ``cand_* (..., Hs, B + 1)``, ``slot, evicts (..., Hs)``, ``step (...)``.
+    """
+    step_col = step[..., None, None]
+    eligible = policy.eligible_mask(cand_positions, step_col, recent, sink)
+    return policy.step_stats(cand_scores, cand_positions, eligible, slot, evicts, step[..., None], recent)
 
 
 class CacheListener(Protocol):
@@ -227,9 +249,9 @@ class H2OCacheLayer(CacheLayerMixin):
                               generator=owner.generator,
                               **({"want_candidates": True} if listener is not None else {}))
         if listener is not None:
-            stats = policy.step_stats(res.cand_scores, res.cand_positions, res.cand_eligible,
-                                      res.slot, res.evicts, step[:, None], owner.args.recent)
-            listener.on_decode(self.layer_idx, DecodeEvent(step=step, stats=stats, kept=self.positions))
+            listener.on_decode(self.layer_idx, DecodeEvent(
+                step=step, slot=res.slot, evicts=res.evicts, cand_scores=res.cand_scores,
+                cand_positions=res.cand_positions, kept=self.positions))
         self.next_pos = step + 1
         if self.fill is not None:
             self.fill = (self.fill + 1).clamp(max=self.capacity)

@@ -102,6 +102,23 @@ TABLES: dict[str, pa.Schema] = {
         _f("top1_agree", pa.bool_(), "teacher and run agree on the most likely next token"),
         _f("teacher_logprob", pa.float32(), "teacher log-probability of the run's next token"),
     ]),
+    "run_logits": pa.schema([
+        _RUN_ID, _REQUEST, _STEP,
+        _f("token_id", pa.int32(), "token the run produced from this step's logits"),
+        _f("token_logit", pa.float32(), "the run's logit of that token"),
+        _f("top1_id", pa.int32(), "the run's most likely next token"),
+        _f("top1_logit", pa.float32(), "the run's largest logit"),
+        _f("lse", pa.float32(), "log-sum-exp of the run's logits (the softmax normaliser)"),
+    ]),
+    "requests": pa.schema([
+        _RUN_ID, _REQUEST,
+        _f("prompt_len", pa.int64(), "prompt tokens of this request (padding excluded)"),
+        _f("new_tokens", pa.int64(), "tokens generated for this request"),
+        _f("answer", pa.string(), "decoded generated text", nullable=True),
+        _f("task", pa.string(), "task name, when the run comes from the task suite", nullable=True),
+        _f("expected", pa.string(), "expected answer of the task", nullable=True),
+        _f("correct", pa.bool_(), "answer checker verdict (null: no checker)", nullable=True),
+    ]),
 }
 TABLE_NAMES: tuple[str, ...] = tuple(TABLES)
 
@@ -112,6 +129,8 @@ KEYS: dict[str, tuple[str, ...]] = {
     "steps": ("run_id", "request", "step", "layer", "kv_head"),
     "replay": ("run_id", "request", "step", "layer", "q_head"),
     "replay_steps": ("run_id", "request", "step"),
+    "run_logits": ("run_id", "request", "step"),
+    "requests": ("run_id", "request"),
 }
 
 #: The ``runs`` view: one row per run, built from the manifests.

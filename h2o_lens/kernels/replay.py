@@ -126,11 +126,13 @@ def replay_dropped_mass_triton(query: torch.Tensor, key: torch.Tensor, evict_ste
 
 
 def replay_dropped_mass_torch(query: torch.Tensor, key: torch.Tensor, evict_step: torch.Tensor,
-                              scaling: float, chunk: int = 256) -> torch.Tensor:
+                              scaling: float, chunk: int = 256, start: int = 0) -> torch.Tensor:
     """The same dropped mass in plain torch, ``chunk`` query rows at a time.
 
     Memory is ``O(b · Hq · chunk · N)``; works on any device. Shapes as in
     :func:`replay_dropped_mass_triton`. Returns float32 (float64 for float64 inputs).
+    With ``start > 0`` only query rows ``start … N−1`` are computed and the
+    result is ``(b, Hq, N − start)`` (rows before the first eviction are 0 anyway).
     """
     fn = "replay_dropped_mass_torch"
     b, hq, hs, n, d = _check(fn, query, key, evict_step, for_triton=False)
@@ -142,7 +144,7 @@ def replay_dropped_mass_torch(query: torch.Tensor, key: torch.Tensor, evict_step
     kt = key.transpose(-1, -2)[:, :, None]  # (b, Hs, 1, d, N)
     ev = evict_step[:, :, None, None, :]  # (b, Hs, 1, 1, N)
     out = torch.empty(b, hs, g, n, dtype=acc, device=query.device)
-    for s in range(0, n, chunk):
+    for s in range(start, n, chunk):
         e = min(n, s + chunk)
         logits = torch.matmul(qg[..., s:e, :], kt[..., :e]) * scaling  # (b, Hs, G, c, e)
         rows = torch.arange(s, e, device=query.device)[:, None]  # (c, 1)
@@ -150,4 +152,4 @@ def replay_dropped_mass_torch(query: torch.Tensor, key: torch.Tensor, evict_step
         w = torch.softmax(logits.masked_fill(cols > rows, float("-inf")), dim=-1, dtype=acc)
         gone = ev[..., :e] < rows  # (b, Hs, 1, c, e)
         out[..., s:e] = (w * gone).sum(-1)
-    return out.reshape(b, hq, n)
+    return out[..., start:].reshape(b, hq, n - start)

@@ -1,0 +1,393 @@
+"""The eviction recorder: wrap any ``model.generate(...)`` and log every eviction.
+
+>>> with h2o_lens.record(model, H2OConfig(heavy=64, recent=64), out="runs",
+...                      tokenizer=tok, evidence={"code": "4419"}) as run:
+...     model.generate(**inputs, max_new_tokens=64)
+>>> run.run_id, run.status
+
+This module imports torch (it listens to the runtime); the rest of
+``recorders`` does not, so logs still open without a model.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from h2o_lens.cache import DecodeEvent, PrefillEvent, decode_stats
+from h2o_lens.config import H2OConfig
+from h2o_lens.runtime import H2OSession, h2o
+
+from .errors import RecorderError
+from .run import RunWriter
+
+__all__ = ["record", "Recording", "EvidenceSpec", "locate_evidence"]
+
+#: evidence: {label: "substring" | (start, end)} for every request, or one such mapping per request
+EvidenceSpec = Mapping[str, "str | tuple[int, int]"] | Sequence[Mapping[str, "str | tuple[int, int]"]]
+
+
+def _token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    return [tokenizer.decode([int(i)], skip_special_tokens=False) for i in ids]
+
+
+def locate_evidence(pieces: Sequence[str], spans: Mapping[str, Any], prompt: str | None = None
+                    ) -> list[str | None]:
+    """Label of the evidence span each prompt token belongs to (``None`` if none).
+
+    Parameters
+    ----------
+    pieces : the decoded text of each prompt token, in order
+    spans : ``{label: substring}`` (first occurrence in the prompt text) or
+        ``{label: (start, end)}`` character range of ``prompt`` (the user's
+        prompt, found inside the tokenized text, e.g. after a chat template)
+    """
+    text = "".join(pieces)
+    starts = np.cumsum([0] + [len(p) for p in pieces])  # char offset of each token
+    labels: list[str | None] = [None] * len(pieces)
+    for label, span in spans.items():
+        if isinstance(span, str):
+            begin = text.find(span)
+            if not span or begin < 0:
+                raise RecorderError(f"evidence {label!r}: {span!r} does not occur in the prompt text; "
+                                    "give a substring of the prompt or a (start, end) character range")
+            end = begin + len(span)
+        else:
+            try:
+                a, b = (int(x) for x in span)
+            except (TypeError, ValueError):
+                raise RecorderError(f"evidence {label!r}: expected a substring or a (start, end) pair, "
+                                    f"got {span!r}") from None
+            offset = 0
+            if prompt is not None:
+                offset = text.find(prompt)
+                if offset < 0:
+                    raise RecorderError(f"evidence {label!r}: the prompt text is not found in the "
+                                        "tokenized input; give the evidence as a substring instead")
+            if not 0 <= a < b or (prompt is not None and b > len(prompt)):
+                raise RecorderError(f"evidence {label!r}: character range {span!r} is empty or outside "
+                                    "the prompt")
+            begin, end = offset + a, offset + b
+        hit = (starts[:-1] < end) & (starts[1:] > begin)
+        if not hit.any():
+            raise RecorderError(f"evidence {label!r} covers no prompt token")
+        for i in np.flatnonzero(hit):
+            labels[i] = label
+    return labels
+
+
+@dataclass
+class _Pending:
+    """Raw decode events kept on the device until the next flush."""
+
+    layer: list[int] = field(default_factory=list)
+    events: list[DecodeEvent] = field(default_factory=list)
+
+
+class Recording:
+    """An active recording: a :class:`~h2o_lens.cache.CacheListener` plus the run writer.
+
+    Attributes
+    ----------
+    run_id, run_dir : the run folder
+    status : ``running``, then ``complete`` or ``failed``
+    session : the runtime's :class:`~h2o_lens.runtime.H2OSession`
+    """
+
+    def __init__(self, writer: RunWriter, config: H2OConfig, tokenizer: Any, evidence: EvidenceSpec | None,
+                 prompts: Sequence[str] | None, flush_every: int, model: Any):
+        self.writer = writer
+        self.config = config
+        self.tokenizer = tokenizer
+        self.evidence = evidence
+        self.prompts = prompts
+        self.flush_every = flush_every
+        self.model = model
+        self.session: H2OSession | None = None
+        self._pending = _Pending()
+        self._request_base = 0  # requests recorded by earlier generate calls
+        self._group = 1
+        self._last_layer = 0
+        self.prompt_len = 0
+        self.new_tokens = 0
+        self.requests = 0
+        self.generations = 0
+
+    @property
+    def run_id(self) -> str:
+        return self.writer.run_id
+
+    @property
+    def run_dir(self):
+        return self.writer.run_dir
+
+    @property
+    def status(self) -> str | None:
+        return self.writer.status
+
+    # -- CacheListener ---------------------------------------------------------
+    def _policy(self):
+        cache = self.session.last_cache
+        return cache.args, cache.group
+
+    def on_prefill(self, layer: int, ev: PrefillEvent) -> None:
+        args, group = self._policy()
+        b, hs, p = ev.positions.shape
+        victims = (ev.positions >= 0) & ~ev.keep  # (b, Hs, P)
+        survivors = ev.keep & ev.eligible
+        inf = torch.finfo(ev.scores.dtype).max
+        low = torch.where(survivors, ev.scores, inf).amin(-1)  # (b, Hs)
+        low_ok = survivors.any(-1)
+        r, h, i = victims.nonzero(as_tuple=True)
+        step = ev.step[r].to(torch.int64)
+        pos = ev.positions[r, h, i].to(torch.int64)
+        score = ev.scores[r, h, i]
+        margin = torch.where(low_ok[r, h], low[r, h] - score, torch.full_like(score, float("nan")))
+        self._append_evictions(r, h, step, pos, score, margin, args.recent, group, layer=layer,
+                               phase="prefill")
+        # one steps row per (request, set) at the last prompt position
+        kept = ev.keep.sum(-1)
+        heavy_pos = torch.where(survivors, ev.positions.to(torch.float32), float("nan"))
+        age = ev.step[:, None].float() - torch.nanmean(heavy_pos, -1)
+        rr, hh = torch.meshgrid(torch.arange(b), torch.arange(hs), indexing="ij")
+        self._append_steps(rr.reshape(-1), hh.reshape(-1), ev.step[rr].reshape(-1).to(torch.int64),
+                           torch.where(low_ok, low, float("nan")).reshape(-1), None, None,
+                           kept.reshape(-1), age.reshape(-1), layer, group)
+
+    def on_decode(self, layer: int, ev: DecodeEvent) -> None:
+        self._pending.layer.append(layer)
+        self._pending.events.append(ev)
+        if layer == self._last_layer and len(self._pending.events) >= self.flush_every * (self._last_layer + 1):
+            self.flush()
+
+    # -- conversion ------------------------------------------------------------
+    def flush(self) -> None:
+        """Turn the pending decode events into eviction and step rows (batched)."""
+        pend, self._pending = self._pending, _Pending()
+        if not pend.events:
+            return
+        args, group = self._policy()
+        ev = pend.events
+        stack = lambda name: torch.stack([getattr(e, name) for e in ev])  # noqa: E731
+        step = stack("step").to(torch.int64)  # (K, b)
+        slot, evicts = stack("slot"), stack("evicts")  # (K, b, Hs)
+        c_scores, c_pos = stack("cand_scores"), stack("cand_positions")  # (K, b, Hs, B+1)
+        st = decode_stats(c_scores, c_pos, slot, evicts, step, args.recent, args.sink)
+        k, b, hs = slot.shape
+        layer = torch.tensor(pend.layer)[:, None, None].expand(k, b, hs)
+        step3 = step[:, :, None].expand(k, b, hs)
+        req = torch.arange(b)[None, :, None].expand(k, b, hs)
+        head = torch.arange(hs)[None, None, :].expand(k, b, hs)
+        # evictions
+        sel = evicts
+        self._append_evictions(req[sel], head[sel], step3[sel], st.victim_position[sel].to(torch.int64),
+                               st.victim_score[sel], st.margin[sel], args.recent, group, layer=layer[sel],
+                               phase="decode")
+        # steps: kept count and mean age of the heavy slots after the step
+        valid = c_pos >= 0
+        kept = valid.sum(-1) - evicts.to(torch.int64)
+        elig = valid & (c_pos <= step[..., None, None] - args.recent)
+        elig.scatter_(-1, slot[..., None].clamp(max=c_pos.shape[-1] - 1),
+                      elig.gather(-1, slot[..., None]) & ~evicts[..., None])
+        heavy_pos = torch.where(elig, c_pos.to(torch.float32), float("nan"))
+        age = step3.float() - torch.nanmean(heavy_pos, -1)
+        exiting = st.exiting_position.to(torch.int64)
+        has_exit = exiting >= 0
+        self._append_steps(req.reshape(-1), head.reshape(-1), step3.reshape(-1),
+                           st.min_heavy_score.reshape(-1), st.promoted.reshape(-1), exiting.reshape(-1),
+                           kept.reshape(-1), age.reshape(-1), layer.reshape(-1), group,
+                           has_exit=has_exit.reshape(-1))
+
+    def _heads(self, h: torch.Tensor, group: int) -> dict[str, np.ndarray]:
+        h = h.numpy().astype(np.int16)
+        if self.config.gqa == "none" and group > 1:
+            return {"kv_head": h // group, "q_head": h}
+        return {"kv_head": h}
+
+    def _append_evictions(self, r, h, step, pos, score, margin, recent, group, *, layer=None,
+                          phase: str) -> None:
+        if r.numel() == 0:
+            return
+        step_np = step.numpy()
+        pos_np = pos.numpy()
+        cols = {
+            "request": r.numpy().astype(np.int32) + self._request_base,
+            "step": step_np,
+            "layer": layer.numpy().astype(np.int16) if isinstance(layer, torch.Tensor)
+            else np.full(len(pos_np), layer, np.int16),
+            **self._heads(h, group),
+            "position": pos_np,
+            "score": score.float().numpy(),
+            "margin": margin.float().numpy(),
+            "age": step_np - pos_np,
+            "left_recent": pos_np == step_np - recent,
+            "phase": phase,
+        }
+        self.writer.append("evictions", cols)
+
+    def _append_steps(self, r, h, step, min_heavy, promoted, exiting, kept, age, layer, group,
+                      has_exit=None) -> None:
+        n = r.numel()
+        cols = {
+            "request": r.numpy().astype(np.int32) + self._request_base,
+            "step": step.numpy(),
+            "layer": layer.numpy().astype(np.int16) if isinstance(layer, torch.Tensor)
+            else np.full(n, layer, np.int16),
+            **self._heads(h, group),
+            "min_heavy_score": np.ma.masked_invalid(min_heavy.float().numpy()),
+            "kept": kept.numpy().astype(np.int32),
+            "heavy_age_mean": np.ma.masked_invalid(age.float().numpy()),
+        }
+        if promoted is not None:
+            mask = ~has_exit.numpy()
+            cols["promoted"] = np.ma.MaskedArray(promoted.numpy(), mask=mask)
+            cols["exiting_position"] = np.ma.MaskedArray(exiting.numpy(), mask=mask)
+        self.writer.append("steps", cols)
+
+    # -- generate --------------------------------------------------------------
+    def _generate(self, original, *args: Any, **kwargs: Any):
+        want_dict = kwargs.get("return_dict_in_generate", False)
+        kwargs["return_dict_in_generate"] = True
+        want_logits = kwargs.get("output_logits", False)
+        kwargs["output_logits"] = True
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None:
+            raise RecorderError("record needs model.generate(input_ids=..., ...) (token ids, not embeddings)")
+        mask = kwargs.get("attention_mask")
+        cache = None
+        if self.session is not None and self.config.policy != "full":
+            cache = kwargs.get("cache") or self.session.new_cache()
+            kwargs["cache"] = cache
+            self._last_layer = len(cache.layers) - 1
+        self._pending = _Pending()
+        out = original(*args, **kwargs)
+        self.flush()
+        self._write_tokens(input_ids, mask, out)
+        self._request_base += input_ids.shape[0]
+        self.generations += 1
+        if not want_logits:
+            out.logits = None
+        return out if want_dict else out.sequences
+
+    def _write_tokens(self, input_ids: torch.Tensor, mask: torch.Tensor | None, out: Any) -> None:
+        ids = input_ids.cpu()
+        valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.cpu().bool()
+        seq = out.sequences.cpu()
+        width = ids.shape[1]
+        logits = torch.stack(out.logits, 1).float() if out.logits else None  # (b, T, V)
+        tok = self.tokenizer
+        for r in range(ids.shape[0]):
+            prompt = ids[r][valid[r]].tolist()
+            new = seq[r, width:].tolist()
+            n_prompt = len(prompt)
+            all_ids = prompt + new
+            pieces = _token_pieces(tok, all_ids) if tok is not None else None
+            labels: list[str | None] = [None] * len(all_ids)
+            spans = self._evidence_for(r)
+            if spans:
+                if pieces is None:
+                    raise RecorderError("evidence needs the tokenizer: pass record(..., tokenizer=tok)")
+                prompt_text = self.prompts[self._request_base + r] if self.prompts else None
+                labels[:n_prompt] = locate_evidence(pieces[:n_prompt], spans, prompt_text)
+            request = self._request_base + r
+            self.writer.append("tokens", {
+                "request": np.full(len(all_ids), request, np.int32),
+                "position": np.arange(len(all_ids), dtype=np.int64),
+                "token_id": np.asarray(all_ids, dtype=np.int32),
+                "text": pieces,
+                "is_prompt": np.arange(len(all_ids)) < n_prompt,
+                "evidence": labels,
+            })
+            answer = tok.decode(new, skip_special_tokens=True) if tok is not None else None
+            self.writer.append("requests", {
+                "request": np.array([request], np.int32), "prompt_len": np.array([n_prompt]),
+                "new_tokens": np.array([len(new)]), "answer": [answer],
+            })
+            if logits is not None and len(new):
+                lg = logits[r, :len(new)]  # (T, V): step j predicts token P + j from query P - 1 + j
+                chosen = torch.tensor(new)
+                top = lg.max(-1)
+                self.writer.append("run_logits", {
+                    "request": np.full(len(new), request, np.int32),
+                    "step": np.arange(n_prompt - 1, n_prompt - 1 + len(new), dtype=np.int64),
+                    "token_id": chosen.numpy().astype(np.int32),
+                    "token_logit": lg.gather(-1, chosen[:, None])[:, 0].numpy(),
+                    "top1_id": top.indices.numpy().astype(np.int32),
+                    "top1_logit": top.values.numpy(),
+                    "lse": torch.logsumexp(lg, -1).numpy(),
+                })
+            self.prompt_len = max(self.prompt_len, n_prompt)
+            self.new_tokens = max(self.new_tokens, len(new))
+            self.requests = request + 1
+
+    def _evidence_for(self, r: int) -> Mapping[str, Any] | None:
+        ev = self.evidence
+        if not ev:
+            return None
+        if isinstance(ev, Mapping):
+            return ev
+        request = self._request_base + r
+        if request >= len(ev):
+            raise RecorderError(f"evidence was given for {len(ev)} requests, but request {request} was generated")
+        return ev[request]
+
+
+@contextlib.contextmanager
+def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: Any = None,
+           evidence: EvidenceSpec | None = None, name: str | None = None, run_id: str | None = None,
+           prompts: Sequence[str] | None = None, info: Mapping[str, Any] | None = None,
+           flush_every: int = 32, fsync: bool = True, **options: Any) -> Iterator[Recording]:
+    """Record every eviction of the ``model.generate`` calls inside the block.
+
+    Parameters
+    ----------
+    model : transformers causal LM
+    policy : H2OConfig (or its fields as keyword ``options``)
+    out : runs root; the run is written to ``<out>/<run_id>/``
+    tokenizer : decodes token texts and locates evidence spans
+    evidence : ``{label: substring | (start, end)}`` for all requests, or one
+        mapping per request (character ranges are relative to ``prompts[r]``)
+    name : free-form run name; run_id : folder name (default: generated)
+    prompts : the user prompts (before any chat template), for character-range evidence
+    info : extra manifest fields (``source_run``, ``task`` ...)
+
+    On an exception inside the block the run is marked ``failed`` with the
+    error, and the model is restored; the exception propagates.
+    """
+    from h2o_lens.models import model_info
+
+    config = policy if policy is not None else H2OConfig(**options)
+    if policy is not None and options:
+        raise RecorderError(f"give either a policy or keyword options, not both (got {sorted(options)})")
+    writer = RunWriter(out, run_id, config=config.to_dict(), model=model_info(model), fsync=fsync,
+                       name=name, **dict(info or {}))
+    rec = Recording(writer, config, tokenizer, evidence, prompts, flush_every, model)
+    writer.start()
+    try:
+        with h2o(model, config, listener=rec) as session:
+            rec.session = session
+            inner = model.generate
+            model.generate = functools.wraps(inner)(functools.partial(rec._generate, inner))
+            try:
+                yield rec
+                rec.flush()
+            finally:
+                if config.policy == "full":
+                    vars(model).pop("generate", None)
+                else:
+                    model.generate = inner
+        cache = session.last_cache
+        resolved = cache.resolved_config if cache is not None else config
+        writer.update(config=resolved.to_dict(), policy=resolved.policy, heavy=resolved.heavy,
+                      recent=resolved.recent, gqa=resolved.gqa, sink=resolved.sink, seed=resolved.seed,
+                      backend=cache.backend if cache is not None else "torch",
+                      prompt_len=rec.prompt_len, new_tokens=rec.new_tokens, requests=rec.requests)
+    except BaseException as exc:
+        if writer.status == "running":
+            writer.close("failed", exc)
+        raise
+    writer.close("complete")

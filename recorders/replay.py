@@ -1,0 +1,268 @@
+"""Replay a recorded run against a full-cache teacher (DESIGN.md §3, §6).
+
+For each request, two parallel forwards over the run's own tokens:
+
+* the **teacher**: full causal attention. Its attention function reduces each
+  layer's weights straight to the dropped mass per step and query head
+  (the teacher weight on positions the run no longer held), never storing
+  N×N; its logits give KL(teacher ‖ run), top-1 agreement and the teacher
+  log-probability of the run's token;
+* the **masked** forward: each query sees only the positions the run kept
+  (rebuilt from the evictions table). It must reproduce the run's own logits;
+  the largest difference goes into the manifest (``max_logit_diff``) and a
+  mismatch is reported as an implementation error.
+
+Writes the ``replay`` and ``replay_steps`` tables into the run folder
+(replacing an earlier replay) and updates the manifest.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from h2o_lens.kernels import replay_dropped_mass_torch
+
+from .errors import RecorderError
+from .manifest import read_manifest, write_manifest
+from .segments import SegmentWriter, list_segments
+from .store import load_run
+
+__all__ = ["replay", "ReplaySummary", "DEFAULT_TOLERANCE"]
+
+REPLAY_ATTN = "h2o_lens_replay"
+NEVER = np.iinfo(np.int64).max // 2
+#: largest |logit difference| between the run and its masked replay that is not an implementation error
+DEFAULT_TOLERANCE = 2e-3
+
+
+@dataclass
+class ReplaySummary:
+    """Headline numbers of a replay."""
+
+    run_id: str
+    requests: int
+    steps: int
+    max_logit_diff: float
+    implementation_ok: bool
+    mean_kl: float
+    top1_agreement: float
+    mean_dropped_mass: float
+    seconds: float
+
+
+class _State:
+    """What the replay attention function needs for the current forward."""
+
+    def __init__(self):
+        self.mode = "teacher"
+        self.evict: dict[int, torch.Tensor] = {}  # layer -> (1, Hs, N) eviction step per position
+        self.start = 0  # first query row whose dropped mass is kept
+        self.sets_per_kv = 1  # 1, or G for gqa='none' (one set per query head)
+        self.dropped: dict[int, torch.Tensor] = {}  # layer -> (Hq, N - start)
+        self.chunk = 512
+
+
+def _attention(state: _State, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+               **kwargs):
+    """Full (teacher) or kept-set (masked) attention over the whole sequence."""
+    b, hq, n, d = query.shape
+    hkv = key.shape[1]
+    group = hq // hkv
+    scaling = scaling if scaling is not None else d ** -0.5
+    layer = module.layer_idx
+    ev = state.evict[layer]  # (1, Hs, N)
+    if state.mode == "teacher":
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
+        k_sets = key.repeat_interleave(state.sets_per_kv, dim=1) if state.sets_per_kv > 1 else key
+        state.dropped[layer] = replay_dropped_mass_torch(query, k_sets, ev, scaling, chunk=state.chunk,
+                                                         start=state.start)[0]
+    else:
+        # expand the per-set eviction steps to every query head: (1, Hq, 1, N)
+        per_q = ev.repeat_interleave(hq // ev.shape[1], dim=1)[:, :, None, :]
+        out = torch.empty_like(query)
+        cols = torch.arange(n, device=query.device)
+        kk = key.repeat_interleave(group, dim=1) if group > 1 else key
+        vv = value.repeat_interleave(group, dim=1) if group > 1 else value
+        for s in range(0, n, state.chunk):
+            e = min(n, s + state.chunk)
+            rows = torch.arange(s, e, device=query.device)[:, None]
+            visible = (cols[None, :] <= rows) & (per_q >= rows)  # (1, Hq, c, N)
+            out[:, :, s:e] = torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, s:e], kk, vv, attn_mask=visible, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+@contextlib.contextmanager
+def _replay_attention(model, state: _State) -> Iterator[None]:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    previous = model.config._attn_implementation
+    AttentionInterface.register(REPLAY_ATTN, lambda *a, **k: _attention(state, *a, **k))
+    AttentionMaskInterface.register(REPLAY_ATTN, _no_mask)
+    try:
+        model.set_attn_implementation(REPLAY_ATTN)
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        AttentionInterface._global_mapping.pop(REPLAY_ATTN, None)
+        AttentionMaskInterface._global_mapping.pop(REPLAY_ATTN, None)
+
+
+def _evict_steps(ev: dict[str, np.ndarray], request: int, layers: int, sets: int, n: int,
+                 gqa_none: bool) -> dict[int, torch.Tensor]:
+    """Per layer ``(1, Hs, N)`` step at which each position left the cache (NEVER if kept)."""
+    out = np.full((layers, sets, n), NEVER, dtype=np.int64)
+    sel = ev["request"] == request
+    head = ev["q_head"][sel] if gqa_none else ev["kv_head"][sel]
+    pos = ev["position"][sel]
+    ok = pos < n
+    np.minimum.at(out, (ev["layer"][sel][ok], head[ok], pos[ok]), ev["step"][sel][ok])
+    return {layer: torch.from_numpy(out[layer])[None] for layer in range(layers)}
+
+
+def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = DEFAULT_TOLERANCE,
+           chunk: int = 512, progress: bool = True) -> ReplaySummary:
+    """Replay one recorded run (see the module docstring) and write its replay tables.
+
+    Parameters
+    ----------
+    run_dir : the run folder ``<root>/<run_id>``
+    model : the model the run used; loaded from the manifest's model name when omitted
+    tolerance : largest |logit difference| accepted by the implementation check
+    chunk : query rows per block (memory is O(chunk · N) per layer)
+    """
+    import time
+
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    run_dir = Path(run_dir)
+    run = load_run(run_dir, tables=("tokens", "evictions", "run_logits"))
+    manifest = run.manifest
+    config = manifest.get("config") or {}
+    if model is None:
+        from h2o_lens.models import load_model
+
+        info = manifest.get("model") or {}
+        name = info.get("name") if isinstance(info, dict) else info
+        model, _ = load_model(name, progress=progress)
+    text = model.config.get_text_config(decoder=True)
+    layers, hq = text.num_hidden_layers, text.num_attention_heads
+    hkv = getattr(text, "num_key_value_heads", None) or hq
+    gqa_none = config.get("gqa") == "none"
+    sets = hq if gqa_none else hkv
+    tokens = run["tokens"].to_pydict()
+    ev = {k: np.asarray(v) for k, v in run["evictions"].select(
+        ["request", "step", "layer", "kv_head", "q_head", "position"]).to_pydict().items()
+        if k != "q_head"}
+    if gqa_none:
+        ev["q_head"] = np.asarray(run["evictions"]["q_head"].fill_null(-1))
+    logits_tab = {k: np.asarray(v) for k, v in run["run_logits"].to_pydict().items() if k != "run_id"}
+    tok_req = np.asarray(tokens["request"])
+    requests = sorted(set(tok_req.tolist()))
+    if not requests:
+        raise RecorderError(f"{run_dir}: the run has no tokens table; nothing to replay")
+
+    state = _State()
+    state.chunk = chunk
+    state.sets_per_kv = hq // hkv if gqa_none else 1
+    rows_replay: dict[str, list[np.ndarray]] = {k: [] for k in ("request", "step", "layer", "q_head",
+                                                                 "kv_head", "dropped_mass")}
+    rows_steps: dict[str, list[np.ndarray]] = {k: [] for k in ("request", "step", "kl", "top1_agree",
+                                                                "teacher_logprob")}
+    max_diff, n_steps = 0.0, 0
+    group = hq // hkv
+    bar = tqdm(total=2 * len(requests), desc=f"replay {run.run_id}", disable=not progress, unit="forward")
+    with torch.no_grad(), _replay_attention(model, state):
+        for r in requests:
+            sel = tok_req == r
+            pos = np.asarray(tokens["position"])[sel]
+            ids = np.asarray(tokens["token_id"])[sel][np.argsort(pos)]
+            is_prompt = np.asarray(tokens["is_prompt"])[sel]
+            p = int(is_prompt.sum())
+            n = len(ids) - 1  # the last generated token was never fed to the model
+            if n < p:
+                continue
+            state.evict = _evict_steps(ev, r, layers, sets, n, gqa_none)
+            state.start = p - 1
+            x = torch.as_tensor(ids[:n], dtype=torch.long)[None]
+            state.mode = "teacher"
+            teacher = model(input_ids=x, use_cache=False).logits[0, p - 1:].float()  # (T, V)
+            bar.update()
+            state.mode = "masked"
+            masked = model(input_ids=x, use_cache=False).logits[0, p - 1:].float()
+            bar.update()
+            t = teacher.shape[0]
+            steps = np.arange(p - 1, p - 1 + t, dtype=np.int64)
+            nxt = torch.as_tensor(ids[p:p + t], dtype=torch.long)
+            lt, lm = torch.log_softmax(teacher, -1), torch.log_softmax(masked, -1)
+            kl = (lt.exp() * (lt - lm)).sum(-1)
+            rows_steps["request"].append(np.full(t, r, np.int32))
+            rows_steps["step"].append(steps)
+            rows_steps["kl"].append(kl.clamp(min=0).numpy())
+            rows_steps["top1_agree"].append((teacher.argmax(-1) == masked.argmax(-1)).numpy())
+            rows_steps["teacher_logprob"].append(lt.gather(-1, nxt[:, None])[:, 0].numpy())
+            # implementation check against the logits the run itself produced
+            ls = logits_tab["request"] == r
+            if ls.any():
+                idx = logits_tab["step"][ls] - (p - 1)
+                ok = (idx >= 0) & (idx < t)
+                idx = idx[ok]
+                m = masked[torch.as_tensor(idx)]
+                diffs = [
+                    np.abs(m.gather(-1, torch.as_tensor(logits_tab[c][ls][ok], dtype=torch.long)[:, None])[:, 0]
+                           .numpy() - logits_tab[v][ls][ok])
+                    for c, v in (("token_id", "token_logit"), ("top1_id", "top1_logit"))
+                ]
+                diffs.append(np.abs(torch.logsumexp(m, -1).numpy() - logits_tab["lse"][ls][ok]))
+                max_diff = max(max_diff, float(max(d.max() for d in diffs)))
+            for layer in range(layers):
+                dm = state.dropped[layer][:, :t].float().numpy()  # (Hq, T)
+                qh = np.repeat(np.arange(hq, dtype=np.int16), t)
+                rows_replay["request"].append(np.full(hq * t, r, np.int32))
+                rows_replay["step"].append(np.tile(steps, hq))
+                rows_replay["layer"].append(np.full(hq * t, layer, np.int16))
+                rows_replay["q_head"].append(qh)
+                rows_replay["kv_head"].append((qh // group).astype(np.int16))
+                rows_replay["dropped_mass"].append(dm.reshape(-1))
+            n_steps += t
+    bar.close()
+
+    for old in list_segments(run_dir).get("replay", []) + list_segments(run_dir).get("replay_steps", []):
+        old.unlink()
+    writer = SegmentWriter(run_dir, run_id=run.run_id, config=config, fsync=True)
+    cat = lambda rows: {k: np.concatenate(v) for k, v in rows.items()}  # noqa: E731
+    if rows_replay["step"]:
+        writer.append("replay", cat(rows_replay))
+        writer.append("replay_steps", cat(rows_steps))
+    writer.close()
+    seconds = time.perf_counter() - t0
+    ok = max_diff <= tolerance
+    steps_all = cat(rows_steps) if rows_steps["step"] else None
+    summary = ReplaySummary(
+        run_id=run.run_id, requests=len(requests), steps=n_steps, max_logit_diff=max_diff,
+        implementation_ok=ok,
+        mean_kl=float(steps_all["kl"].mean()) if steps_all is not None else 0.0,
+        top1_agreement=float(steps_all["top1_agree"].mean()) if steps_all is not None else 1.0,
+        mean_dropped_mass=float(np.concatenate(rows_replay["dropped_mass"]).mean())
+        if rows_replay["dropped_mass"] else 0.0,
+        seconds=seconds)
+    manifest = read_manifest(run_dir)
+    manifest["max_logit_diff"] = max_diff
+    manifest["replay"] = {"implementation_ok": ok, "tolerance": tolerance, "mean_kl": summary.mean_kl,
+                          "top1_agreement": summary.top1_agreement,
+                          "mean_dropped_mass": summary.mean_dropped_mass, "seconds": seconds}
+    write_manifest(run_dir, manifest)
+    return summary
