@@ -88,6 +88,122 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    return args.prompt if args.prompt is not None else DEFAULT_PROMPT
+
+
+def _chat(tok, prompt: str, raw: bool) -> str:
+    if not raw and getattr(tok, "chat_template", None):
+        return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True)
+    return prompt
+
+
+def _run_dir(run: str, root: str) -> str:
+    """A run given as a folder, or as a run id under ``root``."""
+    if os.path.isdir(run):
+        return run
+    path = os.path.join(root, run)
+    if os.path.isdir(path):
+        return path
+    from .errors import H2OLensError
+
+    raise H2OLensError(f"no run {run!r}: neither a folder nor a run id under {root!r}; "
+                       "list runs with `h2o-lens runs ROOT`")
+
+
+def _print_replay(summary) -> None:
+    verdict = "ok" if summary.implementation_ok else "IMPLEMENTATION ERROR (the masked replay does not reproduce the run)"
+    print(f"replay {summary.run_id}: {summary.requests} request(s), {summary.steps} steps in {summary.seconds:.1f} s | "
+          f"mean KL {summary.mean_kl:.4f} | top-1 agreement {summary.top1_agreement:.3f} | "
+          f"mean dropped mass {summary.mean_dropped_mass:.4f} | max |logit diff| {summary.max_logit_diff:.2e} ({verdict})")
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    import torch
+
+    from recorders.recorder import record, record_teacher_forced
+    from recorders.replay import replay
+
+    from .models import load_model
+
+    config = _config(args)
+    if args.teacher_force:
+        from recorders import read_manifest
+
+        src = _run_dir(args.teacher_force, args.out)
+        model_name = args.model or (read_manifest(src).get("model") or {}).get("name")
+        model, tok = load_model(model_name)
+        rec = record_teacher_forced(model, src, config, out=args.out, tokenizer=tok, name=args.name)
+        runs = [rec]
+    else:
+        model, tok = load_model(args.model)
+        prompt = _read_prompt(args)
+        evidence = dict(_parse_evidence(e) for e in args.evidence)
+        enc = tok(_chat(tok, prompt, args.raw), return_tensors="pt", add_special_tokens=args.raw)
+        gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        with torch.no_grad(), record(model, config, out=args.out, tokenizer=tok, evidence=evidence or None,
+                                     name=args.name, prompts=[prompt]) as rec:
+            out = model.generate(**enc, **gen)
+        print(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+        runs = [rec]
+        if args.with_full and config.policy != "full":
+            from .config import H2OConfig
+
+            with torch.no_grad(), record(model, H2OConfig(policy="full"), out=args.out, tokenizer=tok,
+                                         evidence=evidence or None, name=args.name, prompts=[prompt],
+                                         info={"source_run": rec.run_id}) as full:
+                model.generate(**enc, **gen)
+            runs.append(full)
+    for rec in runs:
+        print(f"recorded {rec.run_id} ({rec.config.describe()}): {rec.run_dir}", file=sys.stderr)
+        if args.replay:
+            _print_replay(replay(rec.run_dir, model=model))
+    return 0
+
+
+def _parse_evidence(text: str) -> tuple[str, str]:
+    label, sep, value = text.partition("=")
+    if not sep or not label or not value:
+        from .errors import ConfigError
+
+        raise ConfigError(f"--evidence expects LABEL=TEXT (a substring of the prompt), got {text!r}")
+    return label, value
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from recorders.replay import replay
+
+    summary = replay(_run_dir(args.run, args.root), tolerance=args.tolerance)
+    _print_replay(summary)
+    return 0 if summary.implementation_ok else 3
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from recorders import query
+
+    sql = """
+        SELECT r.run_id, r.status, r.policy, r.heavy, r.recent, r.gqa, r.prompt_len, r.new_tokens,
+               (SELECT count(*) FROM evictions e WHERE e.run_id = r.run_id) AS evictions,
+               (SELECT round(avg(kl), 4) FROM replay_steps s WHERE s.run_id = r.run_id) AS mean_kl,
+               (SELECT round(avg(top1_agree::INT), 3) FROM replay_steps s WHERE s.run_id = r.run_id) AS top1,
+               (SELECT round(avg(dropped_mass), 4) FROM replay d WHERE d.run_id = r.run_id) AS dropped,
+               r.max_logit_diff, r.model
+        FROM runs r ORDER BY r.created_at"""
+    print(query(args.root, sql, fmt=args.format, max_rows=args.max_rows))
+    return 0
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    from recorders import query
+
+    print(query(args.root, args.sql, fmt=args.format, max_rows=args.max_rows))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -112,6 +228,42 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _add_policy_args(g)
     g.set_defaults(func=cmd_generate)
+
+    r = sub.add_parser("record", help="generate with a policy and record every eviction")
+    r.add_argument("--prompt", default=None)
+    r.add_argument("--prompt-file", default=None)
+    r.add_argument("--model", default=None)
+    r.add_argument("--out", default="runs", help="runs root (default: ./runs)")
+    r.add_argument("--name", default=None, help="free-form run name")
+    r.add_argument("--evidence", action="append", default=[], metavar="LABEL=TEXT",
+                   help="an evidence span: a substring of the prompt (repeatable)")
+    r.add_argument("--max-new-tokens", type=int, default=64)
+    r.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    r.add_argument("--teacher-force", metavar="RUN", default=None,
+                   help="re-record RUN's exact tokens under this policy (paired comparison)")
+    r.add_argument("--with-full", action="store_true", help="also record the full-cache generation")
+    r.add_argument("--replay", action="store_true", help="replay against the full-cache teacher afterwards")
+    _add_policy_args(r)
+    r.set_defaults(func=cmd_record)
+
+    rp = sub.add_parser("replay", help="replay a run against a full-cache teacher")
+    rp.add_argument("run", help="run folder, or run id under --root")
+    rp.add_argument("--root", default="runs")
+    rp.add_argument("--tolerance", type=float, default=2e-3, help="largest accepted |logit diff| of the check")
+    rp.set_defaults(func=cmd_replay)
+
+    ru = sub.add_parser("runs", help="list the runs of a runs root with headline numbers")
+    ru.add_argument("root", nargs="?", default="runs")
+    ru.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    ru.add_argument("--max-rows", type=int, default=1000)
+    ru.set_defaults(func=cmd_runs)
+
+    q = sub.add_parser("sql", help="run a SELECT over the runs' DuckDB views")
+    q.add_argument("root")
+    q.add_argument("sql")
+    q.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    q.add_argument("--max-rows", type=int, default=1000)
+    q.set_defaults(func=cmd_sql)
 
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     b.add_argument("what", choices=["decode"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -25,7 +26,7 @@ from h2o_lens.runtime import H2OSession, h2o
 from .errors import RecorderError
 from .run import RunWriter
 
-__all__ = ["record", "Recording", "EvidenceSpec", "locate_evidence"]
+__all__ = ["record", "record_teacher_forced", "Recording", "EvidenceSpec", "locate_evidence"]
 
 #: evidence: {label: "substring" | (start, end)} for every request, or one such mapping per request
 EvidenceSpec = Mapping[str, "str | tuple[int, int]"] | Sequence[Mapping[str, "str | tuple[int, int]"]]
@@ -112,6 +113,7 @@ class Recording:
         self._request_base = 0  # requests recorded by earlier generate calls
         self._group = 1
         self._last_layer = 0
+        self._labels_override: Sequence[str | None] | None = None
         self.prompt_len = 0
         self.new_tokens = 0
         self.requests = 0
@@ -273,6 +275,47 @@ class Recording:
             out.logits = None
         return out if want_dict else out.sequences
 
+    def force(self, prompt_ids: Sequence[int], new_ids: Sequence[int],
+              evidence_labels: Sequence[str | None] | None = None) -> Any:
+        """Run one request on a given token sequence (teacher forcing) and record it.
+
+        The prompt is prefilled, then ``new_ids`` are fed one per step instead
+        of being generated; everything else (cache, events, tables) is as in
+        ``model.generate``. Returns an object with ``sequences`` and ``logits``.
+        """
+        from types import SimpleNamespace
+
+        from transformers import DynamicCache
+
+        model = self.model
+        prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)[None]
+        new = [int(t) for t in new_ids]
+        if self.config.policy == "full":
+            cache = DynamicCache(config=model.config)
+        else:
+            cache = self.session.new_cache()
+            self._last_layer = len(cache.layers) - 1
+        self._pending = _Pending()
+        logits = []
+        with torch.no_grad():
+            out = model(input_ids=prompt, cache=cache, use_cache=True)
+            logits.append(out.logits[:, -1].float())
+            for j, tok in enumerate(new[:-1]):
+                pos = torch.tensor([[prompt.shape[1] + j]])
+                out = model(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True, position_ids=pos)
+                logits.append(out.logits[:, -1].float())
+        self.flush()
+        result = SimpleNamespace(sequences=torch.cat([prompt, torch.tensor([new], dtype=torch.long)], 1),
+                                 logits=tuple(logits[:len(new)]))
+        self._labels_override = evidence_labels
+        try:
+            self._write_tokens(prompt, None, result)
+        finally:
+            self._labels_override = None
+        self._request_base += 1
+        self.generations += 1
+        return result
+
     def _write_tokens(self, input_ids: torch.Tensor, mask: torch.Tensor | None, out: Any) -> None:
         ids = input_ids.cpu()
         valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.cpu().bool()
@@ -288,7 +331,9 @@ class Recording:
             pieces = _token_pieces(tok, all_ids) if tok is not None else None
             labels: list[str | None] = [None] * len(all_ids)
             spans = self._evidence_for(r)
-            if spans:
+            if self._labels_override is not None:
+                labels[:n_prompt] = list(self._labels_override)[:n_prompt]
+            elif spans:
                 if pieces is None:
                     raise RecorderError("evidence needs the tokenizer: pass record(..., tokenizer=tok)")
                 prompt_text = self.prompts[self._request_base + r] if self.prompts else None
@@ -340,7 +385,8 @@ class Recording:
 def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: Any = None,
            evidence: EvidenceSpec | None = None, name: str | None = None, run_id: str | None = None,
            prompts: Sequence[str] | None = None, info: Mapping[str, Any] | None = None,
-           flush_every: int = 32, fsync: bool = True, **options: Any) -> Iterator[Recording]:
+           flush_every: int = 32, fsync: bool = True, rows_per_segment: int | None = None,
+           **options: Any) -> Iterator[Recording]:
     """Record every eviction of the ``model.generate`` calls inside the block.
 
     Parameters
@@ -354,6 +400,9 @@ def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: 
     name : free-form run name; run_id : folder name (default: generated)
     prompts : the user prompts (before any chat template), for character-range evidence
     info : extra manifest fields (``source_run``, ``task`` ...)
+    flush_every : decode steps buffered (on the device) between conversions to rows
+    fsync : make every segment durable before it becomes visible
+    rows_per_segment : rows of one table per closed Parquet segment
 
     On an exception inside the block the run is marked ``failed`` with the
     error, and the model is restored; the exception propagates.
@@ -363,8 +412,9 @@ def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: 
     config = policy if policy is not None else H2OConfig(**options)
     if policy is not None and options:
         raise RecorderError(f"give either a policy or keyword options, not both (got {sorted(options)})")
+    sizing = {"rows_per_segment": rows_per_segment} if rows_per_segment else {}
     writer = RunWriter(out, run_id, config=config.to_dict(), model=model_info(model), fsync=fsync,
-                       name=name, **dict(info or {}))
+                       name=name, **sizing, **dict(info or {}))
     rec = Recording(writer, config, tokenizer, evidence, prompts, flush_every, model)
     writer.start()
     try:
@@ -391,3 +441,33 @@ def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: 
             writer.close("failed", exc)
         raise
     writer.close("complete")
+
+
+def record_teacher_forced(model: Any, source_dir: str | os.PathLike, policy: H2OConfig, *, out: str,
+                          tokenizer: Any = None, name: str | None = None, run_id: str | None = None,
+                          fsync: bool = True) -> Recording:
+    """Re-record the exact token sequence of a recorded run under another setting.
+
+    Every request of ``source_dir`` is prefilled with its prompt and fed its
+    generated tokens one per step, so that two policies (or ``gqa`` sum and
+    max, or two budgets) are compared on the same text. The new run carries
+    ``source_run`` = the source run id and copies its evidence labels.
+    """
+    from .store import load_run
+
+    src = load_run(source_dir, tables=("tokens",))
+    tok = src["tokens"].to_pydict()
+    req = np.asarray(tok["request"])
+    if not len(req):
+        raise RecorderError(f"{source_dir}: the source run has no tokens to replay")
+    info = {"source_run": src.run_id, "teacher_forced": True}
+    with record(model, policy, out=out, tokenizer=tokenizer, name=name, run_id=run_id, info=info,
+                fsync=fsync) as rec:
+        for r in sorted(set(req.tolist())):
+            sel = np.flatnonzero(req == r)
+            order = sel[np.argsort(np.asarray(tok["position"])[sel])]
+            ids = np.asarray(tok["token_id"])[order]
+            prompt = np.asarray(tok["is_prompt"])[order]
+            labels = [tok["evidence"][i] for i in order[prompt]]
+            rec.force(ids[prompt].tolist(), ids[~prompt].tolist(), evidence_labels=labels)
+    return rec

@@ -164,11 +164,10 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = 
     gqa_none = config.get("gqa") == "none"
     sets = hq if gqa_none else hkv
     tokens = run["tokens"].to_pydict()
-    ev = {k: np.asarray(v) for k, v in run["evictions"].select(
-        ["request", "step", "layer", "kv_head", "q_head", "position"]).to_pydict().items()
-        if k != "q_head"}
+    ev = {k: np.asarray(run["evictions"][k].to_pylist(), dtype=np.int64)
+          for k in ("request", "step", "layer", "kv_head", "position")}
     if gqa_none:
-        ev["q_head"] = np.asarray(run["evictions"]["q_head"].fill_null(-1))
+        ev["q_head"] = np.asarray(run["evictions"]["q_head"].fill_null(-1).to_pylist(), dtype=np.int64)
     logits_tab = {k: np.asarray(v) for k, v in run["run_logits"].to_pydict().items() if k != "run_id"}
     tok_req = np.asarray(tokens["request"])
     requests = sorted(set(tok_req.tolist()))

@@ -1,0 +1,89 @@
+"""Oracle agreement: did the online scores evict what the future did not need? (seed §6.1)
+
+H2O ranks positions by online cumulative scores, renormalised over the kept
+set; an oracle would rank them by the attention they receive in the future.
+Log schema v1 holds the teacher's attention only as the dropped mass per
+step, not per position, so this analysis needs two nullable columns of
+``evictions`` written by the teacher replay:
+
+``teacher_future_mass`` (FLOAT)
+    Σ over steps ``u > step`` of the full-cache teacher weight on the
+    victim's position, aggregated over the KV set's query heads like the
+    run's ``gqa`` (sum or max; the row's own query head for ``gqa='none'``),
+    teacher-forced on the run's tokens: the attention the victim would still
+    have received.
+``teacher_score`` (FLOAT)
+    The same aggregation over steps ``position <= u <= step``: the oracle
+    counterpart of ``score`` (what an H2O scored on full attention would hold).
+
+Definitions, per KV set:
+
+* ``agreement``: share of evictions whose victim gets at most ``eps`` of
+  future teacher attention in total (the oracle agrees it was dispensable);
+* ``regret``: Σ ``teacher_future_mass`` over evictions;
+* ``rank_corr_score``: Spearman correlation of ``score`` and ``teacher_score``
+  over the set's evictions (how far renormalisation bent the online ranking);
+* ``rank_corr_future``: Spearman correlation of ``score`` and
+  ``teacher_future_mass`` (do low online scores predict little future use).
+"""
+from __future__ import annotations
+
+import duckdb
+
+from ._base import Source, check_positive, columns, connect, relation, require_columns
+
+__all__ = ["ORACLE_COLUMNS", "oracle_available", "oracle_agreement"]
+
+ORACLE_COLUMNS = ("teacher_future_mass", "teacher_score")
+
+
+def _avg_rank(col: str) -> str:
+    """Average rank of ``col`` within a KV set (ties share the mean of their ranks, as Spearman's)."""
+    part = "PARTITION BY layer, kv_head, q_head"
+    return (f"(rank() OVER ({part} ORDER BY {col}) "
+            f"+ (count(*) OVER ({part}, {col}) - 1) / 2.0)")
+
+
+def oracle_available(source: Source) -> bool:
+    """Whether the logs hold ``evictions.teacher_future_mass``."""
+    return "teacher_future_mass" in columns(connect(source), "evictions")
+
+
+def oracle_agreement(source: Source, run_id: str, *, eps: float = 0.05) -> duckdb.DuckDBPyRelation:
+    """Agreement of the online evictions with the teacher's future attention, per KV set.
+
+    Raises
+    ------
+    MissingColumnError
+        The logs lack ``evictions.teacher_future_mass``.
+
+    Returns
+    -------
+    relation
+        ``layer, kv_head, q_head, evictions, agreement, regret, worst_future_mass,
+        worst_step, worst_position, rank_corr_future, rank_corr_score``
+        (``rank_corr_score`` null without ``teacher_score``).
+    """
+    con = connect(source)
+    check_positive("eps", eps)
+    require_columns(con, "evictions", ("teacher_future_mass",), "oracle agreement")
+    teacher_score = "teacher_score" if "teacher_score" in columns(con, "evictions") else "NULL::FLOAT"
+    sql = f"""
+        WITH e AS (
+            SELECT layer, kv_head, q_head, step, position, score, teacher_future_mass AS future,
+                   {teacher_score} AS teacher_score
+            FROM evictions WHERE run_id = $run AND teacher_future_mass IS NOT NULL
+        ), r AS (
+            SELECT *, {_avg_rank("score")} AS r_score, {_avg_rank("future")} AS r_future,
+                   {_avg_rank("teacher_score")} AS r_teacher
+            FROM e
+        )
+        SELECT layer, kv_head, q_head, count(*) AS evictions,
+               avg((future <= $eps)::INT) AS agreement, sum(future) AS regret,
+               max(future) AS worst_future_mass, arg_max(step, future) AS worst_step,
+               arg_max(position, future) AS worst_position,
+               corr(r_score, r_future) AS rank_corr_future,
+               corr(r_score, r_teacher) FILTER (WHERE teacher_score IS NOT NULL) AS rank_corr_score
+        FROM r GROUP BY ALL ORDER BY layer, kv_head, q_head
+    """
+    return relation(con, sql, run=run_id, eps=float(eps))

@@ -1,0 +1,85 @@
+"""End-to-end checks on the real packaged model (SmolLM2-135M-Instruct, 30 layers, GQA 9/3)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_utils import KeptRecorder, assert_same_sets, capture_qk, reference_sets
+
+import h2o_lens
+from h2o_lens import H2OConfig
+
+pytestmark = pytest.mark.model
+
+PROMPT = ("Notes: the orange cable goes to port 7. The backup server is called Heron. "
+          "The access code for the lab is 4419. Maria moved to the Lisbon office in May. "
+          "Question: what is the access code for the lab?")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    model, tok = h2o_lens.load_model(progress=False)
+    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
+                                   add_generation_prompt=True)
+    enc = tok(text, return_tensors="pt", add_special_tokens=False)
+    return model, tok, enc
+
+
+def _gen(model, enc, tok, new=16, **kw):
+    with torch.no_grad():
+        return model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id,
+                              output_logits=True, return_dict_in_generate=True, **kw)
+
+
+@pytest.mark.parametrize("gqa", ["sum", "max"])
+def test_real_model_runtime_equals_reference(smol, gqa):
+    model, tok, enc = smol
+    p = enc["input_ids"].shape[1]
+    rec = KeptRecorder()
+    with h2o_lens.h2o(model, H2OConfig(heavy=12, recent=12, gqa=gqa), listener=rec), capture_qk() as qk:
+        _gen(model, enc, tok, new=12)
+    assert p > 24
+    for layer in range(model.config.num_hidden_layers):
+        runtime = [step[0] for step in rec.kept[layer]]
+        assert_same_sets(runtime, reference_sets(qk[layer], 0, p, 12, 12, gqa), f"layer {layer}")
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_real_model_budget_covering_sequence_equals_full_cache(smol, attn):
+    model, tok, enc = smol
+    model.set_attn_implementation(attn)
+    try:
+        ref = _gen(model, enc, tok)
+        with h2o_lens.h2o(model, heavy=128, recent=128):
+            got = _gen(model, enc, tok)
+        assert model.config._attn_implementation == attn
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(ref.sequences, got.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(ref.logits, got.logits)) < 1e-4
+
+
+def test_real_model_record_replay_and_evidence(smol, tmp_path):
+    from recorders import open_runs
+    from recorders.replay import replay
+
+    model, tok, enc = smol
+    with h2o_lens.record(model, H2OConfig(heavy=16, recent=16), out=tmp_path, tokenizer=tok,
+                         evidence={"code": "4419", "city": "Lisbon"}, fsync=False) as run:
+        _gen(model, enc, tok, new=12)
+    summary = replay(tmp_path / run.run_id, model=model, progress=False)
+    assert summary.implementation_ok, summary
+    con = open_runs(tmp_path)
+    labelled = dict(con.sql("SELECT evidence, string_agg(text, '' ORDER BY position) FROM tokens "
+                            "WHERE evidence IS NOT NULL GROUP BY evidence").fetchall())
+    assert labelled["code"].strip() == "4419" and labelled["city"].strip() == "Lisbon"
+    assert con.sql("SELECT count(*) FROM replay WHERE dropped_mass > 0").fetchall()[0][0] > 0
+
+
+def test_cli_generate_prints_text_and_bytes(capsys):
+    from h2o_lens.cli import main
+
+    assert main(["generate", "--prompt", "Name a colour.", "--heavy", "8", "--recent", "8",
+                 "--max-new-tokens", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip()
+    assert "physical KV" in err and "of full" in err
