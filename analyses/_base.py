@@ -21,7 +21,7 @@ from recorders import open_runs
 
 from .errors import MissingColumnError, ParameterError, UnknownRunError
 
-__all__ = ["Source", "connect", "relation", "run_info", "columns", "has_rows", "sql_literal",
+__all__ = ["Source", "connect", "relation", "first_row", "run_info", "columns", "has_rows", "sql_literal",
            "check_int", "check_fraction", "check_positive"]
 
 #: A DuckDB connection with the views of a runs root, or the runs root itself.
@@ -59,12 +59,18 @@ def relation(con: duckdb.DuckDBPyConnection, sql: str, **params: Any) -> duckdb.
     return con.sql(text, params=values or None)
 
 
+def first_row(rel: duckdb.DuckDBPyRelation) -> tuple | None:
+    """The first row of a relation, or None when it is empty."""
+    rows = rel.limit(1).fetchall()
+    return rows[0] if rows else None
+
+
 def run_info(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
     """The ``runs`` row of ``run_id`` as a dict, or :class:`UnknownRunError`."""
     if not isinstance(run_id, str):
         raise ParameterError(f"run_id must be a string, got {run_id!r}")
     rel = relation(con, "SELECT * FROM runs WHERE run_id = $run", run=run_id)
-    row = rel.fetchone()
+    row = first_row(rel)
     if row is None:
         known = [r[0] for r in con.sql("SELECT run_id FROM runs ORDER BY run_id LIMIT 20").fetchall()]
         raise UnknownRunError(f"run {run_id!r} is not in the runs view; known runs: "
@@ -94,8 +100,8 @@ def has_rows(con: duckdb.DuckDBPyConnection, view: str, run_id: str) -> bool:
     """Whether ``view`` holds at least one row of ``run_id``."""
     if view not in ("tokens", "evictions", "steps", "replay", "replay_steps"):
         raise ParameterError(f"unknown data view {view!r}")
-    return relation(con, f"SELECT 1 FROM {view} WHERE run_id = $run LIMIT 1",
-                    run=run_id).fetchone() is not None
+    return bool(relation(con, f"SELECT 1 FROM {view} WHERE run_id = $run LIMIT 1",
+                         run=run_id).fetchall())
 
 
 def sql_literal(value: Any) -> str:

@@ -1,8 +1,8 @@
 """Why did a request fail? One verdict per failed request (DESIGN.md §6, seed §5.2).
 
 A request *fails* when the answer checker says so (the ``failed`` argument,
-else the manifest's ``answer_correct``: a bool for the whole run or a list
-with one entry per request), when its teacher-forced top-1 agreement is below
+else ``requests.correct``, else the manifest's ``answer_correct``: a bool for
+the whole run or a list with one entry per request), when its teacher-forced top-1 agreement is below
 ``min_top1_agreement``, or when a step's KL reaches ``kl_fail``. Its
 *decision step* ``d`` is the first diverging step (top-1 disagreement or
 KL >= ``kl_high``), else its last replayed step.
@@ -38,7 +38,7 @@ import pandas as pd
 from recorders import read_manifest
 from recorders.errors import RecorderError
 
-from ._base import Source, connect, relation, run_info, sql_literal
+from ._base import Source, columns, connect, first_row, relation, run_info, sql_literal
 from .divergence import divergence_summary
 from .evidence import evidence_evictions, evidence_held
 from .thresholds import Thresholds
@@ -93,8 +93,14 @@ class Attribution:
                 "evicted_evidence": [dict(e) for e in self.evicted_evidence], "sql": self.sql}
 
 
-def _checker(info: dict[str, Any], failed: FailedArg, requests: list[int]) -> dict[int, bool]:
-    """Answer-checker failure per request: the ``failed`` argument, else the manifest."""
+def _checker(con: duckdb.DuckDBPyConnection, info: dict[str, Any], failed: FailedArg,
+             requests: list[int]) -> dict[int, bool]:
+    """Answer-checker failure per request: ``failed``, else ``requests.correct``, else the manifest."""
+    if failed is None and "correct" in columns(con, "requests"):
+        rows = relation(con, "SELECT request, correct FROM requests WHERE run_id = $run "
+                             "AND correct IS NOT NULL", run=info["run_id"]).fetchall()
+        if rows:
+            return {int(r): not bool(c) for r, c in rows}
     if failed is None:
         path = info.get("path")
         try:
@@ -136,12 +142,13 @@ def failed_requests(source: Source, run_id: str, *, failed: FailedArg = None,
     con = connect(source)
     th = Thresholds.from_mapping(thresholds)
     info = run_info(con, run_id)
-    summary = divergence_summary(con, run_id, kl_high=th.kl_high).df().set_index("request")
-    requests = sorted(set(_requests(con, run_id)) | set(summary.index))
-    checker = _checker(info, failed, requests)
+    summary = {int(r["request"]): r for r in divergence_summary(con, run_id, kl_high=th.kl_high)
+               .df().to_dict("records")}
+    requests = sorted(set(_requests(con, run_id)) | set(summary))
+    checker = _checker(con, info, failed, requests)
     rows = []
     for r in requests:
-        row = summary.loc[r].to_dict() if r in summary.index else {}
+        row = {k: _plain(v) for k, v in summary.get(r, {}).items() if k != "request"}
         reasons = []
         if checker.get(r):
             reasons.append("answer_checker")
@@ -179,14 +186,15 @@ def _dropped_at(con: duckdb.DuckDBPyConnection, run_id: str, request: int, step:
         FROM replay WHERE run_id = $run AND request = $request
           AND step BETWEEN $step - $lookback AND $step
     """
-    row = relation(con, sql, run=run_id, request=request, step=step, lookback=lookback).fetchone()
+    row = first_row(relation(con, sql, run=run_id, request=request, step=step, lookback=lookback))
     if row is None or row[0] is None:
         return None, None
     return float(row[0]), dict(zip(("dropped_mass", "step", "layer", "q_head", "kv_head"), row[1:]))
 
 
 def _plain(v: Any) -> Any:
-    if v is None or (isinstance(v, float) and v != v):
+    """A Python scalar from a pandas/numpy cell; NA and NaN become None."""
+    if v is None or v is pd.NA or (isinstance(v, float) and v != v):
         return None
     if hasattr(v, "item"):
         v = v.item()
@@ -220,32 +228,37 @@ def _evidence_facts(ev: pd.DataFrame, held: pd.DataFrame, th: Thresholds) -> tup
 
 def _verdict(info: dict[str, Any], evicted: bool, lag: bool, has_evidence: bool,
              dm: float | None, kl_d: float | None, th: Thresholds) -> tuple[str, str]:
+    """The verdict and one sentence saying why (rules in the module docstring)."""
     diff = info.get("max_logit_diff")
     high_dm = dm is not None and dm >= th.dropped_mass_high
+    dm_text = f"dropped mass {dm:.3g} {'>=' if high_dm else '<'} {th.dropped_mass_high:g}" \
+        if dm is not None else "no teacher replay"
     if diff is not None and diff > th.logit_tolerance:
-        return "implementation_error", (f"the replay differs from the run's logits by {diff:.3g} "
-                                        f"> {th.logit_tolerance:g}")
+        return "implementation_error", (f"the masked replay differs from the run's logits by "
+                                        f"{diff:.3g} > {th.logit_tolerance:g}")
     if lag:
-        return "scoring_lag", "evidence was evicted right after leaving the recent window, unscored"
+        return "scoring_lag", ("the evidence was evicted right after leaving the recent window with a "
+                               f"low score, before anything attended to it ({dm_text})")
     if evicted and high_dm:
-        return "budget", f"evidence was evicted and the dropped mass is high ({dm:.3f})"
+        return "budget", f"the evidence was evicted and the teacher needed evicted positions ({dm_text})"
     if not has_evidence and high_dm:
-        return "budget", f"the dropped mass is high ({dm:.3f}); no evidence is labelled"
+        return "budget", f"no evidence is labelled; the teacher needed evicted positions ({dm_text})"
     if dm is not None and not high_dm and kl_d is not None and kl_d >= th.kl_high:
-        return "not_the_cache", (f"low dropped mass ({dm:.3f}) but high KL ({kl_d:.3f}): value "
+        return "not_the_cache", (f"low dropped mass but high KL ({kl_d:.3g} >= {th.kl_high:g}): value "
                                  "direction, positions or an earlier divergence")
-    if has_evidence and not evicted:
-        return "not_the_cache", "the evidence was still in the cache"
-    return "not_the_cache", "no cache fact explains the failure" + (
-        f" (dropped mass {dm:.3f})" if dm is not None else " (no teacher replay)")
+    if evicted:
+        return "not_the_cache", ("evidence was evicted, but the teacher put little attention on "
+                                 f"evicted positions ({dm_text})")
+    if has_evidence:
+        return "not_the_cache", f"the evidence was still in the cache ({dm_text})"
+    return "not_the_cache", f"no cache fact explains the failure ({dm_text})"
 
 
 def _attribute_one(con: duckdb.DuckDBPyConnection, info: dict[str, Any], row: dict[str, Any],
                    th: Thresholds) -> Attribution:
     run_id, request = info["run_id"], int(row["request"])
     d = _plain(row.get("first_divergence_step"))
-    if d is None:
-        d = _last_step(con, run_id, request)
+    d = _last_step(con, run_id, request) if d is None else int(d)
     ev = evidence_evictions(con, run_id, request=request, before_step=d, lag_steps=th.lag_steps,
                             low_score_ratio=th.low_score_ratio).df()
     held = evidence_held(con, run_id, at_step=d).df() if d is not None else pd.DataFrame()
@@ -275,8 +288,8 @@ def _attribute_one(con: duckdb.DuckDBPyConnection, info: dict[str, Any], row: di
 
 
 def _last_step(con: duckdb.DuckDBPyConnection, run_id: str, request: int) -> int | None:
-    row = relation(con, "SELECT max(step) FROM replay_steps WHERE run_id = $run AND request = $r",
-                   run=run_id, r=request).fetchone()
+    row = first_row(relation(con, "SELECT max(step) FROM replay_steps WHERE run_id = $run "
+                                  "AND request = $r", run=run_id, r=request))
     return None if row is None or row[0] is None else int(row[0])
 
 

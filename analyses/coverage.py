@@ -22,7 +22,7 @@ __all__ = ["dropped_mass", "coverage_stats", "head_coverage", "coverage_by_span"
            "dropped_mass_series", "dropped_mass_by_layer"]
 
 _REPLAY = """
-    SELECT request, step, layer, q_head, kv_head, dropped_mass, 1.0 - dropped_mass AS coverage
+    SELECT request, step, layer, q_head, kv_head, dropped_mass, 1.0::DOUBLE - dropped_mass AS coverage
     FROM replay
     WHERE run_id = $run AND ($request IS NULL OR request = $request)
 """
@@ -78,7 +78,7 @@ _SPANS = """
         SELECT request, position, 'evidence:' || evidence FROM tok WHERE evidence IS NOT NULL
     )
     SELECT lab.span, r.request, r.step, r.layer, r.q_head, r.kv_head, r.dropped_mass,
-           1.0 - r.dropped_mass AS coverage
+           1.0::DOUBLE - r.dropped_mass AS coverage
     FROM replay r JOIN lab ON r.request = lab.request AND r.step = lab.position
     WHERE r.run_id = $run
 """

@@ -137,7 +137,7 @@ def margin_sensitivity(source: Source, run_id: str, *, threshold: float = 1e-3, 
     -------
     relation
         ``layer, kv_head, q_head, evictions, near_zero, near_zero_share,
-        margin_p5, margin_median``.
+        margin_median``.
     """
     check_positive("threshold", threshold)
     if phase not in (None, "prefill", "decode"):
@@ -151,8 +151,7 @@ def margin_sensitivity(source: Source, run_id: str, *, threshold: float = 1e-3, 
             WHERE run_id = $run AND NOT isnan(margin) AND ($phase IS NULL OR phase = $phase)
         )
         SELECT layer, kv_head, q_head, count(*) AS evictions, count(*) FILTER (WHERE near) AS near_zero,
-               near_zero / count(*) AS near_zero_share, quantile_cont(margin, 0.05) AS margin_p5,
-               median(margin) AS margin_median
+               near_zero / count(*) AS near_zero_share, median(margin) AS margin_median
         FROM e GROUP BY ALL ORDER BY layer, kv_head, q_head
     """
     return relation(connect(source), sql, run=run_id, threshold=float(threshold),

@@ -138,15 +138,16 @@ def gqa_overlap(source: Source, sum_run: str, max_run: str, none_run: str | None
     -------
     relation
         :func:`kept_overlap` columns (``size_a`` = sum run, ``size_b`` = max
-        run), plus ``union_size, recall_sum, recall_max`` when ``none_run`` is given.
+        run), plus ``qhead_union_size, recall_sum, recall_max`` (see
+        :func:`union_bound`) when ``none_run`` is given.
     """
     con = connect(source)
     base = kept_overlap(con, sum_run, max_run)
     if none_run is None:
         return base
     keys = ["request", "step", "layer", "kv_head"]
-    s = union_bound(con, sum_run, none_run).select("request, step, layer, kv_head, union_size, "
-                                                  "recall AS recall_sum")
+    s = union_bound(con, sum_run, none_run).select(
+        "request, step, layer, kv_head, union_size AS qhead_union_size, recall AS recall_sum")
     m = union_bound(con, max_run, none_run).select("request, step, layer, kv_head, recall AS recall_max")
     return base.join(s, keys, how="left").join(m, keys, how="left").order(
         "request, layer, kv_head, step")

@@ -22,7 +22,8 @@ hitter when no token was promoted in ``(u, t]`` (so every heavy slot at
 ``t`` was already one at ``u``) and ``m(t) - m(u) <= max_rate * (t - u)``:
 the slot with the lowest score at ``t`` gained at most ``m(t) - m(u)``.
 
-Both are lower bounds on staleness from the run's own online scores; the
+Both relations are unordered (they can hold millions of rows): aggregate
+or order them where they are used. Both are lower bounds on staleness from the run's own online scores; the
 teacher's attention per position would sharpen them (see :mod:`.oracle`).
 """
 from __future__ import annotations
@@ -81,16 +82,20 @@ def stale_victims(source: Source, run_id: str, *, window: int | None = None,
             FROM evictions e CROSS JOIN run LEFT JOIN plen p ON p.request = e.request
             WHERE e.run_id = $run AND NOT e.left_recent
               AND e.step > coalesce(p.prompt_len, run.prompt_len) - 1
+        ), keys AS (
+            SELECT DISTINCT request, layer, kv_head, qh, ref_target FROM v
+        ), ref AS (  -- one ASOF lookup per (KV set, step), not per eviction
+            SELECT k.*, st.step AS ref_step, st.m AS ref_threshold
+            FROM keys k ASOF LEFT JOIN st
+              ON k.request = st.request AND k.layer = st.layer AND k.kv_head = st.kv_head
+             AND k.qh = st.qh AND k.ref_target >= st.step
         )
         SELECT v.request, v.step, v.layer, v.kv_head, v.q_head, v.position, v.score, v.margin, v.age,
-               v.entry_step, v.step - v.entry_step AS residency, st.step AS ref_step,
-               st.m AS ref_threshold, v.score - st.m AS gain_bound, v.step - st.step AS span,
-               coalesce(st.step >= v.entry_step AND v.score - st.m <= $rate * (v.step - st.step),
-                        false) AS stale
-        FROM v ASOF LEFT JOIN st
-          ON v.request = st.request AND v.layer = st.layer AND v.kv_head = st.kv_head
-         AND v.qh = st.qh AND v.ref_target >= st.step
-        ORDER BY v.request, v.layer, v.kv_head, v.q_head, v.step
+               v.entry_step, v.step - v.entry_step AS residency, r.ref_step, r.ref_threshold,
+               v.score - r.ref_threshold AS gain_bound, v.step - r.ref_step AS span,
+               coalesce(r.ref_step >= v.entry_step
+                        AND v.score - r.ref_threshold <= $rate * (v.step - r.ref_step), false) AS stale
+        FROM v LEFT JOIN ref r USING (request, layer, kv_head, qh, ref_target)
     """
     return relation(con, sql, run=run_id, w=w, rate=float(max_rate))
 
@@ -119,6 +124,5 @@ def stale_holders(source: Source, run_id: str, *, window: int | None = None,
         FROM st a ASOF JOIN st b
           ON a.request = b.request AND a.layer = b.layer AND a.kv_head = b.kv_head AND a.qh = b.qh
          AND a.step - $w >= b.step
-        ORDER BY a.request, a.layer, a.kv_head, a.qh, a.step
     """
     return relation(con, sql, run=run_id, w=w, rate=float(max_rate))

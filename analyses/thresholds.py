@@ -51,7 +51,7 @@ class Thresholds:
     min_top1_agreement: float = 0.9
     kl_high: float = 0.5
     kl_fail: float | None = 1.0
-    logit_tolerance: float = 1e-3
+    logit_tolerance: float = 2e-3
     dropped_mass_high: float = 0.1
     dropped_mass_lookback: int = 4
     evidence_lost_share: float = 0.25

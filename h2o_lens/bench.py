@@ -109,3 +109,64 @@ def bench_decode(model_name: str | None = None, contexts=(512, 2048, 4096), keep
     ts, th = statistics.median(t_sdpa), statistics.median(t_h2o)
     print(f"prefill {n} tokens: SDPA {ts * 1e3:.0f} ms, H2O with scores {th * 1e3:.0f} ms, ratio {th / ts:.3f}")
     return 0
+
+
+def bench_record(model_name: str | None = None, prompt_tokens: int = 512, new_tokens: int = 128,
+                 keep: float = 0.2, rounds: int = 3, model=None) -> int:
+    """Recorder overhead, replay cost and log size on one model, side by side.
+
+    Prints: decode with recorder ÷ decode without (same cache, same tokens),
+    replay time ÷ generation time, and Parquet bytes per eviction row.
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from recorders.recorder import record
+    from recorders.replay import replay
+
+    from .config import H2OConfig
+    from .models import load_model
+    from .runtime import h2o
+
+    if model is None:
+        model, _ = load_model(model_name)
+    text = model.config.get_text_config(decoder=True)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, text.vocab_size, (1, prompt_tokens), generator=gen)
+    budget = max(2, int(round(keep * prompt_tokens)))
+    cfg = H2OConfig(heavy=budget // 2, recent=budget - budget // 2)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    root = Path(tempfile.mkdtemp(prefix="h2o-lens-bench-"))
+    t_plain, t_rec, t_close, runs = [], [], [], []
+    print(f"{type(model).__name__}: prompt {prompt_tokens} tokens, {new_tokens} new, B={budget} "
+          f"({cfg.describe()}), {rounds} rounds alternating")
+    with torch.no_grad():
+        with h2o(model, cfg):
+            model.generate(ids, **dict(kw, max_new_tokens=4, min_new_tokens=4))  # warm-up
+        for _ in range(rounds):
+            with h2o(model, cfg):
+                t0 = time.perf_counter()
+                model.generate(ids, **kw)
+                t_plain.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with record(model, cfg, out=root) as run:
+                t1 = time.perf_counter()
+                model.generate(ids, **kw)
+                t2 = time.perf_counter()
+            t_rec.append(t2 - t1)
+            t_close.append(time.perf_counter() - t2)
+            runs.append(run)
+    plain, rec = statistics.median(t_plain), statistics.median(t_rec)
+    replay_times = [replay(r.run_dir, model=model, progress=False).seconds for r in runs[:2]]
+    rep = statistics.median(replay_times)
+    files = list(Path(runs[-1].run_dir).glob("evictions-*.parquet"))
+    import pyarrow.parquet as pq
+
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    size = sum(os.path.getsize(f) for f in files)
+    print(f"generate without recorder {plain:.2f} s, with recorder {rec:.2f} s: ratio {rec / plain:.3f} "
+          f"(+ {statistics.median(t_close) * 1e3:.0f} ms to close the run: flush, fsync, manifest)")
+    print(f"replay {rep:.2f} s / generation {plain:.2f} s: ratio {rep / plain:.3f}")
+    print(f"evictions: {rows} rows, {size} bytes: {size / max(rows, 1):.2f} bytes per row")
+    return 0

@@ -210,6 +210,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "decode":
         return bench.bench_decode(model_name=args.model, contexts=args.contexts, keep=args.keep,
                                   steps=args.steps, rounds=args.rounds)
+    if args.what == "record":
+        return bench.bench_record(model_name=args.model, keep=args.keep, rounds=args.rounds)
+    if args.what == "kernels":
+        from .kernels.bench import bench_kernels
+
+        bench_kernels()
+        return 0
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
@@ -266,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_sql)
 
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    b.add_argument("what", choices=["decode"])
+    b.add_argument("what", choices=["decode", "record", "kernels"])
     b.add_argument("--model", default=None)
     b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
     b.add_argument("--keep", type=float, default=0.2, help="B as a share of the context")

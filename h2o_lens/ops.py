@@ -162,7 +162,7 @@ class DecodeResult:
 
     ``out (b, Hq, d)``; ``slot (b, Hs)`` the slot written (``B`` = the new token
     itself was evicted and nothing written); ``evicts (b, Hs)`` whether a
-    position left the cache; the ``cand_*`` tensors describe the candidate set
+    position left the cache; ``cand_scores``/``cand_positions`` describe the candidate set
     D = slots + new token ``(b, Hs, B + 1)`` after the score update, for the
     recorder.
     """
@@ -172,7 +172,6 @@ class DecodeResult:
     evicts: torch.Tensor
     cand_scores: torch.Tensor | None = None
     cand_positions: torch.Tensor | None = None
-    cand_eligible: torch.Tensor | None = None
 
 
 def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -247,8 +246,7 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if c_scores is None:
             c_scores = torch.cat([scores, new_score], -1)
             c_pos = torch.cat([positions, new_pos], -1)
-            c_elig = torch.cat([c_elig, torch.zeros_like(new_pos, dtype=torch.bool)], -1)
-        cands = dict(cand_scores=c_scores, cand_positions=c_pos, cand_eligible=c_elig)
+        cands = dict(cand_scores=c_scores, cand_positions=c_pos)
     found = c_elig.any(-1)
     evicts = found if evicts is None else evicts & found
 

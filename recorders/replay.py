@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from h2o_lens.kernels import replay_dropped_mass_torch
+from transformers import DynamicCache
 
 from .errors import RecorderError
 from .manifest import read_manifest, write_manifest
@@ -62,7 +63,6 @@ class _State:
     def __init__(self):
         self.mode = "teacher"
         self.evict: dict[int, torch.Tensor] = {}  # layer -> (1, Hs, N) eviction step per position
-        self.start = 0  # first query row whose dropped mass is kept
         self.sets_per_kv = 1  # 1, or G for gqa='none' (one set per query head)
         self.dropped: dict[int, torch.Tensor] = {}  # layer -> (Hq, N - start)
         self.chunk = 512
@@ -70,32 +70,37 @@ class _State:
 
 def _attention(state: _State, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                **kwargs):
-    """Full (teacher) or kept-set (masked) attention over the whole sequence."""
-    b, hq, n, d = query.shape
-    hkv = key.shape[1]
+    """Attention of the replay forwards; queries are the last rows of the keys.
+
+    ``prompt``: full causal attention over the prompt (shared by teacher and
+    masked run). ``teacher``: full attention of the generated rows, plus their
+    dropped mass. ``masked``: the generated rows see only what the run kept.
+    """
+    b, hq, m, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
     group = hq // hkv
     scaling = scaling if scaling is not None else d ** -0.5
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if state.mode == "prompt":
+        out = sdpa(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
+        return out.transpose(1, 2), None
     layer = module.layer_idx
     ev = state.evict[layer]  # (1, Hs, N)
+    rows = torch.arange(n - m, n, device=query.device)[:, None]  # positions of the query rows
+    cols = torch.arange(n, device=query.device)[None, :]
     if state.mode == "teacher":
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
+        out = sdpa(query, key, value, attn_mask=cols <= rows, scale=scaling, enable_gqa=group > 1)
         k_sets = key.repeat_interleave(state.sets_per_kv, dim=1) if state.sets_per_kv > 1 else key
-        state.dropped[layer] = replay_dropped_mass_torch(query, k_sets, ev, scaling, chunk=state.chunk,
-                                                         start=state.start)[0]
-    else:
-        # expand the per-set eviction steps to every query head: (1, Hq, 1, N)
-        per_q = ev.repeat_interleave(hq // ev.shape[1], dim=1)[:, :, None, :]
-        out = torch.empty_like(query)
-        cols = torch.arange(n, device=query.device)
-        kk = key.repeat_interleave(group, dim=1) if group > 1 else key
-        vv = value.repeat_interleave(group, dim=1) if group > 1 else value
-        for s in range(0, n, state.chunk):
-            e = min(n, s + state.chunk)
-            rows = torch.arange(s, e, device=query.device)[:, None]
-            visible = (cols[None, :] <= rows) & (per_q >= rows)  # (1, Hq, c, N)
-            out[:, :, s:e] = torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, s:e], kk, vv, attn_mask=visible, scale=scaling)
+        state.dropped[layer] = replay_dropped_mass_torch(query, k_sets, ev, scaling, chunk=state.chunk)[0]
+        return out.transpose(1, 2), None
+    per_q = ev.repeat_interleave(hq // ev.shape[1], dim=1)[:, :, None, :]  # (1, Hq, 1, N)
+    out = torch.empty_like(query)
+    for s in range(0, m, state.chunk):
+        e = min(m, s + state.chunk)
+        r = rows[s:e]
+        visible = (cols <= r) & (per_q >= r)  # (1, Hq, c, N): kept at the step of each row
+        out[:, :, s:e] = sdpa(query[:, :, s:e], key, value, attn_mask=visible, scale=scaling,
+                              enable_gqa=group > 1)
     return out.transpose(1, 2), None
 
 
@@ -195,13 +200,21 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = 
             if n < p:
                 continue
             state.evict = _evict_steps(ev, r, layers, sets, n, gqa_none)
-            state.start = p - 1
             x = torch.as_tensor(ids[:n], dtype=torch.long)[None]
-            state.mode = "teacher"
-            teacher = model(input_ids=x, use_cache=False).logits[0, p - 1:].float()  # (T, V)
-            bar.update()
-            state.mode = "masked"
-            masked = model(input_ids=x, use_cache=False).logits[0, p - 1:].float()
+            # the prompt rows are identical in both runs (full attention): forward them once
+            state.mode = "prompt"
+            cache = DynamicCache(config=model.config)
+            first = model(input_ids=x[:, :p], cache=cache, use_cache=True, logits_to_keep=1).logits[0].float()
+            teacher, masked = first, first
+            if n > p:
+                state.mode = "teacher"
+                teacher = torch.cat([first, model(input_ids=x[:, p:], cache=cache, use_cache=True)
+                                     .logits[0].float()])
+                bar.update()
+                cache.crop(p - n)
+                state.mode = "masked"
+                masked = torch.cat([first, model(input_ids=x[:, p:], cache=cache, use_cache=True)
+                                    .logits[0].float()])
             bar.update()
             t = teacher.shape[0]
             steps = np.arange(p - 1, p - 1 + t, dtype=np.int64)
@@ -228,7 +241,9 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = 
                 diffs.append(np.abs(torch.logsumexp(m, -1).numpy() - logits_tab["lse"][ls][ok]))
                 max_diff = max(max_diff, float(max(d.max() for d in diffs)))
             for layer in range(layers):
-                dm = state.dropped[layer][:, :t].float().numpy()  # (Hq, T)
+                dm = np.zeros((hq, t), np.float32)  # step p-1 (the prompt's last row) drops nothing
+                if t > 1:
+                    dm[:, 1:] = state.dropped[layer].float().numpy()  # (Hq, T - 1)
                 qh = np.repeat(np.arange(hq, dtype=np.int16), t)
                 rows_replay["request"].append(np.full(hq * t, r, np.int32))
                 rows_replay["step"].append(np.tile(steps, hq))

@@ -73,21 +73,25 @@ def _kernels():
     return _dropped_mass
 
 
-def _check(fn: str, query, key, evict_step, for_triton: bool) -> tuple[int, int, int, int, int]:
-    """Shapes ``(b, Hq, N, d), (b, Hs, N, d), (b, Hs, N)``; the kernel also needs contiguity
-    and a dtype it computes in (the torch path takes float64 too)."""
+def _check(fn: str, query, key, evict_step, for_triton: bool) -> tuple[int, int, int, int, int, int]:
+    """Shapes ``(b, Hq, M, d), (b, Hs, N, d), (b, Hs, N)`` with ``M <= N`` (the queries are the
+    last M positions; the kernel needs M = N); the kernel also needs contiguity and a dtype it
+    computes in (the torch path takes float64 too). Returns ``b, Hq, Hs, M, N, d``."""
     if query.dim() != 4 or key.dim() != 4:
         raise KernelInputError(f"{fn}: query {tuple(query.shape)} and key {tuple(key.shape)} must be "
-                               "(b, Hq, N, d) and (b, Hs, N, d)")
-    b, hq, n, d = query.shape
-    hs = key.shape[1]
+                               "(b, Hq, M, d) and (b, Hs, N, d)")
+    b, hq, m, d = query.shape
+    hs, n = key.shape[1], key.shape[2]
     if hs < 1 or hq % hs:
         raise KernelInputError(f"{fn}: query has {hq} heads and key {hs}; Hq must be a multiple of Hs")
+    if m > n or (for_triton and m != n):
+        raise KernelInputError(f"{fn}: query has {m} positions and key {n}; expected "
+                               f"{'the same number' if for_triton else 'at most as many'}")
     dtypes = FLOAT_DTYPES if for_triton else (*FLOAT_DTYPES, torch.float64)
-    check_tensor(fn, "query", query, (b, hq, n, d), dtypes, for_triton)
+    check_tensor(fn, "query", query, (b, hq, m, d), dtypes, for_triton)
     check_tensor(fn, "key", key, (b, hs, n, d), (query.dtype,), for_triton)
     check_tensor(fn, "evict_step", evict_step, (b, hs, n), INT_DTYPES, for_triton)
-    return b, hq, hs, n, d
+    return b, hq, hs, m, n, d
 
 
 def replay_dropped_mass_triton(query: torch.Tensor, key: torch.Tensor, evict_step: torch.Tensor,
@@ -110,7 +114,7 @@ def replay_dropped_mass_triton(query: torch.Tensor, key: torch.Tensor, evict_ste
     ``(b, Hq, N)`` float32, ``out[b, h, t] = Σ_{i <= t, evict_step[b, kv(h), i] < t} a(h, t, i)``.
     """
     fn = "replay_dropped_mass_triton"
-    b, hq, hs, n, d = _check(fn, query, key, evict_step, for_triton=True)
+    b, hq, hs, _, n, d = _check(fn, query, key, evict_step, for_triton=True)
     check_device(fn, query=query, key=key, evict_step=evict_step)
     for name, blk in (("block_m", block_m), ("block_n", block_n)):
         if blk < 16 or blk & (blk - 1):
@@ -126,30 +130,33 @@ def replay_dropped_mass_triton(query: torch.Tensor, key: torch.Tensor, evict_ste
 
 
 def replay_dropped_mass_torch(query: torch.Tensor, key: torch.Tensor, evict_step: torch.Tensor,
-                              scaling: float, chunk: int = 256, start: int = 0) -> torch.Tensor:
+                              scaling: float, chunk: int = 256) -> torch.Tensor:
     """The same dropped mass in plain torch, ``chunk`` query rows at a time.
 
     Memory is ``O(b · Hq · chunk · N)``; works on any device. Shapes as in
-    :func:`replay_dropped_mass_triton`. Returns float32 (float64 for float64 inputs).
-    With ``start > 0`` only query rows ``start … N−1`` are computed and the
-    result is ``(b, Hq, N − start)`` (rows before the first eviction are 0 anyway).
+    :func:`replay_dropped_mass_triton`, except that ``query (b, Hq, M, d)`` may
+    hold only the last ``M <= N`` positions (query row ``j`` is position
+    ``N − M + j``), as when replaying the generated part after a shared
+    prompt. Returns ``(b, Hq, M)`` float32 (float64 for float64 inputs).
     """
     fn = "replay_dropped_mass_torch"
-    b, hq, hs, n, d = _check(fn, query, key, evict_step, for_triton=False)
+    b, hq, hs, m, n, d = _check(fn, query, key, evict_step, for_triton=False)
     if chunk < 1:
         raise KernelInputError(f"{fn}: chunk={chunk}; expected a positive number of rows")
     g = hq // hs
+    offset = n - m
     acc = torch.promote_types(query.dtype, torch.float32)
-    qg = query.reshape(b, hs, g, n, d)  # (b, Hs, G, N, d)
+    qg = query.reshape(b, hs, g, m, d)  # (b, Hs, G, M, d)
     kt = key.transpose(-1, -2)[:, :, None]  # (b, Hs, 1, d, N)
     ev = evict_step[:, :, None, None, :]  # (b, Hs, 1, 1, N)
-    out = torch.empty(b, hs, g, n, dtype=acc, device=query.device)
-    for s in range(start, n, chunk):
-        e = min(n, s + chunk)
-        logits = torch.matmul(qg[..., s:e, :], kt[..., :e]) * scaling  # (b, Hs, G, c, e)
-        rows = torch.arange(s, e, device=query.device)[:, None]  # (c, 1)
-        cols = torch.arange(e, device=query.device)[None, :]  # (1, e)
+    out = torch.empty(b, hs, g, m, dtype=acc, device=query.device)
+    for s in range(0, m, chunk):
+        e = min(m, s + chunk)
+        end = offset + e  # keys past the chunk's last position are masked anyway
+        logits = torch.matmul(qg[..., s:e, :], kt[..., :end]) * scaling  # (b, Hs, G, c, end)
+        rows = torch.arange(offset + s, offset + e, device=query.device)[:, None]  # (c, 1) positions
+        cols = torch.arange(end, device=query.device)[None, :]  # (1, end)
         w = torch.softmax(logits.masked_fill(cols > rows, float("-inf")), dim=-1, dtype=acc)
-        gone = ev[..., :e] < rows  # (b, Hs, 1, c, e)
+        gone = ev[..., :end] < rows  # (b, Hs, 1, c, end)
         out[..., s:e] = (w * gone).sum(-1)
-    return out[..., start:].reshape(b, hq, n - start)
+    return out.reshape(b, hq, m)

@@ -1,0 +1,54 @@
+"""Analyses of H2O Lens eviction logs: DuckDB relations, attribution, reports, a SQL console.
+
+Every measure of DESIGN.md §6 is a small function ``(source, run_id, ...) ->
+DuckDBPyRelation``; ``source`` is a connection from
+:func:`recorders.open_runs` or a runs root. Relations are lazy until
+materialised (``.df()``, ``.fetchall()``) and bind their values, so they
+compose::
+
+    import analyses, recorders
+    con = recorders.open_runs("runs")
+    analyses.head_coverage(con, "run-a").df()
+    analyses.attribute(con, "run-a")
+    analyses.write_report("runs", "run-a", "run-a.html")
+
+This package needs duckdb, pyarrow, pandas, numpy and plotly only, never
+torch: logs open on machines without a model.
+"""
+from __future__ import annotations
+
+from .attribution import VERDICTS, Attribution, Fact, attribute, evidence_sql, failed_requests
+from .coverage import (coverage_by_span, coverage_stats, dropped_mass, dropped_mass_by_layer,
+                       dropped_mass_series, head_coverage)
+from .divergence import divergence_summary, free_generation, paired_runs, replay_series
+from .dynamics import freeze_onset, freeze_series, margin_sensitivity, promotion_windows
+from .errors import (AnalysisError, MissingColumnError, ParameterError, SQLRefusedError,
+                     SQLSandboxError, SQLTimeoutError, UnknownRunError)
+from .evidence import evidence_deletion, evidence_evictions, evidence_held, evidence_spans
+from .keptsets import gqa_overlap, kept_overlap, union_bound
+from .oracle import ORACLE_COLUMNS, oracle_agreement, oracle_available
+from .report import (FORMATS, REPORT_SCHEMA_VERSION, SCHEMA_PATH, build_report, report_data,
+                     report_schema, write_report)
+from .sql import Sandbox, check_sql, format_result, run_sql, view_schemas
+from .stale import stale_holders, stale_victims
+from .thresholds import Thresholds
+
+__all__ = [
+    # coverage and divergence
+    "dropped_mass", "coverage_stats", "head_coverage", "coverage_by_span", "dropped_mass_series",
+    "dropped_mass_by_layer", "replay_series", "divergence_summary", "paired_runs", "free_generation",
+    # evidence, kept sets, dynamics
+    "evidence_spans", "evidence_deletion", "evidence_held", "evidence_evictions",
+    "kept_overlap", "union_bound", "gqa_overlap",
+    "promotion_windows", "freeze_series", "freeze_onset", "margin_sensitivity",
+    "stale_victims", "stale_holders", "oracle_agreement", "oracle_available", "ORACLE_COLUMNS",
+    # attribution and reports
+    "Thresholds", "VERDICTS", "Fact", "Attribution", "attribute", "failed_requests", "evidence_sql",
+    "report_data", "build_report", "write_report", "report_schema", "REPORT_SCHEMA_VERSION",
+    "SCHEMA_PATH", "FORMATS",
+    # SQL console
+    "Sandbox", "run_sql", "check_sql", "format_result", "view_schemas",
+    # errors
+    "AnalysisError", "ParameterError", "UnknownRunError", "MissingColumnError", "SQLSandboxError",
+    "SQLRefusedError", "SQLTimeoutError",
+]

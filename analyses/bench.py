@@ -1,0 +1,157 @@
+"""Benchmark of the analyses at scale: ``python -m analyses.bench [tmpdir]``.
+
+A synthetic run of about 10 million eviction rows at 32 layers × 8 KV heads
+(32 query heads, 1024 logged steps) is written in a child process, so the
+peak memory measured here is the analyses' own. Every analysis the report
+needs is then timed (materialised as the report does: aggregated rows only),
+and the report is rendered. Targets on 2 cores: analyses ≤ 10 s in total,
+peak RSS ≤ 3 GB, report render ≤ 20 s.
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import resource
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from recorders import open_runs, write_synthetic_run
+
+from .attribution import attribute
+from .coverage import coverage_by_span, coverage_stats, dropped_mass, dropped_mass_by_layer, \
+    dropped_mass_series, head_coverage
+from .divergence import divergence_summary, replay_series
+from .dynamics import freeze_onset, margin_sensitivity
+from .evidence import evidence_held
+from .report import build_report
+from .stale import stale_holders, stale_victims
+
+__all__ = ["bench_analyses", "SHAPE"]
+
+SHAPE = {"layers": 32, "kv_heads": 8, "q_heads": 32, "steps": 1024, "prompt_len": 2048,
+         "heavy": 256, "recent": 256}
+RUN_ID = "bench-10m"
+
+
+def _generate(root: str, run_id: str, shape: dict[str, int], k: int) -> None:
+    write_synthetic_run(root, run_id, evictions_per_step=k, fsync=False, **shape)
+
+
+class _PeakRSS:
+    """Peak resident memory of this process, sampled every 10 ms while running."""
+
+    def __init__(self) -> None:
+        self.proc = psutil.Process()
+        self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def __enter__(self) -> _PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+def _analyses(con: Any, run_id: str) -> dict[str, Callable[[], Any]]:
+    """Every analysis the report runs, materialised the way the report does."""
+    return {
+        "coverage overall": lambda: coverage_stats(dropped_mass(con, run_id), by=()).fetchall(),
+        "coverage per head": lambda: head_coverage(con, run_id).df(),
+        "coverage by span": lambda: coverage_by_span(con, run_id, by_head=False).df(),
+        "dropped mass series": lambda: dropped_mass_series(con, run_id).df(),
+        "dropped mass by layer": lambda: dropped_mass_by_layer(con, run_id, bucket=22).df(),
+        "divergence": lambda: divergence_summary(con, run_id).df(),
+        "kl series": lambda: replay_series(con, run_id).df(),
+        "evidence held": lambda: evidence_held(con, run_id).df(),
+        "freeze onset": lambda: freeze_onset(con, run_id, window=32).df(),
+        "margin sensitivity": lambda: margin_sensitivity(con, run_id).df(),
+        "stale victims": lambda: stale_victims(con, run_id).query(
+            "sv", "SELECT layer, kv_head, count(*) n, count(*) FILTER (WHERE stale) s "
+                  "FROM sv GROUP BY ALL").df(),
+        "stale holders": lambda: stale_holders(con, run_id).query(
+            "sh", "SELECT layer, kv_head, avg(stale_holder::INT) s FROM sh GROUP BY ALL").df(),
+        "attribution": lambda: attribute(con, run_id, failed=True),
+    }
+
+
+def bench_analyses(tmpdir: str | os.PathLike, *, evictions: int = 10_000_000, threads: int = 2,
+                   memory_limit: str = "2GB", verbose: bool = True) -> dict[str, Any]:
+    """Generate the benchmark run under ``tmpdir``, time the analyses and the report.
+
+    Returns
+    -------
+    dict
+        ``rows`` (eviction rows), ``generate_s``, ``analyses`` (seconds per
+        analysis), ``analyses_total_s``, ``report_s``, ``report_bytes``,
+        ``peak_rss_bytes`` (sampled) and ``max_rss_bytes`` (getrusage).
+    """
+    root = Path(tmpdir) / "bench-runs"
+    sets = SHAPE["layers"] * SHAPE["kv_heads"]
+    prefill = SHAPE["prompt_len"] - SHAPE["heavy"] - SHAPE["recent"]
+    k = max(1, math.ceil((evictions / sets - prefill) / SHAPE["steps"]))
+    t0 = time.perf_counter()
+    if not (root / RUN_ID / "manifest.json").exists():
+        proc = mp.get_context("spawn").Process(target=_generate, args=(str(root), RUN_ID, SHAPE, k))
+        proc.start()
+        proc.join()
+        if proc.exitcode:
+            raise RuntimeError(f"generating the benchmark run failed (exit code {proc.exitcode})")
+    generate_s = time.perf_counter() - t0
+
+    con = open_runs(root, warn=False)
+    con.execute("SET threads = $1", [threads])
+    con.execute("SET memory_limit = $1", [memory_limit])
+    con.execute("SET enable_progress_bar = false")
+    rows = con.execute("SELECT count(*) FROM evictions").fetchall()[0][0]
+    times: dict[str, float] = {}
+    with _PeakRSS() as rss:
+        for name, run in _analyses(con, RUN_ID).items():
+            t = time.perf_counter()
+            run()
+            times[name] = time.perf_counter() - t
+        t = time.perf_counter()
+        html = build_report(con, RUN_ID, fmt="html", failed=True)
+        report_s = time.perf_counter() - t
+    out = {"rows": rows, "evictions_per_step": k, "generate_s": generate_s, "analyses": times,
+           "analyses_total_s": sum(times.values()), "report_s": report_s, "report_bytes": len(html),
+           "peak_rss_bytes": rss.peak,
+           "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if verbose:
+        _print(out)
+    return out
+
+
+def _print(out: dict[str, Any]) -> None:
+    print(f"benchmark run: {out['rows']:,} eviction rows (32 layers x 8 KV heads, "
+          f"{out['evictions_per_step']} evictions per logged step), generated in {out['generate_s']:.1f} s")
+    for name, seconds in out["analyses"].items():
+        print(f"  {name:<24} {seconds:7.3f} s")
+    print(f"analyses total            {out['analyses_total_s']:7.3f} s   (target <= 10 s)")
+    print(f"report render (html)      {out['report_s']:7.3f} s   (target <= 20 s), "
+          f"{out['report_bytes'] / 1e6:.1f} MB")
+    print(f"peak RSS                  {out['peak_rss_bytes'] / 2**30:7.3f} GiB (target <= 3 GB; "
+          f"getrusage max {out['max_rss_bytes'] / 2**30:.3f} GiB)")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        bench_analyses(sys.argv[1])
+    else:
+        with tempfile.TemporaryDirectory(prefix="h2o-lens-bench-") as tmp:
+            bench_analyses(tmp)

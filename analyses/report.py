@@ -1,0 +1,280 @@
+"""Exported reports of one run: JSON (versioned, with a CI verdict), Markdown and HTML.
+
+``report_data`` runs every analysis the report needs (aggregation stays in
+DuckDB; only aggregated rows reach Python) and returns one JSON-ready dict
+that validates against ``report.schema.json`` shipped next to this module.
+The renderers only format that dict. The HTML file is self-contained:
+plotly.js is inlined once and every figure is JSON drawn by ``Plotly.newPlot``,
+so it opens offline.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pandas as pd
+
+from recorders import read_manifest
+from recorders.errors import RecorderError
+
+from ._base import Source, connect, first_row, relation, run_info
+from ._html import render_html
+from ._markdown import render_markdown
+from .attribution import FailedArg, attribute
+from .coverage import (coverage_by_span, coverage_stats, dropped_mass, dropped_mass_by_layer,
+                       dropped_mass_series, head_coverage)
+from .divergence import divergence_summary, free_generation, replay_series
+from .dynamics import freeze_onset, margin_sensitivity
+from .errors import MissingColumnError, ParameterError
+from .evidence import evidence_held
+from .oracle import oracle_agreement
+from .stale import stale_holders, stale_victims
+from .thresholds import Thresholds
+
+__all__ = ["REPORT_SCHEMA_VERSION", "SCHEMA_PATH", "FORMATS", "report_data", "build_report",
+           "write_report", "report_schema"]
+
+REPORT_SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
+FORMATS = ("html", "md", "json")
+
+
+def report_schema() -> dict[str, Any]:
+    """The JSON Schema of the JSON report."""
+    return json.loads(SCHEMA_PATH.read_text())
+
+
+# -- plain values -------------------------------------------------------------------------
+
+def plain(value: Any) -> Any:
+    """A JSON-ready value: numpy scalars unwrapped, NaN/NA and infinities as None."""
+    if value is None or value is pd.NA or value is pd.NaT:
+        return None
+    if hasattr(value, "item") and not isinstance(value, (list, dict, str)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (dt.datetime, dt.date)):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """DataFrame rows as JSON-ready dicts."""
+    return [{k: plain(v) for k, v in row.items()} for row in df.to_dict("records")]
+
+
+# -- sections --------------------------------------------------------------------------------
+
+def _versions(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dist in ("h2o-lens", "duckdb", "pyarrow", "transformers", "torch"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    recorded = manifest.get("versions")
+    return {"report": out, "run": recorded if isinstance(recorded, dict) else None}
+
+
+def _provenance(info: dict[str, Any]) -> dict[str, Any]:
+    try:
+        manifest = read_manifest(info["path"]) if info.get("path") else {}
+    except (RecorderError, OSError):
+        manifest = {}
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    keys = ("run_id", "name", "status", "model", "policy", "heavy", "recent", "sink", "gqa", "seed",
+            "backend", "prompt_len", "new_tokens", "requests", "created_at", "finished_at",
+            "source_run", "max_logit_diff", "schema_version", "error")
+    out = {k: plain(info.get(k)) for k in keys}
+    command = manifest.get("command")
+    out["command"] = " ".join(map(str, command)) if isinstance(command, list) else command
+    out["config"] = plain(config)
+    out["model_info"] = plain(manifest.get("model")) if isinstance(manifest.get("model"), dict) else None
+    out["versions"] = plain(_versions(manifest))
+    return out
+
+
+def _one(rel: duckdb.DuckDBPyRelation) -> dict[str, Any]:
+    row = first_row(rel)
+    return {k: plain(v) for k, v in zip(rel.columns, row)} if row else {}
+
+
+def _totals(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
+    sql = """
+        SELECT (SELECT count(*) FROM evictions WHERE run_id = $run) AS evictions,
+               (SELECT count(*) FROM replay_steps WHERE run_id = $run) AS replay_steps,
+               (SELECT avg(kl) FROM replay_steps WHERE run_id = $run) AS kl_mean,
+               (SELECT max(kl) FROM replay_steps WHERE run_id = $run) AS kl_max,
+               (SELECT avg(top1_agree::INT) FROM replay_steps WHERE run_id = $run) AS top1_agreement,
+               (SELECT min(step) FROM steps WHERE run_id = $run) AS first_step,
+               (SELECT max(step) FROM steps WHERE run_id = $run) AS last_step
+    """
+    return _one(relation(con, sql, run=run_id))
+
+
+def _coverage(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
+    overall = _one(coverage_stats(dropped_mass(con, run_id), by=()))
+    steps = int(_one(relation(con, "SELECT count(DISTINCT step) AS n FROM replay WHERE run_id = $run",
+                              run=run_id)).get("n") or 0)
+    bucket = max(1, math.ceil(steps / 48))
+    return {
+        "overall": overall,
+        "heads": records(head_coverage(con, run_id).df()),
+        "spans": records(coverage_by_span(con, run_id, by_head=False).df()),
+        "dropped_mass_series": records(dropped_mass_series(con, run_id).df()),
+        "dropped_mass_by_layer": {"bucket": bucket,
+                                  "rows": records(dropped_mass_by_layer(con, run_id, bucket=bucket).df())},
+    }
+
+
+def _divergence(con: duckdb.DuckDBPyConnection, run_id: str, th: Thresholds) -> dict[str, Any]:
+    free = free_generation(con, run_id)
+    return {
+        "requests": records(divergence_summary(con, run_id, kl_high=th.kl_high).df()),
+        "series": records(replay_series(con, run_id).df()),
+        "free_generation": records(free.df()) if free is not None else None,
+    }
+
+
+def _dynamics(con: duckdb.DuckDBPyConnection, run_id: str, totals: dict[str, Any]) -> dict[str, Any]:
+    first, last = totals.get("first_step"), totals.get("last_step")
+    window = max(4, math.ceil(((last - first + 1) if first is not None else 0) / 32))
+    onsets = freeze_onset(con, run_id, window=window).df()
+    margins = margin_sensitivity(con, run_id).df()
+    victims = stale_victims(con, run_id).query("sv", """
+        SELECT layer, kv_head, q_head, count(*) AS heavy_evictions,
+               count(*) FILTER (WHERE stale) AS stale, avg(residency) FILTER (WHERE stale) AS residency_mean
+        FROM sv GROUP BY ALL ORDER BY layer, kv_head, q_head""").df()
+    holders = stale_holders(con, run_id).query("sh", """
+        SELECT layer, kv_head, q_head, count(*) AS steps,
+               avg(stale_holder::INT) AS stale_holder_share,
+               min(step) FILTER (WHERE stale_holder) AS first_stale_step
+        FROM sh GROUP BY ALL ORDER BY layer, kv_head, q_head""").df()
+    frozen = int(onsets["frozen"].sum()) if len(onsets) else 0
+    return {
+        "freezing": {"window": window, "sets": len(onsets), "frozen": frozen,
+                     "frozen_share": frozen / len(onsets) if len(onsets) else None,
+                     "onsets": records(onsets)},
+        "margins": {"threshold": 1e-3, "relative": True, "heads": records(margins),
+                    "near_zero_share": plain(margins["near_zero"].sum() / margins["evictions"].sum())
+                    if len(margins) and margins["evictions"].sum() else None},
+        "stale": {"victims": records(victims), "holders": records(holders),
+                  "stale_victims": int(victims["stale"].sum()) if len(victims) else 0,
+                  "heavy_evictions": int(victims["heavy_evictions"].sum()) if len(victims) else 0},
+    }
+
+
+def _oracle(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
+    try:
+        heads = oracle_agreement(con, run_id).df()
+    except MissingColumnError as exc:
+        return {"available": False, "reason": str(exc), "heads": []}
+    return {"available": True, "reason": None, "heads": records(heads)}
+
+
+def _check(name: str, value: Any, threshold: Any, op: str) -> dict[str, Any]:
+    value = plain(value)
+    if threshold is None:
+        return {"name": name, "value": value, "threshold": None, "op": op, "status": "off", "pass": None}
+    if value is None:
+        return {"name": name, "value": None, "threshold": threshold, "op": op, "status": "no data",
+                "pass": None}
+    ok = value >= threshold if op == ">=" else value <= threshold
+    return {"name": name, "value": value, "threshold": threshold, "op": op,
+            "status": "pass" if ok else "fail", "pass": bool(ok)}
+
+
+def _verdict(data: dict[str, Any], th: Thresholds) -> dict[str, Any]:
+    totals, failures = data["summary"], data["failures"]
+    checks = [
+        _check("coverage_p5", data["coverage"]["overall"].get("p5"), th.gate_min_coverage_p5, ">="),
+        _check("kl_mean", totals.get("kl_mean"), th.gate_max_kl_mean, "<="),
+        _check("top1_agreement", totals.get("top1_agreement"), th.gate_min_top1_agreement, ">="),
+        _check("failures", len(failures), th.gate_max_failures, "<="),
+        _check("frozen_share", data["dynamics"]["freezing"]["frozen_share"], th.gate_max_frozen_share, "<="),
+        _check("max_logit_diff", data["run"].get("max_logit_diff"), th.logit_tolerance, "<="),
+    ]
+    passed = all(c["pass"] is not False for c in checks)
+    return {"pass": passed, "status": "pass" if passed else "fail", "checks": checks}
+
+
+def report_data(source: Source, run_id: str, *, thresholds: Thresholds | Mapping[str, Any] | None = None,
+                failed: FailedArg = None) -> dict[str, Any]:
+    """Every section of the report of ``run_id`` as one JSON-ready dict (see ``report.schema.json``)."""
+    con = connect(source)
+    th = Thresholds.from_mapping(thresholds)
+    info = run_info(con, run_id)
+    totals = _totals(con, run_id)
+    attributions = attribute(con, run_id, failed=failed, thresholds=th)
+    data: dict[str, Any] = {
+        "report_schema_version": REPORT_SCHEMA_VERSION,
+        "generated_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "run": _provenance(info),
+        "thresholds": th.to_dict(),
+        "coverage": _coverage(con, run_id),
+        "divergence": _divergence(con, run_id, th),
+        "evidence": records(evidence_held(con, run_id).df()),
+        "dynamics": _dynamics(con, run_id, totals),
+        "oracle": _oracle(con, run_id),
+        "failures": [{"rank": i + 1, **plain(a.to_dict())} for i, a in enumerate(attributions)],
+    }
+    data["summary"] = {
+        **{k: totals.get(k) for k in ("evictions", "replay_steps", "kl_mean", "kl_max", "top1_agreement")},
+        "coverage_mean": data["coverage"]["overall"].get("mean"),
+        "coverage_p5": data["coverage"]["overall"].get("p5"),
+        "coverage_min": data["coverage"]["overall"].get("min"),
+        "near_zero_margin_share": data["dynamics"]["margins"]["near_zero_share"],
+        "frozen_sets": data["dynamics"]["freezing"]["frozen"],
+        "kv_sets": data["dynamics"]["freezing"]["sets"],
+        "stale_victims": data["dynamics"]["stale"]["stale_victims"],
+        "failures": len(attributions),
+        "verdicts": {v: sum(a.verdict == v for a in attributions) for v in
+                     ("budget", "scoring_lag", "not_the_cache", "implementation_error")},
+    }
+    data["verdict"] = _verdict(data, th)
+    return data
+
+
+# -- rendering -----------------------------------------------------------------------------------
+
+def build_report(root: Source, run_id: str, *, fmt: str = "html",
+                 thresholds: Thresholds | Mapping[str, Any] | None = None,
+                 failed: FailedArg = None) -> str:
+    """The report of ``run_id`` as text: ``"html"`` (self-contained), ``"md"`` or ``"json"``."""
+    if fmt not in FORMATS:
+        raise ParameterError(f"unknown report format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    data = report_data(root, run_id, thresholds=thresholds, failed=failed)
+    if fmt == "json":
+        return json.dumps(data, indent=1, allow_nan=False)
+    if fmt == "md":
+        return render_markdown(data)
+    return render_html(data)
+
+
+def write_report(root: Source, run_id: str, path: str | os.PathLike, fmt: str | None = None, *,
+                 thresholds: Thresholds | Mapping[str, Any] | None = None,
+                 failed: FailedArg = None) -> Path:
+    """Write the report to ``path``; ``fmt`` defaults to the suffix (.html, .md, .json)."""
+    path = Path(path)
+    if fmt is None:
+        fmt = {".html": "html", ".htm": "html", ".md": "md", ".json": "json"}.get(path.suffix.lower())
+        if fmt is None:
+            raise ParameterError(f"cannot tell the report format from {path.name!r}; pass fmt= one of "
+                                 f"{', '.join(FORMATS)} or use a .html, .md or .json name")
+    text = build_report(root, run_id, fmt=fmt, thresholds=thresholds, failed=failed)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
