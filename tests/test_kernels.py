@@ -489,3 +489,17 @@ def test_package_imports_and_torch_replay_runs_without_triton():
     res = subprocess.run([sys.executable, "-c", _NO_TRITON], capture_output=True, text=True, env=env,
                          timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+def test_replay_torch_with_query_suffix_equals_full_rows():
+    """Queries holding only the last M positions (the generated part) give the same rows."""
+    from h2o_lens.kernels import replay_dropped_mass_torch
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 6, 21, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, 21, 16, generator=g, dtype=torch.float64)
+    ev = torch.randint(5, 30, (1, 2, 21), generator=g)
+    full = replay_dropped_mass_torch(q, k, ev, 0.25, chunk=4)
+    tail = replay_dropped_mass_torch(q[:, :, 13:], k, ev, 0.25, chunk=3)
+    assert torch.allclose(full[..., 13:], tail)
+    assert tail.abs().sum() > 0
