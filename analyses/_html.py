@@ -81,7 +81,10 @@ def _heatmap(rows: Sequence[dict[str, Any]], row: str, col: str, value: str, tit
     xs, ys, zz = _matrix(rows, row, col, value)
     trace = {"type": "heatmap", "x": xs, "y": ys, "z": zz, "colorscale": colorscale,
              "hoverongaps": False, "colorbar": {"thickness": 12}, **z}
-    return {"data": [trace], "layout": _layout(title, x, row)}
+    layout = _layout(title, x, row)
+    for axis in ("xaxis", "yaxis"):
+        layout[axis].update(zeroline=False, showgrid=False)
+    return {"data": [trace], "layout": layout}
 
 
 def _series(rows: Sequence[dict[str, Any]], y: str, name: str, requests: Sequence[Any]) -> list[dict]:
@@ -121,8 +124,8 @@ def figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         col = "q_head" if any(r.get("q_head") is not None for r in onsets) else "kv_head"
         first = [r for r in onsets if r["request"] == onsets[0]["request"]]
         figs["fig-freeze"] = _heatmap(first, "layer", col, "onset_step",
-                                      "Freeze onset step (blank: never froze)", col.replace("_", " "),
-                                      "Cividis")
+                                      f"Freeze onset step, request {onsets[0]['request']} "
+                                      "(blank: never froze)", col.replace("_", " "), "Cividis")
     margins = dyn["margins"]["heads"]
     if margins:
         col = "q_head" if any(r.get("q_head") is not None for r in margins) else "kv_head"

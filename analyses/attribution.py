@@ -2,10 +2,12 @@
 
 A request *fails* when the answer checker says so (the ``failed`` argument,
 else ``requests.correct``, else the manifest's ``answer_correct``: a bool for
-the whole run or a list with one entry per request), when its teacher-forced top-1 agreement is below
-``min_top1_agreement``, or when a step's KL reaches ``kl_fail``. Its
+the whole run or a list with one entry per request), when its
+teacher-forced top-1 agreement is below ``min_top1_agreement``, or when a
+step's KL reaches ``kl_fail``. Its
 *decision step* ``d`` is the first diverging step (top-1 disagreement or
-KL >= ``kl_high``), else its last replayed step.
+KL >= ``kl_high``), else its last replayed step (without a replay: its last
+token's position).
 
 Verdicts, first match wins:
 
@@ -93,26 +95,40 @@ class Attribution:
                 "evicted_evidence": [dict(e) for e in self.evicted_evidence], "sql": self.sql}
 
 
-def _checker(con: duckdb.DuckDBPyConnection, info: dict[str, Any], failed: FailedArg,
-             requests: list[int]) -> dict[int, bool]:
-    """Answer-checker failure per request: ``failed``, else ``requests.correct``, else the manifest."""
-    if failed is None and "correct" in columns(con, "requests"):
+def _plain(v: Any) -> Any:
+    """A Python scalar from a pandas/numpy cell; NA and NaN become None."""
+    if v is None or v is pd.NA or (isinstance(v, float) and v != v):
+        return None
+    if hasattr(v, "item"):
+        v = v.item()
+    return None if isinstance(v, float) and v != v else v
+
+
+def _recorded_checker(con: duckdb.DuckDBPyConnection, info: dict[str, Any],
+                      requests: list[int]) -> dict[int, bool]:
+    """Checker failures the logs hold: ``requests.correct``, else the manifest's ``answer_correct``."""
+    if "correct" in columns(con, "requests"):
         rows = relation(con, "SELECT request, correct FROM requests WHERE run_id = $run "
                              "AND correct IS NOT NULL", run=info["run_id"]).fetchall()
         if rows:
             return {int(r): not bool(c) for r, c in rows}
+    try:
+        manifest = read_manifest(info["path"]) if info.get("path") else {}
+    except (RecorderError, OSError):
+        manifest = {}
+    correct = manifest.get("answer_correct")
+    if isinstance(correct, bool):
+        return {r: not correct for r in requests}
+    if isinstance(correct, list):
+        return {r: correct[r] is False for r in requests if r < len(correct)}
+    return {}
+
+
+def _checker(con: duckdb.DuckDBPyConnection, info: dict[str, Any], failed: FailedArg,
+             requests: list[int]) -> dict[int, bool]:
+    """Answer-checker failure per request: the ``failed`` argument, else what the logs hold."""
     if failed is None:
-        path = info.get("path")
-        try:
-            manifest = read_manifest(path) if path else {}
-        except (RecorderError, OSError):
-            manifest = {}
-        correct = manifest.get("answer_correct")
-        if isinstance(correct, bool):
-            return {r: not correct for r in requests}
-        if isinstance(correct, list):
-            return {r: correct[r] is False for r in requests if r < len(correct)}
-        return {}
+        return _recorded_checker(con, info, requests)
     if isinstance(failed, bool):
         return {r: failed for r in requests}
     if isinstance(failed, Mapping):
@@ -192,15 +208,6 @@ def _dropped_at(con: duckdb.DuckDBPyConnection, run_id: str, request: int, step:
     return float(row[0]), dict(zip(("dropped_mass", "step", "layer", "q_head", "kv_head"), row[1:]))
 
 
-def _plain(v: Any) -> Any:
-    """A Python scalar from a pandas/numpy cell; NA and NaN become None."""
-    if v is None or v is pd.NA or (isinstance(v, float) and v != v):
-        return None
-    if hasattr(v, "item"):
-        v = v.item()
-    return None if isinstance(v, float) and v != v else v
-
-
 def _evidence_facts(ev: pd.DataFrame, held: pd.DataFrame, th: Thresholds) -> tuple[bool, bool, list[Fact]]:
     """(evidence evicted, scoring lag, facts) for one request."""
     facts: list[Fact] = []
@@ -254,43 +261,59 @@ def _verdict(info: dict[str, Any], evicted: bool, lag: bool, has_evidence: bool,
     return "not_the_cache", f"no cache fact explains the failure ({dm_text})"
 
 
+def _decision_step(con: duckdb.DuckDBPyConnection, run_id: str, request: int,
+                   row: dict[str, Any]) -> tuple[int | None, str]:
+    """The first diverging step, else the last replayed step, else the last token's position."""
+    first = _plain(row.get("first_divergence_step"))
+    if first is not None:
+        return int(first), "first diverging step"
+    sql = """
+        SELECT coalesce((SELECT max(step) FROM replay_steps WHERE run_id = $run AND request = $r),
+                        (SELECT max(position) FROM tokens WHERE run_id = $run AND request = $r))
+    """
+    found = first_row(relation(con, sql, run=run_id, r=request))
+    if found is None or found[0] is None:
+        return None, "no replay and no tokens"
+    return int(found[0]), "last step of the request (no divergence)"
+
+
+def _replay_facts(con: duckdb.DuckDBPyConnection, info: dict[str, Any], request: int, d: int | None,
+                  why_d: str, kl_d: float | None, th: Thresholds) -> tuple[float | None, list[Fact]]:
+    """(dropped mass around ``d``, facts about ``d``, the replay check, dropped mass and KL)."""
+    facts = [Fact("decision_step", step=d, note=why_d)]
+    if info.get("max_logit_diff") is not None:
+        facts.append(Fact("max_logit_diff", value=float(info["max_logit_diff"]),
+                          threshold=th.logit_tolerance))
+    dm, worst = (None, None) if d is None else _dropped_at(con, info["run_id"], request, d,
+                                                          th.dropped_mass_lookback)
+    if dm is not None:
+        facts.append(Fact("dropped_mass", value=dm, threshold=th.dropped_mass_high, step=d,
+                          note=f"mean over heads, steps {d - th.dropped_mass_lookback}..{d}"))
+        facts.append(Fact("worst_head_dropped_mass", **{k: _plain(v) for k, v in worst.items()}))
+    if kl_d is not None:
+        facts.append(Fact("kl", value=kl_d, threshold=th.kl_high, step=d))
+    return dm, facts
+
+
 def _attribute_one(con: duckdb.DuckDBPyConnection, info: dict[str, Any], row: dict[str, Any],
                    th: Thresholds) -> Attribution:
     run_id, request = info["run_id"], int(row["request"])
-    d = _plain(row.get("first_divergence_step"))
-    d = _last_step(con, run_id, request) if d is None else int(d)
+    d, why_d = _decision_step(con, run_id, request, row)
     ev = evidence_evictions(con, run_id, request=request, before_step=d, lag_steps=th.lag_steps,
                             low_score_ratio=th.low_score_ratio).df()
     held = evidence_held(con, run_id, at_step=d).df() if d is not None else pd.DataFrame()
     held = held[held["request"] == request] if len(held) else held
-    evicted, lag, facts = _evidence_facts(ev, held, th)
-    dm, worst = _dropped_at(con, run_id, request, d, th.dropped_mass_lookback) if d is not None \
-        else (None, None)
+    evicted, lag, evidence_facts = _evidence_facts(ev, held, th)
     kl_d = _plain(row.get("kl_at_divergence"))
-    head = [Fact("decision_step", step=d, note="first diverging step" if _plain(
-        row.get("first_divergence_step")) is not None else "last replayed step")]
-    if info.get("max_logit_diff") is not None:
-        head.append(Fact("max_logit_diff", value=float(info["max_logit_diff"]),
-                         threshold=th.logit_tolerance))
-    if dm is not None:
-        head.append(Fact("dropped_mass", value=dm, threshold=th.dropped_mass_high, step=d,
-                         note=f"mean over heads, steps {d - th.dropped_mass_lookback}..{d}"))
-        head.append(Fact("worst_head_dropped_mass", **{k: _plain(v) for k, v in worst.items()}))
-    if kl_d is not None:
-        head.append(Fact("kl", value=kl_d, threshold=th.kl_high, step=d))
+    dm, facts = _replay_facts(con, info, request, d, why_d, kl_d, th)
     verdict, why = _verdict(info, evicted, lag, len(held) > 0, dm, kl_d, th)
     top1 = _plain(row.get("top1_agreement"))
     severity = (0.0 if row["checker_failed"] else 1.0, top1 if top1 is not None else 1.0,
                 -(_plain(row.get("kl_mean")) or 0.0))
     evicted_rows = tuple({k: _plain(v) for k, v in r.items()} for r in ev.head(50).to_dict("records"))
     return Attribution(run_id, request, verdict, tuple(row["failed_by"]), d, why,
-                       tuple(head + facts), evicted_rows, evidence_sql(run_id, request, d), severity)
-
-
-def _last_step(con: duckdb.DuckDBPyConnection, run_id: str, request: int) -> int | None:
-    row = first_row(relation(con, "SELECT max(step) FROM replay_steps WHERE run_id = $run "
-                                  "AND request = $r", run=run_id, r=request))
-    return None if row is None or row[0] is None else int(row[0])
+                       tuple(facts + evidence_facts), evicted_rows, evidence_sql(run_id, request, d),
+                       severity)
 
 
 def attribute(source: Source, run_id: str, *, failed: FailedArg = None,

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,8 @@ import psutil
 from recorders import open_runs, write_synthetic_run
 
 from .attribution import attribute
-from .coverage import coverage_by_span, coverage_stats, dropped_mass, dropped_mass_by_layer, \
-    dropped_mass_series, head_coverage
+from .coverage import (coverage_by_span, coverage_stats, dropped_mass, dropped_mass_by_layer,
+                       dropped_mass_series, head_coverage)
 from .divergence import divergence_summary, replay_series
 from .dynamics import freeze_onset, margin_sensitivity
 from .evidence import evidence_held
@@ -91,8 +91,12 @@ def _analyses(con: Any, run_id: str) -> dict[str, Callable[[], Any]]:
 
 
 def bench_analyses(tmpdir: str | os.PathLike, *, evictions: int = 10_000_000, threads: int = 2,
-                   memory_limit: str = "2GB", verbose: bool = True) -> dict[str, Any]:
+                   memory_limit: str = "2GB", shape: Mapping[str, int] | None = None,
+                   verbose: bool = True) -> dict[str, Any]:
     """Generate the benchmark run under ``tmpdir``, time the analyses and the report.
+
+    ``shape`` overrides entries of :data:`SHAPE` (layers, kv_heads, q_heads,
+    steps, prompt_len, heavy, recent); a run already under ``tmpdir`` is reused.
 
     Returns
     -------
@@ -102,12 +106,13 @@ def bench_analyses(tmpdir: str | os.PathLike, *, evictions: int = 10_000_000, th
         ``peak_rss_bytes`` (sampled) and ``max_rss_bytes`` (getrusage).
     """
     root = Path(tmpdir) / "bench-runs"
-    sets = SHAPE["layers"] * SHAPE["kv_heads"]
-    prefill = SHAPE["prompt_len"] - SHAPE["heavy"] - SHAPE["recent"]
-    k = max(1, math.ceil((evictions / sets - prefill) / SHAPE["steps"]))
+    shape = {**SHAPE, **(shape or {})}
+    sets = shape["layers"] * shape["kv_heads"]
+    prefill = shape["prompt_len"] - shape["heavy"] - shape["recent"]
+    k = max(1, math.ceil((evictions / sets - prefill) / shape["steps"]))
     t0 = time.perf_counter()
     if not (root / RUN_ID / "manifest.json").exists():
-        proc = mp.get_context("spawn").Process(target=_generate, args=(str(root), RUN_ID, SHAPE, k))
+        proc = mp.get_context("spawn").Process(target=_generate, args=(str(root), RUN_ID, shape, k))
         proc.start()
         proc.join()
         if proc.exitcode:
@@ -128,7 +133,7 @@ def bench_analyses(tmpdir: str | os.PathLike, *, evictions: int = 10_000_000, th
         t = time.perf_counter()
         html = build_report(con, RUN_ID, fmt="html", failed=True)
         report_s = time.perf_counter() - t
-    out = {"rows": rows, "evictions_per_step": k, "generate_s": generate_s, "analyses": times,
+    out = {"rows": rows, "shape": shape, "evictions_per_step": k, "generate_s": generate_s, "analyses": times,
            "analyses_total_s": sum(times.values()), "report_s": report_s, "report_bytes": len(html),
            "peak_rss_bytes": rss.peak,
            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -138,7 +143,9 @@ def bench_analyses(tmpdir: str | os.PathLike, *, evictions: int = 10_000_000, th
 
 
 def _print(out: dict[str, Any]) -> None:
-    print(f"benchmark run: {out['rows']:,} eviction rows (32 layers x 8 KV heads, "
+    shape = out["shape"]
+    print(f"benchmark run: {out['rows']:,} eviction rows ({shape['layers']} layers x "
+          f"{shape['kv_heads']} KV heads, "
           f"{out['evictions_per_step']} evictions per logged step), generated in {out['generate_s']:.1f} s")
     for name, seconds in out["analyses"].items():
         print(f"  {name:<24} {seconds:7.3f} s")

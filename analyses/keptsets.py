@@ -142,6 +142,11 @@ def gqa_overlap(source: Source, sum_run: str, max_run: str, none_run: str | None
         :func:`union_bound`) when ``none_run`` is given.
     """
     con = connect(source)
+    for run, expected in ((sum_run, "sum"), (max_run, "max")):
+        gqa = run_info(con, run).get("gqa")
+        if gqa is not None and gqa != expected:
+            raise ParameterError(f"run {run!r} aggregates with gqa={gqa!r}; pass a gqa={expected!r} "
+                                 f"run as {expected}_run (kept_overlap compares any two runs)")
     base = kept_overlap(con, sum_run, max_run)
     if none_run is None:
         return base

@@ -15,6 +15,8 @@ What a statement may do, and how that is enforced (DuckDB 2.0; DESIGN.md §7):
   off, and finally ``lock_configuration = true``: files outside the root
   cannot be read, nothing can be attached, installed or loaded, settings
   cannot change;
+* a root holding a symbolic link to a place outside it is refused (DuckDB
+  checks paths, not link targets);
 * at most ``max_rows`` rows come back, and a timer thread interrupts the
   statement after ``timeout_s`` seconds (DuckDB has no statement timeout).
 """
@@ -100,6 +102,19 @@ def check_sql(sql: str) -> str:
     return sql
 
 
+def _refuse_links_out(root: Path) -> None:
+    """Refuse a root holding a symbolic link to a place outside it (it would widen what is readable)."""
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            if path.is_symlink():
+                target = path.resolve()
+                if target != root and root not in target.parents:
+                    raise SQLRefusedError(
+                        f"refused: {path} links to {target}, outside the runs root {root}; the SQL "
+                        "console reads only the root. Copy the run into the root instead of linking it")
+
+
 def _refusal(exc: duckdb.Error, root: Path) -> SQLSandboxError:
     text = str(exc).split("\n")[0]
     if isinstance(exc, duckdb.PermissionException) or "disabled by configuration" in text:
@@ -129,6 +144,7 @@ class Sandbox:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise ParameterError(f"runs root {self.root} does not exist or is not a folder")
+        _refuse_links_out(self.root)
         tmp = tempfile.mkdtemp(prefix="h2o-lens-sql-")
         try:
             path = os.path.join(tmp, "views.duckdb")

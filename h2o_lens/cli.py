@@ -144,10 +144,12 @@ def cmd_record(args: argparse.Namespace) -> int:
         prompt = _read_prompt(args)
         evidence = dict(_parse_evidence(e) for e in args.evidence)
         enc = tok(_chat(tok, prompt, args.raw), return_tensors="pt", add_special_tokens=args.raw)
+        from .progress import GenerationProgress
+
         gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         with torch.no_grad(), record(model, config, out=args.out, tokenizer=tok, evidence=evidence or None,
                                      name=args.name, prompts=[prompt]) as rec:
-            out = model.generate(**enc, **gen)
+            out = model.generate(**enc, **gen, streamer=GenerationProgress(args.max_new_tokens, "record"))
         print(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
         runs = [rec]
         if args.with_full and config.policy != "full":
@@ -156,7 +158,7 @@ def cmd_record(args: argparse.Namespace) -> int:
             with torch.no_grad(), record(model, H2OConfig(policy="full"), out=args.out, tokenizer=tok,
                                          evidence=evidence or None, name=args.name, prompts=[prompt],
                                          info={"source_run": rec.run_id}) as full:
-                model.generate(**enc, **gen)
+                model.generate(**enc, **gen, streamer=GenerationProgress(args.max_new_tokens, "record full"))
             runs.append(full)
     for rec in runs:
         print(f"recorded {rec.run_id} ({rec.config.describe()}): {rec.run_dir}", file=sys.stderr)

@@ -206,11 +206,14 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     logits = torch.matmul(qg, cand_k.transpose(-1, -2))  # (b,Hs,G,B+1)
     if fill is not None:
         logits = logits.masked_fill(_empty_cols(positions), _NEG)
-    w = torch.softmax(logits, dim=-1, dtype=scores.dtype)  # FP32 (FP64 in tests)
-    out = torch.matmul(w.to(values.dtype), cand_v)  # (b,Hs,G,d)
+    w = logits.softmax(-1) if logits.dtype == scores.dtype else \
+        torch.softmax(logits, dim=-1, dtype=scores.dtype)  # FP32 (FP64 in tests)
+    out = torch.matmul(w if w.dtype == values.dtype else w.to(values.dtype), cand_v)  # (b,Hs,G,d)
 
     step_col = step[:, None, None]  # (b,1,1)
-    new_pos = step_col.expand(b, hs, 1).to(positions.dtype)
+    new_pos = step_col.expand(b, hs, 1)
+    if new_pos.dtype != positions.dtype:
+        new_pos = new_pos.to(positions.dtype)
     if args.scored:
         if w.shape[2] == 1:
             agg = w[:, :, 0]
@@ -231,6 +234,9 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         c_pos = torch.cat([positions, new_pos], -1)
         c_elig = policy.eligible_mask(c_pos, step_col, 0, args.sink)
         victim = _lowest(c_scores, c_pos, c_elig)
+    elif fill is None and not args.sink:
+        c_elig = positions <= step_col - args.recent  # every slot holds a position
+        victim = _lowest(scores, positions, c_elig)
     else:
         c_elig = policy.eligible_mask(positions, step_col, args.recent, args.sink)
         victim = _lowest(scores, positions, c_elig)

@@ -129,8 +129,4 @@ def test_html_renders_offline_in_headless_chromium(html, tmp_path):
     console = [line for line in out.stderr.splitlines() if ":CONSOLE" in line]
     assert console == [], console
     assert out.stdout.count('class="main-svg"') >= figs  # plotly drew an SVG per figure
-    shot = tmp_path / "report.png"
-    subprocess.run(cmd[:-2] + ["--window-size=1280,2400", f"--screenshot={shot}", page.as_uri()],
-                   capture_output=True, timeout=120)
-    assert shot.exists() and shot.stat().st_size > 50_000
     shutil.rmtree(tmp_path / "profile", ignore_errors=True)
