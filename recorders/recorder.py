@@ -14,7 +14,7 @@ import contextlib
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -114,6 +114,7 @@ class Recording:
         self._group = 1
         self._last_layer = 0
         self._labels_override: Sequence[str | None] | None = None
+        self.annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None
         self.prompt_len = 0
         self.new_tokens = 0
         self.requests = 0
@@ -348,9 +349,11 @@ class Recording:
                 "evidence": labels,
             })
             answer = tok.decode(new, skip_special_tokens=True) if tok is not None else None
+            extra = dict(self.annotate(request, answer)) if self.annotate is not None else {}
             self.writer.append("requests", {
                 "request": np.array([request], np.int32), "prompt_len": np.array([n_prompt]),
                 "new_tokens": np.array([len(new)]), "answer": [answer],
+                **{k: [v] for k, v in extra.items()},
             })
             if logits is not None and len(new):
                 lg = logits[r, :len(new)]  # (T, V): step j predicts token P + j from query P - 1 + j
@@ -386,6 +389,7 @@ def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: 
            evidence: EvidenceSpec | None = None, name: str | None = None, run_id: str | None = None,
            prompts: Sequence[str] | None = None, info: Mapping[str, Any] | None = None,
            flush_every: int = 32, fsync: bool = True, rows_per_segment: int | None = None,
+           annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None,
            **options: Any) -> Iterator[Recording]:
     """Record every eviction of the ``model.generate`` calls inside the block.
 
@@ -403,6 +407,8 @@ def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: 
     flush_every : decode steps buffered (on the device) between conversions to rows
     fsync : make every segment durable before it becomes visible
     rows_per_segment : rows of one table per closed Parquet segment
+    annotate : ``(request, answer) -> {"task": ..., "expected": ..., "correct": ...}``, extra
+        columns of the ``requests`` table (an answer checker, for the task suite)
 
     On an exception inside the block the run is marked ``failed`` with the
     error, and the model is restored; the exception propagates.
@@ -416,6 +422,7 @@ def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: 
     writer = RunWriter(out, run_id, config=config.to_dict(), model=model_info(model), fsync=fsync,
                        name=name, **sizing, **dict(info or {}))
     rec = Recording(writer, config, tokenizer, evidence, prompts, flush_every, model)
+    rec.annotate = annotate
     writer.start()
     try:
         with h2o(model, config, listener=rec) as session:
