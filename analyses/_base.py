@@ -9,19 +9,23 @@ until they are materialised (``.df()``, ``.fetchall()``, ``.arrow()``).
 """
 from __future__ import annotations
 
+import datetime as dt
 import itertools
+import math
 import os
 import re
 import threading
 from typing import Any, Union
 
 import duckdb
+import pandas as pd
 
 from recorders import open_runs
 
 from .errors import MissingColumnError, ParameterError, UnknownRunError
 
-__all__ = ["Source", "connect", "relation", "first_row", "run_info", "columns", "has_rows", "sql_literal",
+__all__ = ["Source", "connect", "relation", "first_row", "run_info", "plain", "records", "columns",
+           "require_columns", "has_rows", "sql_literal",
            "check_int", "check_fraction", "check_positive"]
 
 #: A DuckDB connection with the views of a runs root, or the runs root itself.
@@ -102,6 +106,28 @@ def has_rows(con: duckdb.DuckDBPyConnection, view: str, run_id: str) -> bool:
         raise ParameterError(f"unknown data view {view!r}")
     return bool(relation(con, f"SELECT 1 FROM {view} WHERE run_id = $run LIMIT 1",
                          run=run_id).fetchall())
+
+
+def plain(value: Any) -> Any:
+    """A JSON-ready value: numpy scalars unwrapped, NaN/NA and infinities as None."""
+    if value is None or value is pd.NA or value is pd.NaT:
+        return None
+    if hasattr(value, "item") and not isinstance(value, (list, dict, str)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (dt.datetime, dt.date)):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """DataFrame rows as JSON-ready dicts."""
+    return [{k: plain(v) for k, v in row.items()} for row in df.to_dict("records")]
 
 
 def sql_literal(value: Any) -> str:

@@ -19,9 +19,11 @@ from ._format import EVIDENCE_COLUMNS, FACT_COLUMNS, PROVENANCE, SUMMARY, VERDIC
 __all__ = ["render_html", "figures"]
 
 _CSS = """
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1d2330;margin:0;background:#f6f7f9}
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1d2330;margin:0;
+ background:#f6f7f9}
 main{max-width:1180px;margin:0 auto;padding:18px 28px 60px;background:#fff}
-h1{font-size:22px;margin:8px 0 4px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #e3e6ea;padding-bottom:4px}
+h1{font-size:22px;margin:8px 0 4px}
+h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #e3e6ea;padding-bottom:4px}
 h3{font-size:15px;margin:18px 0 6px}.sub{color:#5b6475;margin:0 0 12px}
 table{border-collapse:collapse;font-size:12.5px;margin:6px 0 10px}
 th,td{border:1px solid #e3e6ea;padding:3px 7px;text-align:left;vertical-align:top}
@@ -175,7 +177,8 @@ def _failures(data: dict[str, Any]) -> str:
             f'<div class="failure"><h3>{f["rank"]}. request {f["request"]}: '
             f'<span class="verdict">{html.escape(f["verdict"])}</span></h3>'
             f"<p>{html.escape(VERDICT_TEXT[f['verdict']])}. {html.escape(f['summary'])}. Failed by: "
-            f"{html.escape(', '.join(f['failed_by']))}; decision step {html.escape(num(f['decision_step']))}.</p>"
+            f"{html.escape(', '.join(f['failed_by']))}; "
+            f"decision step {html.escape(num(f['decision_step']))}.</p>"
             + _table(f["facts"], FACT_COLUMNS)
             + "<p>Evicted evidence (first 20 rows):</p>" + _table(f["evicted_evidence"][:20], EVIDENCE_COLUMNS)
             + f"<p>SQL that selects it (paste into the SQL console):</p><pre>{html.escape(f['sql'])}</pre></div>")
@@ -189,6 +192,7 @@ def _body(data: dict[str, Any], figs: dict[str, Any]) -> str:
                                                  "regret", "rank_corr_future", "rank_corr_score"))
                    if oracle["available"] else f"<p>Not available: {html.escape(oracle['reason'])}</p>")
     free = data["divergence"]["free_generation"]
+    verdicts = ", ".join(f"{k} {v}" for k, v in data["summary"]["verdicts"].items())
     return f"""
 <h1>H2O Lens report: {html.escape(run['run_id'])} {_badge(verdict['status'])}</h1>
 <p class="sub">{html.escape(str(run.get('model') or ''))} · policy {html.escape(str(run.get('policy')))}
@@ -198,7 +202,7 @@ def _body(data: dict[str, Any], figs: dict[str, Any]) -> str:
 <h2>Gate</h2>{_table(verdict['checks'], ('name', 'value', 'op', 'threshold', 'status'))}
 <div class="cols"><div><h2>Run</h2>{_pairs(run, PROVENANCE)}</div>
 <div><h2>Summary</h2>{_pairs(data['summary'], SUMMARY)}
-<p>Verdicts: {html.escape(', '.join(f'{k} {v}' for k, v in data['summary']['verdicts'].items()))}</p></div></div>
+<p>Verdicts: {html.escape(verdicts)}</p></div></div>
 <h2>Where it goes wrong</h2>
 <p>Coverage = 1 − dropped mass, the full-cache teacher's attention on positions the run had evicted,
 per step and query head. A high mean can hide the one query that needed far evidence: read P5.</p>

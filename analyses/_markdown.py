@@ -60,7 +60,8 @@ def _dynamics(data: dict[str, Any]) -> list[str]:
            f"\nMargins near a tie (relative {dyn['margins']['threshold']:g}): share "
            f"{num(dyn['margins']['near_zero_share'])}. Most sensitive KV sets:\n",
            table(worst(dyn["margins"]["heads"], "near_zero_share", 8, high=True),
-                 ("layer", "kv_head", "q_head", "evictions", "near_zero", "near_zero_share", "margin_median")),
+                 ("layer", "kv_head", "q_head", "evictions", "near_zero", "near_zero_share",
+                  "margin_median")),
            f"\nStale heavy hitters: {st['stale_victims']} of {st['heavy_evictions']} heavy-slot evictions "
            "had gained almost no attention over the window before they went.\n",
            table(worst(st["holders"], "stale_holder_share", 8, high=True),
@@ -101,8 +102,8 @@ def render_markdown(data: dict[str, Any]) -> str:
     out += _where(data)
     out += ["\n## Evidence\n",
             "Share of KV sets still holding each span at the answer step (any token / every token):\n",
-            table(data["evidence"], ("request", "label", "at_step", "sets", "held_any_share", "held_all_share",
-                                     "first_deletion_step", "last_deletion_step"))]
+            table(data["evidence"], ("request", "label", "at_step", "sets", "held_any_share",
+                                     "held_all_share", "first_deletion_step", "last_deletion_step"))]
     out += _dynamics(data)
     out += _failures(data)
     return "\n".join(out)

@@ -40,7 +40,7 @@ import pandas as pd
 from recorders import read_manifest
 from recorders.errors import RecorderError
 
-from ._base import Source, columns, connect, first_row, relation, run_info, sql_literal
+from ._base import Source, columns, connect, first_row, plain, relation, run_info, sql_literal
 from .divergence import divergence_summary
 from .evidence import evidence_evictions, evidence_held
 from .thresholds import Thresholds
@@ -93,15 +93,6 @@ class Attribution:
                 "failed_by": list(self.failed_by), "decision_step": self.decision_step,
                 "summary": self.summary, "facts": [f.to_dict() for f in self.facts],
                 "evicted_evidence": [dict(e) for e in self.evicted_evidence], "sql": self.sql}
-
-
-def _plain(v: Any) -> Any:
-    """A Python scalar from a pandas/numpy cell; NA and NaN become None."""
-    if v is None or v is pd.NA or (isinstance(v, float) and v != v):
-        return None
-    if hasattr(v, "item"):
-        v = v.item()
-    return None if isinstance(v, float) and v != v else v
 
 
 def _recorded_checker(con: duckdb.DuckDBPyConnection, info: dict[str, Any],
@@ -164,7 +155,7 @@ def failed_requests(source: Source, run_id: str, *, failed: FailedArg = None,
     checker = _checker(con, info, failed, requests)
     rows = []
     for r in requests:
-        row = {k: _plain(v) for k, v in summary.get(r, {}).items() if k != "request"}
+        row = {k: plain(v) for k, v in summary.get(r, {}).items() if k != "request"}
         reasons = []
         if checker.get(r):
             reasons.append("answer_checker")
@@ -216,7 +207,7 @@ def _evidence_facts(ev: pd.DataFrame, held: pd.DataFrame, th: Thresholds) -> tup
         share = 1.0 - float(row.held_all_share)
         lost = max(lost, share)
         facts.append(Fact("evidence_lost_share", value=share, threshold=th.evidence_lost_share,
-                          step=_plain(row.at_step), note=f"span {row.label!r}: share of KV sets that "
+                          step=plain(row.at_step), note=f"span {row.label!r}: share of KV sets that "
                           "lost a token before the decision step"))
     evicted = bool(len(held)) and lost >= th.evidence_lost_share and len(ev) > 0
     lag_share = float(ev["lag_eviction"].mean()) if len(ev) else 0.0
@@ -224,10 +215,10 @@ def _evidence_facts(ev: pd.DataFrame, held: pd.DataFrame, th: Thresholds) -> tup
         facts.append(Fact("lag_eviction_share", value=lag_share, threshold=th.lag_share,
                           note="evidence evictions soon after leaving the recent window with a low score"))
         for row in ev.head(3).itertuples():
-            facts.append(Fact("evidence_evicted", step=_plain(row.step), layer=_plain(row.layer),
-                              kv_head=_plain(row.kv_head), q_head=_plain(row.q_head),
-                              position=_plain(row.position), score=_plain(row.score),
-                              margin=_plain(row.margin),
+            facts.append(Fact("evidence_evicted", step=plain(row.step), layer=plain(row.layer),
+                              kv_head=plain(row.kv_head), q_head=plain(row.q_head),
+                              position=plain(row.position), score=plain(row.score),
+                              margin=plain(row.margin),
                               note=f"{row.label!r} age {row.age}"
                                    f"{', lag eviction' if row.lag_eviction else ''}"))
     return evicted, evicted and lag_share >= th.lag_share, facts
@@ -264,7 +255,7 @@ def _verdict(info: dict[str, Any], evicted: bool, lag: bool, has_evidence: bool,
 def _decision_step(con: duckdb.DuckDBPyConnection, run_id: str, request: int,
                    row: dict[str, Any]) -> tuple[int | None, str]:
     """The first diverging step, else the last replayed step, else the last token's position."""
-    first = _plain(row.get("first_divergence_step"))
+    first = plain(row.get("first_divergence_step"))
     if first is not None:
         return int(first), "first diverging step"
     sql = """
@@ -289,7 +280,7 @@ def _replay_facts(con: duckdb.DuckDBPyConnection, info: dict[str, Any], request:
     if dm is not None:
         facts.append(Fact("dropped_mass", value=dm, threshold=th.dropped_mass_high, step=d,
                           note=f"mean over heads, steps {d - th.dropped_mass_lookback}..{d}"))
-        facts.append(Fact("worst_head_dropped_mass", **{k: _plain(v) for k, v in worst.items()}))
+        facts.append(Fact("worst_head_dropped_mass", **{k: plain(v) for k, v in worst.items()}))
     if kl_d is not None:
         facts.append(Fact("kl", value=kl_d, threshold=th.kl_high, step=d))
     return dm, facts
@@ -304,13 +295,13 @@ def _attribute_one(con: duckdb.DuckDBPyConnection, info: dict[str, Any], row: di
     held = evidence_held(con, run_id, at_step=d).df() if d is not None else pd.DataFrame()
     held = held[held["request"] == request] if len(held) else held
     evicted, lag, evidence_facts = _evidence_facts(ev, held, th)
-    kl_d = _plain(row.get("kl_at_divergence"))
+    kl_d = plain(row.get("kl_at_divergence"))
     dm, facts = _replay_facts(con, info, request, d, why_d, kl_d, th)
     verdict, why = _verdict(info, evicted, lag, len(held) > 0, dm, kl_d, th)
-    top1 = _plain(row.get("top1_agreement"))
+    top1 = plain(row.get("top1_agreement"))
     severity = (0.0 if row["checker_failed"] else 1.0, top1 if top1 is not None else 1.0,
-                -(_plain(row.get("kl_mean")) or 0.0))
-    evicted_rows = tuple({k: _plain(v) for k, v in r.items()} for r in ev.head(50).to_dict("records"))
+                -(plain(row.get("kl_mean")) or 0.0))
+    evicted_rows = tuple({k: plain(v) for k, v in r.items()} for r in ev.head(50).to_dict("records"))
     return Attribution(run_id, request, verdict, tuple(row["failed_by"]), d, why,
                        tuple(facts + evidence_facts), evicted_rows, evidence_sql(run_id, request, d),
                        severity)

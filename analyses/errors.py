@@ -5,6 +5,8 @@ naming the run, the view or the column concerned.
 """
 from __future__ import annotations
 
+from h2o_lens.errors import H2OLensError
+
 __all__ = [
     "AnalysisError",
     "ParameterError",
@@ -16,7 +18,7 @@ __all__ = [
 ]
 
 
-class AnalysisError(Exception):
+class AnalysisError(H2OLensError):
     """Base class of all errors raised by ``analyses``."""
 
 

@@ -84,7 +84,8 @@ def evidence_deletion(source: Source, run_id: str) -> duckdb.DuckDBPyRelation:
         is null while any token of the span is still held.
     """
     con = connect(source)
-    sql = _deletion_sql(con, run_id) + " SELECT * FROM deletion ORDER BY request, label, layer, kv_head, q_head"
+    sql = _deletion_sql(con, run_id) + \
+        " SELECT * FROM deletion ORDER BY request, label, layer, kv_head, q_head"
     return relation(con, sql, run=run_id)
 
 

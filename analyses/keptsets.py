@@ -69,7 +69,8 @@ def _shared(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
                              "pass it as none_run and compare runs with shared KV sets")
 
 
-_EVICTED = "SELECT request, layer, kv_head, position, step FROM evictions WHERE run_id = {p} AND q_head IS NULL"
+_EVICTED = ("SELECT request, layer, kv_head, position, step FROM evictions "
+            "WHERE run_id = {p} AND q_head IS NULL")
 _GRID = "SELECT DISTINCT request, step, layer, kv_head FROM steps WHERE run_id = {p} AND q_head IS NULL"
 
 

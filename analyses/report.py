@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-import pandas as pd
 
 from recorders import read_manifest
 from recorders.errors import RecorderError
 
-from ._base import Source, connect, first_row, relation, run_info
+from ._base import Source, connect, first_row, plain, records, relation, run_info
 from ._html import render_html
 from ._markdown import render_markdown
 from .attribution import FailedArg, attribute
@@ -49,30 +48,6 @@ FORMATS = ("html", "md", "json")
 def report_schema() -> dict[str, Any]:
     """The JSON Schema of the JSON report."""
     return json.loads(SCHEMA_PATH.read_text())
-
-
-# -- plain values -------------------------------------------------------------------------
-
-def plain(value: Any) -> Any:
-    """A JSON-ready value: numpy scalars unwrapped, NaN/NA and infinities as None."""
-    if value is None or value is pd.NA or value is pd.NaT:
-        return None
-    if hasattr(value, "item") and not isinstance(value, (list, dict, str)):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, (dt.datetime, dt.date)):
-        return value.isoformat()
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value
-
-
-def records(df: pd.DataFrame) -> list[dict[str, Any]]:
-    """DataFrame rows as JSON-ready dicts."""
-    return [{k: plain(v) for k, v in row.items()} for row in df.to_dict("records")]
 
 
 # -- sections --------------------------------------------------------------------------------
@@ -126,9 +101,9 @@ def _totals(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
 
 def _coverage(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
     overall = _one(coverage_stats(dropped_mass(con, run_id), by=()))
-    steps = int(_one(relation(con, "SELECT count(DISTINCT step) AS n FROM replay WHERE run_id = $run",
-                              run=run_id)).get("n") or 0)
-    bucket = max(1, math.ceil(steps / 48))
+    span = _one(relation(con, "SELECT max(step) - min(step) + 1 AS n FROM replay WHERE run_id = $run",
+                         run=run_id)).get("n") or 0
+    bucket = max(1, math.ceil(span / 48))  # at most 48 step columns in the layer × step heatmap
     return {
         "overall": overall,
         "heads": records(head_coverage(con, run_id).df()),
@@ -148,11 +123,12 @@ def _divergence(con: duckdb.DuckDBPyConnection, run_id: str, th: Thresholds) -> 
     }
 
 
-def _dynamics(con: duckdb.DuckDBPyConnection, run_id: str, totals: dict[str, Any]) -> dict[str, Any]:
+def _dynamics(con: duckdb.DuckDBPyConnection, run_id: str, totals: dict[str, Any],
+              th: Thresholds) -> dict[str, Any]:
     first, last = totals.get("first_step"), totals.get("last_step")
     window = max(4, math.ceil(((last - first + 1) if first is not None else 0) / 32))
     onsets = freeze_onset(con, run_id, window=window).df()
-    margins = margin_sensitivity(con, run_id).df()
+    margins = margin_sensitivity(con, run_id, threshold=th.margin_tie).df()
     victims = stale_victims(con, run_id).query("sv", """
         SELECT layer, kv_head, q_head, count(*) AS heavy_evictions,
                count(*) FILTER (WHERE stale) AS stale, avg(residency) FILTER (WHERE stale) AS residency_mean
@@ -167,7 +143,7 @@ def _dynamics(con: duckdb.DuckDBPyConnection, run_id: str, totals: dict[str, Any
         "freezing": {"window": window, "sets": len(onsets), "frozen": frozen,
                      "frozen_share": frozen / len(onsets) if len(onsets) else None,
                      "onsets": records(onsets)},
-        "margins": {"threshold": 1e-3, "relative": True, "heads": records(margins),
+        "margins": {"threshold": th.margin_tie, "relative": True, "heads": records(margins),
                     "near_zero_share": plain(margins["near_zero"].sum() / margins["evictions"].sum())
                     if len(margins) and margins["evictions"].sum() else None},
         "stale": {"victims": records(victims), "holders": records(holders),
@@ -226,7 +202,7 @@ def report_data(source: Source, run_id: str, *, thresholds: Thresholds | Mapping
         "coverage": _coverage(con, run_id),
         "divergence": _divergence(con, run_id, th),
         "evidence": records(evidence_held(con, run_id).df()),
-        "dynamics": _dynamics(con, run_id, totals),
+        "dynamics": _dynamics(con, run_id, totals, th),
         "oracle": _oracle(con, run_id),
         "failures": [{"rank": i + 1, **plain(a.to_dict())} for i, a in enumerate(attributions)],
     }

@@ -44,8 +44,18 @@ __all__ = ["Sandbox", "check_sql", "run_sql", "format_result", "view_schemas"]
 
 _ALLOWED_NODES = frozenset({"SELECT_NODE", "SET_OPERATION_NODE", "RECURSIVE_CTE_NODE", "CTE_NODE"})
 _REFUSED_FUNCTIONS = frozenset({"query", "query_table"})
-_parser = duckdb.connect(":memory:")
+_parser: duckdb.DuckDBPyConnection | None = None
 _parser_lock = threading.Lock()
+
+
+def _parse_tree(sql: str) -> dict[str, Any]:
+    """DuckDB's parse tree of ``sql`` (``json_serialize_sql``), from a private in-memory connection."""
+    global _parser
+    with _parser_lock:
+        if _parser is None:
+            _parser = duckdb.connect(":memory:")
+        raw = _parser.execute("SELECT json_serialize_sql($1)", [sql]).fetchall()[0][0]
+    return json.loads(raw)
 
 
 def _tree_facts(node: Any, nodes: set[str], functions: set[str]) -> None:
@@ -82,9 +92,7 @@ def check_sql(sql: str) -> str:
         what = f"{word} statement" if word == kind else f"{word} statement ({kind})"
         raise SQLRefusedError(f"refused: {what}; the console is read-only and runs only "
                               "SELECT / WITH … SELECT statements")
-    with _parser_lock:
-        raw = _parser.execute("SELECT json_serialize_sql($1)", [sql]).fetchone()[0]
-    tree = json.loads(raw)
+    tree = _parse_tree(sql)
     if tree.get("error"):
         raise SQLRefusedError(f"refused: {tree.get('error_message', 'the statement cannot be checked')}")
     nodes: set[str] = set()
@@ -157,9 +165,14 @@ class Sandbox:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         allowed = str(self.root) + os.sep
-        for statement, value in (("SET memory_limit = $1", memory_limit), ("SET threads = $1", threads),
-                                 ("SET allowed_directories = $1", [allowed])):
-            self.con.execute(statement, [value])
+        try:
+            for statement, value in (("SET memory_limit = $1", memory_limit), ("SET threads = $1", threads),
+                                     ("SET allowed_directories = $1", [allowed])):
+                self.con.execute(statement, [value])
+        except duckdb.Error as exc:
+            self.con.close()
+            raise ParameterError(f"cannot configure the SQL sandbox (memory_limit={memory_limit!r}, "
+                                 f"threads={threads!r}): {exc}") from None
         for statement in ("SET enable_external_access = false",
                           "SET autoload_known_extensions = false",
                           "SET autoinstall_known_extensions = false",

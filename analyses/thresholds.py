@@ -15,7 +15,7 @@ __all__ = ["Thresholds"]
 
 _FRACTIONS = ("min_top1_agreement", "dropped_mass_high", "evidence_lost_share", "low_score_ratio",
               "lag_share", "gate_min_coverage_p5", "gate_min_top1_agreement", "gate_max_frozen_share")
-_NON_NEGATIVE = ("kl_high", "kl_fail", "logit_tolerance", "gate_max_kl_mean")
+_NON_NEGATIVE = ("kl_high", "kl_fail", "logit_tolerance", "margin_tie", "gate_max_kl_mean")
 _COUNTS = ("dropped_mass_lookback", "lag_steps", "gate_max_failures")
 
 
@@ -40,6 +40,9 @@ class Thresholds:
         most ``low_score_ratio`` of the lowest surviving score is a lag
         eviction; ``lag_share``: scoring lag when at least this share of the
         evidence evictions are lag evictions.
+    Measures shown in the report
+        ``margin_tie``: an eviction whose margin is at most this share of the
+        lowest surviving score is near a tie (:func:`analyses.margin_sensitivity`).
     Gate (None switches a check off)
         ``gate_min_coverage_p5`` (P5 of coverage over all replay rows),
         ``gate_max_kl_mean``, ``gate_min_top1_agreement`` (over all steps),
@@ -58,6 +61,7 @@ class Thresholds:
     lag_steps: int = 4
     low_score_ratio: float = 0.5
     lag_share: float = 0.5
+    margin_tie: float = 1e-3
     gate_min_coverage_p5: float | None = 0.8
     gate_max_kl_mean: float | None = 0.1
     gate_min_top1_agreement: float | None = 0.9
@@ -92,7 +96,8 @@ class Thresholds:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - names)
         if unknown:
-            raise ParameterError(f"unknown threshold(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+            raise ParameterError(f"unknown threshold(s) {', '.join(unknown)}; "
+                                 f"known: {', '.join(sorted(names))}")
         return cls(**dict(values))
 
     def to_dict(self) -> dict[str, Any]:

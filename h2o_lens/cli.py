@@ -200,9 +200,37 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    from recorders import query
+    from analyses import format_result, run_sql
 
-    print(query(args.root, args.sql, fmt=args.format, max_rows=args.max_rows))
+    df = run_sql(args.root, args.sql, max_rows=args.max_rows, timeout_s=args.timeout)
+    print(format_result(df, args.format))
+    if df.attrs.get("truncated"):
+        print(f"(cut at {args.max_rows} rows; raise --max-rows)", file=sys.stderr)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    import json
+
+    from analyses import build_report
+
+    run_dir = _run_dir(args.run, args.root)
+    root, run_id = os.path.dirname(os.path.abspath(run_dir)), os.path.basename(os.path.normpath(run_dir))
+    thresholds = None
+    if args.thresholds:
+        with open(args.thresholds, encoding="utf-8") as f:
+            thresholds = json.load(f)
+    text = build_report(root, run_id, fmt=args.format, thresholds=thresholds)
+    if args.output:
+        tmp = args.output + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, args.output)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        print(text)
+    if args.format == "json" and args.gate:
+        return 0 if json.loads(text)["verdict"]["pass"] else 1
     return 0
 
 
@@ -273,6 +301,16 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--format", choices=["table", "csv", "json"], default="table")
     q.add_argument("--max-rows", type=int, default=1000)
     q.set_defaults(func=cmd_sql)
+    q.add_argument("--timeout", type=float, default=10.0, help="seconds before the query is interrupted")
+
+    rep = sub.add_parser("report", help="export a run's failure report (HTML, Markdown or JSON)")
+    rep.add_argument("run", help="run folder, or run id under --root")
+    rep.add_argument("--root", default="runs")
+    rep.add_argument("--format", choices=["html", "md", "json"], default="html")
+    rep.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
+    rep.add_argument("--thresholds", default=None, help="JSON file of gate thresholds (see analyses.Thresholds)")
+    rep.add_argument("--gate", action="store_true", help="with --format json: exit 1 when the verdict fails")
+    rep.set_defaults(func=cmd_report)
 
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     b.add_argument("what", choices=["decode", "record", "kernels"])

@@ -5,6 +5,8 @@ names the run folder or the file concerned.
 """
 from __future__ import annotations
 
+from h2o_lens.errors import H2OLensError
+
 __all__ = [
     "RecorderError",
     "RunIdError",
@@ -18,7 +20,7 @@ __all__ = [
 ]
 
 
-class RecorderError(Exception):
+class RecorderError(H2OLensError):
     """Base class of all errors raised by ``recorders``."""
 
 

@@ -43,12 +43,14 @@ def _evictions(rows):
 def worked(tmp_path_factory):
     """Prompt 0..10; after prefill the cache is [1,3,5 | 8,9,10]; step 11 evicts 8 (0.38, margin 0.84)."""
     root = tmp_path_factory.mktemp("worked")
-    prefill = [(10, p, s, 1.2 - s, False, "prefill") for p, s in ((0, .9), (2, .8), (4, .7), (6, .6), (7, .5))]
+    prefill = [(10, p, s, 1.2 - s, False, "prefill")
+               for p, s in ((0, .9), (2, .8), (4, .7), (6, .6), (7, .5))]
     decode = [(11, 8, 0.38, 1.22 - 0.38, True, "decode"), (12, 9, 0.45, 1.22 - 0.45, True, "decode")]
     steps = {"request": [0, 0], "step": [11, 12], "layer": [0, 0], "kv_head": [0, 0],
              "min_heavy_score": [1.22, 1.22], "promoted": [False, False], "exiting_position": [8, 9],
              "kept": [6, 6], "heavy_age_mean": [8.0, 9.0]}
-    write_run(root, "worked", tokens=tokens_for(14, 11, evidence={8: "id"}), evictions=_evictions(prefill + decode),
+    write_run(root, "worked", tokens=tokens_for(14, 11, evidence={8: "id"}),
+              evictions=_evictions(prefill + decode),
               steps=steps, replay=_replay([10, 11, 12], [0.0, 0.05, 0.6]),
               replay_steps=_replay_steps([10, 11, 12], [0.001, 0.002, 1.5], [True, True, False]),
               heavy=3, recent=3)

@@ -115,3 +115,11 @@ def test_view_schemas_lists_every_view_with_types_and_docs(root):
     cols = {c["name"]: c for c in schemas["evictions"]}
     assert cols["margin"]["type"] == "FLOAT" and "surviving" in cols["margin"]["doc"]
     assert cols["step"]["type"] == "BIGINT"
+
+
+def test_a_root_linking_outside_is_refused(tmp_path, outside):
+    root = tmp_path / "linked"
+    write_synthetic_run(root, "run-l", steps=4, prompt_len=16, fsync=False)
+    (root / "run-l" / "escape").symlink_to(outside)
+    with pytest.raises(SQLRefusedError, match="outside the runs root"):
+        run_sql(root, "SELECT 1")

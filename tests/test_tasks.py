@@ -1,0 +1,188 @@
+"""The task suite: synthetic policy cases (seed §5.1) and the real-model tasks."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from h2o_lens.config import H2OConfig
+from h2o_lens.reference import trace
+from h2o_lens.tasks import (CASES, KINDS, Task, get_task, policy_case, policy_cases, suite)
+from recorders import open_runs
+from recorders.policy_cases import case_kept_sets, write_policy_case
+
+
+# -- policy cases ----------------------------------------------------------------------------------
+
+def _kept_after(case, config):
+    """Kept set after each step ``P-1 .. N-1`` of one (layer 0, set 0), from the runtime's cache."""
+    cand = case_kept_sets(case, config)
+    out = []
+    for t in range(case.prompt_len, case.n + 1):
+        kept = set(np.flatnonzero(cand[t][0, 0]).tolist())
+        out.append(sorted(kept - {t}) if t < case.n else sorted(kept))
+    return out
+
+
+def test_policy_cases_are_deterministic():
+    for a, b in zip(policy_cases(3), policy_cases(3)):
+        assert a.name == b.name
+        np.testing.assert_array_equal(a.logits, b.logits)
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+        assert a.evidence == b.evidence and a.answer_step == b.answer_step
+    assert not np.array_equal(policy_case("uniform", 0).logits, policy_case("uniform", 1).logits)
+    with pytest.raises(KeyError, match="far_hotspot"):
+        policy_case("nope")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("gqa", ["sum", "max"])
+def test_policy_case_runtime_equals_fp64_reference(name, gqa):
+    case = policy_case(name)
+    ref = trace(case.logits[0, 0], case.prompt_len, case.heavy, case.recent, gqa).kept
+    got = _kept_after(case, H2OConfig(heavy=case.heavy, recent=case.recent, gqa=gqa, backend="torch"))
+    assert got == ref
+
+
+def test_uniform_attention_shows_age_bias():
+    case = policy_case("uniform")
+    final = trace(case.logits[0, 0], case.prompt_len, case.heavy, case.recent).kept[-1]
+    heavy_slots = [p for p in final if p <= case.n - 1 - case.recent]
+    assert heavy_slots == list(range(case.heavy))  # the oldest positions hold every heavy slot
+
+
+def test_far_hotspot_kept_by_heavy_hitters_lost_by_local():
+    case = policy_case("far_hotspot")
+    hot = case.marks["hotspot"]
+    b = dict(heavy=case.heavy, recent=case.recent, backend="torch")
+    h2o = _kept_after(case, H2OConfig(**b))
+    local = _kept_after(case, H2OConfig(policy="local", **b))
+    assert all(hot in kept for kept in h2o)
+    assert all(hot not in kept for kept in local)
+
+
+@pytest.fixture(scope="module")
+def case_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cases")
+    for case in policy_cases(0):
+        for policy in ("h2o", "local", "full"):
+            write_policy_case(root, case, policy=policy)
+        if case.name == "gqa_split":
+            write_policy_case(root, case, gqa="max")
+    return root, open_runs(root)
+
+
+def _one(con, sql, *params):
+    return con.execute(sql, list(params)).fetchall()
+
+
+def test_delayed_reference_evicted_on_leaving_recent_with_low_score(case_runs):
+    _, con = case_runs
+    case = policy_case("delayed_reference")
+    ev = case.marks["evidence"]
+    rows = _one(con, "SELECT step, score, margin, left_recent, phase FROM evictions "
+                "WHERE run_id = ? AND position = ?", "delayed-reference-h2o-sum-h4r4", ev)
+    assert len(rows) == 1
+    step, score, margin, left_recent, phase = rows[0]
+    assert step == case.marks["exit_step"] and left_recent and phase == "decode"
+    heavy_min = _one(con, "SELECT min_heavy_score FROM steps WHERE run_id = ? AND step = ?",
+                     "delayed-reference-h2o-sum-h4r4", step)[0][0]
+    assert score < 0.1 and score < 0.05 * heavy_min and margin > 0
+    verdicts = dict(_one(con, "SELECT run_id, correct FROM requests WHERE task = 'delayed_reference'"))
+    assert verdicts == {"delayed-reference-full-sum-h4r4": True, "delayed-reference-h2o-sum-h4r4": False,
+                        "delayed-reference-local-sum-h4r4": False}
+    # the answer step's query needs the evicted position: most of its mass is dropped
+    dm = _one(con, "SELECT dropped_mass FROM replay WHERE run_id = ? AND step = ?",
+              "delayed-reference-h2o-sum-h4r4", case.answer_step)[0][0]
+    assert dm > 0.9
+
+
+def test_hotspot_switch_keeps_stale_hotspot_and_drops_the_new_one(case_runs):
+    _, con = case_runs
+    case = policy_case("hotspot_switch")
+    run = "hotspot-switch-h2o-sum-h3r4"
+    old, new, switch = case.marks["old_hotspot"], case.marks["new_hotspot"], case.marks["switch"]
+    evicted = dict(_one(con, "SELECT position, step FROM evictions WHERE run_id = ?", run))
+    assert old not in evicted  # the stale heavy hitter keeps its slot to the end ...
+    assert evicted[new] == new + case.recent  # ... the new hotspot is not promoted
+    assert _one(con, "SELECT left_recent FROM evictions WHERE run_id = ? AND position = ?", run, new)[0][0]
+    # after the switch the teacher no longer attends to the old hotspot
+    t = case.n - 1
+    assert case.attention(t)[0, 0, 0, old] < 0.05
+    before, after = _one(con, "SELECT avg(dropped_mass) FILTER (step < ?), avg(dropped_mass) FILTER (step > ?) "
+                         "FROM replay WHERE run_id = ?", switch, new + case.recent, run)[0]
+    assert after > before + 0.2
+    assert _one(con, "SELECT correct FROM requests WHERE run_id = ?", run)[0][0] is False
+
+
+def test_far_hotspot_answer_right_under_h2o_wrong_under_local(case_runs):
+    _, con = case_runs
+    verdicts = dict(_one(con, "SELECT run_id, correct FROM requests WHERE task = 'far_hotspot'"))
+    assert verdicts == {"far-hotspot-full-sum-h4r4": True, "far-hotspot-h2o-sum-h4r4": True,
+                        "far-hotspot-local-sum-h4r4": False}
+
+
+def test_gqa_split_sum_and_max_keep_different_sets(case_runs):
+    _, con = case_runs
+    case = policy_case("gqa_split")
+    sets = {}
+    for gqa in ("sum", "max"):
+        sets[gqa] = _kept_after(case, H2OConfig(heavy=case.heavy, recent=case.recent, gqa=gqa, backend="torch"))
+    assert sets["sum"] != sets["max"]
+    shared = case.marks["shared"]
+    assert shared in sets["sum"][-1] and shared not in sets["max"][-1]
+    favourites = [case.evidence[f"head{h}"][0] for h in range(case.group)]
+    assert set(favourites) <= set(sets["max"][-1])
+    # the same difference is in the written runs
+    gone = {g: {p for (p,) in _one(con, "SELECT position FROM evictions WHERE run_id = ?",
+                                   f"gqa-split-h2o-{g}-h3r4")} for g in ("sum", "max")}
+    assert shared in gone["max"] and shared not in gone["sum"]
+
+
+def test_written_case_runs_read_back_with_row_counts(case_runs):
+    root, con = case_runs
+    runs = con.sql("SELECT run_id, status, model, policy, prompt_len, new_tokens, max_logit_diff FROM runs").fetchall()
+    assert len(runs) == 3 * len(CASES) + 1
+    for run_id, status, model, policy, p, new, diff in runs:
+        assert status == "complete" and model.startswith("synthetic/") and diff == 0.0
+    for case in policy_cases(0):
+        n, p = case.n, case.prompt_len
+        b = case.heavy + case.recent
+        run = f"{case.name}-h2o-sum-h{case.heavy}r{case.recent}".replace("_", "-")
+        counts = {t: _one(con, f"SELECT count(*) FROM {t} WHERE run_id = ?", run)[0][0]
+                  for t in ("tokens", "evictions", "steps", "replay", "replay_steps", "run_logits", "requests")}
+        assert counts == {"tokens": n + 1, "evictions": (p - b) + (n - p), "steps": n - p + 1,
+                          "replay": (n - p + 1) * case.q_heads, "replay_steps": n - p + 1,
+                          "run_logits": n - p + 1, "requests": 1}
+        labelled = _one(con, "SELECT evidence, list(position ORDER BY position) FROM tokens "
+                        "WHERE run_id = ? AND evidence IS NOT NULL GROUP BY 1", run)
+        assert {k: tuple(v) for k, v in labelled} == case.evidence
+        full = f"{case.name}-full-sum-h{case.heavy}r{case.recent}".replace("_", "-")
+        assert _one(con, "SELECT max(dropped_mass) FROM replay WHERE run_id = ?", full)[0][0] == 0.0
+        assert _one(con, "SELECT max(kl), bool_and(top1_agree) FROM replay_steps WHERE run_id = ?", full)[0] \
+            == (0.0, True)
+        assert _one(con, "SELECT count(*) FROM evictions WHERE run_id = ?", full)[0][0] == 0
+    # steps carry the recorder's facts: the exiting position and the kept count
+    rows = _one(con, "SELECT step, exiting_position, kept FROM steps WHERE run_id = 'uniform-h2o-sum-h4r4' "
+                "ORDER BY step")
+    assert rows[0][1] is None and all(e == s - 4 and k == 8 for s, e, k in rows[1:])
+
+
+@pytest.mark.parametrize("policy", ["heavy", "sink", "random"])
+def test_baselines_and_multi_head_stacks_write_valid_runs(tmp_path, policy):
+    base = policy_case("far_hotspot")
+    other = policy_case("delayed_reference")
+    # two layers, two KV heads of two query heads each
+    logits = np.stack([np.stack([np.concatenate([base.logits[0, 0], other.logits[0, 0]])] * 2)] * 2)
+    case = dataclasses.replace(base, name="stack", logits=logits)
+    assert (case.layers, case.kv_heads, case.group) == (2, 2, 2)
+    for gqa in ("sum", "none"):
+        write_policy_case(tmp_path, case, policy=policy, gqa=gqa, run_id=f"stack-{policy}-{gqa}")
+    con = open_runs(tmp_path)
+    steps = dict(_one(con, "SELECT run_id, count(*) FROM steps GROUP BY 1"))
+    per = case.n - case.prompt_len + 1
+    assert steps == {f"stack-{policy}-sum": 2 * 2 * per, f"stack-{policy}-none": 2 * 4 * per}
+    heads = _one(con, "SELECT count(DISTINCT q_head) FROM evictions WHERE run_id = ?", f"stack-{policy}-none")
+    assert heads[0][0] == 4
+    assert all(s == "complete" for (s,) in con.sql("SELECT status FROM runs").fetchall())
