@@ -2,9 +2,8 @@
 
 H2O ranks positions by online cumulative scores, renormalised over the kept
 set; an oracle would rank them by the attention they receive in the future.
-Log schema v1 holds the teacher's attention only as the dropped mass per
-step, not per position, so this analysis needs two nullable columns of
-``evictions`` written by the teacher replay:
+The teacher replay writes, for every eviction, a row of the ``oracle``
+table (joined here to ``evictions`` on request, layer, KV set and position):
 
 ``teacher_future_mass`` (FLOAT)
     Σ over steps ``u > step`` of the full-cache teacher weight on the
@@ -30,7 +29,8 @@ from __future__ import annotations
 
 import duckdb
 
-from ._base import Source, check_positive, columns, connect, relation, require_columns
+from ._base import Source, check_positive, columns, connect, relation
+from .errors import MissingColumnError
 
 __all__ = ["ORACLE_COLUMNS", "oracle_available", "oracle_agreement"]
 
@@ -44,9 +44,21 @@ def _avg_rank(col: str) -> str:
             f"+ (count(*) OVER ({part}, {col}) - 1) / 2.0)")
 
 
-def oracle_available(source: Source) -> bool:
-    """Whether the logs hold ``evictions.teacher_future_mass``."""
-    return "teacher_future_mass" in columns(connect(source), "evictions")
+_JOIN = """
+    FROM evictions e JOIN oracle o
+      ON o.run_id = e.run_id AND o.request = e.request AND o.layer = e.layer AND o.kv_head = e.kv_head
+     AND o.position = e.position AND coalesce(o.q_head, -1) = coalesce(e.q_head, -1)
+"""
+
+
+def oracle_available(source: Source, run_id: str | None = None) -> bool:
+    """Whether the replay wrote ``oracle`` rows (for ``run_id``, or for any run)."""
+    con = connect(source)
+    if "teacher_future_mass" not in columns(con, "oracle"):
+        return False
+    if run_id is None:
+        return bool(relation(con, "SELECT count(*) > 0 FROM oracle").fetchall()[0][0])
+    return bool(relation(con, "SELECT count(*) > 0 FROM oracle WHERE run_id = $run", run=run_id).fetchall()[0][0])
 
 
 def oracle_agreement(source: Source, run_id: str, *, eps: float = 0.05) -> duckdb.DuckDBPyRelation:
@@ -55,24 +67,26 @@ def oracle_agreement(source: Source, run_id: str, *, eps: float = 0.05) -> duckd
     Raises
     ------
     MissingColumnError
-        The logs lack ``evictions.teacher_future_mass``.
+        The run has no ``oracle`` rows (``teacher_future_mass``): replay it first.
 
     Returns
     -------
     relation
         ``layer, kv_head, q_head, evictions, agreement, regret, worst_future_mass,
-        worst_step, worst_position, rank_corr_future, rank_corr_score``
-        (``rank_corr_score`` null without ``teacher_score``).
+        worst_step, worst_position, rank_corr_future, rank_corr_score``.
     """
     con = connect(source)
     check_positive("eps", eps)
-    require_columns(con, "evictions", ("teacher_future_mass",), "oracle agreement")
-    teacher_score = "teacher_score" if "teacher_score" in columns(con, "evictions") else "NULL::FLOAT"
+    if not oracle_available(con, run_id):
+        raise MissingColumnError(
+            f"oracle agreement of run {run_id!r} needs the replay's oracle table (teacher_future_mass, "
+            "teacher_score); run `h2o-lens replay` on it first")
     sql = f"""
         WITH e AS (
-            SELECT layer, kv_head, q_head, step, position, score, teacher_future_mass AS future,
-                   {teacher_score} AS teacher_score
-            FROM evictions WHERE run_id = $run AND teacher_future_mass IS NOT NULL
+            SELECT e.layer, e.kv_head, e.q_head, e.step, e.position, e.score,
+                   o.teacher_future_mass AS future, o.teacher_score AS teacher_score
+            {_JOIN}
+            WHERE e.run_id = $run
         ), r AS (
             SELECT *, {_avg_rank("score")} AS r_score, {_avg_rank("future")} AS r_future,
                    {_avg_rank("teacher_score")} AS r_teacher
@@ -83,7 +97,7 @@ def oracle_agreement(source: Source, run_id: str, *, eps: float = 0.05) -> duckd
                max(future) AS worst_future_mass, arg_max(step, future) AS worst_step,
                arg_max(position, future) AS worst_position,
                corr(r_score, r_future) AS rank_corr_future,
-               corr(r_score, r_teacher) FILTER (WHERE teacher_score IS NOT NULL) AS rank_corr_score
+               corr(r_score, r_teacher) AS rank_corr_score
         FROM r GROUP BY ALL ORDER BY layer, kv_head, q_head
     """
     return relation(con, sql, run=run_id, eps=float(eps))

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from h2o_lens.kernels import replay_dropped_mass_torch
+from h2o_lens.ops import prefill_attention
 from transformers import DynamicCache
 
 from .errors import RecorderError
@@ -64,7 +65,11 @@ class _State:
         self.mode = "teacher"
         self.evict: dict[int, torch.Tensor] = {}  # layer -> (1, Hs, N) eviction step per position
         self.sets_per_kv = 1  # 1, or G for gqa='none' (one set per query head)
-        self.dropped: dict[int, torch.Tensor] = {}  # layer -> (Hq, N - start)
+        self.dropped: dict[int, torch.Tensor] = {}  # layer -> (Hq, T) dropped mass of the generated rows
+        self.agg = "sum"  # how the teacher weights of a KV set's query heads aggregate (the run's gqa)
+        self.prompt_cols: dict[int, torch.Tensor] = {}  # layer -> (Hs, P)
+        self.before: dict[int, torch.Tensor] = {}  # layer -> (Hs, N) generated rows up to the eviction
+        self.after: dict[int, torch.Tensor] = {}  # layer -> (Hs, N) generated rows after it
         self.chunk = 512
 
 
@@ -82,8 +87,12 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
     scaling = scaling if scaling is not None else d ** -0.5
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if state.mode == "prompt":
-        out = sdpa(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
-        return out.transpose(1, 2), None
+        rep = state.sets_per_kv
+        k_sets = key.repeat_interleave(rep, dim=1) if rep > 1 else key
+        v_sets = value.repeat_interleave(rep, dim=1) if rep > 1 else value
+        out, cols = prefill_attention(query, k_sets, v_sets, None, scaling, state.agg)
+        state.prompt_cols[module.layer_idx] = cols[0]  # (Hs, P) teacher column sums of the prompt rows
+        return out, None
     layer = module.layer_idx
     ev = state.evict[layer]  # (1, Hs, N)
     rows = torch.arange(n - m, n, device=query.device)[:, None]  # positions of the query rows
@@ -91,7 +100,10 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
     if state.mode == "teacher":
         out = sdpa(query, key, value, attn_mask=cols <= rows, scale=scaling, enable_gqa=group > 1)
         k_sets = key.repeat_interleave(state.sets_per_kv, dim=1) if state.sets_per_kv > 1 else key
-        state.dropped[layer] = replay_dropped_mass_torch(query, k_sets, ev, scaling, chunk=state.chunk)[0]
+        dropped, before, after = replay_dropped_mass_torch(query, k_sets, ev, scaling, chunk=state.chunk,
+                                                           oracle=state.agg)
+        state.dropped[layer] = dropped[0]
+        state.before[layer], state.after[layer] = before[0], after[0]  # (Hs, N)
         return out.transpose(1, 2), None
     per_q = ev.repeat_interleave(hq // ev.shape[1], dim=1)[:, :, None, :]  # (1, Hq, 1, N)
     out = torch.empty_like(query)
@@ -135,6 +147,34 @@ def _evict_steps(ev: dict[str, np.ndarray], request: int, layers: int, sets: int
     ok = pos < n
     np.minimum.at(out, (ev["layer"][sel][ok], head[ok], pos[ok]), ev["step"][sel][ok])
     return {layer: torch.from_numpy(out[layer])[None] for layer in range(layers)}
+
+
+def _oracle_rows(rows: dict[str, list[np.ndarray]], ev: dict[str, np.ndarray], request: int, p: int, n: int,
+                 layers: int, state: _State, gqa_none: bool, group: int) -> None:
+    """Teacher weight on every evicted position, before and after its eviction step."""
+    sel = np.flatnonzero((ev["request"] == request) & (ev["position"] < n))
+    if not len(sel):
+        return
+    layer, pos, step = ev["layer"][sel], ev["position"][sel], ev["step"][sel]
+    head = ev["q_head"][sel] if gqa_none else ev["kv_head"][sel]
+    score = np.zeros(len(sel), np.float32)
+    future = np.zeros(len(sel), np.float32)
+    for lyr in range(layers):
+        here = layer == lyr
+        h, q = head[here], pos[here]
+        s = state.prompt_cols[lyr].float().numpy()[h, np.minimum(q, p - 1)] * (q < p)
+        if lyr in state.before:
+            s = s + state.before[lyr].float().numpy()[h, q]
+            future[here] = state.after[lyr].float().numpy()[h, q]
+        score[here] = s
+    rows["request"].append(np.full(len(sel), request, np.int32))
+    rows["step"].append(step)
+    rows["layer"].append(layer.astype(np.int16))
+    rows["kv_head"].append((head // group if gqa_none else head).astype(np.int16))
+    rows["q_head"].append(head.astype(np.int16))
+    rows["position"].append(pos)
+    rows["teacher_score"].append(score)
+    rows["teacher_future_mass"].append(future)
 
 
 def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = DEFAULT_TOLERANCE,
@@ -182,6 +222,10 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = 
     state = _State()
     state.chunk = chunk
     state.sets_per_kv = hq // hkv if gqa_none else 1
+    state.agg = "max" if config.get("gqa") == "max" else "sum"
+    oracle_rows: dict[str, list[np.ndarray]] = {k: [] for k in ("request", "step", "layer", "kv_head", "q_head",
+                                                                 "position", "teacher_score",
+                                                                 "teacher_future_mass")}
     rows_replay: dict[str, list[np.ndarray]] = {k: [] for k in ("request", "step", "layer", "q_head",
                                                                  "kv_head", "dropped_mass")}
     rows_steps: dict[str, list[np.ndarray]] = {k: [] for k in ("request", "step", "kl", "top1_agree",
@@ -199,6 +243,8 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = 
             n = len(ids) - 1  # the last generated token was never fed to the model
             if n < p:
                 continue
+            for per_layer in (state.dropped, state.prompt_cols, state.before, state.after):
+                per_layer.clear()
             state.evict = _evict_steps(ev, r, layers, sets, n, gqa_none)
             x = torch.as_tensor(ids[:n], dtype=torch.long)[None]
             # the prompt rows are identical in both runs (full attention): forward them once
@@ -240,6 +286,7 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = 
                 ]
                 diffs.append(np.abs(torch.logsumexp(m, -1).numpy() - logits_tab["lse"][ls][ok]))
                 max_diff = max(max_diff, float(max(d.max() for d in diffs)))
+            _oracle_rows(oracle_rows, ev, r, p, n, layers, state, gqa_none, group)
             for layer in range(layers):
                 dm = np.zeros((hq, t), np.float32)  # step p-1 (the prompt's last row) drops nothing
                 if t > 1:
@@ -254,13 +301,19 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = 
             n_steps += t
     bar.close()
 
-    for old in list_segments(run_dir).get("replay", []) + list_segments(run_dir).get("replay_steps", []):
+    segments = list_segments(run_dir)
+    for old in segments.get("replay", []) + segments.get("replay_steps", []) + segments.get("oracle", []):
         old.unlink()
     writer = SegmentWriter(run_dir, run_id=run.run_id, config=config, fsync=True)
     cat = lambda rows: {k: np.concatenate(v) for k, v in rows.items()}  # noqa: E731
     if rows_replay["step"]:
         writer.append("replay", cat(rows_replay))
         writer.append("replay_steps", cat(rows_steps))
+    if oracle_rows["step"]:
+        rows = cat(oracle_rows)
+        if not gqa_none:
+            rows.pop("q_head")
+        writer.append("oracle", rows)
     writer.close()
     seconds = time.perf_counter() - t0
     ok = max_diff <= tolerance

@@ -102,6 +102,15 @@ TABLES: dict[str, pa.Schema] = {
         _f("top1_agree", pa.bool_(), "teacher and run agree on the most likely next token"),
         _f("teacher_logprob", pa.float32(), "teacher log-probability of the run's next token"),
     ]),
+    "oracle": pa.schema([
+        _RUN_ID, _REQUEST, _STEP, _LAYER, _KV_HEAD,
+        _f("position", pa.int64(), "original position of the evicted token (one row per eviction)"),
+        _f("teacher_score", pa.float32(),
+           "full-cache teacher weight on the position over steps position..step, aggregated like gqa"),
+        _f("teacher_future_mass", pa.float32(),
+           "full-cache teacher weight on the position over steps after its eviction (teacher-forced)"),
+        _Q_HEAD_OPT,
+    ]),
     "run_logits": pa.schema([
         _RUN_ID, _REQUEST, _STEP,
         _f("token_id", pa.int32(), "token the run produced from this step's logits"),
@@ -129,6 +138,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "steps": ("run_id", "request", "step", "layer", "kv_head"),
     "replay": ("run_id", "request", "step", "layer", "q_head"),
     "replay_steps": ("run_id", "request", "step"),
+    "oracle": ("run_id", "request", "step", "layer", "kv_head", "position"),
     "run_logits": ("run_id", "request", "step"),
     "requests": ("run_id", "request"),
 }

@@ -297,10 +297,13 @@ def test_oracle_agreement_matches_pandas(tmp_path, world):
     past = [float(agg[r.layer, r.kv_head, r.position:r.step + 1, r.position].sum()) for r in ev.itertuples()]
     cols = {k: ev[k].tolist() for k in ev.columns if k != "q_head"}
     table = to_arrow("evictions", cols, run_id="orc")
-    table = table.append_column("teacher_future_mass", pa.array(future, pa.float32()))
-    table = table.append_column("teacher_score", pa.array(past, pa.float32()))
     pq.write_table(table.replace_schema_metadata({META_SCHEMA_VERSION: str(SCHEMA_VERSION)}),
                    tmp_path / "orc" / "evictions-00000.parquet")
+    keys = ("request", "step", "layer", "kv_head", "position")
+    oracle = to_arrow("oracle", {**{k: ev[k].tolist() for k in keys}, "teacher_future_mass": future,
+                                 "teacher_score": past}, run_id="orc")
+    pq.write_table(oracle.replace_schema_metadata({META_SCHEMA_VERSION: str(SCHEMA_VERSION)}),
+                   tmp_path / "orc" / "oracle-00000.parquet")
     con = open_runs(tmp_path)
     assert analyses.oracle_available(con)
     got = analyses.oracle_agreement(con, "orc", eps=0.5).df().set_index(["layer", "kv_head"])

@@ -253,3 +253,24 @@ def test_sigkill_mid_generation_leaves_readable_logs(tmp_path):
     assert con.execute("SELECT status FROM runs WHERE run_id = 'killed-run'").fetchone()[0] == "interrupted"
     loaded = load_run(run_dir)  # strict load of the killed run works too
     assert loaded["evictions"].num_rows == counts["killed-run"]
+
+
+def test_replay_oracle_columns_equal_brute_force(tmp_path):
+    """teacher_score / teacher_future_mass: full attention on each victim before / after its eviction."""
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
+    with h2o_lens.record(model, H2OConfig(heavy=3, recent=3), out=tmp_path, fsync=False) as run:
+        seq = _gen(model, _ids(14, seed=2), new=10)
+    replay(tmp_path / run.run_id, model=model, progress=False)
+    got = _table(tmp_path, run.run_id, "oracle", ["step", "layer", "kv_head", "position", "teacher_score",
+                                                   "teacher_future_mass"])
+    assert len(got) == len(_table(tmp_path, run.run_id, "evictions", ["step"]))
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            att = model(input_ids=seq[:, :-1], output_attentions=True, use_cache=False).attentions
+    finally:
+        model.set_attn_implementation("sdpa")
+    for row in got.itertuples():
+        a = att[row.layer][0, 2 * row.kv_head:2 * row.kv_head + 2].sum(0)  # (N, N) summed over the group
+        assert row.teacher_score == pytest.approx(float(a[row.position:row.step + 1, row.position].sum()), abs=1e-4)
+        assert row.teacher_future_mass == pytest.approx(float(a[row.step + 1:, row.position].sum()), abs=1e-4)

@@ -130,7 +130,7 @@ def replay_dropped_mass_triton(query: torch.Tensor, key: torch.Tensor, evict_ste
 
 
 def replay_dropped_mass_torch(query: torch.Tensor, key: torch.Tensor, evict_step: torch.Tensor,
-                              scaling: float, chunk: int = 256) -> torch.Tensor:
+                              scaling: float, chunk: int = 256, *, oracle: str | None = None):
     """The same dropped mass in plain torch, ``chunk`` query rows at a time.
 
     Memory is ``O(b · Hq · chunk · N)``; works on any device. Shapes as in
@@ -138,6 +138,13 @@ def replay_dropped_mass_torch(query: torch.Tensor, key: torch.Tensor, evict_step
     hold only the last ``M <= N`` positions (query row ``j`` is position
     ``N − M + j``), as when replaying the generated part after a shared
     prompt. Returns ``(b, Hq, M)`` float32 (float64 for float64 inputs).
+
+    With ``oracle="sum"`` or ``"max"`` it also returns, per KV set and key
+    position, the teacher weight these rows put on the key (aggregated over
+    the set's query heads like the run's ``gqa``), split at the key's
+    eviction step: ``before (b, Hs, N)`` sums rows ``<= evict_step`` and
+    ``after (b, Hs, N)`` rows ``> evict_step`` (the attention a victim would
+    still have received).
     """
     fn = "replay_dropped_mass_torch"
     b, hq, hs, m, n, d = _check(fn, query, key, evict_step, for_triton=False)
@@ -150,6 +157,9 @@ def replay_dropped_mass_torch(query: torch.Tensor, key: torch.Tensor, evict_step
     kt = key.transpose(-1, -2)[:, :, None]  # (b, Hs, 1, d, N)
     ev = evict_step[:, :, None, None, :]  # (b, Hs, 1, 1, N)
     out = torch.empty(b, hs, g, m, dtype=acc, device=query.device)
+    if oracle is not None:
+        before = torch.zeros(b, hs, n, dtype=acc, device=query.device)
+        after = torch.zeros(b, hs, n, dtype=acc, device=query.device)
     for s in range(0, m, chunk):
         e = min(m, s + chunk)
         end = offset + e  # keys past the chunk's last position are masked anyway
@@ -159,4 +169,10 @@ def replay_dropped_mass_torch(query: torch.Tensor, key: torch.Tensor, evict_step
         w = torch.softmax(logits.masked_fill(cols > rows, float("-inf")), dim=-1, dtype=acc)
         gone = ev[..., :end] < rows  # (b, Hs, 1, c, end)
         out[..., s:e] = (w * gone).sum(-1)
-    return out.reshape(b, hq, m)
+        if oracle is not None:
+            agg = w.amax(2) if oracle == "max" else w.sum(2)  # (b, Hs, c, end)
+            gone_rows = gone[:, :, 0]  # (b, Hs, c, end)
+            after[..., :end] += (agg * gone_rows).sum(-2)
+            before[..., :end] += (agg * ~gone_rows).sum(-2)
+    dropped = out.reshape(b, hq, m)
+    return dropped if oracle is None else (dropped, before, after)

@@ -1,0 +1,141 @@
+"""Pieces every page shares: the empty-root message, the run header and its warnings."""
+from __future__ import annotations
+
+import math
+import numbers
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from . import data
+from .state import DATA_ERRORS, Root, remembered
+
+__all__ = ["PAGES", "empty_root", "load_runs", "current_run", "run_page", "fmt", "metric_row"]
+
+#: Pages in navigation order: (key = file name and URL path, title, icon, help).
+PAGES = (
+    ("runs", "Runs", ":material/list:", "Every run with its settings and headline numbers"),
+    ("overview", "Overview", ":material/monitoring:", "KL, top-1 agreement, dropped mass and the verdict"),
+    ("tokens", "Tokens", ":material/text_fields:", "The text coloured by when each token was evicted"),
+    ("heads", "Heads", ":material/grid_on:", "Coverage and dropped mass per layer and head"),
+    ("dynamics", "Dynamics", ":material/trending_up:", "Promotion, heavy threshold, slot age, freezing"),
+    ("evictions", "Evictions", ":material/table_rows:", "Filterable eviction table and margin histogram"),
+    ("compare", "Compare", ":material/compare_arrows:", "Two runs on the same tokens side by side"),
+    ("report", "Report", ":material/description:", "Attribution and report downloads"),
+    ("sql", "SQL", ":material/terminal:", "Read-only SQL console over the views"),
+)
+
+
+def empty_root(root: Root, problems: pd.DataFrame | None = None) -> None:
+    """The friendly message of a missing or empty runs root."""
+    path = Path(root.path)
+    if not path.is_dir():
+        st.warning(f"The runs root `{path}` does not exist yet.", icon=":material/folder_off:")
+    else:
+        st.info(f"No runs under `{path}` yet.", icon=":material/folder_open:")
+    st.markdown(
+        "Record a run into this folder, then press **Reload runs** in the sidebar:\n\n"
+        f"```bash\nh2o-lens record --out {path} --prompt \"...\" --evidence \"label=text\" --replay\n```\n"
+        "or open the dashboard on another runs root:\n\n"
+        "```bash\nh2o-lens app path/to/runs\n```\n"
+        "A synthetic run (no model needed) shows what the pages look like:\n\n"
+        f"```bash\npython -c \"from recorders import write_synthetic_run; "
+        f"write_synthetic_run('{path}', 'synthetic-demo')\"\n```")
+    if problems is not None and len(problems):
+        _problem_list("Skipped while reading the root", problems)
+
+
+def _problem_list(title: str, problems: pd.DataFrame) -> None:
+    lines = "\n".join(f"- `{r.path}`: {r.reason}" for r in problems.head(20).itertuples())
+    more = f"\n- … and {len(problems) - 20} more" if len(problems) > 20 else ""
+    st.warning(f"**{title}** ({len(problems)} file(s) left out):\n{lines}{more}",
+               icon=":material/warning:")
+
+
+def load_runs(root: Root) -> pd.DataFrame | None:
+    """The runs table, or None after showing why it cannot be read."""
+    try:
+        return data.runs(root)
+    except DATA_ERRORS as exc:
+        st.error(f"Cannot read the runs root `{root.path}`: {exc}", icon=":material/error:")
+        return None
+
+
+def current_run(runs: pd.DataFrame) -> dict[str, Any] | None:
+    """The ``runs_table`` row of the selected run."""
+    run_id = remembered("run")
+    match = runs[runs["run_id"] == run_id]
+    return match.iloc[0].to_dict() if len(match) else None
+
+
+def _notes(root: Root, row: dict[str, Any]) -> None:
+    run_id, status = row["run_id"], row["status"]
+    if status == "interrupted":
+        st.warning(f"Run `{run_id}` was **interrupted**: its writer stopped before closing the run, so "
+                   "its logs end early. Everything it wrote is shown; tables it never reached are empty.",
+                   icon=":material/warning:")
+    elif status == "running":
+        st.info(f"Run `{run_id}` is still being written; press **Reload runs** for new rows.",
+                icon=":material/hourglass_top:")
+    elif status == "failed":
+        st.warning(f"Run `{run_id}` **failed**: {row.get('error') or 'no error message recorded'}",
+                   icon=":material/warning:")
+    elif status not in ("complete",):
+        st.warning(f"Run `{run_id}` has status **{status}**: its manifest is missing or unreadable.",
+                   icon=":material/warning:")
+    if row.get("problems"):
+        try:
+            probs = data.problems(root, run_id)
+        except DATA_ERRORS:
+            return
+        _problem_list(f"Some files of run `{run_id}` could not be read", probs)
+
+
+def run_page(root: Root, title: str) -> dict[str, Any] | None:
+    """Title, selected run and its warnings; None (after a message) when there is no run to show."""
+    st.title(title)
+    runs = load_runs(root)
+    if runs is None:
+        return None
+    if runs.empty:
+        empty_root(root)
+        return None
+    row = current_run(runs)
+    if row is None:
+        st.info("Pick a run in the sidebar.")
+        return None
+    bits = [f"**{row['run_id']}**", str(row.get("policy") or "?")]
+    if not _missing(row.get("heavy")):
+        bits.append(f"heavy {int(row['heavy'])} + recent {int(row['recent'])} slots")
+    if row.get("gqa"):
+        bits.append(f"GQA {row['gqa']}")
+    if row.get("model"):
+        bits.append(f"model {row['model']}")
+    st.caption(" · ".join(bits))
+    _notes(root, row)
+    return row
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA
+
+
+def fmt(value: Any, spec: str = ".4g", none: str = "–") -> str:
+    """A number for a metric card; missing values as a dash."""
+    if _missing(value):
+        return none
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return f"{value:,}"
+    try:
+        return format(float(value), spec)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def metric_row(items: list[tuple[str, str, str | None]]) -> None:
+    """Metric cards in one row: (label, value, help)."""
+    cols = st.columns(len(items))
+    for col, (label, value, help_text) in zip(cols, items):
+        col.metric(label, value, help=help_text, border=True)

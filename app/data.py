@@ -1,0 +1,183 @@
+"""Cached loaders: each calls :mod:`analyses` on a fresh cursor and returns small frames.
+
+Results are cached per runs root version (see :class:`app.state.Root`), so
+revisiting a page is instant and a new or changed run invalidates them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+import analyses
+from analyses import views
+
+from .state import MAX_ROWS, Root, cursor
+
+_cache = st.cache_data(show_spinner=False, max_entries=256)
+
+
+@_cache
+def runs(root: Root) -> pd.DataFrame:
+    """Every run with headline numbers (:func:`analyses.views.runs_table`)."""
+    with cursor(root) as cur:
+        return views.runs_table(cur).df()
+
+
+@_cache
+def problems(root: Root, run_id: str | None = None) -> pd.DataFrame:
+    """Files the readers skipped: ``path, run_id, table_name, reason``."""
+    with cursor(root) as cur:
+        return views.run_problems(cur, run_id).df()
+
+
+@_cache
+def run_shape(root: Root, run_id: str) -> dict[str, Any]:
+    """Steps, requests, tokens and KV sets of a run."""
+    with cursor(root) as cur:
+        rng = views.step_range(cur, run_id).df().iloc[0].to_dict()
+        sets = views.kv_sets(cur, run_id).df()
+    out = {k: (None if pd.isna(v) else int(v)) for k, v in rng.items()}
+    out["layers"] = sorted(int(v) for v in sets["layer"].unique())
+    out["kv_heads"] = sorted(int(v) for v in sets["kv_head"].unique())
+    out["q_heads"] = sorted(int(v) for v in sets["q_head"].dropna().unique())
+    out["sets"] = len(sets)
+    return out
+
+
+@_cache
+def replay_series(root: Root, run_id: str) -> pd.DataFrame:
+    with cursor(root) as cur:
+        return analyses.replay_series(cur, run_id).df()
+
+
+@_cache
+def dropped_mass_series(root: Root, run_id: str) -> pd.DataFrame:
+    with cursor(root) as cur:
+        return analyses.dropped_mass_series(cur, run_id).df()
+
+
+@_cache
+def divergence(root: Root, run_id: str) -> pd.DataFrame:
+    with cursor(root) as cur:
+        return analyses.divergence_summary(cur, run_id).df()
+
+
+@_cache
+def attributions(root: Root, run_id: str) -> list[dict[str, Any]]:
+    """Verdicts of the failed requests, most severe first (:func:`analyses.attribute`)."""
+    with cursor(root) as cur:
+        return [a.to_dict() for a in analyses.attribute(cur, run_id)]
+
+
+@_cache
+def head_coverage(root: Root, run_id: str) -> pd.DataFrame:
+    with cursor(root) as cur:
+        return analyses.head_coverage(cur, run_id).df()
+
+
+@_cache
+def head_series(root: Root, run_id: str, layer: int, q_head: int) -> pd.DataFrame:
+    with cursor(root) as cur:
+        return views.head_dropped_mass(cur, run_id, layer=layer, q_head=q_head).df()
+
+
+@_cache
+def gqa_pair(root: Root, run_id: str) -> tuple[str, str] | None:
+    with cursor(root) as cur:
+        return views.gqa_partner(cur, run_id)
+
+
+@_cache
+def gqa_overlap(root: Root, sum_run: str, max_run: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Jaccard of the sum and max kept sets: per (layer, KV head) and per step."""
+    with cursor(root) as cur:
+        rel = analyses.gqa_overlap(cur, sum_run, max_run)
+        by_set = analyses.coverage_stats(rel, by=("layer", "kv_head"), value="jaccard").df()
+        by_step = analyses.coverage_stats(rel, by=("step",), value="jaccard").df()
+    return by_set, by_step
+
+
+@_cache
+def kept_overlap(root: Root, run_a: str, run_b: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Jaccard of two runs' kept sets: per (layer, KV head) and per step."""
+    with cursor(root) as cur:
+        rel = analyses.kept_overlap(cur, run_a, run_b)
+        by_set = analyses.coverage_stats(rel, by=("layer", "kv_head"), value="jaccard").df()
+        by_step = analyses.coverage_stats(rel, by=("step",), value="jaccard").df()
+    return by_set, by_step
+
+
+@_cache
+def free_generation(root: Root, run_a: str, run_b: str) -> pd.DataFrame | None:
+    with cursor(root) as cur:
+        rel = analyses.free_generation(cur, run_a, run_b)
+        return None if rel is None else rel.df()
+
+
+@_cache
+def freezing(root: Root, run_id: str, window: int) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Freeze onset per KV set, mean promotion rate per KV set and the windowed series."""
+    with cursor(root) as cur:
+        onset = analyses.freeze_onset(cur, run_id, window=window).df()
+        series = analyses.freeze_series(cur, run_id, window=window)
+        rate = analyses.coverage_stats(series, by=("layer", "kv_head"), value="promotion_rate").df()
+        return onset, rate, series.df()
+
+
+@_cache
+def tokens(root: Root, run_id: str, request: int, layer: int | None, kv_head: int | None,
+           q_head: int | None, at_step: int | None, first: int, last: int) -> pd.DataFrame:
+    with cursor(root) as cur:
+        return views.token_evictions(cur, run_id, request=request, layer=layer, kv_head=kv_head,
+                                     q_head=q_head, at_step=at_step, first=first, last=last).df()
+
+
+@_cache
+def lifetime(root: Root, run_id: str, request: int, position: int) -> pd.DataFrame:
+    with cursor(root) as cur:
+        return views.token_lifetime(cur, run_id, position, request=request).df()
+
+
+@_cache
+def evidence(root: Root, run_id: str) -> pd.DataFrame:
+    with cursor(root) as cur:
+        return analyses.evidence_held(cur, run_id).df()
+
+
+@_cache
+def evictions(root: Root, run_id: str, filters: tuple[tuple[str, Any], ...]) -> tuple[pd.DataFrame, int]:
+    """Filtered eviction rows, at most :data:`~app.state.MAX_ROWS`, and how many matched."""
+    with cursor(root) as cur:
+        return views.capped(views.evictions_filtered(cur, run_id, **dict(filters)), MAX_ROWS)
+
+
+@_cache
+def margin_histogram(root: Root, run_id: str, filters: tuple[tuple[str, Any], ...],
+                     log: bool) -> pd.DataFrame:
+    with cursor(root) as cur:
+        return views.margin_histogram(cur, run_id, log=log, **dict(filters)).df()
+
+
+@_cache
+def margin_sensitivity(root: Root, run_id: str, phase: str | None) -> pd.DataFrame:
+    with cursor(root) as cur:
+        return analyses.margin_sensitivity(cur, run_id, phase=phase).df()
+
+
+@_cache
+def report_data(root: Root, run_id: str) -> dict[str, Any]:
+    with cursor(root) as cur:
+        return analyses.report_data(cur, run_id)
+
+
+@_cache
+def schemas(root: Root) -> dict[str, list[dict[str, str]]]:
+    return analyses.view_schemas(root.path)
+
+
+def clear() -> None:
+    """Forget every cached result and the connection (after runs changed on disk)."""
+    st.cache_data.clear()
+    st.cache_resource.clear()

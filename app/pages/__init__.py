@@ -1,0 +1,1 @@
+"""One file per dashboard page; ``app/main.py`` runs them through ``st.navigation``."""

@@ -1,0 +1,102 @@
+"""The prompt and the generation as coloured text: one ``<span>`` per token.
+
+Colours come from a light scale so that black text stays readable: in
+``step`` mode the step a chosen KV set evicted the token (early = dark
+orange, late = pale yellow), in ``share`` mode the share of KV sets that had
+evicted it (0 = none = no colour, 1 = all = red). Evidence tokens are
+underlined, tokens not yet seen at the chosen step are greyed, the selected
+token is outlined.
+"""
+from __future__ import annotations
+
+import functools
+import html
+
+import pandas as pd
+from plotly.colors import sample_colorscale
+
+__all__ = ["token_html", "legend_html"]
+
+_STEP_SCALE = "YlOrRd"
+_SHARE_SCALE = "Reds"
+_EVIDENCE = "#1f77b4"
+
+
+def _color(scale: str, t: float) -> str:
+    return _sample(scale, round(min(max(t, 0.0), 1.0), 2))
+
+
+@functools.lru_cache(maxsize=512)
+def _sample(scale: str, t: float) -> str:
+    return sample_colorscale(scale, [t])[0]
+
+
+def _shown(text: object) -> str:
+    raw = "" if text is None or (isinstance(text, float) and pd.isna(text)) else str(text)
+    if raw == "":
+        return "∅"
+    return html.escape(raw.replace("\n", "↵\n").replace("\t", "⇥\t"))
+
+
+def token_html(df: pd.DataFrame, *, mode: str, step_range: tuple[int, int], at_step: int | None,
+               selected: int | None) -> str:
+    """HTML of the tokens of ``df`` (:func:`analyses.views.token_evictions` rows)."""
+    lo, hi = step_range
+    span = max(hi - lo, 1)
+    parts = ['<div style="font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 0.9rem; '
+             'line-height: 1.9; white-space: pre-wrap; word-break: break-word; max-height: 520px; '
+             'overflow-y: auto; padding: 0.6rem; border: 1px solid rgba(128,128,128,0.35); '
+             'border-radius: 0.4rem;">']
+    in_prompt = None
+    for row in df.itertuples(index=False):
+        if in_prompt is not None and in_prompt and not row.is_prompt:
+            parts.append('<span style="display:inline-block; margin: 0 0.4rem; padding: 0 0.4rem; '
+                         'border-radius: 0.3rem; background:#444; color:#fff; font-size:0.75rem;">'
+                         'generation ▸</span>')
+        in_prompt = bool(row.is_prompt)
+        pos = int(row.position)
+        future = at_step is not None and pos > at_step
+        style = ["border-radius: 2px", "padding: 1px 0"]
+        if mode == "step":
+            step = row.evicted_step
+            gone = not pd.isna(step)
+            if gone:
+                style.append(f"background: {_color(_STEP_SCALE, 0.85 - 0.7 * (int(step) - lo) / span)}")
+            what = f"evicted at step {int(step)}" if gone else "kept"
+        else:
+            share = float(row.evicted_share) if not pd.isna(row.evicted_share) else 0.0
+            if share > 0:
+                style.append(f"background: {_color(_SHARE_SCALE, 0.1 + 0.8 * share)}")
+            what = f"{share:.0%} of KV sets evicted it ({int(row.evicted_sets)}/{int(row.sets)})"
+        if future:
+            style.append("color: #999")
+            what = "not yet seen at this step"
+        if isinstance(row.evidence, str):
+            style.append(f"border-bottom: 3px solid {_EVIDENCE}")
+            what += f" · evidence {row.evidence!r}"
+        if selected is not None and pos == selected:
+            style.append("outline: 2px solid #000; outline-offset: 1px")
+        title = html.escape(f"position {pos} · {what}", quote=True)
+        parts.append(f'<span title="{title}" style="{"; ".join(style)}">{_shown(row.text)}</span>')
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def legend_html(*, mode: str, step_range: tuple[int, int]) -> str:
+    """A one-line legend: the colour scale with its ends, evidence and selection marks."""
+    if mode == "step":
+        stops = [_color(_STEP_SCALE, 0.85 - 0.7 * t) for t in (0.0, 0.25, 0.5, 0.75, 1.0)]
+        left, right = f"evicted at step {step_range[0]}", f"step {step_range[1]}"
+    else:
+        stops = [_color(_SHARE_SCALE, 0.1 + 0.8 * t) for t in (0.0, 0.25, 0.5, 0.75, 1.0)]
+        left, right = "few KV sets evicted it", "all KV sets"
+    bar = (f'<span style="display:inline-block; width: 160px; height: 12px; vertical-align: middle; '
+           f'border-radius: 2px; background: linear-gradient(to right, {", ".join(stops)});"></span>')
+    item = 'style="margin-right: 1.2rem; white-space: nowrap;"'
+    return (f'<div style="font-size: 0.85rem; line-height: 2;">'
+            f'<span {item}>{left} {bar} {right}</span>'
+            f'<span {item}>no colour: kept</span>'
+            f'<span {item}><span style="border-bottom: 3px solid {_EVIDENCE};">evidence</span></span>'
+            f'<span {item}><span style="color:#999;">grey: not yet seen</span></span>'
+            f'<span {item}><span style="outline: 2px solid #000; outline-offset: 1px;">selected</span></span>'
+            f'</div>')
