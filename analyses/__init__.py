@@ -26,6 +26,7 @@ from .errors import (AnalysisError, MissingColumnError, ParameterError, SQLRefus
                      SQLSandboxError, SQLTimeoutError, UnknownRunError)
 from .evidence import evidence_deletion, evidence_evictions, evidence_held, evidence_spans
 from .keptsets import gqa_overlap, kept_overlap, union_bound
+from .curves import kv_footprint, run_curve_points
 from .oracle import ORACLE_COLUMNS, oracle_agreement, oracle_available
 from .report import (FORMATS, REPORT_SCHEMA_VERSION, SCHEMA_PATH, build_report, report_data,
                      report_schema, write_report)
@@ -42,6 +43,7 @@ __all__ = [
     "kept_overlap", "union_bound", "gqa_overlap",
     "promotion_windows", "freeze_series", "freeze_onset", "margin_sensitivity",
     "stale_victims", "stale_holders", "oracle_agreement", "oracle_available", "ORACLE_COLUMNS",
+    "kv_footprint", "run_curve_points",
     # attribution and reports
     "Thresholds", "VERDICTS", "Fact", "Attribution", "attribute", "failed_requests", "evidence_sql",
     "report_data", "build_report", "write_report", "report_schema", "REPORT_SCHEMA_VERSION",

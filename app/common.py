@@ -139,3 +139,39 @@ def metric_row(items: list[tuple[str, str, str | None]]) -> None:
     cols = st.columns(len(items))
     for col, (label, value, help_text) in zip(cols, items):
         col.metric(label, value, help=help_text, border=True)
+
+
+_VERDICTS = {
+    "budget": ("Budget", "red", "the evidence was evicted and the teacher needed evicted positions"),
+    "scoring_lag": ("Scoring lag", "orange", "the evidence was evicted right after leaving the recent "
+                    "window, before anything attended to it"),
+    "not_the_cache": ("Not the cache", "blue", "the cache does not explain the failure"),
+    "implementation_error": ("Implementation error", "violet", "the replay does not reproduce the run"),
+}
+
+
+def show_attributions(attributions: list[dict[str, Any]], *, limit: int = 10) -> None:
+    """One bordered card per failed request: verdict, why, the facts and the SQL behind them."""
+    if not attributions:
+        st.success("No request failed (answer checker, top-1 agreement and KL within the thresholds): "
+                   "there is nothing to attribute.", icon=":material/check_circle:")
+        return
+    for a in attributions[:limit]:
+        name, color, meaning = _VERDICTS.get(a["verdict"], (a["verdict"], "gray", ""))
+        with st.container(border=True):
+            st.markdown(f"#### Request {a['request']}: :{color}-badge[{name}]")
+            st.markdown(f"**Why:** {a['summary']}.  \n*{name}*: {meaning}.")
+            step = a.get("decision_step")
+            st.caption(f"Failed by: {', '.join(a['failed_by']) or '–'} · decision step: "
+                       f"{step if step is not None else '–'}")
+            facts = pd.DataFrame(a["facts"])
+            if len(facts):
+                st.dataframe(facts, hide_index=True, height=min(400, 38 + 35 * len(facts)),
+                             column_config={"kind": st.column_config.TextColumn("fact", pinned=True)})
+            if a.get("evicted_evidence"):
+                with st.expander(f"Evidence evictions ({len(a['evicted_evidence'])} shown)"):
+                    st.dataframe(pd.DataFrame(a["evicted_evidence"]), hide_index=True)
+            with st.expander("SQL of the evidence evictions (paste it into the SQL page)"):
+                st.code(a["sql"], language="sql")
+    if len(attributions) > limit:
+        st.caption(f"{len(attributions) - limit} more failed request(s): see the Report page downloads.")

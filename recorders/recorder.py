@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -22,6 +23,7 @@ import torch
 from h2o_lens.cache import DecodeEvent, PrefillEvent, decode_stats
 from h2o_lens.config import H2OConfig
 from h2o_lens.runtime import H2OSession, h2o
+from transformers import LogitsProcessorList
 
 from .errors import RecorderError
 from .run import RunWriter
@@ -81,6 +83,28 @@ def locate_evidence(pieces: Sequence[str], spans: Mapping[str, Any], prompt: str
     return labels
 
 
+class _StepTimer:
+    """A logits processor that only timestamps generate's steps (scores pass through)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.t0 = 0.0
+        self.prefill: float | None = None
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        now = time.perf_counter()
+        if not self.times:
+            self.prefill = now - self.t0
+        self.times.append(now)
+        return scores
+
+    def decode_steps(self) -> list[float]:
+        return list(np.diff(self.times))
+
+
 @dataclass
 class _Pending:
     """Raw decode events kept on the device until the next flush."""
@@ -115,6 +139,8 @@ class Recording:
         self._last_layer = 0
         self._labels_override: Sequence[str | None] | None = None
         self.annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None
+        self.step_times: list[float] = []  # wall-clock seconds of each decode step
+        self.prefill_seconds: list[float] = []
         self.prompt_len = 0
         self.new_tokens = 0
         self.requests = 0
@@ -267,7 +293,13 @@ class Recording:
             kwargs["cache"] = cache
             self._last_layer = len(cache.layers) - 1
         self._pending = _Pending()
+        timer = _StepTimer()
+        kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), timer])
+        timer.start()
         out = original(*args, **kwargs)
+        self.step_times.extend(timer.decode_steps())
+        if timer.prefill is not None:
+            self.prefill_seconds.append(timer.prefill)
         self.flush()
         self._write_tokens(input_ids, mask, out)
         self._request_base += input_ids.shape[0]
@@ -442,7 +474,10 @@ def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: 
         writer.update(config=resolved.to_dict(), policy=resolved.policy, heavy=resolved.heavy,
                       recent=resolved.recent, gqa=resolved.gqa, sink=resolved.sink, seed=resolved.seed,
                       backend=cache.backend if cache is not None else "torch",
-                      prompt_len=rec.prompt_len, new_tokens=rec.new_tokens, requests=rec.requests)
+                      prompt_len=rec.prompt_len, new_tokens=rec.new_tokens, requests=rec.requests,
+                      seconds_per_token=float(np.median(rec.step_times)) if rec.step_times else None,
+                      prefill_seconds=float(np.median(rec.prefill_seconds)) if rec.prefill_seconds else None,
+                      keep_ratio=config.ratio)
     except BaseException as exc:
         if writer.status == "running":
             writer.close("failed", exc)

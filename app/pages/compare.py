@@ -1,0 +1,89 @@
+"""Compare: two runs on the same tokens side by side (curves, kept-set overlap, free generation)."""
+from __future__ import annotations
+
+import streamlit as st
+
+from app import charts, common, data, state
+
+PAGE = "compare"
+_METRICS = (("policy", "policy", None), ("heavy", "heavy", None), ("recent", "recent", None),
+            ("gqa", "GQA", None), ("kl_mean", "KL mean", ".4g"), ("top1_agreement", "top-1", ".1%"),
+            ("dropped_mass_mean", "dropped mass", ".4g"), ("evictions", "evictions", None))
+
+
+def _default_other(runs, row) -> str | None:
+    others = runs[runs["run_id"] != row["run_id"]]
+    linked = others[(others["run_id"] == row.get("source_run")) | (others["source_run"] == row["run_id"])]
+    pick = linked if len(linked) else others
+    return pick["run_id"].iloc[0] if len(pick) else None
+
+
+def _side_by_side(a: dict, b: dict) -> None:
+    cols = st.columns(2)
+    for col, r in zip(cols, (a, b)):
+        with col.container(border=True):
+            st.markdown(f"**`{r['run_id']}`** · {r['status']}")
+            st.markdown(" · ".join(f"{label} **{common.fmt(r.get(k), spec) if spec else common.fmt(r.get(k))}**"
+                                   for k, label, spec in _METRICS))
+
+
+def render() -> None:
+    root = state.current_root()
+    row = common.run_page(root, "Compare")
+    if row is None:
+        state.publish(PAGE)
+        return
+    run = row["run_id"]
+    runs = data.runs(root)
+    default = _default_other(runs, row)
+    if default is None:
+        st.info("Only one run under this root: record another (e.g. `--with-full` or `--teacher-force RUN`) "
+                "to compare.", icon=":material/info:")
+        state.publish(PAGE)
+        return
+    options = [r for r in runs["run_id"] if r != run]
+    other = state.select("Compare with", options, "other", page=PAGE, default=default,
+                         help="Runs linked through runs.source_run come first by default")
+    b = runs[runs["run_id"] == other].iloc[0].to_dict()
+    _side_by_side(row, b)
+    free = None
+    with state.guard("the token check", run):
+        free = data.free_generation(root, run, other)
+        if free is not None and len(free):
+            mism = int(free["prompt_mismatches"].sum())
+            if mism:
+                st.warning(f"The two runs do not share their prompt ({mism} prompt tokens differ): the curves "
+                           "and kept sets below compare different inputs.", icon=":material/warning:")
+    with state.guard("the curves", run):
+        frames = [(r, data.replay_series(root, r), data.dropped_mass_series(root, r)) for r in (run, other)]
+        if all(s.empty and d.empty for _, s, d in frames):
+            st.info("Neither run has a teacher replay: no KL or dropped mass to compare.")
+        else:
+            st.plotly_chart(charts.compare_figure(frames), key="compare_curves")
+    st.subheader("Kept-set overlap")
+    with state.guard("the kept-set overlap", run):
+        with st.spinner("Rebuilding the kept sets of both runs…"):
+            by_set, by_step = data.kept_overlap(root, run, other)
+        if by_step.empty:
+            st.info("The runs share no logged steps, so their kept sets cannot be compared.")
+        else:
+            st.caption("Jaccard of the two runs' candidate sets at each step, per layer and KV head "
+                       "(1 = the same positions kept).")
+            c1, c2 = st.columns(2)
+            c1.plotly_chart(charts.lines(by_step, x="step", ys=[("mean", "mean over KV sets"),
+                                                                ("min", "worst KV set")],
+                                         title="Kept-set Jaccard over steps", y_title="Jaccard",
+                                         y_range=(0, 1.02)), key="compare_jaccard")
+            c2.plotly_chart(charts.heatmap(by_set, x="kv_head", y="layer", z="mean", x_title="KV head",
+                                           title="Mean Jaccard per KV set", colorbar="Jaccard", zmax=1.0,
+                                           colorscale="Blues"), key="compare_jaccard_map")
+    with state.guard("the free generation", run):
+        if free is not None and len(free):
+            st.subheader("Generated tokens")
+            st.caption("Share of generated positions where both runs produced the same token, and the first "
+                       "position where they differ.")
+            st.dataframe(free, hide_index=True)
+    state.publish(PAGE, ["other"])
+
+
+render()

@@ -1,0 +1,68 @@
+"""Overview: KL, top-1 agreement and dropped mass over steps, first divergence, verdicts."""
+from __future__ import annotations
+
+import streamlit as st
+
+from app import charts, common, data, state
+
+PAGE = "overview"
+
+
+def _headline(row: dict, div) -> int | None:
+    first = div["first_divergence_step"].dropna()
+    first_step = int(first.min()) if len(first) else None
+    correct = f"{int(row['correct'])}/{int(row['checked'])}" if row.get("checked") else "–"
+    common.metric_row([
+        ("KL mean", common.fmt(row.get("kl_mean")), "mean KL(teacher ‖ run) over steps, nats"),
+        ("Top-1 agreement", common.fmt(row.get("top1_agreement"), ".1%"),
+         "share of steps where the run's most likely token is the teacher's"),
+        ("Dropped mass", common.fmt(row.get("dropped_mass_mean")),
+         "mean teacher attention on positions the cache had evicted (0 = nothing lost)"),
+        ("Evictions", common.fmt(int(row.get("evictions") or 0)), "eviction rows over all layers and heads"),
+        ("First divergence", common.fmt(first_step), "first step whose top-1 token differs from the teacher's"),
+        ("Correct", correct, "requests the answer checker accepted"),
+    ])
+    return first_step
+
+
+def render() -> None:
+    root = state.current_root()
+    row = common.run_page(root, "Overview")
+    if row is None:
+        state.publish(PAGE)
+        return
+    run = row["run_id"]
+    with state.guard("the divergence curves", run):
+        with st.spinner("Reading KL, agreement and dropped mass…"):
+            series = data.replay_series(root, run)
+            dropped = data.dropped_mass_series(root, run)
+            div = data.divergence(root, run)
+            shape = data.run_shape(root, run)
+        first_step = _headline(row, div)
+        if series.empty and dropped.empty:
+            st.info("This run has no teacher replay, so KL, agreement and dropped mass are unknown. "
+                    f"Replay it against a full-cache teacher: `h2o-lens replay {run}`.",
+                    icon=":material/info:")
+        else:
+            lo, hi = shape["first_step"], shape["last_step"]
+            step = state.slider("Inspect step", lo, hi, "step", page=PAGE,
+                                default=first_step if first_step is not None else hi,
+                                help="Marks a step on the curves; the Tokens page shows the cache then")
+            fig = charts.divergence_figure(series, dropped)
+            charts.mark_step(fig, first_step, "first divergence", charts.PALETTE[1])
+            if step != first_step:
+                charts.mark_step(fig, step, f"step {step}")
+            st.plotly_chart(fig, key="overview_curves")
+            if len(div) > 1:
+                st.dataframe(div, hide_index=True)
+    st.subheader("Verdict and attribution")
+    st.caption("Each failed request gets one verdict (`analyses.attribute`): budget, scoring lag, "
+               "not the cache, or implementation error, with the facts that decided it.")
+    with state.guard("the attribution", run):
+        with st.spinner("Attributing failures…"):
+            attributions = data.attributions(root, run)
+        common.show_attributions(attributions)
+    state.publish(PAGE, ["step"])
+
+
+render()
