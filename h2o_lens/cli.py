@@ -234,6 +234,30 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .suite import demo
+
+    demo(args.out, reports=not args.no_reports)
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .suite import sweep
+    from .tasks import suite
+
+    tasks = suite(size=args.size)
+    if args.tasks:
+        tasks = tasks[:args.tasks]
+    sweep(args.out, tasks=tasks, ratios=args.ratios, page_size=args.page_size)
+    return 0
+
+
+def cmd_app(args: argparse.Namespace) -> int:
+    from app.launch import run_app
+
+    return int(run_app(args.root, port=args.port, open_browser=args.open) or 0)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -311,6 +335,25 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--thresholds", default=None, help="JSON file of gate thresholds (see analyses.Thresholds)")
     rep.add_argument("--gate", action="store_true", help="with --format json: exit 1 when the verdict fails")
     rep.set_defaults(func=cmd_report)
+
+    d = sub.add_parser("demo", help="the task suite on the default model: H2O at two budgets and the baselines")
+    d.add_argument("--out", default="demo_runs", help="runs root (default: ./demo_runs)")
+    d.add_argument("--no-reports", action="store_true", help="skip the HTML/Markdown/JSON reports")
+    d.set_defaults(func=cmd_demo)
+
+    sw = sub.add_parser("sweep", help="keep ratio x policy: quality, physical KV and latency curves")
+    sw.add_argument("--out", default="sweep_runs")
+    sw.add_argument("--size", default="sweep", help="task suite size (demo | sweep)")
+    sw.add_argument("--tasks", type=int, default=None, help="use only the first N tasks")
+    sw.add_argument("--ratios", type=float, nargs="+", default=[1.0, 0.4, 0.2, 0.1, 0.05])
+    sw.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    sw.set_defaults(func=cmd_sweep)
+
+    ap = sub.add_parser("app", help="open the dashboard (Streamlit, bound to 127.0.0.1)")
+    ap.add_argument("root", nargs="?", default=None, help="runs root (default: the shipped sample_runs/)")
+    ap.add_argument("--port", type=int, default=8501)
+    ap.add_argument("--open", action="store_true", help="open a browser tab")
+    ap.set_defaults(func=cmd_app)
 
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     b.add_argument("what", choices=["decode", "record", "kernels"])

@@ -1,0 +1,282 @@
+"""The main jobs: the demo (the task suite under H2O and its baselines) and the budget sweep.
+
+Both record real runs on the default model, replay them against the full-cache
+teacher and read the results back through :mod:`analyses`. They sit at the top
+of the stack, so ``recorders`` and ``analyses`` are imported inside functions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Protocol, Sequence
+
+import torch
+
+from .config import H2OConfig
+
+__all__ = ["Task", "run_task", "demo", "sweep", "DEMO_BUDGETS", "BASELINES", "SWEEP_RATIOS", "SWEEP_POLICIES"]
+
+DEMO_BUDGETS = (0.2, 0.1)
+BASELINES = ("local", "heavy", "sink", "random")
+SWEEP_RATIOS = (1.0, 0.4, 0.2, 0.1, 0.05)
+SWEEP_POLICIES = (("h2o", "sum"), ("h2o", "max"), ("local", "sum"), ("heavy", "sum"), ("sink", "sum"),
+                  ("random", "sum"))
+
+
+class Task(Protocol):
+    """What the suite needs of a task instance."""
+
+    name: str
+    prompt: str
+    evidence: dict[str, str]
+    expected: str
+    max_new_tokens: int
+
+    def check(self, answer: str) -> bool: ...
+
+
+@dataclass
+class TaskRun:
+    """One recorded (and replayed) task run."""
+
+    task: str
+    policy: str
+    gqa: str
+    ratio: float | None
+    run_id: str
+    run_dir: Path
+    answer: str
+    correct: bool
+    seconds: float
+
+
+def _config(policy: str, ratio: float | None, gqa: str = "sum") -> H2OConfig:
+    if policy == "full" or ratio is None or ratio >= 1.0:
+        return H2OConfig(policy="full", gqa=gqa)
+    return H2OConfig(policy=policy, ratio=ratio, gqa=gqa)
+
+
+def run_task(model: Any, tok: Any, task: Task, config: H2OConfig, out: str | os.PathLike, *,
+             ratio: float | None = None, replay: bool = True, name: str | None = None) -> TaskRun:
+    """Record ``task`` under ``config`` (and replay it); the requests table carries the checker's verdict."""
+    from recorders.recorder import record
+    from recorders.replay import replay as replay_run
+
+    text = tok.apply_chat_template([{"role": "user", "content": task.prompt}], tokenize=False,
+                                   add_generation_prompt=True) if getattr(tok, "chat_template", None) else task.prompt
+    enc = tok(text, return_tensors="pt", add_special_tokens=not getattr(tok, "chat_template", None))
+    verdict: dict[str, Any] = {}
+
+    def annotate(request: int, answer: str | None) -> dict[str, Any]:
+        verdict["answer"] = answer or ""
+        verdict["correct"] = bool(task.check(answer or ""))
+        return {"task": task.name, "expected": task.expected, "correct": verdict["correct"]}
+
+    t0 = time.perf_counter()
+    info = {"task": task.name}
+    with torch.no_grad(), record(model, config, out=str(out), tokenizer=tok, evidence=task.evidence,
+                                 prompts=[task.prompt], name=name or task.name, info=info,
+                                 annotate=annotate) as run:
+        model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False,
+                       pad_token_id=tok.pad_token_id)
+    if replay:
+        replay_run(run.run_dir, model=model, progress=False)
+    return TaskRun(task.name, config.policy, config.gqa, ratio, run.run_id, Path(run.run_dir),
+                   verdict.get("answer", ""), verdict.get("correct", False), time.perf_counter() - t0)
+
+
+def _verdicts(root: str | os.PathLike, runs: Iterable[TaskRun]) -> dict[str, str]:
+    """The attribution of each failed run (``ok`` when nothing failed)."""
+    from analyses import attribute, connect
+
+    con = connect(str(root))
+    out = {}
+    for r in runs:
+        if r.policy == "full":
+            out[r.run_id] = "ok (teacher)" if r.correct else "full cache fails"
+            continue
+        found = attribute(con, r.run_id)
+        out[r.run_id] = found[0].verdict if found else "ok"
+    return out
+
+
+def _headline(root: str | os.PathLike) -> dict[str, dict[str, float]]:
+    """Mean KL and mean dropped mass per run."""
+    from analyses import connect
+
+    con = connect(str(root))
+    out: dict[str, dict[str, float]] = {}
+    for run_id, kl in con.sql("SELECT run_id, avg(kl) FROM replay_steps GROUP BY run_id").fetchall():
+        out.setdefault(run_id, {})["kl"] = kl
+    for run_id, dropped in con.sql("SELECT run_id, avg(dropped_mass) FROM replay GROUP BY run_id").fetchall():
+        out.setdefault(run_id, {})["dropped"] = dropped
+    return out
+
+
+def _table(rows: list[list[Any]], header: list[str]) -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line, sep, *("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells)])
+
+
+def demo(out: str | os.PathLike = "demo_runs", *, tasks: Sequence[Task] | None = None, model: Any = None,
+         tokenizer: Any = None, budgets: Sequence[float] = DEMO_BUDGETS, baselines: Sequence[str] = BASELINES,
+         reports: bool = True, progress: bool = True) -> list[TaskRun]:
+    """Run the task suite with H2O at ``budgets`` and the baselines at the first budget.
+
+    Every run is replayed; each H2O run gets an HTML, Markdown and JSON report
+    in ``<out>/reports``. Prints the summary table (task × policy × budget:
+    correct, KL, dropped mass, verdict) and the command that opens the dashboard.
+    """
+    from tqdm.auto import tqdm
+
+    from .models import load_model
+    from .tasks import suite
+
+    if model is None:
+        model, tokenizer = load_model(progress=progress)
+    tasks = list(tasks) if tasks is not None else suite(size="demo")
+    plan: list[tuple[Task, str, float | None]] = []
+    for task in tasks:
+        plan.append((task, "full", None))
+        plan += [(task, "h2o", b) for b in budgets]
+        plan += [(task, p, budgets[0]) for p in baselines]
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    runs = []
+    t0 = time.perf_counter()
+    for task, policy, ratio in tqdm(plan, desc="demo", unit="run", disable=not progress):
+        runs.append(run_task(model, tokenizer, task, _config(policy, ratio), root, ratio=ratio))
+    verdicts = _verdicts(root, runs)
+    head = _headline(root)
+    if reports:
+        from analyses import write_report
+
+        rep = root / "reports"
+        rep.mkdir(exist_ok=True)
+        for r in runs:
+            if r.policy == "h2o":
+                for fmt in ("html", "md", "json"):
+                    write_report(root, r.run_id, rep / f"{r.task}-{r.policy}-{int(r.ratio * 100)}.{fmt}")
+    rows = []
+    for r in runs:
+        h = head.get(r.run_id, {})
+        rows.append([r.task, r.policy, "100%" if r.ratio is None else f"{r.ratio:.0%}",
+                     "yes" if r.correct else "NO", f"{h.get('kl', 0):.3f}", f"{h.get('dropped', 0):.3f}",
+                     verdicts[r.run_id], r.run_id])
+    print(_table(rows, ["task", "policy", "budget", "correct", "KL", "dropped", "verdict", "run"]))
+    acc = {}
+    for r in runs:
+        key = (r.policy, r.ratio)
+        acc.setdefault(key, []).append(r.correct)
+    print()
+    print("accuracy: " + ", ".join(f"{p}@{'100%' if q is None else f'{q:.0%}'} {sum(v)}/{len(v)}"
+                                   for (p, q), v in acc.items()))
+    print(f"{len(runs)} runs in {time.perf_counter() - t0:.0f} s under {root}/ (reports in {root}/reports/)")
+    print(f"open the dashboard: h2o-lens app {root}")
+    (root / "demo_summary.json").write_text(json.dumps(
+        [dict(zip(["task", "policy", "budget", "correct", "kl", "dropped", "verdict", "run_id"], r)) for r in rows],
+        indent=1))
+    sys.stdout.flush()
+    return runs
+
+
+def sweep(out: str | os.PathLike = "sweep_runs", *, tasks: Sequence[Task] | None = None, model: Any = None,
+          tokenizer: Any = None, ratios: Sequence[float] = SWEEP_RATIOS,
+          policies: Sequence[tuple[str, str]] = SWEEP_POLICIES, page_size: int = 16,
+          progress: bool = True) -> "Any":
+    """Keep ratio × policy over the tasks → the three curves (quality, physical KV, latency).
+
+    Writes ``sweep.csv``, ``sweep.md`` and a self-contained ``sweep.html`` with
+    the three plots into ``out``; returns the per-configuration table (pandas).
+    """
+    from tqdm.auto import tqdm
+
+    from analyses import connect, run_curve_points
+
+    from .models import load_model
+    from .runtime import full_kv_bytes
+    from .tasks import suite
+
+    if model is None:
+        model, tokenizer = load_model(progress=progress)
+    tasks = list(tasks) if tasks is not None else suite(size="sweep")
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    plan = []
+    for ratio in ratios:
+        for policy, gqa in (policies if ratio < 1.0 else [("full", "sum")]):
+            plan += [(task, policy, gqa, ratio) for task in tasks]
+    runs = []
+    for task, policy, gqa, ratio in tqdm(plan, desc="sweep", unit="run", disable=not progress):
+        runs.append(run_task(model, tokenizer, task, _config(policy, ratio, gqa), root, ratio=ratio))
+    con = connect(str(root))
+    points = run_curve_points(con, [r.run_id for r in runs], page_size=page_size).df()
+    points["keep_ratio"] = [r.ratio for r in runs]
+    points["policy"] = [r.policy if r.policy == "full" else f"{r.policy}-{r.gqa}" if r.policy == "h2o"
+                        else r.policy for r in runs]
+    points["correct"] = [r.correct for r in runs]
+    per_token = full_kv_bytes(model, 1)  # K and V bytes of one position in a full cache, all layers
+    table = (points.groupby(["policy", "keep_ratio"], as_index=False)
+             .agg(accuracy=("correct", "mean"), kl_mean=("kl_mean", "mean"), dropped_mass=("dropped_mass", "mean"),
+                  kv_share=("kept_share", "mean"), page_share=("page_share", "mean"),
+                  ms_per_token=("seconds_per_token", lambda s: 1e3 * s.median()), runs=("run_id", "count")))
+    table["kv_bytes_per_token"] = table["kv_share"] * per_token
+    table["paged_bytes_per_token"] = table["page_share"] * per_token
+    table = table.sort_values(["policy", "keep_ratio"], ascending=[True, False])
+    table.to_csv(root / "sweep.csv", index=False)
+    (root / "sweep.md").write_text(table.to_markdown(index=False, floatfmt=".4g") if _has_tabulate()
+                                   else table.to_string(index=False))
+    _sweep_html(table, root / "sweep.html", page_size)
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    print(f"\n{len(runs)} runs under {root}/; curves in {root}/sweep.html, table in {root}/sweep.csv")
+    return table
+
+
+def _has_tabulate() -> bool:
+    try:
+        import tabulate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _sweep_html(table: Any, path: Path, page_size: int) -> None:
+    """Three curves over keep ratio in one self-contained HTML file (plotly.js inlined once)."""
+    import plotly.graph_objects as go
+    from plotly.offline import get_plotlyjs
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=3, subplot_titles=(
+        "quality: accuracy (solid) and KL (dotted)", f"physical KV share (dashed: pages of {page_size})",
+        "decode latency, ms per token"))
+    for policy, g in table.groupby("policy"):
+        g = g.sort_values("keep_ratio")
+        x = g["keep_ratio"] * 100
+        fig.add_trace(go.Scatter(x=x, y=g["accuracy"], name=policy, legendgroup=policy, mode="lines+markers"),
+                      row=1, col=1)
+        fig.add_trace(go.Scatter(x=x, y=g["kl_mean"], name=f"{policy} KL", legendgroup=policy, showlegend=False,
+                                 mode="lines", line={"dash": "dot"}), row=1, col=1)
+        fig.add_trace(go.Scatter(x=x, y=g["kv_share"], name=f"{policy} tokens", legendgroup=policy,
+                                 showlegend=False, mode="lines+markers"), row=1, col=2)
+        fig.add_trace(go.Scatter(x=x, y=g["page_share"], name=f"{policy} pages", legendgroup=policy,
+                                 showlegend=False, mode="lines", line={"dash": "dash"}), row=1, col=2)
+        fig.add_trace(go.Scatter(x=x, y=g["ms_per_token"], name=f"{policy} latency", legendgroup=policy,
+                                 showlegend=False, mode="lines+markers"), row=1, col=3)
+    for col in (1, 2, 3):
+        fig.update_xaxes(title_text="keep ratio (%)", type="log", row=1, col=col)
+    fig.update_layout(height=420, width=1300, title="H2O Lens budget sweep")
+    body = fig.to_json()
+    html = (f"<!doctype html><html><head><meta charset='utf-8'><title>H2O Lens sweep</title>"
+            f"<script>{get_plotlyjs()}</script></head><body><div id='fig'></div>"
+            f"<script>const f={body};Plotly.newPlot('fig',f.data,f.layout);</script>"
+            f"<h3>table</h3>{table.to_html(index=False, float_format=lambda v: f'{v:.4g}')}</body></html>")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(html, encoding="utf-8")
+    os.replace(tmp, path)
