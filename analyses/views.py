@@ -240,7 +240,7 @@ def evictions_filtered(source: Source, run_id: str, *, request: int | None = Non
                        step_min: int | None = None, step_max: int | None = None,
                        phase: str | None = None, margin_max: float | None = None
                        ) -> duckdb.DuckDBPyRelation:
-    """Eviction rows of one run matching the filters, with the victim's text, in step order.
+    """Eviction rows of one run matching the filters, with the victim's text, ordered by request and step.
 
     Unbounded (a run can hold millions of rows): materialise it with :func:`capped`.
 
@@ -251,7 +251,7 @@ def evictions_filtered(source: Source, run_id: str, *, request: int | None = Non
         score, margin, age, left_recent, phase``.
     """
     params = _filters(request, layer, kv_head, step_min, step_max, phase, margin_max)
-    sql = _FILTERED + " ORDER BY e.step, e.layer, e.kv_head, e.q_head, e.position"
+    sql = _FILTERED + " ORDER BY e.request, e.step, e.layer, e.kv_head, e.q_head, e.position"
     return relation(connect(source), sql, run=run_id, **params)
 
 

@@ -22,13 +22,19 @@ def _layout(fig: go.Figure, title: str, height: int) -> go.Figure:
     return fig
 
 
-def mark_step(fig: go.Figure, step: int | None, label: str, color: str = "#555") -> None:
-    """A dashed vertical line at ``step`` across every subplot, labelled at the top."""
+def mark_step(fig: go.Figure, step: int | None, label: str, color: str = "#555", *, rows: int = 1) -> None:
+    """A dashed vertical line at ``step`` across ``rows`` stacked subplots, labelled once at the top."""
     if step is None:
         return
-    fig.add_vline(x=step, line_dash="dash", line_color=color, line_width=1.2,
-                  annotation_text=label, annotation_position="top",
-                  annotation_font_size=11, annotation_font_color=color)
+    line = dict(x=step, line_dash="dash", line_color=color, line_width=1.2)
+    if rows == 1:
+        fig.add_vline(**line, annotation_text=label, annotation_position="top right",
+                      annotation_font_size=11, annotation_font_color=color)
+        return
+    for row in range(1, rows + 1):
+        extra = dict(annotation_text=label, annotation_position="top right", annotation_font_size=11,
+                     annotation_font_color=color) if row == 1 else {}
+        fig.add_vline(**line, row=row, col=1, **extra)
 
 
 def _requests(df: pd.DataFrame) -> list[int]:
@@ -72,7 +78,7 @@ def divergence_figure(series: pd.DataFrame, dropped: pd.DataFrame) -> go.Figure:
                                      line=dict(color=color, width=0.8, dash="dot"), legendgroup=str(r),
                                      showlegend=False, name="worst head",
                                      hovertemplate="worst head %{y:.3g}"), row=3, col=1)
-    fig.update_yaxes(type="log", title_text="KL", row=1, col=1)
+    fig.update_yaxes(type="log", dtick=1, title_text="KL", row=1, col=1)
     fig.update_yaxes(range=[-0.05, 1.05], title_text="agreement", row=2, col=1)
     fig.update_yaxes(rangemode="tozero", title_text="share of attention", row=3, col=1)
     fig.update_xaxes(title_text="step (query position)", row=3, col=1)
@@ -84,8 +90,17 @@ def heatmap(df: pd.DataFrame, *, x: str, y: str, z: str, title: str, colorbar: s
             x_title: str, y_title: str = "layer", zmin: float | None = None, zmax: float | None = None,
             colorscale: str = "Viridis", reverse: bool = False, fmt: str = ".3f",
             height: int | None = None) -> go.Figure:
-    """A layer × head heatmap of one value; missing cells stay blank."""
-    grid = df.pivot_table(index=y, columns=x, values=z, aggfunc="first")
+    """A layer × head heatmap of one value; missing cells stay blank.
+
+    With only one of ``zmin``/``zmax`` given, the other end comes from the data.
+    """
+    values = pd.to_numeric(df[z], errors="coerce").astype(float)
+    grid = values.groupby([df[y], df[x]]).first().unstack(x)
+    if (zmin is None) != (zmax is None) and values.notna().any():
+        zmin = float(values.min()) if zmin is None else zmin
+        zmax = float(values.max()) if zmax is None else zmax
+        if zmin >= zmax:
+            zmin, zmax = min(zmin, zmax - 1e-9), max(zmax, zmin + 1e-9)
     rows = len(grid.index)
     fig = go.Figure(go.Heatmap(
         z=grid.to_numpy(), x=[str(c) for c in grid.columns], y=[str(i) for i in grid.index],
@@ -199,7 +214,7 @@ def dynamics_figure(series: pd.DataFrame, onset: int | None) -> go.Figure:
     fig.update_yaxes(title_text="steps", row=3, col=1)
     fig.update_xaxes(title_text="step (end of window)", row=3, col=1)
     fig.update_annotations(font_size=13)
-    mark_step(fig, onset, "freeze onset", PALETTE[1])
+    mark_step(fig, onset, "freeze onset", PALETTE[1], rows=3)
     return _layout(fig, "", 620).update_layout(margin=dict(l=10, r=10, t=40, b=10))
 
 
@@ -216,7 +231,7 @@ def compare_figure(frames: Sequence[tuple[str, pd.DataFrame, pd.DataFrame]]) -> 
                                  line=dict(color=color, width=1.4), legendgroup=name), row=1, col=1)
         fig.add_trace(go.Scatter(x=d["step"], y=d["mean"], mode="lines", name=name, showlegend=False,
                                  line=dict(color=color, width=1.4), legendgroup=name), row=2, col=1)
-    fig.update_yaxes(type="log", title_text="KL", row=1, col=1)
+    fig.update_yaxes(type="log", dtick=1, title_text="KL", row=1, col=1)
     fig.update_yaxes(rangemode="tozero", title_text="share of attention", row=2, col=1)
     fig.update_xaxes(title_text="step (query position)", row=2, col=1)
     fig.update_annotations(font_size=13)

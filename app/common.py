@@ -10,22 +10,11 @@ import pandas as pd
 import streamlit as st
 
 from . import data
+from .screens import PAGES
 from .state import DATA_ERRORS, Root, remembered
 
-__all__ = ["PAGES", "empty_root", "load_runs", "current_run", "run_page", "fmt", "metric_row"]
-
-#: Pages in navigation order: (key = file name and URL path, title, icon, help).
-PAGES = (
-    ("runs", "Runs", ":material/list:", "Every run with its settings and headline numbers"),
-    ("overview", "Overview", ":material/monitoring:", "KL, top-1 agreement, dropped mass and the verdict"),
-    ("tokens", "Tokens", ":material/text_fields:", "The text coloured by when each token was evicted"),
-    ("heads", "Heads", ":material/grid_on:", "Coverage and dropped mass per layer and head"),
-    ("dynamics", "Dynamics", ":material/trending_up:", "Promotion, heavy threshold, slot age, freezing"),
-    ("evictions", "Evictions", ":material/table_rows:", "Filterable eviction table and margin histogram"),
-    ("compare", "Compare", ":material/compare_arrows:", "Two runs on the same tokens side by side"),
-    ("report", "Report", ":material/description:", "Attribution and report downloads"),
-    ("sql", "SQL", ":material/terminal:", "Read-only SQL console over the views"),
-)
+__all__ = ["PAGES", "empty_root", "problem_lines", "load_runs", "current_run", "run_page", "no_data", "fmt",
+           "metric_row", "show_attributions"]
 
 
 def empty_root(root: Root, problems: pd.DataFrame | None = None) -> None:
@@ -47,10 +36,19 @@ def empty_root(root: Root, problems: pd.DataFrame | None = None) -> None:
         _problem_list("Skipped while reading the root", problems)
 
 
+def _reason(path: str, reason: str) -> str:
+    return reason[len(path) + 2:] if reason.startswith(f"{path}: ") else reason
+
+
+def problem_lines(problems: pd.DataFrame, limit: int = 20) -> str:
+    """Markdown bullets ``path: reason`` of skipped files."""
+    lines = "\n".join(f"- `{r.path}`: {_reason(r.path, r.reason)}" for r in problems.head(limit).itertuples())
+    more = f"\n- … and {len(problems) - limit} more" if len(problems) > limit else ""
+    return lines + more
+
+
 def _problem_list(title: str, problems: pd.DataFrame) -> None:
-    lines = "\n".join(f"- `{r.path}`: {r.reason}" for r in problems.head(20).itertuples())
-    more = f"\n- … and {len(problems) - 20} more" if len(problems) > 20 else ""
-    st.warning(f"**{title}** ({len(problems)} file(s) left out):\n{lines}{more}",
+    st.warning(f"**{title}** ({len(problems)} file(s) left out):\n{problem_lines(problems)}",
                icon=":material/warning:")
 
 
@@ -85,12 +83,23 @@ def _notes(root: Root, row: dict[str, Any]) -> None:
     elif status not in ("complete",):
         st.warning(f"Run `{run_id}` has status **{status}**: its manifest is missing or unreadable.",
                    icon=":material/warning:")
+    row["damaged_tables"] = set()
     if row.get("problems"):
         try:
             probs = data.problems(root, run_id)
         except DATA_ERRORS:
             return
+        row["damaged_tables"] = set(probs["table_name"].dropna())
         _problem_list(f"Some files of run `{run_id}` could not be read", probs)
+
+
+def no_data(row: dict[str, Any], table: str, message: str) -> None:
+    """Say why a section is empty: the table's files were unreadable, or the run never wrote it."""
+    if table in row.get("damaged_tables", ()):
+        st.warning(f"The `{table}` files of this run could not be read (listed above), so this section "
+                   "is empty.", icon=":material/warning:")
+    else:
+        st.info(message, icon=":material/info:")
 
 
 def run_page(root: Root, title: str) -> dict[str, Any] | None:
@@ -150,8 +159,20 @@ _VERDICTS = {
 }
 
 
-def show_attributions(attributions: list[dict[str, Any]], *, limit: int = 10) -> None:
-    """One bordered card per failed request: verdict, why, the facts and the SQL behind them."""
+_FACT_COLUMNS = ("kind", "note", "value", "threshold", "step", "layer", "kv_head", "q_head", "position",
+                 "score", "margin", "dropped_mass")
+
+
+def show_attributions(attributions: list[dict[str, Any]], *, judged: bool = True, limit: int = 10) -> None:
+    """One bordered card per failed request: verdict, why, the facts and the SQL behind them.
+
+    ``judged`` is false when the run has neither a teacher replay nor answer-checker verdicts,
+    so no request could be found failing.
+    """
+    if not attributions and not judged:
+        st.info("Nothing to attribute: the run has no answer-checker verdict and no teacher replay, so no "
+                "request can be judged.", icon=":material/info:")
+        return
     if not attributions:
         st.success("No request failed (answer checker, top-1 agreement and KL within the thresholds): "
                    "there is nothing to attribute.", icon=":material/check_circle:")
@@ -166,8 +187,13 @@ def show_attributions(attributions: list[dict[str, Any]], *, limit: int = 10) ->
                        f"{step if step is not None else '–'}")
             facts = pd.DataFrame(a["facts"])
             if len(facts):
+                order = [c for c in _FACT_COLUMNS if c in facts.columns]
                 st.dataframe(facts, hide_index=True, height=min(400, 38 + 35 * len(facts)),
-                             column_config={"kind": st.column_config.TextColumn("fact", pinned=True)})
+                             column_order=order, column_config={
+                                 "kind": st.column_config.TextColumn("fact", pinned=True),
+                                 "note": st.column_config.TextColumn("note", width="large"),
+                                 "value": st.column_config.NumberColumn("value", format="%.4g"),
+                                 "threshold": st.column_config.NumberColumn("threshold", format="%.4g")})
             if a.get("evicted_evidence"):
                 with st.expander(f"Evidence evictions ({len(a['evicted_evidence'])} shown)"):
                     st.dataframe(pd.DataFrame(a["evicted_evidence"]), hide_index=True)

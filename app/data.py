@@ -122,7 +122,8 @@ def freezing(root: Root, run_id: str, window: int) -> tuple[pd.DataFrame, pd.Dat
     with cursor(root) as cur:
         onset = analyses.freeze_onset(cur, run_id, window=window).df()
         series = analyses.freeze_series(cur, run_id, window=window)
-        rate = analyses.coverage_stats(series, by=("layer", "kv_head"), value="promotion_rate").df()
+        rate = analyses.coverage_stats(series, by=("request", "layer", "kv_head", "q_head"),
+                                       value="promotion_rate").df()
         return onset, rate, series.df()
 
 

@@ -1,7 +1,7 @@
 """H2O Lens dashboard entry: ``streamlit run app/main.py -- --root RUNS_ROOT``.
 
 Builds the navigation, the run picker and the root controls in the sidebar,
-then runs the selected page (one file per page in ``app/pages/``).
+then runs the selected page (one file per page in ``app/screens/``).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ st.set_page_config(page_title="H2O Lens", page_icon=":material/troubleshoot:", l
 state.start_session()
 root = state.current_root()
 
-pages = {key: st.Page(f"pages/{key}.py", title=title, icon=icon, url_path=key, default=key == "runs",
+pages = {key: st.Page(f"screens/{key}.py", title=title, icon=icon, url_path=key, default=key == "runs",
                       help=help_text)
          for key, title, icon, help_text in common.PAGES}
 current = st.navigation(list(pages.values()))
@@ -29,8 +29,11 @@ if wanted in pages and pages[wanted].title != current.title:
     st.switch_page(pages[wanted], query_params=st.query_params.to_dict())
 
 with st.sidebar:
-    st.divider()
     runs = common.load_runs(root)
+    linked = state.remembered("run")
+    if runs is not None and linked is not None and linked not in set(runs["run_id"]):
+        st.warning(f"Run `{linked}` from the link is not under this runs root.", icon=":material/link_off:")
+        state.remember("run", None)
     if runs is not None and len(runs):
         labels = {r.run_id: f"{r.run_id} · {r.policy or '?'} · {r.status}" for r in runs.itertuples()}
         state.select("Run", list(labels), "run", page="sidebar", format_func=labels.get,

@@ -1,8 +1,8 @@
 """The prompt and the generation as coloured text: one ``<span>`` per token.
 
 Colours come from a light scale so that black text stays readable: in
-``step`` mode the step a chosen KV set evicted the token (early = dark
-orange, late = pale yellow), in ``share`` mode the share of KV sets that had
+``step`` mode the step a chosen KV set evicted the token (early = orange,
+late = pale yellow), in ``share`` mode the share of KV sets that had
 evicted it (0 = none = no colour, 1 = all = red). Evidence tokens are
 underlined, tokens not yet seen at the chosen step are greyed, the selected
 token is outlined.
@@ -61,12 +61,12 @@ def token_html(df: pd.DataFrame, *, mode: str, step_range: tuple[int, int], at_s
             step = row.evicted_step
             gone = not pd.isna(step)
             if gone:
-                style.append(f"background: {_color(_STEP_SCALE, 0.85 - 0.7 * (int(step) - lo) / span)}")
+                style.append(f"background: {_color(_STEP_SCALE, 0.6 - 0.55 * (int(step) - lo) / span)}")
             what = f"evicted at step {int(step)}" if gone else "kept"
         else:
             share = float(row.evicted_share) if not pd.isna(row.evicted_share) else 0.0
             if share > 0:
-                style.append(f"background: {_color(_SHARE_SCALE, 0.1 + 0.8 * share)}")
+                style.append(f"background: {_color(_SHARE_SCALE, 0.08 + 0.5 * share)}")
             what = f"{share:.0%} of KV sets evicted it ({int(row.evicted_sets)}/{int(row.sets)})"
         if future:
             style.append("color: #999")
@@ -85,10 +85,10 @@ def token_html(df: pd.DataFrame, *, mode: str, step_range: tuple[int, int], at_s
 def legend_html(*, mode: str, step_range: tuple[int, int]) -> str:
     """A one-line legend: the colour scale with its ends, evidence and selection marks."""
     if mode == "step":
-        stops = [_color(_STEP_SCALE, 0.85 - 0.7 * t) for t in (0.0, 0.25, 0.5, 0.75, 1.0)]
+        stops = [_color(_STEP_SCALE, 0.6 - 0.55 * t) for t in (0.0, 0.25, 0.5, 0.75, 1.0)]
         left, right = f"evicted at step {step_range[0]}", f"step {step_range[1]}"
     else:
-        stops = [_color(_SHARE_SCALE, 0.1 + 0.8 * t) for t in (0.0, 0.25, 0.5, 0.75, 1.0)]
+        stops = [_color(_SHARE_SCALE, 0.08 + 0.5 * t) for t in (0.0, 0.25, 0.5, 0.75, 1.0)]
         left, right = "few KV sets evicted it", "all KV sets"
     bar = (f'<span style="display:inline-block; width: 160px; height: 12px; vertical-align: middle; '
            f'border-radius: 2px; background: linear-gradient(to right, {", ".join(stops)});"></span>')

@@ -131,6 +131,18 @@ def cmd_record(args: argparse.Namespace) -> int:
     from .models import load_model
 
     config = _config(args)
+    if args.task:
+        from .suite import run_task
+        from .tasks import get_task
+
+        task = get_task(args.task)
+        model, tok = load_model(args.model)
+        done = run_task(model, tok, task, config, args.out, replay=args.replay, name=args.name)
+        print(done.answer.strip())
+        print(f"recorded {done.run_id} ({config.describe()}), task {task.name}: "
+              f"{'correct' if done.correct else 'WRONG'} (expected {task.expected}): {done.run_dir}",
+              file=sys.stderr)
+        return 0
     if args.teacher_force:
         from recorders import read_manifest
 
@@ -293,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("record", help="generate with a policy and record every eviction")
     r.add_argument("--prompt", default=None)
     r.add_argument("--prompt-file", default=None)
+    r.add_argument("--task", default=None, help="a task of the suite instead of a prompt, e.g. delayed_recall_0")
     r.add_argument("--model", default=None)
     r.add_argument("--out", default="runs", help="runs root (default: ./runs)")
     r.add_argument("--name", default=None, help="free-form run name")
@@ -343,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sw = sub.add_parser("sweep", help="keep ratio x policy: quality, physical KV and latency curves")
     sw.add_argument("--out", default="sweep_runs")
-    sw.add_argument("--size", default="sweep", help="task suite size (demo | sweep)")
+    sw.add_argument("--size", default="small", help="task suite size (small | demo | full)")
     sw.add_argument("--tasks", type=int, default=None, help="use only the first N tasks")
     sw.add_argument("--ratios", type=float, nargs="+", default=[1.0, 0.4, 0.2, 0.1, 0.05])
     sw.add_argument("--page-size", type=int, default=16, help="tokens per KV page")

@@ -206,7 +206,7 @@ def sweep(out: str | os.PathLike = "sweep_runs", *, tasks: Sequence[Task] | None
 
     if model is None:
         model, tokenizer = load_model(progress=progress)
-    tasks = list(tasks) if tasks is not None else suite(size="sweep")
+    tasks = list(tasks) if tasks is not None else suite(size="small")
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     plan = []

@@ -75,7 +75,7 @@ def render() -> None:
                                          title="Kept-set Jaccard over steps", y_title="Jaccard",
                                          y_range=(0, 1.02)), key="compare_jaccard")
             c2.plotly_chart(charts.heatmap(by_set, x="kv_head", y="layer", z="mean", x_title="KV head",
-                                           title="Mean Jaccard per KV set", colorbar="Jaccard", zmax=1.0,
+                                           title="Mean Jaccard per KV set", colorbar="Jaccard", zmin=0.0, zmax=1.0,
                                            colorscale="Blues"), key="compare_jaccard_map")
     with state.guard("the free generation", run):
         if free is not None and len(free):

@@ -10,12 +10,16 @@ from app import common, data, state
 
 PAGE = "sql"
 TIMEOUT_S = 10.0
+_ORDER = ("runs", "tokens", "evictions", "steps", "replay", "replay_steps", "requests", "problems")
 
 
 def _schemas(root: state.Root) -> None:
     st.markdown("#### Views")
     with state.guard("the view schemas"):
-        for view, cols in data.schemas(root).items():
+        schemas = data.schemas(root)
+        first = [v for v in _ORDER if v in schemas]
+        for view in first + sorted(v for v in schemas if v not in _ORDER):
+            cols = schemas[view]
             with st.expander(f"`{view}` ({len(cols)} columns)"):
                 st.dataframe(pd.DataFrame(cols), hide_index=True, column_config={
                     "name": st.column_config.TextColumn("column"),
@@ -31,7 +35,7 @@ def _console(root: state.Root, run: str | None) -> None:
     st.session_state.setdefault("w_sql_text", examples["Evictions per layer and KV head"])
     with st.form("sql_form", border=False):
         sql = st.text_area("One SELECT statement", key="w_sql_text", height=200)
-        c1, c2 = st.columns([1, 3])
+        c1, c2 = st.columns([1, 3], vertical_alignment="bottom")
         max_rows = c1.number_input("Rows at most", 1, state.MAX_ROWS, 1_000, step=500, key="w_sql_rows")
         run_it = c2.form_submit_button("Run query", type="primary", icon=":material/play_arrow:")
     st.caption(f"Read-only: one SELECT (or WITH … SELECT) over the views; files outside the runs root are "

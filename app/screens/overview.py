@@ -40,18 +40,17 @@ def render() -> None:
             shape = data.run_shape(root, run)
         first_step = _headline(row, div)
         if series.empty and dropped.empty:
-            st.info("This run has no teacher replay, so KL, agreement and dropped mass are unknown. "
-                    f"Replay it against a full-cache teacher: `h2o-lens replay {run}`.",
-                    icon=":material/info:")
+            common.no_data(row, "replay_steps", "This run has no teacher replay, so KL, agreement and dropped "
+                           f"mass are unknown. Replay it against a full-cache teacher: `h2o-lens replay {run}`.")
         else:
             lo, hi = shape["first_step"], shape["last_step"]
             step = state.slider("Inspect step", lo, hi, "step", page=PAGE,
                                 default=first_step if first_step is not None else hi,
                                 help="Marks a step on the curves; the Tokens page shows the cache then")
             fig = charts.divergence_figure(series, dropped)
-            charts.mark_step(fig, first_step, "first divergence", charts.PALETTE[1])
+            charts.mark_step(fig, first_step, "first divergence", charts.PALETTE[1], rows=3)
             if step != first_step:
-                charts.mark_step(fig, step, f"step {step}")
+                charts.mark_step(fig, step, f"step {step}", rows=3)
             st.plotly_chart(fig, key="overview_curves")
             if len(div) > 1:
                 st.dataframe(div, hide_index=True)
@@ -61,7 +60,7 @@ def render() -> None:
     with state.guard("the attribution", run):
         with st.spinner("Attributing failures…"):
             attributions = data.attributions(root, run)
-        common.show_attributions(attributions)
+        common.show_attributions(attributions, judged=bool(row.get("replay_steps") or row.get("checked")))
     state.publish(PAGE, ["step"])
 
 

@@ -11,30 +11,35 @@ _MODES = {"step": "Eviction step in one KV set", "share": "Share of KV sets that
 
 
 def _controls(shape: dict) -> dict:
-    c = st.columns([1.3, 1, 1, 1, 2.2])
+    top = st.columns([2, 3], gap="large")
     out: dict = {"request": 0, "layer": None, "kv_head": None, "q_head": None}
-    if (shape["requests"] or 1) > 1:
-        out["request"] = state.select("Request", list(range(shape["requests"])), "request", page=PAGE,
-                                      cast=int, container=c[0])
-    out["mode"] = c[0].radio("Colour", list(_MODES), format_func=_MODES.get, key="w_tokens_mode",
-                             help="One KV set: the step it evicted the token. Share: how many of the "
-                                  f"{shape['sets']} KV sets had evicted it")
-    if shape["layers"]:
-        out["layer"] = state.select("Layer", shape["layers"], "layer", page=PAGE, cast=int, container=c[1],
-                                    disabled=out["mode"] != "step")
-        out["kv_head"] = state.select("KV head", shape["kv_heads"], "head", page=PAGE, cast=int,
-                                      container=c[2], disabled=out["mode"] != "step")
-        if shape["q_heads"]:
-            out["q_head"] = state.select("Query head", shape["q_heads"], "q_head", page=PAGE, cast=int,
-                                         container=c[3], disabled=out["mode"] != "step")
+    out["mode"] = top[0].radio("Colour by", list(_MODES), format_func=_MODES.get, key="w_tokens_mode",
+                               horizontal=True,
+                               help="One KV set: the step it evicted the token. Share: how many of the "
+                                    f"{shape['sets']} KV sets had evicted it")
     lo, hi = shape["first_step"], shape["last_step"]
     if lo is None:
         out["at_step"], out["range"] = None, (0, 0)
     else:
-        out["at_step"] = state.slider("Cache at step", lo, hi, "step", page=PAGE, default=hi, container=c[4],
+        out["at_step"] = state.slider("Cache at step", lo, hi, "step", page=PAGE, default=hi, container=top[1],
                                       help="Only evictions at or before this step count; later tokens "
                                            "are greyed")
         out["range"] = (lo, hi)
+    out["row"] = st.columns(5)
+    c = iter(out["row"])
+    if (shape["requests"] or 1) > 1:
+        out["request"] = state.select("Request", list(range(shape["requests"])), "request", page=PAGE,
+                                      cast=int, container=next(c))
+    if shape["layers"]:
+        step_mode = out["mode"] == "step"
+        out["layer"] = state.select("Layer", shape["layers"], "layer", page=PAGE, cast=int, container=next(c),
+                                    disabled=not step_mode)
+        out["kv_head"] = state.select("KV head", shape["kv_heads"], "head", page=PAGE, cast=int,
+                                      container=next(c), disabled=not step_mode)
+        if shape["q_heads"]:
+            out["q_head"] = state.select("Query head", shape["q_heads"], "q_head", page=PAGE, cast=int,
+                                         container=next(c), disabled=not step_mode)
+    out["free"] = next(c, None) or st.container()
     return out
 
 
@@ -49,15 +54,16 @@ def render() -> None:
     with state.guard("the tokens", run):
         shape = data.run_shape(root, run)
         if not shape["tokens"]:
-            st.info("This run logged no tokens (the `tokens` table is empty).", icon=":material/info:")
+            common.no_data(row, "tokens", "This run logged no tokens (the `tokens` table is empty).")
             state.publish(PAGE)
             return
         ctl = _controls(shape)
         n_tokens = shape["tokens"] // max(shape["requests"] or 1, 1)
         first = 0
         if n_tokens > WINDOW:
-            first = state.number(f"First position shown ({WINDOW:,} tokens at a time of {n_tokens:,})", 0,
-                                 n_tokens - 1, "from", page=PAGE, default=0)
+            first = state.number(f"First position shown (of {n_tokens:,})", 0, n_tokens - 1, "from",
+                                 page=PAGE, default=0, container=st.columns(5)[0],
+                                 help=f"The text shows {WINDOW:,} tokens at a time")
             names.append("from")
         last = first + WINDOW - 1
         with st.spinner("Colouring tokens…"):
@@ -70,7 +76,7 @@ def render() -> None:
         positions = df["position"].tolist()
         evidence = df.loc[df["evidence"].notna(), "position"].tolist()
         token = state.number("Selected token (position)", positions[0], positions[-1], "token", page=PAGE,
-                             default=evidence[0] if evidence else positions[0],
+                             default=evidence[0] if evidence else positions[0], container=ctl["free"],
                              help="Its lifetime across layers and heads is shown below the text")
         mode = ctl["mode"]
         if mode == "step":

@@ -52,7 +52,8 @@ def render() -> None:
     with state.guard("the evictions", run):
         shape = data.run_shape(root, run)
         if not row.get("evictions"):
-            st.info("This run logged no evictions.", icon=":material/info:")
+            common.no_data(row, "evictions", "This run logged no evictions (its budget was never exceeded, "
+                                             "or the recorder was off).")
             state.publish(PAGE)
             return
         filters, names = _filters(shape)
@@ -78,7 +79,8 @@ def render() -> None:
         if total > len(rows):
             st.caption(f"Showing the first {len(rows):,} of {total:,} matching rows in step order; narrow the "
                        "filters or use the SQL page for the rest.")
-        st.dataframe(rows, hide_index=True, height=420, column_config={
+        shown = [c for c in rows.columns if c != "q_head" or rows["q_head"].notna().any()]
+        st.dataframe(rows, hide_index=True, height=420, column_order=shown, column_config={
             "score": st.column_config.NumberColumn("score", format="%.4g",
                                                    help="cumulative score of the victim when evicted"),
             "margin": st.column_config.NumberColumn("margin", format="%.3g",

@@ -54,9 +54,8 @@ def render() -> None:
             state.publish(PAGE)
             return
         if len(problems):
-            lines = "\n".join(f"- `{r.path}`: {r.reason}" for r in problems.head(20).itertuples())
             st.warning(f"**{len(problems)} file(s) could not be read and are left out** (the rest of each "
-                       f"run is shown):\n{lines}", icon=":material/warning:")
+                       f"run is shown):\n{common.problem_lines(problems)}", icon=":material/warning:")
     st.caption(f"{len(runs)} run(s) under `{root.path}`, newest first. Select a row to open that run; "
                "select two rows to compare them.")
     table = runs.copy()
@@ -71,7 +70,7 @@ def render() -> None:
     cols = st.columns(5)
     for col, (key, label) in zip(cols, (("overview", "Overview"), ("tokens", "Tokens"), ("heads", "Heads"),
                                         ("report", "Report"), ("compare", "Compare"))):
-        col.page_link(f"pages/{key}.py", label=f"Open {label}", icon=":material/arrow_forward:")
+        col.page_link(f"screens/{key}.py", label=f"Open {label}", icon=":material/arrow_forward:")
     state.publish(PAGE)
 
 

@@ -58,7 +58,8 @@ def render() -> None:
             ("Failed requests", common.fmt(s.get("failures")), None),
         ])
         st.subheader("Attribution")
-        common.show_attributions(report["failures"])
+        common.show_attributions(report["failures"],
+                                 judged=bool(row.get("replay_steps") or row.get("checked")))
     state.publish(PAGE)
 
 

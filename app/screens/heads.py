@@ -63,7 +63,7 @@ def _gqa(root: state.Root, run: str) -> None:
                "tokens: 1 = identical sets.")
     c1, c2 = st.columns(2)
     c1.plotly_chart(charts.heatmap(by_set, x="kv_head", y="layer", z="mean", x_title="KV head",
-                                   title="Mean Jaccard over steps", colorbar="Jaccard", zmax=1.0,
+                                   title="Mean Jaccard over steps", colorbar="Jaccard", zmin=0.0, zmax=1.0,
                                    colorscale="Blues"), key="heads_gqa_map")
     c2.plotly_chart(charts.lines(by_step, x="step", ys=[("mean", "mean over KV sets"),
                                                         ("min", "worst KV set")],
@@ -83,8 +83,8 @@ def render() -> None:
         with st.spinner("Aggregating coverage per head…"):
             cov = data.head_coverage(root, run)
         if cov.empty:
-            st.info("This run has no teacher replay, so coverage per head is unknown. Replay it: "
-                    f"`h2o-lens replay {run}`.", icon=":material/info:")
+            common.no_data(row, "replay", "This run has no teacher replay, so coverage per head is unknown. "
+                           f"Replay it against a full-cache teacher: `h2o-lens replay {run}`.")
         else:
             _coverage_maps(cov)
             names = _one_head(root, run, cov)

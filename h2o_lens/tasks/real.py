@@ -1,0 +1,357 @@
+"""Real-model tasks for the default model: prompts, evidence spans, expected answers, checkers.
+
+Four kinds, generated deterministically from a seed out of the word banks
+below (nothing is downloaded):
+
+``delayed_recall``
+    An ID or code stated at the start, unrelated filler, then a question
+    that recalls it.
+``multi_fact``
+    Several facts stated together; the question needs two of them at once.
+``topic_switch``
+    Notes on one topic, a long passage on another, then a question that
+    switches back to an early note.
+``long_passage``
+    A passage about several people; one question about a detail stated
+    early in it.
+
+Every :class:`Task` carries the user prompt (the caller applies the chat
+template: :meth:`Task.messages`), evidence spans as labelled substrings of
+the prompt, the expected answer, an answer checker (normalised number or
+word match, all required items present and no distractor) and
+``max_new_tokens``.
+
+The ``demo`` suite at seed 0 is calibrated on SmolLM2-135M-Instruct with a
+full cache (every instance answered correctly) and at keep ratios of 10 and
+20 % (see :func:`calibrate`); other seeds and sizes use the same templates
+but are not individually checked.
+"""
+from __future__ import annotations
+
+import random
+import re
+import time
+import unicodedata
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+__all__ = ["Task", "KINDS", "SIZES", "suite", "get_task", "check_answer", "calibrate",
+           "normalise"]
+
+# ------------------------------------------------------------------------------- word banks
+
+NAMES = ("Alice", "Bruno", "Chloe", "Daniel", "Elena", "Farid", "Grace", "Hugo", "Irene", "Jonas",
+         "Kira", "Liam", "Maya", "Nadia", "Oscar", "Paula")
+CITIES = ("Lisbon", "Oslo", "Nairobi", "Denver", "Osaka", "Dublin", "Lima", "Prague", "Cairo",
+          "Vienna", "Madrid", "Boston", "Sydney", "Berlin", "Toronto", "Athens")
+PASSWORDS = ("falcon", "orange", "river", "silver", "tiger", "maple", "violet", "thunder", "copper",
+             "meadow")
+COLOURS = ("red", "blue", "green", "yellow", "purple", "black", "white", "orange")
+PETS = ("dog", "cat", "parrot", "rabbit", "horse", "turtle")
+JOBS = ("teacher", "nurse", "pilot", "baker", "farmer", "doctor", "lawyer", "painter")
+
+#: neutral filler: a day in a small town
+TOWN = (
+    "The weather was mild and the streets were quiet.",
+    "People walked their dogs in the park.",
+    "A bus stopped at the corner and a few students got on.",
+    "The bakery on Main Street sold fresh bread every morning.",
+    "Children played football near the old library.",
+    "The river was calm and a few boats drifted by.",
+    "An old man sat on a bench and read the newspaper.",
+    "The market was busy with people buying fruit and vegetables.",
+    "Somebody was playing a guitar near the fountain.",
+    "The trains were on time all day.",
+    "A cat slept in the sun on a windowsill.",
+    "The shops opened their doors early.",
+)
+
+#: a second topic for the topic switch: cooking
+COOKING = (
+    "To make the soup, first chop two onions and a carrot.",
+    "Fry the onions slowly in olive oil until they are soft.",
+    "Add the carrot, a little salt and a spoon of pepper.",
+    "Pour in a litre of water and let it boil.",
+    "Lower the heat and let the soup simmer for twenty minutes.",
+    "Meanwhile, toast some bread in the oven.",
+    "Taste the soup and add more salt if needed.",
+    "Blend the soup until it is smooth.",
+    "Serve it hot with the toasted bread.",
+    "Fresh herbs on top make it look nicer.",
+)
+
+
+# ---------------------------------------------------------------------------------- checking
+
+_SEPARATOR = re.compile(r"(?<=\d)[,\u202f\u00a0'](?=\d{3}\b)")
+_NON_WORD = re.compile(r"[^0-9a-z]+")
+
+
+def normalise(text: str) -> str:
+    """Lower-case, accents and punctuation removed, thousands separators dropped, single spaces."""
+    text = unicodedata.normalize("NFKD", text)
+    text = "".join(ch for ch in text if not unicodedata.combining(ch)).lower()
+    text = _SEPARATOR.sub("", text)
+    return " ".join(_NON_WORD.sub(" ", text).split())
+
+
+def _contains(norm_answer: str, item: str) -> bool:
+    """Whole-word (or whole-number) occurrence of ``item`` in a normalised answer."""
+    needle = normalise(item)
+    if not needle:
+        return False
+    return re.search(rf"(?<![0-9a-z]){re.escape(needle)}(?![0-9a-z])", norm_answer) is not None
+
+
+def check_answer(answer: str, required: Sequence[str], distractors: Sequence[str] = ()) -> bool:
+    """True when every ``required`` item and no ``distractor`` occurs in ``answer``.
+
+    Items match as whole words or whole numbers after :func:`normalise`
+    (``"6604"`` matches ``"The code is 6,604."`` but not ``"66045"`` or
+    ``"660"``; ``"Lisbon"`` matches ``"lisbon!"``).
+    """
+    norm = normalise(answer)
+    return all(_contains(norm, r) for r in required) and not any(_contains(norm, d) for d in distractors)
+
+
+# -------------------------------------------------------------------------------------- tasks
+
+@dataclass(frozen=True)
+class Task:
+    """One real-model task instance.
+
+    Attributes
+    ----------
+    name : str
+        Unique within a suite, ``<kind>_<index>`` (e.g. ``delayed_recall_0``).
+    kind : str
+        One of :data:`KINDS`.
+    prompt : str
+        The user message (apply the model's chat template to :meth:`messages`).
+    evidence : dict label -> str
+        Evidence spans, each a substring of ``prompt`` (for the recorder's
+        ``evidence=``).
+    expected : str
+        The expected answer, for humans and the ``requests`` table.
+    required : tuple of str
+        Items the answer must contain (all of them).
+    distractors : tuple of str
+        Items that make the answer wrong (other facts of the prompt).
+    max_new_tokens : int
+    seed : int
+    """
+
+    name: str
+    kind: str
+    prompt: str
+    evidence: dict[str, str]
+    expected: str
+    required: tuple[str, ...]
+    distractors: tuple[str, ...] = ()
+    max_new_tokens: int = 12
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for label, span in self.evidence.items():
+            if not span or span not in self.prompt:
+                raise ValueError(f"task {self.name!r}: evidence {label!r} = {span!r} is not a substring "
+                                 "of the prompt")
+
+    def check(self, answer: str) -> bool:
+        """Answer checker (see :func:`check_answer`)."""
+        return check_answer(answer, self.required, self.distractors)
+
+    def messages(self) -> list[dict[str, str]]:
+        """The chat messages of the task (one user turn)."""
+        return [{"role": "user", "content": self.prompt}]
+
+    def chat_text(self, tokenizer: Any) -> str:
+        """The prompt with ``tokenizer``'s chat template and the generation prompt applied."""
+        return tokenizer.apply_chat_template(self.messages(), tokenize=False, add_generation_prompt=True)
+
+
+def _filler(rng: random.Random, bank: Sequence[str], sentences: int) -> str:
+    """``sentences`` sentences of ``bank``, no sentence twice in a row."""
+    out: list[str] = []
+    while len(out) < sentences:
+        s = rng.choice(bank)
+        if not out or s != out[-1]:
+            out.append(s)
+    return " ".join(out)
+
+
+def _code(rng: random.Random, digits: int) -> str:
+    return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+
+
+# one builder per kind; ``index`` picks the variant (filler length, ID type)
+
+def _delayed_recall(rng: random.Random, index: int) -> dict[str, Any]:
+    sentences = (12, 25, 18, 8)[index % 4]
+    if index % 2 == 0:
+        city, name = rng.choice(CITIES), rng.choice(NAMES)
+        fact = f"{name} moved to {city} last year."
+        question = f"Which city did {name} move to?"
+        required, evidence = (city,), {"city": city}
+        distractors = tuple(c for c in CITIES if c != city)
+    else:
+        code = _code(rng, 2)
+        name = rng.choice(NAMES)
+        fact = f"{name}'s room number is {code}."
+        question = f"What is {name}'s room number?"
+        required, evidence, distractors = (code,), {"room": f"number is {code}"}, ()
+    prompt = f"{fact} {_filler(rng, TOWN, sentences)} {question}"
+    return dict(prompt=prompt, evidence=evidence, expected=required[0], required=required,
+                distractors=distractors)
+
+
+def _multi_fact(rng: random.Random, index: int) -> dict[str, Any]:
+    people = rng.sample(NAMES, 3)
+    cities = rng.sample(CITIES, 3)
+    facts = " ".join(f"{p} lives in {c}." for p, c in zip(people, cities))
+    sentences = (10, 20)[index % 2]
+    asked = (0, 2)
+    question = f"Where do {people[asked[0]]} and {people[asked[1]]} live?"
+    prompt = f"{facts} {_filler(rng, TOWN, sentences)} {question}"
+    required = tuple(cities[i] for i in asked)
+    evidence = {f"fact_{people[i].lower()}": f"{people[i]} lives in {cities[i]}" for i in asked}
+    return dict(prompt=prompt, evidence=evidence, expected=" and ".join(required), required=required,
+                distractors=(cities[1],))
+
+
+def _topic_switch(rng: random.Random, index: int) -> dict[str, Any]:
+    name, city = rng.choice(NAMES), rng.choice(CITIES)
+    sentences = (10, 16)[index % 2]
+    notes = f"Trip notes: {name} is travelling to {city} next week."
+    prompt = (f"{notes} Now, a recipe. {_filler(rng, COOKING, sentences)} "
+              f"Back to the trip notes: which city is {name} travelling to?")
+    return dict(prompt=prompt, evidence={"destination": city}, expected=city, required=(city,),
+                distractors=tuple(c for c in CITIES if c != city))
+
+
+def _long_passage(rng: random.Random, index: int) -> dict[str, Any]:
+    people = rng.sample(NAMES, 3)
+    jobs = rng.sample(JOBS, 3)
+    cities = rng.sample(CITIES, 3)
+    pets = rng.sample(PETS, 3)
+    parts = []
+    for p, j, c, pet in zip(people, jobs, cities, pets):
+        parts.append(f"{p} is a {j} from {c}. {p} has a {pet}. {_filler(rng, TOWN, 4)}")
+    passage = " ".join(parts)
+    who = people[0]
+    if index % 2 == 0:
+        question, answer, label, span = f"Where is {who} from?", cities[0], "origin", f"{who} is a {jobs[0]} from {cities[0]}"
+        distractors = tuple(cities[1:])
+    else:
+        question, answer, label, span = f"What is {who}'s job?", jobs[0], "job", f"{who} is a {jobs[0]}"
+        distractors = tuple(jobs[1:])
+    prompt = f"{passage} {question}"
+    return dict(prompt=prompt, evidence={label: span}, expected=answer, required=(answer,),
+                distractors=distractors)
+
+
+_BUILDERS: dict[str, Callable[[random.Random, int], dict[str, Any]]] = {
+    "delayed_recall": _delayed_recall,
+    "multi_fact": _multi_fact,
+    "topic_switch": _topic_switch,
+    "long_passage": _long_passage,
+}
+KINDS: tuple[str, ...] = tuple(_BUILDERS)
+
+#: instances per kind in each suite size
+SIZES: dict[str, int] = {"small": 1, "demo": 2, "full": 4}
+_MAX_NEW = {"delayed_recall": 12, "multi_fact": 16, "topic_switch": 12, "long_passage": 12}
+
+
+def _build(kind: str, index: int, seed: int) -> Task:
+    rng = random.Random(seed * 10_007 + KINDS.index(kind) * 101 + index)
+    fields = _BUILDERS[kind](rng, index)
+    return Task(name=f"{kind}_{index}", kind=kind, max_new_tokens=_MAX_NEW[kind], seed=seed, **fields)
+
+
+def suite(seed: int = 0, size: str = "demo") -> list[Task]:
+    """The task instances of one suite, in a fixed order (kind, then index).
+
+    Parameters
+    ----------
+    seed : int
+        Same seed, same prompts.
+    size : {"small", "demo", "full"}
+        Instances per kind (see :data:`SIZES`); a smaller suite is a prefix of
+        a larger one kind by kind, so names stay stable.
+    """
+    if size not in SIZES:
+        raise ValueError(f"unknown suite size {size!r}; expected one of {', '.join(SIZES)}")
+    return [_build(kind, i, seed) for kind in KINDS for i in range(SIZES[size])]
+
+
+def get_task(name: str, seed: int = 0) -> Task:
+    """The task instance ``<kind>_<index>`` (e.g. ``"multi_fact_1"``) of seed ``seed``."""
+    kind, _, index = name.rpartition("_")
+    if kind not in _BUILDERS or not index.isdigit():
+        raise KeyError(f"unknown task {name!r}; expected <kind>_<index> with kind one of "
+                       f"{', '.join(KINDS)}, e.g. {KINDS[0]}_0")
+    return _build(kind, int(index), seed)
+
+
+# ------------------------------------------------------------------------------- calibration
+
+@dataclass
+class _Row:
+    task: str
+    prompt_len: int
+    results: dict[str, tuple[bool, str]] = field(default_factory=dict)
+
+
+def calibrate(tasks: Sequence[Task] | None = None, *, model: Any = None, tokenizer: Any = None,
+              ratios: Sequence[float] = (0.2, 0.1), policies: Sequence[str] = ("h2o", "local"),
+              out: Callable[[str], Any] = print) -> list[_Row]:
+    """Generate every task under the full cache and at each keep ratio; print a table.
+
+    The budget of ratio r on a prompt of P tokens is ``B = max(2, round(r·P))``
+    slots, ``heavy = B // 2``, ``recent = B - B // 2`` for every policy (each
+    baseline re-splits the same slot count). Greedy decoding, ``max_new_tokens``
+    of each task.
+
+    Returns the rows: per task, ``{column: (correct, answer)}``.
+    """
+    import torch
+
+    from ..config import H2OConfig
+    from ..models import load_model
+    from ..runtime import h2o
+
+    if model is None or tokenizer is None:
+        model, tokenizer = load_model(progress=False)
+    tasks = list(tasks) if tasks is not None else suite()
+    columns = ["full"] + [f"{p} {round(r * 100)}%" for r in ratios for p in policies]
+    out(f"{'task':<18} {'P':>4}  " + "  ".join(f"{c:>9}" for c in columns))
+    rows = []
+    t0 = time.perf_counter()
+    for task in tasks:
+        enc = tokenizer(task.chat_text(tokenizer), return_tensors="pt", add_special_tokens=False)
+        p = enc["input_ids"].shape[1]
+        row = _Row(task.name, p)
+        for column in columns:
+            config = None
+            if column != "full":
+                policy, pct = column.split()
+                b = max(2, round(float(pct[:-1]) / 100 * p))
+                config = H2OConfig(policy=policy, heavy=b // 2, recent=b - b // 2)
+            with torch.no_grad():
+                if config is None:
+                    ids = model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False,
+                                         pad_token_id=tokenizer.pad_token_id)
+                else:
+                    with h2o(model, config):
+                        ids = model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False,
+                                             pad_token_id=tokenizer.pad_token_id)
+            answer = tokenizer.decode(ids[0, p:], skip_special_tokens=True)
+            row.results[column] = (task.check(answer), answer)
+        rows.append(row)
+        out(f"{task.name:<18} {p:>4}  " + "  ".join(f"{'ok' if row.results[c][0] else 'FAIL':>9}"
+                                                     for c in columns))
+    totals = {c: sum(r.results[c][0] for r in rows) for c in columns}
+    out(f"{'correct':<18} {'':>4}  " + "  ".join(f"{f'{totals[c]}/{len(rows)}':>9}" for c in columns))
+    out(f"({time.perf_counter() - t0:.0f} s)")
+    return rows
