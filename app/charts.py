@@ -8,11 +8,21 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-__all__ = ["PALETTE", "divergence_figure", "heatmap", "lines", "margin_bars", "lifetime_heatmap",
+__all__ = ["warm_up", "PALETTE", "divergence_figure", "heatmap", "lines", "margin_bars", "lifetime_heatmap",
            "dynamics_figure", "compare_figure", "mark_step"]
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 _MARGIN = dict(l=10, r=10, t=50, b=10)
+
+
+def warm_up() -> None:
+    """Build one figure of each kind, so plotly's lazily imported validators load before a page needs them."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, subplot_titles=("a", "b"))
+    fig.add_trace(go.Scatter(x=[0, 1], y=[0, 1], mode="lines+markers"), row=1, col=1)
+    fig.add_trace(go.Heatmap(z=[[0, 1]], colorbar=dict(title=dict(text="z", side="right"))), row=2, col=1)
+    fig.add_trace(go.Bar(x=[0], y=[1]), row=2, col=1)
+    fig.add_vline(x=0, line_dash="dash", annotation_text="x", row=1, col=1)
+    _layout(fig, "warm-up", 100).to_json()
 
 
 def _layout(fig: go.Figure, title: str, height: int) -> go.Figure:

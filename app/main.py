@@ -14,9 +14,10 @@ if str(_REPO) not in sys.path:  # `streamlit run` puts app/ first on the path, n
 
 import streamlit as st  # noqa: E402
 
-from app import common, data, state  # noqa: E402
+from app import charts, common, data, state  # noqa: E402
 
 st.set_page_config(page_title="H2O Lens", page_icon=":material/troubleshoot:", layout="wide")
+st.cache_resource(show_spinner=False)(charts.warm_up)()  # once per process
 state.start_session()
 root = state.current_root()
 

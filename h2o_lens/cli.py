@@ -264,6 +264,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_samples(args: argparse.Namespace) -> int:
+    from .suite import make_sample_runs
+
+    make_sample_runs(args.out)
+    return 0
+
+
 def cmd_app(args: argparse.Namespace) -> int:
     from app.launch import run_app
 
@@ -361,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--ratios", type=float, nargs="+", default=[1.0, 0.4, 0.2, 0.1, 0.05])
     sw.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     sw.set_defaults(func=cmd_sweep)
+
+    sm = sub.add_parser("samples", help="regenerate the shipped sample runs (policy cases and a few tasks)")
+    sm.add_argument("--out", default="sample_runs")
+    sm.set_defaults(func=cmd_samples)
 
     ap = sub.add_parser("app", help="open the dashboard (Streamlit, bound to 127.0.0.1)")
     ap.add_argument("root", nargs="?", default=None, help="runs root (default: the shipped sample_runs/)")

@@ -61,7 +61,8 @@ def _config(policy: str, ratio: float | None, gqa: str = "sum") -> H2OConfig:
 
 
 def run_task(model: Any, tok: Any, task: Task, config: H2OConfig, out: str | os.PathLike, *,
-             ratio: float | None = None, replay: bool = True, name: str | None = None) -> TaskRun:
+             ratio: float | None = None, replay: bool = True, name: str | None = None,
+             run_id: str | None = None) -> TaskRun:
     """Record ``task`` under ``config`` (and replay it); the requests table carries the checker's verdict."""
     from recorders.recorder import record
     from recorders.replay import replay as replay_run
@@ -80,7 +81,7 @@ def run_task(model: Any, tok: Any, task: Task, config: H2OConfig, out: str | os.
     info = {"task": task.name}
     with torch.no_grad(), record(model, config, out=str(out), tokenizer=tok, evidence=task.evidence,
                                  prompts=[task.prompt], name=name or task.name, info=info,
-                                 annotate=annotate) as run:
+                                 annotate=annotate, run_id=run_id) as run:
         model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False,
                        pad_token_id=tok.pad_token_id)
     if replay:
@@ -280,3 +281,65 @@ def _sweep_html(table: Any, path: Path, page_size: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(html, encoding="utf-8")
     os.replace(tmp, path)
+
+
+#: real tasks shipped in sample_runs/ (first instance of each kind)
+SAMPLE_TASKS = ("delayed_recall_0", "multi_fact_0", "long_passage_0")
+
+
+def make_sample_runs(out: str | os.PathLike = "sample_runs", *, model: Any = None, tokenizer: Any = None,
+                     progress: bool = True) -> list[str]:
+    """Regenerate the shipped sample runs (≤ 20 MB): policy cases and a few real tasks.
+
+    * every synthetic policy case under H2O, plus the baselines that show its
+      signature (local on the far hotspot, gqa max/none on the GQA split);
+    * the first task of three kinds on the default model: full cache, H2O at
+      20 % and 10 %, local at 20 %, and teacher-forced gqa ``max`` and
+      ``none`` re-records of the H2O 20 % run (the paired runs behind the
+      GQA overlap and Compare views). Every run is replayed.
+    """
+    import shutil
+
+    from recorders.policy_cases import write_policy_case
+    from recorders.recorder import record_teacher_forced
+    from recorders.replay import replay as replay_run
+
+    from .models import load_model
+    from .tasks import get_task, policy_cases
+
+    root = Path(out)
+    if root.exists():
+        for child in root.iterdir():  # keep the folder (and a README in it); replace the runs
+            if child.is_dir():
+                shutil.rmtree(child)
+    root.mkdir(parents=True, exist_ok=True)
+    made = []
+    for case in policy_cases():
+        made.append(write_policy_case(root, case).name)
+        extra = {"far_hotspot": [("local", "sum")], "gqa_split": [("h2o", "max"), ("h2o", "none")],
+                 "delayed_reference": [("local", "sum")]}.get(case.name, [])
+        for policy, gqa in extra:
+            made.append(write_policy_case(root, case, policy=policy, gqa=gqa).name)
+    if model is None:
+        model, tokenizer = load_model(progress=progress)
+    for name in SAMPLE_TASKS:
+        task = get_task(name)
+        runs = {}
+        for policy, ratio in (("full", None), ("h2o", 0.2), ("h2o", 0.1), ("local", 0.2)):
+            pct = "100" if ratio is None else f"{round(ratio * 100)}"
+            runs[(policy, ratio)] = run_task(model, tokenizer, task, _config(policy, ratio), root, ratio=ratio,
+                                             name=f"{name} {policy} {pct}%",
+                                             run_id=f"{name}-{policy}-{pct}".replace("_", "-"))
+            made.append(runs[(policy, ratio)].run_id)
+        base = runs[("h2o", 0.2)]
+        resolved = json.loads((base.run_dir / "manifest.json").read_text())["config"]
+        for gqa in ("max", "none"):
+            cfg = H2OConfig(heavy=resolved["heavy"], recent=resolved["recent"], gqa=gqa)
+            rec = record_teacher_forced(model, base.run_dir, cfg, out=root, tokenizer=tokenizer,
+                                        name=f"{name} h2o 20% gqa={gqa} (same tokens)",
+                                        run_id=f"{name}-h2o-20-{gqa}-paired".replace("_", "-"))
+            replay_run(rec.run_dir, model=model, progress=False)
+            made.append(rec.run_id)
+    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    print(f"{len(made)} sample runs in {root}/ ({size / 2**20:.1f} MiB)")
+    return made

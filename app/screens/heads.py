@@ -9,8 +9,12 @@ PAGE = "heads"
 
 
 def _coverage_maps(cov) -> None:
+    shared = st.toggle("One colour scale for the three coverage maps", value=False, key="w_heads_shared",
+                       help="Off: each map spans its own range, so weak heads stand out. On: the maps "
+                            "compare directly")
     low = float(min(cov["p1"].min(), cov["mean"].min()))
-    scale = dict(x="q_head", y="layer", x_title="query head", zmin=low, zmax=1.0, colorscale="Viridis")
+    scale = dict(x="q_head", y="layer", x_title="query head", colorscale="Viridis",
+                 **({"zmin": low, "zmax": 1.0} if shared else {}))
     c1, c2 = st.columns(2)
     c1.plotly_chart(charts.heatmap(cov, z="mean", title="Coverage, mean over steps",
                                    colorbar="coverage", **scale), key="heads_mean")
@@ -24,7 +28,7 @@ def _coverage_maps(cov) -> None:
     c4.plotly_chart(charts.heatmap(cov, z="p5", title="Coverage P5: the worst 5% of steps",
                                    colorbar="coverage", **scale), key="heads_p5")
     st.caption("Coverage = 1 − dropped mass: the share of the full-cache teacher's attention that falls "
-               "on positions the cache still holds. Colour scales of the three coverage maps are shared.")
+               "on positions the cache still holds; darker cells are heads that lost more.")
 
 
 def _one_head(root: state.Root, run: str, cov) -> list[str]:

@@ -64,6 +64,18 @@ TOWN = (
     "The trains were on time all day.",
     "A cat slept in the sun on a windowsill.",
     "The shops opened their doors early.",
+    "A delivery van was parked outside the post office.",
+    "Two friends drank coffee at a small table outside the cafe.",
+    "The school bell rang at noon.",
+    "A gardener was cutting the grass in front of the town hall.",
+    "Clouds moved slowly across the sky in the afternoon.",
+    "A young woman was painting the door of her house.",
+    "The museum had a new exhibition about old maps.",
+    "Cyclists rode along the path next to the river.",
+    "The pharmacy closed for lunch for one hour.",
+    "A group of tourists took photos of the church.",
+    "The library was quiet except for the sound of pages.",
+    "In the evening, the lights in the square were turned on.",
 )
 
 #: a second topic for the topic switch: cooking
@@ -78,6 +90,12 @@ COOKING = (
     "Blend the soup until it is smooth.",
     "Serve it hot with the toasted bread.",
     "Fresh herbs on top make it look nicer.",
+    "A good soup needs fresh vegetables.",
+    "Potatoes make the soup thicker.",
+    "Some people add a little cream at the end.",
+    "Leftover soup keeps well in the fridge for two days.",
+    "Wash the vegetables before you cut them.",
+    "A sharp knife makes chopping much easier.",
 )
 
 
@@ -171,13 +189,13 @@ class Task:
 
 
 def _filler(rng: random.Random, bank: Sequence[str], sentences: int) -> str:
-    """``sentences`` sentences of ``bank``, no sentence twice in a row."""
+    """``sentences`` sentences of ``bank`` in a seeded order, each used once per pass over the bank."""
     out: list[str] = []
     while len(out) < sentences:
-        s = rng.choice(bank)
-        if not out or s != out[-1]:
-            out.append(s)
-    return " ".join(out)
+        order = list(bank)
+        rng.shuffle(order)
+        out += order
+    return " ".join(out[:sentences])
 
 
 def _code(rng: random.Random, digits: int) -> str:

@@ -79,6 +79,9 @@ class PolicyCase:
     sharpness : float
         Scale of the toy output head.
     seed : int
+    marks : dict str -> int
+        Named positions and steps of the case's signature (``hotspot``,
+        ``switch``, ``exit_step`` ...), for tests and captions.
     """
 
     name: str
@@ -192,10 +195,9 @@ def uniform(seed: int = 0) -> PolicyCase:
     logits = _noise(rng, (1, 1, 1, n, n), 0.05)
     evidence = {"middle": (p // 2,)}
     ids, vocab = _tokens(rng, n, evidence)
-    case = PolicyCase("uniform", "uniform attention: cumulative scores grow with age, the oldest "
+    return PolicyCase("uniform", "uniform attention: cumulative scores grow with age, the oldest "
                       "positions hold the heavy slots", logits, p, evidence, n - 1, ids, vocab,
                       heavy=4, recent=4, seed=seed)
-    return case
 
 
 def far_hotspot(seed: int = 0) -> PolicyCase:
@@ -206,10 +208,9 @@ def far_hotspot(seed: int = 0) -> PolicyCase:
     logits[..., hot + 1:, hot] += 3.0
     evidence = {"hotspot": (hot,)}
     ids, vocab = _tokens(rng, n, evidence)
-    case = PolicyCase("far_hotspot", "one far position every query attends to: kept by heavy "
+    return PolicyCase("far_hotspot", "one far position every query attends to: kept by heavy "
                       "hitters, lost by a recent window", logits, p, evidence, n - 1, ids, vocab,
                       heavy=4, recent=4, seed=seed, marks={"hotspot": hot})
-    return case
 
 
 def hotspot_switch(seed: int = 0) -> PolicyCase:
@@ -228,11 +229,10 @@ def hotspot_switch(seed: int = 0) -> PolicyCase:
     logits[..., switch + 1:, switch] += 3.0  # new hotspot from the switch on
     evidence = {"old_hotspot": (old,), "new_hotspot": (switch,)}
     ids, vocab = _tokens(rng, n, evidence)
-    case = PolicyCase("hotspot_switch", "attention switches from an old hotspot to a new one: the old "
+    return PolicyCase("hotspot_switch", "attention switches from an old hotspot to a new one: the old "
                       "stays as a stale heavy hitter, the new one is not promoted", logits, p, evidence,
                       n - 1, ids, vocab, heavy=3, recent=4, seed=seed,
                       marks={"old_hotspot": old, "new_hotspot": switch, "switch": switch})
-    return case
 
 
 def delayed_reference(seed: int = 0) -> PolicyCase:
@@ -246,10 +246,9 @@ def delayed_reference(seed: int = 0) -> PolicyCase:
     logits[..., answer, ev] += 10.0  # ... until the answer needs it
     evidence = {"evidence": (ev,)}
     ids, vocab = _tokens(rng, n, evidence)
-    case = PolicyCase("delayed_reference", "evidence ignored until a late query: evicted with a low score "
+    return PolicyCase("delayed_reference", "evidence ignored until a late query: evicted with a low score "
                       "right after it leaves the recent window", logits, p, evidence, answer, ids, vocab,
                       heavy=4, recent=recent, seed=seed, marks={"evidence": ev, "exit_step": ev + recent})
-    return case
 
 
 def gqa_split(seed: int = 0) -> PolicyCase:
