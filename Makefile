@@ -4,7 +4,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench samples clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,13 +18,19 @@ setup: $(BIN)/python
 	@$(BIN)/python -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"
 
 demo: setup
-	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens generate --heavy 32 --recent 32 --max-new-tokens 48
+	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens demo --out demo_runs
 
 test: setup
 	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens bench decode
+	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens bench record
+	HF_HUB_OFFLINE=1 $(BIN)/python -m analyses.bench
+
+# regenerate the shipped sample runs (policy cases and three real tasks, replayed)
+samples: setup
+	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens samples --out sample_runs
 
 clean:
 	rm -rf $(VENV) build *.egg-info

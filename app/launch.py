@@ -42,7 +42,7 @@ def server_command(root: str | os.PathLike | None = None, port: int = 8501, *,
     return [sys.executable, "-m", "streamlit", "run", str(MAIN),
             "--server.headless", "false" if open_browser else "true",
             "--server.address", address, "--server.port", str(port),
-            "--browser.gatherUsageStats", "false", *extra,
+            "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer", *extra,
             "--", "--root", str(root)]
 
 

@@ -186,3 +186,104 @@ def test_baselines_and_multi_head_stacks_write_valid_runs(tmp_path, policy):
     heads = _one(con, "SELECT count(DISTINCT q_head) FROM evictions WHERE run_id = ?", f"stack-{policy}-none")
     assert heads[0][0] == 4
     assert all(s == "complete" for (s,) in con.sql("SELECT status FROM runs").fetchall())
+
+
+# -- real-model tasks ------------------------------------------------------------------------------
+
+def test_suite_is_deterministic_and_seeded():
+    a, b = suite(0), suite(0)
+    assert a == b and [t.prompt for t in a] == [t.prompt for t in b]
+    assert [t.prompt for t in suite(1)] != [t.prompt for t in a]
+    assert len({t.name for t in suite(0, "full")}) == len(suite(0, "full"))
+    assert {t.kind for t in a} == set(KINDS) and 6 <= len(a) <= 10
+    full = {t.name: t for t in suite(0, "full")}
+    assert all(full[t.name] == t for t in a)  # a smaller suite is a prefix of a larger one
+    for t in a:
+        assert get_task(t.name) == t and get_task(t.name, seed=1) == next(u for u in suite(1) if u.name == t.name)
+    for bad in ("nope", "delayed_recall", "delayed_recall_x"):
+        with pytest.raises(KeyError, match="delayed_recall_0"):
+            get_task(bad)
+    with pytest.raises(ValueError, match="demo"):
+        suite(0, "huge")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_evidence_spans_occur_in_prompts_and_checkers_accept_expected(seed):
+    for t in suite(seed, "full"):
+        assert t.evidence and all(span in t.prompt for span in t.evidence.values())
+        assert all(r in t.prompt for r in t.required)  # the answer is stated in the prompt
+        assert t.check(t.expected) and t.check(f"The answer is: {t.expected}.")
+        assert t.check(" and ".join(t.required).upper())
+        assert not t.check("") and not t.check("I do not know.")
+        for d in t.distractors[:3]:
+            assert not t.check(f"{t.expected} or {d}")
+        if len(t.required) > 1:
+            assert not t.check(t.required[0]) and not t.check(t.required[-1])
+        assert t.messages() == [{"role": "user", "content": t.prompt}]
+        assert 8 <= t.max_new_tokens <= 16
+
+
+def test_checker_normalises_numbers_and_words():
+    from h2o_lens.tasks import check_answer
+
+    assert check_answer("The secret code is 6,604.", ["6604"])
+    assert check_answer("code: 6604", ["6604"]) and check_answer("6604", ["6604"])
+    for wrong in ("The secret code is 660.", "66045", "The code is 666", "6 6 0 4 4", "1234"):
+        assert not check_answer(wrong, ["6604"]), wrong
+    assert check_answer("She moved to LISBON!", ["Lisbon"]) and check_answer("São Paulo", ["Sao Paulo"])
+    assert not check_answer("Lisbonne", ["Lisbon"])
+    assert not check_answer("Lisbon, or maybe Oslo", ["Lisbon"], ["Oslo"])
+    assert check_answer("Grace lives in Boston and works as a pilot.", ["Boston", "pilot"])
+    assert not check_answer("Grace lives in Boston.", ["Boston", "pilot"])
+    with pytest.raises(ValueError, match="not a substring"):
+        Task("x_0", "delayed_recall", "The code is 12.", {"code": "13"}, "12", ("12",))
+
+
+@pytest.fixture(scope="module")
+def smol():
+    import h2o_lens
+
+    return h2o_lens.load_model(progress=False)
+
+
+@pytest.mark.model
+def test_demo_prompts_fit_and_evidence_covers_tokens(smol):
+    from recorders.recorder import locate_evidence
+
+    _, tok = smol
+    for t in suite():
+        ids = tok(t.chat_text(tok), add_special_tokens=False)["input_ids"]
+        assert 80 <= len(ids) <= 400, (t.name, len(ids))
+        pieces = [tok.decode([i]) for i in ids]
+        labels = locate_evidence(pieces, t.evidence)
+        assert set(labels) - {None} == set(t.evidence)
+        for label, span in t.evidence.items():
+            text = "".join(p for p, lab in zip(pieces, labels) if lab == label)
+            assert span in text
+
+
+@pytest.mark.model
+def test_full_cache_answers_and_a_small_recent_window_does_not(smol):
+    import torch
+
+    from h2o_lens import H2OConfig, h2o
+
+    model, tok = smol
+    task = get_task("delayed_recall_0")
+    enc = tok(task.chat_text(tok), return_tensors="pt", add_special_tokens=False)
+    p = enc["input_ids"].shape[1]
+    b = round(0.1 * p)
+    answers = []
+    for config in (None, H2OConfig(policy="local", heavy=b // 2, recent=b - b // 2)):
+        with torch.no_grad(), (h2o(model, config) if config else _nothing()):
+            ids = model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+        answers.append(tok.decode(ids[0, p:], skip_special_tokens=True))
+    assert task.check(answers[0]), answers[0]
+    assert not task.check(answers[1]), answers[1]
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()

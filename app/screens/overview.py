@@ -6,6 +6,16 @@ import streamlit as st
 from app import charts, common, data, state
 
 PAGE = "overview"
+_DIVERGENCE = {
+    "kl_mean": st.column_config.NumberColumn("KL mean", format="%.4g"),
+    "kl_max": st.column_config.NumberColumn("KL max", format="%.4g"),
+    "kl_p95": st.column_config.NumberColumn("KL P95", format="%.4g"),
+    "top1_agreement": st.column_config.NumberColumn("top-1", format="percent"),
+    "first_divergence_step": st.column_config.NumberColumn("first divergence"),
+    "kl_at_divergence": st.column_config.NumberColumn("KL there", format="%.4g"),
+    "teacher_nll_mean": st.column_config.NumberColumn("teacher NLL", format="%.4g",
+                                                      help="mean −log p_teacher(run's token)"),
+}
 
 
 def _headline(row: dict, div) -> int | None:
@@ -53,7 +63,7 @@ def render() -> None:
                 charts.mark_step(fig, step, f"step {step}", rows=3)
             st.plotly_chart(fig, key="overview_curves")
             if len(div) > 1:
-                st.dataframe(div, hide_index=True)
+                st.dataframe(div, hide_index=True, column_config=_DIVERGENCE)
     st.subheader("Verdict and attribution")
     st.caption("Each failed request gets one verdict (`analyses.attribute`): budget, scoring lag, "
                "not the cache, or implementation error, with the facts that decided it.")

@@ -162,7 +162,7 @@ class Task:
     name: str
     kind: str
     prompt: str
-    evidence: dict[str, str]
+    evidence: dict[str, str] = field(hash=False)
     expected: str
     required: tuple[str, ...]
     distractors: tuple[str, ...] = ()
@@ -188,83 +188,90 @@ class Task:
         return tokenizer.apply_chat_template(self.messages(), tokenize=False, add_generation_prompt=True)
 
 
-def _filler(rng: random.Random, bank: Sequence[str], sentences: int) -> str:
-    """``sentences`` sentences of ``bank`` in a seeded order, each used once per pass over the bank."""
+def _sentences(rng: random.Random, bank: Sequence[str], count: int) -> list[str]:
+    """``count`` sentences of ``bank`` in a seeded order, each used once per pass over the bank."""
     out: list[str] = []
-    while len(out) < sentences:
+    while len(out) < count:
         order = list(bank)
         rng.shuffle(order)
         out += order
-    return " ".join(out[:sentences])
+    return out[:count]
+
+
+def _filler(rng: random.Random, bank: Sequence[str], count: int) -> str:
+    return " ".join(_sentences(rng, bank, count))
 
 
 def _code(rng: random.Random, digits: int) -> str:
     return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
 
 
-# one builder per kind; ``index`` picks the variant (filler length, ID type)
+# one builder per kind; ``index`` picks the variant (filler length, kind of ID or question)
 
 def _delayed_recall(rng: random.Random, index: int) -> dict[str, Any]:
-    sentences = (12, 25, 18, 8)[index % 4]
+    sentences = (12, 14, 24, 8)[index % 4]
+    name = rng.choice(NAMES)
     if index % 2 == 0:
-        city, name = rng.choice(CITIES), rng.choice(NAMES)
-        fact = f"{name} moved to {city} last year."
-        question = f"Which city did {name} move to?"
-        required, evidence = (city,), {"city": city}
+        city = rng.choice(CITIES)
+        fact, question = f"{name} moved to {city} last year.", f"Which city did {name} move to?"
+        answer, evidence = city, {"city": f"moved to {city}"}
         distractors = tuple(c for c in CITIES if c != city)
     else:
-        code = _code(rng, 2)
-        name = rng.choice(NAMES)
-        fact = f"{name}'s room number is {code}."
-        question = f"What is {name}'s room number?"
-        required, evidence, distractors = (code,), {"room": f"number is {code}"}, ()
+        answer = _code(rng, 4)
+        fact, question = f"The secret code is {answer}.", "What is the secret code?"
+        evidence, distractors = {"code": f"code is {answer}"}, ()
     prompt = f"{fact} {_filler(rng, TOWN, sentences)} {question}"
-    return dict(prompt=prompt, evidence=evidence, expected=required[0], required=required,
+    return dict(prompt=prompt, evidence=evidence, expected=answer, required=(answer,),
                 distractors=distractors)
 
 
 def _multi_fact(rng: random.Random, index: int) -> dict[str, Any]:
-    people = rng.sample(NAMES, 3)
-    cities = rng.sample(CITIES, 3)
-    facts = " ".join(f"{p} lives in {c}." for p, c in zip(people, cities))
-    sentences = (10, 20)[index % 2]
-    asked = (0, 2)
-    question = f"Where do {people[asked[0]]} and {people[asked[1]]} live?"
+    sentences = (10, 10, 20, 20)[index % 4]
+    a, b = rng.sample(NAMES, 2)
+    if index % 2 == 0:
+        ca, cb = rng.sample(CITIES, 2)
+        facts, question = f"{a} lives in {ca}. {b} lives in {cb}.", f"Which cities do {a} and {b} live in?"
+        required = (ca, cb)
+        evidence = {f"city_{a.lower()}": f"{a} lives in {ca}", f"city_{b.lower()}": f"{b} lives in {cb}"}
+        distractors = tuple(c for c in CITIES if c not in required)
+    else:
+        city, job = rng.choice(CITIES), rng.choice(JOBS)
+        facts = f"{a} lives in {city} and works as a {job}."
+        question = f"Where does {a} live, and what is {a}'s job?"
+        required = (city, job)
+        evidence = {"city": f"lives in {city}", "job": f"works as a {job}"}
+        distractors = tuple(c for c in CITIES if c != city) + tuple(j for j in JOBS if j != job)
     prompt = f"{facts} {_filler(rng, TOWN, sentences)} {question}"
-    required = tuple(cities[i] for i in asked)
-    evidence = {f"fact_{people[i].lower()}": f"{people[i]} lives in {cities[i]}" for i in asked}
     return dict(prompt=prompt, evidence=evidence, expected=" and ".join(required), required=required,
-                distractors=(cities[1],))
+                distractors=distractors)
 
 
 def _topic_switch(rng: random.Random, index: int) -> dict[str, Any]:
     name, city = rng.choice(NAMES), rng.choice(CITIES)
-    sentences = (10, 16)[index % 2]
-    notes = f"Trip notes: {name} is travelling to {city} next week."
-    prompt = (f"{notes} Now, a recipe. {_filler(rng, COOKING, sentences)} "
-              f"Back to the trip notes: which city is {name} travelling to?")
-    return dict(prompt=prompt, evidence={"destination": city}, expected=city, required=(city,),
-                distractors=tuple(c for c in CITIES if c != city))
+    sentences = (10, 14, 16, 8)[index % 4]
+    if index % 2 == 0:
+        notes = f"{name} is travelling to {city} next week. Before leaving, {name} cooks a soup."
+    else:
+        notes = f"Trip notes: {name} is travelling to {city} next week."
+    prompt = f"{notes} {_filler(rng, COOKING, sentences)} Which city is {name} travelling to?"
+    return dict(prompt=prompt, evidence={"destination": f"travelling to {city}"}, expected=city,
+                required=(city,), distractors=tuple(c for c in CITIES if c != city))
 
 
 def _long_passage(rng: random.Random, index: int) -> dict[str, Any]:
-    people = rng.sample(NAMES, 3)
-    jobs = rng.sample(JOBS, 3)
-    cities = rng.sample(CITIES, 3)
-    pets = rng.sample(PETS, 3)
-    parts = []
-    for p, j, c, pet in zip(people, jobs, cities, pets):
-        parts.append(f"{p} is a {j} from {c}. {p} has a {pet}. {_filler(rng, TOWN, 4)}")
-    passage = " ".join(parts)
+    people, jobs, cities = rng.sample(NAMES, 3), rng.sample(JOBS, 3), rng.sample(CITIES, 3)
+    per_person = (5, 6, 7, 4)[index % 4]
+    filler = _sentences(rng, TOWN, 3 * per_person)
+    passage = " ".join(f"{p} is a {j} from {c}. " + " ".join(filler[k * per_person:(k + 1) * per_person])
+                       for k, (p, j, c) in enumerate(zip(people, jobs, cities)))
     who = people[0]
     if index % 2 == 0:
-        question, answer, label, span = f"Where is {who} from?", cities[0], "origin", f"{who} is a {jobs[0]} from {cities[0]}"
-        distractors = tuple(cities[1:])
+        question, answer, distractors = f"Where is {who} from?", cities[0], tuple(cities[1:])
+        evidence = {"origin": f"from {cities[0]}"}
     else:
-        question, answer, label, span = f"What is {who}'s job?", jobs[0], "job", f"{who} is a {jobs[0]}"
-        distractors = tuple(jobs[1:])
-    prompt = f"{passage} {question}"
-    return dict(prompt=prompt, evidence={label: span}, expected=answer, required=(answer,),
+        question, answer, distractors = f"What is {who}'s job?", jobs[0], tuple(jobs[1:])
+        evidence = {"job": f"{who} is a {jobs[0]}"}
+    return dict(prompt=f"{passage} {question}", evidence=evidence, expected=answer, required=(answer,),
                 distractors=distractors)
 
 

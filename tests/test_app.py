@@ -1,0 +1,355 @@
+"""The dashboard under AppTest: every page on a small runs root, query parameters, bad runs."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from recorders import to_arrow, write_segment, write_synthetic_run
+from recorders.manifest import read_manifest, write_manifest
+
+streamlit_testing = pytest.importorskip("streamlit.testing.v1")
+AppTest = streamlit_testing.AppTest
+
+REPO = Path(__file__).resolve().parent.parent
+MAIN = REPO / "app" / "main.py"
+PAGES = ("runs", "overview", "tokens", "heads", "dynamics", "evictions", "compare", "report", "sql")
+TITLES = {"runs": "Runs", "overview": "Overview", "tokens": "Tokens", "heads": "Heads",
+          "dynamics": "Dynamics", "evictions": "Evictions", "compare": "Compare", "report": "Report",
+          "sql": "SQL console"}
+SHAPE = dict(layers=4, kv_heads=2, steps=48, prompt_len=64, heavy=16, recent=16, fsync=False)
+
+
+def _link(root: Path, run_id: str, **fields: object) -> None:
+    manifest = read_manifest(root / run_id)
+    manifest.update(fields)
+    write_manifest(root / run_id, manifest)
+
+
+def _copy_tokens(root: Path, source: str, target: str) -> None:
+    """Give ``target`` exactly the tokens of ``source`` (a paired run reads the same tokens)."""
+    for old in (root / target).glob("tokens-*.parquet"):
+        old.unlink()
+    for i, seg in enumerate(sorted((root / source).glob("tokens-*.parquet"))):
+        table = pq.read_table(seg).replace_schema_metadata(None)
+        table = table.set_column(table.schema.get_field_index("run_id"), "run_id",
+                                 pa.array([target] * table.num_rows, pa.string()))
+        write_segment(root / target / f"tokens-{i:05d}.parquet", "tokens",
+                      to_arrow("tokens", table.to_pydict(), run_id=target), run_id=target, fsync=False)
+
+
+def build_runs_root(root: Path) -> Path:
+    """A runs root with every case the dashboard must handle.
+
+    * ``h2o-sum``: two requests, answer checker says request 0 failed;
+    * ``h2o-max``: the same tokens under ``gqa='max'``, paired through ``source_run``;
+    * ``cut-short``: interrupted (its writer died), no replay;
+    * ``damaged``: its replay segment is truncated (no footer).
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    write_synthetic_run(root, "h2o-sum", requests=2, **SHAPE)
+    write_segment(root / "h2o-sum" / "requests-00000.parquet", "requests",
+                  to_arrow("requests", {"request": [0, 1], "prompt_len": [64, 64], "new_tokens": [48, 48],
+                                        "answer": ["Paris", "blue"], "correct": [False, True]},
+                           run_id="h2o-sum"), run_id="h2o-sum", fsync=False)
+    write_synthetic_run(root, "h2o-max", gqa="max", seed=1, requests=2, **SHAPE)
+    _link(root, "h2o-max", source_run="h2o-sum")
+    _copy_tokens(root, "h2o-sum", "h2o-max")
+    write_synthetic_run(root, "cut-short", status="running", seed=3, tables=["tokens", "evictions", "steps"],
+                        **SHAPE)
+    manifest = read_manifest(root / "cut-short")
+    manifest["writer"]["start_ticks"] = -1  # the writer process is gone: reads as interrupted
+    write_manifest(root / "cut-short", manifest)
+    write_synthetic_run(root, "damaged", seed=2, **SHAPE)
+    seg = next((root / "damaged").glob("replay-*.parquet"))
+    seg.write_bytes(seg.read_bytes()[: seg.stat().st_size // 2])
+    return root
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return build_runs_root(tmp_path_factory.mktemp("app") / "runs")
+
+
+def app(root: Path, monkeypatch: pytest.MonkeyPatch, **params: str) -> AppTest:
+    """A fresh session (as from a link) with ``params`` as the URL query parameters, run once."""
+    monkeypatch.setenv("H2O_LENS_ROOT", str(root))
+    at = AppTest.from_file(str(MAIN), default_timeout=120)
+    at.query_params.update(params)
+    return at.run()
+
+
+def texts(at: AppTest, kind: str) -> str:
+    return "\n".join(str(e.value) for e in getattr(at, kind))
+
+
+def no_exception(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+
+
+def widget(at: AppTest, kind: str, label: str):
+    found = [w for w in getattr(at, kind) if w.label == label]
+    assert found, f"no {kind} labelled {label!r}: {[w.label for w in getattr(at, kind)]}"
+    return found[0]
+
+
+# -- every page ----------------------------------------------------------------------------------
+
+_EXPECT = {  # page: (plotly charts at least, other elements that must be there)
+    "runs": (0, ("dataframe",)),
+    "overview": (1, ("metric",)),
+    "tokens": (1, ("metric", "number_input")),
+    "heads": (5, ("selectbox",)),
+    "dynamics": (3, ("metric",)),
+    "evictions": (1, ("dataframe", "metric")),
+    "compare": (3, ("dataframe",)),
+    "report": (0, ("download_button", "dataframe")),
+    "sql": (0, ("text_area", "expander")),
+}
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders_for_a_complete_run(root, monkeypatch, page):
+    at = app(root, monkeypatch, run="h2o-sum", page=page)
+    no_exception(at)
+    assert [t.value for t in at.title] == [TITLES[page]]
+    charts, kinds = _EXPECT[page]
+    assert len(at.get("plotly_chart")) >= charts
+    for kind in kinds:
+        assert len(at.get(kind)) > 0, f"{page}: no {kind}"
+    assert not at.error or page == "report"  # the report's gate may fail, in red
+    assert at.query_params["page"] == page and at.query_params["run"] == "h2o-sum"
+    assert widget(at, "selectbox", "Run").value == "h2o-sum"
+
+
+@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("run", ["cut-short", "damaged", "h2o-max"])
+def test_every_page_survives_partial_runs(root, monkeypatch, page, run):
+    at = app(root, monkeypatch, run=run, page=page)
+    no_exception(at)
+    assert [t.value for t in at.title] == [TITLES[page]]
+    assert widget(at, "selectbox", "Run").value == run
+
+
+def test_runs_page_lists_runs_and_skipped_files(root, monkeypatch):
+    at = app(root, monkeypatch)
+    no_exception(at)
+    table = at.dataframe[0].value
+    assert sorted(table["run_id"]) == ["cut-short", "damaged", "h2o-max", "h2o-sum"]
+    row = table.set_index("run_id").loc["h2o-sum"]
+    assert row["evictions"] > 0 and 0 <= row["top1_agreement"] <= 1 and row["correct"] == "1/2"
+    assert table.set_index("run_id").loc["cut-short", "status"] == "interrupted"
+    warning = texts(at, "warning")
+    assert "replay-00000.parquet" in warning and "damaged" in warning
+    assert "Runs root:" in texts(at, "caption")
+
+
+# -- bad runs: a clear message, the rest keeps working --------------------------------------------
+
+def test_damaged_run_names_the_file_and_the_section(root, monkeypatch):
+    at = app(root, monkeypatch, run="damaged", page="heads")
+    no_exception(at)
+    warning = texts(at, "warning")
+    assert str(root / "damaged" / "replay-00000.parquet") in warning
+    assert "`replay` files of this run could not be read" in warning
+    at = app(root, monkeypatch, run="damaged", page="evictions")  # its other tables still show
+    no_exception(at)
+    assert len(at.get("plotly_chart")) == 1 and len(at.dataframe[0].value) > 0
+
+
+def test_interrupted_run_says_so_and_shows_what_it_wrote(root, monkeypatch):
+    at = app(root, monkeypatch, run="cut-short", page="overview")
+    no_exception(at)
+    assert "interrupted" in texts(at, "warning")
+    assert "no teacher replay" in texts(at, "info")
+    at = app(root, monkeypatch, run="cut-short", page="tokens")
+    no_exception(at)
+    assert len(at.get("plotly_chart")) == 1  # evictions and tokens were written before it stopped
+
+
+def test_unknown_run_in_the_link_is_reported(root, monkeypatch):
+    at = app(root, monkeypatch, run="no-such-run", page="overview")
+    no_exception(at)
+    assert "no-such-run" in texts(at, "warning")
+    assert at.query_params["run"] != "no-such-run"
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_empty_or_missing_root_shows_a_friendly_message(tmp_path, monkeypatch, exists):
+    root = tmp_path / "runs"
+    if exists:
+        root.mkdir()
+    for page in PAGES:
+        at = app(root, monkeypatch, page=page)
+        no_exception(at)
+        shown = texts(at, "info") + texts(at, "warning")
+        assert ("No runs under" if exists else "does not exist") in shown, page
+        assert "h2o-lens record --out" in texts(at, "markdown"), page
+
+
+# -- selections live in the URL --------------------------------------------------------------------
+
+def test_query_params_select_the_view(root, monkeypatch):
+    at = app(root, monkeypatch, run="h2o-sum", page="heads", layer="2", head="4")
+    no_exception(at)
+    assert widget(at, "selectbox", "Layer").value == 2
+    assert widget(at, "selectbox", "Query head").value == 4
+    widget(at, "selectbox", "Layer").set_value(3).run()
+    assert at.query_params["layer"] == "3" and at.query_params["head"] == "4"
+
+    at = app(root, monkeypatch, run="h2o-sum", page="overview", step="80")
+    assert widget(at, "slider", "Inspect step").value == 80
+    at = app(root, monkeypatch, run="h2o-sum", page="tokens", layer="1", head="1", step="90", token="7",
+             request="1")
+    no_exception(at)
+    assert widget(at, "selectbox", "Request").value == 1
+    assert widget(at, "slider", "Cache at step").value == 90
+    assert widget(at, "number_input", "Selected token (position)").value == 7
+    assert "Token 7" in [h.value.split(":")[0] for h in at.subheader]
+    assert dict(at.query_params) == {"page": "tokens", "run": "h2o-sum", "request": "1", "layer": "1",
+                                     "head": "1", "step": "90", "token": "7"}
+
+
+def test_selections_follow_the_user_across_pages(root, monkeypatch):
+    at = app(root, monkeypatch, run="h2o-sum", page="heads", layer="3")
+    at.switch_page("screens/dynamics.py").run()
+    no_exception(at)
+    assert widget(at, "selectbox", "Layer").value == 3
+    assert at.query_params["page"] == "dynamics" and at.query_params["layer"] == "3"
+    widget(at, "selectbox", "Run").set_value("h2o-max").run()
+    no_exception(at)
+    assert at.query_params["run"] == "h2o-max"
+    assert "h2o-max" in texts(at, "caption")
+
+
+def test_out_of_range_params_fall_back_to_defaults(root, monkeypatch):
+    at = app(root, monkeypatch, run="h2o-sum", page="heads", layer="99", head="x")
+    no_exception(at)
+    assert widget(at, "selectbox", "Layer").value == 0
+    assert at.query_params["layer"] == "0"
+
+
+# -- page specifics -----------------------------------------------------------------------------------
+
+def test_overview_attributes_the_failed_request(root, monkeypatch):
+    at = app(root, monkeypatch, run="h2o-sum", page="overview")
+    markdown = texts(at, "markdown")
+    assert "#### Request 0:" in markdown and "Why:" in markdown
+    assert "answer_checker" in texts(at, "caption")
+    assert any("FROM evictions" in c.value for c in at.code)
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Correct"] == "1/2" and metrics["First divergence"] != "–"
+
+
+def test_heads_shows_gqa_overlap_of_the_paired_run(root, monkeypatch):
+    at = app(root, monkeypatch, run="h2o-sum", page="heads")
+    assert "`h2o-sum` (sum) and `h2o-max` (max)" in texts(at, "caption")
+    assert "No paired run" not in texts(at, "info")
+    at = app(root, monkeypatch, run="damaged", page="heads")
+    assert "No paired run" in texts(at, "info")
+
+
+def test_compare_defaults_to_the_paired_run_on_the_same_tokens(root, monkeypatch):
+    at = app(root, monkeypatch, run="h2o-max", page="compare")
+    no_exception(at)
+    assert widget(at, "selectbox", "Compare with").value == "h2o-sum"
+    assert "do not share their prompt" not in texts(at, "warning")
+    free = at.dataframe[0].value
+    assert (free["prompt_mismatches"] == 0).all() and (free["compared"] > 0).all()
+    at = app(root, monkeypatch, run="h2o-sum", page="compare", other="damaged")
+    assert widget(at, "selectbox", "Compare with").value == "damaged"
+    assert "do not share their prompt" in texts(at, "warning")
+
+
+def test_evictions_filters_cap_and_histogram(root, monkeypatch):
+    at = app(root, monkeypatch, run="h2o-sum", page="evictions", layer="1", head="0")
+    no_exception(at)
+    rows = at.dataframe[0].value
+    assert len(rows) > 0 and set(rows["layer"]) == {1} and set(rows["kv_head"]) == {0}
+    widget(at, "selectbox", "Phase").set_value("decode").run()
+    rows = at.dataframe[0].value
+    assert set(rows["phase"]) == {"decode"}
+    widget(at, "number_input", "Largest margin").set_value(0.05).run()
+    rows = at.dataframe[0].value
+    assert (rows["margin"] <= 0.05).all()
+
+
+def test_report_offers_three_downloads_and_the_gate(root, monkeypatch):
+    at = app(root, monkeypatch, run="h2o-sum", page="report")
+    labels = [b.label for b in at.get("download_button")]
+    assert labels == ["HTML report", "Markdown report", "JSON report"]
+    assert "fails the gate" in texts(at, "error") or "passes" in texts(at, "success")
+    assert "#### Request 0:" in texts(at, "markdown")
+
+
+def test_sql_console_runs_and_refuses(root, monkeypatch):
+    at = app(root, monkeypatch, run="h2o-sum", page="sql")
+    assert "evictions" in texts(at, "markdown") or len(at.expander) >= 6
+    assert "WHERE run_id = 'h2o-sum'" in at.text_area[0].value
+    at.get("form_submit_button")[0].click().run()  # the default example
+    no_exception(at)
+    result = at.dataframe[0].value  # the console's column comes first, the schemas beside it
+    assert list(result.columns[:3]) == ["layer", "kv_head", "evictions"] and len(result) == 8
+    assert "**8 row(s)**" in texts(at, "markdown")
+    at.text_area[0].set_value("DROP VIEW runs")
+    at.get("form_submit_button")[0].click().run()
+    assert "refused" in texts(at, "error")
+    widget(at, "selectbox", "Example").set_value("Runs").run()
+    assert at.text_area[0].value.startswith("SELECT run_id, status")
+
+
+def test_reload_button_picks_up_new_runs(tmp_path, monkeypatch):
+    root = tmp_path / "runs"
+    write_synthetic_run(root, "first", steps=8, prompt_len=32, fsync=False)
+    at = app(root, monkeypatch)
+    assert list(at.dataframe[0].value["run_id"]) == ["first"]
+    write_synthetic_run(root, "second", steps=8, prompt_len=32, fsync=False)
+    widget(at, "button", "Reload runs").click().run()
+    no_exception(at)
+    assert sorted(at.dataframe[0].value["run_id"]) == ["first", "second"]
+
+
+# -- the package -------------------------------------------------------------------------------------
+
+def test_app_never_imports_torch_or_transformers():
+    for path in (REPO / "app").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert name.split(".")[0] not in ("torch", "transformers", "h2o_lens"), f"{path}: {name}"
+    code = ("import sys, app.launch, app.state, app.data, app.charts, app.textview, app.common, app.bench; "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_server_command_and_default_root(tmp_path):
+    from app import launch
+
+    cmd = launch.server_command(tmp_path, 8765)
+    assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4] == str(MAIN)
+    for flag, value in (("--server.headless", "true"), ("--server.address", "127.0.0.1"),
+                        ("--server.port", "8765")):
+        assert cmd[cmd.index(flag) + 1] == value
+    assert cmd[-3:] == ["--", "--root", str(tmp_path.resolve())]
+    assert launch.server_command(None)[-1] == str(REPO / "sample_runs")
+    assert launch.server_command(None, open_browser=True)[6] == "false"
+    with pytest.raises(ValueError, match="port"):
+        launch.server_command(tmp_path, 0)
+
+
+def test_root_resolution(tmp_path, monkeypatch):
+    from app import state
+
+    monkeypatch.delenv(state.ROOT_ENV, raising=False)
+    assert state.resolve_root([]) == REPO / "sample_runs"
+    monkeypatch.setenv(state.ROOT_ENV, str(tmp_path))
+    assert state.resolve_root(["-q", "--ro"]) == tmp_path  # no abbreviation of --root
+    assert state.resolve_root(["--root", str(tmp_path / "x")]) == tmp_path / "x"

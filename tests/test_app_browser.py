@@ -1,0 +1,115 @@
+"""The dashboard in a real browser: a `streamlit run` server driven by Debian's Chromium (Playwright).
+
+Screenshots of every page go to ``$H2O_LENS_SCREENSHOTS`` when set, else to the
+test's temporary folder.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from app.bench import CHROMIUM, Session, browser, serve, visit
+from test_app import PAGES, TITLES, build_runs_root
+
+if not Path(CHROMIUM).exists():
+    pytest.skip(f"no Chromium at {CHROMIUM} (Debian package 'chromium')", allow_module_level=True)
+if importlib.util.find_spec("streamlit") is None:
+    pytest.skip("streamlit is not installed", allow_module_level=True)
+pytest.importorskip("playwright.sync_api", reason="the Python package 'playwright' is not installed "
+                    "(pip install playwright; its own browser download is not needed)")
+
+pytestmark = pytest.mark.slow
+MAX_PAGE_BYTES = 5_000_000
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    folder = os.environ.get("H2O_LENS_SCREENSHOTS")
+    path = Path(folder) if folder else tmp_path_factory.mktemp("screenshots")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The app served over the fixture runs root; the server is stopped whatever happens."""
+    root = build_runs_root(tmp_path_factory.mktemp("browser") / "runs")
+    log = tmp_path_factory.mktemp("server") / "streamlit.log"
+    with serve(root, log=log) as url:
+        yield url, root
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    with browser() as b:
+        context = b.new_context(viewport={"width": 1500, "height": 1000})
+        yield context
+        context.close()
+
+
+def _url(base: str, page: str, **params: str) -> str:
+    query = "&".join(f"{k}={v}" for k, v in params.items())
+    return f"{base}/{'' if page == 'runs' else page}?{query}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_draws_without_an_exception(server, chromium, shots, page):
+    url, _ = server
+    v = visit(chromium, _url(url, page, run="h2o-sum"), title=TITLES[page], screenshot=shots / f"{page}.png")
+    assert v.exceptions == []
+    assert v.title.startswith(TITLES[page])
+    assert 0 < v.ws_bytes < MAX_PAGE_BYTES
+    assert Path(v.screenshot).stat().st_size > 10_000
+
+
+def test_bad_runs_show_a_message_in_the_browser(server, chromium, shots):
+    url, root = server
+    for run, page, text in (("damaged", "heads", "replay-00000.parquet"), ("cut-short", "overview", "interrupted")):
+        page_ = chromium.new_page()
+        try:
+            page_.goto(_url(url, page, run=run))
+            page_.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning] h1", timeout=120_000)
+            page_.wait_for_function("(t) => document.body.innerText.includes(t)", arg=text, timeout=60_000)
+            assert page_.locator("[data-testid=stException]").count() == 0
+            assert page_.locator("[data-testid=stAlertContentWarning]").count() >= 1
+            page_.screenshot(path=str(shots / f"{page}-{run}.png"))
+        finally:
+            page_.close()
+
+
+def test_sidebar_navigation_keeps_the_selection_in_the_url(server, chromium):
+    url, _ = server
+    session = Session(chromium, _url(url, "heads", run="h2o-max", layer="2", head="3"))
+    try:
+        v = session.go("dynamics", "Dynamics")
+        assert v.exceptions == []
+        page = session.page
+        page.wait_for_function("() => location.search.includes('layer=2')", timeout=30_000)
+        assert "run=h2o-max" in page.url and "page=dynamics" in page.url
+        v = session.go("overview", "Overview")
+        assert v.exceptions == [] and "run=h2o-max" in session.page.url
+    finally:
+        session.close()
+
+
+def test_report_download_builds_the_html_report(server, chromium, tmp_path):
+    url, _ = server
+    page = chromium.new_page()
+    try:
+        page.goto(_url(url, "report", run="h2o-sum"))
+        page.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning] h1", timeout=120_000)
+        button = page.get_by_role("button", name="HTML report")
+        button.wait_for(timeout=60_000)
+        with page.expect_download(timeout=120_000) as info:
+            button.click()
+        target = tmp_path / "report.html"
+        info.value.save_as(target)
+        html = target.read_text()
+        assert html.startswith("<!DOCTYPE html>") or "<html" in html[:500]
+        assert "h2o-sum" in html
+        assert page.locator("[data-testid=stException]").count() == 0
+    finally:
+        page.close()
