@@ -57,7 +57,7 @@ def divergence_figure(series: pd.DataFrame, dropped: pd.DataFrame) -> go.Figure:
                         subplot_titles=("KL(teacher ‖ run) per step (nats, log scale)",
                                         "Top-1 agreement with the teacher (rolling mean of 8 steps)",
                                         "Dropped mass: teacher attention on evicted positions "
-                                        "(mean and worst head)"))
+                                        "(solid: mean over heads, dotted: worst head)"))
     requests = sorted(set(_requests(series)) | set(_requests(dropped)))
     many = len(requests) > 1
     for i, r in enumerate(requests):

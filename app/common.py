@@ -191,7 +191,7 @@ def show_attributions(attributions: list[dict[str, Any]], *, judged: bool = True
                 st.dataframe(facts, hide_index=True, height=min(400, 38 + 35 * len(facts)),
                              column_order=order, column_config={
                                  "kind": st.column_config.TextColumn("fact", pinned=True),
-                                 "note": st.column_config.TextColumn("note", width="large"),
+                                 "note": st.column_config.TextColumn("note", width="medium"),
                                  "value": st.column_config.NumberColumn("value", format="%.4g"),
                                  "threshold": st.column_config.NumberColumn("threshold", format="%.4g")})
             if a.get("evicted_evidence"):

@@ -49,7 +49,8 @@ def build_runs_root(root: Path) -> Path:
     * ``h2o-sum``: two requests, answer checker says request 0 failed;
     * ``h2o-max``: the same tokens under ``gqa='max'``, paired through ``source_run``;
     * ``cut-short``: interrupted (its writer died), no replay;
-    * ``damaged``: its replay segment is truncated (no footer).
+    * ``damaged``: its replay segment is truncated (no footer);
+    * ``bad-manifest``: its manifest is not JSON (status unknown, no settings).
     """
     root.mkdir(parents=True, exist_ok=True)
     write_synthetic_run(root, "h2o-sum", requests=2, **SHAPE)
@@ -68,6 +69,8 @@ def build_runs_root(root: Path) -> Path:
     write_synthetic_run(root, "damaged", seed=2, **SHAPE)
     seg = next((root / "damaged").glob("replay-*.parquet"))
     seg.write_bytes(seg.read_bytes()[: seg.stat().st_size // 2])
+    write_synthetic_run(root, "bad-manifest", seed=6, **SHAPE)
+    (root / "bad-manifest" / "manifest.json").write_text("{not json")
     return root
 
 
@@ -128,7 +131,7 @@ def test_every_page_renders_for_a_complete_run(root, monkeypatch, page):
 
 
 @pytest.mark.parametrize("page", PAGES)
-@pytest.mark.parametrize("run", ["cut-short", "damaged", "h2o-max"])
+@pytest.mark.parametrize("run", ["cut-short", "damaged", "h2o-max", "bad-manifest"])
 def test_every_page_survives_partial_runs(root, monkeypatch, page, run):
     at = app(root, monkeypatch, run=run, page=page)
     no_exception(at)
@@ -140,7 +143,7 @@ def test_runs_page_lists_runs_and_skipped_files(root, monkeypatch):
     at = app(root, monkeypatch)
     no_exception(at)
     table = at.dataframe[0].value
-    assert sorted(table["run_id"]) == ["cut-short", "damaged", "h2o-max", "h2o-sum"]
+    assert sorted(table["run_id"]) == ["bad-manifest", "cut-short", "damaged", "h2o-max", "h2o-sum"]
     row = table.set_index("run_id").loc["h2o-sum"]
     assert row["evictions"] > 0 and 0 <= row["top1_agreement"] <= 1 and row["correct"] == "1/2"
     assert table.set_index("run_id").loc["cut-short", "status"] == "interrupted"
@@ -170,6 +173,14 @@ def test_interrupted_run_says_so_and_shows_what_it_wrote(root, monkeypatch):
     at = app(root, monkeypatch, run="cut-short", page="tokens")
     no_exception(at)
     assert len(at.get("plotly_chart")) == 1  # evictions and tokens were written before it stopped
+
+
+def test_unreadable_manifest_is_reported(root, monkeypatch):
+    at = app(root, monkeypatch, run="bad-manifest", page="overview")
+    no_exception(at)
+    warning = texts(at, "warning")
+    assert "status **unknown**" in warning and str(root / "bad-manifest" / "manifest.json") in warning
+    assert len(at.get("plotly_chart")) == 1  # its segments are still read
 
 
 def test_unknown_run_in_the_link_is_reported(root, monkeypatch):

@@ -87,10 +87,12 @@ def test_sidebar_navigation_keeps_the_selection_in_the_url(server, chromium):
         v = session.go("dynamics", "Dynamics")
         assert v.exceptions == []
         page = session.page
-        page.wait_for_function("() => location.search.includes('layer=2')", timeout=30_000)
-        assert "run=h2o-max" in page.url and "page=dynamics" in page.url
+        page.wait_for_function("() => location.search.includes('page=dynamics')", timeout=90_000)
+        assert "run=h2o-max" in page.url and "layer=2" in page.url, page.url
         v = session.go("overview", "Overview")
-        assert v.exceptions == [] and "run=h2o-max" in session.page.url
+        assert v.exceptions == []
+        page.wait_for_function("() => location.search.includes('page=overview')", timeout=90_000)
+        assert "run=h2o-max" in page.url, page.url
     finally:
         session.close()
 

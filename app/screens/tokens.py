@@ -24,7 +24,7 @@ def _controls(shape: dict) -> dict:
         out["at_step"] = state.slider("Cache at step", lo, hi, "step", page=PAGE, default=hi, container=top[1],
                                       help="Only evictions at or before this step count; later tokens "
                                            "are greyed")
-        out["range"] = (lo, hi)
+        out["range"] = (lo, max(out["at_step"], lo + 1))  # colours span the steps up to the chosen one
     out["row"] = st.columns(5)
     c = iter(out["row"])
     if (shape["requests"] or 1) > 1:

@@ -220,7 +220,7 @@ def _delayed_recall(rng: random.Random, index: int) -> dict[str, Any]:
         answer = _code(rng, 4)
         fact, question = f"The secret code is {answer}.", "What is the secret code?"
         evidence, distractors = {"code": f"code is {answer}"}, ()
-    prompt = f"{fact} {_filler(rng, TOWN, sentences)} {question}"
+    prompt = f"{fact}\n{_filler(rng, TOWN, sentences)}\n{question}"
     return dict(prompt=prompt, evidence=evidence, expected=answer, required=(answer,),
                 distractors=distractors)
 
@@ -241,7 +241,7 @@ def _multi_fact(rng: random.Random, index: int) -> dict[str, Any]:
         required = (city, job)
         evidence = {"city": f"lives in {city}", "job": f"works as a {job}"}
         distractors = tuple(c for c in CITIES if c != city) + tuple(j for j in JOBS if j != job)
-    prompt = f"{facts} {_filler(rng, TOWN, sentences)} {question}"
+    prompt = f"{facts}\n{_filler(rng, TOWN, sentences)}\n{question}"
     return dict(prompt=prompt, evidence=evidence, expected=" and ".join(required), required=required,
                 distractors=distractors)
 
@@ -253,7 +253,7 @@ def _topic_switch(rng: random.Random, index: int) -> dict[str, Any]:
         notes = f"{name} is travelling to {city} next week. Before leaving, {name} cooks a soup."
     else:
         notes = f"Trip notes: {name} is travelling to {city} next week."
-    prompt = f"{notes} {_filler(rng, COOKING, sentences)} Which city is {name} travelling to?"
+    prompt = f"{notes}\n{_filler(rng, COOKING, sentences)}\nWhich city is {name} travelling to?"
     return dict(prompt=prompt, evidence={"destination": f"travelling to {city}"}, expected=city,
                 required=(city,), distractors=tuple(c for c in CITIES if c != city))
 
@@ -262,7 +262,7 @@ def _long_passage(rng: random.Random, index: int) -> dict[str, Any]:
     people, jobs, cities = rng.sample(NAMES, 3), rng.sample(JOBS, 3), rng.sample(CITIES, 3)
     per_person = (5, 6, 7, 4)[index % 4]
     filler = _sentences(rng, TOWN, 3 * per_person)
-    passage = " ".join(f"{p} is a {j} from {c}. " + " ".join(filler[k * per_person:(k + 1) * per_person])
+    passage = "\n".join(f"{p} is a {j} from {c}. " + " ".join(filler[k * per_person:(k + 1) * per_person])
                        for k, (p, j, c) in enumerate(zip(people, jobs, cities)))
     who = people[0]
     if index % 2 == 0:
@@ -271,7 +271,7 @@ def _long_passage(rng: random.Random, index: int) -> dict[str, Any]:
     else:
         question, answer, distractors = f"What is {who}'s job?", jobs[0], tuple(jobs[1:])
         evidence = {"job": f"{who} is a {jobs[0]}"}
-    return dict(prompt=f"{passage} {question}", evidence=evidence, expected=answer, required=(answer,),
+    return dict(prompt=f"{passage}\n{question}", evidence=evidence, expected=answer, required=(answer,),
                 distractors=distractors)
 
 
