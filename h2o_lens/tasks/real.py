@@ -35,8 +35,8 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-__all__ = ["Task", "KINDS", "SIZES", "suite", "get_task", "check_answer", "calibrate",
-           "normalise"]
+__all__ = ["Task", "KINDS", "SIZES", "suite", "get_task", "check_answer", "normalise", "calibrate",
+           "CalibrationRow"]
 
 # ------------------------------------------------------------------------------- word banks
 
@@ -226,7 +226,7 @@ def _delayed_recall(rng: random.Random, index: int) -> dict[str, Any]:
 
 
 def _multi_fact(rng: random.Random, index: int) -> dict[str, Any]:
-    sentences = (10, 10, 20, 20)[index % 4]
+    sentences = (10, 10, 14, 20)[index % 4]
     a, b = rng.sample(NAMES, 2)
     if index % 2 == 0:
         ca, cb = rng.sample(CITIES, 2)
@@ -248,8 +248,8 @@ def _multi_fact(rng: random.Random, index: int) -> dict[str, Any]:
 
 def _topic_switch(rng: random.Random, index: int) -> dict[str, Any]:
     name, city = rng.choice(NAMES), rng.choice(CITIES)
-    sentences = (10, 14, 16, 8)[index % 4]
-    if index % 2 == 0:
+    sentences = (10, 14, 16, 12)[index % 4]
+    if index % 4 != 1:
         notes = f"{name} is travelling to {city} next week. Before leaving, {name} cooks a soup."
     else:
         notes = f"Trip notes: {name} is travelling to {city} next week."
@@ -260,12 +260,12 @@ def _topic_switch(rng: random.Random, index: int) -> dict[str, Any]:
 
 def _long_passage(rng: random.Random, index: int) -> dict[str, Any]:
     people, jobs, cities = rng.sample(NAMES, 3), rng.sample(JOBS, 3), rng.sample(CITIES, 3)
-    per_person = (5, 6, 7, 4)[index % 4]
+    per_person = (5, 6, 4, 4)[index % 4]
     filler = _sentences(rng, TOWN, 3 * per_person)
     passage = "\n".join(f"{p} is a {j} from {c}. " + " ".join(filler[k * per_person:(k + 1) * per_person])
                        for k, (p, j, c) in enumerate(zip(people, jobs, cities)))
     who = people[0]
-    if index % 2 == 0:
+    if index % 4 in (0, 3):
         question, answer, distractors = f"Where is {who} from?", cities[0], tuple(cities[1:])
         evidence = {"origin": f"from {cities[0]}"}
     else:
@@ -322,7 +322,9 @@ def get_task(name: str, seed: int = 0) -> Task:
 # ------------------------------------------------------------------------------- calibration
 
 @dataclass
-class _Row:
+class CalibrationRow:
+    """One task of a calibration: prompt tokens and ``{column: (correct, answer)}``."""
+
     task: str
     prompt_len: int
     results: dict[str, tuple[bool, str]] = field(default_factory=dict)
@@ -330,7 +332,7 @@ class _Row:
 
 def calibrate(tasks: Sequence[Task] | None = None, *, model: Any = None, tokenizer: Any = None,
               ratios: Sequence[float] = (0.2, 0.1), policies: Sequence[str] = ("h2o", "local"),
-              out: Callable[[str], Any] = print) -> list[_Row]:
+              out: Callable[[str], Any] = print) -> list[CalibrationRow]:
     """Generate every task under the full cache and at each keep ratio; print a table.
 
     The budget of ratio r on a prompt of P tokens is ``B = max(2, round(r·P))``
@@ -356,7 +358,7 @@ def calibrate(tasks: Sequence[Task] | None = None, *, model: Any = None, tokeniz
     for task in tasks:
         enc = tokenizer(task.chat_text(tokenizer), return_tensors="pt", add_special_tokens=False)
         p = enc["input_ids"].shape[1]
-        row = _Row(task.name, p)
+        row = CalibrationRow(task.name, p)
         for column in columns:
             config = None
             if column != "full":
