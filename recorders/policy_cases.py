@@ -29,7 +29,6 @@ import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import torch
@@ -84,9 +83,9 @@ class _Tap:
             nxt[s, kept[s][kept[s] >= 0]] = True
 
 
-def _run_cache(case: PolicyCase, config: H2OConfig, rec: Recording | None) -> tuple[_Tap, Any]:
-    """Prefill and decode the case through the runtime's cache; returns the tap and the cache."""
-    n, p, g = case.n, case.prompt_len, case.group
+def _run_cache(case: PolicyCase, config: H2OConfig, rec: Recording | None) -> _Tap:
+    """Prefill and decode the case through the runtime's cache (one-hot keys, scaling 1)."""
+    n, p = case.n, case.prompt_len
     layers, hkv = case.layers, case.kv_heads
     sets = case.q_heads if config.gqa == "none" else hkv
     shape = SimpleNamespace(num_hidden_layers=layers, num_attention_heads=case.q_heads,
@@ -114,7 +113,7 @@ def _run_cache(case: PolicyCase, config: H2OConfig, rec: Recording | None) -> tu
                 cl.decode(q, 1.0)
     if rec is not None:
         rec.flush()
-    return tap, cache
+    return tap
 
 
 def _sets_of_heads(case: PolicyCase, gqa: str) -> np.ndarray:
@@ -141,8 +140,7 @@ def case_kept_sets(case: PolicyCase, config: H2OConfig) -> dict[int, np.ndarray]
             d[..., : t + 1] = True
             out[t] = d
         return out
-    tap, _ = _run_cache(case, config, None)
-    return tap.cand
+    return _run_cache(case, config, None).cand
 
 
 def _evict_steps(ev: dict[str, np.ndarray], layers: int, sets: int, n: int, gqa_none: bool) -> np.ndarray:
@@ -209,8 +207,7 @@ def write_policy_case(root: str | os.PathLike, case: PolicyCase, heavy: int | No
             cand = case_kept_sets(case, config)
         else:
             rec = Recording(writer, config, None, None, None, flush_every=1 << 30, model=None)
-            tap, _ = _run_cache(case, config, rec)
-            cand = tap.cand
+            cand = _run_cache(case, config, rec).cand
         writer.flush()
         rebuilt = _rebuilt_sets(writer.run_dir, case, sets, gqa_none)
         stats = _write_outputs(writer, case, cand, rebuilt, gqa)

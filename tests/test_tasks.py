@@ -116,11 +116,24 @@ def test_hotspot_switch_keeps_stale_hotspot_and_drops_the_new_one(case_runs):
     assert _one(con, "SELECT correct FROM requests WHERE run_id = ?", run)[0][0] is False
 
 
-def test_far_hotspot_answer_right_under_h2o_wrong_under_local(case_runs):
+#: answer verdicts (full, h2o, local) at each case's own budget
+VERDICTS = {"uniform": (True, False, False), "far_hotspot": (True, True, False),
+            "hotspot_switch": (True, False, False), "delayed_reference": (True, False, False),
+            "gqa_split": (True, False, False)}
+
+
+def test_case_verdicts_and_divergence_only_at_the_answer_step(case_runs):
     _, con = case_runs
-    verdicts = dict(_one(con, "SELECT run_id, correct FROM requests WHERE task = 'far_hotspot'"))
-    assert verdicts == {"far-hotspot-full-sum-h4r4": True, "far-hotspot-h2o-sum-h4r4": True,
-                        "far-hotspot-local-sum-h4r4": False}
+    for case in policy_cases(0):
+        runs = [f"{case.name}-{p}-sum-h{case.heavy}r{case.recent}".replace("_", "-")
+                for p in ("full", "h2o", "local")]
+        got = tuple(_one(con, "SELECT correct FROM requests WHERE run_id = ?", r)[0][0] for r in runs)
+        assert got == VERDICTS[case.name], case.name
+        for run, ok in zip(runs, got):
+            # the toy output model agrees with the teacher at every ordinary step
+            first = _one(con, "SELECT min(step) FILTER (NOT top1_agree) FROM replay_steps WHERE run_id = ?", run)
+            assert first[0][0] == (None if ok else case.answer_step), run
+    assert _one(con, "SELECT correct FROM requests WHERE run_id = 'gqa-split-h2o-max-h3r4'")[0][0] is True
 
 
 def test_gqa_split_sum_and_max_keep_different_sets(case_runs):
@@ -134,6 +147,7 @@ def test_gqa_split_sum_and_max_keep_different_sets(case_runs):
     assert shared in sets["sum"][-1] and shared not in sets["max"][-1]
     favourites = [case.evidence[f"head{h}"][0] for h in range(case.group)]
     assert set(favourites) <= set(sets["max"][-1])
+    assert case.marks["answer_position"] not in sets["sum"][-1]  # the answer needs what sum dropped
     # the same difference is in the written runs
     gone = {g: {p for (p,) in _one(con, "SELECT position FROM evictions WHERE run_id = ?",
                                    f"gqa-split-h2o-{g}-h3r4")} for g in ("sum", "max")}

@@ -11,10 +11,10 @@
 """
 from __future__ import annotations
 
-from .real import KINDS, SIZES, Task, calibrate, check_answer, get_task, suite
+from .real import KINDS, SIZES, CalibrationRow, Task, budget, calibrate, check_answer, get_task, suite
 from .synthetic import CASES, PolicyCase, policy_case, policy_cases
 
 __all__ = [
-    "Task", "KINDS", "SIZES", "suite", "get_task", "check_answer", "calibrate",
+    "Task", "KINDS", "SIZES", "suite", "get_task", "check_answer", "budget", "calibrate", "CalibrationRow",
     "PolicyCase", "CASES", "policy_case", "policy_cases",
 ]

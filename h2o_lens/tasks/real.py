@@ -35,8 +35,10 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-__all__ = ["Task", "KINDS", "SIZES", "suite", "get_task", "check_answer", "normalise", "calibrate",
-           "CalibrationRow"]
+from ..config import H2OConfig
+
+__all__ = ["Task", "KINDS", "SIZES", "suite", "get_task", "check_answer", "normalise", "budget",
+           "calibrate", "CalibrationRow"]
 
 # ------------------------------------------------------------------------------- word banks
 
@@ -264,13 +266,14 @@ def _long_passage(rng: random.Random, index: int) -> dict[str, Any]:
     filler = _sentences(rng, TOWN, 3 * per_person)
     passage = "\n".join(f"{p} is a {j} from {c}. " + " ".join(filler[k * per_person:(k + 1) * per_person])
                        for k, (p, j, c) in enumerate(zip(people, jobs, cities)))
-    who = people[0]
+    k = 1 if index % 4 == 2 else 0  # the person asked about: the first, or the second
+    who = people[k]
     if index % 4 in (0, 3):
-        question, answer, distractors = f"Where is {who} from?", cities[0], tuple(cities[1:])
-        evidence = {"origin": f"from {cities[0]}"}
+        question, answer = f"Where is {who} from?", cities[k]
+        distractors, evidence = tuple(c for c in cities if c != answer), {"origin": f"from {answer}"}
     else:
-        question, answer, distractors = f"What is {who}'s job?", jobs[0], tuple(jobs[1:])
-        evidence = {"job": f"{who} is a {jobs[0]}"}
+        question, answer = f"What is {who}'s job?", jobs[k]
+        distractors, evidence = tuple(j for j in jobs if j != answer), {"job": f"{who} is a {answer}"}
     return dict(prompt=f"{passage}\n{question}", evidence=evidence, expected=answer, required=(answer,),
                 distractors=distractors)
 
@@ -330,55 +333,69 @@ class CalibrationRow:
     results: dict[str, tuple[bool, str]] = field(default_factory=dict)
 
 
+def budget(policy: str, ratio: float, prompt_len: int) -> H2OConfig:
+    """The config of ``policy`` at keep ratio ``ratio`` of a ``prompt_len``-token prompt.
+
+    ``B = max(2, round(ratio · prompt_len))`` slots, ``heavy = B // 2``,
+    ``recent = B - B // 2``: every policy gets the same slot count (baselines
+    re-split it, see :attr:`H2OConfig.split`).
+    """
+    b = max(2, round(ratio * prompt_len))
+    return H2OConfig(policy=policy, heavy=b // 2, recent=b - b // 2)
+
+
+def _answer(model: Any, tokenizer: Any, task: Task, config: H2OConfig | None) -> tuple[int, str]:
+    """Greedy answer of ``model`` to ``task`` (full cache when ``config`` is None)."""
+    import contextlib
+
+    import torch
+
+    from ..runtime import h2o
+
+    enc = tokenizer(task.chat_text(tokenizer), return_tensors="pt", add_special_tokens=False)
+    p = enc["input_ids"].shape[1]
+    with torch.no_grad(), (h2o(model, config) if config is not None else contextlib.nullcontext()):
+        ids = model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+    return p, tokenizer.decode(ids[0, p:], skip_special_tokens=True)
+
+
 def calibrate(tasks: Sequence[Task] | None = None, *, model: Any = None, tokenizer: Any = None,
               ratios: Sequence[float] = (0.2, 0.1), policies: Sequence[str] = ("h2o", "local"),
               out: Callable[[str], Any] = print) -> list[CalibrationRow]:
-    """Generate every task under the full cache and at each keep ratio; print a table.
+    """Answer every task with the full cache and each policy at each keep ratio; print a table.
 
-    The budget of ratio r on a prompt of P tokens is ``B = max(2, round(r·P))``
-    slots, ``heavy = B // 2``, ``recent = B - B // 2`` for every policy (each
-    baseline re-splits the same slot count). Greedy decoding, ``max_new_tokens``
-    of each task.
+    Budgets come from :func:`budget` (same slot count for every policy);
+    greedy decoding with each task's ``max_new_tokens``. Loads the default
+    model unless ``model`` and ``tokenizer`` are given; ``tasks`` defaults to
+    the ``demo`` suite of seed 0. Command::
 
-    Returns the rows: per task, ``{column: (correct, answer)}``.
+        python -c "from h2o_lens.tasks import calibrate; calibrate()"
+
+    Returns
+    -------
+    list of :class:`CalibrationRow`, one per task.
     """
-    import torch
-
-    from ..config import H2OConfig
     from ..models import load_model
-    from ..runtime import h2o
 
     if model is None or tokenizer is None:
         model, tokenizer = load_model(progress=False)
     tasks = list(tasks) if tasks is not None else suite()
-    columns = ["full"] + [f"{p} {round(r * 100)}%" for r in ratios for p in policies]
-    out(f"{'task':<18} {'P':>4}  " + "  ".join(f"{c:>9}" for c in columns))
+    columns = [("full", None, 0.0)] + [(f"{p} {round(r * 100)}%", p, r) for r in ratios for p in policies]
+    out(f"{'task':<18} {'P':>4}  " + "  ".join(f"{c:>9}" for c, _, _ in columns))
     rows = []
     t0 = time.perf_counter()
     for task in tasks:
-        enc = tokenizer(task.chat_text(tokenizer), return_tensors="pt", add_special_tokens=False)
-        p = enc["input_ids"].shape[1]
-        row = CalibrationRow(task.name, p)
-        for column in columns:
-            config = None
-            if column != "full":
-                policy, pct = column.split()
-                b = max(2, round(float(pct[:-1]) / 100 * p))
-                config = H2OConfig(policy=policy, heavy=b // 2, recent=b - b // 2)
-            with torch.no_grad():
-                if config is None:
-                    ids = model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False,
-                                         pad_token_id=tokenizer.pad_token_id)
-                else:
-                    with h2o(model, config):
-                        ids = model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False,
-                                             pad_token_id=tokenizer.pad_token_id)
-            answer = tokenizer.decode(ids[0, p:], skip_special_tokens=True)
-            row.results[column] = (task.check(answer), answer)
+        row = CalibrationRow(task.name, len(tokenizer(task.chat_text(tokenizer),
+                                                      add_special_tokens=False)["input_ids"]))
+        for label, policy, ratio in columns:
+            config = budget(policy, ratio, row.prompt_len) if policy else None
+            _, answer = _answer(model, tokenizer, task, config)
+            row.results[label] = (task.check(answer), answer)
         rows.append(row)
-        out(f"{task.name:<18} {p:>4}  " + "  ".join(f"{'ok' if row.results[c][0] else 'FAIL':>9}"
-                                                     for c in columns))
-    totals = {c: sum(r.results[c][0] for r in rows) for c in columns}
-    out(f"{'correct':<18} {'':>4}  " + "  ".join(f"{f'{totals[c]}/{len(rows)}':>9}" for c in columns))
+        out(f"{task.name:<18} {row.prompt_len:>4}  " + "  ".join(
+            f"{'ok' if row.results[c][0] else 'FAIL':>9}" for c, _, _ in columns))
+    totals = [sum(r.results[c][0] for r in rows) for c, _, _ in columns]
+    out(f"{'correct':<18} {'':>4}  " + "  ".join(f"{f'{n}/{len(rows)}':>9}" for n in totals))
     out(f"({time.perf_counter() - t0:.0f} s)")
     return rows

@@ -10,7 +10,13 @@ correctness verdict, with no language model at all:
   vector is that token's one-hot);
 * the next-token logits at step t are ``sharpness`` times the attention
   weight each token receives, averaged over layers and query heads — a copy
-  model: the prediction is the token the heads look at;
+  model: the prediction is the token the heads look at — plus
+  ``default_logit`` on token 0 (``" the"``, a frequent token). Unless the
+  heads put more than ``default_logit / sharpness`` (0.9) of their weight on
+  one token, the prediction is ``" the"`` for the run and the teacher alike;
+* at ``answer_step`` every head looks sharply at the answer position (an
+  evidence position): the teacher predicts its token, and a run that lost
+  it predicts ``" the"``;
 * the token sequence is fixed (teacher forcing): the run attends over its
   candidate set D_t, the teacher over all ``i <= t``;
   the answer is correct when the run's top-1 equals the teacher's at
@@ -78,6 +84,8 @@ class PolicyCase:
         The budget at which the case shows its signature.
     sharpness : float
         Scale of the toy output head.
+    default_logit : float
+        Logit of the frequent token 0 at every step.
     seed : int
     marks : dict str -> int
         Named positions and steps of the case's signature (``hotspot``,
@@ -95,6 +103,7 @@ class PolicyCase:
     heavy: int
     recent: int
     sharpness: float = 8.0
+    default_logit: float = 7.2
     seed: int = 0
     marks: dict[str, int] = field(default_factory=dict)
 
@@ -167,18 +176,20 @@ class PolicyCase:
         """Next-token logits ``(V,)`` of the toy output head from ``weights (L, Hkv, G, t + 1)``."""
         t1 = weights.shape[-1]
         mean = weights.reshape(-1, t1).mean(axis=0)  # (t+1,)
-        return self.sharpness * np.bincount(self.token_ids[:t1], weights=mean, minlength=len(self.vocab))
+        z = self.sharpness * np.bincount(self.token_ids[:t1], weights=mean, minlength=len(self.vocab))
+        z[0] += self.default_logit
+        return z
 
 
 # ---------------------------------------------------------------------------- builders
 
 def _tokens(rng: np.random.Generator, n: int, evidence: dict[str, tuple[int, ...]]
             ) -> tuple[np.ndarray, tuple[str, ...]]:
-    """Random filler tokens, one reserved token per evidence label (the last ids)."""
+    """Random filler tokens, one reserved token per evidence label (the last ids); id 0 is " the"."""
     labels = list(evidence)
     filler = VOCAB - len(labels)
-    ids = rng.integers(0, filler, n + 1)
-    vocab = [f" w{k}" for k in range(filler)] + [f" {label.upper()}" for label in labels]
+    ids = rng.integers(1, filler, n + 1)
+    vocab = [" the"] + [f" w{k}" for k in range(1, filler)] + [f" {label.upper()}" for label in labels]
     for k, label in enumerate(labels):
         ids[list(evidence[label])] = filler + k
     return ids, tuple(vocab)
@@ -188,16 +199,25 @@ def _noise(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> np
     return scale * rng.standard_normal(shape)
 
 
+def _ask(logits: np.ndarray, step: int, position: int, bonus: float = 10.0) -> None:
+    """The query at ``step`` looks sharply at ``position`` in every head (the answer needs it)."""
+    logits[..., step, position] += bonus
+
+
 def uniform(seed: int = 0) -> PolicyCase:
-    """Flat attention (small noise): the survivors of the heavy slots are the oldest positions."""
+    """Flat attention (small noise): the heavy slots end up holding the oldest positions.
+
+    The answer needs a middle prompt position, which age alone already evicted.
+    """
     rng = np.random.default_rng([seed, 1])
-    n, p = 48, 24
+    n, p, middle = 48, 24, 12
     logits = _noise(rng, (1, 1, 1, n, n), 0.05)
-    evidence = {"middle": (p // 2,)}
+    _ask(logits, n - 1, middle)
+    evidence = {"middle": (middle,)}
     ids, vocab = _tokens(rng, n, evidence)
     return PolicyCase("uniform", "uniform attention: cumulative scores grow with age, the oldest "
                       "positions hold the heavy slots", logits, p, evidence, n - 1, ids, vocab,
-                      heavy=4, recent=4, seed=seed)
+                      heavy=4, recent=4, seed=seed, marks={"answer_position": middle})
 
 
 def far_hotspot(seed: int = 0) -> PolicyCase:
@@ -206,11 +226,12 @@ def far_hotspot(seed: int = 0) -> PolicyCase:
     n, p, hot = 56, 32, 10
     logits = _noise(rng, (1, 1, 1, n, n), 0.3)
     logits[..., hot + 1:, hot] += 3.0
+    _ask(logits, n - 1, hot)
     evidence = {"hotspot": (hot,)}
     ids, vocab = _tokens(rng, n, evidence)
     return PolicyCase("far_hotspot", "one far position every query attends to: kept by heavy "
                       "hitters, lost by a recent window", logits, p, evidence, n - 1, ids, vocab,
-                      heavy=4, recent=4, seed=seed, marks={"hotspot": hot})
+                      heavy=4, recent=4, seed=seed, marks={"hotspot": hot, "answer_position": hot})
 
 
 def hotspot_switch(seed: int = 0) -> PolicyCase:
@@ -219,7 +240,7 @@ def hotspot_switch(seed: int = 0) -> PolicyCase:
     Two sink-like positions (0, 1) that every query attends to a little set a
     heavy threshold that the new hotspot, scored over the recent window only,
     cannot reach: it is evicted as it leaves the window while the old
-    hotspot, no longer attended to, keeps its slot.
+    hotspot, no longer attended to, keeps its slot. The answer needs the new one.
     """
     rng = np.random.default_rng([seed, 3])
     n, p, old, switch = 64, 32, 8, 40
@@ -227,12 +248,14 @@ def hotspot_switch(seed: int = 0) -> PolicyCase:
     logits[..., 2:, 0:2] += 1.5  # sinks
     logits[..., old + 1:switch, old] += 3.0  # old hotspot, until the switch
     logits[..., switch + 1:, switch] += 3.0  # new hotspot from the switch on
+    _ask(logits, n - 1, switch)
     evidence = {"old_hotspot": (old,), "new_hotspot": (switch,)}
     ids, vocab = _tokens(rng, n, evidence)
     return PolicyCase("hotspot_switch", "attention switches from an old hotspot to a new one: the old "
                       "stays as a stale heavy hitter, the new one is not promoted", logits, p, evidence,
                       n - 1, ids, vocab, heavy=3, recent=4, seed=seed,
-                      marks={"old_hotspot": old, "new_hotspot": switch, "switch": switch})
+                      marks={"old_hotspot": old, "new_hotspot": switch, "switch": switch,
+                             "answer_position": switch})
 
 
 def delayed_reference(seed: int = 0) -> PolicyCase:
@@ -242,13 +265,13 @@ def delayed_reference(seed: int = 0) -> PolicyCase:
     ev = p - 3  # inside the recent window at the end of the prefill
     logits = _noise(rng, (1, 1, 1, n, n), 0.3)
     logits[..., ev + 1:, ev] -= 4.0  # nobody looks at it ...
-    answer = n - 1
-    logits[..., answer, ev] += 10.0  # ... until the answer needs it
+    _ask(logits, n - 1, ev, bonus=14.0)  # ... until the answer needs it
     evidence = {"evidence": (ev,)}
     ids, vocab = _tokens(rng, n, evidence)
     return PolicyCase("delayed_reference", "evidence ignored until a late query: evicted with a low score "
-                      "right after it leaves the recent window", logits, p, evidence, answer, ids, vocab,
-                      heavy=4, recent=recent, seed=seed, marks={"evidence": ev, "exit_step": ev + recent})
+                      "right after it leaves the recent window", logits, p, evidence, n - 1, ids, vocab,
+                      heavy=4, recent=recent, seed=seed,
+                      marks={"evidence": ev, "exit_step": ev + recent, "answer_position": ev})
 
 
 def gqa_split(seed: int = 0) -> PolicyCase:
@@ -258,7 +281,8 @@ def gqa_split(seed: int = 0) -> PolicyCase:
     of its weight and every head gives the shared position 4 about a sixth.
     Summed over the group the shared position leads (3 × 1/6 > 1/3), by the
     maximum the favourites do (1/3 > 1/6): with three heavy slots ``sum``
-    keeps the shared position and two favourites, ``max`` the three favourites.
+    keeps the shared position and two favourites, ``max`` the three
+    favourites. The answer needs the favourite that ``sum`` drops.
     """
     rng = np.random.default_rng([seed, 5])
     n, p, g = 48, 32, 3
@@ -267,12 +291,24 @@ def gqa_split(seed: int = 0) -> PolicyCase:
     for h, f in enumerate(favourites):
         logits[0, 0, h, start:, f] += 3.0
     logits[0, 0, :, start:, shared] += 2.3
+    # sum drops the favourite with the lowest summed prefill score: the answer needs that one
+    prefill = _column_sums(logits[0, 0], p)
+    asked = min(favourites, key=lambda f: (prefill[f], f))
+    _ask(logits, n - 1, asked)
     evidence = {f"head{h}": (f,) for h, f in enumerate(favourites)}
     evidence["shared"] = (shared,)
     ids, vocab = _tokens(rng, n, evidence)
     return PolicyCase("gqa_split", "query heads of one group prefer different positions: sum and max "
                       "aggregation keep different sets", logits, p, evidence, n - 1, ids, vocab,
-                      heavy=3, recent=4, seed=seed, marks={"shared": shared})
+                      heavy=3, recent=4, seed=seed, marks={"shared": shared, "answer_position": asked})
+
+
+def _column_sums(logits: np.ndarray, prefill: int) -> np.ndarray:
+    """Prefill scores ``(P,)`` of one group ``(G, N, N)`` summed over its heads."""
+    x = logits[:, :prefill, :prefill]
+    x = np.where(np.tril(np.ones((prefill, prefill), bool)), x, -np.inf)
+    w = np.exp(x - x.max(-1, keepdims=True))
+    return (w / w.sum(-1, keepdims=True)).sum(axis=(0, 1))
 
 
 CASES: dict[str, Callable[[int], PolicyCase]] = {
