@@ -1,6 +1,7 @@
 """The task suite: synthetic policy cases (seed §5.1) and the real-model tasks."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -289,15 +290,9 @@ def test_full_cache_answers_and_a_small_recent_window_does_not(smol):
     b = round(0.1 * p)
     answers = []
     for config in (None, H2OConfig(policy="local", heavy=b // 2, recent=b - b // 2)):
-        with torch.no_grad(), (h2o(model, config) if config else _nothing()):
+        with torch.no_grad(), (h2o(model, config) if config else contextlib.nullcontext()):
             ids = model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False,
                                  pad_token_id=tok.pad_token_id)
         answers.append(tok.decode(ids[0, p:], skip_special_tokens=True))
     assert task.check(answers[0]), answers[0]
     assert not task.check(answers[1]), answers[1]
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()

@@ -26,7 +26,8 @@ The five cases (all deterministic in ``seed``):
 
 ``uniform``
     Flat attention. Cumulative scores then grow with age alone, so the heavy
-    slots end up holding the oldest positions (age bias).
+    slots end up holding the oldest positions (age bias); the answer needs a
+    middle position, lost to age.
 ``far_hotspot``
     Every query attends to one far position. H2O keeps it as a heavy
     hitter; ``local`` loses it at the prefill.
@@ -42,7 +43,15 @@ The five cases (all deterministic in ``seed``):
 ``gqa_split``
     One KV head shared by three query heads that each prefer their own
     position, plus a position all of them attend to moderately: ``sum`` and
-    ``max`` aggregation keep different sets.
+    ``max`` aggregation keep different sets; the answer needs the favourite
+    that ``sum`` drops.
+
+At each case's own budget (``heavy``, ``recent``) the answer is right with
+the full cache, wrong with ``local``, and right with H2O only for
+``far_hotspot`` (and for ``gqa_split`` with ``gqa="max"``). Runs and teacher
+agree on every step before ``answer_step``, so the first divergence is the
+answer itself. :func:`recorders.policy_cases.write_policy_case` writes a
+case as a complete run.
 """
 from __future__ import annotations
 
