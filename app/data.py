@@ -89,24 +89,25 @@ def gqa_pair(root: Root, run_id: str) -> tuple[str, str] | None:
         return views.gqa_partner(cur, run_id)
 
 
+def _jaccard_summary(rel) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Jaccard statistics of an overlap relation per (layer, KV head) and per step."""
+    by_set = analyses.coverage_stats(rel, by=("layer", "kv_head"), value="jaccard").df()
+    by_step = analyses.coverage_stats(rel, by=("step",), value="jaccard").df()
+    return by_set, by_step
+
+
 @_cache
 def gqa_overlap(root: Root, sum_run: str, max_run: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Jaccard of the sum and max kept sets: per (layer, KV head) and per step."""
     with cursor(root) as cur:
-        rel = analyses.gqa_overlap(cur, sum_run, max_run)
-        by_set = analyses.coverage_stats(rel, by=("layer", "kv_head"), value="jaccard").df()
-        by_step = analyses.coverage_stats(rel, by=("step",), value="jaccard").df()
-    return by_set, by_step
+        return _jaccard_summary(analyses.gqa_overlap(cur, sum_run, max_run))
 
 
 @_cache
 def kept_overlap(root: Root, run_a: str, run_b: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Jaccard of two runs' kept sets: per (layer, KV head) and per step."""
     with cursor(root) as cur:
-        rel = analyses.kept_overlap(cur, run_a, run_b)
-        by_set = analyses.coverage_stats(rel, by=("layer", "kv_head"), value="jaccard").df()
-        by_step = analyses.coverage_stats(rel, by=("step",), value="jaccard").df()
-    return by_set, by_step
+        return _jaccard_summary(analyses.kept_overlap(cur, run_a, run_b))
 
 
 @_cache
