@@ -42,7 +42,9 @@ def server_command(root: str | os.PathLike | None = None, port: int = 8501, *,
     return [sys.executable, "-m", "streamlit", "run", str(MAIN),
             "--server.headless", "false" if open_browser else "true",
             "--server.address", address, "--server.port", str(port),
-            "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer", *extra,
+            "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer",
+            # selections are written into widget state and passed as defaults on purpose (app/state.py)
+            "--global.disableWidgetStateDuplicationWarning", "true", *extra,
             "--", "--root", str(root)]
 
 

@@ -168,12 +168,22 @@ def _parse(text: str | None, cast: Callable[[str], T]) -> T | None:
 
 
 def _initial(key: str, name: str, ok: Callable[[Any], bool], cast: Callable[[str], Any],
-             default: Any) -> None:
-    """Put the remembered (or default) value of a widget into its state before it is drawn."""
+             default: Any) -> Any:
+    """The value a widget starts from: its own state when valid, else the remembered value,
+    else ``default``; returned so the widget also gets it as its default.
+
+    A value not taken from the widget's own state is written into that state, which
+    makes the browser show it. Passing the same value as the widget's default matters
+    as much: the browser re-creates widgets from their default after a page switch,
+    so a default that differs from the value shown silently replaced the selection
+    (the sidebar's run picker used to jump back to the first run that way).
+    """
     if key in st.session_state and ok(st.session_state[key]):
-        return
+        return st.session_state[key]
     value = _parse(remembered(name), cast)
-    st.session_state[key] = value if value is not None and ok(value) else default
+    value = value if value is not None and ok(value) else default
+    st.session_state[key] = value
+    return value
 
 
 def select(label: str, options: Sequence[T], name: str, *, page: str, default: T | None = None,
@@ -181,8 +191,8 @@ def select(label: str, options: Sequence[T], name: str, *, page: str, default: T
     """A selectbox remembered under ``name`` (and so in the URL)."""
     options = list(options)
     key = f"w_{page}_{name}"
-    _initial(key, name, lambda v: v in options, cast, options[0] if default is None else default)
-    value = (container or st).selectbox(label, options, key=key, **kwargs)
+    start = _initial(key, name, lambda v: v in options, cast, options[0] if default is None else default)
+    value = (container or st).selectbox(label, options, index=options.index(start), key=key, **kwargs)
     remember(name, value)
     return value
 
@@ -195,8 +205,8 @@ def slider(label: str, lo: int, hi: int, name: str, *, page: str, default: int,
         remember(name, lo)
         (container or st).caption(f"{label}: {lo}")
         return lo
-    _initial(key, name, lambda v: isinstance(v, int) and lo <= v <= hi, int, default)
-    value = (container or st).slider(label, min_value=lo, max_value=hi, key=key, **kwargs)
+    start = _initial(key, name, lambda v: isinstance(v, int) and lo <= v <= hi, int, default)
+    value = (container or st).slider(label, min_value=lo, max_value=hi, value=start, key=key, **kwargs)
     remember(name, value)
     return value
 
@@ -205,8 +215,8 @@ def number(label: str, lo: int, hi: int, name: str, *, page: str, default: int,
            container: Any = None, **kwargs: Any) -> int:
     """An integer input remembered under ``name``."""
     key = f"w_{page}_{name}"
-    _initial(key, name, lambda v: isinstance(v, int) and lo <= v <= hi, int, default)
-    value = (container or st).number_input(label, min_value=lo, max_value=max(lo, hi), step=1,
+    start = _initial(key, name, lambda v: isinstance(v, int) and lo <= v <= hi, int, default)
+    value = (container or st).number_input(label, min_value=lo, max_value=max(lo, hi), value=start, step=1,
                                            key=key, **kwargs)
     remember(name, int(value))
     return int(value)
