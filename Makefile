@@ -4,7 +4,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench samples clean
+.PHONY: setup demo test bench gpu-check samples clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens bench decode
 	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens bench record
 	HF_HUB_OFFLINE=1 $(BIN)/python -m analyses.bench
+
+# on a CUDA machine: the kernel tests natively (no interpreter), then the kernel benchmarks
+gpu-check: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m kernel tests/test_kernels.py tests/test_runtime.py
+	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens bench kernels
 
 # regenerate the shipped sample runs (policy cases and three real tasks, replayed)
 samples: setup

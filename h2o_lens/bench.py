@@ -26,10 +26,11 @@ def _median_time(fn: Callable[[], None], rounds: int) -> float:
 class _Decoder:
     """Keeps one cache warm and decodes ``steps`` tokens per call."""
 
-    def __init__(self, model, cache, context: torch.Tensor):
+    def __init__(self, model, cache, context: torch.Tensor, last_logits_only: bool = False):
         self.model, self.cache = model, cache
+        extra = {"logits_to_keep": 1} if last_logits_only else {}  # long batched prompts: no P x vocab
         with torch.no_grad():
-            out = model(input_ids=context, cache=cache, use_cache=True)
+            out = model(input_ids=context, cache=cache, use_cache=True, **extra)
         self.token = out.logits[:, -1:].argmax(-1)
 
     def run(self, steps: int) -> None:

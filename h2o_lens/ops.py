@@ -71,6 +71,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     hs = key.shape[1]
     if valid is None and query.device.type == "cpu" and query.dtype in _FLASH_CPU_DTYPES:
         return _prefill_flash_cpu(query, key, value, scaling, gqa, chunk, need_scores)
+    if not need_scores:  # the scores come from elsewhere (the Triton kernel): a fused attention
+        return _prefill_sdpa(query, key, value, valid, scaling, SDPA_BLOCK_ROWS), None
     qg = _group_view(query, hs)  # (b, Hs, G, P, d)
     kt = key.transpose(-1, -2)[:, :, None]  # (b, Hs, 1, d, P)
     vg = value[:, :, None]  # (b, Hs, 1, P, d)
@@ -101,6 +103,39 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 _FLASH_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Query rows per masked SDPA call of a padded prompt without scores.
+SDPA_BLOCK_ROWS = 1024
+
+
+def _sdpa(query, key, value, mask, causal, scaling):
+    try:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True)
+    except TypeError:  # torch < 2.5 has no enable_gqa
+        group = query.shape[1] // key.shape[1]
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1),
+            attn_mask=mask, is_causal=causal, scale=scaling)
+
+
+def _prefill_sdpa(query, key, value, valid, scaling, chunk):
+    """Causal prompt attention without scores through ``scaled_dot_product_attention``.
+
+    With padding, blocks of ``chunk`` query rows get a boolean mask of their keys (never
+    ``P²`` at once); a padding row sees only itself, which keeps it finite.
+    """
+    p = query.shape[2]
+    if valid is None:
+        return _sdpa(query, key, value, None, True, scaling).transpose(1, 2)
+    out = torch.empty_like(query)
+    for s in range(0, p, chunk):
+        e = min(p, s + chunk)
+        rows = torch.arange(s, e, device=query.device)[:, None]
+        cols = torch.arange(e, device=query.device)[None, :]
+        see = (cols <= rows) & valid[:, None, None, :e]  # (b,1,c,e)
+        see = see | ((cols == rows) & ~valid[:, None, s:e, None])
+        out[:, :, s:e] = _sdpa(query[:, :, s:e], key[:, :, :e], value[:, :, :e], see, False, scaling)
+    return out.transpose(1, 2)
 
 
 def _upper(c: int, device) -> torch.Tensor:

@@ -503,3 +503,25 @@ def test_replay_torch_with_query_suffix_equals_full_rows():
     tail = replay_dropped_mass_torch(q[:, :, 13:], k, ev, 0.25, chunk=3)
     assert torch.allclose(full[..., 13:], tail)
     assert tail.abs().sum() > 0
+
+
+def test_end_to_end_bench_runs_every_path_on_a_tiny_model(capsys):
+    """The 32k / batch-8 GPU benchmark's code path at toy size (timings here mean nothing):
+    every path decodes, the H2O caches hold B slots per layer and KV head, and the table prints."""
+    from h2o_lens.kernels.bench import bench_end_to_end
+
+    shape = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+                 num_key_value_heads=2, vocab_size=300)
+    batch, context, keep = 3, 60, 0.2
+    out = bench_end_to_end(context=context, batch=batch, keep=keep, steps=3, rounds=1, device=DEV,
+                           dtype=torch.float32, shape=shape)
+    budget = round(keep * context)
+    slots = shape["num_hidden_layers"] * batch * shape["num_key_value_heads"] * budget
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    for name in ("h2o triton", "h2o torch"):
+        assert out[f"{name} KV bytes"] == 2 * slots * head_dim * 4
+        assert out[f"{name} tokens/s"] > 0
+    assert out["full KV bytes"] > out["h2o triton KV bytes"] * (1 / keep) * 0.9
+    assert max(out["full ÷ full"], out["full dynamic ÷ full"]) == pytest.approx(1.0)
+    text = capsys.readouterr().out
+    assert "batch 3 x 60 tokens" in text and text.count("h2o ") >= 2

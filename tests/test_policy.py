@@ -195,3 +195,27 @@ def test_prefill_fused_path_equals_chunked_eager(gqa):
     # column sums of full causal softmax rows: every row sums to 1, so Σ scores = P per query head
     if gqa == "sum":
         assert torch.allclose(s1.sum(-1), torch.full((2, 2), 37.0 * 3), atol=1e-3)
+
+
+@pytest.mark.parametrize("hs", [1, 3])
+@pytest.mark.parametrize("padded", [False, True])
+def test_prefill_without_scores_equals_the_eager_output(hs, padded, monkeypatch):
+    """``need_scores=False`` (the Triton backend's prefill: SDPA, blocks of rows with padding)
+    gives the eager path's output on every real row, and finite padding rows."""
+    from h2o_lens import ops
+    from h2o_lens.ops import prefill_attention
+
+    monkeypatch.setattr(ops, "SDPA_BLOCK_ROWS", 8)  # several blocks of rows
+    g = torch.Generator().manual_seed(1)
+    b, hq, p, d = 3, 6, 41, 16
+    q, k, v = (torch.randn(b, h, p, d, generator=g, dtype=torch.float64) for h in (hq, hs, hs))
+    valid = torch.ones(b, p, dtype=torch.bool)
+    if padded:
+        valid[1, :7] = False
+        valid[2, :40] = False
+    mask = valid if padded else None
+    ref, _ = prefill_attention(q, k, v, mask, 0.25, "sum", chunk=8)
+    out, none = prefill_attention(q, k, v, mask, 0.25, "sum", chunk=8, need_scores=False)
+    assert none is None and out.shape == ref.shape == (b, p, hq, d)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out[valid], ref[valid], atol=1e-10)

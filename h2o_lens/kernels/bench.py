@@ -7,7 +7,9 @@ alternate the paths being compared (same process, same data):
 * fused decode step ÷ plain SDPA over the same ``B`` slots (no scores, no eviction);
 * prefill scores kernel ÷ SDPA causal prefill;
 * replay kernel ÷ chunked torch replay;
-* achieved memory bandwidth of the decode step ÷ the device's peak.
+* achieved memory bandwidth of the decode step ÷ the device's peak;
+* end to end: decode tokens/s of a whole model with H2O at 20 % (Triton and torch
+  backends) ÷ full-cache SDPA, at 32k context and batch 8 (:func:`bench_end_to_end`).
 
 Without a GPU it says so and prints the interpreter-mode correctness summary
 (small shapes, ``TRITON_INTERPRET=1``) instead.
@@ -17,13 +19,14 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import time
 from typing import Callable
 
 import torch
 
 from .. import ops
 
-__all__ = ["bench_kernels"]
+__all__ = ["bench_kernels", "bench_end_to_end", "E2E_SHAPE"]
 
 # (Hq, Hkv, d): the default model (SmolLM2-135M) and a Llama-8B-like layer
 _HEADS = ((9, 3, 64), (32, 8, 128))
@@ -144,6 +147,96 @@ def _bench_prefill_and_replay(device, dtype, rounds: int, n: int) -> None:
               f"{t['torch_replay']:>10.2f} {t['replay'] / t['torch_replay']:>8.3f}", flush=True)
 
 
+#: The default model's shape (SmolLM2-135M). The end-to-end benchmark initialises it at random:
+#: decode time does not depend on the weights' values, and no weights need to be fetched.
+E2E_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_end_to_end(*, context: int = 32768, batch: int = 8, keep: float = 0.2, steps: int = 32,
+                     rounds: int = 3, device: torch.device | str = "cuda",
+                     dtype: torch.dtype = torch.bfloat16, shape: dict | None = None,
+                     backends: tuple[str, ...] = ("triton", "torch")) -> dict[str, float]:
+    """Decode tokens/s of a whole model, H2O at ``keep`` ÷ a full-cache SDPA decode.
+
+    A Llama model of ``shape`` (default :data:`E2E_SHAPE`, random weights) gets a
+    ``batch × context`` prompt; each path prefills its own cache once, then the
+    rounds alternate ``steps`` greedy decode steps of every path on its warm cache.
+    The baseline is the faster of the two full caches transformers offers:
+    ``StaticCache`` (preallocated, written in place) and ``DynamicCache`` (the
+    ``generate`` default, which concatenates every step).
+    Prints one table and returns, per path, tokens/s, the ratio to that baseline and
+    the KV bytes held (keys and values; H2O's scores and positions not included).
+    """
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+
+    from ..bench import _Decoder
+    from ..config import H2OConfig
+    from ..runtime import full_kv_bytes, h2o
+
+    device = torch.device(device)
+    shape = dict(E2E_SHAPE if shape is None else shape)
+    total = context + (rounds + 1) * steps + 8
+    cfg = LlamaConfig(**shape, max_position_embeddings=total)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    budget = max(2, int(round(keep * context)))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, context), generator=g).to(device)
+    print(f"\nend to end: Llama {cfg.num_hidden_layers} layers, {cfg.num_attention_heads}/"
+          f"{cfg.num_key_value_heads} heads, random weights ({dtype}); batch {batch} x {context} tokens, "
+          f"H2O B={budget} ({keep:.0%}); {steps} steps x {rounds} rounds, medians", flush=True)
+    decoders: dict[str, tuple[_Decoder, str]] = {}
+    scopes = []
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        decoders["full"] = (_Decoder(model, StaticCache(config=model.config, max_cache_len=total), ids,
+                                     last_logits_only=True), "sdpa")
+        decoders["full dynamic"] = (_Decoder(model, DynamicCache(config=model.config), ids,
+                                             last_logits_only=True), "sdpa")
+        for backend in backends:
+            h = H2OConfig(heavy=budget // 2, recent=budget - budget // 2, backend=backend)
+            scope = h2o(model, h)
+            session = scope.__enter__()
+            scopes.append(scope)
+            decoders[f"h2o {backend}"] = (_Decoder(model, session.new_cache(), ids, last_logits_only=True),
+                                          "h2o_lens")
+        try:
+            times: dict[str, list[float]] = {name: [] for name in decoders}
+            for r in range(rounds + 1):
+                for name, (dec, impl) in decoders.items():
+                    model.set_attn_implementation(impl)
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    dec.run(steps if r else 2)  # round 0 warms up
+                    _sync(device)
+                    if r:
+                        times[name].append(time.perf_counter() - t0)
+        finally:
+            for scope in reversed(scopes):
+                scope.__exit__(None, None, None)
+            model.set_attn_implementation("sdpa")
+    full_tps = batch * steps / min(statistics.median(times["full"]), statistics.median(times["full dynamic"]))
+    tokens = context + 2 + rounds * steps + 1
+    full_bytes = full_kv_bytes(model, tokens, batch=batch)
+    print(f"{'path':>12} {'tokens/s':>10} {'÷ full':>7} {'KV GiB':>8}  (÷ full: ÷ the faster full cache)")
+    out: dict[str, float] = {}
+    for name, (dec, _) in decoders.items():
+        tps = batch * steps / statistics.median(times[name])
+        nbytes = full_bytes if name.startswith("full") else dec.cache.nbytes()["kv"]
+        out[f"{name} tokens/s"] = tps
+        out[f"{name} ÷ full"] = tps / full_tps
+        out[f"{name} KV bytes"] = nbytes
+        print(f"{name:>12} {tps:>10.1f} {tps / full_tps:>7.2f} {nbytes / 2**30:>8.3f}", flush=True)
+    return out
+
+
 def _interpreter_summary() -> None:
     """Small cases through the kernels in Triton's interpreter, against the torch contract."""
     from .decode import decode_step_triton
@@ -218,4 +311,5 @@ def bench_kernels(rounds: int = 7, inner: int = 20, prefill_tokens: int = 8192,
     with torch.no_grad():
         _bench_decode(device, dtype, rounds, inner)
         _bench_prefill_and_replay(device, dtype, rounds, prefill_tokens)
+    bench_end_to_end(device=device, dtype=dtype)
     return 0
