@@ -17,6 +17,7 @@ torch: logs open on machines without a model.
 """
 from __future__ import annotations
 
+from ._base import connect
 from .attribution import VERDICTS, Attribution, Fact, attribute, evidence_sql, failed_requests
 from .coverage import (coverage_by_span, coverage_stats, dropped_mass, dropped_mass_by_layer,
                        dropped_mass_series, head_coverage)
@@ -35,6 +36,8 @@ from .stale import stale_holders, stale_victims
 from .thresholds import Thresholds
 
 __all__ = [
+    # opening logs
+    "connect",
     # coverage and divergence
     "dropped_mass", "coverage_stats", "head_coverage", "coverage_by_span", "dropped_mass_series",
     "dropped_mass_by_layer", "replay_series", "divergence_summary", "paired_runs", "free_generation",

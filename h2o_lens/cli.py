@@ -248,8 +248,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from .suite import demo
+    from .tasks import suite
 
-    demo(args.out, reports=not args.no_reports)
+    tasks = suite(size="demo")
+    if args.tasks is not None:
+        if args.tasks < 1:
+            raise SystemExit("--tasks must be at least 1")
+        tasks = tasks[:args.tasks]
+    demo(args.out, tasks=tasks, reports=not args.no_reports)
     return 0
 
 
@@ -359,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the task suite on the default model: H2O at two budgets and the baselines")
     d.add_argument("--out", default="demo_runs", help="runs root (default: ./demo_runs)")
     d.add_argument("--no-reports", action="store_true", help="skip the HTML/Markdown/JSON reports")
+    d.add_argument("--tasks", type=int, default=None, help="use only the first N tasks of the demo suite")
     d.set_defaults(func=cmd_demo)
 
     sw = sub.add_parser("sweep", help="keep ratio x policy: quality, physical KV and latency curves")

@@ -91,7 +91,11 @@ def run_task(model: Any, tok: Any, task: Task, config: H2OConfig, out: str | os.
 
 
 def _verdicts(root: str | os.PathLike, runs: Iterable[TaskRun]) -> dict[str, str]:
-    """The attribution of each failed run (``ok`` when nothing failed)."""
+    """The attribution of each failed run (``ok`` when nothing failed).
+
+    A run can fail on the teacher's measures (top-1 agreement, KL) while its
+    answer is still right; its verdict then says ``(answer right)``.
+    """
     from analyses import attribute, connect
 
     con = connect(str(root))
@@ -101,7 +105,7 @@ def _verdicts(root: str | os.PathLike, runs: Iterable[TaskRun]) -> dict[str, str
             out[r.run_id] = "ok (teacher)" if r.correct else "full cache fails"
             continue
         found = attribute(con, r.run_id)
-        out[r.run_id] = found[0].verdict if found else "ok"
+        out[r.run_id] = "ok" if not found else found[0].verdict + (" (answer right)" if r.correct else "")
     return out
 
 

@@ -1,0 +1,81 @@
+"""The main jobs end to end on the real default model: the demo (README's first command) and the sweep.
+
+Both run a cut-down plan here (one task); `make demo` runs the whole suite.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import analyses
+from recorders import open_runs
+
+pytestmark = pytest.mark.model
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_demo_command_records_replays_reports_and_summarises(tmp_path):
+    """`h2o-lens demo --tasks 1`: full, H2O 20 % and 10 %, four baselines; replays, reports, table."""
+    out = tmp_path / "demo"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, "-m", "h2o_lens.cli", "demo", "--tasks", "1", "--out", str(out)],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "open the dashboard: h2o-lens app" in res.stdout
+    summary = json.loads((out / "demo_summary.json").read_text())
+    assert [(r["policy"], r["budget"]) for r in summary] == [
+        ("full", "100%"), ("h2o", "20%"), ("h2o", "10%"), ("local", "20%"), ("heavy", "20%"),
+        ("sink", "20%"), ("random", "20%")]
+    full = summary[0]
+    assert full["correct"] == "yes" and full["verdict"] == "ok (teacher)"
+    assert float(full["kl"]) == 0.0 and float(full["dropped"]) == 0.0
+    con = open_runs(out)
+    statuses = dict(con.sql("SELECT run_id, status FROM runs").fetchall())
+    assert len(statuses) == 7 and set(statuses.values()) == {"complete"}
+    for row in summary[1:]:
+        verdict, _, note = row["verdict"].partition(" ")
+        assert verdict in (*analyses.VERDICTS, "ok")
+        # a wrong answer always gets a verdict; a right one only when the teacher's measures fail it
+        if row["correct"] == "NO":
+            assert verdict in analyses.VERDICTS and not note, row
+        else:
+            assert verdict == "ok" or note == "(answer right)", row
+        assert float(row["dropped"]) > 0.0  # every compressed run lost some teacher attention
+        # every run was replayed and the masked replay reproduces the run's logits
+        diff = con.execute("SELECT max_logit_diff FROM runs WHERE run_id = ?", [row["run_id"]]).fetchall()[0][0]
+        assert diff is not None and diff < 1e-3
+    reports = sorted(p.name for p in (out / "reports").iterdir())
+    task = summary[0]["task"]
+    assert reports == sorted(f"{task}-h2o-{b}.{f}" for b in (10, 20) for f in ("html", "json", "md"))
+    for name in reports:
+        if name.endswith(".json"):
+            data = json.loads((out / "reports" / name).read_text())
+            assert data["run"]["policy"] == "h2o"
+
+
+def test_sweep_writes_the_three_curves(tmp_path):
+    import h2o_lens
+    from h2o_lens.suite import sweep
+    from h2o_lens.tasks import suite
+
+    model, tok = h2o_lens.load_model(progress=False)
+    out = tmp_path / "sweep"
+    table = sweep(out, tasks=suite(size="small")[:1], model=model, tokenizer=tok, ratios=(1.0, 0.2),
+                  policies=(("h2o", "sum"), ("local", "sum")), page_size=16, progress=False)
+    assert sorted(zip(table.policy, table.keep_ratio)) == [("full", 1.0), ("h2o-sum", 0.2), ("local", 0.2)]
+    rows = table.set_index("policy")
+    assert rows.loc["full", "kv_share"] == pytest.approx(1.0) and rows.loc["full", "kl_mean"] == 0.0
+    for p in ("h2o-sum", "local"):
+        # same slot count: the token share is about the keep ratio, pages never free more than tokens
+        assert 0.15 < rows.loc[p, "kv_share"] <= 0.3
+        assert rows.loc[p, "kv_share"] <= rows.loc[p, "page_share"] <= 1.0
+        assert rows.loc[p, "ms_per_token"] > 0
+    for name in ("sweep.csv", "sweep.md", "sweep.html"):
+        assert (out / name).stat().st_size > 200
+    html = (out / "sweep.html").read_text()
+    assert "quality" in html and "physical KV" in html and "latency" in html
