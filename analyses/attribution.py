@@ -16,11 +16,14 @@ Verdicts, first match wins:
     parallel replay does not reproduce the run's logits, so no cache measure
     of it can be trusted.
 ``scoring_lag``
-    evidence was evicted before ``d`` (at least ``evidence_lost_share`` of the
-    KV sets lost a token of a span) and at least ``lag_share`` of those
-    evictions came within ``lag_steps`` of leaving the recent window with a
-    score of at most ``low_score_ratio`` of the lowest surviving one: a
-    delayed first reference the cumulative score could not see coming.
+    a scored policy (``h2o``, ``heavy``) evicted evidence before ``d`` (at
+    least ``evidence_lost_share`` of the KV sets lost a token of a span) and
+    at least ``lag_share`` of those evictions came within ``lag_steps`` of
+    leaving the recent window with a score of at most ``low_score_ratio`` of
+    the lowest surviving one: a delayed first reference the cumulative score
+    could not see coming. Unscored policies (``local``, ``sink``, ``random``)
+    evict without looking at attention, so their evicted evidence is never a
+    scoring lag: it falls to the rules below.
 ``budget``
     evidence was evicted before ``d`` and the dropped mass around ``d`` is
     high; or the run labels no evidence and the dropped mass is high.
@@ -48,6 +51,8 @@ from .thresholds import Thresholds
 __all__ = ["VERDICTS", "Fact", "Attribution", "failed_requests", "attribute", "evidence_sql"]
 
 VERDICTS = ("budget", "scoring_lag", "not_the_cache", "implementation_error")
+#: Policies whose evictions follow cumulative attention scores (DESIGN §2).
+SCORED_POLICIES = ("h2o", "heavy")
 
 FailedArg = bool | Mapping[int, bool] | Sequence[int] | None
 
@@ -199,8 +204,9 @@ def _dropped_at(con: duckdb.DuckDBPyConnection, run_id: str, request: int, step:
     return float(row[0]), dict(zip(("dropped_mass", "step", "layer", "q_head", "kv_head"), row[1:]))
 
 
-def _evidence_facts(ev: pd.DataFrame, held: pd.DataFrame, th: Thresholds) -> tuple[bool, bool, list[Fact]]:
-    """(evidence evicted, scoring lag, facts) for one request."""
+def _evidence_facts(ev: pd.DataFrame, held: pd.DataFrame, th: Thresholds,
+                    scored: bool = True) -> tuple[bool, bool, list[Fact]]:
+    """(evidence evicted, scoring lag, facts) for one request; no lag without scores."""
     facts: list[Fact] = []
     lost = 0.0
     for row in held.itertuples():
@@ -213,7 +219,8 @@ def _evidence_facts(ev: pd.DataFrame, held: pd.DataFrame, th: Thresholds) -> tup
     lag_share = float(ev["lag_eviction"].mean()) if len(ev) else 0.0
     if len(ev):
         facts.append(Fact("lag_eviction_share", value=lag_share, threshold=th.lag_share,
-                          note="evidence evictions soon after leaving the recent window with a low score"))
+                          note="evidence evictions soon after leaving the recent window with a low score"
+                               + ("" if scored else "; not a scoring lag: this policy keeps no scores")))
         for row in ev.head(3).itertuples():
             facts.append(Fact("evidence_evicted", step=plain(row.step), layer=plain(row.layer),
                               kv_head=plain(row.kv_head), q_head=plain(row.q_head),
@@ -221,7 +228,7 @@ def _evidence_facts(ev: pd.DataFrame, held: pd.DataFrame, th: Thresholds) -> tup
                               margin=plain(row.margin),
                               note=f"{row.label!r} age {row.age}"
                                    f"{', lag eviction' if row.lag_eviction else ''}"))
-    return evicted, evicted and lag_share >= th.lag_share, facts
+    return evicted, scored and evicted and lag_share >= th.lag_share, facts
 
 
 def _verdict(info: dict[str, Any], evicted: bool, lag: bool, has_evidence: bool,
@@ -294,7 +301,8 @@ def _attribute_one(con: duckdb.DuckDBPyConnection, info: dict[str, Any], row: di
                             low_score_ratio=th.low_score_ratio).df()
     held = evidence_held(con, run_id, at_step=d).df() if d is not None else pd.DataFrame()
     held = held[held["request"] == request] if len(held) else held
-    evicted, lag, evidence_facts = _evidence_facts(ev, held, th)
+    scored = info.get("policy") in SCORED_POLICIES or info.get("policy") is None
+    evicted, lag, evidence_facts = _evidence_facts(ev, held, th, scored)
     kl_d = plain(row.get("kl_at_divergence"))
     dm, facts = _replay_facts(con, info, request, d, why_d, kl_d, th)
     verdict, why = _verdict(info, evicted, lag, len(held) > 0, dm, kl_d, th)

@@ -296,3 +296,49 @@ def test_full_cache_answers_and_a_small_recent_window_does_not(smol):
         answers.append(tok.decode(ids[0, p:], skip_special_tokens=True))
     assert task.check(answers[0]), answers[0]
     assert not task.check(answers[1]), answers[1]
+
+
+def test_case_attributions_name_the_designed_cause(case_runs):
+    """Seed §5.1 signatures through analyses.attribute: the delayed first reference is a scoring lag
+    under H2O; the unscored local window and the starved budgets are budget failures."""
+    import analyses
+
+    _, con = case_runs
+    got = {}
+    for (run,) in _one(con, "SELECT run_id FROM runs ORDER BY run_id"):
+        found = analyses.attribute(con, run)
+        got[run] = found[0].verdict if found else "ok"
+    assert got == {
+        "delayed-reference-full-sum-h4r4": "ok", "delayed-reference-h2o-sum-h4r4": "scoring_lag",
+        "delayed-reference-local-sum-h4r4": "budget",
+        "far-hotspot-full-sum-h4r4": "ok", "far-hotspot-h2o-sum-h4r4": "ok", "far-hotspot-local-sum-h4r4": "budget",
+        "gqa-split-full-sum-h3r4": "ok", "gqa-split-h2o-max-h3r4": "ok", "gqa-split-h2o-sum-h3r4": "budget",
+        "gqa-split-local-sum-h3r4": "budget",
+        "hotspot-switch-full-sum-h3r4": "ok", "hotspot-switch-h2o-sum-h3r4": "scoring_lag",
+        "hotspot-switch-local-sum-h3r4": "budget",
+        "uniform-full-sum-h4r4": "ok", "uniform-h2o-sum-h4r4": "budget", "uniform-local-sum-h4r4": "budget"}
+    # the local window's lost evidence is reported with the reason it is not a scoring lag
+    (local,) = analyses.attribute(con, "delayed-reference-local-sum-h4r4")
+    lag = next(f for f in local.facts if f.kind == "lag_eviction_share")
+    assert lag.value >= 0.5 and "keeps no scores" in lag.note
+
+
+def test_shipped_sample_cases_match_the_generators(tmp_path):
+    """sample_runs/ holds the policy cases exactly as the current generators write them
+    (regenerate with `make samples` after changing a case)."""
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parent.parent / "sample_runs"
+    con = open_runs(shipped, warn=False)
+    runs = [r for (r,) in con.sql("SELECT run_id FROM runs WHERE model LIKE 'synthetic/%'").fetchall()]
+    assert len(runs) >= len(CASES)
+    for run in runs:
+        name, policy, gqa = next((c.name, *run[len(c.name) + 1:].split("-")[:2]) for c in policy_cases(0)
+                                 if run.startswith(c.name.replace("_", "-") + "-"))
+        write_policy_case(tmp_path, policy_case(name), policy=policy, gqa=gqa, run_id=run)
+    fresh = open_runs(tmp_path, warn=False)
+    for table, cols in (("evictions", "step, layer, kv_head, position"), ("replay_steps", "step, top1_agree"),
+                        ("requests", "request, correct")):
+        for run in runs:
+            sql = f"SELECT {cols} FROM {table} WHERE run_id = ? ORDER BY ALL"
+            assert _one(con, sql, run) == _one(fresh, sql, run), (table, run)
