@@ -253,38 +253,66 @@ def _has_tabulate() -> bool:
 
 
 def _sweep_html(table: Any, path: Path, page_size: int) -> None:
-    """Three curves over keep ratio in one self-contained HTML file (plotly.js inlined once)."""
+    """The three curves over keep ratio in one self-contained HTML file (plotly.js inlined once).
+
+    Four panels (accuracy, KL, physical KV bytes per token with and without pages,
+    latency), one colour per policy across all of them; each policy's curve starts
+    from the full cache at 100 %.
+    """
+    import plotly.colors
     import plotly.graph_objects as go
     from plotly.offline import get_plotlyjs
     from plotly.subplots import make_subplots
 
-    fig = make_subplots(rows=1, cols=3, subplot_titles=(
-        "quality: accuracy (solid) and KL (dotted)", f"physical KV share (dashed: pages of {page_size})",
-        "decode latency, ms per token"))
-    for policy, g in table.groupby("policy"):
-        g = g.sort_values("keep_ratio")
+    fig = make_subplots(rows=2, cols=2, horizontal_spacing=0.08, vertical_spacing=0.14, subplot_titles=(
+        "quality: answer accuracy", "quality: mean KL(teacher ‖ run), nats (full cache: 0)",
+        f"physical KV bytes per token (dashed: pages of {page_size} tokens)", "decode latency, ms per token"))
+    full = table[table["policy"] == "full"]
+    palette = plotly.colors.qualitative.Plotly
+    policies = [p for p in dict.fromkeys(table["policy"]) if p != "full"]
+    for i, policy in enumerate(policies):
+        g = _concat(full, table[table["policy"] == policy]).sort_values("keep_ratio")
         x = g["keep_ratio"] * 100
-        fig.add_trace(go.Scatter(x=x, y=g["accuracy"], name=policy, legendgroup=policy, mode="lines+markers"),
-                      row=1, col=1)
-        fig.add_trace(go.Scatter(x=x, y=g["kl_mean"], name=f"{policy} KL", legendgroup=policy, showlegend=False,
-                                 mode="lines", line={"dash": "dot"}), row=1, col=1)
-        fig.add_trace(go.Scatter(x=x, y=g["kv_share"], name=f"{policy} tokens", legendgroup=policy,
-                                 showlegend=False, mode="lines+markers"), row=1, col=2)
-        fig.add_trace(go.Scatter(x=x, y=g["page_share"], name=f"{policy} pages", legendgroup=policy,
-                                 showlegend=False, mode="lines", line={"dash": "dash"}), row=1, col=2)
-        fig.add_trace(go.Scatter(x=x, y=g["ms_per_token"], name=f"{policy} latency", legendgroup=policy,
-                                 showlegend=False, mode="lines+markers"), row=1, col=3)
-    for col in (1, 2, 3):
-        fig.update_xaxes(title_text="keep ratio (%)", type="log", row=1, col=col)
-    fig.update_layout(height=420, width=1300, title="H2O Lens budget sweep")
+        color = palette[i % len(palette)]
+        common = dict(x=x, legendgroup=policy, line={"color": color}, marker={"color": color})
+        fig.add_trace(go.Scatter(y=g["accuracy"], name=policy, mode="lines+markers", **common), row=1, col=1)
+        kl = g["kl_mean"].where(g["kl_mean"] > 0)  # log axis: the full cache's KL of 0 is left out
+        fig.add_trace(go.Scatter(y=kl, name=policy, showlegend=False, mode="lines+markers", **common),
+                      row=1, col=2)
+        fig.add_trace(go.Scatter(y=g["kv_bytes_per_token"], name=f"{policy} tokens", showlegend=False,
+                                 mode="lines+markers", **common), row=2, col=1)
+        fig.add_trace(go.Scatter(y=g["paged_bytes_per_token"], name=f"{policy} pages", showlegend=False,
+                                 mode="lines", **{**common, "line": {"color": color, "dash": "dash"}}), row=2, col=1)
+        fig.add_trace(go.Scatter(y=g["ms_per_token"], name=policy, showlegend=False, mode="lines+markers",
+                                 **common), row=2, col=2)
+    ticks = sorted({float(v) * 100 for v in table["keep_ratio"]})
+    for row in (1, 2):
+        for col in (1, 2):
+            fig.update_xaxes(title_text="keep ratio (%)", type="log", tickvals=ticks,
+                             ticktext=[f"{t:g}" for t in ticks], row=row, col=col)
+    fig.update_yaxes(range=[-0.05, 1.05], row=1, col=1)
+    fig.update_yaxes(type="log", row=1, col=2)
+    fig.update_yaxes(rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(rangemode="tozero", row=2, col=2)
+    fig.update_layout(height=820, width=1300, title="H2O Lens budget sweep: quality, physical memory and "
+                      "latency against keep ratio", legend={"title": {"text": "policy"}})
     body = fig.to_json()
+    style = ("body{font-family:sans-serif;margin:24px}table{border-collapse:collapse;font-size:13px}"
+             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f3f3f3}")
     html = (f"<!doctype html><html><head><meta charset='utf-8'><title>H2O Lens sweep</title>"
-            f"<script>{get_plotlyjs()}</script></head><body><div id='fig'></div>"
+            f"<style>{style}</style><script>{get_plotlyjs()}</script></head><body><div id='fig'></div>"
             f"<script>const f={body};Plotly.newPlot('fig',f.data,f.layout);</script>"
-            f"<h3>table</h3>{table.to_html(index=False, float_format=lambda v: f'{v:.4g}')}</body></html>")
+            f"<h3>Per policy and keep ratio (means over tasks; latency: median)</h3>"
+            f"{table.to_html(index=False, border=0, float_format=lambda v: f'{v:.4g}')}</body></html>")
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(html, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def _concat(*frames: Any) -> Any:
+    import pandas as pd
+
+    return pd.concat(frames, ignore_index=True)
 
 
 #: real tasks shipped in sample_runs/ (first instance of each kind)
