@@ -50,6 +50,8 @@ def test_runs_table_headline_numbers_match_pandas(world):
     assert got.loc["b", "source_run"] == "a" and got.loc["b", "gqa"] == "max"
     assert got.loc["c", "problems"] == 1 and got.loc["c", "evictions"] == 0 and pd.isna(got.loc["c", "kl_mean"])
     assert got.loc["a", "problems"] == 0
+    names = dict(world["con"].sql("SELECT run_id, name FROM runs").fetchall())
+    assert got["name"].to_dict() == names
 
 
 def test_run_problems_name_the_damaged_file(world):

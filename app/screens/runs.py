@@ -8,6 +8,7 @@ from app import common, data, state
 PAGE = "runs"
 _COLUMNS = {
     "run_id": st.column_config.TextColumn("run", pinned=True),
+    "name": st.column_config.TextColumn("name", help="the run's name (the task, for suite runs)"),
     "status": st.column_config.TextColumn("status"),
     "policy": st.column_config.TextColumn("policy"),
     "heavy": st.column_config.NumberColumn("heavy", help="heavy-hitter slots"),
