@@ -104,29 +104,30 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 _FLASH_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Query rows per masked SDPA call of a padded prompt without scores.
-SDPA_BLOCK_ROWS = 1024
-
-
-def _sdpa(query, key, value, mask, causal, scaling):
-    try:
-        return torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True)
-    except TypeError:  # torch < 2.5 has no enable_gqa
-        group = query.shape[1] // key.shape[1]
-        return torch.nn.functional.scaled_dot_product_attention(
-            query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1),
-            attn_mask=mask, is_causal=causal, scale=scaling)
+SDPA_BLOCK_ROWS = 512
 
 
 def _prefill_sdpa(query, key, value, valid, scaling, chunk):
     """Causal prompt attention without scores through ``scaled_dot_product_attention``.
 
-    With padding, blocks of ``chunk`` query rows get a boolean mask of their keys (never
-    ``P²`` at once); a padding row sees only itself, which keeps it finite.
+    Without padding the fused kernels take the query group as is (``enable_gqa``).
+    With padding, blocks of ``chunk`` query rows get a boolean mask of their keys
+    (never ``P²`` at once; a padding row sees only itself, which keeps it finite),
+    and the keys and values are repeated per query head once: GQA with a mask would
+    fall back to the math kernel, which builds the whole weight block.
     """
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    group = query.shape[1] // key.shape[1]
     p = query.shape[2]
     if valid is None:
-        return _sdpa(query, key, value, None, True, scaling).transpose(1, 2)
+        try:
+            return sdpa(query, key, value, is_causal=True, scale=scaling, enable_gqa=True).transpose(1, 2)
+        except TypeError:  # torch < 2.5 has no enable_gqa
+            pass
+    if group > 1:
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    if valid is None:
+        return sdpa(query, key, value, is_causal=True, scale=scaling).transpose(1, 2)
     out = torch.empty_like(query)
     for s in range(0, p, chunk):
         e = min(p, s + chunk)
@@ -134,7 +135,7 @@ def _prefill_sdpa(query, key, value, valid, scaling, chunk):
         cols = torch.arange(e, device=query.device)[None, :]
         see = (cols <= rows) & valid[:, None, None, :e]  # (b,1,c,e)
         see = see | ((cols == rows) & ~valid[:, None, s:e, None])
-        out[:, :, s:e] = _sdpa(query[:, :, s:e], key[:, :, :e], value[:, :, :e], see, False, scaling)
+        out[:, :, s:e] = sdpa(query[:, :, s:e], key[:, :, :e], value[:, :, :e], attn_mask=see, scale=scaling)
     return out.transpose(1, 2)
 
 
