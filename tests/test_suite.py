@@ -53,6 +53,17 @@ def test_demo_command_records_replays_reports_and_summarises(tmp_path):
         # every run was replayed and the masked replay reproduces the run's logits
         diff = con.execute("SELECT max_logit_diff FROM runs WHERE run_id = ?", [row["run_id"]]).fetchall()[0][0]
         assert diff is not None and diff < 1e-3
+    # every H2O failure is attributed with the evicted evidence named (span label, position, step)
+    failed = [r for r in summary if r["policy"] == "h2o" and r["correct"] == "NO"]
+    assert failed, "the 10 % budget is calibrated to fail on this task"
+    spans = {label for (label,) in con.execute(
+        "SELECT DISTINCT evidence FROM tokens WHERE run_id = ? AND evidence IS NOT NULL",
+        [failed[0]["run_id"]]).fetchall()}
+    for row in failed:
+        (a,) = analyses.attribute(con, row["run_id"])
+        named = [f for f in a.facts if f.kind == "evidence_evicted"]
+        assert named and all(f.position is not None and f.step is not None for f in named), row
+        assert any(label in named[0].note for label in spans), named[0].note
     reports = sorted(p.name for p in (out / "reports").iterdir())
     task = summary[0]["task"]
     assert reports == sorted(f"{task}-h2o-{b}.{f}" for b in (10, 20) for f in ("html", "json", "md"))
