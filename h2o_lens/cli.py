@@ -191,7 +191,7 @@ def _parse_evidence(text: str) -> tuple[str, str]:
 def cmd_replay(args: argparse.Namespace) -> int:
     from recorders.replay import replay
 
-    summary = replay(_run_dir(args.run, args.root), tolerance=args.tolerance)
+    summary = replay(_run_dir(args.run, args.root), tolerance=args.tolerance, backend=args.backend)
     _print_replay(summary)
     return 0 if summary.implementation_ok else 3
 
@@ -337,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("run", help="run folder, or run id under --root")
     rp.add_argument("--root", default="runs")
     rp.add_argument("--tolerance", type=float, default=2e-3, help="largest accepted |logit diff| of the check")
+    rp.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto",
+                    help="dropped mass and oracle: Triton kernels (auto: on CUDA) or chunked torch")
     rp.set_defaults(func=cmd_replay)
 
     ru = sub.add_parser("runs", help="list the runs of a runs root with headline numbers")

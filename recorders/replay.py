@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from h2o_lens.kernels import replay_dropped_mass_torch
+from h2o_lens.kernels import replay_dropped_mass_torch, resolve_backend
 from h2o_lens.ops import prefill_attention
 from transformers import DynamicCache
 
@@ -71,6 +71,7 @@ class _State:
         self.before: dict[int, torch.Tensor] = {}  # layer -> (Hs, N) generated rows up to the eviction
         self.after: dict[int, torch.Tensor] = {}  # layer -> (Hs, N) generated rows after it
         self.chunk = 512
+        self.backend = "auto"  # dropped mass and oracle: "torch", or the Triton kernels ("auto" on CUDA)
 
 
 def _attention(state: _State, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -100,8 +101,16 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
     if state.mode == "teacher":
         out = sdpa(query, key, value, attn_mask=cols <= rows, scale=scaling, enable_gqa=group > 1)
         k_sets = key.repeat_interleave(state.sets_per_kv, dim=1) if state.sets_per_kv > 1 else key
-        dropped, before, after = replay_dropped_mass_torch(query, k_sets, ev, scaling, chunk=state.chunk,
-                                                           oracle=state.agg)
+        if state.backend not in ("torch", "triton"):
+            state.backend = "torch" if query.dtype == torch.float64 else resolve_backend(state.backend, query.device)
+        if state.backend == "triton":
+            from h2o_lens.kernels import replay_dropped_mass_triton
+
+            dropped, before, after = replay_dropped_mass_triton(query.contiguous(), k_sets.contiguous(), ev,
+                                                                scaling, oracle=state.agg)
+        else:
+            dropped, before, after = replay_dropped_mass_torch(query, k_sets, ev, scaling, chunk=state.chunk,
+                                                               oracle=state.agg)
         state.dropped[layer] = dropped[0]
         state.before[layer], state.after[layer] = before[0], after[0]  # (Hs, N)
         return out.transpose(1, 2), None
@@ -178,7 +187,7 @@ def _oracle_rows(rows: dict[str, list[np.ndarray]], ev: dict[str, np.ndarray], r
 
 
 def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = DEFAULT_TOLERANCE,
-           chunk: int = 512, progress: bool = True) -> ReplaySummary:
+           chunk: int = 512, progress: bool = True, backend: str = "auto") -> ReplaySummary:
     """Replay one recorded run (see the module docstring) and write its replay tables.
 
     Parameters
@@ -186,7 +195,9 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = 
     run_dir : the run folder ``<root>/<run_id>``
     model : the model the run used; loaded from the manifest's model name when omitted
     tolerance : largest |logit difference| accepted by the implementation check
-    chunk : query rows per block (memory is O(chunk · N) per layer)
+    chunk : query rows per block of the torch path (memory is O(chunk · N) per layer)
+    backend : "auto" (the Triton replay kernels on CUDA, else torch), "torch" or "triton"
+        for the dropped mass and the oracle columns; the one used goes into the manifest
     """
     import time
 
@@ -221,6 +232,8 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = 
 
     state = _State()
     state.chunk = chunk
+    state.backend = backend
+    resolve_backend(backend, "cpu" if backend != "triton" else "cuda")  # reject unknown names early
     state.sets_per_kv = hq // hkv if gqa_none else 1
     state.agg = "max" if config.get("gqa") == "max" else "sum"
     oracle_rows: dict[str, list[np.ndarray]] = {k: [] for k in ("request", "step", "layer", "kv_head", "q_head",
@@ -330,6 +343,7 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = 
     manifest["max_logit_diff"] = max_diff
     manifest["replay"] = {"implementation_ok": ok, "tolerance": tolerance, "mean_kl": summary.mean_kl,
                           "top1_agreement": summary.top1_agreement,
-                          "mean_dropped_mass": summary.mean_dropped_mass, "seconds": seconds}
+                          "mean_dropped_mass": summary.mean_dropped_mass, "seconds": seconds,
+                          "backend": state.backend}
     write_manifest(run_dir, manifest)
     return summary

@@ -400,6 +400,36 @@ def test_replay_kernel_torch_and_brute_force_agree(b, hq, hs, n, d):
     _assert_within("dropped mass", got, same, brute)
 
 
+@pytest.mark.parametrize("b, hq, hs, n, m, agg, dtype", [
+    (2, 6, 2, 45, 45, "sum", torch.float32), (1, 6, 2, 53, 19, "max", torch.float32),
+    (2, 4, 4, 40, 23, "sum", torch.bfloat16), (1, 8, 1, 37, 37, "max", torch.float16)])
+def test_replay_kernel_oracle_and_query_suffix_match_torch(b, hq, hs, n, m, agg, dtype):
+    """The replay's own call: the last M positions' queries, plus the oracle's per-key weights
+    split at the eviction step, aggregated like the run's gqa (sum / max)."""
+    g = torch.Generator().manual_seed(n + m)
+    q = (torch.randn(b, hq, m, 32, generator=g) * 1.5).to(DEV)
+    k = (torch.randn(b, hs, n, 32, generator=g) * 1.5).to(DEV)
+    ev = torch.arange(n) + torch.randint(0, 8, (b, hs, n), generator=g)
+    ev = torch.where(torch.rand(b, hs, n, generator=g) < 0.3, torch.full_like(ev, NEVER), ev).to(DEV)
+    scaling = 32 ** -0.5
+    ref = replay_dropped_mass_torch(q.double(), k.double(), ev, scaling, chunk=9, oracle=agg)
+    same = replay_dropped_mass_torch(q.to(dtype), k.to(dtype), ev, scaling, chunk=9, oracle=agg)
+    got = replay_dropped_mass_triton(q.to(dtype), k.to(dtype), ev, scaling, oracle=agg, block_m=16, block_n=16)
+    assert [t.shape for t in got] == [(b, hq, m), (b, hs, n), (b, hs, n)]
+    for name, x, y, r in zip(("dropped mass", "before", "after"), got, same, ref):
+        _assert_within(name, x, y, r)
+    # every row's weights sum to one, so the oracle columns hold G per row under sum and
+    # between 1 and G per row under max
+    total = (got[1] + got[2]).sum(-1).double()
+    group = hq // hs
+    if agg == "sum":
+        assert torch.allclose(total, torch.full_like(total, float(m * group)), rtol=1e-3)
+    else:
+        assert ((total >= m * (1 - 1e-3)) & (total <= m * group * (1 + 1e-3))).all()
+    plain = replay_dropped_mass_triton(q.to(dtype), k.to(dtype), ev, scaling, block_m=16, block_n=16)
+    assert torch.equal(plain, got[0])
+
+
 def test_replay_eviction_step_boundary():
     """Uniform attention over 3 keys; position 0 left the cache at step 1: visible to query 1,
     dropped for query 2 (mass 1/3)."""
@@ -538,7 +568,7 @@ def test_kernels_compile_ahead_of_time_for_sm90():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     count, kernels, smallest = res.stdout.strip().split(" ", 1)[0], res.stdout, res.stdout.split()[-1]
-    assert int(count) == 12
-    for name in ("decode_step", "prefill_col_sums", "prefill_row_lse", "replay_dropped_mass"):
+    assert int(count) == 13
+    for name in ("decode_step", "prefill_col_sums", "prefill_row_lse", "replay_dropped_mass", "replay_oracle"):
         assert name in kernels
     assert int(smallest) > 1000  # a real cubin, not an empty placeholder

@@ -146,13 +146,24 @@ def _brute_force_dropped_mass(model, ids, evictions, prompt_len):
     return expected
 
 
+def _replay_backends() -> list:
+    """torch always; the Triton replay kernels on CUDA or under TRITON_INTERPRET=1."""
+    from h2o_lens.kernels import triton_available
+    from h2o_lens.kernels._checks import interpret_mode
+
+    ok = triton_available() and (torch.cuda.is_available() or interpret_mode())
+    return ["torch", pytest.param("triton", marks=[pytest.mark.kernel] + ([] if ok else [pytest.mark.skip(
+        reason="the Triton replay kernels need CUDA or TRITON_INTERPRET=1")]))]
+
+
+@pytest.mark.parametrize("backend", _replay_backends())
 @pytest.mark.parametrize("gqa", ["sum", "max"])
-def test_replay_dropped_mass_equals_brute_force(tmp_path, gqa):
+def test_replay_dropped_mass_equals_brute_force(tmp_path, gqa, backend):
     model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
     ids = _ids(16, seed=4)
     with h2o_lens.record(model, H2OConfig(heavy=3, recent=3, gqa=gqa), out=tmp_path, fsync=False) as run:
         seq = _gen(model, ids, new=12)
-    summary = replay(tmp_path / run.run_id, model=model, progress=False)
+    summary = replay(tmp_path / run.run_id, model=model, progress=False, backend=backend)
     assert summary.implementation_ok and summary.max_logit_diff < 1e-4
     ev = _table(tmp_path, run.run_id, "evictions", ["step", "layer", "kv_head", "position"])
     got = _table(tmp_path, run.run_id, "replay", ["step", "layer", "q_head", "dropped_mass"])
@@ -165,6 +176,7 @@ def test_replay_dropped_mass_equals_brute_force(tmp_path, gqa):
     assert len(steps) == 12 and (steps.kl >= 0).all() and steps.kl.iloc[0] == pytest.approx(0, abs=1e-6)
     m = read_manifest(tmp_path / run.run_id)
     assert m["replay"]["implementation_ok"] and m["max_logit_diff"] == summary.max_logit_diff
+    assert m["replay"]["backend"] == backend
 
 
 def test_replay_detects_an_implementation_error(tmp_path):
@@ -255,12 +267,13 @@ def test_sigkill_mid_generation_leaves_readable_logs(tmp_path):
     assert loaded["evictions"].num_rows == counts["killed-run"]
 
 
-def test_replay_oracle_columns_equal_brute_force(tmp_path):
+@pytest.mark.parametrize("backend", _replay_backends())
+def test_replay_oracle_columns_equal_brute_force(tmp_path, backend):
     """teacher_score / teacher_future_mass: full attention on each victim before / after its eviction."""
     model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
     with h2o_lens.record(model, H2OConfig(heavy=3, recent=3), out=tmp_path, fsync=False) as run:
         seq = _gen(model, _ids(14, seed=2), new=10)
-    replay(tmp_path / run.run_id, model=model, progress=False)
+    replay(tmp_path / run.run_id, model=model, progress=False, backend=backend)
     got = _table(tmp_path, run.run_id, "oracle", ["step", "layer", "kv_head", "position", "teacher_score",
                                                    "teacher_future_mass"])
     assert len(got) == len(_table(tmp_path, run.run_id, "evictions", ["step"]))

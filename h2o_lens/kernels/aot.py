@@ -71,14 +71,18 @@ def _prefill(dtype: torch.dtype, group: int, d: int, gqa: str, padded: bool, whi
     return f"prefill_{which}", row_lse if which == "row_lse" else col_sums, sig, const
 
 
-def _replay(dtype: torch.dtype, group: int, d: int):
+def _replay(dtype: torch.dtype, group: int, d: int, oracle: str | None = None):
     from .replay import _kernels
 
     t = _PTR[dtype]
-    sig = dict(q_ptr=t, k_ptr=t, ev_ptr="*i64", out_ptr="*fp32", N="i32", HQ="i32", HS="i32", HEAD_DIM="i32",
-               scale2="fp32")
+    dropped, oracle_cols = _kernels()
+    common = dict(N="i32", M="i32", HQ="i32", HS="i32", HEAD_DIM="i32", scale2="fp32")
     const = dict(G=group, BLOCK_M=64, BLOCK_N=64, BLOCK_D=max(16, next_pow2(d)), **dot_options(dtype))
-    return "replay_dropped_mass", _kernels(), sig, const
+    if oracle is None:
+        sig = dict(q_ptr=t, k_ptr=t, ev_ptr="*i64", out_ptr="*fp32", lse_ptr="*fp32", **common)
+        return "replay_dropped_mass", dropped, sig, {**const, "WANT_LSE": True}
+    sig = dict(q_ptr=t, k_ptr=t, ev_ptr="*i64", lse_ptr="*fp32", before_ptr="*fp32", after_ptr="*fp32", **common)
+    return "replay_oracle", oracle_cols, sig, {**const, "AGG_MAX": oracle == "max"}
 
 
 def launch_configs(level: str = "default") -> list[tuple]:
@@ -97,7 +101,7 @@ def launch_configs(level: str = "default") -> list[tuple]:
         return [_decode(bf16, 3, 64, 2048, "sum", True, True), _decode(bf16, 3, 64, 2048, "max", True, False),
                 _decode(bf16, 3, 64, 300, "sum", False, True),
                 _prefill(bf16, 3, 64, "sum", True, "col_sums"), _prefill(bf16, 3, 64, "max", False, "col_sums"),
-                _prefill(bf16, 3, 64, "sum", True, "row_lse"), _replay(bf16, 3, 64),
+                _prefill(bf16, 3, 64, "sum", True, "row_lse"), _replay(bf16, 3, 64), _replay(bf16, 3, 64, "sum"),
                 _decode(fp16, 1, 128, 4096, "sum", True, False), _prefill(fp16, 1, 128, "sum", False, "col_sums"),
                 _prefill(fp16, 1, 128, "sum", False, "row_lse"), _replay(fp16, 1, 128),
                 _decode(fp32, 4, 64, 512, "sum", True, True)]
@@ -114,6 +118,7 @@ def launch_configs(level: str = "default") -> list[tuple]:
                     out.append(_prefill(dtype, group, d, gqa, dtype == fp16, "col_sums"))
                 out.append(_prefill(dtype, group, d, "sum", dtype == fp16, "row_lse"))
                 out.append(_replay(dtype, group, d))
+                out.append(_replay(dtype, group, d, "max" if full else "sum"))
     out.append(_decode(bf16, 3, 64, 300, "sum", False, True))  # local/sink: unscored
     return out
 

@@ -6,7 +6,7 @@ alternate the paths being compared (same process, same data):
 * fused decode step ÷ the torch path (:func:`h2o_lens.ops.decode_step`);
 * fused decode step ÷ plain SDPA over the same ``B`` slots (no scores, no eviction);
 * prefill scores kernel ÷ SDPA causal prefill;
-* replay kernel ÷ chunked torch replay;
+* replay kernels ÷ chunked torch replay (dropped mass and the oracle columns, as the replay runs them);
 * achieved memory bandwidth of the decode step ÷ the device's peak;
 * end to end: decode tokens/s of a whole model with H2O at 20 % (Triton and torch
   backends) ÷ full-cache SDPA, at 32k context and batch 8 (:func:`bench_end_to_end`).
@@ -139,8 +139,9 @@ def _bench_prefill_and_replay(device, dtype, rounds: int, n: int) -> None:
             "scores": lambda: prefill_scores_triton(q, k, None, s, "sum"),
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s, enable_gqa=True),
             "torch_prefill": lambda: ops.prefill_attention(q, k, v, None, s, "sum"),
-            "replay": lambda: replay_dropped_mass_triton(q, k, ev, s),
-            "torch_replay": lambda: replay_dropped_mass_torch(q, k, ev, s, chunk=512),
+            # as the replay calls them: dropped mass plus the oracle's per-key split
+            "replay": lambda: replay_dropped_mass_triton(q, k, ev, s, oracle="sum"),
+            "torch_replay": lambda: replay_dropped_mass_torch(q, k, ev, s, chunk=512, oracle="sum"),
         }, rounds, inner=1)
         print(f"{f'{hq}/{hs}/{d}':>10} {t['scores']:>8.2f} {t['sdpa']:>8.2f} {t['scores'] / t['sdpa']:>8.2f} "
               f"{t['torch_prefill']:>10.2f} {t['torch_prefill'] / t['sdpa']:>8.2f} {t['replay']:>8.2f} "
@@ -268,9 +269,11 @@ def _interpreter_summary() -> None:
     print(f"prefill scores, P={p} with padding: max |difference| to torch "
           f"{(s_k - s_t).abs().max().item():.2e}")
     ev = torch.randint(0, p + 4, (b, hs, p), generator=g)
-    m_k = replay_dropped_mass_triton(q, k, ev, d ** -0.5, block_m=16, block_n=16)
-    m_t = replay_dropped_mass_torch(q, k, ev, d ** -0.5, chunk=8)
-    print(f"replay dropped mass, N={p}: max |difference| to torch {(m_k - m_t).abs().max().item():.2e}")
+    r_k = replay_dropped_mass_triton(q, k, ev, d ** -0.5, oracle="sum", block_m=16, block_n=16)
+    r_t = replay_dropped_mass_torch(q, k, ev, d ** -0.5, chunk=8, oracle="sum")
+    diffs = ", ".join(f"{name} {(a - c).abs().max().item():.2e}"
+                      for name, a, c in zip(("dropped mass", "oracle before", "oracle after"), r_k, r_t))
+    print(f"replay, N={p}: max |difference| to torch: {diffs}")
 
 
 def bench_kernels(rounds: int = 7, inner: int = 20, prefill_tokens: int = 8192,

@@ -32,24 +32,28 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def _dropped_mass(q_ptr, k_ptr, ev_ptr, out_ptr, N, HQ, HS, HEAD_DIM, scale2,
+    def _dropped_mass(q_ptr, k_ptr, ev_ptr, out_ptr, lse_ptr, N, M, HQ, HS, HEAD_DIM, scale2,
                       G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                      BLOCK_D: tl.constexpr, WANT_LSE: tl.constexpr, PREC: tl.constexpr,
+                      DOT_F32: tl.constexpr):
+        """Dropped mass of the last ``M`` of ``N`` positions (query row ``j`` is position
+        ``N - M + j``); with ``WANT_LSE`` also each row's base-2 log-sum-exp."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)  # b * Hq + h
         kv = (bh // HQ) * HS + (bh % HQ) // G
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < N
+        local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = local < M
+        rows = local + (N - M)  # positions
         dd = tl.arange(0, BLOCK_D)
         dmask = dd < HEAD_DIM
-        q = tl.load(q_ptr + (bh.to(tl.int64) * N + rows)[:, None] * HEAD_DIM + dd[None, :],
+        q = tl.load(q_ptr + (bh.to(tl.int64) * M + local)[:, None] * HEAD_DIM + dd[None, :],
                     mask=rmask[:, None] & dmask[None, :], other=0.0)  # (BLOCK_M, D)
         if DOT_F32:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_all = tl.zeros([BLOCK_M], tl.float32)
         l_drop = tl.zeros([BLOCK_M], tl.float32)
-        end = tl.minimum(N, (pid_m + 1) * BLOCK_M)
+        end = tl.minimum(N, N - M + (pid_m + 1) * BLOCK_M)
         for start in range(0, end, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             cmask = cols < N
@@ -68,15 +72,64 @@ def _kernels():
             l_all = l_all * alpha + tl.sum(p, axis=1)
             l_drop = l_drop * alpha + tl.sum(tl.where(gone, p, 0.0), axis=1)
             m_i = m_new
-        tl.store(out_ptr + bh.to(tl.int64) * N + rows, l_drop / l_all, mask=rmask)
+        tl.store(out_ptr + bh.to(tl.int64) * M + local, l_drop / l_all, mask=rmask)
+        if WANT_LSE:
+            tl.store(lse_ptr + bh.to(tl.int64) * M + local, m_i + tl.log2(l_all), mask=rmask)
 
-    return _dropped_mass
+    @triton.jit
+    def _oracle(q_ptr, k_ptr, ev_ptr, lse_ptr, before_ptr, after_ptr, N, M, HQ, HS, HEAD_DIM, scale2,
+                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                AGG_MAX: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+        """Per key: the group-aggregated weight of the query rows, split at the key's eviction
+        step (``before``: rows ``t <= evict_step``, ``after``: rows ``t > evict_step``)."""
+        pid_n = tl.program_id(0)
+        bs = tl.program_id(1)  # b * Hs + kv
+        h0 = (bs // HS) * HQ + (bs % HS) * G  # first query head of the group
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        dd = tl.arange(0, BLOCK_D)
+        dmask = dd < HEAD_DIM
+        k = tl.load(k_ptr + (bs.to(tl.int64) * N + cols)[:, None] * HEAD_DIM + dd[None, :],
+                    mask=cmask[:, None] & dmask[None, :], other=0.0)  # (BLOCK_N, D)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        ev = tl.load(ev_ptr + bs.to(tl.int64) * N + cols, mask=cmask, other=0).to(tl.int64)
+        acc_before = tl.zeros([BLOCK_N], tl.float32)
+        acc_after = tl.zeros([BLOCK_N], tl.float32)
+        offset = N - M
+        first = tl.maximum(pid_n * BLOCK_N - offset, 0) // BLOCK_M * BLOCK_M  # rows t >= i only
+        for r0 in range(first, M, BLOCK_M):
+            local = r0 + tl.arange(0, BLOCK_M)
+            rmask = local < M
+            rows = local + offset
+            ok = (cols[None, :] <= rows[:, None]) & cmask[None, :] & rmask[:, None]
+            tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for g in range(G):
+                hrow = (h0 + g).to(tl.int64) * M + local
+                q = tl.load(q_ptr + hrow[:, None] * HEAD_DIM + dd[None, :],
+                            mask=rmask[:, None] & dmask[None, :], other=0.0)  # (BLOCK_M, D)
+                if DOT_F32:
+                    q = q.to(tl.float32)
+                lse = tl.load(lse_ptr + hrow, mask=rmask, other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale2
+                w = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)  # (BLOCK_M, BLOCK_N)
+                if AGG_MAX:
+                    tile = tl.maximum(tile, w)
+                else:
+                    tile = tile + w
+            gone = ev[None, :] < rows[:, None].to(tl.int64)
+            acc_after = acc_after + tl.sum(tl.where(gone, tile, 0.0), axis=0)
+            acc_before = acc_before + tl.sum(tl.where(gone, 0.0, tile), axis=0)
+        tl.store(before_ptr + bs.to(tl.int64) * N + cols, acc_before, mask=cmask)
+        tl.store(after_ptr + bs.to(tl.int64) * N + cols, acc_after, mask=cmask)
+
+    return _dropped_mass, _oracle
 
 
 def _check(fn: str, query, key, evict_step, for_triton: bool) -> tuple[int, int, int, int, int, int]:
     """Shapes ``(b, Hq, M, d), (b, Hs, N, d), (b, Hs, N)`` with ``M <= N`` (the queries are the
-    last M positions; the kernel needs M = N); the kernel also needs contiguity and a dtype it
-    computes in (the torch path takes float64 too). Returns ``b, Hq, Hs, M, N, d``."""
+    last M positions); the kernel also needs contiguity and a dtype it computes in (the torch
+    path takes float64 too). Returns ``b, Hq, Hs, M, N, d``."""
     if query.dim() != 4 or key.dim() != 4:
         raise KernelInputError(f"{fn}: query {tuple(query.shape)} and key {tuple(key.shape)} must be "
                                "(b, Hq, M, d) and (b, Hs, N, d)")
@@ -84,9 +137,8 @@ def _check(fn: str, query, key, evict_step, for_triton: bool) -> tuple[int, int,
     hs, n = key.shape[1], key.shape[2]
     if hs < 1 or hq % hs:
         raise KernelInputError(f"{fn}: query has {hq} heads and key {hs}; Hq must be a multiple of Hs")
-    if m > n or (for_triton and m != n):
-        raise KernelInputError(f"{fn}: query has {m} positions and key {n}; expected "
-                               f"{'the same number' if for_triton else 'at most as many'}")
+    if m > n:
+        raise KernelInputError(f"{fn}: query has {m} positions and key {n}; expected at most as many")
     dtypes = FLOAT_DTYPES if for_triton else (*FLOAT_DTYPES, torch.float64)
     check_tensor(fn, "query", query, (b, hq, m, d), dtypes, for_triton)
     check_tensor(fn, "key", key, (b, hs, n, d), (query.dtype,), for_triton)
@@ -95,38 +147,55 @@ def _check(fn: str, query, key, evict_step, for_triton: bool) -> tuple[int, int,
 
 
 def replay_dropped_mass_triton(query: torch.Tensor, key: torch.Tensor, evict_step: torch.Tensor,
-                               scaling: float, *, block_m: int = 64, block_n: int = 64,
-                               num_warps: int = 4) -> torch.Tensor:
-    """Dropped mass per query position and head, flash-style.
+                               scaling: float, *, oracle: str | None = None, block_m: int = 64,
+                               block_n: int = 64, num_warps: int = 4):
+    """Dropped mass per query position and head, flash-style; the contract of
+    :func:`replay_dropped_mass_torch`.
 
     Parameters
     ----------
-    query : ``(b, Hq, N, d)`` fp16/bf16/fp32, contiguous, the teacher's queries (after RoPE)
+    query : ``(b, Hq, M, d)`` fp16/bf16/fp32, contiguous, the teacher's queries (after RoPE)
+        of the last ``M <= N`` positions (query row ``j`` is position ``N − M + j``)
     key : ``(b, Hs, N, d)`` same dtype, ``Hq`` a multiple of ``Hs`` (heads ``h*G..h*G+G-1``
         share KV set ``h``)
     evict_step : ``(b, Hs, N)`` int32/int64, the decode step at which each position left
         the cache of that KV set; a value ``>= N`` if it never did
     scaling : float
+    oracle : None, "sum" or "max": also return the per-key weights split at the eviction
+        step (``before``, ``after``, each ``(b, Hs, N)`` float32), aggregated over the
+        group's query heads; a second kernel walks the rows once per key block with the
+        rows' log-sum-exp from the first
     block_m, block_n : rows / keys per block (powers of two >= 16)
 
     Returns
     -------
-    ``(b, Hq, N)`` float32, ``out[b, h, t] = Σ_{i <= t, evict_step[b, kv(h), i] < t} a(h, t, i)``.
+    ``(b, Hq, M)`` float32, ``out[b, h, j] = Σ_{i <= t, evict_step[b, kv(h), i] < t} a(h, t, i)``
+    with ``t = N − M + j``; with ``oracle``, ``(out, before, after)``.
     """
     fn = "replay_dropped_mass_triton"
-    b, hq, hs, _, n, d = _check(fn, query, key, evict_step, for_triton=True)
+    b, hq, hs, m, n, d = _check(fn, query, key, evict_step, for_triton=True)
     check_device(fn, query=query, key=key, evict_step=evict_step)
+    if oracle not in (None, "sum", "max"):
+        raise KernelInputError(f"{fn}: oracle={oracle!r}; expected None, 'sum' or 'max'")
     for name, blk in (("block_m", block_m), ("block_n", block_n)):
         if blk < 16 or blk & (blk - 1):
             raise KernelInputError(f"{fn}: {name}={blk}; expected a power of two >= 16")
-    out = torch.empty(b, hq, n, dtype=torch.float32, device=query.device)
-    if b == 0 or n == 0:
-        return out
-    _kernels()[(cdiv(n, block_m), b * hq)](
-        query, key, evict_step, out, n, hq, hs, d, float(scaling) * _LOG2E,
-        G=hq // hs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-        num_warps=num_warps, **dot_options(query.dtype))
-    return out
+    dev = query.device
+    out = torch.empty(b, hq, m, dtype=torch.float32, device=dev)
+    before = torch.zeros(b, hs, n, dtype=torch.float32, device=dev) if oracle else None
+    after = torch.zeros(b, hs, n, dtype=torch.float32, device=dev) if oracle else None
+    if b and m:
+        dropped, oracle_cols = _kernels()
+        lse = torch.empty(b, hq, m, dtype=torch.float32, device=dev) if oracle else out
+        common = dict(G=hq // hs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
+                      num_warps=num_warps, **dot_options(query.dtype))
+        scale2 = float(scaling) * _LOG2E
+        dropped[(cdiv(m, block_m), b * hq)](query, key, evict_step, out, lse, n, m, hq, hs, d, scale2,
+                                           WANT_LSE=oracle is not None, **common)
+        if oracle:
+            oracle_cols[(cdiv(n, block_n), b * hs)](query, key, evict_step, lse, before, after, n, m, hq, hs,
+                                                    d, scale2, AGG_MAX=oracle == "max", **common)
+    return out if oracle is None else (out, before, after)
 
 
 def replay_dropped_mass_torch(query: torch.Tensor, key: torch.Tensor, evict_step: torch.Tensor,
@@ -134,10 +203,10 @@ def replay_dropped_mass_torch(query: torch.Tensor, key: torch.Tensor, evict_step
     """The same dropped mass in plain torch, ``chunk`` query rows at a time.
 
     Memory is ``O(b · Hq · chunk · N)``; works on any device. Shapes as in
-    :func:`replay_dropped_mass_triton`, except that ``query (b, Hq, M, d)`` may
-    hold only the last ``M <= N`` positions (query row ``j`` is position
-    ``N − M + j``), as when replaying the generated part after a shared
-    prompt. Returns ``(b, Hq, M)`` float32 (float64 for float64 inputs).
+    :func:`replay_dropped_mass_triton`: ``query (b, Hq, M, d)`` may hold only
+    the last ``M <= N`` positions (query row ``j`` is position ``N − M + j``),
+    as when replaying the generated part after a shared prompt. Returns
+    ``(b, Hq, M)`` float32 (float64 for float64 inputs).
 
     With ``oracle="sum"`` or ``"max"`` it also returns, per KV set and key
     position, the teacher weight these rows put on the key (aggregated over
