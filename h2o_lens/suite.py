@@ -259,6 +259,7 @@ def _sweep_html(table: Any, path: Path, page_size: int) -> None:
     latency), one colour per policy across all of them; each policy's curve starts
     from the full cache at 100 %.
     """
+    import pandas as pd
     import plotly.colors
     import plotly.graph_objects as go
     from plotly.offline import get_plotlyjs
@@ -271,7 +272,7 @@ def _sweep_html(table: Any, path: Path, page_size: int) -> None:
     palette = plotly.colors.qualitative.Plotly
     policies = [p for p in dict.fromkeys(table["policy"]) if p != "full"]
     for i, policy in enumerate(policies):
-        g = _concat(full, table[table["policy"] == policy]).sort_values("keep_ratio")
+        g = pd.concat([full, table[table["policy"] == policy]], ignore_index=True).sort_values("keep_ratio")
         x = g["keep_ratio"] * 100
         color = palette[i % len(palette)]
         common = dict(x=x, legendgroup=policy, line={"color": color}, marker={"color": color})
@@ -307,12 +308,6 @@ def _sweep_html(table: Any, path: Path, page_size: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(html, encoding="utf-8")
     os.replace(tmp, path)
-
-
-def _concat(*frames: Any) -> Any:
-    import pandas as pd
-
-    return pd.concat(frames, ignore_index=True)
 
 
 #: real tasks shipped in sample_runs/ (first instance of each kind)

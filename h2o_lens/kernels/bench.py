@@ -16,6 +16,7 @@ Without a GPU it says so and prints the interpreter-mode correctness summary
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -194,8 +195,9 @@ def bench_end_to_end(*, context: int = 32768, batch: int = 8, keep: float = 0.2,
           f"{cfg.num_key_value_heads} heads, random weights ({dtype}); batch {batch} x {context} tokens, "
           f"H2O B={budget} ({keep:.0%}); {steps} steps x {rounds} rounds, medians", flush=True)
     decoders: dict[str, tuple[_Decoder, str]] = {}
-    scopes = []
-    with torch.no_grad():
+    times: dict[str, list[float]] = {}
+    with torch.no_grad(), contextlib.ExitStack() as scopes:
+        scopes.callback(model.set_attn_implementation, "sdpa")
         model.set_attn_implementation("sdpa")
         decoders["full"] = (_Decoder(model, StaticCache(config=model.config, max_cache_len=total), ids,
                                      last_logits_only=True), "sdpa")
@@ -203,26 +205,19 @@ def bench_end_to_end(*, context: int = 32768, batch: int = 8, keep: float = 0.2,
                                              last_logits_only=True), "sdpa")
         for backend in backends:
             h = H2OConfig(heavy=budget // 2, recent=budget - budget // 2, backend=backend)
-            scope = h2o(model, h)
-            session = scope.__enter__()
-            scopes.append(scope)
+            session = scopes.enter_context(h2o(model, h))
             decoders[f"h2o {backend}"] = (_Decoder(model, session.new_cache(), ids, last_logits_only=True),
                                           "h2o_lens")
-        try:
-            times: dict[str, list[float]] = {name: [] for name in decoders}
-            for r in range(rounds + 1):
-                for name, (dec, impl) in decoders.items():
-                    model.set_attn_implementation(impl)
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    dec.run(steps if r else 2)  # round 0 warms up
-                    _sync(device)
-                    if r:
-                        times[name].append(time.perf_counter() - t0)
-        finally:
-            for scope in reversed(scopes):
-                scope.__exit__(None, None, None)
-            model.set_attn_implementation("sdpa")
+        times = {name: [] for name in decoders}
+        for r in range(rounds + 1):
+            for name, (dec, impl) in decoders.items():
+                model.set_attn_implementation(impl)
+                _sync(device)
+                t0 = time.perf_counter()
+                dec.run(steps if r else 2)  # round 0 warms up
+                _sync(device)
+                if r:
+                    times[name].append(time.perf_counter() - t0)
     full_tps = batch * steps / min(statistics.median(times["full"]), statistics.median(times["full dynamic"]))
     tokens = context + 2 + rounds * steps + 1
     full_bytes = full_kv_bytes(model, tokens, batch=batch)
