@@ -1,4 +1,4 @@
-"""Why did a request fail? One verdict per failed request (DESIGN.md §6, seed §5.2).
+"""Why did a request fail? One verdict per failed request (DESIGN.md §6, §8.2).
 
 A request *fails* when the answer checker says so (the ``failed`` argument,
 else ``requests.correct``, else the manifest's ``answer_correct``: a bool for
@@ -51,7 +51,7 @@ from .thresholds import Thresholds
 __all__ = ["VERDICTS", "Fact", "Attribution", "failed_requests", "attribute", "evidence_sql"]
 
 VERDICTS = ("budget", "scoring_lag", "not_the_cache", "implementation_error")
-#: Policies whose evictions follow cumulative attention scores (DESIGN §2).
+#: Policies whose evictions follow cumulative attention scores (DESIGN.md §2).
 SCORED_POLICIES = ("h2o", "heavy")
 
 FailedArg = bool | Mapping[int, bool] | Sequence[int] | None

@@ -1,4 +1,4 @@
-"""Dropped mass and attention coverage (DESIGN.md §6, seed §5.2).
+"""Dropped mass and attention coverage (DESIGN.md §6, §8.2).
 
 The ``replay`` view holds, per step, layer and query head, the dropped mass
 ``m(t, l, q)``: the full-cache teacher weight of query ``t`` on positions not

@@ -1,4 +1,4 @@
-"""The three deployment curves over keep ratio (DESIGN.md §6, seed §5.2).
+"""The three deployment curves over keep ratio (DESIGN.md §6, §8.2).
 
 * quality: answer accuracy and KL(teacher ‖ run) per run;
 * physical KV footprint, token- and page-granular: a page of ``page_size``

@@ -1,4 +1,4 @@
-"""Promotion, cache freezing and margin sensitivity (DESIGN.md §6, seed §5.1, §6.1).
+"""Promotion, cache freezing and margin sensitivity (DESIGN.md §6, §8.1, §8.3).
 
 A token that leaves the recent window is *promoted* when it survives (its
 score beat the heavy threshold). As the heavy hitters keep accumulating,
@@ -126,7 +126,7 @@ def freeze_onset(source: Source, run_id: str, *, window: int = 16, max_rate: flo
 
 def margin_sensitivity(source: Source, run_id: str, *, threshold: float = 1e-3, relative: bool = True,
                        phase: str | None = None) -> duckdb.DuckDBPyRelation:
-    """Share of evictions whose margin is near 0, per KV set (seed §5.1).
+    """Share of evictions whose margin is near 0, per KV set (DESIGN.md §8.1).
 
     An eviction is *near a tie* when ``margin <= threshold`` or, with
     ``relative=True``, ``margin <= threshold * (score + margin)`` (relative

@@ -1,4 +1,4 @@
-"""When the evidence left the cache (DESIGN.md §6, seed §6.1).
+"""When the evidence left the cache (DESIGN.md §6, §8.3).
 
 An evidence span is every token of one request that carries the same label
 in ``tokens.evidence``. A KV set (``layer, kv_head`` and, for ``gqa='none'``,

@@ -1,4 +1,4 @@
-"""Kept sets rebuilt from evictions, and their overlap across runs (DESIGN.md §6, seed §6.1).
+"""Kept sets rebuilt from evictions, and their overlap across runs (DESIGN.md §6, §8.3).
 
 The candidate set of a KV set at step ``t`` is ``D_t = {i <= t : i not
 evicted at a step < t}`` (prefill evictions carry step ``prompt_len - 1``).

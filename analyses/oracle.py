@@ -1,4 +1,4 @@
-"""Oracle agreement: did the online scores evict what the future did not need? (seed §6.1)
+"""Oracle agreement: did the online scores evict what the future did not need? (DESIGN.md §8.3)
 
 H2O ranks positions by online cumulative scores, renormalised over the kept
 set; an oracle would rank them by the attention they receive in the future.

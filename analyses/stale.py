@@ -1,4 +1,4 @@
-"""Stale heavy hitters: slots held on old attention (seed §2.2, §6.1).
+"""Stale heavy hitters: slots held on old attention (DESIGN.md §6.8, §8.3).
 
 A heavy hitter is *stale* when it keeps a slot on a high cumulative score
 while it receives little attention now. The logs do not hold per-position

@@ -28,7 +28,7 @@ class Thresholds:
         request; ``kl_fail``: a step KL at or above it fails the request;
         ``kl_high``: a step with KL at or above it diverges (as does a top-1
         disagreement); the first diverging step is the decision step.
-    Attribution (DESIGN.md §6, seed §5.2)
+    Attribution (DESIGN.md §6, §8.2)
         ``logit_tolerance``: the run's ``max_logit_diff`` above it means the
         replay does not reproduce the run (implementation error);
         ``dropped_mass_high``: mean dropped mass over heads and the

@@ -37,7 +37,7 @@ def _evictions(rows):
     return out
 
 
-# -- the seed's worked example (§2.2): B=6, heavy=3, recent=3 -------------------------------------------
+# -- the worked example (DESIGN.md §2.2): B=6, heavy=3, recent=3 ----------------------------------------
 
 @pytest.fixture(scope="module")
 def worked(tmp_path_factory):

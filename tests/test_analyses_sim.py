@@ -190,7 +190,7 @@ def sim_tables(sim: SimRun) -> dict[str, dict[str, list]]:
 # -- the simulator itself ---------------------------------------------------------------
 
 def test_worked_example_step_11():
-    # The seed's §2.2 step, done by the same update rule the simulator uses.
+    # The worked example's step (DESIGN.md §2.2), done by the same update rule the simulator uses.
     kept = [1, 3, 5, 8, 9, 10]
     score = dict(zip(kept, [2.4, 1.7, 1.2, 0.3, 0.2, 0.0]))
     d = kept + [11]

@@ -15,7 +15,7 @@ from h2o_lens.reference import simulate, trace
 
 
 def test_worked_example_through_policy():
-    """Seed §2.2: B=6, heavy=3, recent=3; step 11 evicts position 8."""
+    """DESIGN.md §2.2: B=6, heavy=3, recent=3; step 11 evicts position 8."""
     positions = torch.tensor([1, 3, 5, 8, 9, 10, 11])
     scores = torch.tensor([2.4, 1.7, 1.2, 0.3, 0.2, 0.0, 0.0], dtype=torch.float64)
     weights = torch.tensor([.20, .05, .02, .08, .15, .30, .20], dtype=torch.float64)

@@ -32,7 +32,7 @@ def test_demo_command_records_replays_reports_and_summarises(tmp_path):
         ("full", "100%"), ("h2o", "20%"), ("h2o", "10%"), ("local", "20%"), ("heavy", "20%"),
         ("sink", "20%"), ("random", "20%")]
     by = {(r["policy"], r["budget"]): r for r in summary}
-    # seed §5: at the same slot count the heavy hitters keep what the recent window loses
+    # DESIGN.md §2.5: at the same slot count the heavy hitters keep what the recent window loses
     assert by[("h2o", "20%")]["correct"] == "yes" and by[("local", "20%")]["correct"] == "NO"
     assert float(by[("h2o", "20%")]["kl"]) < float(by[("local", "20%")]["kl"])
     full = summary[0]

@@ -1,4 +1,4 @@
-"""The task suite: synthetic policy cases (seed §5.1) and the real-model tasks."""
+"""The task suite: synthetic policy cases (DESIGN.md §8.1) and the real-model tasks."""
 from __future__ import annotations
 
 import contextlib
@@ -299,7 +299,7 @@ def test_full_cache_answers_and_a_small_recent_window_does_not(smol):
 
 
 def test_case_attributions_name_the_designed_cause(case_runs):
-    """Seed §5.1 signatures through analyses.attribute: the delayed first reference is a scoring lag
+    """DESIGN.md §8.1 signatures through analyses.attribute: the delayed first reference is a scoring lag
     under H2O; the unscored local window and the starved budgets are budget failures."""
     import analyses
 

@@ -1,4 +1,4 @@
-"""Policy-level cases: synthetic attention logits with a known failure signature (seed §5.1).
+"""Policy-level cases: synthetic attention logits with a known failure signature (DESIGN.md §8.1).
 
 Each case is a stack of pre-softmax logits ``(L, Hkv, G, N, N)`` (row t is
 the query at position t, column i the key at position i; only ``i <= t`` is
