@@ -29,6 +29,7 @@ from .evidence import evidence_deletion, evidence_evictions, evidence_held, evid
 from .keptsets import gqa_overlap, kept_overlap, union_bound
 from .curves import kv_footprint, run_curve_points
 from .oracle import ORACLE_COLUMNS, oracle_agreement, oracle_available
+from .policies import policy_colours, policy_labels, scored_policy
 from .report import (FORMATS, REPORT_SCHEMA_VERSION, SCHEMA_PATH, build_report, report_data,
                      report_schema, write_report)
 from .sql import Sandbox, check_sql, format_result, run_sql, view_schemas
@@ -47,6 +48,8 @@ __all__ = [
     "promotion_windows", "freeze_series", "freeze_onset", "margin_sensitivity",
     "stale_victims", "stale_holders", "oracle_agreement", "oracle_available", "ORACLE_COLUMNS",
     "kv_footprint", "run_curve_points",
+    # policies (from the registry)
+    "policy_colours", "policy_labels", "scored_policy",
     # attribution and reports
     "Thresholds", "VERDICTS", "Fact", "Attribution", "attribute", "failed_requests", "evidence_sql",
     "report_data", "build_report", "write_report", "report_schema", "REPORT_SCHEMA_VERSION",

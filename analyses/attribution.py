@@ -16,13 +16,14 @@ Verdicts, first match wins:
     parallel replay does not reproduce the run's logits, so no cache measure
     of it can be trusted.
 ``scoring_lag``
-    a scored policy (``h2o``, ``heavy``) evicted evidence before ``d`` (at
+    a scored policy (attention drives its choices: ``Policy.scored`` in the
+    registry, DESIGN.md §2.9) evicted evidence before ``d`` (at
     least ``evidence_lost_share`` of the KV sets lost a token of a span) and
     at least ``lag_share`` of those evictions came within ``lag_steps`` of
     leaving the recent window with a score of at most ``low_score_ratio`` of
-    the lowest surviving one: a delayed first reference the cumulative score
-    could not see coming. Unscored policies (``local``, ``sink``, ``random``)
-    evict without looking at attention, so their evicted evidence is never a
+    the lowest surviving one: a delayed first reference the score could not
+    see coming. Unscored policies (``local``, ``sink``, ``random``) evict
+    without looking at attention, so their evicted evidence is never a
     scoring lag: it falls to the rules below.
 ``budget``
     evidence was evicted before ``d`` and the dropped mass around ``d`` is
@@ -46,13 +47,12 @@ from recorders.errors import RecorderError
 from ._base import Source, columns, connect, first_row, plain, relation, run_info, sql_literal
 from .divergence import divergence_summary
 from .evidence import evidence_evictions, evidence_held
+from .policies import scored_policy
 from .thresholds import Thresholds
 
 __all__ = ["VERDICTS", "Fact", "Attribution", "failed_requests", "attribute", "evidence_sql"]
 
 VERDICTS = ("budget", "scoring_lag", "not_the_cache", "implementation_error")
-#: Policies whose evictions follow cumulative attention scores (DESIGN.md §2).
-SCORED_POLICIES = ("h2o", "heavy")
 
 FailedArg = bool | Mapping[int, bool] | Sequence[int] | None
 
@@ -301,7 +301,7 @@ def _attribute_one(con: duckdb.DuckDBPyConnection, info: dict[str, Any], row: di
                             low_score_ratio=th.low_score_ratio).df()
     held = evidence_held(con, run_id, at_step=d).df() if d is not None else pd.DataFrame()
     held = held[held["request"] == request] if len(held) else held
-    scored = info.get("policy") in SCORED_POLICIES or info.get("policy") is None
+    scored = scored_policy(info.get("policy"))
     evicted, lag, evidence_facts = _evidence_facts(ev, held, th, scored)
     kl_d = plain(row.get("kl_at_divergence"))
     dm, facts = _replay_facts(con, info, request, d, why_d, kl_d, th)

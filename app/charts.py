@@ -228,13 +228,15 @@ def dynamics_figure(series: pd.DataFrame, onset: int | None) -> go.Figure:
     return _layout(fig, "", 620).update_layout(margin=dict(l=10, r=10, t=40, b=10))
 
 
-def compare_figure(frames: Sequence[tuple[str, pd.DataFrame, pd.DataFrame]]) -> go.Figure:
-    """KL and mean dropped mass of several runs over steps (request 0)."""
+def compare_figure(frames: Sequence[tuple[str, pd.DataFrame, pd.DataFrame]],
+                   colours: Sequence[str] | None = None) -> go.Figure:
+    """KL and mean dropped mass of several runs over steps (request 0), one colour each
+    (``colours``, e.g. each run's policy colour; the palette when None)."""
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
                         subplot_titles=("KL(teacher ‖ run) per step (nats, log scale)",
                                         "Dropped mass, mean over heads"))
     for i, (name, series, dropped) in enumerate(frames):
-        color = PALETTE[i % len(PALETTE)]
+        color = colours[i] if colours is not None else PALETTE[i % len(PALETTE)]
         s = series[series["request"] == series["request"].min()] if len(series) else series
         d = dropped[dropped["request"] == dropped["request"].min()] if len(dropped) else dropped
         fig.add_trace(go.Scatter(x=s["step"], y=s["kl"].clip(lower=1e-9), mode="lines", name=name,

@@ -127,6 +127,15 @@ def run_page(root: Root, title: str) -> dict[str, Any] | None:
     return row
 
 
+def run_colours(policies: list[Any]) -> list[str] | None:
+    """Each run's policy colour (from the policy registry), when the policies are known and
+    distinct; None otherwise (runs of one policy are told apart by the palette)."""
+    colours = data.policy_colours()
+    if len(set(policies)) < len(policies) or not all(p in colours for p in policies):
+        return None
+    return [colours[p] for p in policies]
+
+
 def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA
 

@@ -25,6 +25,11 @@ def runs(root: Root) -> pd.DataFrame:
         return views.runs_table(cur).df()
 
 
+def policy_colours() -> dict[str, str]:
+    """``{policy: "#rrggbb"}`` from the policy registry (:func:`analyses.policy_colours`)."""
+    return analyses.policy_colours()
+
+
 @_cache
 def problems(root: Root, run_id: str | None = None) -> pd.DataFrame:
     """Files the readers skipped: ``path, run_id, table_name, reason``."""

@@ -11,7 +11,14 @@ from typing import Callable
 
 import torch
 
+from .policies import half_split, ratio_slots
+
 __all__ = ["bench_decode"]
+
+
+def _halves(budget: int) -> dict[str, int]:
+    """``heavy`` and ``recent`` of a slot count, split in halves like a keep ratio's budget."""
+    return dict(zip(("heavy", "recent"), half_split(budget)))
 
 
 def _median_time(fn: Callable[[], None], rounds: int) -> float:
@@ -65,8 +72,8 @@ def bench_decode(model_name: str | None = None, contexts=(512, 2048, 4096), keep
     print(f"{'context':>8} {'B':>6} {'full ms/step':>13} {'h2o ms/step':>12} {'ratio':>7} "
           f"{'KV bytes/full':>14} {'B/N+2/d':>8}")
     for n in contexts:
-        budget = max(2, int(round(keep * n)))
-        cfg = H2OConfig(heavy=budget // 2, recent=budget - budget // 2)
+        budget = ratio_slots(keep, n)
+        cfg = H2OConfig(**_halves(budget))
         ctx = torch.randint(0, vocab, (1, n), generator=gen)
         model.set_attn_implementation("sdpa")
         full = _Decoder(model, DynamicCache(config=model.config), ctx)
@@ -91,8 +98,8 @@ def bench_decode(model_name: str | None = None, contexts=(512, 2048, 4096), keep
 
     # prefill with scores vs SDPA prefill
     n = prefill_context
-    budget = max(2, int(round(keep * n)))
-    cfg = H2OConfig(heavy=budget // 2, recent=budget - budget // 2)
+    budget = ratio_slots(keep, n)
+    cfg = H2OConfig(**_halves(budget))
     ctx = torch.randint(0, vocab, (1, n), generator=gen)
     t_sdpa, t_h2o = [], []
     with torch.no_grad(), h2o(model, cfg) as session:
@@ -136,7 +143,7 @@ def bench_record(model_name: str | None = None, prompt_tokens: int = 512, new_to
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, text.vocab_size, (1, prompt_tokens), generator=gen)
     budget = max(2, int(round(keep * prompt_tokens)))
-    cfg = H2OConfig(heavy=budget // 2, recent=budget - budget // 2)
+    cfg = H2OConfig(**_halves(budget))
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     root = Path(tempfile.mkdtemp(prefix="h2o-lens-bench-"))
     t_plain, t_rec, t_close, runs = [], [], [], []

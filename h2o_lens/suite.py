@@ -16,15 +16,17 @@ from typing import Any, Iterable, Protocol, Sequence
 
 import torch
 
+from . import policies as registry
 from .config import H2OConfig
 
 __all__ = ["Task", "run_task", "demo", "sweep", "DEMO_BUDGETS", "BASELINES", "SWEEP_RATIOS", "SWEEP_POLICIES"]
 
 DEMO_BUDGETS = (0.2, 0.1)
-BASELINES = ("local", "heavy", "sink", "random")
+#: every evicting policy of the registry besides the method, at the demo's first budget
+BASELINES = registry.baselines()
 SWEEP_RATIOS = (1.0, 0.4, 0.2, 0.1, 0.05)
-SWEEP_POLICIES = (("h2o", "sum"), ("h2o", "max"), ("local", "sum"), ("heavy", "sum"), ("sink", "sum"),
-                  ("random", "sum"))
+#: the method with both GQA aggregations, then every baseline of the registry
+SWEEP_POLICIES = ((registry.DEFAULT, "sum"), (registry.DEFAULT, "max"), *((p, "sum") for p in BASELINES))
 
 
 class Task(Protocol):
@@ -55,8 +57,8 @@ class TaskRun:
 
 
 def _config(policy: str, ratio: float | None, gqa: str = "sum") -> H2OConfig:
-    if policy == "full" or ratio is None or ratio >= 1.0:
-        return H2OConfig(policy="full", gqa=gqa)
+    if not registry.get(policy).evicts or ratio is None or ratio >= 1.0:
+        return H2OConfig(policy=registry.FULL_CACHE, gqa=gqa)
     return H2OConfig(policy=policy, ratio=ratio, gqa=gqa)
 
 
@@ -101,7 +103,7 @@ def _verdicts(root: str | os.PathLike, runs: Iterable[TaskRun]) -> dict[str, str
     con = connect(str(root))
     out = {}
     for r in runs:
-        if r.policy == "full":
+        if not registry.get(r.policy).evicts:
             out[r.run_id] = "ok (teacher)" if r.correct else "full cache fails"
             continue
         found = attribute(con, r.run_id)
@@ -149,8 +151,8 @@ def demo(out: str | os.PathLike = "demo_runs", *, tasks: Sequence[Task] | None =
     tasks = list(tasks) if tasks is not None else suite(size="demo")
     plan: list[tuple[Task, str, float | None]] = []
     for task in tasks:
-        plan.append((task, "full", None))
-        plan += [(task, "h2o", b) for b in budgets]
+        plan.append((task, registry.FULL_CACHE, None))
+        plan += [(task, registry.DEFAULT, b) for b in budgets]
         plan += [(task, p, budgets[0]) for p in baselines]
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
@@ -166,7 +168,7 @@ def demo(out: str | os.PathLike = "demo_runs", *, tasks: Sequence[Task] | None =
         rep = root / "reports"
         rep.mkdir(exist_ok=True)
         for r in runs:
-            if r.policy == "h2o":
+            if r.policy == registry.DEFAULT:  # the method's runs
                 for fmt in ("html", "md", "json"):
                     write_report(root, r.run_id, rep / f"{r.task}-{r.policy}-{int(r.ratio * 100)}.{fmt}")
     rows = []
@@ -216,7 +218,7 @@ def sweep(out: str | os.PathLike = "sweep_runs", *, tasks: Sequence[Task] | None
     root.mkdir(parents=True, exist_ok=True)
     plan = []
     for ratio in ratios:
-        for policy, gqa in (policies if ratio < 1.0 else [("full", "sum")]):
+        for policy, gqa in (policies if ratio < 1.0 else [(registry.FULL_CACHE, "sum")]):
             plan += [(task, policy, gqa, ratio) for task in tasks]
     runs = []
     for task, policy, gqa, ratio in tqdm(plan, desc="sweep", unit="run", disable=not progress):
@@ -224,8 +226,8 @@ def sweep(out: str | os.PathLike = "sweep_runs", *, tasks: Sequence[Task] | None
     con = connect(str(root))
     points = run_curve_points(con, [r.run_id for r in runs], page_size=page_size).df()
     points["keep_ratio"] = [r.ratio for r in runs]
-    points["policy"] = [r.policy if r.policy == "full" else f"{r.policy}-{r.gqa}" if r.policy == "h2o"
-                        else r.policy for r in runs]
+    labels = {(r.policy, r.gqa): _sweep_label(r.policy, r.gqa) for r in runs}
+    points["policy"] = [labels[(r.policy, r.gqa)] for r in runs]
     points["correct"] = [r.correct for r in runs]
     per_token = full_kv_bytes(model, 1)  # K and V bytes of one position in a full cache, all layers
     table = (points.groupby(["policy", "keep_ratio"], as_index=False)
@@ -238,10 +240,18 @@ def sweep(out: str | os.PathLike = "sweep_runs", *, tasks: Sequence[Task] | None
     table.to_csv(root / "sweep.csv", index=False)
     (root / "sweep.md").write_text(table.to_markdown(index=False, floatfmt=".4g") if _has_tabulate()
                                    else table.to_string(index=False))
-    _sweep_html(table, root / "sweep.html", page_size)
+    _sweep_html(table, root / "sweep.html", page_size, {label: p for (p, _), label in labels.items()})
     print(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"\n{len(runs)} runs under {root}/; curves in {root}/sweep.html, table in {root}/sweep.csv")
     return table
+
+
+def _sweep_label(policy: str, gqa: str) -> str:
+    """The curve of a policy: its name, with the aggregation for the method (both are swept)
+    and for any other policy not run with the default ``sum``."""
+    if not registry.get(policy).evicts:
+        return policy
+    return f"{policy}-{gqa}" if policy == registry.DEFAULT or gqa != "sum" else policy
 
 
 def _has_tabulate() -> bool:
@@ -252,15 +262,15 @@ def _has_tabulate() -> bool:
     return True
 
 
-def _sweep_html(table: Any, path: Path, page_size: int) -> None:
+def _sweep_html(table: Any, path: Path, page_size: int, policy_of: dict[str, str]) -> None:
     """The three curves over keep ratio in one self-contained HTML file (plotly.js inlined once).
 
     Four panels (accuracy, KL, physical KV bytes per token with and without pages,
-    latency), one colour per policy across all of them; each policy's curve starts
-    from the full cache at 100 %.
+    latency), each policy in its registry colour across all of them (a second
+    aggregation of the same policy dotted); each policy's curve starts from the full
+    cache at 100 %. ``policy_of`` maps each curve label to its policy name.
     """
     import pandas as pd
-    import plotly.colors
     import plotly.graph_objects as go
     from plotly.offline import get_plotlyjs
     from plotly.subplots import make_subplots
@@ -268,23 +278,25 @@ def _sweep_html(table: Any, path: Path, page_size: int) -> None:
     fig = make_subplots(rows=2, cols=2, horizontal_spacing=0.08, vertical_spacing=0.14, subplot_titles=(
         "quality: answer accuracy", "quality: mean KL(teacher ‖ run), nats (full cache: 0)",
         f"physical KV bytes per token (dashed: pages of {page_size} tokens)", "decode latency, ms per token"))
-    full = table[table["policy"] == "full"]
-    palette = plotly.colors.qualitative.Plotly
-    policies = [p for p in dict.fromkeys(table["policy"]) if p != "full"]
-    for i, policy in enumerate(policies):
-        g = pd.concat([full, table[table["policy"] == policy]], ignore_index=True).sort_values("keep_ratio")
+    is_full = table["policy"].map(lambda label: not registry.get(policy_of[label]).evicts)
+    full = table[is_full]
+    drawn: set[str] = set()
+    for label in dict.fromkeys(table["policy"][~is_full]):
+        g = pd.concat([full, table[table["policy"] == label]], ignore_index=True).sort_values("keep_ratio")
         x = g["keep_ratio"] * 100
-        color = palette[i % len(palette)]
-        common = dict(x=x, legendgroup=policy, line={"color": color}, marker={"color": color})
-        fig.add_trace(go.Scatter(y=g["accuracy"], name=policy, mode="lines+markers", **common), row=1, col=1)
+        spec = registry.get(policy_of[label])
+        color, dash = spec.colour, "dot" if spec.name in drawn else "solid"
+        drawn.add(spec.name)
+        common = dict(x=x, legendgroup=label, line={"color": color, "dash": dash}, marker={"color": color})
+        fig.add_trace(go.Scatter(y=g["accuracy"], name=label, mode="lines+markers", **common), row=1, col=1)
         kl = g["kl_mean"].where(g["kl_mean"] > 0)  # log axis: the full cache's KL of 0 is left out
-        fig.add_trace(go.Scatter(y=kl, name=policy, showlegend=False, mode="lines+markers", **common),
+        fig.add_trace(go.Scatter(y=kl, name=label, showlegend=False, mode="lines+markers", **common),
                       row=1, col=2)
-        fig.add_trace(go.Scatter(y=g["kv_bytes_per_token"], name=f"{policy} tokens", showlegend=False,
+        fig.add_trace(go.Scatter(y=g["kv_bytes_per_token"], name=f"{label} tokens", showlegend=False,
                                  mode="lines+markers", **common), row=2, col=1)
-        fig.add_trace(go.Scatter(y=g["paged_bytes_per_token"], name=f"{policy} pages", showlegend=False,
+        fig.add_trace(go.Scatter(y=g["paged_bytes_per_token"], name=f"{label} pages", showlegend=False,
                                  mode="lines", **{**common, "line": {"color": color, "dash": "dash"}}), row=2, col=1)
-        fig.add_trace(go.Scatter(y=g["ms_per_token"], name=policy, showlegend=False, mode="lines+markers",
+        fig.add_trace(go.Scatter(y=g["ms_per_token"], name=label, showlegend=False, mode="lines+markers",
                                  **common), row=2, col=2)
     ticks = sorted({float(v) * 100 for v in table["keep_ratio"]})
     for row in (1, 2):

@@ -33,6 +33,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from h2o_lens import policies
 from h2o_lens.config import H2OConfig
 from h2o_lens.errors import ImplementationError
 from h2o_lens.runtime import H2OSession
@@ -132,7 +133,7 @@ def case_kept_sets(case: PolicyCase, config: H2OConfig) -> dict[int, np.ndarray]
         t-1, plus t); for ``t = N`` the kept set after the last step. ``Hs``
         is the KV heads, or the query heads with ``gqa="none"``.
     """
-    if config.policy == "full":
+    if not policies.get(config.policy).evicts:
         sets = case.q_heads if config.gqa == "none" else case.kv_heads
         out = {}
         for t in range(case.prompt_len, case.n + 1):
@@ -185,8 +186,9 @@ def write_policy_case(root: str | os.PathLike, case: PolicyCase, heavy: int | No
     """
     heavy = case.heavy if heavy is None else heavy
     recent = case.recent if recent is None else recent
-    if policy == "full":
-        config = H2OConfig(policy="full", gqa=gqa, backend="torch", seed=seed)
+    evicts = policies.get(policy).evicts
+    if not evicts:
+        config = H2OConfig(policy=policy, gqa=gqa, backend="torch", seed=seed)
     else:
         config = H2OConfig(policy=policy, heavy=heavy, recent=recent, gqa=gqa, sink=sink,
                            backend="torch", seed=seed)
@@ -203,7 +205,7 @@ def write_policy_case(root: str | os.PathLike, case: PolicyCase, heavy: int | No
     writer = RunWriter(root, run_id, config=config.to_dict(), model=model, fsync=fsync, **info)
     writer.start()
     try:
-        if policy == "full":
+        if not evicts:
             cand = case_kept_sets(case, config)
         else:
             rec = Recording(writer, config, None, None, None, flush_every=1 << 30, model=None)
@@ -211,8 +213,8 @@ def write_policy_case(root: str | os.PathLike, case: PolicyCase, heavy: int | No
         writer.flush()
         rebuilt = _rebuilt_sets(writer.run_dir, case, sets, gqa_none)
         stats = _write_outputs(writer, case, cand, rebuilt, gqa)
-        writer.update(policy=config.policy, heavy=None if policy == "full" else heavy,
-                      recent=None if policy == "full" else recent, gqa=gqa, sink=config.sink,
+        writer.update(policy=config.policy, heavy=heavy if evicts else None,
+                      recent=recent if evicts else None, gqa=gqa, sink=config.sink,
                       seed=seed, backend="torch", prompt_len=p, new_tokens=n - p + 1, requests=1,
                       max_logit_diff=stats["max_logit_diff"])
     except BaseException as exc:

@@ -364,3 +364,20 @@ def test_root_resolution(tmp_path, monkeypatch):
     monkeypatch.setenv(state.ROOT_ENV, str(tmp_path))
     assert state.resolve_root(["-q", "--ro"]) == tmp_path  # no abbreviation of --root
     assert state.resolve_root(["--root", str(tmp_path / "x")]) == tmp_path / "x"
+
+
+def test_compare_colours_runs_by_their_policy():
+    """The dashboard takes each policy's colour from the registry (through analyses)."""
+    import pandas as pd
+
+    import analyses
+    from app import charts, common
+
+    colours = analyses.policy_colours()
+    assert common.run_colours(["h2o", "tova"]) == [colours["h2o"], colours["tova"]]
+    assert common.run_colours(["h2o", "h2o"]) is None  # one policy: the palette tells them apart
+    assert common.run_colours(["h2o", None]) is None and common.run_colours(["h2o", "lru"]) is None
+    series = pd.DataFrame({"request": [0, 0], "step": [4, 5], "kl": [0.1, 0.2]})
+    dropped = pd.DataFrame({"request": [0, 0], "step": [4, 5], "mean": [0.01, 0.02]})
+    fig = charts.compare_figure([("a", series, dropped), ("b", series, dropped)], ["#123456", "#abcdef"])
+    assert [t.line.color for t in fig.data] == ["#123456", "#123456", "#abcdef", "#abcdef"]

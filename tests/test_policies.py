@@ -174,3 +174,12 @@ def test_scissorhands_prefill_hook_equals_reference_with_padding():
             assert rank[0, 0, pad + i].item() == w - low, (p, pad, i)
             assert bin(hist[0, 0, pad + i].item()).count("1") == low
         assert (rank[0, 0, :pad] == w).all()  # padding: never low
+
+
+def test_analyses_read_scored_and_colours_from_the_registry():
+    import analyses
+
+    assert [analyses.scored_policy(p) for p in ("h2o", "heavy", "tova", "scissorhands")] == [True] * 4
+    assert [analyses.scored_policy(p) for p in ("local", "sink", "random", "full", "lru")] == [False] * 5
+    assert analyses.scored_policy(None)  # no policy in the manifest: every verdict stays open
+    assert analyses.policy_colours() == {p.name: p.colour for p in policies.all_policies()}

@@ -59,7 +59,8 @@ def render() -> None:
         if all(s.empty and d.empty for _, s, d in frames):
             st.info("Neither run has a teacher replay: no KL or dropped mass to compare.")
         else:
-            st.plotly_chart(charts.compare_figure(frames), key="compare_curves")
+            colours = common.run_colours([row.get("policy"), b.get("policy")])
+            st.plotly_chart(charts.compare_figure(frames, colours), key="compare_curves")
     st.subheader("Kept-set overlap")
     with state.guard("the kept-set overlap", run):
         with st.spinner("Rebuilding the kept sets of both runs…"):

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from .. import ops
+from .. import ops, policies
 
 __all__ = ["bench_kernels", "bench_end_to_end", "E2E_SHAPE"]
 
@@ -97,7 +97,7 @@ def _bench_decode(device, dtype, rounds: int, inner: int) -> None:
         for b in (1, 8):
             for cap in (512, 2048, 4096):
                 state, new, step = _decode_case(b, hq, hs, cap, d, dtype, device)
-                args = ops.PolicyArgs("h2o", cap // 2, cap - cap // 2, 0, "sum")
+                args = ops.PolicyArgs(policies.DEFAULT, *policies.half_split(cap), 0, "sum")
                 twin = {k: v.clone() for k, v in state.items()}
                 q4 = new["query"][:, :, None]  # (b, Hq, 1, d)
                 scaling = d ** -0.5
@@ -204,7 +204,8 @@ def bench_end_to_end(*, context: int = 32768, batch: int = 8, keep: float = 0.2,
         decoders["full dynamic"] = (_Decoder(model, DynamicCache(config=model.config), ids,
                                              last_logits_only=True), "sdpa")
         for backend in backends:
-            h = H2OConfig(heavy=budget // 2, recent=budget - budget // 2, backend=backend)
+            heavy, recent = policies.half_split(budget)
+            h = H2OConfig(heavy=heavy, recent=recent, backend=backend)
             session = scopes.enter_context(h2o(model, h))
             decoders[f"h2o {backend}"] = (_Decoder(model, session.new_cache(), ids, last_logits_only=True),
                                           "h2o_lens")

@@ -27,7 +27,7 @@ from .sink import SINK
 from .tova import TOVA
 
 __all__ = ["Policy", "StepContext", "get", "names", "all_policies", "evicting", "baselines",
-           "ratio_slots", "half_split", "DEFAULT"]
+           "ratio_slots", "half_split", "DEFAULT", "FULL_CACHE"]
 
 #: registry order: the method, the exact baseline, the baselines at the same slot count, others
 _ENTRIES: tuple[Policy, ...] = (H2O, FULL, LOCAL, HEAVY, SINK, RANDOM, TOVA, SCISSORHANDS)
@@ -37,6 +37,8 @@ if len(_BY_NAME) != len(_ENTRIES):
 
 #: the method the baselines are compared against
 DEFAULT = H2O.name
+#: the policy that keeps everything (transformers' own cache): the exact baseline
+FULL_CACHE = FULL.name
 
 
 def names() -> tuple[str, ...]:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..config import H2OConfig
+from ..policies import half_split, ratio_slots
 
 __all__ = ["Task", "KINDS", "SIZES", "suite", "get_task", "check_answer", "normalise", "budget",
            "calibrate", "CalibrationRow"]
@@ -350,12 +351,12 @@ class CalibrationRow:
 def budget(policy: str, ratio: float, prompt_len: int) -> H2OConfig:
     """The config of ``policy`` at keep ratio ``ratio`` of a ``prompt_len``-token prompt.
 
-    ``B = max(2, round(ratio · prompt_len))`` slots, ``heavy = B // 2``,
-    ``recent = B - B // 2``: every policy gets the same slot count (baselines
-    re-split it, see :attr:`H2OConfig.split`).
+    The slots of the keep ratio, halved into heavy and recent (DESIGN.md §2.7,
+    :func:`h2o_lens.policies.ratio_slots`): every policy gets the same slot count
+    (baselines re-split it, see :attr:`H2OConfig.split`).
     """
-    b = max(2, round(ratio * prompt_len))
-    return H2OConfig(policy=policy, heavy=b // 2, recent=b - b // 2)
+    heavy, recent = half_split(ratio_slots(ratio, prompt_len))
+    return H2OConfig(policy=policy, heavy=heavy, recent=recent)
 
 
 def _answer(model: Any, tokenizer: Any, task: Task, config: H2OConfig | None) -> tuple[int, str]:

@@ -1,0 +1,34 @@
+"""The cache policies as the analyses and the dashboard see them, read from the registry.
+
+:mod:`h2o_lens.policies` declares each policy once (DESIGN.md §2.9) and imports no torch,
+so the layers without a model read it here instead of keeping their own lists.
+"""
+from __future__ import annotations
+
+from h2o_lens import policies as registry
+
+__all__ = ["policy_colours", "policy_labels", "scored_policy"]
+
+#: colour of a policy the registry does not know (a log written by another version)
+UNKNOWN_COLOUR = "#444444"
+
+
+def scored_policy(policy: str | None) -> bool:
+    """Whether attention drove a run's evictions (DESIGN.md §6.10).
+
+    ``None`` (a run whose manifest names no policy) is read as scored, the reading that
+    keeps every verdict open; a name the registry does not know is not.
+    """
+    if policy is None:
+        return True
+    return policy in registry.names() and registry.get(policy).scored
+
+
+def policy_colours() -> dict[str, str]:
+    """``{policy: "#rrggbb"}``: each policy's colour in plots and the dashboard."""
+    return {p.name: p.colour for p in registry.all_policies()}
+
+
+def policy_labels() -> dict[str, str]:
+    """``{policy: display name}``."""
+    return {p.name: p.label for p in registry.all_policies()}
