@@ -162,3 +162,73 @@ def test_baseline_rows_log_the_scores_that_chose(tmp_path, policy):
             np.testing.assert_array_equal(g.score.to_numpy(), draw.numpy())
     else:
         assert (ev.score == 0).all() and not (ev.margin > 0).any()
+
+
+# ----------------------------------------------------------------------------- record CLI
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """``record`` must refuse bad input before any model is loaded."""
+    import h2o_lens.models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(h2o_lens.models, "load_model", refuse)
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("out_is_file", "is an existing file"),
+    ("zero_tokens", "--max-new-tokens must be at least 1, got 0"),
+    ("missing_prompt_file", "does not exist"),
+    ("unknown_task", "unknown task 'no_such_task_0'"),
+    ("empty_prompt", "--prompt is empty"),
+    ("blank_prompt_file", "is empty"),
+    ("evidence_not_in_prompt", "does not occur in the prompt"),
+    ("bad_evidence", "LABEL=TEXT"),
+    ("two_prompts", "give one of"),
+    ("bad_policy", "unknown policy"),
+])
+def test_record_refuses_bad_input_before_loading_the_model(tmp_path, capsys, no_model, case, needle):
+    from h2o_lens.cli import main
+
+    runs = tmp_path / "runs"
+    blank = tmp_path / "blank.txt"
+    blank.write_text("  \n", encoding="utf-8")
+    afile = tmp_path / "afile"
+    afile.write_text("x", encoding="utf-8")
+    argv = {
+        "out_is_file": ["--out", str(afile)],
+        "zero_tokens": ["--max-new-tokens", "0"],
+        "missing_prompt_file": ["--prompt-file", str(tmp_path / "nope.txt")],
+        "unknown_task": ["--task", "no_such_task_0"],
+        "empty_prompt": ["--prompt", ""],
+        "blank_prompt_file": ["--prompt-file", str(blank)],
+        "evidence_not_in_prompt": ["--prompt", "the code is 4419", "--evidence", "code=5520"],
+        "bad_evidence": ["--prompt", "the code is 4419", "--evidence", "code"],
+        "two_prompts": ["--prompt", "hello", "--prompt-file", str(blank)],
+        "bad_policy": ["--policy", "lru"],
+    }[case]
+    if "--out" not in argv:
+        argv += ["--out", str(runs)]
+    rc = main(["record", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("h2o-lens: error: ") and needle in lines[0], err
+    assert not runs.exists() or not any(runs.iterdir())  # no run folder left behind
+    assert afile.read_text() == "x"
+
+
+def test_record_full_policy_says_the_budget_is_ignored(tmp_path, capsys, no_model):
+    from h2o_lens.cli import main
+
+    with pytest.raises(AssertionError, match="model was loaded"):  # valid input: it goes on to load
+        main(["record", "--policy", "full", "--heavy", "8", "--prompt", "hello", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "--policy full keeps every token; --heavy/--recent/--ratio are ignored" in err
+    main_args = ["record", "--policy", "full", "--prompt", "hello", "--out", str(tmp_path)]
+    with pytest.raises(AssertionError):
+        main(main_args)
+    assert "ignored" not in capsys.readouterr().err
