@@ -20,6 +20,7 @@ import torch
 
 __all__ = [
     "EMPTY",
+    "aggregate_group",
     "aggregate_heads",
     "eligible_mask",
     "select_victim",
@@ -29,6 +30,30 @@ __all__ = [
 ]
 
 EMPTY = -1
+
+
+def aggregate_group(weights: torch.Tensor, mode: str, dim: int,
+                    rows: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    """The GQA rule (DESIGN.md §2.6), on an axis that holds one group's query heads.
+
+    ``"sum"`` adds the group's weights, ``"max"`` takes the largest; ``"none"`` has
+    groups of one head, so both read the same. ``dim`` is the group axis (it is
+    removed); ``rows``, if given, are further axes summed after the aggregation
+    (query rows of a prompt: column sums). For ``"sum"`` the two sums are one
+    reduction, whose order the callers' results depend on bit for bit.
+    """
+    if mode not in ("sum", "max", "none"):
+        raise ValueError(f"unknown gqa mode {mode!r}; expected sum, max or none")
+    if rows is None:
+        if weights.shape[dim] == 1:
+            return weights.select(dim, 0)
+        return weights.amax(dim) if mode == "max" else weights.sum(dim)
+    rows = (rows,) if isinstance(rows, int) else tuple(rows)
+    if mode != "max":
+        return weights.sum(dim=(*rows, dim))
+    nd = weights.dim()
+    d = dim % nd
+    return weights.amax(d).sum(dim=tuple(r % nd - (r % nd > d) for r in rows))
 
 
 def aggregate_heads(weights: torch.Tensor, group: int, mode: str) -> torch.Tensor:
@@ -49,27 +74,27 @@ def aggregate_heads(weights: torch.Tensor, group: int, mode: str) -> torch.Tenso
     -------
     Tensor ``(..., Hkv, K)`` (``(..., Hq, K)`` for ``"none"``).
     """
+    if mode not in ("sum", "max", "none"):
+        raise ValueError(f"unknown gqa mode {mode!r}; expected sum, max or none")
     if mode == "none" or group == 1:
         return weights
     *lead, hq, k = weights.shape
-    w = weights.reshape(*lead, hq // group, group, k)
-    if mode == "sum":
-        return w.sum(-2)
-    if mode == "max":
-        return w.amax(-2)
-    raise ValueError(f"unknown gqa mode {mode!r}; expected sum, max or none")
+    return aggregate_group(weights.reshape(*lead, hq // group, group, k), mode, -2)
 
 
 def eligible_mask(positions: torch.Tensor, step: torch.Tensor | int, recent: torch.Tensor | int,
-                  sink: torch.Tensor | int = 0) -> torch.Tensor:
+                  sink: torch.Tensor | int = 0, *, all_live: bool = False) -> torch.Tensor:
     """Slots that may be evicted at query position ``step``.
 
     ``positions (..., S)``; ``step``, ``recent`` and ``sink`` ints or tensors
     broadcastable to ``(..., 1)`` (per-request budgets). A slot is eligible when
     it holds a position outside the ``recent`` newest (``pos <= step - recent``)
-    and outside the first ``sink``.
+    and outside the first ``sink``. ``all_live`` says that no slot is empty
+    (a full cache), which spares the check.
     """
-    ok = (positions >= 0) & (positions <= step - recent)
+    ok = positions <= step - recent
+    if not all_live:
+        ok = (positions >= 0) & ok
     if isinstance(sink, torch.Tensor) or sink:
         ok &= positions >= sink
     return ok
@@ -147,6 +172,7 @@ class StepStats(NamedTuple):
     min_heavy_score: torch.Tensor  # float32, NaN where no heavy slot
     exiting_position: torch.Tensor  # positions dtype, position leaving the recent window, -1 if none
     promoted: torch.Tensor  # bool, the exiting position survived
+    survivors: torch.Tensor | None = None  # (..., S) bool, the eligible slots that stay: the heavy slots
 
 
 def step_stats(scores: torch.Tensor, positions: torch.Tensor, eligible: torch.Tensor,
@@ -177,4 +203,5 @@ def step_stats(scores: torch.Tensor, positions: torch.Tensor, eligible: torch.Te
         min_heavy_score=low,
         exiting_position=exiting,
         promoted=promoted,
+        survivors=survivors,
     )

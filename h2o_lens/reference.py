@@ -1,7 +1,11 @@
 """FP64 reference of H2O (DESIGN.md §2), written for reading, not speed.
 
 Plain numpy loops over one KV-head group. The runtime and the kernels are
-tested against it; anyone can check a recorded run with it.
+tested against it; anyone can check a recorded run with it. The references of
+the other ranked policies (:mod:`h2o_lens.policies.tova`,
+:mod:`h2o_lens.policies.scissorhands`) take the same inputs, return the same
+kept sets and share the pieces defined here once: which prompt positions are
+kept (:func:`keep_prompt`) and which slot a decode step evicts (:func:`evict`).
 """
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["simulate", "trace", "Trace"]
+__all__ = ["simulate", "trace", "Trace", "check", "softmax", "aggregate", "uniform_share", "keep_prompt",
+           "evict"]
 
 
 @dataclass
@@ -26,18 +31,56 @@ class Trace:
     victims: list[list[int]] = field(default_factory=list)
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
+def check(logits, prefill: int, heavy: int, recent: int, gqa: str) -> np.ndarray:
+    """The logits as an FP64 ``(G, N, N)`` array, after checking every argument."""
+    x = np.asarray(logits, dtype=np.float64)
+    if x.ndim != 3 or x.shape[1] != x.shape[2]:
+        raise ValueError(f"logits must have shape (G, N, N), got {x.shape}")
+    n = x.shape[1]
+    if not 1 <= prefill <= n:
+        raise ValueError(f"prefill must be in [1, {n}], got {prefill}")
+    if heavy < 0 or recent < 0 or heavy + recent < 1:
+        raise ValueError(f"need heavy, recent >= 0 and heavy + recent >= 1, got {heavy}, {recent}")
+    if gqa not in ("sum", "max"):
+        raise ValueError(f"gqa must be 'sum' or 'max', got {gqa!r} (pass one head with 'sum' for 'none')")
+    return x
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis."""
     x = x - x.max(axis=-1, keepdims=True)
     e = np.exp(x)
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def _aggregate(w: np.ndarray, gqa: str) -> np.ndarray:
-    if gqa == "sum":
-        return w.sum(axis=0)
-    if gqa == "max":
-        return w.max(axis=0)
-    raise ValueError(f"gqa must be 'sum' or 'max', got {gqa!r}")
+def aggregate(w: np.ndarray, gqa: str) -> np.ndarray:
+    """``(G, K)`` weights of the group's query heads → ``(K,)`` (DESIGN.md §2.6)."""
+    return w.sum(axis=0) if gqa == "sum" else w.max(axis=0)
+
+
+def uniform_share(heads: int, gqa: str) -> float:
+    """Numerator of the aggregated uniform weight over ``n`` keys, ``agg_h(1/n) = share / n``.
+
+    ``G`` for ``sum`` (G heads of ``1/n`` each), 1 for ``max``.
+    """
+    return float(heads) if gqa == "sum" else 1.0
+
+
+def keep_prompt(rank: dict[int, float], prefill: int, heavy: int, recent: int) -> set[int]:
+    """Prompt positions kept in one shot: the ``recent`` last and the top ``heavy`` of the rest
+    by ``rank`` (higher kept; a tie keeps the newer). Everything when the prompt fits."""
+    if prefill <= heavy + recent:
+        return set(range(prefill))
+    recent_set = set(range(prefill - recent, prefill))
+    rest = sorted((i for i in range(prefill) if i not in recent_set), key=lambda i: (-rank[i], -i))
+    return recent_set | set(rest[:heavy])
+
+
+def evict(rank: dict[int, float], t: int, recent: int) -> int:
+    """The victim of step ``t`` among the candidates ``rank`` holds: the lowest rank among the
+    positions outside the ``recent`` newest (``i <= t - recent``); a tie evicts the older."""
+    eligible = [i for i in rank if i <= t - recent]
+    return min(eligible, key=lambda i: (rank[i], i))
 
 
 def trace(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum") -> Trace:
@@ -54,45 +97,33 @@ def trace(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum") -> Tr
         Slot budget, B = heavy + recent >= 1.
     gqa : {"sum", "max"}
     """
-    x = np.asarray(logits, dtype=np.float64)
-    if x.ndim != 3 or x.shape[1] != x.shape[2]:
-        raise ValueError(f"logits must have shape (G, N, N), got {x.shape}")
+    x = check(logits, prefill, heavy, recent, gqa)
     n = x.shape[1]
-    if not 1 <= prefill <= n:
-        raise ValueError(f"prefill must be in [1, {n}], got {prefill}")
-    if heavy < 0 or recent < 0 or heavy + recent < 1:
-        raise ValueError(f"need heavy, recent >= 0 and heavy + recent >= 1, got {heavy}, {recent}")
     budget = heavy + recent
     out = Trace()
 
     # prefill: full causal attention, column sums of the aggregated weights
     score: dict[int, float] = {i: 0.0 for i in range(prefill)}
     for u in range(prefill):
-        w = _aggregate(_softmax(x[:, u, : u + 1]), gqa)  # (u+1,)
+        w = aggregate(softmax(x[:, u, : u + 1]), gqa)  # (u+1,)
         for i in range(u + 1):
             score[i] += w[i]
-    victims: list[int] = []
-    if prefill > budget:
-        recent_set = set(range(prefill - recent, prefill))
-        rest = [i for i in range(prefill) if i not in recent_set]
-        rest.sort(key=lambda i: (-score[i], -i))  # tie keeps the newer
-        keep = recent_set | set(rest[:heavy])
-        victims = sorted(i for i in range(prefill) if i not in keep)
-        score = {i: score[i] for i in keep}
+    keep = keep_prompt(score, prefill, heavy, recent)  # the recent ones, then the top heavy (tie: newer)
+    victims = sorted(i for i in range(prefill) if i not in keep)
+    score = {i: score[i] for i in keep}
     out.kept.append(sorted(score))
     out.scores.append(dict(score))
     out.victims.append(victims)
 
     for t in range(prefill, n):
         cand = sorted(score) + [t]
-        w = _aggregate(_softmax(x[:, t, cand]), gqa)  # (|D|,)
+        w = aggregate(softmax(x[:, t, cand]), gqa)  # (|D|,)
         score[t] = 0.0
         for i, wi in zip(cand, w):
             score[i] += wi
         victims = []
         if len(cand) > budget:
-            eligible = [i for i in cand if i <= t - recent]
-            victim = min(eligible, key=lambda i: (score[i], i))  # tie evicts the older
+            victim = evict(score, t, recent)  # the lowest eligible score (tie: the older)
             del score[victim]
             victims = [victim]
         out.kept.append(sorted(score))

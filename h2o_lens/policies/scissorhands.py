@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import fp64
+from .. import reference as ref
 from .base import Policy, StepContext
 
 __all__ = ["SCISSORHANDS", "LowAttentionCount", "WINDOW", "simulate"]
@@ -45,15 +45,15 @@ def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum",
     The sorted kept positions after the prefill (index 0), then after each decode
     step t = P … N−1.
     """
-    x = fp64.check(logits, prefill, heavy, recent, gqa)
+    x = ref.check(logits, prefill, heavy, recent, gqa)
     if not 1 <= window <= 63:
         raise ValueError(f"window must be in [1, 63] steps, got {window}")
     n = x.shape[1]
-    share = fp64.uniform_share(x.shape[0], gqa)
+    share = ref.uniform_share(x.shape[0], gqa)
     # low[i]: the steps (query positions) of the window at which key i was below its share
     low: dict[int, set[int]] = {i: set() for i in range(prefill)}
     for u in range(max(0, prefill - window), prefill):
-        w = fp64.aggregate(fp64.softmax(x[:, u, : u + 1]), gqa)  # (u+1,) |D| = u + 1
+        w = ref.aggregate(ref.softmax(x[:, u, : u + 1]), gqa)  # (u+1,) |D| = u + 1
         for i in range(u + 1):
             if w[i] * (u + 1) < share:
                 low[i].add(u)
@@ -61,18 +61,18 @@ def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum",
     def rank(t: int) -> dict[int, float]:  # window − count of low steps in (t − window, t]
         return {i: window - sum(1 for s in low[i] if s > t - window) for i in low}
 
-    kept = fp64.keep_prompt(rank(prefill - 1), prefill, heavy, recent)
+    kept = ref.keep_prompt(rank(prefill - 1), prefill, heavy, recent)
     low = {i: low[i] for i in kept}
     out = [sorted(kept)]
     for t in range(prefill, n):
         cand = sorted(low) + [t]  # D = C ∪ {t}
-        w = fp64.aggregate(fp64.softmax(x[:, t, cand]), gqa)
+        w = ref.aggregate(ref.softmax(x[:, t, cand]), gqa)
         low[t] = set()
         for i, wi in zip(cand, w):
             if wi * len(cand) < share:
                 low[i].add(t)
         if len(cand) > heavy + recent:
-            del low[fp64.evict(rank(t), t, recent)]
+            del low[ref.evict(rank(t), t, recent)]
         out.append(sorted(low))
     return out
 

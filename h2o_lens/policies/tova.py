@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import fp64
+from .. import reference as ref
 from .base import Policy, StepContext
 
 __all__ = ["TOVA", "CurrentAttention", "simulate"]
@@ -32,17 +32,17 @@ def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum") ->
     The sorted kept positions after the prefill (index 0), then after each decode
     step t = P … N−1.
     """
-    x = fp64.check(logits, prefill, heavy, recent, gqa)
+    x = ref.check(logits, prefill, heavy, recent, gqa)
     n = x.shape[1]
-    last = fp64.aggregate(fp64.softmax(x[:, prefill - 1, :prefill]), gqa)  # (P,) the last prompt row
-    kept = fp64.keep_prompt({i: last[i] for i in range(prefill)}, prefill, heavy, recent)
+    last = ref.aggregate(ref.softmax(x[:, prefill - 1, :prefill]), gqa)  # (P,) the last prompt row
+    kept = ref.keep_prompt({i: last[i] for i in range(prefill)}, prefill, heavy, recent)
     out = [sorted(kept)]
     for t in range(prefill, n):
         cand = sorted(kept) + [t]  # D = C ∪ {t}
-        w = fp64.aggregate(fp64.softmax(x[:, t, cand]), gqa)  # (|D|,) this step only
+        w = ref.aggregate(ref.softmax(x[:, t, cand]), gqa)  # (|D|,) this step only
         kept = set(cand)
         if len(cand) > heavy + recent:
-            kept.discard(fp64.evict(dict(zip(cand, w)), t, recent))
+            kept.discard(ref.evict(dict(zip(cand, w)), t, recent))
         out.append(sorted(kept))
     return out
 
