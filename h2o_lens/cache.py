@@ -23,7 +23,7 @@ __all__ = ["H2OCache", "H2OCacheLayer", "CacheListener", "PrefillEvent", "Decode
 
 POS_DTYPE = torch.int32
 #: per-request state that moves with the batch rows (beam reorder, expansion, selection)
-_ROW_STATE = ("keys", "values", "scores", "positions", "fill", "next_pos", "budget")
+_ROW_STATE = ("keys", "values", "scores", "history", "positions", "fill", "next_pos", "budget")
 
 
 @dataclass
@@ -31,8 +31,9 @@ class PrefillEvent:
     """What one layer decided at prefill. Shapes ``(b, Hs, P)`` unless noted.
 
     ``positions`` original positions (-1 padding), ``scores`` the scores that
-    drove the choice (:func:`h2o_lens.ops.choice_scores`: column sums for h2o
-    and heavy, the seeded draw for random, zeros for local and sink), ``keep``
+    drove the choice (the policy's ranking values, :func:`h2o_lens.ops.prefill_scores`:
+    column sums for h2o and heavy, the seeded draw for random, zeros for local
+    and sink, the last row's weights for tova, ``window − count`` for scissorhands), ``keep``
     kept slots, ``eligible`` positions outside each request's recent window and
     sink, ``step (b,)`` the last prompt position of each request.
     """
@@ -109,6 +110,7 @@ class H2OCacheLayer(CacheLayerMixin):
         self.owner = owner
         self.layer_idx = layer_idx
         self.scores: torch.Tensor | None = None  # (b, Hs, B) float32
+        self.history: torch.Tensor | None = None  # (b, Hs, B) int64, for a policy that keeps one
         self.positions: torch.Tensor | None = None  # (b, Hs, B) int32, -1 empty
         self.fill: torch.Tensor | None = None  # (b,) used slots, None once all full
         self.next_pos: torch.Tensor | None = None  # (b,) position of the next token
@@ -151,7 +153,7 @@ class H2OCacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = self.scores = self.positions = None
+        self.keys = self.values = self.scores = self.history = self.positions = None
         self.fill = self.next_pos = self.budget = self._groups = None
         self.seen = 0
         self.is_initialized = False
@@ -212,14 +214,22 @@ class H2OCacheLayer(CacheLayerMixin):
         b, hs, p, d = key.shape
         owner = self.owner
         gqa = owner.config.gqa
+        spec = owner.config.spec
+        scores = None  # column sums, for a policy that ranks the prompt by them
         if owner.resolve_backend(key.device) == "triton":
-            from .kernels import prefill_scores_triton
-
             out, _ = ops.prefill_attention(query, key, value, valid, scaling, gqa, need_scores=False)
-            scores = prefill_scores_triton(query.contiguous(), key.contiguous(), valid, scaling, gqa)
+            if spec.prefill == "columns":
+                from .kernels import prefill_scores_triton
+
+                scores = prefill_scores_triton(query.contiguous(), key.contiguous(), valid, scaling, gqa)
         else:
             out, scores = ops.prefill_attention(query, key, value, valid, scaling, gqa,
                                                 chunk=owner.prefill_chunk)
+            if spec.prefill != "columns":
+                scores = None
+        rows = ops.prefill_rows(query, key, valid, scaling, gqa, spec.prefill_rows) \
+            if spec.prefill == "rows" else None
+        dtype = scores.dtype if scores is not None else torch.promote_types(query.dtype, torch.float32)
         if valid is None:
             pos = torch.arange(p, device=key.device, dtype=POS_DTYPE).expand(b, p)
         else:
@@ -229,12 +239,18 @@ class H2OCacheLayer(CacheLayerMixin):
         self.budget = owner.assign_budgets(count).to(key.device)
         self._groups = None
         last = (count - 1)[:, None, None]  # (b,1,1)
-        drive = torch.empty_like(scores)  # the scores that drive the choice
-        keep = torch.empty(scores.shape, dtype=torch.bool, device=key.device)
+        drive = torch.empty(b, hs, p, dtype=dtype, device=key.device)  # the scores that drive the choice
+        history = torch.zeros(b, hs, p, dtype=torch.int64, device=key.device) if spec.history else None
+        keep = torch.empty(b, hs, p, dtype=torch.bool, device=key.device)
         eligible = torch.empty_like(keep)
-        for rows, args in self.groups():
-            sel = slice(None) if rows is None else rows
-            drive[sel] = ops.choice_scores(scores[sel], positions[sel], args, self.layer_idx)
+        heads = owner.group if gqa != "none" else 1
+        for group_rows, args in self.groups():
+            sel = slice(None) if group_rows is None else group_rows
+            drive[sel], hist = ops.prefill_scores(None if scores is None else scores[sel],
+                                                  None if rows is None else rows[sel], positions[sel], args,
+                                                  self.layer_idx, dtype, heads)
+            if history is not None:
+                history[sel] = hist
             keep[sel] = policy.prefill_keep(drive[sel], positions[sel], args.heavy, args.recent, args.sink)
             eligible[sel] = policy.eligible_mask(positions[sel], last[sel], args.recent, args.sink)
         caps = owner.row_capacity(self.budget)  # (b,)
@@ -246,12 +262,15 @@ class H2OCacheLayer(CacheLayerMixin):
         n = order.shape[-1]
         self.keys = key.new_zeros(b, hs, cap, d)
         self.values = value.new_zeros(b, hs, cap, d)
-        self.scores = scores.new_zeros(b, hs, cap)
+        self.scores = drive.new_zeros(b, hs, cap)
         self.positions = torch.full((b, hs, cap), policy.EMPTY, dtype=POS_DTYPE, device=key.device)
         gidx = order[..., None].expand(b, hs, n, d)
         self.keys[:, :, :n] = key.gather(2, gidx)
         self.values[:, :, :n] = value.gather(2, gidx)
         self.scores[:, :, :n] = torch.where(kept_pos >= 0, drive.gather(-1, order), 0.0)
+        if history is not None:
+            self.history = history.new_zeros(b, hs, cap)
+            self.history[:, :, :n] = torch.where(kept_pos >= 0, history.gather(-1, order), 0)
         self.positions[:, :, :n] = kept_pos
         self.next_pos = count.to(POS_DTYPE)
         fill = torch.minimum(count, caps)
@@ -277,7 +296,7 @@ class H2OCacheLayer(CacheLayerMixin):
         groups = self.groups()
         if len(groups) == 1 and groups[0][0] is None and groups[0][1].capacity == cap:
             res = self._step(groups[0][1], q, k, v, self.keys, self.values, self.scores, self.positions,
-                             step, self.fill, scaling, listener is not None)
+                             step, self.fill, scaling, listener is not None, self.history)
         else:
             res = self._step_groups(groups, q, k, v, step, scaling, listener is not None)
         if listener is not None:
@@ -293,12 +312,16 @@ class H2OCacheLayer(CacheLayerMixin):
         return res.out[:, None]
 
     def _step(self, args: ops.PolicyArgs, q, k, v, keys, values, scores, positions, step, fill,
-              scaling: float, want: bool) -> ops.DecodeResult:
-        step_fn = ops.decode_step
-        if not want and self.owner.backend == "triton" and args.policy != "random":
-            from .kernels import decode_step_triton as step_fn
-        return step_fn(q, k, v, keys, values, scores, positions, step, fill, scaling, args,
-                       layer=self.layer_idx, **({"want_candidates": True} if want else {}))
+              scaling: float, want: bool, history: torch.Tensor | None = None) -> ops.DecodeResult:
+        """The fused Triton step when the backend and the policy have one (``Policy.kernels``) and
+        no listener needs the candidate set; the torch step otherwise."""
+        if not want and self.owner.backend == "triton" and "decode" in args.spec.kernels:
+            from .kernels import decode_step_triton
+
+            return decode_step_triton(q, k, v, keys, values, scores, positions, step, fill, scaling, args,
+                                      layer=self.layer_idx)
+        return ops.decode_step(q, k, v, keys, values, scores, positions, step, fill, scaling, args,
+                               layer=self.layer_idx, history=history, want_candidates=want)
 
     def _step_groups(self, groups, q, k, v, step, scaling: float, want: bool) -> ops.DecodeResult:
         """One decode step per budget on its rows and its first ``B_r`` slots, written back."""
@@ -312,12 +335,16 @@ class H2OCacheLayer(CacheLayerMixin):
         for rows, args in groups:
             sel = torch.arange(b, device=q.device) if rows is None else rows
             c = args.capacity
-            state = [t[sel, :, :c].contiguous() for t in (self.keys, self.values, self.scores, self.positions)]
+            stored = [self.keys, self.values, self.scores, self.positions]
+            if self.history is not None:
+                stored.append(self.history)
+            state = [t[sel, :, :c].contiguous() for t in stored]
             fill = None if self.fill is None else self.fill[sel]
             if fill is not None and bool((fill >= c).all()):
                 fill = None
-            res = self._step(args, q[sel], k[sel], v[sel], *state, step[sel], fill, scaling, want)
-            for t, new in zip((self.keys, self.values, self.scores, self.positions), state):
+            res = self._step(args, q[sel], k[sel], v[sel], *state[:4], step[sel], fill, scaling, want,
+                             state[4] if len(state) > 4 else None)
+            for t, new in zip(stored, state):
                 t[sel, :, :c] = new
             out[sel] = res.out
             slot[sel] = torch.where(res.slot >= c, cap, res.slot)  # c: the new token itself
@@ -334,6 +361,8 @@ class H2OCacheLayer(CacheLayerMixin):
         kv = self.keys.numel() * self.keys.element_size() * 2
         meta = self.scores.numel() * self.scores.element_size() \
             + self.positions.numel() * self.positions.element_size()
+        if self.history is not None:
+            meta += self.history.numel() * self.history.element_size()
         return kv, meta
 
 
@@ -352,8 +381,9 @@ class H2OCache(Cache):
 
     def __init__(self, config: H2OConfig, model_config: Any, listener: CacheListener | None = None,
                  prefill_chunk: int = 512):
-        if config.policy == "full":
-            raise ConfigError("policy 'full' uses transformers' own cache; H2OCache needs an evicting policy")
+        if not config.spec.evicts:
+            raise ConfigError(f"policy {config.policy!r} uses transformers' own cache; "
+                              "H2OCache needs an evicting policy")
         text = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") \
             else model_config
         n_layers = text.num_hidden_layers

@@ -18,8 +18,11 @@ DEFAULT_PROMPT = (
 
 
 def _add_policy_args(p: argparse.ArgumentParser) -> None:
+    from . import policies
+
     g = p.add_argument_group("policy")
-    g.add_argument("--policy", default="h2o", help="h2o | full | local | heavy | sink | random")
+    g.add_argument("--policy", default=policies.DEFAULT, metavar="{" + ",".join(policies.names()) + "}",
+                   help="; ".join(f"{q.name}: {q.summary}" for q in policies.all_policies()))
     g.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots per layer and KV head")
     g.add_argument("--recent", type=int, default=None, help="recent-window slots per layer and KV head")
     g.add_argument("--ratio", type=float, default=None, help="total keep ratio of the prompt instead of slots")
@@ -29,10 +32,11 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace):
+    from . import policies
     from .config import H2OConfig
 
     heavy, recent, ratio = args.heavy, args.recent, args.ratio
-    if args.policy == "full":  # no slots: a budget given with it is ignored
+    if not policies.get(args.policy).evicts:  # no slots: a budget given with it is ignored
         heavy = recent = ratio = None
     elif ratio is None and heavy is None and recent is None:
         heavy, recent = 64, 64
@@ -133,8 +137,8 @@ def _check_record(args: argparse.Namespace):
     from .errors import ConfigError
 
     config = _config(args)
-    if config.policy == "full" and (args.heavy is not None or args.recent is not None or args.ratio is not None):
-        print("h2o-lens: note: --policy full keeps every token; --heavy/--recent/--ratio are ignored",
+    if not config.spec.evicts and (args.heavy is not None or args.recent is not None or args.ratio is not None):
+        print(f"h2o-lens: note: --policy {config.policy} keeps every token; --heavy/--recent/--ratio are ignored",
               file=sys.stderr)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ConfigError(f"--out {args.out!r} is an existing file; runs are written to a folder: "
@@ -216,10 +220,11 @@ def cmd_record(args: argparse.Namespace) -> int:
             out = model.generate(**enc, **gen, streamer=GenerationProgress(args.max_new_tokens, "record"))
         print(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
         runs = [rec]
-        if args.with_full and config.policy != "full":
+        if args.with_full and config.spec.evicts:
+            from . import policies
             from .config import H2OConfig
 
-            with torch.no_grad(), record(model, H2OConfig(policy="full"), out=args.out, tokenizer=tok,
+            with torch.no_grad(), record(model, H2OConfig(policy=policies.FULL_CACHE), out=args.out, tokenizer=tok,
                                          evidence=evidence or None, name=args.name, prompts=[prompt],
                                          info={"source_run": rec.run_id}) as full:
                 model.generate(**enc, **gen, streamer=GenerationProgress(args.max_new_tokens, "record full"))

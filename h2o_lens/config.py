@@ -4,7 +4,9 @@ A budget is a fixed slot count per layer and KV head: ``heavy`` slots chosen
 by cumulative attention plus the ``recent`` newest positions. Baselines are
 compared at the same slot count ``B = heavy + recent`` (DESIGN.md §2).
 A keep ratio of the prompt is accepted as a convenience and resolved to
-counts once, with :meth:`H2OConfig.resolve`.
+counts once, with :meth:`H2OConfig.resolve`. What depends on the policy (its
+split, its budget check, whether it evicts) is read from the policy registry,
+:mod:`h2o_lens.policies` (DESIGN.md §2.9).
 """
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ import math
 import numbers
 from typing import Any
 
+from . import policies as registry
 from .errors import ConfigError
 
 __all__ = ["H2OConfig", "POLICIES", "GQA_MODES", "BACKENDS"]
 
-POLICIES = ("h2o", "full", "local", "heavy", "sink", "random")
+POLICIES = registry.names()
 GQA_MODES = ("sum", "max", "none")
 BACKENDS = ("auto", "torch", "triton")
 
@@ -41,11 +44,13 @@ class H2OConfig:
     Parameters
     ----------
     policy : str
+        A name of the policy registry (:func:`h2o_lens.policies.names`):
         ``"h2o"`` (heavy hitters + recent window), or a baseline at the same
         slot count: ``"full"`` (no eviction), ``"local"`` (recent only),
         ``"heavy"`` (heavy hitters only), ``"sink"`` (first ``sink`` tokens +
         recent, StreamingLLM), ``"random"`` (seeded random victim outside the
-        recent window).
+        recent window), ``"tova"`` (current attention only),
+        ``"scissorhands"`` (count of low attention over a history window).
     heavy, recent : int
         Slot counts. For baselines, ``heavy + recent`` is the slot count and
         the split is taken from the policy (see :attr:`split`).
@@ -74,8 +79,7 @@ class H2OConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"unknown policy {self.policy!r}; expected one of {', '.join(POLICIES)}")
+        registry.get(self.policy)  # ConfigError naming the known policies
         if self.gqa not in GQA_MODES:
             raise ConfigError(f"unknown gqa {self.gqa!r}; expected one of {', '.join(GQA_MODES)}")
         if self.backend not in BACKENDS:
@@ -84,7 +88,7 @@ class H2OConfig:
         _count("recent", self.recent)
         _count("sink", self.sink, allow_none=False)
         _count("seed", self.seed, allow_none=False)
-        if self.policy == "full":
+        if not self.spec.evicts:
             return
         if self.ratio is not None:
             if self.heavy is not None or self.recent is not None:
@@ -103,21 +107,25 @@ class H2OConfig:
             raise ConfigError(
                 "heavy + recent is 0: a cache of zero slots cannot attend to anything; "
                 "pass a positive budget such as heavy=64, recent=64")
-        if self.policy == "sink" and self.sink >= self.heavy + self.recent:
-            raise ConfigError(
-                f"sink={self.sink} leaves no recent slot in a budget of "
-                f"{self.heavy + self.recent}; use a smaller sink or a larger budget")
+        problem = self.spec.check_budget(self.heavy, self.recent, self.sink)
+        if problem is not None:
+            raise ConfigError(problem)
 
     # ------------------------------------------------------------------ derived
     @property
+    def spec(self) -> registry.Policy:
+        """The policy's entry in the registry (:mod:`h2o_lens.policies`)."""
+        return registry.get(self.policy)
+
+    @property
     def resolved(self) -> bool:
-        """True when the budget is in slot counts (or the policy is ``full``)."""
-        return self.policy == "full" or self.ratio is None
+        """True when the budget is in slot counts (or the policy does not evict)."""
+        return not self.spec.evicts or self.ratio is None
 
     @property
     def capacity(self) -> int | None:
         """Slots per layer and KV set, ``None`` for the full cache."""
-        if self.policy == "full":
+        if not self.spec.evicts:
             return None
         self._need_resolved()
         return int(self.heavy) + int(self.recent)
@@ -126,27 +134,20 @@ class H2OConfig:
     def split(self) -> tuple[int, int, int]:
         """``(heavy, recent, sink)`` slots actually used by the policy.
 
-        Baselines keep the slot count ``B = heavy + recent`` and re-split it:
-        local ``(0, B, 0)``, heavy ``(B, 0, 0)``, sink ``(0, B - s, s)``.
+        Baselines keep the slot count ``B = heavy + recent`` and re-split it
+        (:meth:`h2o_lens.policies.Policy.split`): local ``(0, B, 0)``, heavy
+        ``(B, 0, 0)``, sink ``(0, B - s, s)``.
         """
-        b = self.capacity
-        if b is None:
+        if self.capacity is None:
             raise ConfigError("the full-cache policy has no slot split")
-        if self.policy == "local":
-            return 0, b, 0
-        if self.policy == "heavy":
-            return b, 0, 0
-        if self.policy == "sink":
-            return 0, b - self.sink, self.sink
-        return int(self.heavy), int(self.recent), 0
+        return self.spec.split(int(self.heavy), int(self.recent), self.sink)
 
     def resolve(self, prompt_len: int) -> "H2OConfig":
         """Turn a ``ratio`` budget into slot counts for a prompt of ``prompt_len`` tokens."""
         if self.resolved:
             return self
-        total = max(2, int(round(self.ratio * prompt_len)))
-        heavy = total // 2
-        return dataclasses.replace(self, ratio=None, heavy=heavy, recent=total - heavy)
+        heavy, recent = registry.half_split(registry.ratio_slots(self.ratio, prompt_len))
+        return dataclasses.replace(self, ratio=None, heavy=heavy, recent=recent)
 
     def _need_resolved(self) -> None:
         if not self.resolved:
@@ -160,7 +161,7 @@ class H2OConfig:
 
     def describe(self) -> str:
         """One line for humans, e.g. ``h2o heavy=64 recent=64 gqa=sum``."""
-        if self.policy == "full":
+        if not self.spec.evicts:
             return "full cache"
         if not self.resolved:
             return f"{self.policy} ratio={self.ratio} gqa={self.gqa}"

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import policy
+from . import policies, policy
 
-__all__ = ["PolicyArgs", "prefill_attention", "choice_scores", "random_scores", "prefill_select", "decode_step",
-           "DecodeResult"]
+__all__ = ["PolicyArgs", "prefill_attention", "prefill_rows", "prefill_scores", "random_scores", "prefill_select",
+           "decode_step", "DecodeResult"]
 
 _NEG = float("-inf")
 
@@ -25,7 +25,7 @@ _NEG = float("-inf")
 class PolicyArgs:
     """What the math needs of an :class:`~h2o_lens.config.H2OConfig`, resolved."""
 
-    policy: str  # h2o | local | heavy | sink | random
+    policy: str  # a name of the policy registry (h2o_lens.policies)
     heavy: int
     recent: int
     sink: int
@@ -37,9 +37,14 @@ class PolicyArgs:
         return self.heavy + self.recent + self.sink
 
     @property
+    def spec(self) -> policies.Policy:
+        """The policy's entry in the registry: its scores, kernels and history."""
+        return policies.get(self.policy)
+
+    @property
     def scored(self) -> bool:
-        """Whether cumulative attention scores drive eviction."""
-        return self.policy in ("h2o", "heavy")
+        """Whether attention drives eviction (the registry's ``Policy.scored``)."""
+        return self.spec.scored
 
 
 def _group_view(x: torch.Tensor, sets: int) -> torch.Tensor:
@@ -98,8 +103,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         if need_scores:
             if pad is not None:
                 w = w.masked_fill(pad[..., s:e].transpose(-1, -2), 0.0)
-            agg = w.sum(2) if gqa != "max" else w.amax(2)  # (b,Hs,c,e)
-            scores[..., :e] += agg.sum(-2)
+            scores[..., :e] += policy.aggregate_group(w, gqa, 2).sum(-2)  # (b,Hs,c,e) summed over rows
     out = out.view(b, hq, p, d).transpose(1, 2)
     return out, scores
 
@@ -173,10 +177,7 @@ def _prefill_flash_cpu(query, key, value, scaling, gqa, chunk, need_scores):
         w.sub_(lse[:, s * group:e * group]).exp_()
         w = w.view(b, hs, c, group, e)
         w[..., s:e].masked_fill_(_upper(c, query.device)[:, None, :], 0.0)  # future keys
-        if gqa == "max":
-            scores[..., :e] += w.amax(3).sum(2)
-        else:
-            scores[..., :e] += w.sum(dim=(2, 3))
+        scores[..., :e] += policy.aggregate_group(w, gqa, 3, rows=2)
     return out, scores
 
 
@@ -217,20 +218,48 @@ def random_scores(seed: int, layer: int, positions: torch.Tensor, step: torch.Te
     return (h >> 8).to(torch.float32) / float(1 << 24)  # 24 bits: exact in float32
 
 
-def choice_scores(scores: torch.Tensor, positions: torch.Tensor, args: PolicyArgs, layer: int = 0
-                  ) -> torch.Tensor:
-    """The scores that drive a prefill choice, ``(b, Hs, P)``.
+def prefill_rows(query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | None, scaling: float,
+                 gqa: str, rows: int) -> torch.Tensor:
+    """Aggregated attention weights of the last ``rows`` prompt rows, ``(b, Hs, R, P)``.
 
-    The column sums for the scored policies (h2o, heavy); the seeded draw of
-    :func:`random_scores` at the last prompt position for ``random``; zeros for
-    ``local`` and ``sink``, where ties keep the newest (position alone decides).
+    ``R = min(rows, P)``; row ``r`` is the query at column ``P - R + r``. The softmax
+    is in FP32 (FP64 for FP64 inputs) over the row's real keys; future keys, padding
+    keys and padding rows weigh 0. Memory is ``O(R · P)``.
     """
-    if args.scored:
-        return scores
-    if args.policy == "random":
-        last = positions.amax(-1, keepdim=True)  # (b, Hs, 1) the last prompt position
-        return random_scores(args.seed, layer, positions, last).to(scores.dtype)
-    return torch.zeros_like(scores)
+    b, hq, p, d = query.shape
+    hs = key.shape[1]
+    r = min(rows, p)
+    acc = torch.promote_types(query.dtype, torch.float32)
+    qg = _group_view(query[:, :, p - r:], hs)  # (b, Hs, G, R, d)
+    logits = torch.matmul(qg.to(acc), key.to(acc).transpose(-1, -2)[:, :, None]) * scaling  # (b,Hs,G,R,P)
+    row = torch.arange(p - r, p, device=query.device)[:, None]
+    masked = torch.arange(p, device=query.device)[None, :] > row  # (R, P) future keys
+    if valid is not None:
+        masked = masked | ~valid[:, None, None, None, :]
+        masked = masked & ~(row == torch.arange(p, device=query.device))  # a padding row sees itself
+    w = torch.softmax(logits.masked_fill(masked, _NEG), dim=-1)
+    if valid is not None:
+        w = w.masked_fill(~valid[:, None, None, p - r:, None] | ~valid[:, None, None, None, :], 0.0)
+    return policy.aggregate_group(w, gqa, 2)  # (b, Hs, R, P)
+
+
+def prefill_scores(columns: torch.Tensor | None, rows: torch.Tensor | None, positions: torch.Tensor,
+                   args: PolicyArgs, layer: int = 0, dtype: torch.dtype = torch.float32, group: int = 1
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ranking values that drive a prefill choice, and the policy's history.
+
+    ``columns (b, Hs, P)`` the prompt's column sums (policies that rank by them,
+    ``Policy.prefill == "columns"``), ``rows (b, Hs, R, P)`` the last rows' weights
+    (:func:`prefill_rows`, ``"rows"``), ``positions (b, Hs, P)`` (``-1`` padding),
+    ``group`` the query heads per KV set (1 under ``gqa="none"``). Returns ``(b, Hs, P)`` scores in ``dtype`` (zeros for a policy that ranks by
+    position alone: ties keep the newest) and the ``(b, Hs, P)`` int64 history or None.
+    """
+    last = positions.amax(-1, keepdim=True)  # (b, Hs, 1) the last prompt position
+    ctx = policies.StepContext(step=last, layer=layer, seed=args.seed, gqa=args.gqa, group=group)
+    scores, history = args.spec.prefill_scores(columns, rows, positions, ctx)
+    scores = torch.zeros(positions.shape, dtype=dtype, device=positions.device) if scores is None \
+        else scores.to(dtype)
+    return scores, history
 
 
 def prefill_select(scores: torch.Tensor, positions: torch.Tensor, args: PolicyArgs, layer: int = 0
@@ -238,10 +267,10 @@ def prefill_select(scores: torch.Tensor, positions: torch.Tensor, args: PolicyAr
     """Which prompt positions each KV set keeps, ``(b, Hs, P)`` bool.
 
     ``scores (b, Hs, P)`` are the prefill column sums, ``positions (b, Hs, P)``
-    the original positions (``-1`` for padding); the choice is made on
-    :func:`choice_scores`.
+    the original positions (``-1`` for padding); the choice is made on the
+    policy's ranking values (:func:`prefill_scores`) by :func:`h2o_lens.policy.prefill_keep`.
     """
-    drive = choice_scores(scores, positions, args, layer)
+    drive, _ = prefill_scores(scores, None, positions, args, layer, scores.dtype)
     return policy.prefill_keep(drive, positions, args.heavy, args.recent, args.sink)
 
 
@@ -266,16 +295,16 @@ class DecodeResult:
 def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor,
                 positions: torch.Tensor, step: torch.Tensor, fill: torch.Tensor | None,
-                scaling: float, args: PolicyArgs, *, layer: int = 0,
+                scaling: float, args: PolicyArgs, *, layer: int = 0, history: torch.Tensor | None = None,
                 want_candidates: bool = False) -> DecodeResult:
-    """One H2O decode step for one layer, updating the cache in place.
+    """One decode step for one layer, updating the cache in place.
 
     Parameters
     ----------
     query : ``(b, Hq, d)`` the new token's queries (after RoPE)
     key, value : ``(b, Hs, d)`` the new token's key/value
     keys, values : ``(b, Hs, B, d)`` slot storage, updated in place
-    scores : ``(b, Hs, B)`` float32 cumulative scores, updated in place
+    scores : ``(b, Hs, B)`` float32 ranking values (H2O: cumulative scores), updated in place
     positions : ``(b, Hs, B)`` integer original positions, ``-1`` empty, in place
     step : ``(b,)`` the query position of each request
     fill : ``(b,)`` number of used slots per request, or None when every slot
@@ -283,12 +312,16 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     scaling : float
     args : :class:`PolicyArgs`
     layer : int, the layer index (keys the ``random`` policy's draw, :func:`random_scores`)
+    history : ``(b, Hs, B)`` int64 per-slot history of a policy that keeps one
+        (``Policy.history``), updated in place; None otherwise
 
-    Order (DESIGN.md §2): append → softmax over D → aggregate and add to the
-    scores (the new token's own weight seeds its score) → output over all of
-    D → evict the lowest eligible score (tie: older position) → overwrite the
-    victim slot with the new token's K, V, score and position.
+    Order (DESIGN.md §2): append → softmax over D → aggregate over the group and
+    update the ranking values by the policy's rule (H2O: add; the new token's own
+    weight seeds its score) → output over all of D → evict the lowest eligible
+    value (tie: older position) → overwrite the victim slot with the new token's
+    K, V, score, history and position.
     """
+    spec = args.spec
     b, hs, cap, d = keys.shape
     qg = _group_view(query, hs) * scaling  # (b, Hs, G, d)
     cand_k = torch.cat([keys, key[:, :, None]], dim=2)  # (b,Hs,B+1,d) transient D
@@ -304,38 +337,26 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     new_pos = step_col.expand(b, hs, 1)
     if new_pos.dtype != positions.dtype:
         new_pos = new_pos.to(positions.dtype)
-    if args.scored:
-        if w.shape[2] == 1:
-            agg = w[:, :, 0]
-        else:
-            agg = w.sum(2) if args.gqa != "max" else w.amax(2)  # (b,Hs,B+1)
-        scores += agg[..., :cap]
-        new_score = agg[..., cap:]  # (b,Hs,1)
-    elif args.policy == "random":
-        scores.copy_(random_scores(args.seed, layer, positions, step_col))
-        new_score = torch.ones(b, hs, 1, dtype=scores.dtype, device=scores.device)
-    else:
-        new_score = scores.new_zeros(b, hs, 1)
+    agg = policy.aggregate_group(w, args.gqa, 2) if spec.scored else None  # (b,Hs,B+1)
+    ctx = policies.StepContext(step=step_col, layer=layer, seed=args.seed, gqa=args.gqa, group=qg.shape[2])
+    new_score, new_history = spec.decode_scores(scores, history, agg, positions, ctx)  # (b,Hs,1)
 
-    c_scores = c_pos = None
     if args.recent == 0:
         # heavy-only: the new token competes too and may be its own victim
         c_scores = torch.cat([scores, new_score], -1)
         c_pos = torch.cat([positions, new_pos], -1)
         c_elig = policy.eligible_mask(c_pos, step_col, 0, args.sink)
-        victim = _lowest(c_scores, c_pos, c_elig)
-    elif fill is None and not args.sink:
-        c_elig = positions <= step_col - args.recent  # every slot holds a position
-        victim = _lowest(scores, positions, c_elig)
+        victim, found = policy.select_victim(c_scores, c_pos, c_elig)
     else:
-        c_elig = policy.eligible_mask(positions, step_col, args.recent, args.sink)
-        victim = _lowest(scores, positions, c_elig)
+        c_scores = c_pos = None
+        c_elig = policy.eligible_mask(positions, step_col, args.recent, args.sink, all_live=fill is None)
+        victim, found = policy.select_victim(scores, positions, c_elig)
     if fill is None:
-        slot, evicts = victim, None
+        slot, evicts = victim, found
     else:
         full = (fill >= cap)[:, None]  # (b,1)
         slot = torch.where(full, victim, fill[:, None].expand(b, hs))
-        evicts = full.expand(b, hs)
+        evicts = full.expand(b, hs) & found
 
     cands = {}
     if want_candidates:
@@ -343,19 +364,10 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             c_scores = torch.cat([scores, new_score], -1)
             c_pos = torch.cat([positions, new_pos], -1)
         cands = dict(cand_scores=c_scores, cand_positions=c_pos)
-    found = c_elig.any(-1)
-    evicts = found if evicts is None else evicts & found
 
     _write_slot(keys, values, scores, positions, slot, key, value, new_score, new_pos,
-                may_skip=args.recent == 0)
+                may_skip=args.recent == 0, history=history, new_history=new_history)
     return DecodeResult(out=out.reshape(b, hs * qg.shape[2], d), slot=slot, evicts=evicts, **cands)
-
-
-def _lowest(scores: torch.Tensor, positions: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
-    """:func:`policy.select_victim` without the ``found`` flag (fewer ops on the hot path)."""
-    s = torch.where(eligible, scores, torch.finfo(scores.dtype).max)
-    tied = s == s.amin(-1, keepdim=True)
-    return torch.where(tied, positions, torch.iinfo(positions.dtype).max).argmin(-1)
 
 
 def _empty_cols(positions: torch.Tensor) -> torch.Tensor:
@@ -365,12 +377,14 @@ def _empty_cols(positions: torch.Tensor) -> torch.Tensor:
 
 
 def _write_slot(keys, values, scores, positions, slot, key, value, new_score, new_pos,
-                may_skip: bool = False) -> None:
+                may_skip: bool = False, history=None, new_history=None) -> None:
     """Overwrite ``slot (b, Hs)`` with the new token; ``slot == B`` writes nothing."""
     cap = keys.shape[2]
     if may_skip and bool((slot >= cap).any()):
         keep_old = slot >= cap  # (b,Hs)
         slot = slot.clamp(max=cap - 1)
+        if history is not None:
+            new_history = torch.where(keep_old[..., None], history.gather(2, slot[..., None]), new_history)
         idx = slot[..., None, None].expand(-1, -1, 1, keys.shape[-1])
         key = torch.where(keep_old[..., None], keys.gather(2, idx)[:, :, 0], key)
         value = torch.where(keep_old[..., None], values.gather(2, idx)[:, :, 0], value)
@@ -381,3 +395,5 @@ def _write_slot(keys, values, scores, positions, slot, key, value, new_score, ne
     values.scatter_(2, idx, value[:, :, None, :])
     scores.scatter_(2, slot[..., None], new_score)
     positions.scatter_(2, slot[..., None], new_pos)
+    if history is not None:
+        history.scatter_(2, slot[..., None], new_history)

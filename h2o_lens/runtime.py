@@ -112,7 +112,7 @@ def h2o(model: Any, config: H2OConfig | None = None, *, listener: CacheListener 
     if not isinstance(config, H2OConfig):
         raise ConfigError(f"config must be an H2OConfig, got {type(config).__name__}")
     session = H2OSession(model, config, listener)
-    if config.policy == "full":
+    if not config.spec.evicts:
         yield session
         return
     check_model(model)

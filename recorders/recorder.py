@@ -220,13 +220,10 @@ class Recording:
         self._append_evictions(req[sel], head[sel], step3[sel], st.victim_position[sel].to(torch.int64),
                                st.victim_score[sel], st.margin[sel], recent[req[sel]], group, layer=layer[sel],
                                phase="decode")
-        # steps: kept count and mean age of the heavy slots after the step
-        valid = c_pos >= 0
-        kept = valid.sum(-1) - evicts.to(torch.int64)
-        elig = valid & (c_pos <= step[..., None, None] - recent.to(step.device)[:, None, None])
-        elig.scatter_(-1, slot[..., None].clamp(max=c_pos.shape[-1] - 1),
-                      elig.gather(-1, slot[..., None]) & ~evicts[..., None])
-        heavy_pos = torch.where(elig, c_pos.to(torch.float32), float("nan"))
+        # steps: kept count and mean age of the heavy slots after the step (the eligible survivors:
+        # outside the recent window and the sink)
+        kept = (c_pos >= 0).sum(-1) - evicts.to(torch.int64)
+        heavy_pos = torch.where(st.survivors, c_pos.to(torch.float32), float("nan"))
         age = step3.float() - torch.nanmean(heavy_pos, -1)
         exiting = st.exiting_position.to(torch.int64)
         has_exit = exiting >= 0
@@ -292,7 +289,7 @@ class Recording:
             raise RecorderError("record needs model.generate(input_ids=..., ...) (token ids, not embeddings)")
         mask = kwargs.get("attention_mask")
         cache = None
-        if self.session is not None and self.config.policy != "full":
+        if self.session is not None and self.config.spec.evicts:
             cache = kwargs.get("cache") or self.session.new_cache()
             kwargs["cache"] = cache
             self._last_layer = len(cache.layers) - 1
@@ -327,7 +324,7 @@ class Recording:
         model = self.model
         prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)[None]
         new = [int(t) for t in new_ids]
-        if self.config.policy == "full":
+        if not self.config.spec.evicts:
             cache = DynamicCache(config=model.config)
         else:
             cache = self.session.new_cache()
@@ -388,7 +385,7 @@ class Recording:
             extra = dict(self.annotate(request, answer)) if self.annotate is not None else {}
             budget = self.config.resolve(n_prompt)  # what the cache resolved for this row
             self.budgets.append(budget)
-            full = budget.policy == "full"
+            full = not budget.spec.evicts
             self.writer.append("requests", {
                 "request": np.array([request], np.int32), "prompt_len": np.array([n_prompt]),
                 "new_tokens": np.array([len(new)]), "answer": [answer],
@@ -473,7 +470,7 @@ def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: 
                 yield rec
                 rec.flush()
             finally:
-                if config.policy == "full":
+                if not config.spec.evicts:
                     vars(model).pop("generate", None)
                 else:
                     model.generate = inner
@@ -482,7 +479,7 @@ def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: 
         # request's own in the requests table (a keep ratio resolves per prompt length)
         shared = rec.budgets[0] if rec.budgets and all(b == rec.budgets[0] for b in rec.budgets) else None
         resolved = config if config.resolved else shared
-        if config.policy == "full":  # no slots: a budget given with it is ignored
+        if not config.spec.evicts:  # no slots: a budget given with it is ignored
             resolved = dataclasses.replace(config, heavy=None, recent=None, ratio=None)
         writer.update(config=(resolved or config).to_dict(), policy=config.policy,
                       heavy=resolved.heavy if resolved else None, recent=resolved.recent if resolved else None,

@@ -7,8 +7,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from h2o_lens import hooks
-from h2o_lens.reference import simulate
+from h2o_lens import hooks, policies
 
 
 class KeptRecorder:
@@ -51,11 +50,13 @@ def capture_qk():
 
 
 def reference_sets(rec: dict, request: int, prefill: int, heavy: int, recent: int, gqa: str,
-                   offset: int = 0) -> list[list[list[int]]]:
-    """Kept sets per step and KV set computed by the FP64 reference from captured q/k.
+                   offset: int = 0, policy: str = "h2o") -> list[list[list[int]]]:
+    """Kept sets per step and KV set computed by the policy's FP64 reference from captured q/k.
 
-    ``offset`` drops left-padding columns of the request.
+    ``offset`` drops left-padding columns of the request; ``heavy, recent`` are the split
+    the policy uses.
     """
+    simulate = policies.get(policy).reference
     q = torch.cat(rec["q"], dim=2)[request, :, offset:]  # (Hq, N, d)
     k = torch.cat(rec["k"], dim=2)[request, :, offset:]  # (Hs, N, d)
     hq, hs = q.shape[0], k.shape[0]

@@ -287,3 +287,23 @@ def test_replay_oracle_columns_equal_brute_force(tmp_path, backend):
         a = att[row.layer][0, 2 * row.kv_head:2 * row.kv_head + 2].sum(0)  # (N, N) summed over the group
         assert row.teacher_score == pytest.approx(float(a[row.position:row.step + 1, row.position].sum()), abs=1e-4)
         assert row.teacher_future_mass == pytest.approx(float(a[row.step + 1:, row.position].sum()), abs=1e-4)
+
+
+def test_heavy_slots_exclude_the_sink(tmp_path):
+    """steps.min_heavy_score and heavy_age_mean describe the same heavy slots: the eligible
+    survivors, outside the recent window and the sink (one eligibility rule, DESIGN.md §2.9).
+    Under `sink` (no heavy slot) a full cache has none: both are null at every decode step."""
+    model = tiny_model("llama")
+    cfg = H2OConfig(policy="sink", heavy=3, recent=5, sink=2)
+    with h2o_lens.record(model, cfg, out=tmp_path, fsync=False) as run:
+        _gen(model, _ids(20), new=10)
+    steps = _table(tmp_path, run.run_id, "steps", STEP_COLS)
+    dec = steps[steps.step > 19]
+    assert len(dec) == 2 * 2 * 9
+    assert dec.min_heavy_score.isna().all()
+    assert dec.heavy_age_mean.isna().all()  # the sink positions 0 and 1 are not heavy slots
+    h2o = H2OConfig(heavy=3, recent=5)
+    with h2o_lens.record(model, h2o, out=tmp_path, fsync=False) as run:
+        _gen(model, _ids(20), new=10)
+    steps = _table(tmp_path, run.run_id, "steps", STEP_COLS)
+    assert steps.heavy_age_mean.notna().all() and steps.min_heavy_score.notna().all()

@@ -21,14 +21,13 @@ import functools
 
 import torch
 
-from .. import ops
+from .. import ops, policies
 from ._checks import (FLOAT_DTYPES, INT_DTYPES, KernelInputError, check_device, check_tensor, dot_options,
                       next_pow2)
 
 __all__ = ["decode_step_triton"]
 
 _POS_MAX = 2 ** 62  # larger than any position: "no position" in the victim search
-_TRITON_POLICIES = ("h2o", "heavy", "local", "sink")
 
 
 @functools.cache
@@ -179,7 +178,8 @@ def decode_step_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     step : ``(b,)`` int32/int64, the query position of each request
     fill : ``(b,)`` int32/int64 used slots per request, or None when every slot is used
     scaling : float
-    args : :class:`h2o_lens.ops.PolicyArgs`; ``random`` runs the torch path
+    args : :class:`h2o_lens.ops.PolicyArgs`; a policy whose registry entry has no ``"decode"``
+        kernel (``random``, ``tova``, ``scissorhands``) runs the torch path
     layer : the layer index, which keys the ``random`` policy's draw (unused otherwise)
     block_n : slots per block (a power of two >= 16); default from ``B`` and ``d``
     num_warps : Triton launch option
@@ -197,13 +197,22 @@ def decode_step_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     logits are rounded to the input dtype.
     """
     fn = "decode_step_triton"
-    if args.policy == "random":
-        # the random draw is the torch path's hash: keep one implementation
+    spec = args.spec
+    if not spec.evicts:
+        raise KernelInputError(f"{fn}: policy {args.policy!r} does not evict, so it has no decode step; "
+                               f"expected one of {', '.join(p.name for p in policies.evicting())}")
+    if "decode" not in spec.kernels:
+        # its scores have one implementation, the torch path's (the random draw's hash, the
+        # current weights, the history); this kernel implements accumulating and unscored policies
+        if spec.history:
+            raise KernelInputError(f"{fn}: policy {args.policy!r} keeps a per-slot history, which this "
+                                   "launcher does not carry; call h2o_lens.ops.decode_step with history=")
         return ops.decode_step(query, key, value, keys, values, scores, positions, step, fill, scaling, args,
                                layer=layer)
-    if args.policy not in _TRITON_POLICIES:
-        raise KernelInputError(f"{fn}: policy {args.policy!r} has no decode step; "
-                               f"expected one of {', '.join(_TRITON_POLICIES)} or random")
+    if spec.scored and not spec.accumulates:
+        raise KernelInputError(f"{fn}: policy {args.policy!r} is marked with a decode kernel but its scores "
+                               "do not accumulate; the kernel adds weights (SCORED) or leaves scores alone; "
+                               f"fix its entry in h2o_lens/policies (known: {', '.join(policies.names())})")
     if keys.dim() != 4:
         raise KernelInputError(f"{fn}: keys has shape {tuple(keys.shape)}, expected (b, Hs, B, d)")
     b, hs, cap, d = keys.shape
@@ -245,7 +254,7 @@ def decode_step_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         out, logits, slot, evicts,
         cap, hq, d, float(scaling), args.recent, args.sink,
         G=group, G_PAD=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-        SCORED=args.scored, AGG_MAX=args.gqa == "max", HAS_FILL=fill is not None,
+        SCORED=spec.accumulates, AGG_MAX=args.gqa == "max", HAS_FILL=fill is not None,
         POS_MAX=_POS_MAX, **dot_options(keys.dtype),
         num_warps=num_warps,
     )

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..config import H2OConfig
-from ..policies import half_split, ratio_slots
+from ..policies import DEFAULT, half_split, ratio_slots
 
 __all__ = ["Task", "KINDS", "SIZES", "suite", "get_task", "check_answer", "normalise", "budget",
            "calibrate", "CalibrationRow"]
@@ -376,7 +376,7 @@ def _answer(model: Any, tokenizer: Any, task: Task, config: H2OConfig | None) ->
 
 
 def calibrate(tasks: Sequence[Task] | None = None, *, model: Any = None, tokenizer: Any = None,
-              ratios: Sequence[float] = (0.2, 0.1), policies: Sequence[str] = ("h2o", "local"),
+              ratios: Sequence[float] = (0.2, 0.1), policies: Sequence[str] = (DEFAULT, "local"),
               out: Callable[[str], Any] = print) -> list[CalibrationRow]:
     """Answer every task with the full cache and each policy at each keep ratio; print a table.
 
