@@ -316,14 +316,40 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def sweep_grid(items: Sequence[str] | None) -> tuple[tuple[str, str], ...]:
+    """``--policies NAME[:GQA] ...`` → ``((policy, gqa), ...)``; None → the suite's default grid."""
+    from . import policies
+    from .config import GQA_MODES
+    from .errors import ConfigError
+    from .suite import SWEEP_POLICIES
+
+    if not items:
+        return SWEEP_POLICIES
+    grid = []
+    for item in items:
+        name, _, gqa = item.partition(":")
+        policies.get(name)  # ConfigError naming the known policies
+        if gqa and gqa not in GQA_MODES:
+            raise ConfigError(f"--policies {item!r}: unknown gqa {gqa!r}; expected NAME or NAME:GQA with GQA "
+                              f"one of {', '.join(GQA_MODES)}, e.g. h2o:max")
+        grid.append((name, gqa or "sum"))
+    return tuple(grid)
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
     from .suite import sweep
     from .tasks import suite
 
+    try:
+        grid = sweep_grid(args.policies)
+    except ConfigError as exc:
+        print(f"h2o-lens: error: {exc}", file=sys.stderr)
+        return 2
     tasks = suite(size=args.size)
     if args.tasks:
         tasks = tasks[:args.tasks]
-    sweep(args.out, tasks=tasks, ratios=args.ratios, page_size=args.page_size)
+    sweep(args.out, tasks=tasks, ratios=args.ratios, policies=grid, page_size=args.page_size)
     return 0
 
 
@@ -433,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--tasks", type=int, default=None, help="use only the first N tasks")
     sw.add_argument("--ratios", type=float, nargs="+", default=[1.0, 0.4, 0.2, 0.1, 0.05])
     sw.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    sw.add_argument("--policies", nargs="+", default=None, metavar="NAME[:GQA]",
+                    help="policies of the grid (default: h2o:sum h2o:max and its baselines); e.g. "
+                         "h2o tova scissorhands")
     sw.set_defaults(func=cmd_sweep)
 
     sm = sub.add_parser("samples", help="regenerate the shipped sample runs (policy cases and a few tasks)")

@@ -251,8 +251,9 @@ def prefill_scores(columns: torch.Tensor | None, rows: torch.Tensor | None, posi
     ``columns (b, Hs, P)`` the prompt's column sums (policies that rank by them,
     ``Policy.prefill == "columns"``), ``rows (b, Hs, R, P)`` the last rows' weights
     (:func:`prefill_rows`, ``"rows"``), ``positions (b, Hs, P)`` (``-1`` padding),
-    ``group`` the query heads per KV set (1 under ``gqa="none"``). Returns ``(b, Hs, P)`` scores in ``dtype`` (zeros for a policy that ranks by
-    position alone: ties keep the newest) and the ``(b, Hs, P)`` int64 history or None.
+    ``group`` the query heads per KV set (1 under ``gqa="none"``). Returns ``(b, Hs, P)``
+    scores in ``dtype`` (zeros for a policy that ranks by position alone: ties keep the
+    newest) and the ``(b, Hs, P)`` int64 history or None.
     """
     last = positions.amax(-1, keepdim=True)  # (b, Hs, 1) the last prompt position
     ctx = policies.StepContext(step=last, layer=layer, seed=args.seed, gqa=args.gqa, group=group)

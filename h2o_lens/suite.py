@@ -22,10 +22,11 @@ from .config import H2OConfig
 __all__ = ["Task", "run_task", "demo", "sweep", "DEMO_BUDGETS", "BASELINES", "SWEEP_RATIOS", "SWEEP_POLICIES"]
 
 DEMO_BUDGETS = (0.2, 0.1)
-#: every evicting policy of the registry besides the method, at the demo's first budget
+#: the method's baselines in the registry (its ablations at the same slot count), at the demo's first budget
 BASELINES = registry.baselines()
 SWEEP_RATIOS = (1.0, 0.4, 0.2, 0.1, 0.05)
-#: the method with both GQA aggregations, then every baseline of the registry
+#: the method with both GQA aggregations, then every baseline of the registry (alternatives such as
+#: TOVA join with ``policies=``)
 SWEEP_POLICIES = ((registry.DEFAULT, "sum"), (registry.DEFAULT, "max"), *((p, "sum") for p in BASELINES))
 
 

@@ -36,7 +36,8 @@ def test_registry_names_and_lookup():
     assert {"tova", "scissorhands"} <= set(policies.names())
     assert policies.get("tova") is tova.TOVA and policies.get(tova.TOVA) is tova.TOVA
     assert [p.name for p in policies.evicting()] == [n for n in policies.names() if n != "full"]
-    assert "h2o" not in policies.baselines() and "full" not in policies.baselines()
+    assert policies.baselines() == ("local", "heavy", "sink", "random")  # the demo's, DESIGN.md §2.5
+    assert policies.alternatives() == ("tova", "scissorhands")
     with pytest.raises(ConfigError, match="unknown policy 'lru'.*h2o, full"):
         policies.get("lru")
 
@@ -183,3 +184,17 @@ def test_analyses_read_scored_and_colours_from_the_registry():
     assert [analyses.scored_policy(p) for p in ("local", "sink", "random", "full", "lru")] == [False] * 5
     assert analyses.scored_policy(None)  # no policy in the manifest: every verdict stays open
     assert analyses.policy_colours() == {p.name: p.colour for p in policies.all_policies()}
+
+
+def test_sweep_grid_from_the_command_line(capsys):
+    from h2o_lens.cli import main, sweep_grid
+    from h2o_lens.suite import SWEEP_POLICIES
+
+    assert sweep_grid(None) == SWEEP_POLICIES == (("h2o", "sum"), ("h2o", "max"), ("local", "sum"),
+                                                   ("heavy", "sum"), ("sink", "sum"), ("random", "sum"))
+    assert sweep_grid(["h2o:max", "tova", "scissorhands:sum"]) == (
+        ("h2o", "max"), ("tova", "sum"), ("scissorhands", "sum"))
+    assert main(["sweep", "--policies", "lru"]) == 2
+    assert "unknown policy 'lru'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="unknown gqa 'mean'"):
+        sweep_grid(["tova:mean"])

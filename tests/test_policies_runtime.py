@@ -103,7 +103,6 @@ def test_triton_backend_falls_back_to_the_torch_step():
     for name in RANKED:
         out = {}
         for backend in ("torch", "triton"):
-            rec = KeptRecorder()
             with h2o_lens.h2o(model, H2OConfig(policy=name, heavy=4, recent=3, backend=backend)):
                 seq = _greedy(model, _ids(16, seed=3), 10)
             out[backend] = seq

@@ -26,7 +26,7 @@ from .scissorhands import SCISSORHANDS
 from .sink import SINK
 from .tova import TOVA
 
-__all__ = ["Policy", "StepContext", "get", "names", "all_policies", "evicting", "baselines",
+__all__ = ["Policy", "StepContext", "get", "names", "all_policies", "evicting", "baselines", "alternatives",
            "ratio_slots", "half_split", "DEFAULT", "FULL_CACHE"]
 
 #: registry order: the method, the exact baseline, the baselines at the same slot count, others
@@ -57,8 +57,13 @@ def evicting() -> tuple[Policy, ...]:
 
 
 def baselines() -> tuple[str, ...]:
-    """The evicting policies other than the method, compared with it at the same slot count."""
-    return tuple(p.name for p in _ENTRIES if p.evicts and p.name != DEFAULT)
+    """The ablations of the method at the same slot count (``Policy.baseline``, DESIGN.md §2.5)."""
+    return tuple(p.name for p in _ENTRIES if p.baseline)
+
+
+def alternatives() -> tuple[str, ...]:
+    """The other evicting methods (neither the method nor one of its baselines), e.g. TOVA."""
+    return tuple(p.name for p in _ENTRIES if p.evicts and not p.baseline and p.name != DEFAULT)
 
 
 def get(name: str | Policy) -> Policy:

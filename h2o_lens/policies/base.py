@@ -56,6 +56,8 @@ class Policy:
     colour : hex colour of the policy in plots and the dashboard
     summary : what it isolates, one line (the table of DESIGN.md §2.5)
     evicts : False for the full cache (transformers' own cache, no H2O cache at all)
+    baseline : an ablation of H2O at the same slot count (DESIGN.md §2.5): the demo runs
+        these next to the method; other evicting policies are alternatives to it
     scored : attention drives its choices: the recorder logs its prefill score and
         margin and attribution may call a loss of evidence a scoring lag (DESIGN.md §6.10)
     accumulates : its score is the running sum of aggregated weights (H2O's rule); the
@@ -77,6 +79,7 @@ class Policy:
     colour: str
     summary: str
     evicts: bool = True
+    baseline: bool = False
     scored: bool = False
     accumulates: bool = False
     kernels: frozenset[str] = field(default_factory=frozenset)

@@ -29,5 +29,5 @@ class RecentOnly(Unscored):
 
 LOCAL = RecentOnly(
     name="local", label="local window", colour="#2ca02c",
-    summary="recency alone: what far context is worth", kernels=frozenset({"decode"}),
+    summary="recency alone: what far context is worth", baseline=True, kernels=frozenset({"decode"}),
 )

@@ -30,5 +30,5 @@ class RandomDraw(Policy):
 
 RANDOM = RandomDraw(
     name="random", label="random", colour="#8c564b",
-    summary="a random victim outside the recent window: the no-information floor",
+    summary="a random victim outside the recent window: the no-information floor", baseline=True,
 )
