@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import policies, policy
+from .errors import ConfigError
 
 __all__ = ["PolicyArgs", "prefill_attention", "prefill_rows", "prefill_scores", "random_scores", "prefill_select",
            "decode_step", "DecodeResult"]
@@ -271,6 +272,9 @@ def prefill_select(scores: torch.Tensor, positions: torch.Tensor, args: PolicyAr
     the original positions (``-1`` for padding); the choice is made on the
     policy's ranking values (:func:`prefill_scores`) by :func:`h2o_lens.policy.prefill_keep`.
     """
+    if args.spec.prefill == "rows":
+        raise ConfigError(f"policy {args.policy!r} ranks a prompt by the weights of its last rows, not by "
+                          "column sums; compute them with prefill_rows and rank with prefill_scores")
     drive, _ = prefill_scores(scores, None, positions, args, layer, scores.dtype)
     return policy.prefill_keep(drive, positions, args.heavy, args.recent, args.sink)
 

@@ -167,3 +167,13 @@ def test_scissorhands_history_is_bounded_by_the_window():
     assert np.array_equal(layer.scores[live].numpy(), (w - bits)[live.numpy()].astype(np.float32))
     kv, meta = layer.nbytes()
     assert meta == layer.scores.numel() * 4 + layer.positions.numel() * 4 + layer.history.numel() * 8
+
+
+def test_prefill_select_refuses_a_policy_that_ranks_by_rows():
+    from h2o_lens.errors import ConfigError
+
+    pos = torch.arange(6, dtype=torch.int32)[None, None]
+    with pytest.raises(ConfigError, match="last rows"):
+        ops.prefill_select(torch.zeros(1, 1, 6), pos, ops.PolicyArgs("tova", 2, 2, 0, "sum"))
+    keep = ops.prefill_select(torch.zeros(1, 1, 6), pos, ops.PolicyArgs("local", 2, 2, 0, "sum"))
+    assert pos[keep].tolist() == [2, 3, 4, 5]  # no ranking value: the ties keep the newest
