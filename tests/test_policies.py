@@ -198,3 +198,22 @@ def test_sweep_grid_from_the_command_line(capsys):
     assert "unknown policy 'lru'" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="unknown gqa 'mean'"):
         sweep_grid(["tova:mean"])
+
+
+def test_a_new_policy_is_one_new_file(tmp_path):
+    """Adding a policy touches one file: a module in h2o_lens/policies/ declaring a Policy object.
+    The registry finds it, and the config, the CLI's help and the runtime's split read it."""
+    import shutil
+
+    shutil.copytree(REPO / "h2o_lens", tmp_path / "h2o_lens", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "h2o_lens" / "policies" / "oldest.py").write_text(
+        "from .local import Unscored\n\n"
+        "OLDEST = Unscored(name='oldest', rank=50, label='oldest first', colour='#000001',\n"
+        "                  summary='evicts the oldest eligible position')\n")
+    code = ("from h2o_lens import policies; from h2o_lens.config import H2OConfig; "
+            "c = H2OConfig(policy='oldest', heavy=2, recent=3); "
+            "print(policies.names()[-1], policies.alternatives()[-1], c.split, c.spec.label)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["oldest", "oldest", "(2,", "3,", "0)", "oldest", "first"]

@@ -9,36 +9,45 @@ True
 Everything that depends on the policy reads it here: the config (names, split, budget
 checks), the runtime (prefill and decode scores), the kernels' dispatch, the recorder,
 attribution, the CLI choices, the suite's grids and the dashboard's colours. Adding a
-policy is one new file with a :class:`Policy` object plus its line in :data:`_ENTRIES`
-and its tests (DESIGN.md §2.9). Importing the registry loads neither torch nor
-transformers.
+policy is one new file in this package declaring a :class:`Policy` object (the registry
+finds it), plus its tests (DESIGN.md §2.9). Importing the registry loads neither torch
+nor transformers.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from ..errors import ConfigError
 from .base import Policy, StepContext, half_split, ratio_slots
-from .full import FULL
-from .h2o import H2O
-from .heavy import HEAVY
-from .local import LOCAL
-from .random import RANDOM
-from .scissorhands import SCISSORHANDS
-from .sink import SINK
-from .tova import TOVA
 
 __all__ = ["Policy", "StepContext", "get", "names", "all_policies", "evicting", "baselines", "alternatives",
            "ratio_slots", "half_split", "DEFAULT", "FULL_CACHE"]
 
-#: registry order: the method, the exact baseline, the baselines at the same slot count, others
-_ENTRIES: tuple[Policy, ...] = (H2O, FULL, LOCAL, HEAVY, SINK, RANDOM, TOVA, SCISSORHANDS)
+
+
+def _discover() -> tuple[Policy, ...]:
+    """Every :class:`Policy` object declared in a module of this package, in ``rank`` order."""
+    found: dict[int, Policy] = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name != "base":
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            found.update({id(v): v for v in vars(module).values() if isinstance(v, Policy)})
+    entries = tuple(sorted(found.values(), key=lambda p: (p.rank, p.name)))
+    seen = [p.name for p in entries]
+    if len(set(seen)) != len(seen):
+        raise RuntimeError(f"two policy objects share a name: {sorted(n for n in seen if seen.count(n) > 1)}")
+    return entries
+
+
+#: registry order (``Policy.rank``): the method, the exact baseline, its baselines, the alternatives
+_ENTRIES: tuple[Policy, ...] = _discover()
 _BY_NAME: dict[str, Policy] = {p.name: p for p in _ENTRIES}
-if len(_BY_NAME) != len(_ENTRIES):
-    raise RuntimeError("two policies share a name")
 
 #: the method the baselines are compared against
-DEFAULT = H2O.name
+DEFAULT = "h2o"
 #: the policy that keeps everything (transformers' own cache): the exact baseline
-FULL_CACHE = FULL.name
+FULL_CACHE = next(p.name for p in _ENTRIES if not p.evicts)
 
 
 def names() -> tuple[str, ...]:

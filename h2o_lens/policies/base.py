@@ -72,6 +72,7 @@ class Policy:
         stores it as an int64 per slot and moves it with K, V, score and position
     reference : the FP64 reference ``simulate(logits, prefill, heavy, recent, gqa)``
         (kept sets per step, the contract of :func:`h2o_lens.reference.simulate`), or None
+    rank : registry order (names, CLI help, the demo's baselines): lower first
     """
 
     name: str
@@ -87,6 +88,7 @@ class Policy:
     prefill_rows: int = 0
     history: int = 0
     reference: Callable[..., list[list[int]]] | None = None
+    rank: int = 100
 
     def __post_init__(self) -> None:
         if self.prefill not in ("columns", "rows", "none"):

@@ -6,6 +6,6 @@ from .base import Policy
 __all__ = ["FULL"]
 
 FULL = Policy(
-    name="full", label="full cache", colour="#7f7f7f",
+    name="full", rank=1, label="full cache", colour="#7f7f7f",
     summary="transformers' own cache: the exact baseline", evicts=False,
 )

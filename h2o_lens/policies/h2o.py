@@ -23,7 +23,7 @@ class CumulativeAttention(Policy):
 
 
 H2O = CumulativeAttention(
-    name="h2o", label="H2O", colour="#1f77b4", summary="the method",
+    name="h2o", rank=0, label="H2O", colour="#1f77b4", summary="the method",
     scored=True, accumulates=True, kernels=frozenset({"decode", "prefill"}), prefill="columns",
     reference=simulate,
 )

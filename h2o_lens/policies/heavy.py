@@ -15,7 +15,7 @@ class HeavyOnly(CumulativeAttention):
 
 
 HEAVY = HeavyOnly(
-    name="heavy", label="heavy only", colour="#ff7f0e",
+    name="heavy", rank=3, label="heavy only", colour="#ff7f0e",
     summary="scores alone: new tokens have no observation window", baseline=True,
     scored=True, accumulates=True, kernels=frozenset({"decode", "prefill"}), prefill="columns",
     reference=simulate,  # the split (B, 0) is passed to it as is

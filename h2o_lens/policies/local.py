@@ -28,6 +28,6 @@ class RecentOnly(Unscored):
 
 
 LOCAL = RecentOnly(
-    name="local", label="local window", colour="#2ca02c",
+    name="local", rank=2, label="local window", colour="#2ca02c",
     summary="recency alone: what far context is worth", baseline=True, kernels=frozenset({"decode"}),
 )

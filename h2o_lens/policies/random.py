@@ -29,6 +29,6 @@ class RandomDraw(Policy):
 
 
 RANDOM = RandomDraw(
-    name="random", label="random", colour="#8c564b",
+    name="random", rank=5, label="random", colour="#8c564b",
     summary="a random victim outside the recent window: the no-information floor", baseline=True,
 )

@@ -121,7 +121,7 @@ class LowAttentionCount(Policy):
 
 
 SCISSORHANDS = LowAttentionCount(
-    name="scissorhands", label="ScissorHands", colour="#e377c2",
+    name="scissorhands", rank=11, label="ScissorHands", colour="#e377c2",
     summary="how often a slot was unimportant lately: persistence of importance",
     scored=True, prefill="rows", prefill_rows=WINDOW, history=WINDOW, reference=simulate,
 )

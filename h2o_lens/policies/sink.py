@@ -20,7 +20,7 @@ class SinkAndRecent(Unscored):
 
 
 SINK = SinkAndRecent(
-    name="sink", label="sink + recent", colour="#9467bd",
+    name="sink", rank=4, label="sink + recent", colour="#9467bd",
     summary="first s positions + recent (StreamingLLM): fixed sinks against content heavy hitters", baseline=True,
     kernels=frozenset({"decode"}),
 )

@@ -61,7 +61,7 @@ class CurrentAttention(Policy):
 
 
 TOVA = CurrentAttention(
-    name="tova", label="TOVA", colour="#17becf",
+    name="tova", rank=10, label="TOVA", colour="#17becf",
     summary="the current step's attention alone: what accumulation adds",
     scored=True, prefill="rows", prefill_rows=1, reference=simulate,
 )
