@@ -292,6 +292,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                   steps=args.steps, rounds=args.rounds)
     if args.what == "record":
         return bench.bench_record(model_name=args.model, keep=args.keep, rounds=args.rounds)
+    if args.what == "sql":
+        from analyses.bench import bench_sql
+
+        bench_sql(memory_limit=args.memory_limit)
+        return 0
     if args.what == "kernels":
         from .kernels.bench import bench_kernels
 
@@ -393,12 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.set_defaults(func=cmd_app)
 
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    b.add_argument("what", choices=["decode", "record", "kernels"])
+    b.add_argument("what", choices=["decode", "record", "kernels", "sql"])
     b.add_argument("--model", default=None)
     b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
     b.add_argument("--keep", type=float, default=0.2, help="B as a share of the context")
     b.add_argument("--steps", type=int, default=16, help="decode steps timed per round")
     b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--memory-limit", default="512MB", help="sql: the console's memory limit")
     b.set_defaults(func=cmd_bench)
     return p
 
