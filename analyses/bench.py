@@ -158,12 +158,15 @@ def _print(out: dict[str, Any]) -> None:
           f"getrusage max {out['max_rss_bytes'] / 2**30:.3f} GiB)")
 
 
-#: The console's stress queries: (what it shows, SQL). The first three build one huge value in a
-#: single expression, which DuckDB's own memory limit does not bound; the fourth spills.
+#: The console's stress queries: (what it shows, SQL). The first four build huge values in a
+#: single expression, which DuckDB's own memory limit does not bound; the fifth spills; the
+#: last passes the result byte cap.
 SQL_QUERIES = (
     ("list of 1e9 BIGINTs (8 GB)", "SELECT length(list(range(1e9::BIGINT))) AS n"),
     ("string of 2e9 bytes", "SELECT length(repeat('x', 2e9::BIGINT)) AS n"),
     ("list of 5e7 BIGINTs (400 MB)", "SELECT length(list(range(5e7::BIGINT))) AS n"),
+    ("3 lists of 2e7 BIGINTs joined", "SELECT length(list_concat(range(2e7::BIGINT), range(2e7::BIGINT), "
+                                      "range(2e7::BIGINT))) AS n"),
     ("DISTINCT over 6e6 strings", "SELECT count(*) AS n FROM (SELECT DISTINCT i::VARCHAR || 'abcdefghijkl' AS s "
                                   "FROM range(6000000) t(i))"),
     ("1e6 rows of 1 kB (byte cap)", "SELECT repeat('x', 1000) AS s FROM range(1000000)"),
