@@ -165,10 +165,10 @@ SQL_QUERIES = (
     ("list of 1e9 BIGINTs (8 GB)", "SELECT length(list(range(1e9::BIGINT))) AS n"),
     ("string of 2e9 bytes", "SELECT length(repeat('x', 2e9::BIGINT)) AS n"),
     ("list of 5e7 BIGINTs (400 MB)", "SELECT length(list(range(5e7::BIGINT))) AS n"),
-    ("3 lists of 2e7 BIGINTs joined", "SELECT length(list_concat(range(2e7::BIGINT), range(2e7::BIGINT), "
-                                      "range(2e7::BIGINT))) AS n"),
-    ("DISTINCT over 6e6 strings", "SELECT count(*) AS n FROM (SELECT DISTINCT i::VARCHAR || 'abcdefghijkl' AS s "
-                                  "FROM range(6000000) t(i))"),
+    ("3 lists of 2e7 BIGINTs joined", ("SELECT length(list_concat(range(2e7::BIGINT), range(2e7::BIGINT), "
+                                       "range(2e7::BIGINT))) AS n")),
+    ("DISTINCT over 6e6 strings", ("SELECT count(*) AS n FROM (SELECT DISTINCT i::VARCHAR || 'abcdefghijkl' AS s "
+                                   "FROM range(6000000) t(i))")),
     ("1e6 rows of 1 kB (byte cap)", "SELECT repeat('x', 1000) AS s FROM range(1000000)"),
 )
 

@@ -92,7 +92,7 @@ _parser: duckdb.DuckDBPyConnection | None = None
 _parser_lock = threading.Lock()
 
 
-def parse_size(value: int | float | str, name: str = "size") -> int:
+def parse_size(value: float | str, name: str = "size") -> int:
     """Bytes of ``value``: a positive number of bytes or a string such as ``"256MB"``/``"1GiB"``.
 
     Raises :class:`ParameterError` naming ``name`` for anything else (zero, negative, nan, inf).
@@ -251,8 +251,8 @@ class _Worker:
         os.close(down_r)
         os.close(up_w)
         self.inbox, self.out = Connection(up_r, writable=False), Connection(down_w, readable=False)
-        self.out.send_bytes(json.dumps(config).encode())
         try:
+            self.out.send_bytes(json.dumps(config).encode())
             ready = self.receive(_START_TIMEOUT_S)
         except (EOFError, OSError):
             ready = None
@@ -395,9 +395,9 @@ class Sandbox:
                 self._drop_worker()
                 raise SQLSandboxError(f"query stopped: the SQL worker process ended ({why}); it may have "
                                       f"needed more than the {_mb(self.memory_limit)} memory limit") from None
-        if payload is None:
             if header["kind"] == "memory":  # an allocation failed somewhere: start the next query afresh
                 self._drop_worker()
+        if payload is None:
             raise _failure(header["kind"], header.get("type", ""), header.get("message", ""),
                            self.root, self.memory_limit)
         table = pa.ipc.open_stream(payload).read_all()

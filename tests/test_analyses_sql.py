@@ -70,8 +70,8 @@ def test_row_cap_and_formats(root):
     ("WITH x AS (DELETE FROM runs RETURNING *) SELECT * FROM x", "DELETE"),
     ("SELECT * FROM query('SELECT 1')", "query()"),
     ("CALL pragma_version()", "CALL"),
-    ("SELECT * FROM json_execute_serialized_sql(json_serialize_sql("
-     "'WITH x AS (COPY (SELECT 1 AS a) TO ''{root}/x.csv'') SELECT * FROM x'))", "json_execute_serialized_sql()"),
+    (("SELECT * FROM json_execute_serialized_sql(json_serialize_sql("
+      "'WITH x AS (COPY (SELECT 1 AS a) TO ''{root}/x.csv'') SELECT * FROM x'))"), "json_execute_serialized_sql()"),
     ("SELECT * FROM json_execute_serialized_sql('{{}}')", "json_execute_serialized_sql()"),
     ("SELECT json_serialize_plan('SELECT 1')", "json_serialize_plan()"),
     ("FROM query_table('runs')", "query_table()"),
@@ -148,7 +148,7 @@ def _python(script: str, *, data_cap: int = 3 * 2**30, timeout: float = 180) -> 
     def backstop() -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (data_cap, data_cap))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], check=False, capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=timeout, preexec_fn=backstop)
 
 
