@@ -206,7 +206,7 @@ def test_the_time_limit_is_final(root):
         t = time.perf_counter()
         with pytest.raises(SQLTimeoutError, match="0.3 s time limit"):
             box.run("SELECT length(repeat('x', 4e8::BIGINT)) AS n", timeout_s=0.3)
-        assert time.perf_counter() - t < 2.0
+        assert time.perf_counter() - t < 3.0  # it used to return after 5 to 8 s
         assert box.run("SELECT 2 AS x").x[0] == 2
 
 
