@@ -214,7 +214,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
 def cmd_sql(args: argparse.Namespace) -> int:
     from analyses import format_result, run_sql
 
-    df = run_sql(args.root, args.sql, max_rows=args.max_rows, timeout_s=args.timeout)
+    df = run_sql(args.root, args.sql, max_rows=args.max_rows, timeout_s=args.timeout, max_bytes=args.max_bytes,
+                 memory_limit=args.memory_limit, threads=args.threads)
     print(format_result(df, args.format))
     if df.attrs.get("truncated"):
         print(f"(cut at {args.max_rows} rows; raise --max-rows)", file=sys.stderr)
@@ -291,6 +292,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                   steps=args.steps, rounds=args.rounds)
     if args.what == "record":
         return bench.bench_record(model_name=args.model, keep=args.keep, rounds=args.rounds)
+    if args.what == "sql":
+        from analyses.bench import bench_sql
+
+        bench_sql(memory_limit=args.memory_limit)
+        return 0
     if args.what == "kernels":
         from .kernels.bench import bench_kernels
 
@@ -352,8 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("sql")
     q.add_argument("--format", choices=["table", "csv", "json"], default="table")
     q.add_argument("--max-rows", type=int, default=1000)
+    q.add_argument("--timeout", type=float, default=10.0, help="seconds before the query is stopped")
+    q.add_argument("--max-bytes", default="64MB", help="largest result, e.g. 64MB; a bigger one is refused")
+    q.add_argument("--memory-limit", default="1GB", help="memory the query may use, e.g. 1GB")
+    q.add_argument("--threads", type=int, default=2, help="DuckDB threads")
     q.set_defaults(func=cmd_sql)
-    q.add_argument("--timeout", type=float, default=10.0, help="seconds before the query is interrupted")
 
     rep = sub.add_parser("report", help="export a run's failure report (HTML, Markdown or JSON)")
     rep.add_argument("run", help="run folder, or run id under --root")
@@ -389,12 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.set_defaults(func=cmd_app)
 
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    b.add_argument("what", choices=["decode", "record", "kernels"])
+    b.add_argument("what", choices=["decode", "record", "kernels", "sql"])
     b.add_argument("--model", default=None)
     b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
     b.add_argument("--keep", type=float, default=0.2, help="B as a share of the context")
     b.add_argument("--steps", type=int, default=16, help="decode steps timed per round")
     b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--memory-limit", default="512MB", help="sql: the console's memory limit")
     b.set_defaults(func=cmd_bench)
     return p
 
@@ -405,10 +415,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .errors import H2OLensError
 
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
     except H2OLensError as e:
         print(f"h2o-lens: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`| head`): end quietly, as Unix tools ended by SIGPIPE do.
+        # Point stdout at /dev/null so the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
 
 
 if __name__ == "__main__":
