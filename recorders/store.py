@@ -4,7 +4,8 @@
 ``tokens``, ``evictions``, ``steps``, ``replay``, ``replay_steps`` (DESIGN.md
 §5) and ``problems``. The data views read an explicit list of validated
 files with ``union_by_name=true``: a damaged file is left out and reported,
-never allowed to fail a query over all runs. Every view exists, with the
+never allowed to fail a query over all runs, and the run it belongs to is
+marked in ``runs.integrity``. Every view exists, with the
 declared columns, even when no run has written that table yet; columns added
 by later versions appear after the declared ones.
 
@@ -52,8 +53,8 @@ def _literal(value: Any, type_: pa.DataType) -> str:
         text = f"'{value!r}'" if isinstance(value, float) and not math.isfinite(value) else repr(value)
     elif isinstance(value, dt.datetime):
         text = "'" + value.isoformat(sep=" ") + "'"
-    else:
-        text = "'" + str(value).replace("'", "''") + "'"
+    else:  # text that is not valid Unicode (a lone surrogate from a file name) is made readable
+        text = "'" + str(value).encode("utf-8", "replace").decode("utf-8").replace("'", "''") + "'"
     return f"CAST({text} AS {sql_type})"
 
 
@@ -123,7 +124,7 @@ def open_runs(root: str | os.PathLike, *, con: duckdb.DuckDBPyConnection | None 
     create_views(con, catalog)
     if warn:
         for problem in catalog.problems:
-            warnings.warn(f"skipped {problem}", RecorderWarning, stacklevel=2)
+            warnings.warn(str(problem), RecorderWarning, stacklevel=2)
     return con
 
 
@@ -178,7 +179,7 @@ def _read_segment(seg: SegmentFile) -> pa.Table:
 
 def _strict_run(run_dir: str | os.PathLike) -> RunEntry:
     run, problems = scan_run(run_dir, strict=True)
-    if problems:  # only the folder/run_id naming note is left in strict mode
+    if problems:  # manifest field types and the folder/run_id note are not fatal
         warnings.warn("; ".join(str(p) for p in problems), RecorderWarning, stacklevel=3)
     return run
 
