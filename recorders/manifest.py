@@ -277,7 +277,7 @@ def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 _INT_BITS = {pa.int16(): 16, pa.int32(): 32, pa.int64(): 64}
 _OWN_FIELDS = ("run_id", "status", "model", "config", "path", "integrity")  # checked apart or not read from the file
-_WRITER_INTS = {"pid": 2**31, "start_ticks": 2**63}
+_WRITER_INTS = {"pid": 32, "start_ticks": 64}  # bits
 
 
 def _clean_text(value: Any, where: str, issues: list[str]) -> Any:
@@ -334,10 +334,10 @@ def _field_issue(field: pa.Field, value: Any) -> str | None:
 def _writer_issue(writer: Any) -> str | None:
     if not isinstance(writer, dict):
         return f"is {type(writer).__name__}, expected an object with pid, hostname, boot_id, start_ticks"
-    for key, bound in _WRITER_INTS.items():
+    for key, bits in _WRITER_INTS.items():
         value = writer.get(key)
-        if value is not None and not (_is_int(value, 64, minimum=0) and value < bound):
-            return f"{key} is {value!r}, expected an integer in 0..{bound - 1}"
+        if value is not None and not _is_int(value, bits):
+            return f"{key} is {value!r}, expected an integer that fits in {bits} bits"
     for key in ("hostname", "boot_id", "started_at"):
         if writer.get(key) is not None and not isinstance(writer.get(key), str):
             return f"{key} is {writer.get(key)!r}, expected a string"
