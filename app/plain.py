@@ -16,6 +16,10 @@ __all__ = ["md", "code"]
 
 # Markdown syntax, Streamlit's ":colour[...]" and ":icon:" directives, "$" maths, HTML tags and entities
 _SYNTAX = re.compile(r"([\\`*_{}\[\]()<>#+!|~$:&])")
+# GFM turns bare URLs and e-mail addresses of a text into links after escapes are resolved: a word
+# joiner (U+2060, invisible, no line break) after the scheme or "www" and before "@" keeps them text
+_AUTOLINK = re.compile(r"(?i)\b(https?|ftp|www)(?=\\?[:.])")
+_JOINER = "\N{WORD JOINER}"
 
 
 def _one_line(value: Any) -> str:
@@ -23,9 +27,10 @@ def _one_line(value: Any) -> str:
 
 
 def md(value: Any) -> str:
-    """``value`` as Markdown that shows exactly its characters, on one line: no link, image,
-    HTML, emphasis, colour or maths."""
-    return _SYNTAX.sub(r"\\\1", _one_line(value))
+    """``value`` as Markdown that shows its characters, on one line: no link, image, HTML,
+    emphasis, colour or maths (bare URLs and addresses get an invisible word joiner)."""
+    text = _SYNTAX.sub(r"\\\1", _one_line(value))
+    return _AUTOLINK.sub(r"\1" + _JOINER, text).replace("@", _JOINER + "@")
 
 
 def code(value: Any) -> str:

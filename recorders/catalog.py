@@ -42,12 +42,16 @@ __all__ = ["Problem", "SegmentFile", "RunEntry", "Catalog", "inspect_file", "sca
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """A file or run folder that readers skipped, and why."""
+    """A file or run folder that readers skipped or found wrong, and why.
+
+    ``kind`` is ``"rows"`` for a row count that differs from the manifest's.
+    """
 
     path: str
     reason: str
     run_id: str | None = None
     table: str | None = None
+    kind: str | None = None
 
     def __str__(self) -> str:
         return f"{self.path}: {self.reason}"
@@ -190,12 +194,13 @@ def scan_run(run_dir: str | os.PathLike, *, strict: bool = False) -> tuple[RunEn
     """Read a run's manifest, validate its segments and check the run as a whole.
 
     The run id is the folder name. With ``strict=True`` the first damaged
-    file, missing manifest, file holding another run's rows or row count that
-    differs from the manifest's raises (naming the file); otherwise each
-    becomes a problem, the file is left out and the run is marked
-    (:attr:`RunEntry.integrity`). Manifest fields of the wrong type and a
-    manifest ``run_id`` that differs from the folder are problems in both
-    modes. :class:`SchemaVersionError` always raises.
+    file, missing manifest or file holding another run's rows raises (naming
+    the file); otherwise each becomes a problem, the file is left out and the
+    run is marked (:attr:`RunEntry.integrity`). Manifest fields of the wrong
+    type, a manifest ``run_id`` that differs from the folder and row counts
+    that differ from the manifest's are problems in both modes (the strict
+    readers warn, :func:`recorders.check_run` raises on a count).
+    :class:`SchemaVersionError` always raises.
     """
     run_dir = Path(run_dir)
     run_id = run_dir.name
@@ -204,10 +209,10 @@ def scan_run(run_dir: str | os.PathLike, *, strict: bool = False) -> tuple[RunEn
     manifest_path = str(run_dir / MANIFEST_NAME)
 
     def problem(path: str, reason: str, note: str, table: str | None = None,
-                error: type[RecorderError] | None = DamagedFileError) -> None:
+                error: type[RecorderError] | None = DamagedFileError, kind: str | None = None) -> None:
         if strict and error is not None:
             raise error(reason if reason.startswith(path) else f"{path}: {reason}")
-        problems.append(Problem(path, reason, run_id, table))
+        problems.append(Problem(path, reason, run_id, table, kind))
         notes.append(note)
 
     manifest: dict[str, Any] | None = None
@@ -263,7 +268,7 @@ def scan_run(run_dir: str | os.PathLike, *, strict: bool = False) -> tuple[RunEn
             problem(manifest_path, f"table {table!r}: the manifest records {count} rows, {read} were read "
                     f"from the readable segments; this run's {table} numbers are incomplete or wrong "
                     "(a segment is missing, damaged or was added later)",
-                    f"{table}: {read} of {count} rows", table)
+                    f"{table}: {read} of {count} rows", table, error=None, kind="rows")
     return RunEntry(run_id, run_dir, manifest, status, files, notes), problems
 
 

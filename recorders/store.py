@@ -27,7 +27,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .catalog import Catalog, RunEntry, SegmentFile, run_row, scan_root, scan_run
+from .catalog import Catalog, Problem, RunEntry, SegmentFile, run_row, scan_root, scan_run
 from .errors import DamagedFileError, RecorderWarning
 from .manifest import mark_interrupted
 from .schema import RUNS, TABLE_NAMES, duckdb_type, table_schema
@@ -177,11 +177,11 @@ def _read_segment(seg: SegmentFile) -> pa.Table:
                                "move it away or delete it") from None
 
 
-def _strict_run(run_dir: str | os.PathLike) -> RunEntry:
+def _strict_run(run_dir: str | os.PathLike) -> tuple[RunEntry, list[Problem]]:
     run, problems = scan_run(run_dir, strict=True)
-    if problems:  # manifest field types and the folder/run_id note are not fatal
+    if problems:  # manifest field types, the folder/run_id note and row counts are not fatal
         warnings.warn("; ".join(str(p) for p in problems), RecorderWarning, stacklevel=3)
-    return run
+    return run, problems
 
 
 def check_run(run_dir: str | os.PathLike) -> RunCheck:
@@ -190,9 +190,13 @@ def check_run(run_dir: str | os.PathLike) -> RunCheck:
     Raises
     ------
     ManifestError, DamagedFileError, SchemaError, SchemaVersionError
-        Each names the file concerned.
+        Each names the file concerned; :class:`DamagedFileError` also when the
+        rows read differ from the row counts the manifest records.
     """
-    run = _strict_run(run_dir)
+    run, problems = _strict_run(run_dir)
+    counts = [p for p in problems if p.kind == "rows"]
+    if counts:
+        raise DamagedFileError(str(counts[0]))
     rows: dict[str, int] = {}
     files: list[Path] = []
     for table, segs in run.files.items():
@@ -230,9 +234,10 @@ def load_run(run_dir: str | os.PathLike, tables: Iterable[str] | None = None) ->
     Raises
     ------
     ManifestError, DamagedFileError, SchemaError, SchemaVersionError
-        Each names the file concerned.
+        Each names the file concerned. Row counts that differ from the
+        manifest's are a :class:`RecorderWarning` (:func:`check_run` raises).
     """
-    run = _strict_run(run_dir)
+    run, _ = _strict_run(run_dir)
     out = {}
     for table in (tables or TABLE_NAMES):
         segs = run.files.get(table, [])

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import ast
+import html
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from markdown_it import MarkdownIt
 
+from app.plain import code, md
 from recorders import to_arrow, write_segment, write_synthetic_run
 from recorders.manifest import read_manifest, write_manifest
 
@@ -428,3 +431,25 @@ def test_page_icon_is_drawn_locally():
     (icon,) = [ast.literal_eval(k.value) for c in calls for k in c.keywords if k.arg == "page_icon"]
     # ":material/...:" and ":shortcode:" icons make the browser fetch from a font server
     assert not icon.startswith(":") and len(icon) == 1
+
+
+# GFM's literal autolinks (mdast-util-gfm-autolink-literal), which Streamlit applies to text after escapes
+_GFM_URL = re.compile(r"(https?://|www(?=\.))([-.\w]+)", re.I)
+_GFM_EMAIL = re.compile(r"([-.\w+]+)@([-\w]+(?:\.[-\w]+)+)")
+
+
+@pytest.mark.parametrize("text", [
+    "![pixel](http://example.com/p.png)", "[click](https://example.com)", "<img src=x onerror=alert(1)>",
+    "see www.example.com or HTTP://example.com/x", "mail a.b@example.com", ":red[red] :material/home: $x^2$",
+    "**bold** _it_ `code` # head | pipe ~strike~ \\ back", "line\nbreak",
+])
+def test_plain_markdown_shows_the_characters_and_nothing_more(text):
+    rendered = MarkdownIt("commonmark").render(md(text))
+    assert rendered.count("<") == 2 and rendered.startswith("<p>")  # one paragraph, no other element
+    shown = html.unescape(rendered[3:-5]).replace("\N{WORD JOINER}", "")
+    assert shown == " ".join(text.splitlines())
+    plain = html.unescape(rendered[3:-5])  # the text node Streamlit's GFM plugin searches for links
+    assert not _GFM_URL.search(plain) and not _GFM_EMAIL.search(plain)
+    assert not re.search(r":\w+\[|:material/|\$", md(text).replace("\\:", "").replace("\\$", ""))
+    inline = MarkdownIt("commonmark").render(f"x {code(text)} y")
+    assert inline.count("<code>") == 1 and "<a" not in inline and "<img" not in inline
