@@ -226,7 +226,7 @@ def scan_run(run_dir: str | os.PathLike, *, strict: bool = False) -> tuple[RunEn
         issues = []
     for issue in issues:  # never fatal: the rows can still be read
         problem(manifest_path, f"{issue}; the field is ignored",
-                f"manifest {issue.split(' is ')[0].removeprefix('field ')} invalid", error=None)
+                f"manifest field {issue.split()[1]} invalid", error=None)
     named = (manifest or {}).get("run_id")
     if isinstance(named, str) and named != run_id:
         problem(str(run_dir), f"the manifest's run_id {named!r} differs from the folder name {run_id!r}; "
@@ -289,14 +289,18 @@ def scan_root(root: str | os.PathLike) -> Catalog:
         return Catalog(root, runs, problems)
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         path = Path(entry.path)
-        if entry.name.startswith((".", "_")) or not entry.is_dir() or not _is_run_folder(path):
-            continue
         try:
+            if entry.name.startswith((".", "_")) or not entry.is_dir() or not _is_run_folder(path):
+                continue
             validate_run_id(entry.name)
+            run, run_problems = scan_run(path)
         except RunIdError as exc:
             problems.append(Problem(str(path), f"skipped: {exc}"))
             continue
-        run, run_problems = scan_run(path)
+        except OSError as exc:  # an unreadable folder is one run's problem, not the root's
+            problems.append(Problem(str(path), f"skipped: the run folder cannot be read ({exc})",
+                                    entry.name))
+            continue
         problems.extend(run_problems)
         runs.append(run)
     return Catalog(root, runs, problems)

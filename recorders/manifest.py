@@ -356,6 +356,8 @@ def _rows_issue(rows: Any) -> str | None:
 def check_manifest(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """Check the types of a manifest's fields; return a clean copy and one message per bad field.
 
+    Each message starts with ``field <name> `` (``config.<name>`` inside the config).
+
     A field that does not have its expected type (the ``runs`` column type for
     the fields of that view, an object for ``writer``, ``config``, ``rows``)
     is left out of the copy, so one bad value never stops a reader. Text that
@@ -363,7 +365,7 @@ def check_manifest(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], list[st
     """
     issues: list[str] = []
     out = _clean_text(dict(manifest), "manifest", issues)
-    issues = [i.removeprefix("manifest.") for i in issues]
+    issues = ["field " + i.removeprefix("manifest.") for i in issues]
 
     def drop(key: str, why: str, container: dict[str, Any] = out, where: str = "") -> None:
         issues.append(f"field {where}{key} {why}")

@@ -402,7 +402,7 @@ def test_manifest_and_log_text_is_shown_as_text(root, monkeypatch, page):
     rendered = _rendered_elements(at)
     assert "<img" not in rendered and "<a " not in rendered and ":red[red]" not in shown
     if page == "overview":  # the error is there, as text
-        assert f"boom \\[click\\]\\(http\\://{OUTSIDE}/error\\)" in texts(at, "warning")
+        assert f"boom \\[click\\]\\(http\N{WORD JOINER}\\://{OUTSIDE}/error\\)" in texts(at, "warning")
         assert "damaged or incomplete data" in texts(at, "caption")  # its manifest had bad fields
 
 
