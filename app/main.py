@@ -39,7 +39,8 @@ with st.sidebar:
         st.warning(f"Run {code(linked)} from the link is not under this runs root.", icon=":material/link_off:")
         state.remember("run", None)
     if runs is not None and len(runs):
-        labels = {r.run_id: f"{r.run_id} · {r.policy or '?'} · {r.status}" for r in runs.itertuples()}
+        labels = {r.run_id: f"{r.run_id} · {r.policy or '?'} · {r.status}"
+                            + ("" if r.integrity in (None, "ok") else " · damaged data") for r in runs.itertuples()}
         state.select("Run", list(labels), "run", page="sidebar", format_func=labels.get,
                      help="The run every page shows; the Runs page lists them all")
     st.caption(f"Runs root: {code(root.path)}")

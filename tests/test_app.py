@@ -423,6 +423,9 @@ def test_manifest_fields_of_the_wrong_type_mark_the_run(root, monkeypatch):
     assert table.loc["h2o-sum", "integrity"] == "ok"
     assert "replay-00000.parquet left out" in table.loc["damaged", "integrity"]
     assert "field writer is str, expected an object" in texts(at, "warning")
+    picker = widget(at, "selectbox", "Run")
+    assert picker.format_func("hostile").endswith("· damaged data")
+    assert not picker.format_func("h2o-sum").endswith("damaged data")
 
 
 def test_page_icon_is_drawn_locally():
