@@ -36,9 +36,12 @@ def runs_table(source: Source) -> duckdb.DuckDBPyRelation:
         ``run_id, name, status, model, policy, heavy, recent, gqa, prompt_len,
         new_tokens, requests, created_at, source_run, max_logit_diff, error,
         evictions, replay_steps, kl_mean, top1_agreement, dropped_mass_mean,
-        checked, correct, correct_share, problems``; ``checked`` counts
-        requests with an answer-checker verdict, ``correct`` those judged
-        correct; ``problems`` counts files the readers skipped.
+        checked, correct, correct_share, problems, integrity``; ``checked``
+        counts requests with an answer-checker verdict, ``correct`` those
+        judged correct; ``problems`` counts what the readers found wrong with
+        the run (files left out, manifest fields, row counts) and
+        ``integrity`` says it in words (``'ok'`` when nothing): a run whose
+        integrity is not ``'ok'`` has numbers that may be incomplete.
     """
     sql = """
         WITH ev AS (SELECT run_id, count(*) AS evictions FROM evictions GROUP BY run_id),
@@ -55,7 +58,7 @@ def runs_table(source: Source) -> duckdb.DuckDBPyRelation:
                rs.kl_mean, rs.top1_agreement, rp.dropped_mass_mean,
                coalesce(rq.checked, 0) AS checked, rq.correct,
                rq.correct / nullif(rq.checked, 0) AS correct_share,
-               coalesce(pr.problems, 0) AS problems
+               coalesce(pr.problems, 0) AS problems, r.integrity
         FROM runs r
         LEFT JOIN ev USING (run_id) LEFT JOIN rs USING (run_id) LEFT JOIN rp USING (run_id)
         LEFT JOIN rq USING (run_id) LEFT JOIN pr USING (run_id)

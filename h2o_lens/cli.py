@@ -205,7 +205,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
                (SELECT round(avg(kl), 4) FROM replay_steps s WHERE s.run_id = r.run_id) AS mean_kl,
                (SELECT round(avg(top1_agree::INT), 3) FROM replay_steps s WHERE s.run_id = r.run_id) AS top1,
                (SELECT round(avg(dropped_mass), 4) FROM replay d WHERE d.run_id = r.run_id) AS dropped,
-               r.max_logit_diff, r.model
+               r.max_logit_diff, r.model, r.integrity
         FROM runs r ORDER BY r.created_at"""
     print(query(args.root, sql, fmt=args.format, max_rows=args.max_rows))
     return 0

@@ -175,6 +175,8 @@ RUNS = pa.schema([
     _f("schema_version", pa.int32(), "log format version of the manifest", nullable=True),
     _f("config", pa.string(), "run configuration, JSON", nullable=True),
     _f("path", pa.string(), "run folder", nullable=True),
+    _f("integrity", pa.string(), "'ok' when every file of the run was read in full and matches the "
+       "manifest's row counts; otherwise what is wrong (details in the problems view)", nullable=True),
 ])
 
 VIEW_NAMES: tuple[str, ...] = ("runs",) + TABLE_NAMES
