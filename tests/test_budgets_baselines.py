@@ -105,6 +105,23 @@ def test_slot_budget_keeps_run_level_counts(tmp_path):
     assert rows == [(3, 2), (3, 2)]
 
 
+def test_ratio_budgets_follow_beam_rows():
+    """Beam search expands and reorders the rows; each row keeps its request's budget."""
+    model = tiny_model("llama")
+    seqs = [_ids(n, seed=n) for n in (10, 30)]
+    ids, mask = _left_pad(seqs)
+    with h2o_lens.h2o(model, ratio=0.4) as s, torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=2, do_sample=False,
+                       pad_token_id=0)
+    cache = s.last_cache
+    b = cache.request_budgets()
+    assert b["heavy"].tolist() == [2, 2, 6, 6] and b["recent"].tolist() == [2, 2, 6, 6]
+    assert cache.resolved_config is None  # no single budget for the batch
+    layer = cache.layers[0]
+    held = (layer.positions >= 0).sum(-1)  # (rows, Hs)
+    assert held[:2].max() <= 4 and held[2:].max() <= 12 and layer.keys.shape[2] == 12
+
+
 @pytest.mark.parametrize("policy", ["random", "local", "sink", "heavy"])
 def test_baseline_alone_equals_batched(policy):
     """Every baseline, random included, keeps the same sets for a request alone and in a batch."""
