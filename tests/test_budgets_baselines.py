@@ -249,3 +249,23 @@ def test_record_full_policy_says_the_budget_is_ignored(tmp_path, capsys, no_mode
     with pytest.raises(AssertionError):
         main(main_args)
     assert "ignored" not in capsys.readouterr().err
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton needs a GPU or TRITON_INTERPRET=1 (set by `make test`)")
+def test_per_request_budgets_on_the_triton_backend():
+    """Rows of different budgets step through the fused kernel on their own slots, like torch."""
+    model = tiny_model("llama")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device)
+    ids, mask = _left_pad([_ids(n, seed=n) for n in LENS])
+    runs = {}
+    for backend in ("torch", "triton"):
+        with h2o_lens.h2o(model, H2OConfig(ratio=0.4, backend=backend)) as s:
+            out = _generate(model, ids.to(device), mask.to(device), 8)
+        assert s.last_cache.backend == backend and len(s.last_cache.budgets) == 3
+        runs[backend] = (out, [layer.positions.sort(-1).values for layer in s.last_cache.layers])
+    assert torch.equal(runs["torch"][0], runs["triton"][0])
+    for a, b in zip(runs["torch"][1], runs["triton"][1]):
+        assert torch.equal(a, b)
