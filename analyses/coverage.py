@@ -72,24 +72,48 @@ def head_coverage(source: Source, run_id: str, *, request: int | None = None) ->
 _SPANS = """
     WITH tok AS (
         SELECT request, position, is_prompt, evidence FROM tokens WHERE run_id = $run
+    ), r AS (
+        SELECT request, step, layer, q_head, kv_head, dropped_mass FROM replay WHERE run_id = $run
     ), lab AS (
         SELECT request, position, CASE WHEN is_prompt THEN 'prompt' ELSE 'answer' END AS span FROM tok
         UNION ALL
         SELECT request, position, 'evidence:' || evidence FROM tok WHERE evidence IS NOT NULL
+    ), labels AS (
+        SELECT DISTINCT request, evidence AS label FROM tok WHERE evidence IS NOT NULL
+    ), lost AS (  -- first step after which a KV set no longer holds every token of a span
+        SELECT e.request, t.evidence AS label, e.layer, e.kv_head, e.q_head, min(e.step) AS gone
+        FROM evictions e JOIN tok t ON e.request = t.request AND e.position = t.position
+        WHERE e.run_id = $run AND t.evidence IS NOT NULL
+        GROUP BY ALL
+    ), by_query AS (
+        SELECT lab.span, r.* FROM r JOIN lab ON r.request = lab.request AND r.step = lab.position
+    ), by_key AS (
+        SELECT 'evidence:' || l.label || CASE WHEN lost.gone < r.step THEN ':dropped' ELSE ':held' END AS span,
+               r.*
+        FROM r JOIN labels l ON r.request = l.request
+        LEFT JOIN lost ON lost.request = r.request AND lost.label = l.label AND lost.layer = r.layer
+             AND lost.kv_head = r.kv_head AND (lost.q_head IS NULL OR lost.q_head = r.q_head)
     )
-    SELECT lab.span, r.request, r.step, r.layer, r.q_head, r.kv_head, r.dropped_mass,
-           1.0::DOUBLE - r.dropped_mass AS coverage
-    FROM replay r JOIN lab ON r.request = lab.request AND r.step = lab.position
-    WHERE r.run_id = $run
+    SELECT span, request, step, layer, q_head, kv_head, dropped_mass, 1.0::DOUBLE - dropped_mass AS coverage
+    FROM (SELECT * FROM by_query UNION ALL SELECT * FROM by_key)
 """
 
 
 def coverage_by_span(source: Source, run_id: str, *, by_head: bool = True) -> duckdb.DuckDBPyRelation:
-    """Coverage sliced by the span of the query token.
+    """Coverage sliced by the span of the query token and by the evidence the keys hold.
 
-    A replay row of step ``t`` belongs to span ``prompt`` or ``answer`` (the
-    token at position ``t`` is a prompt or a generated token) and, when that
-    token carries an evidence label, also to ``evidence:<label>``.
+    A replay row (step ``t``, layer, query head) belongs to
+
+    * ``prompt`` or ``answer``: the token at position ``t`` is a prompt or a
+      generated token; ``evidence:<label>`` when that token carries a label;
+    * for every evidence label of its request, ``evidence:<label>:dropped``
+      when its KV set no longer holds some token of the span at step ``t``
+      (evicted at a step before ``t``: the teacher's weight on it is part of
+      the row's dropped mass), else ``evidence:<label>:held``.
+
+    Evidence sits in the prompt, before the decode steps that the replay
+    covers, so the second kind is how evidence spans appear as slices: the
+    coverage of the queries that lost the span against those that kept it.
 
     Returns
     -------

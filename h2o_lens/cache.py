@@ -22,15 +22,19 @@ from .errors import ConfigError, UnsupportedModelError
 __all__ = ["H2OCache", "H2OCacheLayer", "CacheListener", "PrefillEvent", "DecodeEvent"]
 
 POS_DTYPE = torch.int32
+#: per-request state that moves with the batch rows (beam reorder, expansion, selection)
+_ROW_STATE = ("keys", "values", "scores", "positions", "fill", "next_pos", "budget")
 
 
 @dataclass
 class PrefillEvent:
     """What one layer decided at prefill. Shapes ``(b, Hs, P)`` unless noted.
 
-    ``positions`` original positions (-1 padding), ``scores`` column sums,
-    ``keep`` kept slots, ``eligible`` positions outside the recent window and
-    the sink, ``step (b,)`` the last prompt position of each request.
+    ``positions`` original positions (-1 padding), ``scores`` the scores that
+    drove the choice (:func:`h2o_lens.ops.choice_scores`: column sums for h2o
+    and heavy, the seeded draw for random, zeros for local and sink), ``keep``
+    kept slots, ``eligible`` positions outside each request's recent window and
+    sink, ``step (b,)`` the last prompt position of each request.
     """
 
     positions: torch.Tensor
@@ -59,20 +63,26 @@ class DecodeEvent:
     cand_positions: torch.Tensor
     kept: torch.Tensor
 
-    def stats(self, recent: int, sink: int = 0) -> policy.StepStats:
+    def stats(self, recent: torch.Tensor | int, sink: torch.Tensor | int = 0) -> policy.StepStats:
         return decode_stats(self.cand_scores, self.cand_positions, self.slot, self.evicts,
                             self.step, recent, sink)
 
 
 def decode_stats(cand_scores: torch.Tensor, cand_positions: torch.Tensor, slot: torch.Tensor,
-                 evicts: torch.Tensor, step: torch.Tensor, recent: int, sink: int = 0) -> policy.StepStats:
+                 evicts: torch.Tensor, step: torch.Tensor, recent: torch.Tensor | int,
+                 sink: torch.Tensor | int = 0) -> policy.StepStats:
     """:class:`~h2o_lens.policy.StepStats` of decode steps, any leading dims.
 
-    ``cand_* (..., Hs, B + 1)``, ``slot, evicts (..., Hs)``, ``step (...)``.
+    ``cand_* (..., Hs, B + 1)``, ``slot, evicts (..., Hs)``, ``step (...)``;
+    ``recent`` and ``sink`` ints, or per-request tensors broadcastable to ``step``.
     """
+    def col(x, n):  # an int, or a tensor with n trailing unit dims
+        return x[(...,) + (None,) * n] if isinstance(x, torch.Tensor) else x
+
     step_col = step[..., None, None]
-    eligible = policy.eligible_mask(cand_positions, step_col, recent, sink)
-    return policy.step_stats(cand_scores, cand_positions, eligible, slot, evicts, step[..., None], recent)
+    eligible = policy.eligible_mask(cand_positions, step_col, col(recent, 2), col(sink, 2))
+    return policy.step_stats(cand_scores, cand_positions, eligible, slot, evicts, step[..., None],
+                             col(recent, 1))
 
 
 class CacheListener(Protocol):
@@ -103,6 +113,8 @@ class H2OCacheLayer(CacheLayerMixin):
         self.fill: torch.Tensor | None = None  # (b,) used slots, None once all full
         self.next_pos: torch.Tensor | None = None  # (b,) position of the next token
         self.seen = 0  # columns processed, padding included (what generate counts)
+        self.budget: torch.Tensor | None = None  # (b,) int64 index into owner.budgets
+        self._groups: list[tuple[torch.Tensor | None, ops.PolicyArgs]] | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- transformers' CacheLayerMixin -------------------------------------------
@@ -140,7 +152,7 @@ class H2OCacheLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self.scores = self.positions = None
-        self.fill = self.next_pos = None
+        self.fill = self.next_pos = self.budget = self._groups = None
         self.seen = 0
         self.is_initialized = False
 
@@ -149,19 +161,22 @@ class H2OCacheLayer(CacheLayerMixin):
         if self.keys is None:
             return
         idx = beam_idx.to(self.keys.device)
-        for name in ("keys", "values", "scores", "positions", "fill", "next_pos"):
+        self._groups = None
+        for name in _ROW_STATE:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        for name in ("keys", "values", "scores", "positions", "fill", "next_pos"):
+        self._groups = None
+        for name in _ROW_STATE:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        for name in ("keys", "values", "scores", "positions", "fill", "next_pos"):
+        self._groups = None
+        for name in _ROW_STATE:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t[indices])
@@ -179,37 +194,51 @@ class H2OCacheLayer(CacheLayerMixin):
         kv, self.pending = self.pending, None
         return kv
 
-    @property
-    def capacity(self) -> int:
-        return self.owner.args.capacity
+    def groups(self) -> list[tuple[torch.Tensor | None, ops.PolicyArgs]]:
+        """Rows of each distinct budget: ``[(rows or None for all rows, args), ...]``."""
+        if self._groups is None:
+            self._groups = self.owner.groups(self.budget)
+        return self._groups
 
     def prefill(self, query: torch.Tensor, valid: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        """Full causal attention over the prompt, then keep at most B slots.
+        """Full causal attention over the prompt, then keep at most ``B_r`` slots per request.
 
         ``query (b, Hq, P, d)``, ``valid (b, P)`` bool or None. Returns the
-        attention output ``(b, P, Hq, d)``.
+        attention output ``(b, P, Hq, d)``. Each request's budget is resolved
+        against its own (unpadded) prompt length; the slot storage is as wide
+        as the largest budget, and a request with fewer slots leaves the rest empty.
         """
         key, value = self.take_pending()  # (b, Hs, P, d)
         b, hs, p, d = key.shape
         owner = self.owner
-        args = owner.resolve_args(p)
+        gqa = owner.config.gqa
         if owner.resolve_backend(key.device) == "triton":
             from .kernels import prefill_scores_triton
 
-            out, _ = ops.prefill_attention(query, key, value, valid, scaling, args.gqa, need_scores=False)
-            scores = prefill_scores_triton(query.contiguous(), key.contiguous(), valid, scaling, args.gqa)
+            out, _ = ops.prefill_attention(query, key, value, valid, scaling, gqa, need_scores=False)
+            scores = prefill_scores_triton(query.contiguous(), key.contiguous(), valid, scaling, gqa)
         else:
-            out, scores = ops.prefill_attention(query, key, value, valid, scaling, args.gqa,
+            out, scores = ops.prefill_attention(query, key, value, valid, scaling, gqa,
                                                 chunk=owner.prefill_chunk)
         if valid is None:
             pos = torch.arange(p, device=key.device, dtype=POS_DTYPE).expand(b, p)
         else:
             pos = (valid.cumsum(-1) - 1).to(POS_DTYPE).masked_fill(~valid, policy.EMPTY)
         positions = pos[:, None, :].expand(b, hs, p)  # (b, Hs, P)
-        keep = ops.prefill_select(scores, positions, args, owner.generator)
-        stored = scores if args.scored else torch.zeros_like(scores)  # local/sink/random: unscored
-        cap = args.capacity
         count = pos.amax(-1).to(torch.int64) + 1  # (b,) real tokens
+        self.budget = owner.assign_budgets(count).to(key.device)
+        self._groups = None
+        last = (count - 1)[:, None, None]  # (b,1,1)
+        drive = torch.empty_like(scores)  # the scores that drive the choice
+        keep = torch.empty(scores.shape, dtype=torch.bool, device=key.device)
+        eligible = torch.empty_like(keep)
+        for rows, args in self.groups():
+            sel = slice(None) if rows is None else rows
+            drive[sel] = ops.choice_scores(scores[sel], positions[sel], args, self.layer_idx)
+            keep[sel] = policy.prefill_keep(drive[sel], positions[sel], args.heavy, args.recent, args.sink)
+            eligible[sel] = policy.eligible_mask(positions[sel], last[sel], args.recent, args.sink)
+        caps = owner.row_capacity(self.budget)  # (b,)
+        cap = max(args.capacity for _, args in self.groups())
         # slots hold the kept positions in ascending order, then empty slots
         big = torch.iinfo(POS_DTYPE).max
         order = torch.where(keep, positions, big).argsort(-1)[..., :cap]  # (b,Hs,min(P,B))
@@ -222,42 +251,81 @@ class H2OCacheLayer(CacheLayerMixin):
         gidx = order[..., None].expand(b, hs, n, d)
         self.keys[:, :, :n] = key.gather(2, gidx)
         self.values[:, :, :n] = value.gather(2, gidx)
-        self.scores[:, :, :n] = torch.where(kept_pos >= 0, stored.gather(-1, order), 0.0)
+        self.scores[:, :, :n] = torch.where(kept_pos >= 0, drive.gather(-1, order), 0.0)
         self.positions[:, :, :n] = kept_pos
         self.next_pos = count.to(POS_DTYPE)
-        fill = count.clamp(max=cap)
-        self.fill = None if bool((fill >= cap).all()) else fill
+        fill = torch.minimum(count, caps)
+        self.fill = None if bool((fill >= caps).all()) else fill
         self.is_initialized = True
         if owner.listener is not None:
-            eligible = policy.eligible_mask(positions, (count - 1)[:, None, None], args.recent, args.sink)
             owner.listener.on_prefill(self.layer_idx, PrefillEvent(
-                positions=positions, scores=scores, keep=keep, eligible=eligible, step=count - 1))
+                positions=positions, scores=drive, keep=keep, eligible=eligible, step=count - 1))
         return out
 
     def decode(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """One decode step; returns the attention output ``(b, 1, Hq, d)``."""
+        """One decode step; returns the attention output ``(b, 1, Hq, d)``.
+
+        Requests that share a budget step together; when budgets differ, each
+        budget's rows step on their own ``B_r`` slots, exactly as if alone.
+        """
         key, value = self.take_pending()  # (b, Hs, 1, d)
         owner = self.owner
         listener = owner.listener
         step = self.next_pos  # (b,)
-        step_fn = ops.decode_step
-        if listener is None and owner.backend == "triton" and owner.args.policy != "random":
-            from .kernels import decode_step_triton as step_fn
-        res = step_fn(query[:, :, 0].contiguous(), key[:, :, 0].contiguous(), value[:, :, 0].contiguous(),
-                      self.keys, self.values,
-                              self.scores, self.positions, step, self.fill, scaling, owner.args,
-                              generator=owner.generator,
-                              **({"want_candidates": True} if listener is not None else {}))
+        q, k, v = query[:, :, 0].contiguous(), key[:, :, 0].contiguous(), value[:, :, 0].contiguous()
+        cap = self.keys.shape[2]
+        groups = self.groups()
+        if len(groups) == 1 and groups[0][0] is None and groups[0][1].capacity == cap:
+            res = self._step(groups[0][1], q, k, v, self.keys, self.values, self.scores, self.positions,
+                             step, self.fill, scaling, listener is not None)
+        else:
+            res = self._step_groups(groups, q, k, v, step, scaling, listener is not None)
         if listener is not None:
             listener.on_decode(self.layer_idx, DecodeEvent(
                 step=step, slot=res.slot, evicts=res.evicts, cand_scores=res.cand_scores,
                 cand_positions=res.cand_positions, kept=self.positions))
         self.next_pos = step + 1
         if self.fill is not None:
-            self.fill = (self.fill + 1).clamp(max=self.capacity)
-            if bool((self.fill >= self.capacity).all()):
+            caps = owner.row_capacity(self.budget)
+            self.fill = torch.minimum(self.fill + 1, caps)
+            if bool((self.fill >= caps).all()):
                 self.fill = None
         return res.out[:, None]
+
+    def _step(self, args: ops.PolicyArgs, q, k, v, keys, values, scores, positions, step, fill,
+              scaling: float, want: bool) -> ops.DecodeResult:
+        step_fn = ops.decode_step
+        if not want and self.owner.backend == "triton" and args.policy != "random":
+            from .kernels import decode_step_triton as step_fn
+        return step_fn(q, k, v, keys, values, scores, positions, step, fill, scaling, args,
+                       layer=self.layer_idx, **({"want_candidates": True} if want else {}))
+
+    def _step_groups(self, groups, q, k, v, step, scaling: float, want: bool) -> ops.DecodeResult:
+        """One decode step per budget on its rows and its first ``B_r`` slots, written back."""
+        b, hs, cap = self.positions.shape
+        out = q.new_empty(q.shape)
+        slot = torch.empty(b, hs, dtype=torch.int64, device=q.device)
+        evicts = torch.empty(b, hs, dtype=torch.bool, device=q.device)
+        cand_s = self.scores.new_zeros(b, hs, cap + 1) if want else None
+        cand_p = torch.full((b, hs, cap + 1), policy.EMPTY, dtype=self.positions.dtype,
+                            device=q.device) if want else None
+        for rows, args in groups:
+            sel = torch.arange(b, device=q.device) if rows is None else rows
+            c = args.capacity
+            state = [t[sel, :, :c].contiguous() for t in (self.keys, self.values, self.scores, self.positions)]
+            fill = None if self.fill is None else self.fill[sel]
+            if fill is not None and bool((fill >= c).all()):
+                fill = None
+            res = self._step(args, q[sel], k[sel], v[sel], *state, step[sel], fill, scaling, want)
+            for t, new in zip((self.keys, self.values, self.scores, self.positions), state):
+                t[sel, :, :c] = new
+            out[sel] = res.out
+            slot[sel] = torch.where(res.slot >= c, cap, res.slot)  # c: the new token itself
+            evicts[sel] = res.evicts
+            if want:
+                cand_s[sel, :, :c], cand_s[sel, :, cap] = res.cand_scores[..., :c], res.cand_scores[..., c]
+                cand_p[sel, :, :c], cand_p[sel, :, cap] = res.cand_positions[..., :c], res.cand_positions[..., c]
+        return ops.DecodeResult(out=out, slot=slot, evicts=evicts, cand_scores=cand_s, cand_positions=cand_p)
 
     def nbytes(self) -> tuple[int, int]:
         """``(kv_bytes, metadata_bytes)`` physically held by this layer."""
@@ -298,26 +366,75 @@ class H2OCache(Cache):
         self.num_query_heads, self.num_kv_heads = hq, hkv
         self.listener = listener
         self.prefill_chunk = prefill_chunk
-        self.generator = torch.Generator().manual_seed(config.seed)
-        self._args: ops.PolicyArgs | None = None
+        self.budgets: list[ops.PolicyArgs] = []  # distinct budgets; layers index them per row
+        self.request_configs: list[H2OConfig] | None = None  # resolved per prefill row
+        self._rows: torch.Tensor | None = None
         self.backend: str | None = None  # "torch" | "triton", resolved at the first prefill
-        self.resolved_config: H2OConfig | None = config if config.resolved else None
         super().__init__(layers=[H2OCacheLayer(self, i) for i in range(n_layers)])
 
     @property
     def args(self) -> ops.PolicyArgs:
-        if self._args is None:
+        """The policy arguments when every request shares one budget."""
+        if not self.budgets:
             raise ConfigError("the H2O cache has not seen a prompt yet")
-        return self._args
+        if len(self.budgets) > 1:
+            raise ConfigError(
+                f"the requests of this cache have {len(self.budgets)} different budgets "
+                "(a keep ratio resolved per prompt length); read them per request with "
+                "cache.request_budgets() or cache.request_configs")
+        return self.budgets[0]
 
-    def resolve_args(self, prompt_len: int) -> ops.PolicyArgs:
-        """Resolve a ratio budget against the (padded) prompt length, once."""
-        if self._args is None:
-            cfg = self.config.resolve(prompt_len)
-            heavy, recent, sink = cfg.split
-            self.resolved_config = cfg
-            self._args = ops.PolicyArgs(cfg.policy, heavy, recent, sink, cfg.gqa)
-        return self._args
+    @property
+    def resolved_config(self) -> H2OConfig | None:
+        """The config in slot counts, or None when the requests' budgets differ (or no prompt yet)."""
+        if self.config.resolved:
+            return self.config
+        cfgs = self.request_configs or []
+        return cfgs[0] if cfgs and all(c == cfgs[0] for c in cfgs) else None
+
+    def assign_budgets(self, prompt_lens: torch.Tensor) -> torch.Tensor:
+        """Resolve the budget of each request against its own prompt length, once.
+
+        ``prompt_lens (b,)`` unpadded prompt lengths. Returns ``(b,)`` int64
+        indices into :attr:`budgets` (the same for every layer).
+        """
+        if self._rows is None:
+            cfgs = [self.config.resolve(n) for n in prompt_lens.tolist()]
+            rows = []
+            for cfg in cfgs:
+                args = ops.PolicyArgs(cfg.policy, *cfg.split, cfg.gqa, cfg.seed)
+                if args not in self.budgets:
+                    self.budgets.append(args)
+                rows.append(self.budgets.index(args))
+            self.request_configs = cfgs
+            self._rows = torch.tensor(rows, dtype=torch.int64)
+        return self._rows
+
+    def groups(self, budget: torch.Tensor) -> list[tuple[torch.Tensor | None, ops.PolicyArgs]]:
+        """``budget (b,)`` → ``[(rows, args), ...]`` per distinct budget; rows None means all."""
+        if len(self.budgets) == 1:
+            return [(None, self.budgets[0])]
+        idx = budget.cpu()
+        out = []
+        for g in sorted(set(idx.tolist())):
+            rows = torch.nonzero(idx == g)[:, 0]
+            out.append((None if len(rows) == len(idx) else rows.to(budget.device), self.budgets[g]))
+        return out
+
+    def row_capacity(self, budget: torch.Tensor) -> torch.Tensor:
+        """``(b,)`` slot count ``B_r`` of each row, on ``budget``'s device."""
+        caps = torch.tensor([a.capacity for a in self.budgets], dtype=torch.int64, device=budget.device)
+        return caps[budget]
+
+    def request_budgets(self) -> dict[str, torch.Tensor]:
+        """Per batch row (in the cache's current row order): ``heavy, recent, sink`` slots
+        actually used by the policy (:attr:`H2OConfig.split`), ``(b,)`` int64 CPU tensors."""
+        budget = self.layers[0].budget
+        if budget is None:
+            raise ConfigError("the H2O cache has not seen a prompt yet")
+        table = torch.tensor([[a.heavy, a.recent, a.sink] for a in self.budgets], dtype=torch.int64)
+        t = table[budget.cpu()]
+        return {"heavy": t[:, 0], "recent": t[:, 1], "sink": t[:, 2]}
 
     def resolve_backend(self, device: torch.device) -> str:
         """``auto`` → Triton on CUDA, torch elsewhere; resolved once, on the first prefill."""

@@ -31,10 +31,12 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace):
     from .config import H2OConfig
 
-    heavy, recent = args.heavy, args.recent
-    if args.policy != "full" and args.ratio is None and heavy is None and recent is None:
+    heavy, recent, ratio = args.heavy, args.recent, args.ratio
+    if args.policy == "full":  # no slots: a budget given with it is ignored
+        heavy = recent = ratio = None
+    elif ratio is None and heavy is None and recent is None:
         heavy, recent = 64, 64
-    return H2OConfig(policy=args.policy, heavy=heavy, recent=recent, ratio=args.ratio,
+    return H2OConfig(policy=args.policy, heavy=heavy, recent=recent, ratio=ratio,
                      gqa=args.gqa, sink=args.sink, seed=args.seed)
 
 
@@ -122,6 +124,60 @@ def _print_replay(summary) -> None:
           f"mean dropped mass {summary.mean_dropped_mass:.4f} | max |logit diff| {summary.max_logit_diff:.2e} ({verdict})")
 
 
+def _check_record(args: argparse.Namespace):
+    """Everything ``record`` can refuse, checked before the model loads.
+
+    Returns ``(config, task, prompt, evidence)``; raises :class:`ConfigError`
+    with what was received and how to fix it.
+    """
+    from .errors import ConfigError
+
+    config = _config(args)
+    if config.policy == "full" and (args.heavy is not None or args.recent is not None or args.ratio is not None):
+        print("h2o-lens: note: --policy full keeps every token; --heavy/--recent/--ratio are ignored",
+              file=sys.stderr)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ConfigError(f"--out {args.out!r} is an existing file; runs are written to a folder: "
+                          "give a folder path (it is created if missing)")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    sources = [name for name, given in (("--task", args.task), ("--teacher-force", args.teacher_force),
+                                        ("--prompt", args.prompt), ("--prompt-file", args.prompt_file))
+               if given is not None]
+    if len(sources) > 1:
+        raise ConfigError(f"give one of --task, --teacher-force, --prompt, --prompt-file; got {' and '.join(sources)}")
+    task = prompt = None
+    evidence = dict(_parse_evidence(e) for e in args.evidence)
+    if args.task is not None:
+        from .tasks import get_task
+
+        try:
+            task = get_task(args.task)
+        except KeyError as exc:
+            raise ConfigError(str(exc.args[0]) + "; list the suite with h2o_lens.tasks.suite()") from None
+    elif args.teacher_force is not None:
+        _run_dir(args.teacher_force, args.out)
+    else:
+        if args.prompt_file is not None and not os.path.isfile(args.prompt_file):
+            raise ConfigError(f"--prompt-file {args.prompt_file!r} does not exist (or is not a file); "
+                              "give the path of a UTF-8 text file")
+        try:
+            prompt = _read_prompt(args)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--prompt-file {args.prompt_file!r} cannot be read as UTF-8 text: {exc}") from None
+        if not prompt.strip():
+            where = f"--prompt-file {args.prompt_file!r}" if args.prompt_file else "--prompt"
+            raise ConfigError(f"{where} is empty; give a prompt with some text")
+        for label, text in evidence.items():
+            if text not in prompt:
+                raise ConfigError(f"--evidence {label}={text!r} does not occur in the prompt; "
+                                  "give a substring of the prompt text")
+    if evidence and prompt is None:
+        raise ConfigError("--evidence needs --prompt or --prompt-file (tasks and teacher-forced runs "
+                          "carry their own evidence labels)")
+    return config, task, prompt, evidence
+
+
 def cmd_record(args: argparse.Namespace) -> int:
     import torch
 
@@ -130,12 +186,10 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     from .models import load_model
 
-    config = _config(args)
-    if args.task:
+    config, task, prompt, evidence = _check_record(args)
+    if task is not None:
         from .suite import run_task
-        from .tasks import get_task
 
-        task = get_task(args.task)
         model, tok = load_model(args.model)
         done = run_task(model, tok, task, config, args.out, replay=args.replay, name=args.name)
         print(done.answer.strip())
@@ -153,8 +207,6 @@ def cmd_record(args: argparse.Namespace) -> int:
         runs = [rec]
     else:
         model, tok = load_model(args.model)
-        prompt = _read_prompt(args)
-        evidence = dict(_parse_evidence(e) for e in args.evidence)
         enc = tok(_chat(tok, prompt, args.raw), return_tensors="pt", add_special_tokens=args.raw)
         from .progress import GenerationProgress
 

@@ -15,7 +15,8 @@ import torch
 
 from . import policy
 
-__all__ = ["PolicyArgs", "prefill_attention", "prefill_select", "decode_step", "DecodeResult"]
+__all__ = ["PolicyArgs", "prefill_attention", "choice_scores", "random_scores", "prefill_select", "decode_step",
+           "DecodeResult"]
 
 _NEG = float("-inf")
 
@@ -29,6 +30,7 @@ class PolicyArgs:
     recent: int
     sink: int
     gqa: str  # sum | max | none
+    seed: int = 0  # of the random policy
 
     @property
     def capacity(self) -> int:
@@ -178,18 +180,69 @@ def _prefill_flash_cpu(query, key, value, scaling, gqa, chunk, need_scores):
     return out, scores
 
 
-def prefill_select(scores: torch.Tensor, positions: torch.Tensor, args: PolicyArgs,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer mix (xorshift-multiply), on int64 values below ``2**32``.
+
+    The multipliers are below ``2**31``, so no product leaves the int64 range.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _MASK32
+    return x ^ (x >> 16)
+
+
+def random_scores(seed: int, layer: int, positions: torch.Tensor, step: torch.Tensor | int) -> torch.Tensor:
+    """The ``random`` policy's draw for each slot: a counter-based hash, float32 in ``[0, 1)``.
+
+    A value depends only on ``(seed, layer, KV set, original position, step)``, never on
+    the batch row, the physical slot or an RNG stream, so a request draws the same
+    victims alone or in any batch.
+
+    Parameters
+    ----------
+    seed, layer : int
+    positions : ``(b, Hs, S)`` integer original positions (``-1`` empty: drawn, never eligible)
+    step : int or tensor broadcastable to ``(b, Hs, 1)``, the query position
+    """
+    dev = positions.device
+    kv_set = torch.arange(positions.shape[1], device=dev, dtype=torch.int64)[None, :, None]
+    h = torch.tensor((seed ^ (seed >> 32)) & _MASK32, dtype=torch.int64, device=dev)
+    for v in (torch.tensor(layer, dtype=torch.int64, device=dev), kv_set, positions.to(torch.int64),
+              torch.as_tensor(step, device=dev).to(torch.int64)):
+        h = _mix32(h ^ (v & _MASK32))
+    return (h >> 8).to(torch.float32) / float(1 << 24)  # 24 bits: exact in float32
+
+
+def choice_scores(scores: torch.Tensor, positions: torch.Tensor, args: PolicyArgs, layer: int = 0
+                  ) -> torch.Tensor:
+    """The scores that drive a prefill choice, ``(b, Hs, P)``.
+
+    The column sums for the scored policies (h2o, heavy); the seeded draw of
+    :func:`random_scores` at the last prompt position for ``random``; zeros for
+    ``local`` and ``sink``, where ties keep the newest (position alone decides).
+    """
+    if args.scored:
+        return scores
+    if args.policy == "random":
+        last = positions.amax(-1, keepdim=True)  # (b, Hs, 1) the last prompt position
+        return random_scores(args.seed, layer, positions, last).to(scores.dtype)
+    return torch.zeros_like(scores)
+
+
+def prefill_select(scores: torch.Tensor, positions: torch.Tensor, args: PolicyArgs, layer: int = 0
+                   ) -> torch.Tensor:
     """Which prompt positions each KV set keeps, ``(b, Hs, P)`` bool.
 
     ``scores (b, Hs, P)`` are the prefill column sums, ``positions (b, Hs, P)``
-    the original positions (``-1`` for padding).
+    the original positions (``-1`` for padding); the choice is made on
+    :func:`choice_scores`.
     """
-    if args.policy == "random":
-        scores = torch.rand(scores.shape, generator=generator, device="cpu").to(scores.device)
-    elif not args.scored:
-        scores = torch.zeros_like(scores)  # local/sink: ties keep the newest
-    return policy.prefill_keep(scores, positions, args.heavy, args.recent, args.sink)
+    drive = choice_scores(scores, positions, args, layer)
+    return policy.prefill_keep(drive, positions, args.heavy, args.recent, args.sink)
 
 
 @dataclass
@@ -213,7 +266,7 @@ class DecodeResult:
 def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor,
                 positions: torch.Tensor, step: torch.Tensor, fill: torch.Tensor | None,
-                scaling: float, args: PolicyArgs, *, generator: torch.Generator | None = None,
+                scaling: float, args: PolicyArgs, *, layer: int = 0,
                 want_candidates: bool = False) -> DecodeResult:
     """One H2O decode step for one layer, updating the cache in place.
 
@@ -229,6 +282,7 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         is used (then every request evicts)
     scaling : float
     args : :class:`PolicyArgs`
+    layer : int, the layer index (keys the ``random`` policy's draw, :func:`random_scores`)
 
     Order (DESIGN.md §2): append → softmax over D → aggregate and add to the
     scores (the new token's own weight seeds its score) → output over all of
@@ -258,7 +312,7 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         scores += agg[..., :cap]
         new_score = agg[..., cap:]  # (b,Hs,1)
     elif args.policy == "random":
-        scores.copy_(torch.rand(scores.shape, generator=generator, device="cpu").to(scores.device))
+        scores.copy_(random_scores(args.seed, layer, positions, step_col))
         new_score = torch.ones(b, hs, 1, dtype=scores.dtype, device=scores.device)
     else:
         new_score = scores.new_zeros(b, hs, 1)

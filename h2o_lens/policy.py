@@ -60,16 +60,17 @@ def aggregate_heads(weights: torch.Tensor, group: int, mode: str) -> torch.Tenso
     raise ValueError(f"unknown gqa mode {mode!r}; expected sum, max or none")
 
 
-def eligible_mask(positions: torch.Tensor, step: torch.Tensor | int, recent: int,
-                  sink: int = 0) -> torch.Tensor:
+def eligible_mask(positions: torch.Tensor, step: torch.Tensor | int, recent: torch.Tensor | int,
+                  sink: torch.Tensor | int = 0) -> torch.Tensor:
     """Slots that may be evicted at query position ``step``.
 
-    ``positions (..., S)``; ``step`` an int or a tensor broadcastable to
-    ``(..., 1)``. A slot is eligible when it holds a position outside the
-    ``recent`` newest (``pos <= step - recent``) and outside the first ``sink``.
+    ``positions (..., S)``; ``step``, ``recent`` and ``sink`` ints or tensors
+    broadcastable to ``(..., 1)`` (per-request budgets). A slot is eligible when
+    it holds a position outside the ``recent`` newest (``pos <= step - recent``)
+    and outside the first ``sink``.
     """
     ok = (positions >= 0) & (positions <= step - recent)
-    if sink:
+    if isinstance(sink, torch.Tensor) or sink:
         ok &= positions >= sink
     return ok
 

@@ -11,6 +11,7 @@ This module imports torch (it listens to the runtime); the rest of
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import time
@@ -145,6 +146,7 @@ class Recording:
         self.new_tokens = 0
         self.requests = 0
         self.generations = 0
+        self.budgets: list[H2OConfig] = []  # the budget of each request, resolved on its own prompt
 
     @property
     def run_id(self) -> str:
@@ -160,11 +162,13 @@ class Recording:
 
     # -- CacheListener ---------------------------------------------------------
     def _policy(self):
+        """Per batch row ``recent`` and ``sink`` slots ``(b,)``, and the query heads per KV head."""
         cache = self.session.last_cache
-        return cache.args, cache.group
+        budgets = cache.request_budgets()
+        return budgets["recent"], budgets["sink"], cache.group
 
     def on_prefill(self, layer: int, ev: PrefillEvent) -> None:
-        args, group = self._policy()
+        recent, _, group = self._policy()
         b, hs, p = ev.positions.shape
         victims = (ev.positions >= 0) & ~ev.keep  # (b, Hs, P)
         survivors = ev.keep & ev.eligible
@@ -176,7 +180,7 @@ class Recording:
         pos = ev.positions[r, h, i].to(torch.int64)
         score = ev.scores[r, h, i]
         margin = torch.where(low_ok[r, h], low[r, h] - score, torch.full_like(score, float("nan")))
-        self._append_evictions(r, h, step, pos, score, margin, args.recent, group, layer=layer,
+        self._append_evictions(r, h, step, pos, score, margin, recent[r.cpu()], group, layer=layer,
                                phase="prefill")
         # one steps row per (request, set) at the last prompt position
         kept = ev.keep.sum(-1)
@@ -199,13 +203,13 @@ class Recording:
         pend, self._pending = self._pending, _Pending()
         if not pend.events:
             return
-        args, group = self._policy()
+        recent, sink, group = self._policy()
         ev = pend.events
         stack = lambda name: torch.stack([getattr(e, name) for e in ev])  # noqa: E731
         step = stack("step").to(torch.int64)  # (K, b)
         slot, evicts = stack("slot"), stack("evicts")  # (K, b, Hs)
         c_scores, c_pos = stack("cand_scores"), stack("cand_positions")  # (K, b, Hs, B+1)
-        st = decode_stats(c_scores, c_pos, slot, evicts, step, args.recent, args.sink)
+        st = decode_stats(c_scores, c_pos, slot, evicts, step, recent.to(step.device), sink.to(step.device))
         k, b, hs = slot.shape
         layer = torch.tensor(pend.layer)[:, None, None].expand(k, b, hs)
         step3 = step[:, :, None].expand(k, b, hs)
@@ -214,12 +218,12 @@ class Recording:
         # evictions
         sel = evicts
         self._append_evictions(req[sel], head[sel], step3[sel], st.victim_position[sel].to(torch.int64),
-                               st.victim_score[sel], st.margin[sel], args.recent, group, layer=layer[sel],
+                               st.victim_score[sel], st.margin[sel], recent[req[sel]], group, layer=layer[sel],
                                phase="decode")
         # steps: kept count and mean age of the heavy slots after the step
         valid = c_pos >= 0
         kept = valid.sum(-1) - evicts.to(torch.int64)
-        elig = valid & (c_pos <= step[..., None, None] - args.recent)
+        elig = valid & (c_pos <= step[..., None, None] - recent.to(step.device)[:, None, None])
         elig.scatter_(-1, slot[..., None].clamp(max=c_pos.shape[-1] - 1),
                       elig.gather(-1, slot[..., None]) & ~evicts[..., None])
         heavy_pos = torch.where(elig, c_pos.to(torch.float32), float("nan"))
@@ -253,7 +257,7 @@ class Recording:
             "score": score.float().numpy(),
             "margin": margin.float().numpy(),
             "age": step_np - pos_np,
-            "left_recent": pos_np == step_np - recent,
+            "left_recent": pos_np == step_np - recent.numpy(),
             "phase": phase,
         }
         self.writer.append("evictions", cols)
@@ -382,9 +386,13 @@ class Recording:
             })
             answer = tok.decode(new, skip_special_tokens=True) if tok is not None else None
             extra = dict(self.annotate(request, answer)) if self.annotate is not None else {}
+            budget = self.config.resolve(n_prompt)  # what the cache resolved for this row
+            self.budgets.append(budget)
+            full = budget.policy == "full"
             self.writer.append("requests", {
                 "request": np.array([request], np.int32), "prompt_len": np.array([n_prompt]),
                 "new_tokens": np.array([len(new)]), "answer": [answer],
+                "heavy": [None if full else budget.heavy], "recent": [None if full else budget.recent],
                 **{k: [v] for k, v in extra.items()},
             })
             if logits is not None and len(new):
@@ -470,9 +478,15 @@ def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: 
                 else:
                     model.generate = inner
         cache = session.last_cache
-        resolved = cache.resolved_config if cache is not None else config
-        writer.update(config=resolved.to_dict(), policy=resolved.policy, heavy=resolved.heavy,
-                      recent=resolved.recent, gqa=resolved.gqa, sink=resolved.sink, seed=resolved.seed,
+        # one budget for the run when every request shares it; else null here, and each
+        # request's own in the requests table (a keep ratio resolves per prompt length)
+        shared = rec.budgets[0] if rec.budgets and all(b == rec.budgets[0] for b in rec.budgets) else None
+        resolved = config if config.resolved else shared
+        if config.policy == "full":  # no slots: a budget given with it is ignored
+            resolved = dataclasses.replace(config, heavy=None, recent=None, ratio=None)
+        writer.update(config=(resolved or config).to_dict(), policy=config.policy,
+                      heavy=resolved.heavy if resolved else None, recent=resolved.recent if resolved else None,
+                      budget_per_request=resolved is None, gqa=config.gqa, sink=config.sink, seed=config.seed,
                       backend=cache.backend if cache is not None else "torch",
                       prompt_len=rec.prompt_len, new_tokens=rec.new_tokens, requests=rec.requests,
                       seconds_per_token=float(np.median(rec.step_times)) if rec.step_times else None,

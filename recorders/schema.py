@@ -70,8 +70,9 @@ TABLES: dict[str, pa.Schema] = {
     "evictions": pa.schema([
         _RUN_ID, _REQUEST, _STEP, _LAYER, _KV_HEAD,
         _f("position", pa.int64(), "original position of the evicted token"),
-        _f("score", pa.float32(), "cumulative score of the victim when evicted"),
-        _f("margin", pa.float32(), "lowest surviving eligible score - victim score (>= 0)"),
+        _f("score", pa.float32(), "score that chose the victim: cumulative attention for h2o and heavy; "
+           "the seeded draw of this step for random; 0 for local and sink (position decides)"),
+        _f("margin", pa.float32(), "lowest surviving eligible score - victim score (>= 0), same scores"),
         _f("age", pa.int64(), "step - position"),
         _f("left_recent", pa.bool_(), "the victim is the token that left the recent window this step"),
         _f("phase", pa.string(), "'prefill' or 'decode'", nullable=True),
@@ -127,6 +128,11 @@ TABLES: dict[str, pa.Schema] = {
         _f("task", pa.string(), "task name, when the run comes from the task suite", nullable=True),
         _f("expected", pa.string(), "expected answer of the task", nullable=True),
         _f("correct", pa.bool_(), "answer checker verdict (null: no checker)", nullable=True),
+        _f("heavy", pa.int32(), "heavy slot count of this request (a keep ratio resolved on its own "
+           "prompt_len; the policy splits heavy + recent as H2OConfig.split); null: full cache",
+           nullable=True),
+        _f("recent", pa.int32(), "recent slot count of this request (see heavy); null: full cache",
+           nullable=True),
     ]),
 }
 TABLE_NAMES: tuple[str, ...] = tuple(TABLES)
@@ -149,8 +155,9 @@ RUNS = pa.schema([
     _f("status", pa.string(), "running | complete | failed | interrupted | unknown"),
     _f("model", pa.string(), "model id or path", nullable=True),
     _f("policy", pa.string(), "h2o | full | local | heavy | sink | random", nullable=True),
-    _f("heavy", pa.int32(), "heavy slot count", nullable=True),
-    _f("recent", pa.int32(), "recent slot count", nullable=True),
+    _f("heavy", pa.int32(), "heavy slot count (null: full cache, or budgets differ per request: "
+       "see requests.heavy)", nullable=True),
+    _f("recent", pa.int32(), "recent slot count (null as heavy; see requests.recent)", nullable=True),
     _f("gqa", pa.string(), "sum | max | none", nullable=True),
     _f("prompt_len", pa.int64(), "prompt tokens (longest request)", nullable=True),
     _f("new_tokens", pa.int64(), "generated tokens (longest request)", nullable=True),

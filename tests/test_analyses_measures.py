@@ -72,18 +72,44 @@ def test_dropped_mass_is_the_teacher_weight_outside_the_candidate_set(world):
     assert row.dropped_mass == pytest.approx(expect)
 
 
-def test_coverage_by_span_matches_pandas(world):
-    rp = _table(world, "sim-sum", "replay")
-    tok = _table(world, "sim-sum", "tokens")
+def _query_spans(rp: pd.DataFrame, tok: pd.DataFrame) -> pd.DataFrame:
     lab = pd.concat([tok.assign(span=np.where(tok.is_prompt, "prompt", "answer")),
                      tok.dropna(subset=["evidence"]).assign(span=lambda d: "evidence:" + d.evidence)])
-    j = rp.merge(lab[["request", "position", "span"]], left_on=["request", "step"],
-                 right_on=["request", "position"])
+    return rp.merge(lab[["request", "position", "span"]], left_on=["request", "step"],
+                    right_on=["request", "position"])
+
+
+def _key_spans(rp: pd.DataFrame, tok: pd.DataFrame, sets: dict, gqa: str) -> pd.DataFrame:
+    """Evidence slices from the simulator's own candidate sets D_t (not from the logs)."""
+    rows = []
+    spans = tok.dropna(subset=["evidence"]).groupby("evidence")["position"].apply(list)
+    for r in rp.itertuples():
+        qh = int(r.q_head) if gqa == "none" else -1  # the simulator keys a set per query head
+        d = sets[(r.request, r.layer, r.kv_head, qh, r.step)]
+        for label, pos in spans.items():
+            lost = any(i not in d for i in pos if i <= r.step)
+            rows.append((f"evidence:{label}:{'dropped' if lost else 'held'}", r.dropped_mass))
+    return pd.DataFrame(rows, columns=["span", "dropped_mass"])
+
+
+@pytest.mark.parametrize("gqa", ["sum", "none"])
+def test_coverage_by_span_matches_pandas(world, gqa):
+    """Query-token spans, and evidence spans by the keys each row's KV set still holds."""
+    run = f"sim-{gqa}"
+    rp = _table(world, run, "replay")
+    tok = _table(world, run, "tokens")
+    j = pd.concat([_query_spans(rp, tok)[["span", "dropped_mass"]],
+                   _key_spans(rp, tok, world["sims"][gqa].sets, gqa)])
     j["coverage"] = 1.0 - j["dropped_mass"].astype(np.float64)
     ref = j.groupby("span")["coverage"].agg(n="count", mean="mean", p5=lambda x: _p(x, 5))
-    got = analyses.coverage_by_span(world["con"], "sim-sum", by_head=False).df().set_index("span")
-    assert set(got.index) == set(ref.index) == {"prompt", "answer"}  # evidence sits before the replay
-    pd.testing.assert_frame_equal(got[ref.columns].astype(float), ref.astype(float), rtol=1e-9)
+    got = analyses.coverage_by_span(world["con"], run, by_head=False).df().set_index("span")
+    # evidence sits before the replayed steps: it appears through the keys, held and dropped
+    assert {"prompt", "answer", "evidence:fact:held", "evidence:fact:dropped",
+            "evidence:key:dropped"} <= set(got.index)
+    assert set(got.index) == set(ref.index)
+    pd.testing.assert_frame_equal(got[ref.columns].astype(float), ref.loc[got.index].astype(float), rtol=1e-9)
+    # lost evidence costs coverage in this fixture
+    assert got.loc["evidence:fact:dropped", "mean"] < got.loc["evidence:fact:held", "mean"]
 
 
 def test_dropped_mass_series_and_layer_buckets(world):

@@ -165,7 +165,7 @@ def _kernels():
 def decode_step_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor,
                        positions: torch.Tensor, step: torch.Tensor, fill: torch.Tensor | None,
-                       scaling: float, args: ops.PolicyArgs, *, generator: torch.Generator | None = None,
+                       scaling: float, args: ops.PolicyArgs, *, layer: int = 0,
                        block_n: int | None = None, num_warps: int = 4) -> ops.DecodeResult:
     """Fused H2O decode step; same contract and in-place effects as :func:`h2o_lens.ops.decode_step`.
 
@@ -180,7 +180,7 @@ def decode_step_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     fill : ``(b,)`` int32/int64 used slots per request, or None when every slot is used
     scaling : float
     args : :class:`h2o_lens.ops.PolicyArgs`; ``random`` runs the torch path
-    generator : the CPU generator of the ``random`` policy (unused otherwise)
+    layer : the layer index, which keys the ``random`` policy's draw (unused otherwise)
     block_n : slots per block (a power of two >= 16); default from ``B`` and ``d``
     num_warps : Triton launch option
 
@@ -198,9 +198,9 @@ def decode_step_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """
     fn = "decode_step_triton"
     if args.policy == "random":
-        # random scores come from the CPU generator of the torch path: keep one implementation
+        # the random draw is the torch path's hash: keep one implementation
         return ops.decode_step(query, key, value, keys, values, scores, positions, step, fill, scaling, args,
-                               generator=generator)
+                               layer=layer)
     if args.policy not in _TRITON_POLICIES:
         raise KernelInputError(f"{fn}: policy {args.policy!r} has no decode step; "
                                f"expected one of {', '.join(_TRITON_POLICIES)} or random")
