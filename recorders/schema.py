@@ -127,6 +127,10 @@ TABLES: dict[str, pa.Schema] = {
         _f("task", pa.string(), "task name, when the run comes from the task suite", nullable=True),
         _f("expected", pa.string(), "expected answer of the task", nullable=True),
         _f("correct", pa.bool_(), "answer checker verdict (null: no checker)", nullable=True),
+        _f("prompt_index", pa.int32(),
+           "prompt this sequence continues, numbered across the run's generate calls", nullable=True),
+        _f("sample_index", pa.int32(),
+           "which of the num_return_sequences sequences of its prompt (0-based)", nullable=True),
     ]),
 }
 TABLE_NAMES: tuple[str, ...] = tuple(TABLES)
@@ -175,6 +179,9 @@ RUNS = pa.schema([
     _f("schema_version", pa.int32(), "log format version of the manifest", nullable=True),
     _f("config", pa.string(), "run configuration, JSON", nullable=True),
     _f("path", pa.string(), "run folder", nullable=True),
+    _f("logit_tolerance", pa.float64(),
+       "implementation check: largest accepted |logit difference|, derived from the run's dtype",
+       nullable=True),
 ])
 
 VIEW_NAMES: tuple[str, ...] = ("runs",) + TABLE_NAMES
