@@ -15,7 +15,12 @@ from h2o_lens import H2OConfig
 from recorders import load_run, open_runs, read_manifest
 from recorders.errors import RecorderError
 from recorders.recorder import record_teacher_forced
-from recorders.replay import DEFAULT_TOLERANCE, TOLERANCE_ULPS, implementation_tolerance, replay
+from recorders.replay import (
+    DEFAULT_TOLERANCE,
+    TOLERANCE_ULPS,
+    implementation_tolerance,
+    replay,
+)
 
 CFG = H2OConfig(heavy=4, recent=3)
 
@@ -141,10 +146,9 @@ def test_a_request_ends_at_its_eos(tmp_path):
 ])
 def test_inexact_generation_modes_are_refused(tmp_path, options, match):
     model = tiny_model("llama")
-    with pytest.raises(RecorderError, match=match):
-        with h2o_lens.record(model, CFG, out=tmp_path, fsync=False) as run, torch.no_grad():
-            model.generate(input_ids=_ids(12, 0)[None], max_new_tokens=6, do_sample=False, pad_token_id=0,
-                           **options)
+    with pytest.raises(RecorderError, match=match), \
+            h2o_lens.record(model, CFG, out=tmp_path, fsync=False) as run, torch.no_grad():
+        model.generate(input_ids=_ids(12, 0)[None], max_new_tokens=6, do_sample=False, pad_token_id=0, **options)
     assert read_manifest(run.run_dir)["status"] == "failed"
     assert model.config._attn_implementation == "sdpa" and "generate" not in vars(model)
 
