@@ -23,14 +23,19 @@ with a spacing of about ``eps · L`` (``eps`` the dtype's machine epsilon:
 
 with ``FLOOR`` = 2e-3 (float32 and float64 keep that fixed bound: their
 rounding term is far below it), ``K`` = :data:`TOLERANCE_ULPS` = 8 and
-``max|logit|`` the largest magnitude among the logits the run logged
-(token, top-1 and log-sum-exp). ``dtype`` is the coarser of the run's
-(manifest ``model.dtype``) and the replay model's. Measured on the packaged
-135M model on CPU (64 new tokens, budgets from no eviction to 4 heavy
-slots), a correct run differs by at most 1.8 · eps · max|logit| in bfloat16
-and 1.4 · eps · max|logit| in float16; K = 8 leaves a factor of four
-of headroom. The tolerance used is written to the manifest
-(``logit_tolerance``, ``replay.tolerance``) and read by the attribution.
+``max|logit|`` the largest magnitude among the token and top-1 logits the
+run logged. ``dtype`` is the coarser of the run's (manifest ``model.dtype``)
+and the replay model's. Measured on the packaged 135M model on CPU (three
+chat prompts, 16 and 64 new tokens, from no eviction down to 4 heavy + 8
+recent slots), a correct run differs by 0.8 to 4.4 · eps · max|logit| in
+bfloat16 (1 to 4 units in the last place of the largest logit) and 0.8 to
+1.4 · eps · max|logit| in float16: K = 8 is 1.8 times the largest case seen.
+The price: in half precision a wrong log whose effect on the logits stays
+below the bound (one eviction in a small model) goes unseen; a log that
+misses the evictions of whole steps is still caught (tests/test_recorder_exact.py).
+The tolerance used is written to the manifest (``logit_tolerance``,
+``replay.tolerance``), the ``runs`` view reads it and the attribution and
+the report gate use it.
 
 Writes the ``replay`` and ``replay_steps`` tables into the run folder
 (replacing an earlier replay) and updates the manifest.
