@@ -87,20 +87,23 @@ def test_num_return_sequences_logs_one_request_per_sample(tmp_path):
     with h2o_lens.record(model, CFG, out=tmp_path, fsync=False) as run, torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=True,
                              num_return_sequences=3, pad_token_id=0, eos_token_id=None)
+        model.generate(input_ids=_ids(11, 7)[None], max_new_tokens=8, do_sample=True, num_return_sequences=2,
+                       pad_token_id=0, eos_token_id=None)  # a second call continues the numbering
     assert out.shape[0] == 6
     req = _rows(run.run_dir, "requests").sort_values("request")
-    assert req.request.tolist() == list(range(6))
-    assert req.prompt_index.tolist() == [0, 0, 0, 1, 1, 1] and req.sample_index.tolist() == [0, 1, 2] * 2
-    assert req.prompt_len.tolist() == [14] * 3 + [10] * 3 and (req.new_tokens == 8).all()
+    assert req.request.tolist() == list(range(8))
+    assert req.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert req.sample_index.tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
+    assert req.prompt_len.tolist() == [14] * 3 + [10] * 3 + [11] * 2 and (req.new_tokens == 8).all()
     tok = _rows(run.run_dir, "tokens")
     for r in range(6):
         got = tok[tok.request == r].sort_values("position").token_id.tolist()
         assert got == seqs[r // 3].tolist() + out[r, ids.shape[1]:].tolist()
     assert len({tuple(out[r, ids.shape[1]:].tolist()) for r in range(3)}) > 1  # the samples differ
-    assert set(_rows(run.run_dir, "evictions").request) == set(range(6))
+    assert set(_rows(run.run_dir, "evictions").request) == set(range(8))
     summary = replay(run.run_dir, model=model, progress=False)
-    assert summary.implementation_ok and summary.max_logit_diff < 1e-4 and summary.requests == 6
-    _assert_teacher_forced_equal(model, tmp_path, run.run_dir, 6)
+    assert summary.implementation_ok and summary.max_logit_diff < 1e-4 and summary.requests == 8
+    _assert_teacher_forced_equal(model, tmp_path, run.run_dir, 8)
 
 
 def test_a_request_ends_at_its_eos(tmp_path):
