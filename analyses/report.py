@@ -73,7 +73,7 @@ def _provenance(info: dict[str, Any]) -> dict[str, Any]:
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     keys = ("run_id", "name", "status", "model", "policy", "heavy", "recent", "sink", "gqa", "seed",
             "backend", "prompt_len", "new_tokens", "requests", "created_at", "finished_at",
-            "source_run", "max_logit_diff", "schema_version", "error", "integrity")
+            "source_run", "max_logit_diff", "logit_tolerance", "schema_version", "error", "integrity")
     out = {k: plain(info.get(k)) for k in keys}
     command = manifest.get("command")
     out["command"] = " ".join(map(str, command)) if isinstance(command, list) else command
@@ -182,7 +182,8 @@ def _verdict(data: dict[str, Any], th: Thresholds) -> dict[str, Any]:
         _check("top1_agreement", totals.get("top1_agreement"), th.gate_min_top1_agreement, ">="),
         _check("failures", len(failures), th.gate_max_failures, "<="),
         _check("frozen_share", data["dynamics"]["freezing"]["frozen_share"], th.gate_max_frozen_share, "<="),
-        _check("max_logit_diff", data["run"].get("max_logit_diff"), th.logit_tolerance, "<="),
+        _check("max_logit_diff", data["run"].get("max_logit_diff"),
+               th.logit_bound(data["run"].get("logit_tolerance")), "<="),
         # numbers read from a damaged or incomplete run cannot pass a gate
         _check("problems", len(data["run"]["problems"]), 0, "<="),
     ]

@@ -394,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("replay", help="replay a run against a full-cache teacher")
     rp.add_argument("run", help="run folder, or run id under --root")
     rp.add_argument("--root", default="runs")
-    rp.add_argument("--tolerance", type=float, default=2e-3, help="largest accepted |logit diff| of the check")
+    rp.add_argument("--tolerance", type=float, default=None,
+                    help="largest accepted |logit diff| of the check (default: derived from the dtype)")
     rp.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto",
                     help="dropped mass and oracle: Triton kernels (auto: on CUDA) or chunked torch")
     rp.set_defaults(func=cmd_replay)
