@@ -20,7 +20,7 @@ from ._base import (Source, check_int, check_positive, connect, first_row, has_r
                     sql_literal)
 from .errors import ParameterError
 
-__all__ = ["runs_table", "run_problems", "token_evictions", "token_lifetime", "evictions_filtered",
+__all__ = ["runs_table", "runs_headline", "run_problems", "token_evictions", "token_lifetime", "evictions_filtered",
            "margin_histogram", "head_dropped_mass", "where", "capped", "gqa_partner", "kv_sets",
            "step_range", "console_examples"]
 
@@ -65,6 +65,24 @@ def runs_table(source: Source) -> duckdb.DuckDBPyRelation:
         ORDER BY r.created_at DESC NULLS LAST, r.run_id
     """
     return relation(connect(source), sql)
+
+
+#: the columns of :func:`runs_headline`, in order
+HEADLINE_COLUMNS = ("run_id", "name", "status", "policy", "heavy", "recent", "gqa", "prompt_len", "new_tokens",
+                    "evictions", "kl_mean", "top1_agreement", "dropped_mass_mean", "correct_share",
+                    "max_logit_diff", "integrity", "model")
+
+
+def runs_headline(source: Source) -> duckdb.DuckDBPyRelation:
+    """The headline numbers of every run, oldest first (``h2o-lens runs``, the job summaries).
+
+    The columns :data:`HEADLINE_COLUMNS` of :func:`runs_table`, means rounded
+    for reading (KL and dropped mass to 4 places, top-1 and correct share to 3).
+    """
+    rounded = {"kl_mean": 4, "dropped_mass_mean": 4, "top1_agreement": 3, "correct_share": 3}
+    cols = ", ".join(f"round({c}, {rounded[c]}) AS {c}" if c in rounded else c for c in HEADLINE_COLUMNS)
+    return runs_table(source).query(
+        "runs_table", f"SELECT {cols} FROM runs_table ORDER BY created_at NULLS LAST, run_id")
 
 
 def run_problems(source: Source, run_id: str | None = None) -> duckdb.DuckDBPyRelation:

@@ -14,9 +14,13 @@ Reading::
     con.sql("SELECT layer, count(*) FROM evictions GROUP BY layer")
 
 This package needs numpy, pyarrow and duckdb only: logs open on machines
-without torch or a model.
+without torch or a model. :func:`record`, :func:`record_teacher_forced` and
+:func:`replay` need torch and transformers, and are imported on first use.
 """
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from .catalog import Catalog, Problem, SegmentFile, inspect_file, scan_root
 from .errors import (DamagedFileError, ManifestError, QueryError, RecorderError, RecorderWarning,
@@ -47,3 +51,15 @@ __all__ = [
     "RecorderError", "RunIdError", "RunExistsError", "SchemaError", "SchemaVersionError",
     "DamagedFileError", "ManifestError", "QueryError", "RecorderWarning",
 ]
+
+#: the recording and replay entry points import torch: loaded on first access
+_LAZY = {"record": ".recorder", "record_teacher_forced": ".recorder", "replay": ".replay"}
+__all__ += list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'recorders' has no attribute {name!r}")

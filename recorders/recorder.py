@@ -1,6 +1,6 @@
 """The eviction recorder: wrap any ``model.generate(...)`` and log every eviction.
 
->>> with h2o_lens.record(model, H2OConfig(heavy=64, recent=64), out="runs",
+>>> with recorders.record(model, H2OConfig(heavy=64, recent=64), out="runs",
 ...                      tokenizer=tok, evidence={"code": "4419"}) as run:
 ...     model.generate(**inputs, max_new_tokens=64)
 >>> run.run_id, run.status

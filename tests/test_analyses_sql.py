@@ -220,7 +220,7 @@ def test_limits_must_be_finite_and_positive(root, bad):
 
 def _cli(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "h2o_lens.cli", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "commands.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env, cwd=REPO, text=True)
 
 

@@ -8,6 +8,7 @@ from runtime_utils import KeptRecorder, assert_same_sets, capture_qk, reference_
 from tiny import tiny_model
 
 import h2o_lens
+import recorders
 from h2o_lens import H2OConfig
 from recorders import open_runs, read_manifest
 
@@ -76,7 +77,7 @@ def test_ratio_budgets_are_logged_per_request(tmp_path):
     model = tiny_model("llama")
     seqs = [_ids(n, seed=n) for n in LENS]
     ids, mask = _left_pad(seqs)
-    with h2o_lens.record(model, H2OConfig(ratio=0.4), out=tmp_path, fsync=False) as run:
+    with recorders.record(model, H2OConfig(ratio=0.4), out=tmp_path, fsync=False) as run:
         _generate(model, ids, mask, 6)
         _generate(model, _ids(25, seed=1)[None], None, 6)
     con = open_runs(tmp_path)
@@ -96,7 +97,7 @@ def test_ratio_budgets_are_logged_per_request(tmp_path):
 
 def test_slot_budget_keeps_run_level_counts(tmp_path):
     model = tiny_model("llama")
-    with h2o_lens.record(model, H2OConfig(heavy=3, recent=2), out=tmp_path, fsync=False) as run:
+    with recorders.record(model, H2OConfig(heavy=3, recent=2), out=tmp_path, fsync=False) as run:
         _generate(model, _ids(12, seed=0)[None], None, 4)
         _generate(model, _ids(20, seed=1)[None], None, 4)
     m = read_manifest(run.run_dir)
@@ -163,7 +164,7 @@ def test_baseline_rows_log_the_scores_that_chose(tmp_path, policy):
     seqs = [_ids(n, seed=n) for n in (30, 17)]
     ids, mask = _left_pad(seqs)
     cfg = H2OConfig(policy=policy, heavy=3, recent=4, sink=2, seed=3)
-    with h2o_lens.record(model, cfg, out=tmp_path, fsync=False):
+    with recorders.record(model, cfg, out=tmp_path, fsync=False):
         _generate(model, ids, mask, 8)
     ev = open_runs(tmp_path).execute(
         "SELECT request, step, layer, kv_head, position, score, margin, phase FROM evictions").df()
@@ -208,7 +209,7 @@ def no_model(monkeypatch):
     ("bad_policy", "unknown policy"),
 ])
 def test_record_refuses_bad_input_before_loading_the_model(tmp_path, capsys, no_model, case, needle):
-    from h2o_lens.cli import main
+    from commands.cli import main
 
     runs = tmp_path / "runs"
     blank = tmp_path / "blank.txt"
@@ -239,7 +240,7 @@ def test_record_refuses_bad_input_before_loading_the_model(tmp_path, capsys, no_
 
 
 def test_record_full_policy_says_the_budget_is_ignored(tmp_path, capsys, no_model):
-    from h2o_lens.cli import main
+    from commands.cli import main
 
     with pytest.raises(AssertionError, match="model was loaded"):  # valid input: it goes on to load
         main(["record", "--policy", "full", "--heavy", "8", "--prompt", "hello", "--out", str(tmp_path)])

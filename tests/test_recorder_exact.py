@@ -10,6 +10,7 @@ import torch
 from tiny import tiny_model
 
 import h2o_lens
+import recorders
 from analyses import Thresholds
 from h2o_lens import H2OConfig
 from recorders import load_run, open_runs, read_manifest
@@ -62,7 +63,7 @@ def test_inferred_attention_mask_keeps_padding_out_of_the_prompt(tmp_path):
     ids, mask = _left_pad(seqs)
     runs = []
     for given in (None, mask):
-        with h2o_lens.record(model, CFG, out=tmp_path, fsync=False) as run, torch.no_grad():
+        with recorders.record(model, CFG, out=tmp_path, fsync=False) as run, torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=given, max_new_tokens=8, do_sample=False,
                                  pad_token_id=0, eos_token_id=None)
         runs.append(run.run_dir)
@@ -84,7 +85,7 @@ def test_num_return_sequences_logs_one_request_per_sample(tmp_path):
     seqs = [_ids(14, 3), _ids(10, 4)]
     ids, mask = _left_pad(seqs)
     torch.manual_seed(0)
-    with h2o_lens.record(model, CFG, out=tmp_path, fsync=False) as run, torch.no_grad():
+    with recorders.record(model, CFG, out=tmp_path, fsync=False) as run, torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=True,
                              num_return_sequences=3, pad_token_id=0, eos_token_id=None)
         model.generate(input_ids=_ids(11, 7)[None], max_new_tokens=8, do_sample=True, num_return_sequences=2,
@@ -118,7 +119,7 @@ def test_a_request_ends_at_its_eos(tmp_path):
     assert ends, "no token of request 0 can serve as its EOS; change the prompts' seeds"
     n0 = ends[0] + 1
     eos = int(free[0, n0 - 1])
-    with h2o_lens.record(model, CFG, out=tmp_path, fsync=False) as run, torch.no_grad():
+    with recorders.record(model, CFG, out=tmp_path, fsync=False) as run, torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
                              pad_token_id=0, eos_token_id=eos)
     assert out[0, ids.shape[1] + n0:].eq(0).all() and n0 < 10  # generate padded request 0 after its EOS
@@ -133,7 +134,7 @@ def test_a_request_ends_at_its_eos(tmp_path):
     assert ev[ev.request == 0].step.max() == 12 + n0 - 2 == steps[steps.request == 0].step.max()
     assert ev[ev.request == 1].step.max() == 16 + 8
     # the log of request 0 equals that of prompt 0 generated on its own
-    with h2o_lens.record(model, CFG, out=tmp_path, fsync=False) as alone, torch.no_grad():
+    with recorders.record(model, CFG, out=tmp_path, fsync=False) as alone, torch.no_grad():
         model.generate(input_ids=seqs[0][None], max_new_tokens=10, do_sample=False, pad_token_id=0,
                        eos_token_id=eos)
     assert np.array_equal(_evictions(run.run_dir, 0), _evictions(alone.run_dir, 0))
@@ -150,7 +151,7 @@ def test_a_request_ends_at_its_eos(tmp_path):
 def test_inexact_generation_modes_are_refused(tmp_path, options, match):
     model = tiny_model("llama")
     with pytest.raises(RecorderError, match=match), \
-            h2o_lens.record(model, CFG, out=tmp_path, fsync=False) as run, torch.no_grad():
+            recorders.record(model, CFG, out=tmp_path, fsync=False) as run, torch.no_grad():
         model.generate(input_ids=_ids(12, 0)[None], max_new_tokens=6, do_sample=False, pad_token_id=0, **options)
     assert read_manifest(run.run_dir)["status"] == "failed"
     assert model.config._attn_implementation == "sdpa" and "generate" not in vars(model)
@@ -183,7 +184,7 @@ def test_half_precision_replay_passes_a_correct_run_and_catches_a_corrupted_log(
     model = _half_model(dtype)
     ids = _ids(16, 0)[None]
     for heavy in (64, 3):  # no eviction, then evictions at every step
-        with h2o_lens.record(model, H2OConfig(heavy=heavy, recent=3), out=tmp_path, fsync=False) as run, \
+        with recorders.record(model, H2OConfig(heavy=heavy, recent=3), out=tmp_path, fsync=False) as run, \
                 torch.no_grad():
             model.generate(input_ids=ids, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
         summary = replay(run.run_dir, model=model, progress=False)

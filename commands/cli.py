@@ -29,7 +29,7 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace):
-    from .config import H2OConfig
+    from h2o_lens.config import H2OConfig
 
     heavy, recent, ratio = args.heavy, args.recent, args.ratio
     if args.policy == "full":  # no slots: a budget given with it is ignored
@@ -47,8 +47,8 @@ def _mib(n: int) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from .models import load_model
-    from .runtime import full_kv_bytes, h2o
+    from h2o_lens.models import load_model
+    from h2o_lens.runtime import full_kv_bytes, h2o
 
     config = _config(args)
     prompt = args.prompt
@@ -111,7 +111,7 @@ def _run_dir(run: str, root: str) -> str:
     path = os.path.join(root, run)
     if os.path.isdir(path):
         return path
-    from .errors import H2OLensError
+    from h2o_lens.errors import H2OLensError
 
     raise H2OLensError(f"no run {run!r}: neither a folder nor a run id under {root!r}; "
                        "list runs with `h2o-lens runs ROOT`")
@@ -130,7 +130,7 @@ def _check_record(args: argparse.Namespace):
     Returns ``(config, task, prompt, evidence)``; raises :class:`ConfigError`
     with what was received and how to fix it.
     """
-    from .errors import ConfigError
+    from h2o_lens.errors import ConfigError
 
     config = _config(args)
     if config.policy == "full" and (args.heavy is not None or args.recent is not None or args.ratio is not None):
@@ -149,7 +149,7 @@ def _check_record(args: argparse.Namespace):
     task = prompt = None
     evidence = dict(_parse_evidence(e) for e in args.evidence)
     if args.task is not None:
-        from .tasks import get_task
+        from h2o_lens.tasks import get_task
 
         try:
             task = get_task(args.task)
@@ -184,11 +184,11 @@ def cmd_record(args: argparse.Namespace) -> int:
     from recorders.recorder import record, record_teacher_forced
     from recorders.replay import replay
 
-    from .models import load_model
+    from h2o_lens.models import load_model
 
     config, task, prompt, evidence = _check_record(args)
     if task is not None:
-        from .suite import run_task
+        from .jobs import run_task
 
         model, tok = load_model(args.model)
         done = run_task(model, tok, task, config, args.out, replay=args.replay, name=args.name)
@@ -208,7 +208,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     else:
         model, tok = load_model(args.model)
         enc = tok(_chat(tok, prompt, args.raw), return_tensors="pt", add_special_tokens=args.raw)
-        from .progress import GenerationProgress
+        from h2o_lens.progress import GenerationProgress
 
         gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         with torch.no_grad(), record(model, config, out=args.out, tokenizer=tok, evidence=evidence or None,
@@ -217,7 +217,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         print(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
         runs = [rec]
         if args.with_full and config.policy != "full":
-            from .config import H2OConfig
+            from h2o_lens.config import H2OConfig
 
             with torch.no_grad(), record(model, H2OConfig(policy="full"), out=args.out, tokenizer=tok,
                                          evidence=evidence or None, name=args.name, prompts=[prompt],
@@ -234,7 +234,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 def _parse_evidence(text: str) -> tuple[str, str]:
     label, sep, value = text.partition("=")
     if not sep or not label or not value:
-        from .errors import ConfigError
+        from h2o_lens.errors import ConfigError
 
         raise ConfigError(f"--evidence expects LABEL=TEXT (a substring of the prompt), got {text!r}")
     return label, value
@@ -249,17 +249,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from recorders import query
+    from analyses import format_result, runs_headline
 
-    sql = """
-        SELECT r.run_id, r.status, r.policy, r.heavy, r.recent, r.gqa, r.prompt_len, r.new_tokens,
-               (SELECT count(*) FROM evictions e WHERE e.run_id = r.run_id) AS evictions,
-               (SELECT round(avg(kl), 4) FROM replay_steps s WHERE s.run_id = r.run_id) AS mean_kl,
-               (SELECT round(avg(top1_agree::INT), 3) FROM replay_steps s WHERE s.run_id = r.run_id) AS top1,
-               (SELECT round(avg(dropped_mass), 4) FROM replay d WHERE d.run_id = r.run_id) AS dropped,
-               r.max_logit_diff, r.model, r.integrity
-        FROM runs r ORDER BY r.created_at"""
-    print(query(args.root, sql, fmt=args.format, max_rows=args.max_rows))
+    df = runs_headline(args.root).df()
+    truncated = len(df) > args.max_rows
+    df = df.head(args.max_rows)
+    df.attrs["truncated"] = truncated
+    print(format_result(df, args.format))
     return 0
 
 
@@ -300,8 +296,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .suite import demo
-    from .tasks import suite
+    from .jobs import demo
+    from h2o_lens.tasks import suite
 
     tasks = suite(size="demo")
     if args.tasks is not None:
@@ -313,8 +309,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from .suite import sweep
-    from .tasks import suite
+    from .jobs import sweep
+    from h2o_lens.tasks import suite
 
     tasks = suite(size=args.size)
     if args.tasks:
@@ -324,7 +320,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_samples(args: argparse.Namespace) -> int:
-    from .suite import make_sample_runs
+    from .jobs import make_sample_runs
 
     make_sample_runs(args.out)
     return 0
@@ -350,7 +346,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench_sql(memory_limit=args.memory_limit)
         return 0
     if args.what == "kernels":
-        from .kernels.bench import bench_kernels
+        from h2o_lens.kernels.bench import bench_kernels
 
         bench_kernels()
         return 0
@@ -465,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
-    from .errors import H2OLensError
+    from h2o_lens.errors import H2OLensError
 
     try:
         code = int(args.func(args) or 0)
