@@ -32,7 +32,7 @@ from .run import RunWriter
 from .schema import KEYS, RUNS, SCHEMA_VERSION, TABLE_NAMES, TABLES, VIEW_NAMES, empty_table, to_arrow
 from .segments import SegmentWriter, list_segments, write_segment
 from .store import LoadedRun, RunCheck, check_run, list_runs, load_run, open_runs
-from .synthetic import synthetic_tables, write_synthetic_run
+from .bench_logs import synthetic_tables, write_synthetic_run
 
 __all__ = [
     # schema
