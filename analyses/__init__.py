@@ -35,10 +35,11 @@ from .report import (FORMATS, REPORT_SCHEMA_VERSION, SCHEMA_PATH, build_report, 
 from .sql import Sandbox, check_sql, format_result, run_sql, view_schemas
 from .stale import stale_holders, stale_victims
 from .thresholds import Thresholds
+from .views import HEADLINE_COLUMNS, runs_headline, runs_table
 
 __all__ = [
-    # opening logs
-    "connect",
+    # opening logs, the runs and their headline numbers
+    "connect", "runs_table", "runs_headline", "HEADLINE_COLUMNS",
     # coverage and divergence
     "dropped_mass", "coverage_stats", "head_coverage", "coverage_by_span", "dropped_mass_series",
     "dropped_mass_by_layer", "replay_series", "divergence_summary", "paired_runs", "free_generation",

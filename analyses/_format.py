@@ -4,11 +4,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["num", "worst", "PROVENANCE", "SUMMARY", "FACT_COLUMNS", "EVIDENCE_COLUMNS", "VERDICT_TEXT"]
+__all__ = ["num", "worst", "PROVENANCE", "PROBLEM_COLUMNS", "SUMMARY", "FACT_COLUMNS", "EVIDENCE_COLUMNS", "VERDICT_TEXT"]
 
 PROVENANCE = ("run_id", "name", "status", "model", "policy", "heavy", "recent", "sink", "gqa", "seed",
               "backend", "prompt_len", "new_tokens", "requests", "source_run", "max_logit_diff",
-              "created_at", "finished_at", "command")
+              "created_at", "finished_at", "command", "integrity")
+PROBLEM_COLUMNS = ("path", "table_name", "reason")
 SUMMARY = ("evictions", "replay_steps", "coverage_mean", "coverage_p5", "coverage_min", "kl_mean",
            "kl_max", "top1_agreement", "near_zero_margin_share", "frozen_sets", "kv_sets",
            "stale_victims", "failures")

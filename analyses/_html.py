@@ -14,7 +14,8 @@ from typing import Any
 
 from plotly.offline import get_plotlyjs
 
-from ._format import EVIDENCE_COLUMNS, FACT_COLUMNS, PROVENANCE, SUMMARY, VERDICT_TEXT, num, worst
+from ._format import (EVIDENCE_COLUMNS, FACT_COLUMNS, PROBLEM_COLUMNS, PROVENANCE, SUMMARY, VERDICT_TEXT,
+                      num, worst)
 
 __all__ = ["render_html", "figures"]
 
@@ -33,6 +34,7 @@ th{background:#f1f3f6;font-weight:600}td.n{text-align:right;font-variant-numeric
 .grid{display:grid;grid-template-columns:1fr 1fr;gap:14px}.cols{display:flex;gap:28px;flex-wrap:wrap}
 .fig{height:360px;border:1px solid #e3e6ea;border-radius:6px}
 pre{background:#f4f5f7;border:1px solid #e3e6ea;padding:8px;overflow-x:auto;font-size:12px}
+.damaged{border:2px solid #c23b32;background:#fdf0ef;padding:8px 12px;border-radius:6px}
 .verdict{font-weight:700}.failure{border-left:4px solid #c23b32;padding-left:12px;margin:14px 0}
 """
 
@@ -185,6 +187,16 @@ def _failures(data: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def _integrity(run: dict[str, Any]) -> str:
+    """A warning box with the problems when the run's files are damaged or incomplete."""
+    if run.get("integrity") in (None, "ok") and not run.get("problems"):
+        return ""
+    return (f'<div class="damaged" id="integrity"><p><strong>This run\'s data is damaged or incomplete</strong> '
+            f"({html.escape(str(run.get('integrity')))}). The numbers below come from the files that could "
+            "be read and may be wrong; the gate fails on it.</p>"
+            + _table(run.get("problems") or [], PROBLEM_COLUMNS) + "</div>")
+
+
 def _body(data: dict[str, Any], figs: dict[str, Any]) -> str:
     run, verdict, cov, dyn = data["run"], data["verdict"], data["coverage"], data["dynamics"]
     oracle = data["oracle"]
@@ -199,6 +211,7 @@ def _body(data: dict[str, Any], figs: dict[str, Any]) -> str:
  · heavy {html.escape(num(run.get('heavy')))} + recent {html.escape(num(run.get('recent')))}
  · gqa {html.escape(str(run.get('gqa')))} · report schema {data['report_schema_version']}
  · generated {html.escape(data['generated_at'])}</p>
+{_integrity(run)}
 <h2>Gate</h2>{_table(verdict['checks'], ('name', 'value', 'op', 'threshold', 'status'))}
 <div class="cols"><div><h2>Run</h2>{_pairs(run, PROVENANCE)}</div>
 <div><h2>Summary</h2>{_pairs(data['summary'], SUMMARY)}

@@ -1,16 +1,42 @@
-"""The Markdown report: a readable summary of :func:`analyses.report.report_data`."""
+"""The Markdown report: a readable summary of :func:`analyses.report.report_data`.
+
+Text that comes from the logs (run names, evidence labels, token text,
+errors, manifest fields) is shown as text: HTML is written as entities and
+Markdown syntax is escaped, so a label such as ``<script>`` or
+``![x](http://...)`` can neither run nor make a viewer fetch anything.
+"""
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
-from ._format import EVIDENCE_COLUMNS, FACT_COLUMNS, PROVENANCE, SUMMARY, VERDICT_TEXT, num, worst
+from ._format import (EVIDENCE_COLUMNS, FACT_COLUMNS, PROBLEM_COLUMNS, PROVENANCE, SUMMARY, VERDICT_TEXT,
+                      num, worst)
 
-__all__ = ["render_markdown"]
+__all__ = ["render_markdown", "text"]
+
+_SYNTAX = re.compile(r"([\\`*_{}\[\]()#+!|~])")
+
+
+def text(value: Any) -> str:
+    """``value`` as Markdown that renders as the same characters on one line (numbers as :func:`num`)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return num(value)
+    raw = num(value) if not isinstance(value, str) else value
+    raw = raw.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return _SYNTAX.sub(r"\\\1", " ".join(raw.splitlines()))
 
 
 def _cell(value: Any) -> str:
-    return num(value).replace("|", "\\|").replace("\n", " ")
+    return text(value)
+
+
+def _fence(code: str) -> str:
+    """A fenced block holding ``code`` verbatim (the fence is longer than any backtick run inside)."""
+    longest = max((len(m) for m in re.findall(r"`+", code)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}sql\n{code}\n{fence}"
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -70,7 +96,7 @@ def _dynamics(data: dict[str, Any]) -> list[str]:
     out.append("\n## Oracle agreement\n")
     out.append(table(oracle["heads"][:16], ("layer", "kv_head", "q_head", "evictions", "agreement", "regret",
                                             "rank_corr_future")) if oracle["available"]
-               else f"Not available: {oracle['reason']}\n")
+               else f"Not available: {text(oracle['reason'])}\n")
     return out
 
 
@@ -79,22 +105,33 @@ def _failures(data: dict[str, Any]) -> list[str]:
     if not data["failures"]:
         return out + ["No request failed.\n"]
     for f in data["failures"]:
-        out += [f"### {f['rank']}. request {f['request']}: **{f['verdict']}**\n",
-                f"{VERDICT_TEXT[f['verdict']]}. {f['summary']}. Failed by: {', '.join(f['failed_by'])}; "
-                f"decision step {num(f['decision_step'])}.\n",
+        out += [f"### {f['rank']}. request {f['request']}: **{text(f['verdict'])}**\n",
+                f"{text(VERDICT_TEXT[f['verdict']])}. {text(f['summary'])}. Failed by: "
+                f"{text(', '.join(f['failed_by']))}; decision step {num(f['decision_step'])}.\n",
                 table(f["facts"], FACT_COLUMNS),
                 "\nEvicted evidence (first 10 rows):\n",
                 table(f["evicted_evidence"][:10], EVIDENCE_COLUMNS),
-                "\n```sql\n" + f["sql"] + "\n```\n"]
+                "\n" + _fence(f["sql"]) + "\n"]
     return out
+
+
+def _integrity(run: dict[str, Any]) -> list[str]:
+    """A warning and the problems when the run's files are damaged or incomplete."""
+    if run.get("integrity") in (None, "ok") and not run.get("problems"):
+        return []
+    return [f"> **Warning: this run's data is damaged or incomplete** ({text(run.get('integrity'))}). "
+            "The numbers below come from the files that could be read and may be wrong; the gate "
+            "fails on it.\n",
+            table(run.get("problems") or [], PROBLEM_COLUMNS), ""]
 
 
 def render_markdown(data: dict[str, Any]) -> str:
     """Markdown text of a report dict."""
     run, verdict = data["run"], data["verdict"]
-    out = [f"# H2O Lens report: {run['run_id']}\n",
+    out = [f"# H2O Lens report: {text(run['run_id'])}\n",
            f"**Verdict: {verdict['status'].upper()}** (report schema {data['report_schema_version']}, "
-           f"generated {data['generated_at']})\n",
+           f"generated {text(data['generated_at'])})\n",
+           *_integrity(run),
            table(verdict["checks"], ("name", "value", "op", "threshold", "status")),
            "\n## Run\n", _pairs(run, PROVENANCE),
            "\n## Summary\n", _pairs(data["summary"], SUMMARY),

@@ -235,12 +235,13 @@ def _verdict(info: dict[str, Any], evicted: bool, lag: bool, has_evidence: bool,
              dm: float | None, kl_d: float | None, th: Thresholds) -> tuple[str, str]:
     """The verdict and one sentence saying why (rules in the module docstring)."""
     diff = info.get("max_logit_diff")
+    tolerance = th.logit_bound(info.get("logit_tolerance"))
     high_dm = dm is not None and dm >= th.dropped_mass_high
     dm_text = f"dropped mass {dm:.3g} {'>=' if high_dm else '<'} {th.dropped_mass_high:g}" \
         if dm is not None else "no teacher replay"
-    if diff is not None and diff > th.logit_tolerance:
+    if diff is not None and diff > tolerance:
         return "implementation_error", (f"the masked replay differs from the run's logits by "
-                                        f"{diff:.3g} > {th.logit_tolerance:g}")
+                                        f"{diff:.3g} > {tolerance:g}")
     if lag:
         return "scoring_lag", ("the evidence was evicted right after leaving the recent window with a "
                                f"low score, before anything attended to it ({dm_text})")
@@ -281,7 +282,7 @@ def _replay_facts(con: duckdb.DuckDBPyConnection, info: dict[str, Any], request:
     facts = [Fact("decision_step", step=d, note=why_d)]
     if info.get("max_logit_diff") is not None:
         facts.append(Fact("max_logit_diff", value=float(info["max_logit_diff"]),
-                          threshold=th.logit_tolerance))
+                          threshold=th.logit_bound(info.get("logit_tolerance"))))
     dm, worst = (None, None) if d is None else _dropped_at(con, info["run_id"], request, d,
                                                           th.dropped_mass_lookback)
     if dm is not None:

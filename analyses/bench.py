@@ -31,10 +31,12 @@ from .coverage import (coverage_by_span, coverage_stats, dropped_mass, dropped_m
 from .divergence import divergence_summary, replay_series
 from .dynamics import freeze_onset, margin_sensitivity
 from .evidence import evidence_held
+from .errors import SQLSandboxError
 from .report import build_report
+from .sql import Sandbox
 from .stale import stale_holders, stale_victims
 
-__all__ = ["bench_analyses", "SHAPE"]
+__all__ = ["bench_analyses", "bench_sql", "SHAPE", "SQL_QUERIES"]
 
 SHAPE = {"layers": 32, "kv_heads": 8, "q_heads": 32, "steps": 1024, "prompt_len": 2048,
          "heavy": 256, "recent": 256}
@@ -154,6 +156,58 @@ def _print(out: dict[str, Any]) -> None:
           f"{out['report_bytes'] / 1e6:.1f} MB")
     print(f"peak RSS                  {out['peak_rss_bytes'] / 2**30:7.3f} GiB (target <= 3 GB; "
           f"getrusage max {out['max_rss_bytes'] / 2**30:.3f} GiB)")
+
+
+#: The console's stress queries: (what it shows, SQL). The first four build huge values in a
+#: single expression, which DuckDB's own memory limit does not bound; the fifth spills; the
+#: last passes the result byte cap.
+SQL_QUERIES = (
+    ("list of 1e9 BIGINTs (8 GB)", "SELECT length(list(range(1e9::BIGINT))) AS n"),
+    ("string of 2e9 bytes", "SELECT length(repeat('x', 2e9::BIGINT)) AS n"),
+    ("list of 5e7 BIGINTs (400 MB)", "SELECT length(list(range(5e7::BIGINT))) AS n"),
+    ("3 lists of 2e7 BIGINTs joined", ("SELECT length(list_concat(range(2e7::BIGINT), range(2e7::BIGINT), "
+                                       "range(2e7::BIGINT))) AS n")),
+    ("DISTINCT over 6e6 strings", ("SELECT count(*) AS n FROM (SELECT DISTINCT i::VARCHAR || 'abcdefghijkl' AS s "
+                                   "FROM range(6000000) t(i))")),
+    ("1e6 rows of 1 kB (byte cap)", "SELECT repeat('x', 1000) AS s FROM range(1000000)"),
+)
+
+
+def bench_sql(*, memory_limit: str | int = "512MB", timeout_s: float = 120.0, verbose: bool = True) -> dict[str, Any]:
+    """Run :data:`SQL_QUERIES` in a :class:`~analyses.sql.Sandbox` limited to ``memory_limit``.
+
+    Returns
+    -------
+    dict
+        ``memory_limit`` (bytes), ``queries`` (label, outcome, seconds) and the peak RSS
+        (getrusage) of the worker processes (``worker_max_rss_bytes``, the largest child
+        this process has waited for) and of this process (``self_max_rss_bytes``).
+    """
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="h2o-lens-bench-sql-") as tmp:
+        root = Path(tmp) / "runs"
+        write_synthetic_run(root, "bench-sql", steps=8, prompt_len=32, fsync=False)
+        with Sandbox(root, memory_limit=memory_limit) as box:
+            box.run("SELECT 1 AS x")
+            for label, sql in SQL_QUERIES:
+                t = time.perf_counter()
+                try:
+                    df = box.run(sql, timeout_s=timeout_s, max_rows=10_000_000)
+                    outcome = f"returned {len(df)} row(s): {df.iloc[0, 0] if len(df) else ''}"
+                except SQLSandboxError as exc:
+                    outcome = str(exc)
+                rows.append({"label": label, "sql": sql, "outcome": outcome, "seconds": time.perf_counter() - t})
+            limit = box.memory_limit
+    out = {"memory_limit": limit, "queries": rows,
+           "worker_max_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+           "self_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if verbose:
+        print(f"SQL console memory limit: {limit / 1e6:,.0f} MB (worker data segment capped at start-up size + limit)")
+        for row in rows:
+            print(f"  {row['label']:<30} {row['seconds']:6.2f} s  {row['outcome'][:120]}")
+        print(f"peak RSS: query worker {out['worker_max_rss_bytes'] / 2**20:,.0f} MiB, "
+              f"this process {out['self_max_rss_bytes'] / 2**20:,.0f} MiB (getrusage)")
+    return out
 
 
 if __name__ == "__main__":

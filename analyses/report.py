@@ -22,6 +22,7 @@ import duckdb
 
 from recorders import read_manifest
 from recorders.errors import RecorderError
+from recorders.manifest import check_manifest
 
 from ._base import Source, connect, first_row, plain, records, relation, run_info
 from ._html import render_html
@@ -36,6 +37,7 @@ from .evidence import evidence_held
 from .oracle import oracle_agreement
 from .stale import stale_holders, stale_victims
 from .thresholds import Thresholds
+from .views import run_problems
 
 __all__ = ["REPORT_SCHEMA_VERSION", "SCHEMA_PATH", "FORMATS", "report_data", "build_report",
            "write_report", "report_schema"]
@@ -64,14 +66,14 @@ def _versions(manifest: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _provenance(info: dict[str, Any]) -> dict[str, Any]:
-    try:
-        manifest = read_manifest(info["path"]) if info.get("path") else {}
+    try:  # fields of the wrong type are left out (the runs view reports them)
+        manifest = check_manifest(read_manifest(info["path"]))[0] if info.get("path") else {}
     except (RecorderError, OSError):
         manifest = {}
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     keys = ("run_id", "name", "status", "model", "policy", "heavy", "recent", "sink", "gqa", "seed",
             "backend", "prompt_len", "new_tokens", "requests", "created_at", "finished_at",
-            "source_run", "max_logit_diff", "schema_version", "error")
+            "source_run", "max_logit_diff", "logit_tolerance", "schema_version", "error", "integrity")
     out = {k: plain(info.get(k)) for k in keys}
     command = manifest.get("command")
     out["command"] = " ".join(map(str, command)) if isinstance(command, list) else command
@@ -180,7 +182,10 @@ def _verdict(data: dict[str, Any], th: Thresholds) -> dict[str, Any]:
         _check("top1_agreement", totals.get("top1_agreement"), th.gate_min_top1_agreement, ">="),
         _check("failures", len(failures), th.gate_max_failures, "<="),
         _check("frozen_share", data["dynamics"]["freezing"]["frozen_share"], th.gate_max_frozen_share, "<="),
-        _check("max_logit_diff", data["run"].get("max_logit_diff"), th.logit_tolerance, "<="),
+        _check("max_logit_diff", data["run"].get("max_logit_diff"),
+               th.logit_bound(data["run"].get("logit_tolerance")), "<="),
+        # numbers read from a damaged or incomplete run cannot pass a gate
+        _check("problems", len(data["run"]["problems"]), 0, "<="),
     ]
     passed = all(c["pass"] is not False for c in checks)
     return {"pass": passed, "status": "pass" if passed else "fail", "checks": checks}
@@ -197,7 +202,7 @@ def report_data(source: Source, run_id: str, *, thresholds: Thresholds | Mapping
     data: dict[str, Any] = {
         "report_schema_version": REPORT_SCHEMA_VERSION,
         "generated_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "run": _provenance(info),
+        "run": {**_provenance(info), "problems": records(run_problems(con, run_id).df())},
         "thresholds": th.to_dict(),
         "coverage": _coverage(con, run_id),
         "divergence": _divergence(con, run_id, th),

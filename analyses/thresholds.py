@@ -30,7 +30,9 @@ class Thresholds:
         disagreement); the first diverging step is the decision step.
     Attribution (DESIGN.md §6, §8.2)
         ``logit_tolerance``: the run's ``max_logit_diff`` above it means the
-        replay does not reproduce the run (implementation error);
+        replay does not reproduce the run (implementation error); a replay that
+        derived a larger bound from the run's dtype (``runs.logit_tolerance``,
+        bfloat16 / float16) raises it to that (:meth:`logit_bound`);
         ``dropped_mass_high``: mean dropped mass over heads and the
         ``dropped_mass_lookback`` steps up to the decision step at or above it
         is high; ``evidence_lost_share``: evidence counts as evicted when at
@@ -99,6 +101,10 @@ class Thresholds:
             raise ParameterError(f"unknown threshold(s) {', '.join(unknown)}; "
                                  f"known: {', '.join(sorted(names))}")
         return cls(**dict(values))
+
+    def logit_bound(self, run_tolerance: float | None) -> float:
+        """The implementation check's bound for a run: ``logit_tolerance`` or the replay's dtype bound."""
+        return max(self.logit_tolerance, run_tolerance or 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

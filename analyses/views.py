@@ -20,7 +20,7 @@ from ._base import (Source, check_int, check_positive, connect, first_row, has_r
                     sql_literal)
 from .errors import ParameterError
 
-__all__ = ["runs_table", "run_problems", "token_evictions", "token_lifetime", "evictions_filtered",
+__all__ = ["runs_table", "runs_headline", "run_problems", "token_evictions", "token_lifetime", "evictions_filtered",
            "margin_histogram", "head_dropped_mass", "where", "capped", "gqa_partner", "kv_sets",
            "step_range", "console_examples"]
 
@@ -36,9 +36,12 @@ def runs_table(source: Source) -> duckdb.DuckDBPyRelation:
         ``run_id, name, status, model, policy, heavy, recent, gqa, prompt_len,
         new_tokens, requests, created_at, source_run, max_logit_diff, error,
         evictions, replay_steps, kl_mean, top1_agreement, dropped_mass_mean,
-        checked, correct, correct_share, problems``; ``checked`` counts
-        requests with an answer-checker verdict, ``correct`` those judged
-        correct; ``problems`` counts files the readers skipped.
+        checked, correct, correct_share, problems, integrity``; ``checked``
+        counts requests with an answer-checker verdict, ``correct`` those
+        judged correct; ``problems`` counts what the readers found wrong with
+        the run (files left out, manifest fields, row counts) and
+        ``integrity`` says it in words (``'ok'`` when nothing): a run whose
+        integrity is not ``'ok'`` has numbers that may be incomplete.
     """
     sql = """
         WITH ev AS (SELECT run_id, count(*) AS evictions FROM evictions GROUP BY run_id),
@@ -55,13 +58,31 @@ def runs_table(source: Source) -> duckdb.DuckDBPyRelation:
                rs.kl_mean, rs.top1_agreement, rp.dropped_mass_mean,
                coalesce(rq.checked, 0) AS checked, rq.correct,
                rq.correct / nullif(rq.checked, 0) AS correct_share,
-               coalesce(pr.problems, 0) AS problems
+               coalesce(pr.problems, 0) AS problems, r.integrity
         FROM runs r
         LEFT JOIN ev USING (run_id) LEFT JOIN rs USING (run_id) LEFT JOIN rp USING (run_id)
         LEFT JOIN rq USING (run_id) LEFT JOIN pr USING (run_id)
         ORDER BY r.created_at DESC NULLS LAST, r.run_id
     """
     return relation(connect(source), sql)
+
+
+#: the columns of :func:`runs_headline`, in order
+HEADLINE_COLUMNS = ("run_id", "name", "status", "policy", "heavy", "recent", "gqa", "prompt_len", "new_tokens",
+                    "evictions", "kl_mean", "top1_agreement", "dropped_mass_mean", "correct_share",
+                    "max_logit_diff", "integrity", "model")
+
+
+def runs_headline(source: Source) -> duckdb.DuckDBPyRelation:
+    """The headline numbers of every run, oldest first (``h2o-lens runs``, the job summaries).
+
+    The columns :data:`HEADLINE_COLUMNS` of :func:`runs_table`, means rounded
+    for reading (KL and dropped mass to 4 places, top-1 and correct share to 3).
+    """
+    rounded = {"kl_mean": 4, "dropped_mass_mean": 4, "top1_agreement": 3, "correct_share": 3}
+    cols = ", ".join(f"round({c}, {rounded[c]}) AS {c}" if c in rounded else c for c in HEADLINE_COLUMNS)
+    return runs_table(source).query(
+        "runs_table", f"SELECT {cols} FROM runs_table ORDER BY created_at NULLS LAST, run_id")
 
 
 def run_problems(source: Source, run_id: str | None = None) -> duckdb.DuckDBPyRelation:

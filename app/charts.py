@@ -1,6 +1,7 @@
 """Plotly figures of the pages: small frames in, figures with titles, units and colour bars out."""
 from __future__ import annotations
 
+import html
 import math
 from collections.abc import Sequence
 
@@ -183,7 +184,8 @@ def lifetime_heatmap(life: pd.DataFrame, *, position: int, text: str) -> go.Figu
                              colorbar=dict(title=dict(text="evicted at step", side="right"), thickness=12)))
     fig.update_xaxes(title_text="query head" if head == "q_head" else "KV head", type="category")
     fig.update_yaxes(title_text="layer", type="category", autorange="reversed")
-    title = f"Lifetime of token {position} {text!r}: eviction step per layer and head (grey: kept to the end)"
+    title = (f"Lifetime of token {position} {html.escape(repr(text))}: eviction step per layer and head "
+             "(grey: kept to the end)")  # plotly reads tags in titles: the token is shown as text
     rows = len(grid.index)
     return _layout(fig, title, max(260, min(720, 90 + 18 * rows))).update_layout(hovermode="closest")
 

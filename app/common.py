@@ -10,6 +10,7 @@ import pandas as pd
 import streamlit as st
 
 from . import data
+from .plain import code, md
 from .screens import PAGES
 from .state import DATA_ERRORS, Root, remembered
 
@@ -21,10 +22,10 @@ def empty_root(root: Root, problems: pd.DataFrame | None = None) -> None:
     """The friendly message of a missing or empty runs root."""
     path = Path(root.path)
     if not path.is_dir():
-        st.warning(f"The runs root `{path}` does not exist yet.", icon=":material/folder_off:")
+        st.warning(f"The runs root {code(path)} does not exist yet.", icon=":material/folder_off:")
     else:
-        st.info(f"No runs under `{path}` yet.", icon=":material/folder_open:")
-    st.markdown(
+        st.info(f"No runs under {code(path)} yet.", icon=":material/folder_open:")
+    st.markdown(  # the runs root comes from the command line, not from the logs
         "Record a run into this folder, then press **Reload runs** in the sidebar:\n\n"
         f"```bash\nh2o-lens record --out {path} --prompt \"...\" --evidence \"label=text\" --replay\n```\n"
         "or open the dashboard on another runs root:\n\n"
@@ -41,14 +42,15 @@ def _reason(path: str, reason: str) -> str:
 
 
 def problem_lines(problems: pd.DataFrame, limit: int = 20) -> str:
-    """Markdown bullets ``path: reason`` of skipped files."""
-    lines = "\n".join(f"- `{r.path}`: {_reason(r.path, r.reason)}" for r in problems.head(limit).itertuples())
+    """Markdown bullets ``path: reason`` of what the readers found wrong (shown as text)."""
+    lines = "\n".join(f"- {code(r.path)}: {md(_reason(r.path, r.reason))}"
+                      for r in problems.head(limit).itertuples())
     more = f"\n- … and {len(problems) - limit} more" if len(problems) > limit else ""
     return lines + more
 
 
 def _problem_list(title: str, problems: pd.DataFrame) -> None:
-    st.warning(f"**{title}** ({len(problems)} file(s) left out):\n{problem_lines(problems)}",
+    st.warning(f"**{title}** ({len(problems)} problem(s)):\n{problem_lines(problems)}",
                icon=":material/warning:")
 
 
@@ -57,7 +59,7 @@ def load_runs(root: Root) -> pd.DataFrame | None:
     try:
         return data.runs(root)
     except DATA_ERRORS as exc:
-        st.error(f"Cannot read the runs root `{root.path}`: {exc}", icon=":material/error:")
+        st.error(f"Cannot read the runs root {code(root.path)}: {md(exc)}", icon=":material/error:")
         return None
 
 
@@ -70,18 +72,19 @@ def current_run(runs: pd.DataFrame) -> dict[str, Any] | None:
 
 def _notes(root: Root, row: dict[str, Any]) -> None:
     run_id, status = row["run_id"], row["status"]
+    shown = code(run_id)
     if status == "interrupted":
-        st.warning(f"Run `{run_id}` was **interrupted**: its writer stopped before closing the run, so "
+        st.warning(f"Run {shown} was **interrupted**: its writer stopped before closing the run, so "
                    "its logs end early. Everything it wrote is shown; tables it never reached are empty.",
                    icon=":material/warning:")
     elif status == "running":
-        st.info(f"Run `{run_id}` is still being written; press **Reload runs** for new rows.",
+        st.info(f"Run {shown} is still being written; press **Reload runs** for new rows.",
                 icon=":material/hourglass_top:")
     elif status == "failed":
-        st.warning(f"Run `{run_id}` **failed**: {row.get('error') or 'no error message recorded'}",
+        st.warning(f"Run {shown} **failed**: {md(row.get('error') or 'no error message recorded')}",
                    icon=":material/warning:")
     elif status not in ("complete",):
-        st.warning(f"Run `{run_id}` has status **{status}**: its manifest is missing or unreadable.",
+        st.warning(f"Run {shown} has status **{md(status)}**: its manifest is missing or unreadable.",
                    icon=":material/warning:")
     row["damaged_tables"] = set()
     if row.get("problems"):
@@ -90,7 +93,7 @@ def _notes(root: Root, row: dict[str, Any]) -> None:
         except DATA_ERRORS:
             return
         row["damaged_tables"] = set(probs["table_name"].dropna())
-        _problem_list(f"Some files of run `{run_id}` could not be read", probs)
+        _problem_list(f"Run {shown} has damaged or incomplete data; its numbers may be wrong", probs)
 
 
 def no_data(row: dict[str, Any], table: str, message: str) -> None:
@@ -115,13 +118,15 @@ def run_page(root: Root, title: str) -> dict[str, Any] | None:
     if row is None:
         st.info("Pick a run in the sidebar.")
         return None
-    bits = [f"**{row['run_id']}**", str(row.get("policy") or "?")]
+    bits = [f"**{md(row['run_id'])}**", md(row.get("policy") or "?")]
     if not _missing(row.get("heavy")):
-        bits.append(f"heavy {int(row['heavy'])} + recent {int(row['recent'])} slots")
+        bits.append(f"heavy {int(row['heavy'])} + recent {fmt(row.get('recent'), 'd')} slots")
     if row.get("gqa"):
-        bits.append(f"GQA {row['gqa']}")
+        bits.append(f"GQA {md(row['gqa'])}")
     if row.get("model"):
-        bits.append(f"model {row['model']}")
+        bits.append(f"model {md(row['model'])}")
+    if row.get("integrity") not in (None, "ok"):
+        bits.append(":red[**damaged or incomplete data**]")
     st.caption(" · ".join(bits))
     _notes(root, row)
     return row
@@ -190,7 +195,7 @@ def show_attributions(attributions: list[dict[str, Any]], *, judged: bool = True
         name, color, meaning = _VERDICTS.get(a["verdict"], (a["verdict"], "gray", ""))
         with st.container(border=True):
             st.markdown(f"#### Request {a['request']}: :{color}-badge[{name}]")
-            st.markdown(f"**Why:** {a['summary']}.  \n*{name}*: {meaning}.")
+            st.markdown(f"**Why:** {md(a['summary'])}.  \n*{name}*: {meaning}.")
             step = a.get("decision_step")
             st.caption(f"Failed by: {', '.join(a['failed_by']) or '–'} · decision step: "
                        f"{step if step is not None else '–'}")

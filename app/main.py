@@ -15,8 +15,11 @@ if str(_REPO) not in sys.path:  # `streamlit run` puts app/ first on the path, n
 import streamlit as st  # noqa: E402
 
 from app import charts, common, data, state  # noqa: E402
+from app.plain import code  # noqa: E402
 
-st.set_page_config(page_title="H2O Lens", page_icon=":material/troubleshoot:", layout="wide")
+# An emoji character becomes an inline SVG favicon; a ":material/...:" icon would be fetched
+# from a font server on the internet, and the dashboard must work offline.
+st.set_page_config(page_title="H2O Lens", page_icon="\N{LEFT-POINTING MAGNIFYING GLASS}", layout="wide")
 st.cache_resource(show_spinner=False)(charts.warm_up)()  # once per process
 state.start_session()
 root = state.current_root()
@@ -33,13 +36,14 @@ with st.sidebar:
     runs = common.load_runs(root)
     linked = state.remembered("run")
     if runs is not None and linked is not None and linked not in set(runs["run_id"]):
-        st.warning(f"Run `{linked}` from the link is not under this runs root.", icon=":material/link_off:")
+        st.warning(f"Run {code(linked)} from the link is not under this runs root.", icon=":material/link_off:")
         state.remember("run", None)
     if runs is not None and len(runs):
-        labels = {r.run_id: f"{r.run_id} · {r.policy or '?'} · {r.status}" for r in runs.itertuples()}
+        labels = {r.run_id: f"{r.run_id} · {r.policy or '?'} · {r.status}"
+                            + ("" if r.integrity in (None, "ok") else " · damaged data") for r in runs.itertuples()}
         state.select("Run", list(labels), "run", page="sidebar", format_func=labels.get,
                      help="The run every page shows; the Runs page lists them all")
-    st.caption(f"Runs root: `{root.path}`")
+    st.caption(f"Runs root: {code(root.path)}")
     if st.button("Reload runs", icon=":material/refresh:",
                  help="Read the runs root again (new runs, new rows, changed status)"):
         data.clear()

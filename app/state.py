@@ -27,6 +27,7 @@ from analyses.errors import AnalysisError
 from recorders.errors import RecorderError
 
 from .launch import default_root
+from .plain import code, md
 
 __all__ = ["ROOT_ENV", "PARAMS", "MAX_ROWS", "Root", "resolve_root", "current_root", "connection",
            "cursor", "guard", "start_session", "initial_page", "remembered", "remember",
@@ -106,8 +107,8 @@ def guard(what: str, run: str | None = None) -> Iterator[None]:
     try:
         yield
     except DATA_ERRORS as exc:
-        where = f" of run `{run}`" if run else ""
-        st.error(f"Cannot show {what}{where}: {exc}", icon=":material/error:")
+        where = f" of run {code(run)}" if run else ""
+        st.error(f"Cannot show {what}{where}: {md(exc)}", icon=":material/error:")
 
 
 # -- selections ------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """H2O Lens: exact H2O KV-cache eviction for transformers, and the tools to see it.
 
 The public API is re-exported lazily so that ``import h2o_lens`` stays cheap
-and needs no pyarrow, duckdb or streamlit.
+and needs no pyarrow, duckdb or streamlit. Recording lives one layer up, in
+:mod:`recorders` (``recorders.record``): this package imports nothing above it.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ _EXPORTS = {
     "H2OCache": ".cache",
     "simulate": ".reference",
     "load_model": ".models",
-    "record": "recorders.recorder",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -31,7 +31,7 @@ __all__ = ["__version__", *_EXPORTS]
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         module = _EXPORTS[name]
-        value = getattr(importlib.import_module(module, __name__ if module.startswith(".") else None), name)
+        value = getattr(importlib.import_module(module, __name__), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'h2o_lens' has no attribute {name!r}")

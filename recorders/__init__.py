@@ -14,9 +14,13 @@ Reading::
     con.sql("SELECT layer, count(*) FROM evictions GROUP BY layer")
 
 This package needs numpy, pyarrow and duckdb only: logs open on machines
-without torch or a model.
+without torch or a model. :func:`record`, :func:`record_teacher_forced` and
+:func:`replay` need torch and transformers, and are imported on first use.
 """
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from .catalog import Catalog, Problem, SegmentFile, inspect_file, scan_root
 from .errors import (DamagedFileError, ManifestError, QueryError, RecorderError, RecorderWarning,
@@ -28,7 +32,7 @@ from .run import RunWriter
 from .schema import KEYS, RUNS, SCHEMA_VERSION, TABLE_NAMES, TABLES, VIEW_NAMES, empty_table, to_arrow
 from .segments import SegmentWriter, list_segments, write_segment
 from .store import LoadedRun, RunCheck, check_run, list_runs, load_run, open_runs
-from .synthetic import synthetic_tables, write_synthetic_run
+from .bench_logs import synthetic_tables, write_synthetic_run
 
 __all__ = [
     # schema
@@ -47,3 +51,15 @@ __all__ = [
     "RecorderError", "RunIdError", "RunExistsError", "SchemaError", "SchemaVersionError",
     "DamagedFileError", "ManifestError", "QueryError", "RecorderWarning",
 ]
+
+#: the recording and replay entry points import torch: loaded on first access
+_LAZY = {"record": ".recorder", "record_teacher_forced": ".recorder", "replay": ".replay"}
+__all__ += list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'recorders' has no attribute {name!r}")

@@ -2,10 +2,19 @@
 
 One damaged file matched by a DuckDB glob fails the whole query (DESIGN.md
 §7), so readers never glob: :func:`scan_root` lists the run folders, checks
-every segment's footer, metadata and column types (cached by path, size and
-modification time) and keeps the good files; the others become
-:class:`Problem` entries. A file or manifest of a newer schema version is an
-error, not a problem: this code cannot read it and must be upgraded.
+every segment's footer, metadata and column types, then reads it in full
+(decoding every page and verifying its checksum, so a damaged page behind an
+intact footer is found here, not in the middle of a query) and counts its
+rows per ``run_id``. The result is cached by path, size and modification
+time. Good files are kept; the others become :class:`Problem` entries.
+
+A run is checked as a whole too: the manifest's fields must have their
+types, rows must carry the run's own id (the folder name), and the row
+counts the manifest records must match the rows read. Whatever fails marks
+the run: :attr:`RunEntry.integrity` (the ``runs.integrity`` column) says
+what is wrong, the ``problems`` view names the file. A file or manifest of a
+newer schema version is an error, not a problem: this code cannot read it
+and must be upgraded.
 """
 from __future__ import annotations
 
@@ -18,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .errors import (DamagedFileError, ManifestError, RecorderError, RunIdError, SchemaError,
                      SchemaVersionError)
-from .manifest import MANIFEST_NAME, effective_status, read_manifest, validate_run_id
+from .manifest import MANIFEST_NAME, check_manifest, effective_status, read_manifest, validate_run_id
 from .schema import META_SCHEMA_VERSION, RUNS, SCHEMA_VERSION, TABLE_NAMES, schema_mismatches
 from .segments import SEGMENT_RE
 
@@ -32,12 +42,16 @@ __all__ = ["Problem", "SegmentFile", "RunEntry", "Catalog", "inspect_file", "sca
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """A file or run folder that readers skipped, and why."""
+    """A file or run folder that readers skipped or found wrong, and why.
+
+    ``kind`` is ``"rows"`` for a row count that differs from the manifest's.
+    """
 
     path: str
     reason: str
     run_id: str | None = None
     table: str | None = None
+    kind: str | None = None
 
     def __str__(self) -> str:
         return f"{self.path}: {self.reason}"
@@ -45,24 +59,34 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class SegmentFile:
-    """A validated segment: its table, row count, columns and schema version."""
+    """A validated segment: its table, row count, columns, schema version and rows per run id."""
 
     path: Path
     table: str
     rows: int
     columns: tuple[str, ...]
     schema_version: int
+    run_ids: tuple[tuple[str | None, int], ...] = ()
 
 
 @dataclasses.dataclass
 class RunEntry:
-    """A run folder and its manifest (None when missing or unreadable)."""
+    """A run folder and its manifest (None when missing or unreadable).
+
+    ``notes`` says briefly what is wrong with the run's files (empty when
+    nothing is); :attr:`integrity` is the ``runs.integrity`` value.
+    """
 
     run_id: str
     path: Path
     manifest: dict[str, Any] | None
     status: str
     files: dict[str, list[SegmentFile]]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def integrity(self) -> str:
+        return "; ".join(self.notes) if self.notes else "ok"
 
 
 @dataclasses.dataclass
@@ -107,16 +131,41 @@ def _inspect_cached(path: str, size: int, mtime_ns: int, table: str
     if mismatches:
         return None, SchemaError(f"{path}: does not match the {table!r} schema: "
                                  + "; ".join(mismatches))
-    return SegmentFile(Path(path), table, md.num_rows, tuple(schema.names), version), None
+    try:
+        rows, run_ids = _read_through(path)
+    except (OSError, pa.ArrowException, ValueError) as exc:
+        return None, DamagedFileError(
+            f"{path}: the footer is intact but the data cannot be read ({exc}). Damaged pages "
+            "(a bad disk or copy); move the file away or delete it")
+    if rows != md.num_rows:
+        return None, DamagedFileError(f"{path}: the footer announces {md.num_rows} rows but {rows} "
+                                      "were read; move the file away or delete it")
+    return SegmentFile(Path(path), table, md.num_rows, tuple(schema.names), version, run_ids), None
+
+
+def _read_through(path: str) -> tuple[int, tuple[tuple[str | None, int], ...]]:
+    """Decode every page of a file (verifying page checksums where the writer stored them);
+    return its row count and its rows per ``run_id``."""
+    counts: dict[str | None, int] = {}
+    rows = 0
+    with pq.ParquetFile(path, page_checksum_verification=True) as pf:
+        for batch in pf.iter_batches(batch_size=131_072, use_threads=False):
+            rows += batch.num_rows
+            ids = batch.column(batch.schema.get_field_index("run_id"))
+            for item in pc.value_counts(ids).to_pylist():
+                counts[item["values"]] = counts.get(item["values"], 0) + item["counts"]
+    return rows, tuple(sorted(counts.items(), key=lambda kv: (kv[0] is None, kv[0] or "")))
 
 
 def inspect_file(path: str | os.PathLike, table: str | None = None) -> SegmentFile:
-    """Validate one segment from its footer (cached by path, size and mtime).
+    """Validate one segment: footer, metadata, column types, then every page (cached by
+    path, size and mtime).
 
     Raises
     ------
     DamagedFileError
-        Missing footer, zero bytes, not Parquet.
+        Missing footer, zero bytes, not Parquet, a page that cannot be decoded or
+        whose checksum does not match.
     SchemaError
         No ``h2o_lens.schema_version`` metadata, or columns of the wrong type.
     SchemaVersionError
@@ -142,27 +191,47 @@ def inspect_file(path: str | os.PathLike, table: str | None = None) -> SegmentFi
 # -- one run and a whole root ----------------------------------------------------------
 
 def scan_run(run_dir: str | os.PathLike, *, strict: bool = False) -> tuple[RunEntry, list[Problem]]:
-    """Read a run's manifest and validate its segments.
+    """Read a run's manifest, validate its segments and check the run as a whole.
 
-    With ``strict=True`` the first damaged file or missing manifest raises
-    (naming the file); otherwise they become problems and are left out.
+    The run id is the folder name. With ``strict=True`` the first damaged
+    file, missing manifest or file holding another run's rows raises (naming
+    the file); otherwise each becomes a problem, the file is left out and the
+    run is marked (:attr:`RunEntry.integrity`). Manifest fields of the wrong
+    type, a manifest ``run_id`` that differs from the folder and row counts
+    that differ from the manifest's are problems in both modes (the strict
+    readers warn, :func:`recorders.check_run` raises on a count).
     :class:`SchemaVersionError` always raises.
     """
     run_dir = Path(run_dir)
+    run_id = run_dir.name
     problems: list[Problem] = []
-    folder_id = run_dir.name
+    notes: list[str] = []
+    manifest_path = str(run_dir / MANIFEST_NAME)
+
+    def problem(path: str, reason: str, note: str, table: str | None = None,
+                error: type[RecorderError] | None = DamagedFileError, kind: str | None = None) -> None:
+        if strict and error is not None:
+            raise error(reason if reason.startswith(path) else f"{path}: {reason}")
+        problems.append(Problem(path, reason, run_id, table, kind))
+        notes.append(note)
+
+    manifest: dict[str, Any] | None = None
+    status = "unknown"
     try:
-        manifest: dict[str, Any] | None = read_manifest(run_dir)
-        run_id = str(manifest.get("run_id") or folder_id)
+        manifest, issues = check_manifest(read_manifest(run_dir))
         status = effective_status(manifest)
     except (ManifestError, DamagedFileError) as exc:
-        if strict:
-            raise
-        manifest, run_id, status = None, folder_id, "unknown"
-        problems.append(Problem(str(run_dir / MANIFEST_NAME), str(exc), folder_id))
-    if run_id != folder_id:
-        problems.append(Problem(str(run_dir), f"folder name {folder_id!r} differs from the "
-                                f"manifest's run_id {run_id!r}, which its rows carry", run_id))
+        problem(manifest_path, str(exc), "manifest missing" if isinstance(exc, ManifestError)
+                else "manifest unreadable", error=type(exc))
+        issues = []
+    for issue in issues:  # never fatal: the rows can still be read
+        problem(manifest_path, f"{issue}; the field is ignored",
+                f"manifest field {issue.split()[1]} invalid", error=None)
+    named = (manifest or {}).get("run_id")
+    if isinstance(named, str) and named != run_id:
+        problem(str(run_dir), f"the manifest's run_id {named!r} differs from the folder name {run_id!r}; "
+                f"rows are read as run {run_id!r}. Rename the folder to {named!r} if it was moved",
+                "manifest run_id differs from the folder", error=None)
     files: dict[str, list[SegmentFile]] = {}
     for entry in sorted(os.scandir(run_dir), key=lambda e: e.name):
         m = SEGMENT_RE.fullmatch(entry.name)
@@ -170,20 +239,37 @@ def scan_run(run_dir: str | os.PathLike, *, strict: bool = False) -> tuple[RunEn
             continue
         table = m["table"]
         if table not in TABLE_NAMES:
-            if strict:
-                raise SchemaError(f"{entry.path}: unknown table {table!r}; expected one of "
-                                  f"{', '.join(TABLE_NAMES)}")
-            problems.append(Problem(entry.path, f"unknown table {table!r}", run_id, table))
+            problem(entry.path, f"unknown table {table!r}; expected one of {', '.join(TABLE_NAMES)}",
+                    f"{entry.name} left out (unknown table)", table, SchemaError)
             continue
         try:
-            files.setdefault(table, []).append(inspect_file(entry.path, table))
+            seg = inspect_file(entry.path, table)
         except SchemaVersionError:
             raise
         except RecorderError as exc:
             if strict:
                 raise
+            kind = "unreadable" if isinstance(exc, DamagedFileError) else "not a log segment"
             problems.append(Problem(entry.path, str(exc), run_id, table))
-    return RunEntry(run_id, run_dir, manifest, status, files), problems
+            notes.append(f"{entry.name} left out ({kind})")
+            continue
+        foreign = [(rid, n) for rid, n in seg.run_ids if rid != run_id]
+        if foreign:
+            shown = ", ".join(f"{n} row(s) of run {rid!r}" for rid, n in foreign[:3])
+            problem(entry.path, f"{entry.path}: holds {shown}; this folder is run {run_id!r}. The file "
+                    "is left out so no run counts rows that are not its own; move it to its run's "
+                    "folder", f"{entry.name} left out (rows of another run)", table, SchemaError)
+            continue
+        files.setdefault(table, []).append(seg)
+    recorded = (manifest or {}).get("rows")
+    for table, count in sorted((recorded or {}).items()):
+        read = sum(f.rows for f in files.get(table, []))
+        if read != count:
+            problem(manifest_path, f"table {table!r}: the manifest records {count} rows, {read} were read "
+                    f"from the readable segments; this run's {table} numbers are incomplete or wrong "
+                    "(a segment is missing, damaged or was added later)",
+                    f"{table}: {read} of {count} rows", table, error=None, kind="rows")
+    return RunEntry(run_id, run_dir, manifest, status, files, notes), problems
 
 
 def _is_run_folder(path: Path) -> bool:
@@ -201,23 +287,21 @@ def scan_root(root: str | os.PathLike) -> Catalog:
     if not root.is_dir():
         problems.append(Problem(str(root), "runs root does not exist or is not a folder"))
         return Catalog(root, runs, problems)
-    seen: dict[str, Path] = {}
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         path = Path(entry.path)
-        if entry.name.startswith((".", "_")) or not entry.is_dir() or not _is_run_folder(path):
-            continue
         try:
+            if entry.name.startswith((".", "_")) or not entry.is_dir() or not _is_run_folder(path):
+                continue
             validate_run_id(entry.name)
+            run, run_problems = scan_run(path)
         except RunIdError as exc:
             problems.append(Problem(str(path), f"skipped: {exc}"))
             continue
-        run, run_problems = scan_run(path)
-        problems.extend(run_problems)
-        if run.run_id in seen:
-            problems.append(Problem(str(path), f"skipped: run_id {run.run_id!r} is already used by "
-                                    f"{seen[run.run_id]}", run.run_id))
+        except OSError as exc:  # an unreadable folder is one run's problem, not the root's
+            problems.append(Problem(str(path), f"skipped: the run folder cannot be read ({exc})",
+                                    entry.name))
             continue
-        seen[run.run_id] = path
+        problems.extend(run_problems)
         runs.append(run)
     return Catalog(root, runs, problems)
 
@@ -259,5 +343,7 @@ def run_row(run: RunEntry) -> dict[str, Any]:
             value = json.dumps(config, sort_keys=True) if manifest else None
         elif name == "path":
             value = str(run.path)
+        elif name == "integrity":
+            value = run.integrity
         row[name] = _coerce(field.type, value)
     return row

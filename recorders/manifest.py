@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import math
 import os
 import re
 import secrets
@@ -20,8 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from .errors import DamagedFileError, ManifestError, RunIdError, SchemaVersionError
-from .schema import SCHEMA_VERSION
+from .schema import RUNS, SCHEMA_VERSION
 
 __all__ = [
     "MANIFEST_NAME",
@@ -34,6 +37,7 @@ __all__ = [
     "new_manifest",
     "write_manifest",
     "read_manifest",
+    "check_manifest",
     "effective_status",
     "mark_interrupted",
     "config_dict",
@@ -257,7 +261,7 @@ def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
                             "it was not written by recorders or its writer died at start") from None
     try:
         manifest = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise DamagedFileError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(manifest, dict):
         raise DamagedFileError(f"{path}: expected a JSON object, got {type(manifest).__name__}")
@@ -269,12 +273,142 @@ def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
+# -- field types ----------------------------------------------------------------------
+
+_INT_BITS = {pa.int16(): 16, pa.int32(): 32, pa.int64(): 64}
+_OWN_FIELDS = ("run_id", "status", "model", "config", "path", "integrity")  # checked apart or not read from the file
+_WRITER_INTS = {"pid": 32, "start_ticks": 64}  # bits
+
+
+def _clean_text(value: Any, where: str, issues: list[str]) -> Any:
+    """``value`` with every string that is not valid Unicode (lone surrogates) made readable."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            issues.append(f"{where} holds text that is not valid Unicode (a lone surrogate escape)")
+            return value.encode("utf-8", "replace").decode("utf-8")
+        return value
+    if isinstance(value, dict):
+        return {_clean_text(k, f"{where} key", issues): _clean_text(v, f"{where}.{k}", issues)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean_text(v, f"{where}[{i}]", issues) for i, v in enumerate(value)]
+    return value
+
+
+def _is_int(value: Any, bits: int = 64, minimum: int | None = None) -> bool:
+    low = -(2 ** (bits - 1)) if minimum is None else minimum
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < 2 ** (bits - 1)
+
+
+def _field_issue(field: pa.Field, value: Any) -> str | None:
+    """Why ``value`` cannot fill the ``runs`` column ``field``, or None when it can (or is null)."""
+    type_ = field.type
+    if value is None:
+        return None
+    if pa.types.is_string(type_):
+        ok, want = isinstance(value, str), "a string"
+    elif pa.types.is_integer(type_):
+        bits = _INT_BITS.get(type_, 64)
+        ok, want = _is_int(value, bits), f"an integer that fits in {bits} bits"
+    elif pa.types.is_floating(type_):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok and isinstance(value, int):
+            ok = math.isfinite(float(value)) if abs(value) < 2 ** 1023 else False
+        want = "a number"
+    elif pa.types.is_timestamp(type_):
+        want = "an ISO 8601 time such as '2026-11-29T18:48:11.699089Z'"
+        try:
+            ok = isinstance(value, str) and bool(dt.datetime.fromisoformat(value.rstrip("Z")))
+        except ValueError:
+            ok = False
+    else:
+        return None
+    if ok:
+        return None
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    return f"is {shown} ({type(value).__name__}), expected {want}"
+
+
+def _writer_issue(writer: Any) -> str | None:
+    if not isinstance(writer, dict):
+        return f"is {type(writer).__name__}, expected an object with pid, hostname, boot_id, start_ticks"
+    for key, bits in _WRITER_INTS.items():
+        value = writer.get(key)
+        if value is not None and not _is_int(value, bits):
+            return f"{key} is {value!r}, expected an integer that fits in {bits} bits"
+    for key in ("hostname", "boot_id", "started_at"):
+        if writer.get(key) is not None and not isinstance(writer.get(key), str):
+            return f"{key} is {writer.get(key)!r}, expected a string"
+    return None
+
+
+def _rows_issue(rows: Any) -> str | None:
+    if not isinstance(rows, dict):
+        return f"is {type(rows).__name__}, expected an object of table name to row count"
+    for table, count in rows.items():
+        if not _is_int(count, 64, minimum=0):
+            return f"{table!r} is {count!r}, expected a row count (integer >= 0)"
+    return None
+
+
+def check_manifest(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Check the types of a manifest's fields; return a clean copy and one message per bad field.
+
+    Each message starts with ``field <name> `` (``config.<name>`` inside the config).
+
+    A field that does not have its expected type (the ``runs`` column type for
+    the fields of that view, an object for ``writer``, ``config``, ``rows``)
+    is left out of the copy, so one bad value never stops a reader. Text that
+    is not valid Unicode is made readable (``?``) and reported.
+    """
+    issues: list[str] = []
+    out = _clean_text(dict(manifest), "manifest", issues)
+    issues = ["field " + i.removeprefix("manifest.") for i in issues]
+
+    def drop(key: str, why: str, container: dict[str, Any] = out, where: str = "") -> None:
+        issues.append(f"field {where}{key} {why}")
+        container.pop(key, None)
+
+    checks = {"writer": _writer_issue, "rows": _rows_issue}
+    for key, check in checks.items():
+        if key in out and out[key] is not None and (why := check(out[key])):
+            drop(key, why)
+    if out.get("status") is not None and out["status"] not in STATUSES:
+        drop("status", f"is {out['status']!r}, expected one of {', '.join(STATUSES)}")
+    if out.get("run_id") is not None and not isinstance(out["run_id"], str):
+        drop("run_id", f"is {out['run_id']!r}, expected a string")
+    if out.get("schema_version") is not None and not _is_int(out["schema_version"], 32):
+        drop("schema_version", f"is {out['schema_version']!r}, expected an integer")
+    if out.get("config") is not None and not isinstance(out["config"], dict):
+        drop("config", f"is {type(out['config']).__name__}, expected an object")
+    model = out.get("model")
+    if model is not None and not (isinstance(model, str) or isinstance(model, dict) and all(
+            isinstance(model.get(k), (str, type(None))) for k in ("name", "id"))):
+        drop("model", "is neither a model id string nor an object with a string name")
+    command = out.get("command")
+    if command is not None and not (isinstance(command, str) or isinstance(command, list)):
+        drop("command", f"is {type(command).__name__}, expected a string or a list")
+    config = out.get("config") or {}
+    for field in RUNS:
+        if field.name in _OWN_FIELDS:
+            continue
+        if (why := _field_issue(field, out.get(field.name))):
+            drop(field.name, why)
+        if (why := _field_issue(field, config.get(field.name))):
+            drop(field.name, why, config, "config.")
+    return out, issues
+
+
 def effective_status(manifest: Mapping[str, Any]) -> str:
     """The manifest's status, or ``interrupted`` for a ``running`` run whose writer is gone."""
     status = manifest.get("status", "unknown")
-    if status == "running" and writer_alive(manifest.get("writer") or {}) is False:
+    writer = manifest.get("writer")
+    if status == "running" and isinstance(writer, Mapping) and _writer_issue(dict(writer)) is None \
+            and writer_alive(writer) is False:
         return "interrupted"
-    return status
+    return status if isinstance(status, str) else "unknown"
 
 
 def mark_interrupted(run_dir: str | os.PathLike) -> bool:

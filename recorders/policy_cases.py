@@ -1,4 +1,4 @@
-"""Write policy-level cases (:mod:`h2o_lens.tasks.synthetic`) as complete runs.
+"""Write policy-level cases (:mod:`h2o_lens.tasks.attention_cases`) as complete runs.
 
 A case is a stack of attention logits plus a toy output model, no language
 model. :func:`write_policy_case` drives the runtime's own cache
@@ -37,7 +37,7 @@ from h2o_lens import policies
 from h2o_lens.config import H2OConfig
 from h2o_lens.errors import ImplementationError
 from h2o_lens.runtime import H2OSession
-from h2o_lens.tasks.synthetic import PolicyCase
+from h2o_lens.tasks.attention_cases import PolicyCase
 
 from .manifest import read_manifest, write_manifest
 from .recorder import Recording
@@ -166,7 +166,7 @@ def write_policy_case(root: str | os.PathLike, case: PolicyCase, heavy: int | No
     Parameters
     ----------
     root : runs root; the run goes to ``<root>/<run_id>/``
-    case : a :class:`~h2o_lens.tasks.synthetic.PolicyCase`
+    case : a :class:`~h2o_lens.tasks.attention_cases.PolicyCase`
     heavy, recent : slot counts (default: the case's own budget). Baselines
         use ``B = heavy + recent`` slots, split as in :attr:`H2OConfig.split`.
     gqa : ``"sum"``, ``"max"`` or ``"none"``

@@ -1,9 +1,25 @@
 """The eviction recorder: wrap any ``model.generate(...)`` and log every eviction.
 
->>> with h2o_lens.record(model, H2OConfig(heavy=64, recent=64), out="runs",
+>>> with recorders.record(model, H2OConfig(heavy=64, recent=64), out="runs",
 ...                      tokenizer=tok, evidence={"code": "4419"}) as run:
 ...     model.generate(**inputs, max_new_tokens=64)
 >>> run.run_id, run.status
+
+What is logged is what each returned sequence really went through:
+
+* the prompt is the tokens generate attended to: its ``attention_mask``, or
+  the mask generate inferred from ``pad_token_id`` when none was given (the
+  mask of the prefill forward is captured, so the two cannot differ);
+* one request per returned sequence: with ``num_return_sequences = n`` the
+  prompt ``i`` of a call gives the requests of rows ``i·n .. i·n + n - 1``
+  (``requests.prompt_index`` / ``requests.sample_index`` map them back);
+* a sequence ends at its first EOS (included): the padding generate appends
+  while other rows continue is not generated text, and the decode steps that
+  fed the EOS or padding are not logged (no eviction or steps rows), so the
+  log equals that of the sequence generated on its own;
+* beam search, ``stop_strings`` and custom ``stopping_criteria`` are refused:
+  beams reorder the cache rows every step and the other criteria end rows
+  at points the recorder cannot observe, so their logs would not be exact.
 
 This module imports torch (it listens to the runtime); the rest of
 ``recorders`` does not, so logs still open without a model.
@@ -11,6 +27,7 @@ This module imports torch (it listens to the runtime); the rest of
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import os
@@ -84,6 +101,89 @@ def locate_evidence(pieces: Sequence[str], spans: Mapping[str, Any], prompt: str
     return labels
 
 
+def _generation_config(model: Any, kwargs: Mapping[str, Any]) -> Any:
+    """The generation config generate will use (its own merge of the config and the kwargs)."""
+    options = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    config = options.pop("generation_config", None)
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if prepare is None:
+        config = copy.deepcopy(config or model.generation_config)
+        config.update(**options)
+        return config
+    return prepare(config, **options)[0]
+
+
+def _refuse_inexact(config: Any, kwargs: Mapping[str, Any]) -> None:
+    """Raise for generation modes whose evictions cannot be attributed to a returned sequence."""
+    if (getattr(config, "num_beams", 1) or 1) > 1:
+        raise RecorderError(
+            f"record does not support beam search (num_beams={config.num_beams}): beams reorder the "
+            "cache rows at every step, so an eviction cannot be attributed to a returned sequence "
+            "exactly; record greedy or sampled generation (num_beams=1), e.g. with "
+            "num_return_sequences for several samples per prompt")
+    if getattr(config, "stop_strings", None):
+        raise RecorderError(
+            "record does not support stop_strings: the recorder cannot observe where generate stopped "
+            "each row, so it would log the padding after the stop as generated; cut the answers "
+            "after generation instead")
+    if kwargs.get("stopping_criteria"):
+        raise RecorderError(
+            "record does not support custom stopping_criteria: rows they stop are padded by generate "
+            "in a way the recorder cannot tell from generated text; stop with eos_token_id or "
+            "max_new_tokens instead")
+
+
+def _eos_ids(config: Any) -> list[int]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+class _GenerateWatch:
+    """Forward pre-hook on the model during one generate call.
+
+    Captures the prefill's ``input_ids`` and ``attention_mask`` (the expanded
+    rows and the mask generate really used) and, at each decode forward,
+    which rows are still generating: a row is finished once the token it is
+    fed is an EOS, or it was fed one before.
+    """
+
+    def __init__(self, eos: Sequence[int]):
+        self.eos = list(eos)
+        self.input_ids: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+        self.finished: torch.Tensor | None = None  # (rows,) bool
+        self.alive: torch.Tensor | None = None  # (rows,) bool, rows whose current forward is real
+
+    def __call__(self, module: Any, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            return
+        if self.input_ids is None:
+            self.input_ids, self.mask = ids, kwargs.get("attention_mask")
+            self.finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+            self.alive = None
+            return
+        fed = ids[:, -1]
+        if self.eos:
+            eos = torch.tensor(self.eos, dtype=fed.dtype, device=fed.device)
+            self.finished = self.finished | torch.isin(fed, eos)
+        self.alive = ~self.finished
+
+    def prompt_mask(self) -> torch.Tensor:
+        """``(rows, width)`` bool: the prompt columns generate attended to."""
+        ids, mask = self.input_ids, self.mask
+        if mask is None:
+            return torch.ones_like(ids, dtype=torch.bool)
+        if mask.dim() != 2 or mask.shape != ids.shape:
+            raise RecorderError(
+                f"record needs generate's 2-D padding mask, got an attention mask of shape "
+                f"{tuple(mask.shape)} for input_ids of shape {tuple(ids.shape)}; generate without a "
+                "static cache (cache_implementation='static' builds a 4-D mask)")
+        return mask.bool()
+
+
 class _StepTimer:
     """A logits processor that only timestamps generate's steps (scores pass through)."""
 
@@ -112,6 +212,7 @@ class _Pending:
 
     layer: list[int] = field(default_factory=list)
     events: list[DecodeEvent] = field(default_factory=list)
+    alive: list[torch.Tensor | None] = field(default_factory=list)  # (b,) rows still generating
 
 
 class Recording:
@@ -136,6 +237,8 @@ class Recording:
         self.session: H2OSession | None = None
         self._pending = _Pending()
         self._request_base = 0  # requests recorded by earlier generate calls
+        self._prompt_base = 0  # prompts of earlier generate calls
+        self._watch: _GenerateWatch | None = None
         self._group = 1
         self._last_layer = 0
         self._labels_override: Sequence[str | None] | None = None
@@ -194,6 +297,7 @@ class Recording:
     def on_decode(self, layer: int, ev: DecodeEvent) -> None:
         self._pending.layer.append(layer)
         self._pending.events.append(ev)
+        self._pending.alive.append(self._watch.alive if self._watch is not None else None)
         if layer == self._last_layer and len(self._pending.events) >= self.flush_every * (self._last_layer + 1):
             self.flush()
 
@@ -215,8 +319,10 @@ class Recording:
         step3 = step[:, :, None].expand(k, b, hs)
         req = torch.arange(b)[None, :, None].expand(k, b, hs)
         head = torch.arange(hs)[None, None, :].expand(k, b, hs)
-        # evictions
-        sel = evicts
+        ones = torch.ones(b, dtype=torch.bool, device=slot.device)
+        alive = torch.stack([ones if a is None else a for a in pend.alive])[:, :, None].expand(k, b, hs)
+        # evictions (none of a request that already ended: it fed its EOS or padding)
+        sel = evicts & alive
         self._append_evictions(req[sel], head[sel], step3[sel], st.victim_position[sel].to(torch.int64),
                                st.victim_score[sel], st.margin[sel], recent[req[sel]], group, layer=layer[sel],
                                phase="decode")
@@ -227,10 +333,11 @@ class Recording:
         age = step3.float() - torch.nanmean(heavy_pos, -1)
         exiting = st.exiting_position.to(torch.int64)
         has_exit = exiting >= 0
-        self._append_steps(req.reshape(-1), head.reshape(-1), step3.reshape(-1),
-                           st.min_heavy_score.reshape(-1), st.promoted.reshape(-1), exiting.reshape(-1),
-                           kept.reshape(-1), age.reshape(-1), layer.reshape(-1), group,
-                           has_exit=has_exit.reshape(-1))
+        if not bool(alive.any()):
+            return
+        self._append_steps(req[alive], head[alive], step3[alive], st.min_heavy_score[alive],
+                           st.promoted[alive], exiting[alive], kept[alive], age[alive], layer[alive], group,
+                           has_exit=has_exit[alive])
 
     def _heads(self, h: torch.Tensor, group: int) -> dict[str, np.ndarray]:
         h = h.numpy().astype(np.int16)
@@ -287,7 +394,9 @@ class Recording:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if input_ids is None:
             raise RecorderError("record needs model.generate(input_ids=..., ...) (token ids, not embeddings)")
-        mask = kwargs.get("attention_mask")
+        gen_config = _generation_config(self.model, kwargs)
+        _refuse_inexact(gen_config, kwargs)
+        watch = _GenerateWatch(_eos_ids(gen_config))
         cache = None
         if self.session is not None and self.config.spec.evicts:
             cache = kwargs.get("cache") or self.session.new_cache()
@@ -297,13 +406,27 @@ class Recording:
         timer = _StepTimer()
         kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), timer])
         timer.start()
-        out = original(*args, **kwargs)
+        hook = self.model.register_forward_pre_hook(watch, with_kwargs=True)
+        self._watch = watch
+        try:
+            out = original(*args, **kwargs)
+            self.flush()
+        finally:
+            hook.remove()
+            self._watch = None
         self.step_times.extend(timer.decode_steps())
         if timer.prefill is not None:
             self.prefill_seconds.append(timer.prefill)
-        self.flush()
-        self._write_tokens(input_ids, mask, out)
-        self._request_base += input_ids.shape[0]
+        if watch.input_ids is None:
+            raise RecorderError("generate ran no forward pass, so there is nothing to record")
+        rows = watch.input_ids.shape[0]
+        if rows % input_ids.shape[0]:
+            raise RecorderError(f"generate ran {rows} rows for {input_ids.shape[0]} prompts; the recorder "
+                                "maps rows to prompts only for num_return_sequences expansion")
+        self._write_tokens(watch.input_ids, watch.prompt_mask(), out, samples=rows // input_ids.shape[0],
+                           eos=_eos_ids(gen_config))
+        self._request_base += rows
+        self._prompt_base += input_ids.shape[0]
         self.generations += 1
         if not want_logits:
             out.logits = None
@@ -347,30 +470,41 @@ class Recording:
         finally:
             self._labels_override = None
         self._request_base += 1
+        self._prompt_base += 1
         self.generations += 1
         return result
 
-    def _write_tokens(self, input_ids: torch.Tensor, mask: torch.Tensor | None, out: Any) -> None:
+    def _write_tokens(self, input_ids: torch.Tensor, mask: torch.Tensor | None, out: Any, *,
+                      samples: int = 1, eos: Sequence[int] = ()) -> None:
+        """One ``tokens``/``requests``/``run_logits`` set per row of ``input_ids``.
+
+        ``input_ids (rows, width)`` are the rows generate ran (prompts repeated
+        ``samples`` times), ``mask (rows, width)`` its padding mask; each row's
+        generated tokens end at its first token in ``eos`` (included).
+        """
         ids = input_ids.cpu()
         valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.cpu().bool()
         seq = out.sequences.cpu()
         width = ids.shape[1]
-        logits = torch.stack(out.logits, 1).float() if out.logits else None  # (b, T, V)
+        logits = torch.stack(out.logits, 1).float() if out.logits else None  # (rows, T, V)
         tok = self.tokenizer
         for r in range(ids.shape[0]):
             prompt = ids[r][valid[r]].tolist()
             new = seq[r, width:].tolist()
+            ends = [j for j, t in enumerate(new) if t in eos][:1]
+            new = new[:ends[0] + 1] if ends else new  # what follows the EOS is padding
             n_prompt = len(prompt)
+            prompt_index, sample = self._prompt_base + r // samples, r % samples
             all_ids = prompt + new
             pieces = _token_pieces(tok, all_ids) if tok is not None else None
             labels: list[str | None] = [None] * len(all_ids)
-            spans = self._evidence_for(r)
+            spans = self._evidence_for(prompt_index)
             if self._labels_override is not None:
                 labels[:n_prompt] = list(self._labels_override)[:n_prompt]
             elif spans:
                 if pieces is None:
                     raise RecorderError("evidence needs the tokenizer: pass record(..., tokenizer=tok)")
-                prompt_text = self.prompts[self._request_base + r] if self.prompts else None
+                prompt_text = self.prompts[prompt_index] if self.prompts else None
                 labels[:n_prompt] = locate_evidence(pieces[:n_prompt], spans, prompt_text)
             request = self._request_base + r
             self.writer.append("tokens", {
@@ -390,6 +524,7 @@ class Recording:
                 "request": np.array([request], np.int32), "prompt_len": np.array([n_prompt]),
                 "new_tokens": np.array([len(new)]), "answer": [answer],
                 "heavy": [None if full else budget.heavy], "recent": [None if full else budget.recent],
+                "prompt_index": np.array([prompt_index], np.int32), "sample_index": np.array([sample], np.int32),
                 **{k: [v] for k, v in extra.items()},
             })
             if logits is not None and len(new):
@@ -409,16 +544,16 @@ class Recording:
             self.new_tokens = max(self.new_tokens, len(new))
             self.requests = request + 1
 
-    def _evidence_for(self, r: int) -> Mapping[str, Any] | None:
+    def _evidence_for(self, prompt_index: int) -> Mapping[str, Any] | None:
         ev = self.evidence
         if not ev:
             return None
         if isinstance(ev, Mapping):
             return ev
-        request = self._request_base + r
-        if request >= len(ev):
-            raise RecorderError(f"evidence was given for {len(ev)} requests, but request {request} was generated")
-        return ev[request]
+        if prompt_index >= len(ev):
+            raise RecorderError(f"evidence was given for {len(ev)} prompts, but prompt {prompt_index} was "
+                                "generated; give one evidence mapping per prompt")
+        return ev[prompt_index]
 
 
 @contextlib.contextmanager
@@ -437,9 +572,10 @@ def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: 
     out : runs root; the run is written to ``<out>/<run_id>/``
     tokenizer : decodes token texts and locates evidence spans
     evidence : ``{label: substring | (start, end)}`` for all requests, or one
-        mapping per request (character ranges are relative to ``prompts[r]``)
+        mapping per prompt (character ranges are relative to ``prompts[i]``); the
+        ``num_return_sequences`` samples of a prompt share its evidence
     name : free-form run name; run_id : folder name (default: generated)
-    prompts : the user prompts (before any chat template), for character-range evidence
+    prompts : the user prompts (before any chat template), one per prompt, for character-range evidence
     info : extra manifest fields (``source_run``, ``task`` ...)
     flush_every : decode steps buffered (on the device) between conversions to rows
     fsync : make every segment durable before it becomes visible

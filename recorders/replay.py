@@ -12,6 +12,31 @@ For each request, two parallel forwards over the run's own tokens:
   the largest difference goes into the manifest (``max_logit_diff``) and a
   mismatch is reported as an implementation error.
 
+The implementation tolerance depends on the dtype. The run and the masked
+replay compute the same attention in a different order (slots against
+positions, the runtime's kernels against SDPA), so in a low-precision dtype
+their logits differ by rounding alone. A logit of magnitude ``L`` is stored
+with a spacing of about ``eps · L`` (``eps`` the dtype's machine epsilon:
+2^-7 for bfloat16, 2^-10 for float16), so the check accepts::
+
+    tolerance = max(FLOOR, K · eps(dtype) · max|logit|)
+
+with ``FLOOR`` = 2e-3 (float32 and float64 keep that fixed bound: their
+rounding term is far below it), ``K`` = :data:`TOLERANCE_ULPS` = 8 and
+``max|logit|`` the largest magnitude among the token and top-1 logits the
+run logged. ``dtype`` is the coarser of the run's (manifest ``model.dtype``)
+and the replay model's. Measured on the packaged 135M model on CPU (three
+chat prompts, 16 and 64 new tokens, from no eviction down to 4 heavy + 8
+recent slots), a correct run differs by 0.8 to 4.4 · eps · max|logit| in
+bfloat16 (1 to 4 units in the last place of the largest logit) and 0.8 to
+1.4 · eps · max|logit| in float16: K = 8 is 1.8 times the largest case seen.
+The price: in half precision a wrong log whose effect on the logits stays
+below the bound (one eviction in a small model) goes unseen; a log that
+misses the evictions of whole steps is still caught (tests/test_recorder_exact.py).
+The tolerance used is written to the manifest (``logit_tolerance``,
+``replay.tolerance``), the ``runs`` view reads it and the attribution and
+the report gate use it.
+
 Writes the ``replay`` and ``replay_steps`` tables into the run folder
 (replacing an earlier replay) and updates the manifest.
 """
@@ -35,17 +60,51 @@ from .manifest import read_manifest, write_manifest
 from .segments import SegmentWriter, list_segments
 from .store import load_run
 
-__all__ = ["replay", "ReplaySummary", "DEFAULT_TOLERANCE"]
+__all__ = ["replay", "ReplaySummary", "DEFAULT_TOLERANCE", "TOLERANCE_ULPS", "implementation_tolerance"]
 
 REPLAY_ATTN = "h2o_lens_replay"
 NEVER = np.iinfo(np.int64).max // 2
-#: largest |logit difference| between the run and its masked replay that is not an implementation error
+#: floor of the implementation tolerance: largest accepted |logit difference| in float32 / float64
 DEFAULT_TOLERANCE = 2e-3
+#: K of the dtype term K · eps(dtype) · max|logit| (see the module docstring for the measured spread)
+TOLERANCE_ULPS = 8.0
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+
+
+def implementation_tolerance(dtype: torch.dtype | str, logit_scale: float, *,
+                             floor: float = DEFAULT_TOLERANCE) -> float:
+    """Largest |logit difference| that rounding in ``dtype`` explains (module docstring).
+
+    Parameters
+    ----------
+    dtype : the run's compute dtype (a torch dtype or its name, e.g. ``"bfloat16"``)
+    logit_scale : largest |logit| the run produced
+    floor : lower bound (float32 and float64 runs get exactly this)
+    """
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name not in _DTYPES:
+            raise RecorderError(f"unknown dtype {dtype!r} for the implementation tolerance; "
+                                f"expected one of {', '.join(_DTYPES)}")
+        dtype = _DTYPES[name]
+    if not dtype.is_floating_point:
+        raise RecorderError(f"the implementation tolerance needs a floating dtype, got {dtype}")
+    scale = float(logit_scale) if np.isfinite(logit_scale) else 0.0
+    return max(floor, TOLERANCE_ULPS * torch.finfo(dtype).eps * abs(scale))
+
+
+def _coarser(*dtypes: torch.dtype | str | None) -> torch.dtype:
+    """The dtype with the largest machine epsilon among those given (float32 if none)."""
+    found = [_DTYPES.get(str(d).removeprefix("torch."), None) if not isinstance(d, torch.dtype) else d
+             for d in dtypes if d is not None]
+    found = [d for d in found if d is not None and d.is_floating_point]
+    return max(found, key=lambda d: torch.finfo(d).eps, default=torch.float32)
 
 
 @dataclass
 class ReplaySummary:
-    """Headline numbers of a replay."""
+    """Headline numbers of a replay (``tolerance``: the implementation check's bound)."""
 
     run_id: str
     requests: int
@@ -56,6 +115,7 @@ class ReplaySummary:
     top1_agreement: float
     mean_dropped_mass: float
     seconds: float
+    tolerance: float = DEFAULT_TOLERANCE
 
 
 class _State:
@@ -186,7 +246,7 @@ def _oracle_rows(rows: dict[str, list[np.ndarray]], ev: dict[str, np.ndarray], r
     rows["teacher_future_mass"].append(future)
 
 
-def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = DEFAULT_TOLERANCE,
+def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float | None = None,
            chunk: int = 512, progress: bool = True, backend: str = "auto") -> ReplaySummary:
     """Replay one recorded run (see the module docstring) and write its replay tables.
 
@@ -194,7 +254,8 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = 
     ----------
     run_dir : the run folder ``<root>/<run_id>``
     model : the model the run used; loaded from the manifest's model name when omitted
-    tolerance : largest |logit difference| accepted by the implementation check
+    tolerance : largest |logit difference| accepted by the implementation check; by default
+        derived from the dtype (:func:`implementation_tolerance`)
     chunk : query rows per block of the torch path (memory is O(chunk · N) per layer)
     backend : "auto" (the Triton replay kernels on CUDA, else torch), "torch" or "triton"
         for the dropped mass and the oracle columns; the one used goes into the manifest
@@ -243,7 +304,7 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = 
                                                                  "kv_head", "dropped_mass")}
     rows_steps: dict[str, list[np.ndarray]] = {k: [] for k in ("request", "step", "kl", "top1_agree",
                                                                 "teacher_logprob")}
-    max_diff, n_steps = 0.0, 0
+    max_diff, n_steps, logit_scale = 0.0, 0, 0.0
     group = hq // hkv
     bar = tqdm(total=2 * len(requests), desc=f"replay {run.run_id}", disable=not progress, unit="forward")
     with torch.no_grad(), _replay_attention(model, state):
@@ -299,6 +360,9 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = 
                 ]
                 diffs.append(np.abs(torch.logsumexp(m, -1).numpy() - logits_tab["lse"][ls][ok]))
                 max_diff = max(max_diff, float(max(d.max() for d in diffs)))
+                if ok.any():
+                    logit_scale = max(logit_scale, *(float(np.abs(logits_tab[c][ls][ok]).max())
+                                                     for c in ("token_logit", "top1_logit")))
             _oracle_rows(oracle_rows, ev, r, p, n, layers, state, gqa_none, group)
             for layer in range(layers):
                 dm = np.zeros((hq, t), np.float32)  # step p-1 (the prompt's last row) drops nothing
@@ -329,6 +393,10 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = 
         writer.append("oracle", rows)
     writer.close()
     seconds = time.perf_counter() - t0
+    if tolerance is None:
+        run_dtype = (manifest.get("model") or {}).get("dtype") if isinstance(manifest.get("model"), dict) else None
+        replay_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        tolerance = implementation_tolerance(_coarser(run_dtype, replay_dtype), logit_scale)
     ok = max_diff <= tolerance
     steps_all = cat(rows_steps) if rows_steps["step"] else None
     summary = ReplaySummary(
@@ -338,9 +406,10 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float = 
         top1_agreement=float(steps_all["top1_agree"].mean()) if steps_all is not None else 1.0,
         mean_dropped_mass=float(np.concatenate(rows_replay["dropped_mass"]).mean())
         if rows_replay["dropped_mass"] else 0.0,
-        seconds=seconds)
+        seconds=seconds, tolerance=tolerance)
     manifest = read_manifest(run_dir)
     manifest["max_logit_diff"] = max_diff
+    manifest["logit_tolerance"] = tolerance
     manifest["replay"] = {"implementation_ok": ok, "tolerance": tolerance, "mean_kl": summary.mean_kl,
                           "top1_agreement": summary.top1_agreement,
                           "mean_dropped_mass": summary.mean_dropped_mass, "seconds": seconds,

@@ -133,6 +133,10 @@ TABLES: dict[str, pa.Schema] = {
            nullable=True),
         _f("recent", pa.int32(), "recent slot count of this request (see heavy); null: full cache",
            nullable=True),
+        _f("prompt_index", pa.int32(),
+           "prompt this sequence continues, numbered across the run's generate calls", nullable=True),
+        _f("sample_index", pa.int32(),
+           "which of the num_return_sequences sequences of its prompt (0-based)", nullable=True),
     ]),
 }
 TABLE_NAMES: tuple[str, ...] = tuple(TABLES)
@@ -182,6 +186,11 @@ RUNS = pa.schema([
     _f("schema_version", pa.int32(), "log format version of the manifest", nullable=True),
     _f("config", pa.string(), "run configuration, JSON", nullable=True),
     _f("path", pa.string(), "run folder", nullable=True),
+    _f("integrity", pa.string(), "'ok' when every file of the run was read in full and matches the "
+       "manifest's row counts; otherwise what is wrong (details in the problems view)", nullable=True),
+    _f("logit_tolerance", pa.float64(),
+       "implementation check: largest accepted |logit difference|, derived from the run's dtype",
+       nullable=True),
 ])
 
 VIEW_NAMES: tuple[str, ...] = ("runs",) + TABLE_NAMES

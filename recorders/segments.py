@@ -9,7 +9,7 @@ only complete files plus, at worst, one ``*.tmp`` that the next writer
 removes (DESIGN.md §7).
 
 Encoding: zstd, byte-stream-split for float columns, delta for int64 columns,
-dictionary for the rest. Every file carries the key-value metadata
+dictionary for the rest; every page carries a CRC-32 checksum. Every file carries the key-value metadata
 ``h2o_lens.schema_version``, ``h2o_lens.config``, ``h2o_lens.table`` and
 ``h2o_lens.run_id``.
 """
@@ -96,6 +96,7 @@ def write_options(schema: pa.Schema) -> dict[str, Any]:
         "column_encoding": encoding,
         "row_group_size": ROW_GROUP_SIZE,
         "write_statistics": True,
+        "write_page_checksum": True,  # readers verify every page (recorders.catalog)
     }
 
 

@@ -4,7 +4,8 @@
 ``tokens``, ``evictions``, ``steps``, ``replay``, ``replay_steps`` (DESIGN.md
 §5) and ``problems``. The data views read an explicit list of validated
 files with ``union_by_name=true``: a damaged file is left out and reported,
-never allowed to fail a query over all runs. Every view exists, with the
+never allowed to fail a query over all runs, and the run it belongs to is
+marked in ``runs.integrity``. Every view exists, with the
 declared columns, even when no run has written that table yet; columns added
 by later versions appear after the declared ones.
 
@@ -26,7 +27,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .catalog import Catalog, RunEntry, SegmentFile, run_row, scan_root, scan_run
+from .catalog import Catalog, Problem, RunEntry, SegmentFile, run_row, scan_root, scan_run
 from .errors import DamagedFileError, RecorderWarning
 from .manifest import mark_interrupted
 from .schema import RUNS, TABLE_NAMES, duckdb_type, table_schema
@@ -52,8 +53,8 @@ def _literal(value: Any, type_: pa.DataType) -> str:
         text = f"'{value!r}'" if isinstance(value, float) and not math.isfinite(value) else repr(value)
     elif isinstance(value, dt.datetime):
         text = "'" + value.isoformat(sep=" ") + "'"
-    else:
-        text = "'" + str(value).replace("'", "''") + "'"
+    else:  # text that is not valid Unicode (a lone surrogate from a file name) is made readable
+        text = "'" + str(value).encode("utf-8", "replace").decode("utf-8").replace("'", "''") + "'"
     return f"CAST({text} AS {sql_type})"
 
 
@@ -123,7 +124,7 @@ def open_runs(root: str | os.PathLike, *, con: duckdb.DuckDBPyConnection | None 
     create_views(con, catalog)
     if warn:
         for problem in catalog.problems:
-            warnings.warn(f"skipped {problem}", RecorderWarning, stacklevel=2)
+            warnings.warn(str(problem), RecorderWarning, stacklevel=2)
     return con
 
 
@@ -176,11 +177,11 @@ def _read_segment(seg: SegmentFile) -> pa.Table:
                                "move it away or delete it") from None
 
 
-def _strict_run(run_dir: str | os.PathLike) -> RunEntry:
+def _strict_run(run_dir: str | os.PathLike) -> tuple[RunEntry, list[Problem]]:
     run, problems = scan_run(run_dir, strict=True)
-    if problems:  # only the folder/run_id naming note is left in strict mode
+    if problems:  # manifest field types, the folder/run_id note and row counts are not fatal
         warnings.warn("; ".join(str(p) for p in problems), RecorderWarning, stacklevel=3)
-    return run
+    return run, problems
 
 
 def check_run(run_dir: str | os.PathLike) -> RunCheck:
@@ -189,9 +190,13 @@ def check_run(run_dir: str | os.PathLike) -> RunCheck:
     Raises
     ------
     ManifestError, DamagedFileError, SchemaError, SchemaVersionError
-        Each names the file concerned.
+        Each names the file concerned; :class:`DamagedFileError` also when the
+        rows read differ from the row counts the manifest records.
     """
-    run = _strict_run(run_dir)
+    run, problems = _strict_run(run_dir)
+    counts = [p for p in problems if p.kind == "rows"]
+    if counts:
+        raise DamagedFileError(str(counts[0]))
     rows: dict[str, int] = {}
     files: list[Path] = []
     for table, segs in run.files.items():
@@ -229,9 +234,10 @@ def load_run(run_dir: str | os.PathLike, tables: Iterable[str] | None = None) ->
     Raises
     ------
     ManifestError, DamagedFileError, SchemaError, SchemaVersionError
-        Each names the file concerned.
+        Each names the file concerned. Row counts that differ from the
+        manifest's are a :class:`RecorderWarning` (:func:`check_run` raises).
     """
-    run = _strict_run(run_dir)
+    run, _ = _strict_run(run_dir)
     out = {}
     for table in (tables or TABLE_NAMES):
         segs = run.files.get(table, [])

@@ -8,12 +8,18 @@ import shutil
 import subprocess
 
 import jsonschema
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
+from markdown_it import MarkdownIt
 from plotly.offline import get_plotlyjs
 
 import analyses
 from analyses import ParameterError, Thresholds, build_report, report_data, write_report
-from recorders import open_runs, write_synthetic_run
+from recorders import open_runs, write_segment, write_synthetic_run
+from recorders.manifest import read_manifest, write_manifest
+from recorders.schema import TABLES
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -94,7 +100,7 @@ def test_markdown_reads_as_a_summary(root):
                     "## Evidence", "## Cache dynamics", "## Oracle agreement", "## Failures"):
         assert heading in md
     assert "**Verdict: FAIL**" in md and "```sql" in md
-    assert "Not available" in md and "teacher_future_mass" in md
+    assert "Not available" in md and "teacher\\_future\\_mass" in md  # Markdown-escaped, renders as is
 
 
 def test_write_report_picks_the_format_from_the_suffix(root, tmp_path):
@@ -130,3 +136,61 @@ def test_html_renders_offline_in_headless_chromium(html, tmp_path):
     assert console == [], console
     assert out.stdout.count('class="main-svg"') >= figs  # plotly drew an SVG per figure
     shutil.rmtree(tmp_path / "profile", ignore_errors=True)
+
+
+# -- text from the logs is shown as text; damaged runs say so ------------------------------------------
+
+HOSTILE_NAME = '<script>alert("name")</script> ![pixel](http://example.invalid/name.png)'
+HOSTILE_LABEL = '<img src=x onerror=alert(1)>[click](http://example.invalid/label) ``` |'
+
+
+@pytest.fixture(scope="module")
+def hostile_root(tmp_path_factory):
+    """A run whose name and evidence label carry HTML and Markdown, and a run missing a segment."""
+    root = tmp_path_factory.mktemp("hostile")
+    run = write_synthetic_run(root, "hostile", layers=2, kv_heads=2, steps=24, prompt_len=48, heavy=12,
+                              recent=12, fsync=False)
+    manifest = read_manifest(run)
+    manifest["name"] = HOSTILE_NAME
+    write_manifest(run, manifest)
+    seg = run / "tokens-00000.parquet"
+    tokens = pq.read_table(seg)
+    labels = pc.if_else(tokens["evidence"].is_valid(), HOSTILE_LABEL, pa.scalar(None, pa.string()))
+    tokens = tokens.set_column(tokens.schema.get_field_index("evidence"), "evidence", labels)
+    write_segment(seg, "tokens", tokens.replace_schema_metadata(None).cast(TABLES["tokens"]), run_id="hostile",
+                  fsync=False)
+    short = write_synthetic_run(root, "short", layers=2, kv_heads=2, steps=24, prompt_len=48, heavy=12,
+                                recent=12, fsync=False)
+    (short / "evictions-00000.parquet").unlink()
+    return root
+
+
+def _rendered(md: str) -> str:
+    return MarkdownIt("commonmark").enable("table").render(md)
+
+
+def test_markdown_report_shows_log_text_as_text(hostile_root):
+    md = build_report(hostile_root, "hostile", fmt="md", failed={0: True})
+    assert "example.invalid" in md and "evidence" in md  # the text is there...
+    page = _rendered(md)
+    for tag in ("<script", "<img", "<a "):  # ...but renders as no element at all
+        assert tag not in page, tag
+    assert "&lt;script&gt;" in page and "![pixel](http://example.invalid/name.png)" in page
+    label = HOSTILE_LABEL.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    assert label in page  # table cells keep the label whole (its | and ``` included)
+    html_page = build_report(hostile_root, "hostile", fmt="html", failed={0: True})
+    assert "<script>alert" not in html_page and "<img src=x" not in html_page
+
+
+def test_report_of_a_run_missing_a_segment_says_so_and_fails_the_gate(hostile_root):
+    data = report_data(hostile_root, "short")
+    jsonschema.validate(json.loads(json.dumps(data)), analyses.report_schema())
+    assert data["run"]["integrity"].startswith("evictions: 0 of ")
+    assert [p["table_name"] for p in data["run"]["problems"]] == ["evictions"]
+    check = {c["name"]: c for c in data["verdict"]["checks"]}["problems"]
+    assert check["status"] == "fail" and data["verdict"]["pass"] is False
+    assert data["summary"]["evictions"] == 0  # what was read, flagged above
+    md = build_report(hostile_root, "short", fmt="md")
+    assert "this run's data is damaged or incomplete" in md and "manifest records" in md
+    assert 'id="integrity"' in build_report(hostile_root, "short", fmt="html")
+    assert report_data(hostile_root, "hostile")["run"]["integrity"] == "ok"

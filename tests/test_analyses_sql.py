@@ -2,11 +2,18 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
-from analyses import (Sandbox, SQLRefusedError, SQLSandboxError, SQLTimeoutError, check_sql,
+from analyses import (ParameterError, Sandbox, SQLRefusedError, SQLSandboxError, SQLTimeoutError, check_sql,
                       format_result, run_sql, view_schemas)
 from recorders import write_synthetic_run
 
@@ -63,6 +70,13 @@ def test_row_cap_and_formats(root):
     ("WITH x AS (DELETE FROM runs RETURNING *) SELECT * FROM x", "DELETE"),
     ("SELECT * FROM query('SELECT 1')", "query()"),
     ("CALL pragma_version()", "CALL"),
+    (("SELECT * FROM json_execute_serialized_sql(json_serialize_sql("
+      "'WITH x AS (COPY (SELECT 1 AS a) TO ''{root}/x.csv'') SELECT * FROM x'))"), "json_execute_serialized_sql()"),
+    ("SELECT * FROM json_execute_serialized_sql('{{}}')", "json_execute_serialized_sql()"),
+    ("SELECT json_serialize_plan('SELECT 1')", "json_serialize_plan()"),
+    ("FROM query_table('runs')", "query_table()"),
+    ("SELECT * FROM checkpoint()", "table function checkpoint()"),
+    ("SELECT * FROM enable_profiling()", "table function enable_profiling()"),
 ])
 def test_statements_that_escape_are_refused(root, outside, sql, why):
     sql = sql.format(root=root, outside=outside)
@@ -123,3 +137,106 @@ def test_a_root_linking_outside_is_refused(tmp_path, outside):
     (root / "run-l" / "escape").symlink_to(outside)
     with pytest.raises(SQLRefusedError, match="outside the runs root"):
         run_sql(root, "SELECT 1")
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _python(script: str, *, data_cap: int = 3 * 2**30, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``script`` in a child Python with the repository importable and a 3 GiB data-segment backstop
+    (so that a limit that fails cannot take the machine's memory)."""
+    def backstop() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (data_cap, data_cap))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], check=False, capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=timeout, preexec_fn=backstop)
+
+
+def test_memory_limit_holds_for_single_expressions(root):
+    # DuckDB's memory_limit alone did not hold for these: a list or a string built by one scalar
+    # expression grew to several times the limit (the string and the concatenation returned,
+    # the last after 1.2 GB under this 256 MB limit).
+    got = _python(f"""
+        import resource
+        from analyses import Sandbox, SQLSandboxError
+        with Sandbox({str(root)!r}, memory_limit="256MB") as box:
+            for sql in ["SELECT length(list(range(5e7::BIGINT))) AS n",
+                        "SELECT length(repeat('x', 6e8::BIGINT)) AS n",
+                        "SELECT length(list_concat(range(2e7::BIGINT), range(2e7::BIGINT), "
+                        "range(2e7::BIGINT))) AS n"]:
+                try:
+                    print("RESULT", box.run(sql, timeout_s=120).n[0])
+                except SQLSandboxError as exc:
+                    print("ERROR", exc)
+            print("AFTER", box.run("SELECT 41 + 1 AS n").n[0])
+        peak = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        print("PEAK", peak * 1024)
+    """)
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.splitlines()
+    peak = int(lines[-1].split()[1])  # the largest of this process and its worker
+    assert peak < 256e6 + 320 * 2**20, f"peak RSS {peak / 2**20:.0f} MiB under a 256 MB limit: {lines}"
+    errors = [line for line in lines if line.startswith("ERROR")]
+    assert len(errors) == 3 and all("256 MB memory limit" in e for e in errors), lines
+    assert "AFTER 42" in lines  # the sandbox goes on working
+
+
+def test_queries_that_need_to_spill_use_the_sandbox_temp_folder(root):
+    with Sandbox(root, memory_limit="256MB") as box:
+        df = box.run("SELECT count(*) AS n FROM (SELECT DISTINCT i::VARCHAR || 'abcdefghijkl' AS s "
+                     "FROM range(6000000) t(i))", timeout_s=120)
+    assert df.n[0] == 6_000_000
+
+
+def test_results_past_the_byte_cap_are_refused(root):
+    sql = "SELECT i, repeat('x', 1000) AS s FROM range(5000) t(i)"
+    with pytest.raises(SQLSandboxError, match="byte cap"):
+        run_sql(root, sql, max_rows=10_000, max_bytes="1MB")
+    df = run_sql(root, sql, max_rows=10_000, max_bytes=20_000_000)
+    assert len(df) == 5000 and df.s.str.len().eq(1000).all()
+    df = run_sql(root, sql, max_rows=100, max_bytes="1MB")  # the cap counts the rows that come back
+    assert len(df) == 100 and df.attrs["truncated"]
+
+
+def test_the_time_limit_is_final(root):
+    # Folded to a constant while planning: DuckDB's interrupt cannot stop it, and the result
+    # used to come back seconds after the timer fired.
+    with Sandbox(root, memory_limit="2GB") as box:
+        assert box.run("SELECT 1 AS x").x[0] == 1  # the worker is up: time only the query
+        t = time.perf_counter()
+        with pytest.raises(SQLTimeoutError, match="0.3 s time limit"):
+            box.run("SELECT length(repeat('x', 4e8::BIGINT)) AS n", timeout_s=0.3)
+        assert time.perf_counter() - t < 3.0  # it used to return after 5 to 8 s
+        assert box.run("SELECT 2 AS x").x[0] == 2
+
+
+@pytest.mark.parametrize("bad", [{"timeout_s": math.nan}, {"timeout_s": math.inf}, {"timeout_s": 0},
+                                 {"timeout_s": -1.0}, {"max_bytes": 0}, {"max_bytes": "lots"},
+                                 {"max_bytes": math.inf}, {"max_bytes": "-5MB"}, {"memory_limit": "nan"}])
+def test_limits_must_be_finite_and_positive(root, bad):
+    with pytest.raises(ParameterError, match="finite|size"):
+        run_sql(root, "SELECT 1 AS x", **bad)
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "commands.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, cwd=REPO, text=True)
+
+
+def test_cli_closed_pipe_ends_quietly(root):
+    proc = _cli("sql", str(root), "SELECT i, 'row ' || i AS label FROM range(200000) t(i)", "--max-rows", "200000")
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as `| head -1` does
+    err = proc.stderr.read()
+    proc.wait(timeout=120)
+    assert first.split() == ["i", "label"]
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("flag, value", [("--timeout", "nan"), ("--timeout", "inf"), ("--max-bytes", "0")])
+def test_cli_bad_limits_give_one_line(root, flag, value):
+    proc = _cli("sql", str(root), "SELECT 1", flag, value)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "finite" in err, err

@@ -48,18 +48,22 @@ def test_runs_table_headline_numbers_match_pandas(world):
     assert (got.loc["a", "checked"], got.loc["a", "correct"], got.loc["a", "correct_share"]) == (2, 1, 0.5)
     assert got.loc["b", "checked"] == 0 and pd.isna(got.loc["b", "correct_share"])
     assert got.loc["b", "source_run"] == "a" and got.loc["b", "gqa"] == "max"
-    assert got.loc["c", "problems"] == 1 and got.loc["c", "evictions"] == 0 and pd.isna(got.loc["c", "kl_mean"])
-    assert got.loc["a", "problems"] == 0
+    # run c: its evictions file is left out, so the file and the short row count are both problems
+    assert got.loc["c", "problems"] == 2 and got.loc["c", "evictions"] == 0 and pd.isna(got.loc["c", "kl_mean"])
+    assert got.loc["c", "integrity"] == (f"evictions-00000.parquet left out (unreadable); evictions: 0 of "
+                                         f"{read_manifest(world['root'] / 'c')['rows']['evictions']} rows")
+    assert got.loc["a", "problems"] == 0 and got.loc["a", "integrity"] == "ok"
     names = dict(world["con"].sql("SELECT run_id, name FROM runs").fetchall())
     assert got["name"].to_dict() == names
 
 
 def test_run_problems_name_the_damaged_file(world):
-    probs = views.run_problems(world["con"], "c").df()
-    assert len(probs) == 1 and probs["path"][0].endswith("evictions-00000.parquet")
+    probs = views.run_problems(world["con"], "c").df().sort_values("path", ignore_index=True)
+    assert len(probs) == 2 and probs["path"][0].endswith("evictions-00000.parquet")
     assert probs["table_name"][0] == "evictions" and "Parquet" in probs["reason"][0]
+    assert probs["path"][1].endswith("manifest.json") and "manifest records" in probs["reason"][1]
     assert views.run_problems(world["con"], "a").df().empty
-    assert len(views.run_problems(world["con"]).df()) == 1
+    assert len(views.run_problems(world["con"]).df()) == 2
 
 
 def test_kv_sets_and_step_range(world):

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import ast
+import html
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +11,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from markdown_it import MarkdownIt
 
+from app.plain import code, md
 from recorders import to_arrow, write_segment, write_synthetic_run
 from recorders.manifest import read_manifest, write_manifest
 
@@ -23,6 +27,10 @@ TITLES = {"runs": "Runs", "overview": "Overview", "tokens": "Tokens", "heads": "
           "dynamics": "Dynamics", "evictions": "Evictions", "compare": "Compare", "report": "Report",
           "sql": "SQL console"}
 SHAPE = dict(layers=4, kv_heads=2, steps=48, prompt_len=64, heavy=16, recent=16, fsync=False)
+OUTSIDE = "example.invalid"  # a crafted link points there; nothing may link to or load from it
+HOSTILE = {"name": f"![pixel](http://{OUTSIDE}/name.png) <img src=http://{OUTSIDE}/tag.png>",
+           "error": f"boom [click](http://{OUTSIDE}/error) ![e](http://{OUTSIDE}/error.png) :red[red]",
+           "policy": f"[h2o](http://{OUTSIDE}/policy)", "model": f"![m](http://{OUTSIDE}/model.png)"}
 
 
 def _link(root: Path, run_id: str, **fields: object) -> None:
@@ -50,7 +58,9 @@ def build_runs_root(root: Path) -> Path:
     * ``h2o-max``: the same tokens under ``gqa='max'``, paired through ``source_run``;
     * ``cut-short``: interrupted (its writer died), no replay;
     * ``damaged``: its replay segment is truncated (no footer);
-    * ``bad-manifest``: its manifest is not JSON (status unknown, no settings).
+    * ``bad-manifest``: its manifest is not JSON (status unknown, no settings);
+    * ``hostile``: failed; its manifest fields and evidence label hold Markdown images, links and
+      HTML pointing outside, its ``writer`` is a string and its seed overflows int64.
     """
     root.mkdir(parents=True, exist_ok=True)
     write_synthetic_run(root, "h2o-sum", requests=2, **SHAPE)
@@ -71,6 +81,13 @@ def build_runs_root(root: Path) -> Path:
     seg.write_bytes(seg.read_bytes()[: seg.stat().st_size // 2])
     write_synthetic_run(root, "bad-manifest", seed=6, **SHAPE)
     (root / "bad-manifest" / "manifest.json").write_text("{not json")
+    write_synthetic_run(root, "hostile", seed=7, **SHAPE)
+    _link(root, "hostile", status="failed", writer="pid 1 somewhere", seed=2**70, **HOSTILE)
+    seg = root / "hostile" / "tokens-00000.parquet"
+    tokens = pq.read_table(seg).replace_schema_metadata(None)
+    labels = [HOSTILE["name"] if v is not None else None for v in tokens["evidence"].to_pylist()]
+    tokens = tokens.set_column(tokens.schema.get_field_index("evidence"), "evidence", pa.array(labels, pa.string()))
+    write_segment(seg, "tokens", tokens, run_id="hostile", fsync=False)
     return root
 
 
@@ -131,7 +148,7 @@ def test_every_page_renders_for_a_complete_run(root, monkeypatch, page):
 
 
 @pytest.mark.parametrize("page", PAGES)
-@pytest.mark.parametrize("run", ["cut-short", "damaged", "h2o-max", "bad-manifest"])
+@pytest.mark.parametrize("run", ["cut-short", "damaged", "h2o-max", "bad-manifest", "hostile"])
 def test_every_page_survives_partial_runs(root, monkeypatch, page, run):
     at = app(root, monkeypatch, run=run, page=page)
     no_exception(at)
@@ -143,7 +160,7 @@ def test_runs_page_lists_runs_and_skipped_files(root, monkeypatch):
     at = app(root, monkeypatch)
     no_exception(at)
     table = at.dataframe[0].value
-    assert sorted(table["run_id"]) == ["bad-manifest", "cut-short", "damaged", "h2o-max", "h2o-sum"]
+    assert sorted(table["run_id"]) == ["bad-manifest", "cut-short", "damaged", "h2o-max", "h2o-sum", "hostile"]
     row = table.set_index("run_id").loc["h2o-sum"]
     assert row["evictions"] > 0 and 0 <= row["top1_agreement"] <= 1 and row["correct"] == "1/2"
     assert table.set_index("run_id").loc["cut-short", "status"] == "interrupted"
@@ -364,6 +381,81 @@ def test_root_resolution(tmp_path, monkeypatch):
     monkeypatch.setenv(state.ROOT_ENV, str(tmp_path))
     assert state.resolve_root(["-q", "--ro"]) == tmp_path  # no abbreviation of --root
     assert state.resolve_root(["--root", str(tmp_path / "x")]) == tmp_path / "x"
+
+
+# -- text shown to people is shown as text --------------------------------------------------------
+
+_MARKDOWN_KINDS = ("title", "subheader", "markdown", "caption", "warning", "error", "info", "success")
+
+
+def _rendered_elements(at: AppTest) -> str:
+    """The HTML a CommonMark renderer makes of every Markdown element of the page."""
+    md = MarkdownIt("commonmark")
+    return "\n".join(md.render(str(e.value)) for kind in _MARKDOWN_KINDS for e in getattr(at, kind))
+
+
+@pytest.mark.parametrize("page", ["runs", "overview", "tokens", "compare", "report"])
+def test_manifest_and_log_text_is_shown_as_text(root, monkeypatch, page):
+    at = app(root, monkeypatch, run="hostile", page=page, other="hostile")
+    no_exception(at)
+    shown = "\n".join(str(e.value) for kind in _MARKDOWN_KINDS for e in getattr(at, kind))
+    rendered = _rendered_elements(at)
+    assert "<img" not in rendered and "<a " not in rendered and ":red[red]" not in shown
+    if page == "overview":  # the error is there, as text
+        assert f"boom \\[click\\]\\(http\N{WORD JOINER}\\://{OUTSIDE}/error\\)" in texts(at, "warning")
+        assert "damaged or incomplete data" in texts(at, "caption")  # its manifest had bad fields
+
+
+def test_link_parameters_are_shown_as_text(root, monkeypatch):
+    crafted = f"x` ![p](http://{OUTSIDE}/p.png) [l](http://{OUTSIDE}/l) <img src=http://{OUTSIDE}/i.png>"
+    at = app(root, monkeypatch, run=crafted, page="overview")
+    no_exception(at)
+    assert OUTSIDE in texts(at, "warning")  # named in the "not under this root" message...
+    rendered = _rendered_elements(at)
+    assert "<img" not in rendered and "<a " not in rendered  # ...as text
+
+
+def test_manifest_fields_of_the_wrong_type_mark_the_run(root, monkeypatch):
+    at = app(root, monkeypatch, run="hostile", page="runs")
+    no_exception(at)
+    table = at.dataframe[0].value.set_index("run_id")
+    assert "writer invalid" in table.loc["hostile", "integrity"] and "seed invalid" in table.loc["hostile", "integrity"]
+    assert table.loc["h2o-sum", "integrity"] == "ok"
+    assert "replay-00000.parquet left out" in table.loc["damaged", "integrity"]
+    assert "field writer is str, expected an object" in texts(at, "warning")
+    picker = widget(at, "selectbox", "Run")
+    assert picker.format_func("hostile").endswith("· damaged data")
+    assert not picker.format_func("h2o-sum").endswith("damaged data")
+
+
+def test_page_icon_is_drawn_locally():
+    tree = ast.parse(MAIN.read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "set_page_config"]
+    (icon,) = [ast.literal_eval(k.value) for c in calls for k in c.keywords if k.arg == "page_icon"]
+    # ":material/...:" and ":shortcode:" icons make the browser fetch from a font server
+    assert not icon.startswith(":") and len(icon) == 1
+
+
+# GFM's literal autolinks (mdast-util-gfm-autolink-literal), which Streamlit applies to text after escapes
+_GFM_URL = re.compile(r"(https?://|www(?=\.))([-.\w]+)", re.I)
+_GFM_EMAIL = re.compile(r"([-.\w+]+)@([-\w]+(?:\.[-\w]+)+)")
+
+
+@pytest.mark.parametrize("text", [
+    "![pixel](http://example.com/p.png)", "[click](https://example.com)", "<img src=x onerror=alert(1)>",
+    "see www.example.com or HTTP://example.com/x", "mail a.b@example.com", ":red[red] :material/home: $x^2$",
+    "**bold** _it_ `code` # head | pipe ~strike~ \\ back", "line\nbreak",
+])
+def test_plain_markdown_shows_the_characters_and_nothing_more(text):
+    rendered = MarkdownIt("commonmark").render(md(text))
+    assert rendered.count("<") == 2 and rendered.startswith("<p>")  # one paragraph, no other element
+    shown = html.unescape(rendered[3:-5]).replace("\N{WORD JOINER}", "")
+    assert shown == " ".join(text.splitlines())
+    plain = html.unescape(rendered[3:-5])  # the text node Streamlit's GFM plugin searches for links
+    assert not _GFM_URL.search(plain) and not _GFM_EMAIL.search(plain)
+    assert not re.search(r":\w+\[|:material/|\$", md(text).replace("\\:", "").replace("\\$", ""))
+    inline = MarkdownIt("commonmark").render(f"x {code(text)} y")
+    assert inline.count("<code>") == 1 and "<a" not in inline and "<img" not in inline
 
 
 def test_compare_colours_runs_by_their_policy():

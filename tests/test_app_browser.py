@@ -8,11 +8,12 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
-from app.bench import CHROMIUM, Session, browser, serve, visit
-from test_app import PAGES, TITLES, build_runs_root
+from app.bench import CHROMIUM, DONE, Session, browser, serve, visit
+from test_app import OUTSIDE, PAGES, TITLES, build_runs_root
 
 if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM} (Debian package 'chromium')", allow_module_level=True)
@@ -124,3 +125,37 @@ def test_report_download_builds_the_html_report(server, chromium, tmp_path):
         assert page.locator("[data-testid=stException]").count() == 0
     finally:
         page.close()
+
+
+def _outside(url: str) -> bool:
+    """Whether the browser's request ``url`` leaves this machine's dashboard server."""
+    parts = urlsplit(url)
+    return parts.scheme not in ("data", "blob", "about", "chrome", "chrome-extension") and \
+        parts.hostname not in ("127.0.0.1", "localhost")
+
+
+def test_pages_load_nothing_from_outside_the_machine(server, chromium):
+    """Offline use: no request leaves 127.0.0.1 while every page loads, for a plain run and for
+    a run whose manifest and evidence labels hold Markdown images, links and HTML pointing out."""
+    url, _ = server
+    requests: list[str] = []
+    page = chromium.new_page()
+    page.on("request", lambda r: requests.append(r.url))
+    try:
+        for run in ("h2o-sum", "hostile"):
+            for key in PAGES:
+                page.goto(_url(url, key, run=run, other="hostile"))
+                page.wait_for_selector(f"{DONE} [data-testid=stMain] h1", timeout=120_000)
+                page.wait_for_timeout(500)  # late loads: fonts, icons, images
+                assert page.locator("[data-testid=stException]").count() == 0, (run, key)
+                linked = page.evaluate(
+                    "(host) => Array.from(document.querySelectorAll('[src], [href]'))"
+                    ".map(e => e.getAttribute('src') || e.getAttribute('href'))"
+                    ".filter(v => v.includes(host))", OUTSIDE)
+                assert linked == [], (run, key, linked)
+        icons = page.evaluate("() => Array.from(document.querySelectorAll(\"link[rel~='icon']\"))"
+                              ".map(e => e.href)")
+    finally:
+        page.close()
+    assert [u for u in requests if _outside(u)] == []
+    assert icons and not [u for u in icons if _outside(u)], icons

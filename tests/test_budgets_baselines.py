@@ -8,6 +8,7 @@ from runtime_utils import KeptRecorder, assert_same_sets, capture_qk, reference_
 from tiny import tiny_model
 
 import h2o_lens
+import recorders
 from h2o_lens import H2OConfig
 from recorders import open_runs, read_manifest
 
@@ -76,7 +77,7 @@ def test_ratio_budgets_are_logged_per_request(tmp_path):
     model = tiny_model("llama")
     seqs = [_ids(n, seed=n) for n in LENS]
     ids, mask = _left_pad(seqs)
-    with h2o_lens.record(model, H2OConfig(ratio=0.4), out=tmp_path, fsync=False) as run:
+    with recorders.record(model, H2OConfig(ratio=0.4), out=tmp_path, fsync=False) as run:
         _generate(model, ids, mask, 6)
         _generate(model, _ids(25, seed=1)[None], None, 6)
     con = open_runs(tmp_path)
@@ -96,13 +97,30 @@ def test_ratio_budgets_are_logged_per_request(tmp_path):
 
 def test_slot_budget_keeps_run_level_counts(tmp_path):
     model = tiny_model("llama")
-    with h2o_lens.record(model, H2OConfig(heavy=3, recent=2), out=tmp_path, fsync=False) as run:
+    with recorders.record(model, H2OConfig(heavy=3, recent=2), out=tmp_path, fsync=False) as run:
         _generate(model, _ids(12, seed=0)[None], None, 4)
         _generate(model, _ids(20, seed=1)[None], None, 4)
     m = read_manifest(run.run_dir)
     assert (m["heavy"], m["recent"], m["budget_per_request"]) == (3, 2, False)
     rows = open_runs(tmp_path).execute("SELECT heavy, recent FROM requests").fetchall()
     assert rows == [(3, 2), (3, 2)]
+
+
+def test_ratio_budgets_follow_beam_rows():
+    """Beam search expands and reorders the rows; each row keeps its request's budget."""
+    model = tiny_model("llama")
+    seqs = [_ids(n, seed=n) for n in (10, 30)]
+    ids, mask = _left_pad(seqs)
+    with h2o_lens.h2o(model, ratio=0.4) as s, torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=2, do_sample=False,
+                       pad_token_id=0)
+    cache = s.last_cache
+    b = cache.request_budgets()
+    assert b["heavy"].tolist() == [2, 2, 6, 6] and b["recent"].tolist() == [2, 2, 6, 6]
+    assert cache.resolved_config is None  # no single budget for the batch
+    layer = cache.layers[0]
+    held = (layer.positions >= 0).sum(-1)  # (rows, Hs)
+    assert held[:2].max() <= 4 and held[2:].max() <= 12 and layer.keys.shape[2] == 12
 
 
 @pytest.mark.parametrize("policy", ["random", "local", "sink", "heavy"])
@@ -146,7 +164,7 @@ def test_baseline_rows_log_the_scores_that_chose(tmp_path, policy):
     seqs = [_ids(n, seed=n) for n in (30, 17)]
     ids, mask = _left_pad(seqs)
     cfg = H2OConfig(policy=policy, heavy=3, recent=4, sink=2, seed=3)
-    with h2o_lens.record(model, cfg, out=tmp_path, fsync=False):
+    with recorders.record(model, cfg, out=tmp_path, fsync=False):
         _generate(model, ids, mask, 8)
     ev = open_runs(tmp_path).execute(
         "SELECT request, step, layer, kv_head, position, score, margin, phase FROM evictions").df()
@@ -191,7 +209,7 @@ def no_model(monkeypatch):
     ("bad_policy", "unknown policy"),
 ])
 def test_record_refuses_bad_input_before_loading_the_model(tmp_path, capsys, no_model, case, needle):
-    from h2o_lens.cli import main
+    from commands.cli import main
 
     runs = tmp_path / "runs"
     blank = tmp_path / "blank.txt"
@@ -222,7 +240,7 @@ def test_record_refuses_bad_input_before_loading_the_model(tmp_path, capsys, no_
 
 
 def test_record_full_policy_says_the_budget_is_ignored(tmp_path, capsys, no_model):
-    from h2o_lens.cli import main
+    from commands.cli import main
 
     with pytest.raises(AssertionError, match="model was loaded"):  # valid input: it goes on to load
         main(["record", "--policy", "full", "--heavy", "8", "--prompt", "hello", "--out", str(tmp_path)])
@@ -232,3 +250,23 @@ def test_record_full_policy_says_the_budget_is_ignored(tmp_path, capsys, no_mode
     with pytest.raises(AssertionError):
         main(main_args)
     assert "ignored" not in capsys.readouterr().err
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton needs a GPU or TRITON_INTERPRET=1 (set by `make test`)")
+def test_per_request_budgets_on_the_triton_backend():
+    """Rows of different budgets step through the fused kernel on their own slots, like torch."""
+    model = tiny_model("llama")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device)
+    ids, mask = _left_pad([_ids(n, seed=n) for n in LENS])
+    runs = {}
+    for backend in ("torch", "triton"):
+        with h2o_lens.h2o(model, H2OConfig(ratio=0.4, backend=backend)) as s:
+            out = _generate(model, ids.to(device), mask.to(device), 8)
+        assert s.last_cache.backend == backend and len(s.last_cache.budgets) == 3
+        runs[backend] = (out, [layer.positions.sort(-1).values for layer in s.last_cache.layers])
+    assert torch.equal(runs["torch"][0], runs["triton"][0])
+    for a, b in zip(runs["torch"][1], runs["triton"][1]):
+        assert torch.equal(a, b)

@@ -6,6 +6,7 @@ import torch
 from runtime_utils import KeptRecorder, assert_same_sets, capture_qk, reference_sets
 
 import h2o_lens
+import recorders
 from h2o_lens import H2OConfig
 
 pytestmark = pytest.mark.model
@@ -63,7 +64,7 @@ def test_real_model_record_replay_and_evidence(smol, tmp_path):
     from recorders.replay import replay
 
     model, tok, enc = smol
-    with h2o_lens.record(model, H2OConfig(heavy=16, recent=16), out=tmp_path, tokenizer=tok,
+    with recorders.record(model, H2OConfig(heavy=16, recent=16), out=tmp_path, tokenizer=tok,
                          evidence={"code": "4419", "city": "Lisbon"}, fsync=False) as run:
         _gen(model, enc, tok, new=12)
     summary = replay(tmp_path / run.run_id, model=model, progress=False)
@@ -76,7 +77,7 @@ def test_real_model_record_replay_and_evidence(smol, tmp_path):
 
 
 def test_cli_generate_prints_text_and_bytes(capsys):
-    from h2o_lens.cli import main
+    from commands.cli import main
 
     assert main(["generate", "--prompt", "Name a colour.", "--heavy", "8", "--recent", "8",
                  "--max-new-tokens", "8"]) == 0

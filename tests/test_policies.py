@@ -187,8 +187,8 @@ def test_analyses_read_scored_and_colours_from_the_registry():
 
 
 def test_sweep_grid_from_the_command_line(capsys):
-    from h2o_lens.cli import main, sweep_grid
-    from h2o_lens.suite import SWEEP_POLICIES
+    from commands.cli import main, sweep_grid
+    from commands.jobs import SWEEP_POLICIES
 
     assert sweep_grid(None) == SWEEP_POLICIES == (("h2o", "sum"), ("h2o", "max"), ("local", "sum"),
                                                    ("heavy", "sum"), ("sink", "sum"), ("random", "sum"))

@@ -14,6 +14,7 @@ import torch
 from tiny import tiny_model
 
 import h2o_lens
+import recorders
 from h2o_lens import H2OConfig
 from recorders import list_runs, load_run, open_runs, read_manifest
 from recorders.recorder import locate_evidence, record_teacher_forced
@@ -46,7 +47,7 @@ STEP_COLS = ["request", "step", "layer", "kv_head", "min_heavy_score", "promoted
 def test_record_writes_every_table_and_matches_the_cache(tmp_path):
     model = tiny_model("llama")
     cfg = H2OConfig(heavy=4, recent=3)
-    with h2o_lens.record(model, cfg, out=tmp_path, fsync=False, name="demo") as run:
+    with recorders.record(model, cfg, out=tmp_path, fsync=False, name="demo") as run:
         seq = _gen(model, _ids(20), new=12)
     assert run.status == "complete"
     runs = list_runs(tmp_path)
@@ -85,7 +86,7 @@ def test_exception_marks_failed_and_restores_model(tmp_path):
     ids = _ids(16)
     before = _gen(model, ids)
     with pytest.raises(ValueError, match="bad prompt"):
-        with h2o_lens.record(model, H2OConfig(heavy=3, recent=3), out=tmp_path, fsync=False) as run:
+        with recorders.record(model, H2OConfig(heavy=3, recent=3), out=tmp_path, fsync=False) as run:
             _gen(model, ids)
             raise ValueError("bad prompt")
     m = read_manifest(tmp_path / run.run_id)
@@ -107,7 +108,7 @@ def test_recording_is_deterministic_and_batch_equals_single_runs(tmp_path):
         ids[i, width - len(s):], mask[i, width - len(s):] = s, 1
     runs = []
     for _ in range(2):
-        with h2o_lens.record(model, cfg, out=tmp_path, fsync=False) as run:
+        with recorders.record(model, cfg, out=tmp_path, fsync=False) as run:
             _gen(model, ids, mask)
         runs.append(run.run_id)
     a, b = (_table(tmp_path, r, "evictions", EVICT_COLS) for r in runs)
@@ -116,7 +117,7 @@ def test_recording_is_deterministic_and_batch_equals_single_runs(tmp_path):
     assert sa.equals(sb)
     batch_ev = a
     for i, s in enumerate(seqs):
-        with h2o_lens.record(model, cfg, out=tmp_path, fsync=False) as single:
+        with recorders.record(model, cfg, out=tmp_path, fsync=False) as single:
             _gen(model, s[None])
         one = _table(tmp_path, single.run_id, "evictions", EVICT_COLS)
         mine = batch_ev[batch_ev.request == i].assign(request=0).reset_index(drop=True)
@@ -161,7 +162,7 @@ def _replay_backends() -> list:
 def test_replay_dropped_mass_equals_brute_force(tmp_path, gqa, backend):
     model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
     ids = _ids(16, seed=4)
-    with h2o_lens.record(model, H2OConfig(heavy=3, recent=3, gqa=gqa), out=tmp_path, fsync=False) as run:
+    with recorders.record(model, H2OConfig(heavy=3, recent=3, gqa=gqa), out=tmp_path, fsync=False) as run:
         seq = _gen(model, ids, new=12)
     summary = replay(tmp_path / run.run_id, model=model, progress=False, backend=backend)
     assert summary.implementation_ok and summary.max_logit_diff < 1e-4
@@ -182,7 +183,7 @@ def test_replay_dropped_mass_equals_brute_force(tmp_path, gqa, backend):
 def test_replay_detects_an_implementation_error(tmp_path):
     """A log that disagrees with what the run really kept is caught by the masked replay."""
     model = tiny_model("llama")
-    with h2o_lens.record(model, H2OConfig(heavy=3, recent=3), out=tmp_path, fsync=False) as run:
+    with recorders.record(model, H2OConfig(heavy=3, recent=3), out=tmp_path, fsync=False) as run:
         _gen(model, _ids(16), new=10)
     run_dir = tmp_path / run.run_id
     # corrupt the log: claim the decode evictions never happened
@@ -199,7 +200,7 @@ def test_replay_detects_an_implementation_error(tmp_path):
 def test_teacher_forced_rerecord(tmp_path):
     model = tiny_model("llama")
     cfg = H2OConfig(heavy=4, recent=3)
-    with h2o_lens.record(model, cfg, out=tmp_path, fsync=False) as run:
+    with recorders.record(model, cfg, out=tmp_path, fsync=False) as run:
         _gen(model, _ids(20), new=10)
     same = record_teacher_forced(model, tmp_path / run.run_id, cfg, out=tmp_path, fsync=False)
     other = record_teacher_forced(model, tmp_path / run.run_id, H2OConfig(heavy=4, recent=3, gqa="max"),
@@ -217,11 +218,11 @@ KILL_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[2])
 from tiny import tiny_model
-import h2o_lens
+import recorders
 from h2o_lens import H2OConfig
 model = tiny_model("llama", layers=4)
 ids = torch.randint(3, 256, (1, 64), generator=torch.Generator().manual_seed(0))
-with h2o_lens.record(model, H2OConfig(heavy=8, recent=8), out=sys.argv[1], run_id="killed-run",
+with recorders.record(model, H2OConfig(heavy=8, recent=8), out=sys.argv[1], run_id="killed-run",
                      flush_every=2, rows_per_segment=50) as run:
     print("started", flush=True)
     model.generate(ids, max_new_tokens=100000, min_new_tokens=100000, do_sample=False, pad_token_id=0)
@@ -257,7 +258,7 @@ def test_sigkill_mid_generation_leaves_readable_logs(tmp_path):
     assert [r["status"] for r in list_runs(root)] == ["interrupted"]
     # a second, healthy run next to it: SQL over the whole root still works
     model = tiny_model("llama")
-    with h2o_lens.record(model, H2OConfig(heavy=3, recent=3), out=root, fsync=False) as ok:
+    with recorders.record(model, H2OConfig(heavy=3, recent=3), out=root, fsync=False) as ok:
         _gen(model, _ids(12))
     con = open_runs(root)
     counts = dict(con.sql("SELECT run_id, count(*) FROM evictions GROUP BY run_id").fetchall())
@@ -271,7 +272,7 @@ def test_sigkill_mid_generation_leaves_readable_logs(tmp_path):
 def test_replay_oracle_columns_equal_brute_force(tmp_path, backend):
     """teacher_score / teacher_future_mass: full attention on each victim before / after its eviction."""
     model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
-    with h2o_lens.record(model, H2OConfig(heavy=3, recent=3), out=tmp_path, fsync=False) as run:
+    with recorders.record(model, H2OConfig(heavy=3, recent=3), out=tmp_path, fsync=False) as run:
         seq = _gen(model, _ids(14, seed=2), new=10)
     replay(tmp_path / run.run_id, model=model, progress=False, backend=backend)
     got = _table(tmp_path, run.run_id, "oracle", ["step", "layer", "kv_head", "position", "teacher_score",

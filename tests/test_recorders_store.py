@@ -9,9 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from recorders import (TABLE_NAMES, VIEW_NAMES, DamagedFileError, ManifestError, QueryError,
+from recorders import (TABLE_NAMES, VIEW_NAMES, DamagedFileError, ManifestError, QueryError, RecorderError,
                        RecorderWarning, RunExistsError, RunIdError, RunWriter, SchemaVersionError, check_run,
                        list_runs, load_run, open_runs, query, synthetic_tables, write_synthetic_run)
+from recorders.manifest import read_manifest, write_manifest
 from recorders.schema import KEYS, RUNS, TABLES, duckdb_type
 from recorders.segments import file_metadata, segment_name, write_segment
 
@@ -22,6 +23,13 @@ CONFIG = {"policy": "h2o", "heavy": 16, "recent": 8, "gqa": "max", "sink": 4, "s
 def _write_run(root, run_id, seed=0, **kw):
     return write_synthetic_run(root, run_id, layers=2, kv_heads=2, steps=12, prompt_len=40,
                                seed=seed, fsync=False, **kw)
+
+
+def _record_rows(run_dir, **rows):
+    """Update the manifest's row counts after a test added or removed segments on purpose."""
+    manifest = read_manifest(run_dir)
+    manifest["rows"].update(rows)
+    write_manifest(run_dir, manifest)
 
 
 def _sorted(table: pa.Table, name: str) -> pa.Table:
@@ -89,8 +97,12 @@ def test_damaged_file_is_skipped_over_the_root_but_named_by_check_run(tmp_path, 
     per_run = dict(con.execute("SELECT run_id, count(*) FROM evictions GROUP BY ALL").fetchall())
     assert set(per_run) == {"run-good"}
     assert con.execute("SELECT count(*) FROM tokens").fetchall()[0][0] > 0  # other tables intact
-    problems = con.execute("SELECT path, run_id, table_name FROM problems").fetchall()
-    assert problems == [(str(bad), "run-bad", "evictions")]
+    problems = con.execute("SELECT path, run_id, table_name FROM problems ORDER BY path").fetchall()
+    assert problems == [(str(bad), "run-bad", "evictions"),  # the file, and the run's short count
+                        (str(bad_run / "manifest.json"), "run-bad", "evictions")]
+    integrity = dict(con.execute("SELECT run_id, integrity FROM runs").fetchall())
+    assert integrity["run-good"] == "ok"
+    assert "evictions-00000.parquet left out" in integrity["run-bad"]
     assert "run-good" in query(tmp_path, "SELECT DISTINCT run_id FROM evictions", fmt="csv")
     with pytest.raises(DamagedFileError, match=re.escape(str(bad))):
         check_run(bad_run)
@@ -120,6 +132,7 @@ def test_column_added_in_a_later_segment_is_visible(tmp_path):
     newer = first.append_column("entropy", pa.array([0.5] * first.num_rows, pa.float32()))
     meta = file_metadata("replay_steps", "run-grow", "{}")
     pq.write_table(newer.replace_schema_metadata(meta), run_dir / segment_name("replay_steps", 1))
+    _record_rows(run_dir, replay_steps=2 * first.num_rows)
     con = open_runs(tmp_path)
     cols = [c[0] for c in con.execute("DESCRIBE replay_steps").fetchall()]
     assert cols == TABLES["replay_steps"].names + ["entropy"]
@@ -205,3 +218,126 @@ def test_query_formats_and_limits(tmp_path):
             query(tmp_path, bad)
     with pytest.raises(QueryError, match="unknown format"):
         query(tmp_path, "SELECT 1", fmt="xml")
+
+
+# -- one bad run never hides or falsifies the others ----------------------------------------------
+
+def _two_runs(tmp_path):
+    good = _write_run(tmp_path, "run-good", seed=1)
+    bad = _write_run(tmp_path, "run-bad", seed=2)
+    return good, bad
+
+
+def _others_still_work(tmp_path, good_rows: int | None = None):
+    """Every view and query over the root works, and run-good's numbers are its own."""
+    con = open_runs(tmp_path, warn=False)
+    for view in VIEW_NAMES:
+        con.execute(f"SELECT * FROM {view}").fetchall()  # every column of every file is read
+    per_run = dict(con.execute("SELECT run_id, count(*) FROM evictions GROUP BY ALL").fetchall())
+    assert per_run["run-good"] == (good_rows if good_rows is not None else
+                                   check_run(tmp_path / "run-good").rows["evictions"])
+    assert {r["run_id"] for r in list_runs(tmp_path)} >= {"run-good"}
+    assert "run-good" in query(tmp_path, "SELECT run_id FROM runs", fmt="csv")
+    return con
+
+
+def _damage_page(path, column: str, offset: int, length: int = 24) -> None:
+    """Overwrite bytes inside one column chunk's data page; the footer stays intact."""
+    chunk = pq.read_metadata(path).row_group(0)
+    col = next(chunk.column(i) for i in range(chunk.num_columns)
+               if chunk.column(i).path_in_schema == column)
+    start = col.data_page_offset + offset
+    assert start + length < col.data_page_offset + col.total_compressed_size
+    raw = bytearray(path.read_bytes())
+    raw[start:start + length] = bytes(b ^ 0x5A for b in raw[start:start + length])
+    path.write_bytes(bytes(raw))
+    pq.read_metadata(path)  # the footer still reads
+
+
+@pytest.mark.parametrize("where", ["page header", "page values"])
+def test_damaged_data_page_behind_an_intact_footer_is_left_out(tmp_path, where):
+    good, bad_run = _two_runs(tmp_path)
+    bad = bad_run / segment_name("evictions", 0)
+    # the header garbles the page layout; the values only change numbers (caught by the checksum)
+    _damage_page(bad, "score", 2 if where == "page header" else 200)
+    con = _others_still_work(tmp_path)
+    assert set(dict(con.execute("SELECT run_id, count(*) FROM evictions GROUP BY ALL").fetchall())) \
+        == {"run-good"}
+    reasons = dict(con.execute("SELECT path, reason FROM problems WHERE run_id = 'run-bad'").fetchall())
+    assert "footer is intact but the data cannot be read" in reasons[str(bad)]
+    integrity = dict(con.execute("SELECT run_id, integrity FROM runs").fetchall())
+    assert integrity["run-good"] == "ok"
+    assert "evictions-00000.parquet left out (unreadable)" in integrity["run-bad"]
+    assert "evictions: 0 of" in integrity["run-bad"]
+    with pytest.raises(DamagedFileError, match=re.escape(str(bad))):
+        check_run(bad_run)
+
+
+def _writer(**over):
+    return {"pid": 1, "hostname": "elsewhere", "boot_id": None, "start_ticks": None, **over}
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("writer", "pid 123 on host a", "writer"),
+    ("writer", _writer(pid=2**70), "writer"),
+    ("seed", 2**64, "seed"),
+    ("heavy", 2**40, "heavy"),
+    ("max_logit_diff", 10**400, "max_logit_diff"),
+    ("name", "caf\udce9 run", "name"),
+    ("config", {"policy": "h2o", "heavy": "16", "gqa": "s\ud800m"}, "config"),
+    ("rows", {"evictions": -3}, "rows"),
+    ("status", ["complete"], "status"),
+    ("created_at", "yesterday", "created_at"),
+], ids=lambda v: v if isinstance(v, str) and v.isidentifier() else "")
+def test_manifest_field_of_the_wrong_type_marks_only_its_run(tmp_path, field, value, named):
+    _, bad_run = _two_runs(tmp_path)
+    manifest = read_manifest(bad_run)
+    manifest[field] = value
+    manifest["status"] = "running" if field != "status" else value  # the writer is read for running runs
+    write_manifest(bad_run, manifest)
+    con = _others_still_work(tmp_path)
+    row = dict(zip(RUNS.names, con.execute("SELECT * FROM runs WHERE run_id = 'run-bad'").fetchone()))
+    assert named in row["integrity"] and "invalid" in row["integrity"]
+    reasons = [r for (r,) in con.execute("SELECT reason FROM problems WHERE run_id = 'run-bad'").fetchall()]
+    assert any(named in r and "expected" in r or "not valid Unicode" in r for r in reasons), reasons
+    assert con.execute("SELECT count(*) FROM evictions WHERE run_id = 'run-bad'").fetchone()[0] > 0
+    with pytest.warns(RecorderWarning, match=named):
+        assert load_run(bad_run)["evictions"].num_rows > 0  # the rows themselves are fine
+
+
+def test_deleted_segment_marks_the_run_wherever_its_numbers_appear(tmp_path):
+    _, bad_run = _two_runs(tmp_path)
+    gone = bad_run / segment_name("evictions", 0)
+    recorded = read_manifest(bad_run)["rows"]["evictions"]
+    gone.unlink()
+    con = _others_still_work(tmp_path)
+    assert con.execute("SELECT integrity FROM runs WHERE run_id = 'run-bad'").fetchone()[0] \
+        == f"evictions: 0 of {recorded} rows"
+    (row,) = [r for r in list_runs(tmp_path) if r["run_id"] == "run-bad"]
+    assert row["integrity"] == f"evictions: 0 of {recorded} rows"
+    with pytest.raises(DamagedFileError, match="manifest records"):
+        check_run(bad_run)
+
+
+def test_rows_of_another_run_are_never_counted_under_it(tmp_path):
+    good, bad_run = _two_runs(tmp_path)
+    own = check_run(good).rows["evictions"]
+    stray = bad_run / segment_name("evictions", 1)
+    stray.write_bytes((good / segment_name("evictions", 0)).read_bytes())  # rows say run-good
+    con = _others_still_work(tmp_path, good_rows=own)
+    reasons = dict(con.execute("SELECT path, reason FROM problems").fetchall())
+    assert "row(s) of run 'run-good'" in reasons[str(stray)]
+    assert "rows of another run" in con.execute("SELECT integrity FROM runs WHERE run_id = 'run-bad'"
+                                                ).fetchone()[0]
+    with pytest.raises(RecorderError, match=re.escape(str(stray))):
+        load_run(bad_run)
+
+
+def test_manifest_claiming_another_runs_id_hides_nothing(tmp_path):
+    _two_runs(tmp_path)
+    manifest = read_manifest(tmp_path / "run-bad")
+    manifest["run_id"] = "run-good"
+    write_manifest(tmp_path / "run-bad", manifest)
+    con = _others_still_work(tmp_path)
+    runs = dict(con.execute("SELECT run_id, integrity FROM runs").fetchall())
+    assert runs["run-good"] == "ok" and "differs from the folder" in runs["run-bad"]

@@ -23,7 +23,7 @@ def test_demo_command_records_replays_reports_and_summarises(tmp_path):
     """`h2o-lens demo --tasks 1`: full, H2O 20 % and 10 %, four baselines; replays, reports, table."""
     out = tmp_path / "demo"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([sys.executable, "-m", "h2o_lens.cli", "demo", "--tasks", "1", "--out", str(out)],
+    res = subprocess.run([sys.executable, "-m", "commands.cli", "demo", "--tasks", "1", "--out", str(out)],
                          capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "open the dashboard: h2o-lens app" in res.stdout
@@ -75,7 +75,7 @@ def test_demo_command_records_replays_reports_and_summarises(tmp_path):
 
 def test_sweep_writes_the_three_curves(tmp_path):
     import h2o_lens
-    from h2o_lens.suite import sweep
+    from commands.jobs import sweep
     from h2o_lens.tasks import suite
 
     model, tok = h2o_lens.load_model(progress=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import streamlit as st
 
 from app import charts, common, data, state
+from app.plain import code, md
 
 PAGE = "compare"
 _METRICS = (("policy", "policy", None), ("heavy", "heavy", None), ("recent", "recent", None),
@@ -22,8 +23,9 @@ def _side_by_side(a: dict, b: dict) -> None:
     cols = st.columns(2)
     for col, r in zip(cols, (a, b)):
         with col.container(border=True):
-            st.markdown(f"**`{r['run_id']}`** · {r['status']}")
-            st.markdown(" · ".join(f"{label} **{common.fmt(r.get(k), spec) if spec else common.fmt(r.get(k))}**"
+            st.markdown(f"**{code(r['run_id'])}** · {md(r['status'])}"
+                        + ("" if r.get("integrity") in (None, "ok") else " · :red[damaged or incomplete data]"))
+            st.markdown(" · ".join(f"{label} **{md(common.fmt(r.get(k), spec) if spec else common.fmt(r.get(k)))}**"
                                    for k, label, spec in _METRICS))
 
 

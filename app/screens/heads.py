@@ -4,6 +4,7 @@ from __future__ import annotations
 import streamlit as st
 
 from app import charts, common, data, state
+from app.plain import code
 
 PAGE = "heads"
 
@@ -63,7 +64,7 @@ def _gqa(root: state.Root, run: str) -> None:
     sum_run, max_run = pair
     with st.spinner("Rebuilding kept sets of both runs…"):
         by_set, by_step = data.gqa_overlap(root, sum_run, max_run)
-    st.caption(f"Jaccard overlap of the kept sets of `{sum_run}` (sum) and `{max_run}` (max) on the same "
+    st.caption(f"Jaccard overlap of the kept sets of {code(sum_run)} (sum) and {code(max_run)} (max) on the same "
                "tokens: 1 = identical sets.")
     c1, c2 = st.columns(2)
     c1.plotly_chart(charts.heatmap(by_set, x="kv_head", y="layer", z="mean", x_title="KV head",

@@ -8,6 +8,7 @@ import streamlit as st
 
 import analyses
 from app import common, data, state
+from app.plain import code
 
 PAGE = "report"
 _FORMATS = (("html", "HTML", "text/html", "self-contained, opens offline"),
@@ -32,7 +33,7 @@ def render() -> None:
     for col, (fmt, label, mime, note) in zip(cols, _FORMATS):
         col.download_button(f"{label} report", data=functools.partial(_build, root.path, run, fmt),
                             file_name=f"{run}.{fmt}", mime=mime, icon=":material/download:",
-                            key=f"report_{fmt}", help=f"The report of `{run}`, {note}", on_click="ignore")
+                            key=f"report_{fmt}", help=f"The report of {code(run)}, {note}", on_click="ignore")
     with state.guard("the report", run):
         with st.spinner("Running every analysis of the report…"):
             report = data.report_data(root, run)

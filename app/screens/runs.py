@@ -4,6 +4,7 @@ from __future__ import annotations
 import streamlit as st
 
 from app import common, data, state
+from app.plain import code
 
 PAGE = "runs"
 _COLUMNS = {
@@ -27,6 +28,9 @@ _COLUMNS = {
     "model": st.column_config.TextColumn("model"),
     "source_run": st.column_config.TextColumn("paired with", help="runs.source_run"),
     "created_at": st.column_config.DatetimeColumn("started (UTC)", format="YYYY-MM-DD HH:mm"),
+    "integrity": st.column_config.TextColumn(
+        "integrity", help="'ok' when every file was read in full and matches the manifest's row counts; "
+                          "otherwise what is wrong, and the run's numbers may be incomplete"),
 }
 
 
@@ -55,9 +59,10 @@ def render() -> None:
             state.publish(PAGE)
             return
         if len(problems):
-            st.warning(f"**{len(problems)} file(s) could not be read and are left out** (the rest of each "
-                       f"run is shown):\n{common.problem_lines(problems)}", icon=":material/warning:")
-    st.caption(f"{len(runs)} run(s) under `{root.path}`, newest first. Select a row to open that run; "
+            st.warning(f"**{len(problems)} problem(s) with the runs' data**: unreadable files are left out, "
+                       "and the runs concerned are marked in the integrity column (the rest of each run is "
+                       f"shown):\n{common.problem_lines(problems)}", icon=":material/warning:")
+    st.caption(f"{len(runs)} run(s) under {code(root.path)}, newest first. Select a row to open that run; "
                "select two rows to compare them.")
     table = runs.copy()
     table["correct"] = [f"{int(c)}/{int(n)}" if n else None for c, n in zip(table["correct"].fillna(0),
@@ -67,7 +72,7 @@ def render() -> None:
     st.dataframe(table, column_config=_COLUMNS, hide_index=True, on_select=lambda: _pick(run_ids),
                  selection_mode="multi-row", key="runs_table", height=min(600, 38 + 35 * len(table)))
     run, other = state.remembered("run"), state.remembered("other")
-    st.markdown(f"**Selected run:** `{run}`" + (f" · **compared with:** `{other}`" if other else ""))
+    st.markdown(f"**Selected run:** {code(run)}" + (f" · **compared with:** {code(other)}" if other else ""))
     cols = st.columns(5)
     for col, (key, label) in zip(cols, (("overview", "Overview"), ("tokens", "Tokens"), ("heads", "Heads"),
                                         ("report", "Report"), ("compare", "Compare"))):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import streamlit as st
 
 from app import charts, common, data, state, textview
+from app.plain import md
 
 PAGE = "tokens"
 WINDOW = 2_000  # tokens drawn at once
@@ -94,7 +95,7 @@ def render() -> None:
         life = data.lifetime(root, run, ctl["request"], token)
         text = df.loc[df["position"] == token, "text"]
         label = str(text.iloc[0]) if len(text) else ""
-        st.subheader(f"Token {token}: {label!r}")
+        st.subheader(f"Token {token}: {md(repr(label))}")
         if life.empty:
             st.info("This run logged no KV sets (no `steps` or `evictions` rows).")
         else:

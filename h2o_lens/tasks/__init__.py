@@ -1,6 +1,6 @@
 """The task suite: synthetic policy cases and real-model tasks.
 
-* :mod:`~h2o_lens.tasks.synthetic` — attention logits with a known failure
+* :mod:`~h2o_lens.tasks.attention_cases` — attention logits with a known failure
   signature (uniform, far hotspot, hotspot switch, delayed reference, GQA
   split) and a toy output model; numpy only. Written as runs by
   :func:`recorders.policy_cases.write_policy_case`.
@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from .real import KINDS, SIZES, CalibrationRow, Task, budget, calibrate, check_answer, get_task, suite
-from .synthetic import CASES, PolicyCase, policy_case, policy_cases
+from .attention_cases import CASES, PolicyCase, policy_case, policy_cases
 
 __all__ = [
     "Task", "KINDS", "SIZES", "suite", "get_task", "check_answer", "budget", "calibrate", "CalibrationRow",

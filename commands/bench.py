@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from .policies import half_split, ratio_slots
+from h2o_lens.policies import half_split, ratio_slots
 
 __all__ = ["bench_decode"]
 
@@ -55,9 +55,9 @@ def bench_decode(model_name: str | None = None, contexts=(512, 2048, 4096), keep
     """
     from transformers import DynamicCache
 
-    from .config import H2OConfig
-    from .models import load_model
-    from .runtime import full_kv_bytes, h2o
+    from h2o_lens.config import H2OConfig
+    from h2o_lens.models import load_model
+    from h2o_lens.runtime import full_kv_bytes, h2o
 
     if model is None:
         model, _ = load_model(model_name)
@@ -133,9 +133,9 @@ def bench_record(model_name: str | None = None, prompt_tokens: int = 512, new_to
     from recorders.recorder import record
     from recorders.replay import replay
 
-    from .config import H2OConfig
-    from .models import load_model
-    from .runtime import h2o
+    from h2o_lens.config import H2OConfig
+    from h2o_lens.models import load_model
+    from h2o_lens.runtime import h2o
 
     if model is None:
         model, _ = load_model(model_name)

@@ -16,8 +16,8 @@ from typing import Any, Iterable, Protocol, Sequence
 
 import torch
 
-from . import policies as registry
-from .config import H2OConfig
+from h2o_lens import policies as registry
+from h2o_lens.config import H2OConfig
 
 __all__ = ["Task", "run_task", "demo", "sweep", "DEMO_BUDGETS", "BASELINES", "SWEEP_RATIOS", "SWEEP_POLICIES"]
 
@@ -113,16 +113,11 @@ def _verdicts(root: str | os.PathLike, runs: Iterable[TaskRun]) -> dict[str, str
 
 
 def _headline(root: str | os.PathLike) -> dict[str, dict[str, float]]:
-    """Mean KL and mean dropped mass per run."""
-    from analyses import connect
+    """Mean KL and mean dropped mass per run (:func:`analyses.runs_table`)."""
+    from analyses import runs_table
 
-    con = connect(str(root))
-    out: dict[str, dict[str, float]] = {}
-    for run_id, kl in con.sql("SELECT run_id, avg(kl) FROM replay_steps GROUP BY run_id").fetchall():
-        out.setdefault(run_id, {})["kl"] = kl
-    for run_id, dropped in con.sql("SELECT run_id, avg(dropped_mass) FROM replay GROUP BY run_id").fetchall():
-        out.setdefault(run_id, {})["dropped"] = dropped
-    return out
+    rows = runs_table(str(root)).select("run_id, kl_mean, dropped_mass_mean").fetchall()
+    return {run_id: {"kl": kl, "dropped": dropped} for run_id, kl, dropped in rows}
 
 
 def _table(rows: list[list[Any]], header: list[str]) -> str:
@@ -144,8 +139,8 @@ def demo(out: str | os.PathLike = "demo_runs", *, tasks: Sequence[Task] | None =
     """
     from tqdm.auto import tqdm
 
-    from .models import load_model
-    from .tasks import suite
+    from h2o_lens.models import load_model
+    from h2o_lens.tasks import suite
 
     if model is None:
         model, tokenizer = load_model(progress=progress)
@@ -208,9 +203,9 @@ def sweep(out: str | os.PathLike = "sweep_runs", *, tasks: Sequence[Task] | None
 
     from analyses import connect, run_curve_points
 
-    from .models import load_model
-    from .runtime import full_kv_bytes
-    from .tasks import suite
+    from h2o_lens.models import load_model
+    from h2o_lens.runtime import full_kv_bytes
+    from h2o_lens.tasks import suite
 
     if model is None:
         model, tokenizer = load_model(progress=progress)
@@ -344,8 +339,8 @@ def make_sample_runs(out: str | os.PathLike = "sample_runs", *, model: Any = Non
     from recorders.recorder import record_teacher_forced
     from recorders.replay import replay as replay_run
 
-    from .models import load_model
-    from .tasks import get_task, policy_cases
+    from h2o_lens.models import load_model
+    from h2o_lens.tasks import get_task, policy_cases
 
     root = Path(out)
     if root.exists():

@@ -18,7 +18,7 @@ DEFAULT_PROMPT = (
 
 
 def _add_policy_args(p: argparse.ArgumentParser) -> None:
-    from . import policies
+    from h2o_lens import policies
 
     g = p.add_argument_group("policy")
     g.add_argument("--policy", default=policies.DEFAULT, metavar="{" + ",".join(policies.names()) + "}",
@@ -32,8 +32,8 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace):
-    from . import policies
-    from .config import H2OConfig
+    from h2o_lens import policies
+    from h2o_lens.config import H2OConfig
 
     heavy, recent, ratio = args.heavy, args.recent, args.ratio
     if not policies.get(args.policy).evicts:  # no slots: a budget given with it is ignored
@@ -51,8 +51,8 @@ def _mib(n: int) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from .models import load_model
-    from .runtime import full_kv_bytes, h2o
+    from h2o_lens.models import load_model
+    from h2o_lens.runtime import full_kv_bytes, h2o
 
     config = _config(args)
     prompt = args.prompt
@@ -115,7 +115,7 @@ def _run_dir(run: str, root: str) -> str:
     path = os.path.join(root, run)
     if os.path.isdir(path):
         return path
-    from .errors import H2OLensError
+    from h2o_lens.errors import H2OLensError
 
     raise H2OLensError(f"no run {run!r}: neither a folder nor a run id under {root!r}; "
                        "list runs with `h2o-lens runs ROOT`")
@@ -134,7 +134,7 @@ def _check_record(args: argparse.Namespace):
     Returns ``(config, task, prompt, evidence)``; raises :class:`ConfigError`
     with what was received and how to fix it.
     """
-    from .errors import ConfigError
+    from h2o_lens.errors import ConfigError
 
     config = _config(args)
     if not config.spec.evicts and (args.heavy is not None or args.recent is not None or args.ratio is not None):
@@ -153,7 +153,7 @@ def _check_record(args: argparse.Namespace):
     task = prompt = None
     evidence = dict(_parse_evidence(e) for e in args.evidence)
     if args.task is not None:
-        from .tasks import get_task
+        from h2o_lens.tasks import get_task
 
         try:
             task = get_task(args.task)
@@ -188,11 +188,11 @@ def cmd_record(args: argparse.Namespace) -> int:
     from recorders.recorder import record, record_teacher_forced
     from recorders.replay import replay
 
-    from .models import load_model
+    from h2o_lens.models import load_model
 
     config, task, prompt, evidence = _check_record(args)
     if task is not None:
-        from .suite import run_task
+        from .jobs import run_task
 
         model, tok = load_model(args.model)
         done = run_task(model, tok, task, config, args.out, replay=args.replay, name=args.name)
@@ -212,7 +212,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     else:
         model, tok = load_model(args.model)
         enc = tok(_chat(tok, prompt, args.raw), return_tensors="pt", add_special_tokens=args.raw)
-        from .progress import GenerationProgress
+        from h2o_lens.progress import GenerationProgress
 
         gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         with torch.no_grad(), record(model, config, out=args.out, tokenizer=tok, evidence=evidence or None,
@@ -221,8 +221,8 @@ def cmd_record(args: argparse.Namespace) -> int:
         print(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
         runs = [rec]
         if args.with_full and config.spec.evicts:
-            from . import policies
-            from .config import H2OConfig
+            from h2o_lens import policies
+            from h2o_lens.config import H2OConfig
 
             with torch.no_grad(), record(model, H2OConfig(policy=policies.FULL_CACHE), out=args.out, tokenizer=tok,
                                          evidence=evidence or None, name=args.name, prompts=[prompt],
@@ -239,7 +239,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 def _parse_evidence(text: str) -> tuple[str, str]:
     label, sep, value = text.partition("=")
     if not sep or not label or not value:
-        from .errors import ConfigError
+        from h2o_lens.errors import ConfigError
 
         raise ConfigError(f"--evidence expects LABEL=TEXT (a substring of the prompt), got {text!r}")
     return label, value
@@ -254,24 +254,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from recorders import query
+    from analyses import format_result, runs_headline
 
-    sql = """
-        SELECT r.run_id, r.status, r.policy, r.heavy, r.recent, r.gqa, r.prompt_len, r.new_tokens,
-               (SELECT count(*) FROM evictions e WHERE e.run_id = r.run_id) AS evictions,
-               (SELECT round(avg(kl), 4) FROM replay_steps s WHERE s.run_id = r.run_id) AS mean_kl,
-               (SELECT round(avg(top1_agree::INT), 3) FROM replay_steps s WHERE s.run_id = r.run_id) AS top1,
-               (SELECT round(avg(dropped_mass), 4) FROM replay d WHERE d.run_id = r.run_id) AS dropped,
-               r.max_logit_diff, r.model
-        FROM runs r ORDER BY r.created_at"""
-    print(query(args.root, sql, fmt=args.format, max_rows=args.max_rows))
+    df = runs_headline(args.root).df()
+    truncated = len(df) > args.max_rows
+    df = df.head(args.max_rows)
+    df.attrs["truncated"] = truncated
+    print(format_result(df, args.format))
     return 0
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
     from analyses import format_result, run_sql
 
-    df = run_sql(args.root, args.sql, max_rows=args.max_rows, timeout_s=args.timeout)
+    df = run_sql(args.root, args.sql, max_rows=args.max_rows, timeout_s=args.timeout, max_bytes=args.max_bytes,
+                 memory_limit=args.memory_limit, threads=args.threads)
     print(format_result(df, args.format))
     if df.attrs.get("truncated"):
         print(f"(cut at {args.max_rows} rows; raise --max-rows)", file=sys.stderr)
@@ -304,8 +301,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .suite import demo
-    from .tasks import suite
+    from .jobs import demo
+    from h2o_lens.tasks import suite
 
     tasks = suite(size="demo")
     if args.tasks is not None:
@@ -318,10 +315,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def sweep_grid(items: Sequence[str] | None) -> tuple[tuple[str, str], ...]:
     """``--policies NAME[:GQA] ...`` → ``((policy, gqa), ...)``; None → the suite's default grid."""
-    from . import policies
-    from .config import GQA_MODES
-    from .errors import ConfigError
-    from .suite import SWEEP_POLICIES
+    from h2o_lens import policies
+    from h2o_lens.config import GQA_MODES
+    from h2o_lens.errors import ConfigError
+
+    from .jobs import SWEEP_POLICIES
 
     if not items:
         return SWEEP_POLICIES
@@ -337,9 +335,10 @@ def sweep_grid(items: Sequence[str] | None) -> tuple[tuple[str, str], ...]:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from .errors import ConfigError
-    from .suite import sweep
-    from .tasks import suite
+    from h2o_lens.errors import ConfigError
+    from h2o_lens.tasks import suite
+
+    from .jobs import sweep
 
     try:
         grid = sweep_grid(args.policies)
@@ -354,7 +353,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_samples(args: argparse.Namespace) -> int:
-    from .suite import make_sample_runs
+    from .jobs import make_sample_runs
 
     make_sample_runs(args.out)
     return 0
@@ -374,8 +373,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                   steps=args.steps, rounds=args.rounds)
     if args.what == "record":
         return bench.bench_record(model_name=args.model, keep=args.keep, rounds=args.rounds)
+    if args.what == "sql":
+        from analyses.bench import bench_sql
+
+        bench_sql(memory_limit=args.memory_limit)
+        return 0
     if args.what == "kernels":
-        from .kernels.bench import bench_kernels
+        from h2o_lens.kernels.bench import bench_kernels
 
         bench_kernels()
         return 0
@@ -419,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("replay", help="replay a run against a full-cache teacher")
     rp.add_argument("run", help="run folder, or run id under --root")
     rp.add_argument("--root", default="runs")
-    rp.add_argument("--tolerance", type=float, default=2e-3, help="largest accepted |logit diff| of the check")
+    rp.add_argument("--tolerance", type=float, default=None,
+                    help="largest accepted |logit diff| of the check (default: derived from the dtype)")
     rp.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto",
                     help="dropped mass and oracle: Triton kernels (auto: on CUDA) or chunked torch")
     rp.set_defaults(func=cmd_replay)
@@ -435,8 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("sql")
     q.add_argument("--format", choices=["table", "csv", "json"], default="table")
     q.add_argument("--max-rows", type=int, default=1000)
+    q.add_argument("--timeout", type=float, default=10.0, help="seconds before the query is stopped")
+    q.add_argument("--max-bytes", default="64MB", help="largest result, e.g. 64MB; a bigger one is refused")
+    q.add_argument("--memory-limit", default="1GB", help="memory the query may use, e.g. 1GB")
+    q.add_argument("--threads", type=int, default=2, help="DuckDB threads")
     q.set_defaults(func=cmd_sql)
-    q.add_argument("--timeout", type=float, default=10.0, help="seconds before the query is interrupted")
 
     rep = sub.add_parser("report", help="export a run's failure report (HTML, Markdown or JSON)")
     rep.add_argument("run", help="run folder, or run id under --root")
@@ -475,12 +483,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.set_defaults(func=cmd_app)
 
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    b.add_argument("what", choices=["decode", "record", "kernels"])
+    b.add_argument("what", choices=["decode", "record", "kernels", "sql"])
     b.add_argument("--model", default=None)
     b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
     b.add_argument("--keep", type=float, default=0.2, help="B as a share of the context")
     b.add_argument("--steps", type=int, default=16, help="decode steps timed per round")
     b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--memory-limit", default="512MB", help="sql: the console's memory limit")
     b.set_defaults(func=cmd_bench)
     return p
 
@@ -488,13 +497,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
-    from .errors import H2OLensError
+    from h2o_lens.errors import H2OLensError
 
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
     except H2OLensError as e:
         print(f"h2o-lens: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`| head`): end quietly, as Unix tools ended by SIGPIPE do.
+        # Point stdout at /dev/null so the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
 
 
 if __name__ == "__main__":
