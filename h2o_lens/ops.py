@@ -9,6 +9,7 @@ Triton kernels (:mod:`h2o_lens.kernels`) implement. Notation:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,7 @@ class PolicyArgs:
     def capacity(self) -> int:
         return self.heavy + self.recent + self.sink
 
-    @property
+    @functools.cached_property
     def spec(self) -> policies.Policy:
         """The policy's entry in the registry: its scores, kernels and history."""
         return policies.get(self.policy)

@@ -112,15 +112,16 @@ def select_victim(scores: torch.Tensor, positions: torch.Tensor,
 
     Returns
     -------
-    index : Tensor ``(...)`` int64, slot of the victim (0 where none)
+    index : Tensor ``(...)`` int64, slot of the victim (where none is eligible: the slot of
+        the oldest position, which no caller evicts since ``found`` is False)
     found : Tensor ``(...)`` bool, whether any slot was eligible
+
+    This is the decode step's hot path: ineligible slots take the largest finite score,
+    so they never tie with an eligible one and no extra mask is needed.
     """
-    inf = torch.finfo(scores.dtype).max
-    s = scores.masked_fill(~eligible, inf)  # (..., S)
-    low = s.amin(-1, keepdim=True)
-    tied = eligible & (s == low)
-    pos = positions.masked_fill(~tied, torch.iinfo(positions.dtype).max)
-    return pos.argmin(-1), eligible.any(-1)
+    s = torch.where(eligible, scores, torch.finfo(scores.dtype).max)  # (..., S)
+    tied = s == s.amin(-1, keepdim=True)
+    return torch.where(tied, positions, torch.iinfo(positions.dtype).max).argmin(-1), eligible.any(-1)
 
 
 def prefill_keep(scores: torch.Tensor, positions: torch.Tensor, heavy: int, recent: int,
