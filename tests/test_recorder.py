@@ -296,7 +296,7 @@ def test_heavy_slots_exclude_the_sink(tmp_path):
     Under `sink` (no heavy slot) a full cache has none: both are null at every decode step."""
     model = tiny_model("llama")
     cfg = H2OConfig(policy="sink", heavy=3, recent=5, sink=2)
-    with h2o_lens.record(model, cfg, out=tmp_path, fsync=False) as run:
+    with recorders.record(model, cfg, out=tmp_path, fsync=False) as run:
         _gen(model, _ids(20), new=10)
     steps = _table(tmp_path, run.run_id, "steps", STEP_COLS)
     dec = steps[steps.step > 19]
@@ -304,7 +304,7 @@ def test_heavy_slots_exclude_the_sink(tmp_path):
     assert dec.min_heavy_score.isna().all()
     assert dec.heavy_age_mean.isna().all()  # the sink positions 0 and 1 are not heavy slots
     h2o = H2OConfig(heavy=3, recent=5)
-    with h2o_lens.record(model, h2o, out=tmp_path, fsync=False) as run:
+    with recorders.record(model, h2o, out=tmp_path, fsync=False) as run:
         _gen(model, _ids(20), new=10)
     steps = _table(tmp_path, run.run_id, "steps", STEP_COLS)
     assert steps.heavy_age_mean.notna().all() and steps.min_heavy_score.notna().all()
