@@ -211,3 +211,45 @@ def test_promoted_and_left_recent_by_hand():
     assert stats.margin.item() == pytest.approx(1.25 - 1.24)  # lowest surviving eligible: 8
     assert stats.min_heavy_score.item() == pytest.approx(1.25)
     assert stats.exiting_position.item() == 8 and stats.promoted.item()  # 8 left the window and stayed
+
+
+# -- evidence deletion time -----------------------------------------------------------------------
+
+def test_evidence_deletion_step_equals_brute_force(tmp_path):
+    """Per (layer 0, KV head): the step the last token of the span left the cache, from the
+    brute-force H2O; null while a token of the span is still held."""
+    from analyses.evidence import evidence_deletion
+
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2, seed=3)
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(3, 256, (PROMPT,), generator=g).tolist()
+    new = torch.randint(3, 256, (NEW,), generator=g).tolist()
+    spans = {"early": range(2, 5), "late": range(12, 15)}  # late: 13, 14 leave during decode
+    labels = [next((k for k, r in spans.items() if i in r), None) for i in range(PROMPT)]
+    with h2o_lens.record(model, H2OConfig(heavy=HEAVY, recent=RECENT), out=tmp_path, fsync=False) as run:
+        run.force(prompt, new, evidence_labels=labels)
+    _, attn = _full_forward(model, torch.tensor([prompt + new[:-1]]))
+    got = evidence_deletion(open_runs(tmp_path), run.run_id).df()
+    got = got[got.layer == 0]
+    checked = spread = 0
+    for kv_head in (0, 1):
+        prefill, decode = _brute_force_layer0(attn[0], 2, kv_head)
+        gone = {r["position"]: PROMPT - 1 for r in prefill} | {r["position"]: r["step"] for r in decode}
+        for label, span in spans.items():
+            row = got[(got.kv_head == kv_head) & (got.label == label)]
+            assert len(row) == 1
+            steps = [gone.get(i) for i in span]
+            expected = max(steps) if None not in steps else None
+            actual = row.deletion_step.iloc[0]
+            assert (None if pd_isna(actual) else int(actual)) == expected, (kv_head, label, steps)
+            assert int(row.evicted_tokens.iloc[0]) == sum(s is not None for s in steps)
+            checked += expected is not None
+            spread += expected is not None and min(steps) < expected
+    assert checked  # at least one span was deleted: the step is a value, not always null
+    assert spread  # and one whose tokens left at different steps: the last one counts
+
+
+def pd_isna(x) -> bool:
+    import pandas as pd
+
+    return bool(pd.isna(x))
