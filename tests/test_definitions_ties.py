@@ -258,3 +258,41 @@ def test_decode_kernel_tie_rules_on_discrete_logits(gqa):
         os.environ["TRITON_INTERPRET"] = "1"
     total = _check_path(gqa, torch.float32, kernel=True, shapes=SHAPES[:2], seeds=range(3))
     assert total["decode"] >= 3, total
+
+
+# -- the policy contract on batched inputs (leading dims), row by row against brute force ------
+
+def test_aggregate_heads_with_leading_dims_equals_per_group_brute_force():
+    from h2o_lens import policy
+
+    w = torch.rand(2, 3, 6, 5, generator=torch.Generator().manual_seed(1))  # (b, L, Hq=6, K)
+    for group in (2, 3):
+        for mode, fn in (("sum", sum), ("max", lambda xs: torch.stack(xs).amax(0))):
+            got = policy.aggregate_heads(w, group, mode)
+            assert got.shape == (2, 3, 6 // group, 5)
+            for g in range(6 // group):
+                expected = fn([w[:, :, g * group + j] for j in range(group)])
+                assert torch.allclose(got[:, :, g], expected), (group, mode, g)
+    assert policy.aggregate_heads(w, 2, "none") is w
+    with pytest.raises(ValueError, match="unknown gqa mode"):
+        policy.aggregate_heads(w, 2, "mean")
+
+
+def test_select_victim_per_row_with_leading_dims():
+    """Each row of a (2, 3, S) batch picks its own lowest eligible slot (tie: older position)."""
+    from h2o_lens import policy
+
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randint(0, 3, (2, 3, 6), generator=g).float()  # small set: ties in most rows
+    positions = torch.stack([torch.randperm(6, generator=g) for _ in range(6)]).view(2, 3, 6) + 10
+    eligible = torch.rand(2, 3, 6, generator=g) < 0.7
+    eligible[1, 2] = False  # a row with nothing eligible
+    index, found = policy.select_victim(scores, positions, eligible)
+    assert index.shape == found.shape == (2, 3)
+    for r in range(2):
+        for c in range(3):
+            slots = [s for s in range(6) if eligible[r, c, s]]
+            assert bool(found[r, c]) == bool(slots)
+            if slots:
+                best = min(slots, key=lambda s: (scores[r, c, s].item(), positions[r, c, s].item()))
+                assert index[r, c].item() == best, (r, c)
