@@ -98,15 +98,17 @@ def test_top1_and_teacher_logprob(world):
 
 # -- evictions and steps of layer 0: a brute-force H2O over the full attention ----------------
 
-def _brute_force_layer0(attn: torch.Tensor, group: int, kv_head: int):
+def _brute_force_layer0(attn: torch.Tensor, group: int, kv_head: int, gqa: str = "sum", *,
+                        heavy: int = HEAVY, recent: int = RECENT):
     """H2O on layer 0 from its full attention ``(Hq, N, N)``; per decode step the facts the
     recorder logs. Softmax over a kept set D equals the full row renormalised over D."""
     a = attn[kv_head * group:(kv_head + 1) * group].numpy()  # (G, N, N)
     n = a.shape[-1]
-    score = {i: float(a[:, i:PROMPT, i].sum()) for i in range(PROMPT)}  # prefill column sums
-    recent_set = set(range(PROMPT - RECENT, PROMPT))
+    agg = (lambda x: x.sum(0)) if gqa == "sum" else (lambda x: x.max(0))  # over the G heads
+    score = {i: float(agg(a[:, i:PROMPT, i]).sum()) for i in range(PROMPT)}  # prefill column sums
+    recent_set = set(range(PROMPT - recent, PROMPT))
     rest = sorted((i for i in range(PROMPT) if i not in recent_set), key=lambda i: -score[i])
-    keep = recent_set | set(rest[:HEAVY])
+    keep = recent_set | set(rest[:heavy])
     prefill = [dict(position=i, score=score[i], age=PROMPT - 1 - i) for i in range(PROMPT) if i not in keep]
     score = {i: score[i] for i in keep}
     decode = []
@@ -114,12 +116,12 @@ def _brute_force_layer0(attn: torch.Tensor, group: int, kv_head: int):
         cand = sorted(score) + [t]
         w = a[:, t, cand] / a[:, t, cand].sum(-1, keepdims=True)  # (G, |D|)
         score[t] = 0.0
-        for i, wi in zip(cand, w.sum(0)):
+        for i, wi in zip(cand, agg(w)):
             score[i] += float(wi)
-        eligible = [i for i in cand if i <= t - RECENT]
+        eligible = [i for i in cand if i <= t - recent]
         victim = min(eligible, key=lambda i: score[i])
         survivors = [score[i] for i in eligible if i != victim]
-        exiting = t - RECENT
+        exiting = t - recent
         decode.append(dict(step=t, position=victim, score=score[victim],
                            margin=min(survivors) - score[victim], age=t - victim,
                            left_recent=victim == exiting, promoted=exiting in score and victim != exiting,
@@ -253,3 +255,42 @@ def pd_isna(x) -> bool:
     import pandas as pd
 
     return bool(pd.isna(x))
+
+
+# -- GQA overlap: Jaccard of the kept sets under sum and max on the same tokens ----------------
+
+def test_gqa_overlap_of_layer0_equals_brute_force(tmp_path):
+    from analyses.keptsets import kept_overlap
+
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2, seed=3)
+    g = torch.Generator().manual_seed(0)
+    heavy, recent = 5, 3  # a budget at which sum and max disagree on these tokens
+    prompt = torch.randint(3, 256, (PROMPT,), generator=g).tolist()
+    new = torch.randint(3, 256, (NEW,), generator=g).tolist()
+    runs = {}
+    for gqa in ("sum", "max"):
+        with h2o_lens.record(model, H2OConfig(heavy=heavy, recent=recent, gqa=gqa), out=tmp_path,
+                             fsync=False) as run:
+            run.force(prompt, new)
+        runs[gqa] = run.run_id
+    _, attn = _full_forward(model, torch.tensor([prompt + new[:-1]]))
+    got = kept_overlap(open_runs(tmp_path), runs["sum"], runs["max"]).df()
+    got = got[got.layer == 0]
+    n = PROMPT + NEW - 1
+    differ = 0
+    for kv_head in (0, 1):
+        gone = {}
+        for gqa in ("sum", "max"):
+            prefill, decode = _brute_force_layer0(attn[0], 2, kv_head, gqa, heavy=heavy,
+                                                   recent=recent)
+            gone[gqa] = {r["position"]: PROMPT - 1 for r in prefill} | {r["position"]: r["step"] for r in decode}
+        rows = got[got.kv_head == kv_head]
+        assert sorted(rows.step) == list(range(PROMPT - 1, n))
+        for r in rows.itertuples():
+            # the candidate set at step t: positions <= t not evicted at a step before t
+            sets = {k: {i for i in range(r.step + 1) if v.get(i, n) >= r.step} for k, v in gone.items()}
+            inter, union = sets["sum"] & sets["max"], sets["sum"] | sets["max"]
+            assert (r.intersection, r.union_size) == (len(inter), len(union)), (kv_head, r.step)
+            assert r.jaccard == pytest.approx(len(inter) / len(union))
+            differ += sets["sum"] != sets["max"]
+    assert differ  # sum and max keep different sets here: the overlap is not trivially 1
