@@ -25,17 +25,20 @@ def main() -> int:
             continue
         parts = name.split(".")
         module = ".".join(p for p in parts[:next((i for i, p in enumerate(parts) if p.startswith("x")), 1)])
-        killed_total = by_module.setdefault(module, [0, 0])
+        counts = by_module.setdefault(module, [0, 0, 0])  # killed, tested, all
+        counts[2] += 1
         if status in ("killed", "survived", "timeout"):
-            killed_total[1] += 1
-            killed_total[0] += status != "survived"
+            counts[1] += 1
+            counts[0] += status != "survived"
     killed, survived = stats.get("killed", 0) + stats.get("timeout", 0), stats.get("survived", 0)
     tested = killed + survived
     print("mutation score per module (killed / tested):")
-    for module, (k, t) in sorted(by_module.items()):
-        print(f"  {module:28s} {k:4d} / {t:4d}  {100 * k / t if t else 0:5.1f} %")
+    for module, (k, t, a) in sorted(by_module.items()):
+        score = f"{100 * k / t:5.1f} %" if t else "not run"
+        print(f"  {module:22s} {k:4d} / {t:4d}  {score}" + (f"  ({a - t} of {a} not run)" if a > t else ""))
     print(f"total: {killed} killed, {survived} survived, {stats.get('no_tests', 0)} not reached by the fast tests, "
-          f"score {100 * killed / tested if tested else 0:.1f} %")
+          f"score {100 * killed / tested if tested else 0:.1f} % of the mutants run "
+          f"(timeouts count as killed: {stats.get('timeout', 0)})")
     if survivors:
         print("survivors (mutmut show NAME):")
         for s in survivors:
