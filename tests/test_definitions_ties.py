@@ -296,3 +296,15 @@ def test_select_victim_per_row_with_leading_dims():
             if slots:
                 best = min(slots, key=lambda s: (scores[r, c, s].item(), positions[r, c, s].item()))
                 assert index[r, c].item() == best, (r, c)
+
+
+def test_eligible_mask_by_hand():
+    """Eligible: a valid slot outside the ``recent`` newest positions and the first ``sink``."""
+    from h2o_lens import policy
+
+    pos = torch.tensor([[0, 1, 5, 6, -1], [3, 0, 2, 7, 4]])
+    step = torch.tensor([[7], [8]])
+    assert policy.eligible_mask(pos, step, recent=2).tolist() == [[True, True, True, False, False],
+                                                                  [True, True, True, False, True]]
+    assert policy.eligible_mask(pos, 7, recent=0, sink=2).tolist() == [[False, False, True, True, False],
+                                                                      [True, False, True, True, True]]
