@@ -308,3 +308,5 @@ def test_eligible_mask_by_hand():
                                                                   [True, True, True, False, True]]
     assert policy.eligible_mask(pos, 7, recent=0, sink=2).tolist() == [[False, False, True, True, False],
                                                                       [True, False, True, True, True]]
+    assert policy.eligible_mask(pos, 7, recent=2, sink=2).tolist() == [[False, False, True, False, False],
+                                                                      [True, False, True, False, True]]
