@@ -138,14 +138,15 @@ def evidence_evictions(source: Source, run_id: str, *, request: int | None = Non
         WITH ev_tok AS (
             SELECT request, position, evidence AS label, text FROM tokens
             WHERE run_id = $run AND evidence IS NOT NULL AND ($request IS NULL OR request = $request)
-        ), run AS (SELECT recent, prompt_len FROM runs WHERE run_id = $run)
+        ), run AS (SELECT recent, prompt_len FROM runs WHERE run_id = $run),
+        rq AS (SELECT request, recent, prompt_len FROM requests WHERE run_id = $run)
         SELECT e.request, t.label, e.step, e.layer, e.kv_head, e.q_head, e.position, t.text,
                e.score, e.margin, e.age, e.left_recent, e.phase, e.score + e.margin AS threshold,
-               coalesce(e.phase <> 'prefill', e.step > run.prompt_len - 1, true)
-               AND e.age <= run.recent + $lag_steps
+               coalesce(e.phase <> 'prefill', e.step > coalesce(q.prompt_len, run.prompt_len) - 1, true)
+               AND e.age <= coalesce(q.recent, run.recent) + $lag_steps
                AND e.score <= $ratio * (e.score + e.margin) AS lag_eviction
         FROM evictions e JOIN ev_tok t ON e.request = t.request AND e.position = t.position
-        CROSS JOIN run
+        CROSS JOIN run LEFT JOIN rq q ON q.request = e.request
         WHERE e.run_id = $run AND ($before IS NULL OR e.step < $before)
         ORDER BY e.request, e.step, e.layer, e.kv_head, e.q_head, e.position
     """

@@ -95,6 +95,28 @@ def test_ratio_budgets_are_logged_per_request(tmp_path):
     assert m["keep_ratio"] == 0.4
 
 
+def test_measures_read_each_request_budget_when_the_run_has_none(tmp_path):
+    """With per-request budgets ``runs.recent`` is null: the stale-heavy window defaults to the
+    widest recent window of the run's requests (not to 1 step)."""
+    import analyses
+
+    model = tiny_model("llama")
+    seqs = [_ids(n, seed=n) for n in LENS]
+    ids, mask = _left_pad(seqs)
+    with recorders.record(model, H2OConfig(ratio=0.4), out=tmp_path, fsync=False) as run:
+        _generate(model, ids, mask, 24)
+    con = open_runs(tmp_path)
+    assert con.execute("SELECT recent FROM runs").fetchall() == [(None,)]
+    recent = dict(con.execute("SELECT request, recent FROM requests").fetchall())
+    assert len(set(recent.values())) > 1
+    widest = max(recent.values())
+    keys = ["request", "step", "layer", "kv_head"]
+    got = analyses.stale_holders(con, run.run_id).df().sort_values(keys, ignore_index=True)
+    assert len(got) and int(got["span"].min()) >= widest
+    same = analyses.stale_holders(con, run.run_id, window=widest).df().sort_values(keys, ignore_index=True)
+    assert got.equals(same)
+
+
 def test_slot_budget_keeps_run_level_counts(tmp_path):
     model = tiny_model("llama")
     with recorders.record(model, H2OConfig(heavy=3, recent=2), out=tmp_path, fsync=False) as run:

@@ -174,3 +174,70 @@ def test_sigkill_mid_write_leaves_only_openable_files(tmp_path):
     SegmentWriter(run_dir)  # a later writer cleans the leftovers
     assert not list(run_dir.glob("*.tmp"))
 
+
+
+# -- a writer that fails mid-file (deterministic crash safety) ----------------------------
+
+def _torn_writer(calls):
+    """Stands in for ``pq.write_table``: writes half a Parquet file to the path it gets, then fails."""
+    real = pq.write_table
+
+    def write_table(table, where, **kwargs):
+        calls.append(Path(where))
+        real(table, where, **kwargs)
+        data = Path(where).read_bytes()
+        Path(where).write_bytes(data[: len(data) // 2])  # no footer: unreadable, like a killed writer
+        raise OSError("disk full (simulated mid-file)")
+
+    return write_table
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_writer_failing_mid_file_leaves_no_file_under_a_final_name(tmp_path, monkeypatch, fsync):
+    from recorders import segments
+
+    calls: list[Path] = []
+    with SegmentWriter(tmp_path, run_id="run-a", config=CONFIG, fsync=fsync) as writer:
+        writer.append("evictions", _evictions(300, 0))
+    assert [p.name for p in list_segments(tmp_path)["evictions"]] == ["evictions-00000.parquet"]
+    writer = SegmentWriter(tmp_path, run_id="run-a", config=CONFIG, fsync=fsync)
+    writer.append("evictions", _evictions(200, 300))
+    monkeypatch.setattr(segments.pq, "write_table", _torn_writer(calls))
+    with pytest.raises(OSError, match="mid-file"):
+        writer.flush()
+    monkeypatch.undo()
+    # the bytes went to the temporary name, never to the name readers match
+    assert [p.name for p in calls] == ["evictions-00001.parquet.tmp"]
+    assert not (tmp_path / "evictions-00001.parquet").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["evictions-00000.parquet",
+                                                          "evictions-00001.parquet.tmp"]
+    assert [p.name for p in list_segments(tmp_path)["evictions"]] == ["evictions-00000.parquet"]
+    # readers see exactly the complete segment
+    con = duckdb.connect()
+    n = con.execute("SELECT count(*) FROM read_parquet(?)", [str(tmp_path / "*.parquet")]).fetchone()[0]
+    assert n == 300
+    # the next writer removes the torn file and reuses the index
+    again = SegmentWriter(tmp_path, run_id="run-a", config=CONFIG, fsync=fsync)
+    assert [p.name for p in again.removed_temp_files] == ["evictions-00001.parquet.tmp"]
+    again.append("evictions", _evictions(5, 300))
+    again.close()
+    assert again.segments[0].name == "evictions-00001.parquet"
+
+
+def test_write_segment_renames_the_temporary_file_into_place(tmp_path, monkeypatch):
+    """The final name appears only through ``os.replace`` of the finished temporary file."""
+    from recorders import segments
+
+    renames: list[tuple[str, str, bool]] = []
+    real = os.replace
+
+    def replace(src, dst):
+        renames.append((Path(src).name, Path(dst).name, pq.read_metadata(src).num_rows == 7))
+        assert not Path(dst).exists()  # nothing under the final name before the rename
+        real(src, dst)
+
+    monkeypatch.setattr(segments.os, "replace", replace)
+    path = segments.write_segment(tmp_path / "evictions-00000.parquet", "evictions",
+                                  to_arrow("evictions", _evictions(7), run_id="r"), fsync=False)
+    assert renames == [("evictions-00000.parquet.tmp", "evictions-00000.parquet", True)]
+    assert path.exists() and not list(tmp_path.glob("*.tmp"))

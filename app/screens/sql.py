@@ -39,7 +39,8 @@ def _console(root: state.Root, run: str | None) -> None:
         max_rows = c1.number_input("Rows at most", 1, state.MAX_ROWS, 1_000, step=500, key="w_sql_rows")
         run_it = c2.form_submit_button("Run query", type="primary", icon=":material/play_arrow:")
     st.caption(f"Read-only: one SELECT (or WITH … SELECT) over the views; files outside the runs root are "
-               f"out of reach; a query stops after {TIMEOUT_S:g} s and returns at most {state.MAX_ROWS:,} rows.")
+               f"out of reach; a query stops after {TIMEOUT_S:g} s, within 1 GB of memory and 2 threads, "
+               f"and returns at most {state.MAX_ROWS:,} rows and 64 MB (a larger result is refused, not cut).")
     if run_it:
         try:
             with st.spinner("Running…"):
