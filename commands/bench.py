@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
 
 import torch
 
+from h2o_lens.benchtools import Decoder as _Decoder
+from h2o_lens.benchtools import median_time as _median_time
 from h2o_lens.policies import half_split, ratio_slots
 
 __all__ = ["bench_decode"]
@@ -19,32 +20,6 @@ __all__ = ["bench_decode"]
 def _halves(budget: int) -> dict[str, int]:
     """``heavy`` and ``recent`` of a slot count, split in halves like a keep ratio's budget."""
     return dict(zip(("heavy", "recent"), half_split(budget)))
-
-
-def _median_time(fn: Callable[[], None], rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-class _Decoder:
-    """Keeps one cache warm and decodes ``steps`` tokens per call."""
-
-    def __init__(self, model, cache, context: torch.Tensor, last_logits_only: bool = False):
-        self.model, self.cache = model, cache
-        extra = {"logits_to_keep": 1} if last_logits_only else {}  # long batched prompts: no P x vocab
-        with torch.no_grad():
-            out = model(input_ids=context, cache=cache, use_cache=True, **extra)
-        self.token = out.logits[:, -1:].argmax(-1)
-
-    def run(self, steps: int) -> None:
-        with torch.no_grad():
-            for _ in range(steps):
-                out = self.model(input_ids=self.token, cache=self.cache, use_cache=True)
-                self.token = out.logits[:, -1:].argmax(-1)
 
 
 def bench_decode(model_name: str | None = None, contexts=(512, 2048, 4096), keep: float = 0.2,

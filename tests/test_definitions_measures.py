@@ -25,6 +25,7 @@ import torch
 from tiny import tiny_model
 
 import h2o_lens
+import recorders
 from h2o_lens import H2OConfig
 from recorders import open_runs
 from recorders.replay import replay
@@ -57,7 +58,7 @@ def world(tmp_path_factory):
     with torch.no_grad():  # sharp next-token distributions: KL far from its symmetric small-change limit
         model.lm_head.weight.mul_(40.0)
     ids = torch.randint(3, 256, (1, PROMPT), generator=torch.Generator().manual_seed(7))
-    with h2o_lens.record(model, H2OConfig(heavy=HEAVY, recent=RECENT), out=root, fsync=False) as run:
+    with recorders.record(model, H2OConfig(heavy=HEAVY, recent=RECENT), out=root, fsync=False) as run:
         with torch.no_grad():
             gen = model.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
                                  output_logits=True, return_dict_in_generate=True)
@@ -228,7 +229,7 @@ def test_evidence_deletion_step_equals_brute_force(tmp_path):
     new = torch.randint(3, 256, (NEW,), generator=g).tolist()
     spans = {"early": range(2, 5), "late": range(12, 15)}  # late: 13, 14 leave during decode
     labels = [next((k for k, r in spans.items() if i in r), None) for i in range(PROMPT)]
-    with h2o_lens.record(model, H2OConfig(heavy=HEAVY, recent=RECENT), out=tmp_path, fsync=False) as run:
+    with recorders.record(model, H2OConfig(heavy=HEAVY, recent=RECENT), out=tmp_path, fsync=False) as run:
         run.force(prompt, new, evidence_labels=labels)
     _, attn = _full_forward(model, torch.tensor([prompt + new[:-1]]))
     got = evidence_deletion(open_runs(tmp_path), run.run_id).df()
@@ -269,7 +270,7 @@ def test_gqa_overlap_of_layer0_equals_brute_force(tmp_path):
     new = torch.randint(3, 256, (NEW,), generator=g).tolist()
     runs = {}
     for gqa in ("sum", "max"):
-        with h2o_lens.record(model, H2OConfig(heavy=heavy, recent=recent, gqa=gqa), out=tmp_path,
+        with recorders.record(model, H2OConfig(heavy=heavy, recent=recent, gqa=gqa), out=tmp_path,
                              fsync=False) as run:
             run.force(prompt, new)
         runs[gqa] = run.run_id

@@ -177,7 +177,7 @@ def bench_end_to_end(*, context: int = 32768, batch: int = 8, keep: float = 0.2,
     """
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
-    from ..bench import _Decoder
+    from ..benchtools import Decoder as _Decoder
     from ..config import H2OConfig
     from ..runtime import full_kv_bytes, h2o
 
