@@ -38,15 +38,13 @@ from h2o_lens.errors import ImplementationError
 from h2o_lens.runtime import H2OSession
 from h2o_lens.tasks.attention_cases import PolicyCase
 
+from .eviction_steps import evict_steps
 from .manifest import read_manifest, write_manifest
 from .recorder import Recording
 from .run import RunWriter
 from .store import load_run
 
 __all__ = ["write_policy_case", "case_kept_sets"]
-
-NEVER = np.iinfo(np.int64).max // 2
-
 
 class _Tap:
     """Cache listener: forwards to the recorder and keeps each step's candidate sets."""
@@ -143,14 +141,6 @@ def case_kept_sets(case: PolicyCase, config: H2OConfig) -> dict[int, np.ndarray]
     return _run_cache(case, config, None).cand
 
 
-def _evict_steps(ev: dict[str, np.ndarray], layers: int, sets: int, n: int, gqa_none: bool) -> np.ndarray:
-    """``(L, Hs, N)`` step at which each position left the cache (NEVER if kept), from the table."""
-    out = np.full((layers, sets, n), NEVER, dtype=np.int64)
-    head = ev["q_head"] if gqa_none else ev["kv_head"]
-    np.minimum.at(out, (ev["layer"], head, ev["position"]), ev["step"])
-    return out
-
-
 def _log_softmax(z: np.ndarray) -> np.ndarray:
     z = z - z.max(-1, keepdims=True)
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
@@ -233,7 +223,7 @@ def _rebuilt_sets(run_dir: Path, case: PolicyCase, sets: int, gqa_none: bool) ->
     ev_tab = load_run(run_dir, tables=("evictions",))["evictions"]
     cols = ("layer", "kv_head", "position", "step") + (("q_head",) if gqa_none else ())
     ev = {c: np.asarray(ev_tab[c].to_numpy(zero_copy_only=False), dtype=np.int64) for c in cols}
-    return _evict_steps(ev, case.layers, sets, case.n, gqa_none)
+    return evict_steps(ev, case.layers, sets, case.n, gqa_none)
 
 
 def _write_outputs(writer: RunWriter, case: PolicyCase, cand: dict[int, np.ndarray], evict_step: np.ndarray,
