@@ -197,7 +197,7 @@ def _replay_attention(model, state: _State) -> contextlib.AbstractContextManager
     return attention_implementation(model, REPLAY_ATTN, functools.partial(_attention, state), _no_mask)
 
 
-def _evict_steps(ev: dict[str, np.ndarray], request: int, layers: int, sets: int, n: int,
+def _request_evict_steps(ev: dict[str, np.ndarray], request: int, layers: int, sets: int, n: int,
                  gqa_none: bool) -> dict[int, torch.Tensor]:
     """Per layer ``(1, Hs, N)`` step at which each position of ``request`` left the cache."""
     sel = ev["request"] == request
@@ -415,7 +415,7 @@ def _replay_request(model, run: _Run, shape: _Shape, state: _State, rows: _Rows,
         return
     for per_layer in (state.dropped, state.prompt_cols, state.before, state.after):
         per_layer.clear()
-    state.evict = _evict_steps(run.ev, request, shape.layers, shape.sets, n, shape.gqa_none)
+    state.evict = _request_evict_steps(run.ev, request, shape.layers, shape.sets, n, shape.gqa_none)
     teacher, masked = _forward(model, state, ids, p, n, bar)
     steps = _step_rows(rows, request, ids, p, teacher, masked)
     # implementation check against the logits the run itself produced
