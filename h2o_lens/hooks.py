@@ -2,21 +2,42 @@
 
 Registered under one name, :data:`ATTN_NAME`, only while a scope
 (:func:`h2o_lens.runtime.h2o`) is active: nothing is patched at import.
+:func:`attention_implementation` is that scope's registration, shared with
+the replay (:mod:`recorders.replay`), which registers its own functions.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .errors import UnsupportedModelError
+from .errors import ImplementationError, UnsupportedModelError
 
-__all__ = ["ATTN_NAME", "h2o_attention", "h2o_mask", "register", "unregister"]
+__all__ = ["ATTN_NAME", "attention_implementation", "h2o_attention", "h2o_mask"]
 
 ATTN_NAME = "h2o_lens"
 _lock = threading.Lock()
-_users = 0
+
+
+@dataclass
+class _Users:
+    """Active uses of one implementation name and what the registries held before the first."""
+
+    count: int
+    attention_fn: Callable[..., Any]
+    mask_fn: Callable[..., Any]
+    saved: tuple[Any, Any]
+
+    @property
+    def functions(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        return self.attention_fn, self.mask_fn
+
+
+_users: dict[str, _Users] = {}  # name -> active uses (see attention_implementation)
 
 
 def h2o_mask(batch_size: int, q_length: int, kv_length: int, *args: Any,
@@ -70,27 +91,73 @@ def h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     return h2o_layer.decode(query, scaling), None
 
 
-def register() -> None:
-    """Register the attention and mask functions (reference counted)."""
-    global _users
+@contextlib.contextmanager
+def attention_implementation(model: Any, name: str, attention_fn: Callable[..., Any],
+                             mask_fn: Callable[..., Any]) -> Iterator[None]:
+    """Run ``model`` with ``attention_fn`` and ``mask_fn`` registered under ``name``.
+
+    Registers both with transformers' ``AttentionInterface`` and
+    ``AttentionMaskInterface``, switches ``model`` to ``name`` and, on exit
+    (exceptions included), switches it back to its previous implementation
+    and restores the two registries. Uses of one name nest (reference
+    counted): the first registers, the last restores what the registries held
+    before (nothing, usually); all of them must pass the same functions.
+
+    Parameters
+    ----------
+    model : a transformers model whose attention routes through ``AttentionInterface``
+    name : the implementation name, e.g. :data:`ATTN_NAME`
+    attention_fn, mask_fn : the attention function and the mask function
+    """
+    previous = model.config._attn_implementation
+    _acquire(name, attention_fn, mask_fn)
+    try:
+        model.set_attn_implementation(name)
+        yield
+    finally:
+        try:
+            model.set_attn_implementation(previous)
+        finally:
+            _release(name)
+
+
+def _acquire(name: str, attention_fn: Callable[..., Any], mask_fn: Callable[..., Any]) -> None:
+    """Count one user of ``name``; the first registers the functions."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     with _lock:
-        if _users == 0:
-            AttentionInterface.register(ATTN_NAME, h2o_attention)
-            AttentionMaskInterface.register(ATTN_NAME, h2o_mask)
-        _users += 1
+        held = _users.get(name)
+        if held is None:
+            saved = (AttentionInterface._global_mapping.get(name),
+                     AttentionMaskInterface._global_mapping.get(name))
+            AttentionInterface.register(name, attention_fn)
+            AttentionMaskInterface.register(name, mask_fn)
+            _users[name] = _Users(1, attention_fn, mask_fn, saved)
+            return
+        if held.functions != (attention_fn, mask_fn):
+            raise ImplementationError(
+                f"the attention implementation {name!r} is already registered with other functions "
+                f"({held.functions[0]!r}, {held.functions[1]!r}) by an enclosing scope; give the "
+                "nested scope its own name or the same functions")
+        held.count += 1
 
 
-def unregister() -> None:
-    """Undo one :func:`register`; the last one removes the names again."""
-    global _users
+def _release(name: str) -> None:
+    """Undo one :func:`_acquire`; the last restores what the registries held before."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     with _lock:
-        _users = max(0, _users - 1)
-        if _users == 0:
-            AttentionInterface._global_mapping.pop(ATTN_NAME, None)
-            AttentionMaskInterface._global_mapping.pop(ATTN_NAME, None)
+        held = _users.get(name)
+        if held is None:
+            return
+        held.count -= 1
+        if held.count > 0:
+            return
+        del _users[name]
+        for registry, saved in zip((AttentionInterface, AttentionMaskInterface), held.saved):
+            if saved is None:
+                registry._global_mapping.pop(name, None)
+            else:
+                registry._global_mapping[name] = saved

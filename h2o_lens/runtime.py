@@ -116,21 +116,15 @@ def h2o(model: Any, config: H2OConfig | None = None, *, listener: CacheListener 
         yield session
         return
     check_model(model)
-    previous = model.config._attn_implementation
     had_instance_generate = "generate" in vars(model)
     saved_generate = vars(model).get("generate")
-    hooks.register()
-    try:
-        model.set_attn_implementation(hooks.ATTN_NAME)
-        original = model.generate
-        model.generate = functools.wraps(original)(functools.partial(session._generate, original))
-        yield session
-    finally:
-        if had_instance_generate:
-            model.generate = saved_generate
-        else:
-            vars(model).pop("generate", None)
+    with hooks.attention_implementation(model, hooks.ATTN_NAME, hooks.h2o_attention, hooks.h2o_mask):
         try:
-            model.set_attn_implementation(previous)
+            original = model.generate
+            model.generate = functools.wraps(original)(functools.partial(session._generate, original))
+            yield session
         finally:
-            hooks.unregister()
+            if had_instance_generate:
+                model.generate = saved_generate
+            else:
+                vars(model).pop("generate", None)

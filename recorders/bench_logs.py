@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,38 +76,53 @@ def _prev_occupants(promoted: np.ndarray, slot: np.ndarray, exits: np.ndarray,
     return victims.reshape(g_count, m)
 
 
-def _request_tables(rng: np.random.Generator, *, request: int, layers: int, kv_heads: int,
-                    q_heads: int, steps: int, prompt_len: int, heavy: int, recent: int,
-                    k: int, wanted: set[str]) -> dict[str, dict[str, Any]]:
-    g_count, big_p, budget = layers * kv_heads, prompt_len, heavy + recent
-    n_pos = big_p + steps * k                             # positions seen
+@dataclass
+class _Stream:
+    """The eviction stream of one request, per (layer, KV head) ``G`` and sub-step ``M``."""
+
+    layer_of: np.ndarray      # (G,) layer of each stream
+    head_of: np.ndarray       # (G,) KV head of each stream
+    init: np.ndarray          # (G, H) heavy positions kept by the prefill
+    pre: dict | None          # prefill victims: pos, score, margin (G, P - R - H); None if none
+    t: np.ndarray             # (M,) sub-steps
+    exits: np.ndarray         # (M,) position leaving the recent window
+    logged: np.ndarray        # (M,) step column
+    thr: np.ndarray           # (G, M) min heavy score
+    promoted: np.ndarray      # (G, M) the exiting token took a heavy slot
+    victim: np.ndarray        # (G, M) position evicted
+    score: np.ndarray         # (G, M)
+    margin: np.ndarray        # (G, M)
+
+
+def _prefill(rng: np.random.Generator, scale: np.ndarray, prompt_len: int, heavy: int,
+             recent: int) -> tuple[np.ndarray, dict | None, int]:
+    """Keep the recent tail and the top-``heavy`` of the rest: (kept heavy, victims, first sub-step)."""
+    g_count, big_p = len(scale), prompt_len
+    n_old = big_p - recent
+    if big_p <= heavy + recent:
+        return np.broadcast_to(np.arange(heavy), (g_count, heavy)).copy(), None, heavy + recent
+    pos = np.arange(n_old)
+    key = rng.lognormal(0.0, 0.8, (g_count, n_old)) * np.log1p(big_p - pos) * scale[:, None]
+    order = np.argsort(-key, axis=1, kind="stable")                 # (G, n_old)
+    init = np.sort(order[:, :heavy], axis=1)                        # (G, H) kept
+    gone = order[:, heavy:]                                         # (G, n_old - H)
+    thr0 = np.take_along_axis(key, order[:, heavy - 1:heavy], 1)    # (G, 1) lowest kept
+    pre_score = np.take_along_axis(key, gone, 1)
+    return init, {"pos": gone, "score": pre_score, "margin": thr0 - pre_score}, big_p
+
+
+def _stream(rng: np.random.Generator, *, layers: int, kv_heads: int, steps: int, prompt_len: int,
+            heavy: int, recent: int, k: int) -> _Stream:
+    """Prefill, then at each sub-step promote the exiting token if it beats the heavy threshold."""
+    g_count, big_p = layers * kv_heads, prompt_len
     layer_of = np.repeat(np.arange(layers, dtype=np.int16), kv_heads)   # (G,)
     head_of = np.tile(np.arange(kv_heads, dtype=np.int16), layers)      # (G,)
     scale = rng.lognormal(0.0, 0.3, g_count)                            # (G,)
-    out: dict[str, dict[str, Any]] = {}
-
-    # prefill: keep recent tail + top-heavy of the rest
-    n_old = big_p - recent
-    if big_p > budget:
-        pos = np.arange(n_old)
-        key = rng.lognormal(0.0, 0.8, (g_count, n_old)) * np.log1p(big_p - pos) * scale[:, None]
-        order = np.argsort(-key, axis=1, kind="stable")                 # (G, n_old)
-        init = np.sort(order[:, :heavy], axis=1)                        # (G, H) kept
-        gone = order[:, heavy:]                                         # (G, n_old - H)
-        thr0 = np.take_along_axis(key, order[:, heavy - 1:heavy], 1)    # (G, 1) lowest kept
-        pre_score = np.take_along_axis(key, gone, 1)
-        pre = {"pos": gone, "score": pre_score, "margin": thr0 - pre_score}
-        t_start = big_p
-    else:
-        init = np.broadcast_to(np.arange(heavy), (g_count, heavy)).copy()
-        pre = None
-        t_start = budget
-    t = np.arange(t_start, n_pos)                                       # (M,) sub-steps
+    init, pre, t_start = _prefill(rng, scale, prompt_len, heavy, recent)
+    t = np.arange(t_start, big_p + steps * k)                           # (M,) sub-steps
     exits = t - recent                                                  # (M,)
     m = len(t)
     logged = big_p - 1 + ((t - big_p) // k + 1) * k                    # (M,) step column
-
-    # decode: promote the exiting token if it beats the heavy threshold
     frac = np.arange(m) / max(m, 1)
     drift = rng.uniform(0.0, 1.8, g_count)[:, None]
     mu = rng.normal(0.1, 0.2, g_count)[:, None] - drift * frac          # (G, M)
@@ -118,86 +134,126 @@ def _request_tables(rng: np.random.Generator, *, request: int, layers: int, kv_h
     gap = rng.exponential(0.05, (g_count, m))
     score = np.where(promoted, thr, thr * ratio)
     margin = np.where(promoted, thr * np.minimum(ratio - 1.0, gap), thr * (1.0 - ratio))
+    return _Stream(layer_of, head_of, init, pre, t, exits, logged, thr, promoted, victim, score, margin)
 
+
+def _evictions(st: _Stream, request: int, prompt_len: int) -> dict[str, Any]:
+    """Evictions rows: the prefill's victims, then one per sub-step, per stream."""
+    g_count, m = st.promoted.shape
+    parts = {"step": [np.broadcast_to(st.logged, (g_count, m))], "position": [st.victim],
+             "score": [st.score], "margin": [st.margin], "left_recent": [~st.promoted],
+             "phase": [np.ones((g_count, m), np.int8)]}
+    if st.pre is not None:
+        pre = st.pre
+        n_pre = pre["pos"].shape[1]
+        for name, value in (("step", np.full((g_count, n_pre), prompt_len - 1)),
+                            ("position", pre["pos"]), ("score", pre["score"]),
+                            ("margin", pre["margin"]), ("left_recent", np.zeros_like(pre["pos"], bool)),
+                            ("phase", np.zeros((g_count, n_pre), np.int8))):
+            parts[name].insert(0, value)
+    cols = {name: np.concatenate(v, axis=1).ravel() for name, v in parts.items()}
+    per_head = cols["step"].size // g_count
+    cols["step"] = cols["step"].astype(np.int64)
+    cols["position"] = cols["position"].astype(np.int64)
+    cols["age"] = cols["step"] - cols["position"]
+    cols["score"] = cols["score"].astype(np.float32)
+    cols["margin"] = np.maximum(cols["margin"], 0.0).astype(np.float32)
+    cols["layer"] = np.repeat(st.layer_of, per_head)
+    cols["kv_head"] = np.repeat(st.head_of, per_head)
+    cols["request"] = np.full(cols["step"].size, request, np.int32)
+    cols["phase"] = _PHASES.take(pa.array(cols["phase"]))
+    return cols
+
+
+def _steps(st: _Stream, request: int, step_rows: np.ndarray, heavy: int, recent: int) -> dict[str, Any]:
+    """Steps rows at the logged sub-steps ``step_rows``, per stream."""
+    g_count = len(st.layer_of)
+    heavy_sum = st.init.sum(axis=1)[:, None] + np.cumsum(np.where(st.promoted, st.exits - st.victim, 0), 1)
+    sel = (slice(None), step_rows)
+    n = g_count * len(step_rows)
+    return {
+        "request": np.full(n, request, np.int32),
+        "step": np.broadcast_to(st.logged[step_rows], (g_count, len(step_rows))).ravel(),
+        "layer": np.repeat(st.layer_of, len(step_rows)),
+        "kv_head": np.repeat(st.head_of, len(step_rows)),
+        "min_heavy_score": st.thr[sel].ravel().astype(np.float32),
+        "promoted": st.promoted[sel].ravel(),
+        "exiting_position": np.broadcast_to(st.exits[step_rows], (g_count, len(step_rows))).ravel(),
+        "kept": np.full(n, heavy + recent, np.int32),
+        "heavy_age_mean": (st.t[step_rows][None, :] - heavy_sum[sel] / heavy).ravel().astype(np.float32),
+    }
+
+
+def _replay(rng: np.random.Generator, request: int, step_values: np.ndarray, layers: int, kv_heads: int,
+            q_heads: int) -> dict[str, Any]:
+    """Replay rows: a dropped mass per step, layer and query head."""
+    steps = len(step_values)
+    group = q_heads // kv_heads
+    n = steps * layers * q_heads
+    shape = (steps, layers, q_heads)
+    mass = rng.beta(0.6, 12.0, shape)
+    return {
+        "request": np.full(n, request, np.int32),
+        "step": np.broadcast_to(step_values[:, None, None], shape).ravel(),
+        "layer": np.broadcast_to(np.arange(layers, dtype=np.int16)[None, :, None], shape).ravel(),
+        "q_head": np.broadcast_to(np.arange(q_heads, dtype=np.int16)[None, None, :], shape).ravel(),
+        "kv_head": np.broadcast_to((np.arange(q_heads) // group).astype(np.int16)[None, None, :],
+                                   shape).ravel(),
+        "dropped_mass": np.clip(mass, 0.0, 1.0).astype(np.float32).ravel(),
+    }
+
+
+def _replay_steps(rng: np.random.Generator, request: int, step_values: np.ndarray) -> dict[str, Any]:
+    """Replay_steps rows: KL, top-1 agreement and teacher log-probability per step."""
+    steps = len(step_values)
+    kl = rng.lognormal(-4.0, 1.5, steps)
+    return {
+        "request": np.full(steps, request, np.int32),
+        "step": step_values,
+        "kl": kl.astype(np.float32),
+        "top1_agree": (kl < 0.2) & (rng.random(steps) > 0.03),
+        "teacher_logprob": (-rng.exponential(0.8, steps)).astype(np.float32),
+    }
+
+
+def _tokens(rng: np.random.Generator, request: int, n_pos: int, prompt_len: int) -> dict[str, Any]:
+    """Tokens rows: random ids, a short evidence span in the prompt's first half."""
+    big_p = prompt_len
+    token_id = rng.integers(0, _VOCAB, n_pos).astype(np.int32)
+    span = max(1, min(8, big_p // 4))
+    start = int(rng.integers(0, max(1, big_p // 2)))
+    in_span = (np.arange(n_pos) >= start) & (np.arange(n_pos) < start + span)
+    evidence = pa.array([_NEEDLE]).take(pa.array(np.zeros(n_pos, np.int8), mask=~in_span))
+    return {
+        "request": np.full(n_pos, request, np.int32),
+        "position": np.arange(n_pos, dtype=np.int64),
+        "token_id": token_id,
+        "text": _WORDS.take(pa.array(token_id % len(_WORDS))),
+        "is_prompt": np.arange(n_pos) < big_p,
+        "evidence": evidence,
+    }
+
+
+def _request_tables(rng: np.random.Generator, *, request: int, layers: int, kv_heads: int,
+                    q_heads: int, steps: int, prompt_len: int, heavy: int, recent: int,
+                    k: int, wanted: set[str]) -> dict[str, dict[str, Any]]:
+    """Columns of the ``wanted`` tables of one request (random draws in a fixed order)."""
+    st = _stream(rng, layers=layers, kv_heads=kv_heads, steps=steps, prompt_len=prompt_len,
+                 heavy=heavy, recent=recent, k=k)
+    out: dict[str, dict[str, Any]] = {}
     if "evictions" in wanted:
-        parts = {"step": [np.broadcast_to(logged, (g_count, m))], "position": [victim],
-                 "score": [score], "margin": [margin], "left_recent": [~promoted],
-                 "phase": [np.ones((g_count, m), np.int8)]}
-        if pre is not None:
-            n_pre = pre["pos"].shape[1]
-            for name, value in (("step", np.full((g_count, n_pre), big_p - 1)),
-                                ("position", pre["pos"]), ("score", pre["score"]),
-                                ("margin", pre["margin"]), ("left_recent", np.zeros_like(pre["pos"], bool)),
-                                ("phase", np.zeros((g_count, n_pre), np.int8))):
-                parts[name].insert(0, value)
-        cols = {name: np.concatenate(v, axis=1).ravel() for name, v in parts.items()}
-        per_head = cols["step"].size // g_count
-        cols["step"] = cols["step"].astype(np.int64)
-        cols["position"] = cols["position"].astype(np.int64)
-        cols["age"] = cols["step"] - cols["position"]
-        cols["score"] = cols["score"].astype(np.float32)
-        cols["margin"] = np.maximum(cols["margin"], 0.0).astype(np.float32)
-        cols["layer"] = np.repeat(layer_of, per_head)
-        cols["kv_head"] = np.repeat(head_of, per_head)
-        cols["request"] = np.full(cols["step"].size, request, np.int32)
-        cols["phase"] = _PHASES.take(pa.array(cols["phase"]))
-        out["evictions"] = cols
-
-    step_rows = np.flatnonzero((t - big_p) % k == k - 1) if m else np.zeros(0, np.int64)
+        out["evictions"] = _evictions(st, request, prompt_len)
+    m = len(st.t)
+    step_rows = np.flatnonzero((st.t - prompt_len) % k == k - 1) if m else np.zeros(0, np.int64)
     if "steps" in wanted and len(step_rows):
-        heavy_sum = init.sum(axis=1)[:, None] + np.cumsum(np.where(promoted, exits - victim, 0), 1)
-        sel = (slice(None), step_rows)
-        n = g_count * len(step_rows)
-        out["steps"] = {
-            "request": np.full(n, request, np.int32),
-            "step": np.broadcast_to(logged[step_rows], (g_count, len(step_rows))).ravel(),
-            "layer": np.repeat(layer_of, len(step_rows)),
-            "kv_head": np.repeat(head_of, len(step_rows)),
-            "min_heavy_score": thr[sel].ravel().astype(np.float32),
-            "promoted": promoted[sel].ravel(),
-            "exiting_position": np.broadcast_to(exits[step_rows], (g_count, len(step_rows))).ravel(),
-            "kept": np.full(n, budget, np.int32),
-            "heavy_age_mean": (t[step_rows][None, :] - heavy_sum[sel] / heavy).ravel().astype(np.float32),
-        }
-
-    step_values = big_p - 1 + k * np.arange(1, steps + 1)                # (S,)
+        out["steps"] = _steps(st, request, step_rows, heavy, recent)
+    step_values = prompt_len - 1 + k * np.arange(1, steps + 1)          # (S,)
     if "replay" in wanted and steps:
-        group = q_heads // kv_heads
-        n = steps * layers * q_heads
-        shape = (steps, layers, q_heads)
-        mass = rng.beta(0.6, 12.0, shape)
-        out["replay"] = {
-            "request": np.full(n, request, np.int32),
-            "step": np.broadcast_to(step_values[:, None, None], shape).ravel(),
-            "layer": np.broadcast_to(np.arange(layers, dtype=np.int16)[None, :, None], shape).ravel(),
-            "q_head": np.broadcast_to(np.arange(q_heads, dtype=np.int16)[None, None, :], shape).ravel(),
-            "kv_head": np.broadcast_to((np.arange(q_heads) // group).astype(np.int16)[None, None, :],
-                                       shape).ravel(),
-            "dropped_mass": np.clip(mass, 0.0, 1.0).astype(np.float32).ravel(),
-        }
+        out["replay"] = _replay(rng, request, step_values, layers, kv_heads, q_heads)
     if "replay_steps" in wanted and steps:
-        kl = rng.lognormal(-4.0, 1.5, steps)
-        out["replay_steps"] = {
-            "request": np.full(steps, request, np.int32),
-            "step": step_values,
-            "kl": kl.astype(np.float32),
-            "top1_agree": (kl < 0.2) & (rng.random(steps) > 0.03),
-            "teacher_logprob": (-rng.exponential(0.8, steps)).astype(np.float32),
-        }
+        out["replay_steps"] = _replay_steps(rng, request, step_values)
     if "tokens" in wanted:
-        token_id = rng.integers(0, _VOCAB, n_pos).astype(np.int32)
-        span = max(1, min(8, big_p // 4))
-        start = int(rng.integers(0, max(1, big_p // 2)))
-        in_span = (np.arange(n_pos) >= start) & (np.arange(n_pos) < start + span)
-        evidence = pa.array([_NEEDLE]).take(pa.array(np.zeros(n_pos, np.int8), mask=~in_span))
-        out["tokens"] = {
-            "request": np.full(n_pos, request, np.int32),
-            "position": np.arange(n_pos, dtype=np.int64),
-            "token_id": token_id,
-            "text": _WORDS.take(pa.array(token_id % len(_WORDS))),
-            "is_prompt": np.arange(n_pos) < big_p,
-            "evidence": evidence,
-        }
+        out["tokens"] = _tokens(rng, request, prompt_len + steps * k, prompt_len)
     return out
 
 

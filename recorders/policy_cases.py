@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,15 +40,13 @@ from h2o_lens.errors import ImplementationError
 from h2o_lens.runtime import H2OSession
 from h2o_lens.tasks.attention_cases import PolicyCase
 
+from .eviction_steps import evict_steps
 from .manifest import read_manifest, write_manifest
 from .recorder import Recording
 from .run import RunWriter
 from .store import load_run
 
 __all__ = ["write_policy_case", "case_kept_sets"]
-
-NEVER = np.iinfo(np.int64).max // 2
-
 
 class _Tap:
     """Cache listener: forwards to the recorder and keeps each step's candidate sets."""
@@ -144,14 +143,6 @@ def case_kept_sets(case: PolicyCase, config: H2OConfig) -> dict[int, np.ndarray]
     return _run_cache(case, config, None).cand
 
 
-def _evict_steps(ev: dict[str, np.ndarray], layers: int, sets: int, n: int, gqa_none: bool) -> np.ndarray:
-    """``(L, Hs, N)`` step at which each position left the cache (NEVER if kept), from the table."""
-    out = np.full((layers, sets, n), NEVER, dtype=np.int64)
-    head = ev["q_head"] if gqa_none else ev["kv_head"]
-    np.minimum.at(out, (ev["layer"], head, ev["position"]), ev["step"])
-    return out
-
-
 def _log_softmax(z: np.ndarray) -> np.ndarray:
     z = z - z.max(-1, keepdims=True)
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
@@ -221,13 +212,17 @@ def write_policy_case(root: str | os.PathLike, case: PolicyCase, heavy: int | No
         writer.close("failed", exc)
         raise
     writer.close("complete")
-    manifest = read_manifest(writer.run_dir)
+    _write_replay_summary(writer.run_dir, stats, time.perf_counter() - t0)
+    return writer.run_dir
+
+
+def _write_replay_summary(run_dir: Path, stats: dict[str, float], seconds: float) -> None:
+    """The manifest's ``replay`` entry, as :func:`recorders.replay.replay` writes it."""
+    manifest = read_manifest(run_dir)
     manifest["replay"] = {"implementation_ok": stats["max_logit_diff"] <= 1e-9, "tolerance": 1e-9,
                           "mean_kl": stats["mean_kl"], "top1_agreement": stats["top1_agreement"],
-                          "mean_dropped_mass": stats["mean_dropped_mass"],
-                          "seconds": time.perf_counter() - t0}
-    write_manifest(writer.run_dir, manifest)
-    return writer.run_dir
+                          "mean_dropped_mass": stats["mean_dropped_mass"], "seconds": seconds}
+    write_manifest(run_dir, manifest)
 
 
 def _rebuilt_sets(run_dir: Path, case: PolicyCase, sets: int, gqa_none: bool) -> np.ndarray:
@@ -235,18 +230,30 @@ def _rebuilt_sets(run_dir: Path, case: PolicyCase, sets: int, gqa_none: bool) ->
     ev_tab = load_run(run_dir, tables=("evictions",))["evictions"]
     cols = ("layer", "kv_head", "position", "step") + (("q_head",) if gqa_none else ())
     ev = {c: np.asarray(ev_tab[c].to_numpy(zero_copy_only=False), dtype=np.int64) for c in cols}
-    return _evict_steps(ev, case.layers, sets, case.n, gqa_none)
+    return evict_steps(ev, case.layers, sets, case.n, gqa_none)
 
 
-def _write_outputs(writer: RunWriter, case: PolicyCase, cand: dict[int, np.ndarray], evict_step: np.ndarray,
-                   gqa: str) -> dict[str, float]:
-    """Teacher and run distributions per step; tokens, replay, replay_steps, run_logits, requests."""
+@dataclass
+class _Compared:
+    """Teacher against run, per step ``P-1 .. N-1`` of a case."""
+
+    steps: np.ndarray  # (S,)
+    dropped: np.ndarray  # (S, L, Hkv, G) teacher weight the run no longer sees
+    kl: list[float] = field(default_factory=list)
+    agree: list[bool] = field(default_factory=list)
+    t_logprob: list[float] = field(default_factory=list)
+    run_top: list[int] = field(default_factory=list)
+    teacher_top: list[int] = field(default_factory=list)
+    lg_rows: list[tuple] = field(default_factory=list)  # (next token, its logit, top-1 logit, lse) of the run
+    max_diff: float = 0.0  # run logits against those of the sets rebuilt from the evictions
+
+
+def _compare(case: PolicyCase, cand: dict[int, np.ndarray], evict_step: np.ndarray, gqa: str) -> _Compared:
+    """Teacher and run distributions per step (the run's and the rebuilt candidate sets)."""
     n, p = case.n, case.prompt_len
     set_of = _sets_of_heads(case, gqa)  # (Hkv, G)
     steps = np.arange(p - 1, n, dtype=np.int64)
-    dropped = np.zeros((len(steps), case.layers, case.kv_heads, case.group))
-    kl, agree, t_logprob, max_diff = [], [], [], 0.0
-    run_top, teacher_top, lg_rows = [], [], []
+    out = _Compared(steps, np.zeros((len(steps), case.layers, case.kv_heads, case.group)))
     for j, t in enumerate(steps):
         teacher_w = case.attention(t)  # (L, Hkv, G, t+1)
         if t < p:  # the prefill's last row: full attention in both
@@ -258,26 +265,34 @@ def _write_outputs(writer: RunWriter, case: PolicyCase, cand: dict[int, np.ndarr
             alive = evict_step[:, :, : t + 1] >= t  # evicted at step t: still seen at t
             alive[..., t] = True
             rebuilt_w = case.attention(t, alive[:, set_of])
-            dropped[j] = np.where(vis, 0.0, teacher_w).sum(-1)
+            out.dropped[j] = np.where(vis, 0.0, teacher_w).sum(-1)
         lt = case.output_logits(teacher_w)
         lr = case.output_logits(run_w)
-        max_diff = max(max_diff, float(np.abs(case.output_logits(rebuilt_w) - lr).max()))
+        out.max_diff = max(out.max_diff, float(np.abs(case.output_logits(rebuilt_w) - lr).max()))
         slt, slr = _log_softmax(lt), _log_softmax(lr)
         nxt = int(case.token_ids[t + 1])
-        kl.append(max(0.0, float((np.exp(slt) * (slt - slr)).sum())))
-        agree.append(bool(np.argmax(lt) == np.argmax(lr)))
-        t_logprob.append(float(slt[nxt]))
-        run_top.append(int(np.argmax(lr)))
-        teacher_top.append(int(np.argmax(lt)))
-        lg_rows.append((nxt, lr[nxt], lr.max(), float(np.log(np.exp(lr - lr.max()).sum()) + lr.max())))
+        out.kl.append(max(0.0, float((np.exp(slt) * (slt - slr)).sum())))
+        out.agree.append(bool(np.argmax(lt) == np.argmax(lr)))
+        out.t_logprob.append(float(slt[nxt]))
+        out.run_top.append(int(np.argmax(lr)))
+        out.teacher_top.append(int(np.argmax(lt)))
+        out.lg_rows.append((nxt, lr[nxt], lr.max(), float(np.log(np.exp(lr - lr.max()).sum()) + lr.max())))
+    return out
 
-    labels = case.evidence_labels()
+
+def _append_tokens(writer: RunWriter, case: PolicyCase) -> None:
+    n, p = case.n, case.prompt_len
     writer.append("tokens", {
         "request": np.zeros(n + 1, np.int32), "position": np.arange(n + 1, dtype=np.int64),
         "token_id": case.token_ids.astype(np.int32),
         "text": [case.vocab[i] for i in case.token_ids], "is_prompt": np.arange(n + 1) < p,
-        "evidence": labels,
+        "evidence": case.evidence_labels(),
     })
+
+
+def _append_replay(writer: RunWriter, case: PolicyCase, c: _Compared) -> None:
+    """The replay (dropped mass per step, layer, query head) and replay_steps tables."""
+    steps = c.steps
     qh = np.arange(case.q_heads)
     shape = (len(steps), case.layers, case.q_heads)
     writer.append("replay", {
@@ -286,29 +301,43 @@ def _write_outputs(writer: RunWriter, case: PolicyCase, cand: dict[int, np.ndarr
         "layer": np.broadcast_to(np.arange(case.layers, dtype=np.int16)[None, :, None], shape).ravel(),
         "q_head": np.broadcast_to(qh.astype(np.int16)[None, None, :], shape).ravel(),
         "kv_head": np.broadcast_to((qh // case.group).astype(np.int16)[None, None, :], shape).ravel(),
-        "dropped_mass": np.clip(dropped.reshape(shape), 0.0, 1.0).astype(np.float32).ravel(),
+        "dropped_mass": np.clip(c.dropped.reshape(shape), 0.0, 1.0).astype(np.float32).ravel(),
     })
     writer.append("replay_steps", {
         "request": np.zeros(len(steps), np.int32), "step": steps,
-        "kl": np.asarray(kl, np.float32), "top1_agree": np.asarray(agree),
-        "teacher_logprob": np.asarray(t_logprob, np.float32),
+        "kl": np.asarray(c.kl, np.float32), "top1_agree": np.asarray(c.agree),
+        "teacher_logprob": np.asarray(c.t_logprob, np.float32),
     })
-    lg = np.asarray(lg_rows)
+
+
+def _append_run_logits(writer: RunWriter, case: PolicyCase, c: _Compared) -> None:
+    """The run's logits per step and the request row with its answer and verdict."""
+    n, p = case.n, case.prompt_len
+    lg = np.asarray(c.lg_rows)
     writer.append("run_logits", {
-        "request": np.zeros(len(steps), np.int32), "step": steps,
+        "request": np.zeros(len(c.steps), np.int32), "step": c.steps,
         "token_id": lg[:, 0].astype(np.int32), "token_logit": lg[:, 1].astype(np.float32),
-        "top1_id": np.asarray(run_top, np.int32), "top1_logit": lg[:, 2].astype(np.float32),
+        "top1_id": np.asarray(c.run_top, np.int32), "top1_logit": lg[:, 2].astype(np.float32),
         "lse": lg[:, 3].astype(np.float32),
     })
     a = case.answer_step - (p - 1)
     writer.append("requests", {
         "request": np.zeros(1, np.int32), "prompt_len": np.array([p]), "new_tokens": np.array([n - p + 1]),
-        "answer": [case.vocab[run_top[a]].strip()], "task": [case.name],
-        "expected": [case.vocab[teacher_top[a]].strip()], "correct": [run_top[a] == teacher_top[a]],
+        "answer": [case.vocab[c.run_top[a]].strip()], "task": [case.name],
+        "expected": [case.vocab[c.teacher_top[a]].strip()], "correct": [c.run_top[a] == c.teacher_top[a]],
     })
-    if max_diff > 1e-9:
+
+
+def _write_outputs(writer: RunWriter, case: PolicyCase, cand: dict[int, np.ndarray], evict_step: np.ndarray,
+                   gqa: str) -> dict[str, float]:
+    """Teacher and run distributions per step; tokens, replay, replay_steps, run_logits, requests."""
+    c = _compare(case, cand, evict_step, gqa)
+    _append_tokens(writer, case)
+    _append_replay(writer, case, c)
+    _append_run_logits(writer, case, c)
+    if c.max_diff > 1e-9:
         raise ImplementationError(
             f"policy case {case.name}: the candidate sets rebuilt from the written evictions give "
-            f"logits {max_diff:.3g} away from the run's own; the eviction rows are inconsistent")
-    return {"max_logit_diff": max_diff, "mean_kl": float(np.mean(kl)),
-            "top1_agreement": float(np.mean(agree)), "mean_dropped_mass": float(dropped.mean())}
+            f"logits {c.max_diff:.3g} away from the run's own; the eviction rows are inconsistent")
+    return {"max_logit_diff": c.max_diff, "mean_kl": float(np.mean(c.kl)),
+            "top1_agreement": float(np.mean(c.agree)), "mean_dropped_mass": float(c.dropped.mean())}

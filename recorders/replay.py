@@ -43,19 +43,23 @@ Writes the ``replay`` and ``replay_steps`` tables into the run folder
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
+from h2o_lens.hooks import attention_implementation
 from h2o_lens.kernels import replay_dropped_mass_torch, resolve_backend
 from h2o_lens.ops import prefill_attention
 from transformers import DynamicCache
 
 from .errors import RecorderError
+from .eviction_steps import evict_steps
 from .manifest import read_manifest, write_manifest
 from .segments import SegmentWriter, list_segments
 from .store import load_run
@@ -63,7 +67,6 @@ from .store import load_run
 __all__ = ["replay", "ReplaySummary", "DEFAULT_TOLERANCE", "TOLERANCE_ULPS", "implementation_tolerance"]
 
 REPLAY_ATTN = "h2o_lens_replay"
-NEVER = np.iinfo(np.int64).max // 2
 #: floor of the implementation tolerance: largest accepted |logit difference| in float32 / float64
 DEFAULT_TOLERANCE = 2e-3
 #: K of the dtype term K · eps(dtype) · max|logit| (see the module docstring for the measured spread)
@@ -189,32 +192,16 @@ def _no_mask(*args, **kwargs):
     return None
 
 
-@contextlib.contextmanager
-def _replay_attention(model, state: _State) -> Iterator[None]:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    previous = model.config._attn_implementation
-    AttentionInterface.register(REPLAY_ATTN, lambda *a, **k: _attention(state, *a, **k))
-    AttentionMaskInterface.register(REPLAY_ATTN, _no_mask)
-    try:
-        model.set_attn_implementation(REPLAY_ATTN)
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-        AttentionInterface._global_mapping.pop(REPLAY_ATTN, None)
-        AttentionMaskInterface._global_mapping.pop(REPLAY_ATTN, None)
+def _replay_attention(model, state: _State) -> contextlib.AbstractContextManager[None]:
+    """Run ``model`` with the replay attention (:func:`_attention` on ``state``) under :data:`REPLAY_ATTN`."""
+    return attention_implementation(model, REPLAY_ATTN, functools.partial(_attention, state), _no_mask)
 
 
-def _evict_steps(ev: dict[str, np.ndarray], request: int, layers: int, sets: int, n: int,
+def _request_evict_steps(ev: dict[str, np.ndarray], request: int, layers: int, sets: int, n: int,
                  gqa_none: bool) -> dict[int, torch.Tensor]:
-    """Per layer ``(1, Hs, N)`` step at which each position left the cache (NEVER if kept)."""
-    out = np.full((layers, sets, n), NEVER, dtype=np.int64)
+    """Per layer ``(1, Hs, N)`` step at which each position of ``request`` left the cache."""
     sel = ev["request"] == request
-    head = ev["q_head"][sel] if gqa_none else ev["kv_head"][sel]
-    pos = ev["position"][sel]
-    ok = pos < n
-    np.minimum.at(out, (ev["layer"][sel][ok], head[ok], pos[ok]), ev["step"][sel][ok])
+    out = evict_steps({k: v[sel] for k, v in ev.items()}, layers, sets, n, gqa_none)
     return {layer: torch.from_numpy(out[layer])[None] for layer in range(layers)}
 
 
@@ -246,6 +233,242 @@ def _oracle_rows(rows: dict[str, list[np.ndarray]], ev: dict[str, np.ndarray], r
     rows["teacher_future_mass"].append(future)
 
 
+@dataclass
+class _Run:
+    """The recorded run as the replay reads it: token, eviction and logit columns."""
+
+    run_id: str
+    manifest: dict
+    config: dict
+    tokens: dict[str, list]
+    ev: dict[str, np.ndarray]  # request, step, layer, kv_head, position (+ q_head with gqa='none')
+    logits: dict[str, np.ndarray]  # the run_logits table without run_id
+    requests: list[int]
+
+
+@dataclass
+class _Shape:
+    """The model's attention shape and the run's KV sets."""
+
+    layers: int
+    hq: int
+    hkv: int
+    gqa_none: bool
+
+    @property
+    def sets(self) -> int:
+        return self.hq if self.gqa_none else self.hkv
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hkv
+
+
+class _Rows:
+    """Rows of the replay, replay_steps and oracle tables, and the implementation check's figures."""
+
+    def __init__(self):
+        self.oracle: dict[str, list[np.ndarray]] = {k: [] for k in (
+            "request", "step", "layer", "kv_head", "q_head", "position", "teacher_score",
+            "teacher_future_mass")}
+        self.replay: dict[str, list[np.ndarray]] = {k: [] for k in (
+            "request", "step", "layer", "q_head", "kv_head", "dropped_mass")}
+        self.steps: dict[str, list[np.ndarray]] = {k: [] for k in (
+            "request", "step", "kl", "top1_agree", "teacher_logprob")}
+        self.max_diff, self.n_steps, self.logit_scale = 0.0, 0, 0.0
+
+
+def _cat(rows: dict[str, list[np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate(v) for k, v in rows.items()}
+
+
+def _load(run_dir: Path) -> _Run:
+    """Read the tokens, evictions and run_logits of the run in ``run_dir``."""
+    run = load_run(run_dir, tables=("tokens", "evictions", "run_logits"))
+    config = run.manifest.get("config") or {}
+    tokens = run["tokens"].to_pydict()
+    ev = {k: np.asarray(run["evictions"][k].to_pylist(), dtype=np.int64)
+          for k in ("request", "step", "layer", "kv_head", "position")}
+    if config.get("gqa") == "none":
+        ev["q_head"] = np.asarray(run["evictions"]["q_head"].fill_null(-1).to_pylist(), dtype=np.int64)
+    logits = {k: np.asarray(v) for k, v in run["run_logits"].to_pydict().items() if k != "run_id"}
+    requests = sorted(set(np.asarray(tokens["request"]).tolist()))
+    if not requests:
+        raise RecorderError(f"{run_dir}: the run has no tokens table; nothing to replay")
+    return _Run(run.run_id, run.manifest, config, tokens, ev, logits, requests)
+
+
+def _model_for(run: _Run, model: Any, progress: bool) -> tuple[Any, _Shape]:
+    """The replay model (loaded from the manifest's model name when not given) and its shape."""
+    if model is None:
+        from h2o_lens.models import load_model
+
+        info = run.manifest.get("model") or {}
+        name = info.get("name") if isinstance(info, dict) else info
+        model, _ = load_model(name, progress=progress)
+    text = model.config.get_text_config(decoder=True)
+    hq = text.num_attention_heads
+    hkv = getattr(text, "num_key_value_heads", None) or hq
+    return model, _Shape(text.num_hidden_layers, hq, hkv, run.config.get("gqa") == "none")
+
+
+def _new_state(run: _Run, shape: _Shape, chunk: int, backend: str) -> _State:
+    state = _State()
+    state.chunk = chunk
+    state.backend = backend
+    resolve_backend(backend, "cpu" if backend != "triton" else "cuda")  # reject unknown names early
+    state.sets_per_kv = shape.group if shape.gqa_none else 1
+    state.agg = "max" if run.config.get("gqa") == "max" else "sum"
+    return state
+
+
+def _request_tokens(run: _Run, request: int) -> tuple[np.ndarray, int, int]:
+    """Token ids of ``request`` in position order, prompt length P and positions fed N."""
+    tokens = run.tokens
+    sel = np.asarray(tokens["request"]) == request
+    pos = np.asarray(tokens["position"])[sel]
+    ids = np.asarray(tokens["token_id"])[sel][np.argsort(pos)]
+    p = int(np.asarray(tokens["is_prompt"])[sel].sum())
+    return ids, p, len(ids) - 1  # the last generated token was never fed to the model
+
+
+def _forward(model, state: _State, ids: np.ndarray, p: int, n: int, bar) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher and masked logits ``(T, vocab)`` of rows ``P-1 .. N-1``; the prompt is forwarded once."""
+    x = torch.as_tensor(ids[:n], dtype=torch.long)[None]
+    # the prompt rows are identical in both runs (full attention): forward them once
+    state.mode = "prompt"
+    cache = DynamicCache(config=model.config)
+    first = model(input_ids=x[:, :p], cache=cache, use_cache=True, logits_to_keep=1).logits[0].float()
+    teacher, masked = first, first
+    if n > p:
+        state.mode = "teacher"
+        teacher = torch.cat([first, model(input_ids=x[:, p:], cache=cache, use_cache=True)
+                             .logits[0].float()])
+        bar.update()
+        cache.crop(p - n)
+        state.mode = "masked"
+        masked = torch.cat([first, model(input_ids=x[:, p:], cache=cache, use_cache=True)
+                            .logits[0].float()])
+    bar.update()
+    return teacher, masked
+
+
+def _step_rows(rows: _Rows, request: int, ids: np.ndarray, p: int, teacher: torch.Tensor,
+               masked: torch.Tensor) -> np.ndarray:
+    """KL(teacher ‖ masked), top-1 agreement and teacher log-probability per step; returns the steps."""
+    t = teacher.shape[0]
+    steps = np.arange(p - 1, p - 1 + t, dtype=np.int64)
+    nxt = torch.as_tensor(ids[p:p + t], dtype=torch.long)
+    lt, lm = torch.log_softmax(teacher, -1), torch.log_softmax(masked, -1)
+    kl = (lt.exp() * (lt - lm)).sum(-1)
+    rows.steps["request"].append(np.full(t, request, np.int32))
+    rows.steps["step"].append(steps)
+    rows.steps["kl"].append(kl.clamp(min=0).numpy())
+    rows.steps["top1_agree"].append((teacher.argmax(-1) == masked.argmax(-1)).numpy())
+    rows.steps["teacher_logprob"].append(lt.gather(-1, nxt[:, None])[:, 0].numpy())
+    rows.n_steps += t
+    return steps
+
+
+def _check_implementation(rows: _Rows, logits: dict[str, np.ndarray], request: int, p: int,
+                          masked: torch.Tensor) -> None:
+    """Compare the masked replay's logits with those the run itself logged (max |difference|)."""
+    ls = logits["request"] == request
+    if not ls.any():
+        return
+    idx = logits["step"][ls] - (p - 1)
+    ok = (idx >= 0) & (idx < masked.shape[0])
+    idx = idx[ok]
+    m = masked[torch.as_tensor(idx)]
+    diffs = [
+        np.abs(m.gather(-1, torch.as_tensor(logits[c][ls][ok], dtype=torch.long)[:, None])[:, 0]
+               .numpy() - logits[v][ls][ok])
+        for c, v in (("token_id", "token_logit"), ("top1_id", "top1_logit"))
+    ]
+    diffs.append(np.abs(torch.logsumexp(m, -1).numpy() - logits["lse"][ls][ok]))
+    rows.max_diff = max(rows.max_diff, float(max(d.max() for d in diffs)))
+    if ok.any():
+        rows.logit_scale = max(rows.logit_scale, *(float(np.abs(logits[c][ls][ok]).max())
+                                                   for c in ("token_logit", "top1_logit")))
+
+
+def _replay_rows(rows: _Rows, request: int, steps: np.ndarray, state: _State, shape: _Shape) -> None:
+    """Dropped mass per step, layer and query head."""
+    hq, t = shape.hq, len(steps)
+    for layer in range(shape.layers):
+        dm = np.zeros((hq, t), np.float32)  # step p-1 (the prompt's last row) drops nothing
+        if t > 1:
+            dm[:, 1:] = state.dropped[layer].float().numpy()  # (Hq, T - 1)
+        qh = np.repeat(np.arange(hq, dtype=np.int16), t)
+        rows.replay["request"].append(np.full(hq * t, request, np.int32))
+        rows.replay["step"].append(np.tile(steps, hq))
+        rows.replay["layer"].append(np.full(hq * t, layer, np.int16))
+        rows.replay["q_head"].append(qh)
+        rows.replay["kv_head"].append((qh // shape.group).astype(np.int16))
+        rows.replay["dropped_mass"].append(dm.reshape(-1))
+
+
+def _replay_request(model, run: _Run, shape: _Shape, state: _State, rows: _Rows, request: int, bar) -> None:
+    """Both forwards of one request and its rows."""
+    ids, p, n = _request_tokens(run, request)
+    if n < p:
+        return
+    for per_layer in (state.dropped, state.prompt_cols, state.before, state.after):
+        per_layer.clear()
+    state.evict = _request_evict_steps(run.ev, request, shape.layers, shape.sets, n, shape.gqa_none)
+    teacher, masked = _forward(model, state, ids, p, n, bar)
+    steps = _step_rows(rows, request, ids, p, teacher, masked)
+    # implementation check against the logits the run itself produced
+    _check_implementation(rows, run.logits, request, p, masked)
+    _oracle_rows(rows.oracle, run.ev, request, p, n, shape.layers, state, shape.gqa_none, shape.group)
+    _replay_rows(rows, request, steps, state, shape)
+
+
+def _write_tables(run_dir: Path, run: _Run, rows: _Rows, gqa_none: bool) -> None:
+    """Replace the run's replay, replay_steps and oracle segments with ``rows``."""
+    segments = list_segments(run_dir)
+    for old in segments.get("replay", []) + segments.get("replay_steps", []) + segments.get("oracle", []):
+        old.unlink()
+    writer = SegmentWriter(run_dir, run_id=run.run_id, config=run.config, fsync=True)
+    if rows.replay["step"]:
+        writer.append("replay", _cat(rows.replay))
+        writer.append("replay_steps", _cat(rows.steps))
+    if rows.oracle["step"]:
+        oracle = _cat(rows.oracle)
+        if not gqa_none:
+            oracle.pop("q_head")
+        writer.append("oracle", oracle)
+    writer.close()
+
+
+def _summarize(run: _Run, model, rows: _Rows, tolerance: float | None, seconds: float) -> ReplaySummary:
+    if tolerance is None:
+        info = run.manifest.get("model")
+        run_dtype = (info or {}).get("dtype") if isinstance(info, dict) else None
+        replay_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        tolerance = implementation_tolerance(_coarser(run_dtype, replay_dtype), rows.logit_scale)
+    steps_all = _cat(rows.steps) if rows.steps["step"] else None
+    return ReplaySummary(
+        run_id=run.run_id, requests=len(run.requests), steps=rows.n_steps, max_logit_diff=rows.max_diff,
+        implementation_ok=rows.max_diff <= tolerance,
+        mean_kl=float(steps_all["kl"].mean()) if steps_all is not None else 0.0,
+        top1_agreement=float(steps_all["top1_agree"].mean()) if steps_all is not None else 1.0,
+        mean_dropped_mass=float(np.concatenate(rows.replay["dropped_mass"]).mean())
+        if rows.replay["dropped_mass"] else 0.0,
+        seconds=seconds, tolerance=tolerance)
+
+
+def _update_manifest(run_dir: Path, summary: ReplaySummary, backend: str) -> None:
+    manifest = read_manifest(run_dir)
+    manifest["max_logit_diff"] = summary.max_logit_diff
+    manifest["logit_tolerance"] = summary.tolerance
+    manifest["replay"] = {"implementation_ok": summary.implementation_ok, "tolerance": summary.tolerance,
+                          "mean_kl": summary.mean_kl, "top1_agreement": summary.top1_agreement,
+                          "mean_dropped_mass": summary.mean_dropped_mass, "seconds": summary.seconds,
+                          "backend": backend}
+    write_manifest(run_dir, manifest)
+
+
 def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float | None = None,
            chunk: int = 512, progress: bool = True, backend: str = "auto") -> ReplaySummary:
     """Replay one recorded run (see the module docstring) and write its replay tables.
@@ -260,159 +483,20 @@ def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float | 
     backend : "auto" (the Triton replay kernels on CUDA, else torch), "torch" or "triton"
         for the dropped mass and the oracle columns; the one used goes into the manifest
     """
-    import time
-
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
     run_dir = Path(run_dir)
-    run = load_run(run_dir, tables=("tokens", "evictions", "run_logits"))
-    manifest = run.manifest
-    config = manifest.get("config") or {}
-    if model is None:
-        from h2o_lens.models import load_model
-
-        info = manifest.get("model") or {}
-        name = info.get("name") if isinstance(info, dict) else info
-        model, _ = load_model(name, progress=progress)
-    text = model.config.get_text_config(decoder=True)
-    layers, hq = text.num_hidden_layers, text.num_attention_heads
-    hkv = getattr(text, "num_key_value_heads", None) or hq
-    gqa_none = config.get("gqa") == "none"
-    sets = hq if gqa_none else hkv
-    tokens = run["tokens"].to_pydict()
-    ev = {k: np.asarray(run["evictions"][k].to_pylist(), dtype=np.int64)
-          for k in ("request", "step", "layer", "kv_head", "position")}
-    if gqa_none:
-        ev["q_head"] = np.asarray(run["evictions"]["q_head"].fill_null(-1).to_pylist(), dtype=np.int64)
-    logits_tab = {k: np.asarray(v) for k, v in run["run_logits"].to_pydict().items() if k != "run_id"}
-    tok_req = np.asarray(tokens["request"])
-    requests = sorted(set(tok_req.tolist()))
-    if not requests:
-        raise RecorderError(f"{run_dir}: the run has no tokens table; nothing to replay")
-
-    state = _State()
-    state.chunk = chunk
-    state.backend = backend
-    resolve_backend(backend, "cpu" if backend != "triton" else "cuda")  # reject unknown names early
-    state.sets_per_kv = hq // hkv if gqa_none else 1
-    state.agg = "max" if config.get("gqa") == "max" else "sum"
-    oracle_rows: dict[str, list[np.ndarray]] = {k: [] for k in ("request", "step", "layer", "kv_head", "q_head",
-                                                                 "position", "teacher_score",
-                                                                 "teacher_future_mass")}
-    rows_replay: dict[str, list[np.ndarray]] = {k: [] for k in ("request", "step", "layer", "q_head",
-                                                                 "kv_head", "dropped_mass")}
-    rows_steps: dict[str, list[np.ndarray]] = {k: [] for k in ("request", "step", "kl", "top1_agree",
-                                                                "teacher_logprob")}
-    max_diff, n_steps, logit_scale = 0.0, 0, 0.0
-    group = hq // hkv
-    bar = tqdm(total=2 * len(requests), desc=f"replay {run.run_id}", disable=not progress, unit="forward")
+    run = _load(run_dir)
+    model, shape = _model_for(run, model, progress)
+    state = _new_state(run, shape, chunk, backend)
+    rows = _Rows()
+    bar = tqdm(total=2 * len(run.requests), desc=f"replay {run.run_id}", disable=not progress, unit="forward")
     with torch.no_grad(), _replay_attention(model, state):
-        for r in requests:
-            sel = tok_req == r
-            pos = np.asarray(tokens["position"])[sel]
-            ids = np.asarray(tokens["token_id"])[sel][np.argsort(pos)]
-            is_prompt = np.asarray(tokens["is_prompt"])[sel]
-            p = int(is_prompt.sum())
-            n = len(ids) - 1  # the last generated token was never fed to the model
-            if n < p:
-                continue
-            for per_layer in (state.dropped, state.prompt_cols, state.before, state.after):
-                per_layer.clear()
-            state.evict = _evict_steps(ev, r, layers, sets, n, gqa_none)
-            x = torch.as_tensor(ids[:n], dtype=torch.long)[None]
-            # the prompt rows are identical in both runs (full attention): forward them once
-            state.mode = "prompt"
-            cache = DynamicCache(config=model.config)
-            first = model(input_ids=x[:, :p], cache=cache, use_cache=True, logits_to_keep=1).logits[0].float()
-            teacher, masked = first, first
-            if n > p:
-                state.mode = "teacher"
-                teacher = torch.cat([first, model(input_ids=x[:, p:], cache=cache, use_cache=True)
-                                     .logits[0].float()])
-                bar.update()
-                cache.crop(p - n)
-                state.mode = "masked"
-                masked = torch.cat([first, model(input_ids=x[:, p:], cache=cache, use_cache=True)
-                                    .logits[0].float()])
-            bar.update()
-            t = teacher.shape[0]
-            steps = np.arange(p - 1, p - 1 + t, dtype=np.int64)
-            nxt = torch.as_tensor(ids[p:p + t], dtype=torch.long)
-            lt, lm = torch.log_softmax(teacher, -1), torch.log_softmax(masked, -1)
-            kl = (lt.exp() * (lt - lm)).sum(-1)
-            rows_steps["request"].append(np.full(t, r, np.int32))
-            rows_steps["step"].append(steps)
-            rows_steps["kl"].append(kl.clamp(min=0).numpy())
-            rows_steps["top1_agree"].append((teacher.argmax(-1) == masked.argmax(-1)).numpy())
-            rows_steps["teacher_logprob"].append(lt.gather(-1, nxt[:, None])[:, 0].numpy())
-            # implementation check against the logits the run itself produced
-            ls = logits_tab["request"] == r
-            if ls.any():
-                idx = logits_tab["step"][ls] - (p - 1)
-                ok = (idx >= 0) & (idx < t)
-                idx = idx[ok]
-                m = masked[torch.as_tensor(idx)]
-                diffs = [
-                    np.abs(m.gather(-1, torch.as_tensor(logits_tab[c][ls][ok], dtype=torch.long)[:, None])[:, 0]
-                           .numpy() - logits_tab[v][ls][ok])
-                    for c, v in (("token_id", "token_logit"), ("top1_id", "top1_logit"))
-                ]
-                diffs.append(np.abs(torch.logsumexp(m, -1).numpy() - logits_tab["lse"][ls][ok]))
-                max_diff = max(max_diff, float(max(d.max() for d in diffs)))
-                if ok.any():
-                    logit_scale = max(logit_scale, *(float(np.abs(logits_tab[c][ls][ok]).max())
-                                                     for c in ("token_logit", "top1_logit")))
-            _oracle_rows(oracle_rows, ev, r, p, n, layers, state, gqa_none, group)
-            for layer in range(layers):
-                dm = np.zeros((hq, t), np.float32)  # step p-1 (the prompt's last row) drops nothing
-                if t > 1:
-                    dm[:, 1:] = state.dropped[layer].float().numpy()  # (Hq, T - 1)
-                qh = np.repeat(np.arange(hq, dtype=np.int16), t)
-                rows_replay["request"].append(np.full(hq * t, r, np.int32))
-                rows_replay["step"].append(np.tile(steps, hq))
-                rows_replay["layer"].append(np.full(hq * t, layer, np.int16))
-                rows_replay["q_head"].append(qh)
-                rows_replay["kv_head"].append((qh // group).astype(np.int16))
-                rows_replay["dropped_mass"].append(dm.reshape(-1))
-            n_steps += t
+        for request in run.requests:
+            _replay_request(model, run, shape, state, rows, request, bar)
     bar.close()
-
-    segments = list_segments(run_dir)
-    for old in segments.get("replay", []) + segments.get("replay_steps", []) + segments.get("oracle", []):
-        old.unlink()
-    writer = SegmentWriter(run_dir, run_id=run.run_id, config=config, fsync=True)
-    cat = lambda rows: {k: np.concatenate(v) for k, v in rows.items()}  # noqa: E731
-    if rows_replay["step"]:
-        writer.append("replay", cat(rows_replay))
-        writer.append("replay_steps", cat(rows_steps))
-    if oracle_rows["step"]:
-        rows = cat(oracle_rows)
-        if not gqa_none:
-            rows.pop("q_head")
-        writer.append("oracle", rows)
-    writer.close()
-    seconds = time.perf_counter() - t0
-    if tolerance is None:
-        run_dtype = (manifest.get("model") or {}).get("dtype") if isinstance(manifest.get("model"), dict) else None
-        replay_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-        tolerance = implementation_tolerance(_coarser(run_dtype, replay_dtype), logit_scale)
-    ok = max_diff <= tolerance
-    steps_all = cat(rows_steps) if rows_steps["step"] else None
-    summary = ReplaySummary(
-        run_id=run.run_id, requests=len(requests), steps=n_steps, max_logit_diff=max_diff,
-        implementation_ok=ok,
-        mean_kl=float(steps_all["kl"].mean()) if steps_all is not None else 0.0,
-        top1_agreement=float(steps_all["top1_agree"].mean()) if steps_all is not None else 1.0,
-        mean_dropped_mass=float(np.concatenate(rows_replay["dropped_mass"]).mean())
-        if rows_replay["dropped_mass"] else 0.0,
-        seconds=seconds, tolerance=tolerance)
-    manifest = read_manifest(run_dir)
-    manifest["max_logit_diff"] = max_diff
-    manifest["logit_tolerance"] = tolerance
-    manifest["replay"] = {"implementation_ok": ok, "tolerance": tolerance, "mean_kl": summary.mean_kl,
-                          "top1_agreement": summary.top1_agreement,
-                          "mean_dropped_mass": summary.mean_dropped_mass, "seconds": seconds,
-                          "backend": state.backend}
-    write_manifest(run_dir, manifest)
+    _write_tables(run_dir, run, rows, shape.gqa_none)
+    summary = _summarize(run, model, rows, tolerance, time.perf_counter() - t0)
+    _update_manifest(run_dir, summary, state.backend)
     return summary
