@@ -30,7 +30,7 @@ bench: setup
 
 # on a CUDA machine: the kernel tests natively (no interpreter), then the kernel benchmarks
 gpu-check: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m kernel tests/test_kernels.py tests/test_runtime.py
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m kernel tests/test_runtime_kernels.py tests/test_runtime.py
 	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens bench kernels
 
 # regenerate the shipped sample runs (policy cases and three real tasks, replayed)

@@ -19,19 +19,31 @@ from __future__ import annotations
 
 from ._base import connect
 from .attribution import VERDICTS, Attribution, Fact, attribute, evidence_sql, failed_requests
-from .coverage import (coverage_by_span, coverage_stats, dropped_mass, dropped_mass_by_layer,
-                       dropped_mass_series, head_coverage)
+from .coverage import (
+                       coverage_by_span,
+                       coverage_stats,
+                       dropped_mass,
+                       dropped_mass_by_layer,
+                       dropped_mass_series,
+                       head_coverage,
+)
+from .curves import kv_footprint, run_curve_points
 from .divergence import divergence_summary, free_generation, paired_runs, replay_series
 from .dynamics import freeze_onset, freeze_series, margin_sensitivity, promotion_windows
-from .errors import (AnalysisError, MissingColumnError, ParameterError, SQLRefusedError,
-                     SQLSandboxError, SQLTimeoutError, UnknownRunError)
+from .errors import (
+                       AnalysisError,
+                       MissingColumnError,
+                       ParameterError,
+                       SQLRefusedError,
+                       SQLSandboxError,
+                       SQLTimeoutError,
+                       UnknownRunError,
+)
 from .evidence import evidence_deletion, evidence_evictions, evidence_held, evidence_spans
 from .keptsets import gqa_overlap, kept_overlap, union_bound
-from .curves import kv_footprint, run_curve_points
 from .oracle import ORACLE_COLUMNS, oracle_agreement, oracle_available
 from .policies import policy_colours, policy_labels, scored_policy
-from .report import (FORMATS, REPORT_SCHEMA_VERSION, SCHEMA_PATH, build_report, report_data,
-                     report_schema, write_report)
+from .report import FORMATS, REPORT_SCHEMA_VERSION, SCHEMA_PATH, build_report, report_data, report_schema, write_report
 from .sql import Sandbox, check_sql, format_result, run_sql, view_schemas
 from .stale import stale_holders, stale_victims
 from .thresholds import Thresholds

@@ -15,7 +15,7 @@ import math
 import os
 import re
 import threading
-from typing import Any, Union
+from typing import Any
 
 import duckdb
 import pandas as pd
@@ -29,7 +29,7 @@ __all__ = ["Source", "connect", "relation", "first_row", "run_info", "plain", "r
            "check_int", "check_fraction", "check_positive"]
 
 #: A DuckDB connection with the views of a runs root, or the runs root itself.
-Source = Union[duckdb.DuckDBPyConnection, str, os.PathLike]
+Source = duckdb.DuckDBPyConnection | str | os.PathLike
 
 _MARKER = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
 _counter = itertools.count()

@@ -4,7 +4,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["num", "worst", "PROVENANCE", "PROBLEM_COLUMNS", "SUMMARY", "FACT_COLUMNS", "EVIDENCE_COLUMNS", "VERDICT_TEXT"]
+__all__ = ["num", "worst", "PROVENANCE", "PROBLEM_COLUMNS", "SUMMARY", "FACT_COLUMNS", "EVIDENCE_COLUMNS",
+           "VERDICT_TEXT"]
 
 PROVENANCE = ("run_id", "name", "status", "model", "policy", "heavy", "recent", "sink", "gqa", "seed",
               "backend", "prompt_len", "new_tokens", "requests", "source_run", "max_logit_diff",

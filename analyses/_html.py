@@ -14,8 +14,7 @@ from typing import Any
 
 from plotly.offline import get_plotlyjs
 
-from ._format import (EVIDENCE_COLUMNS, FACT_COLUMNS, PROBLEM_COLUMNS, PROVENANCE, SUMMARY, VERDICT_TEXT,
-                      num, worst)
+from ._format import EVIDENCE_COLUMNS, FACT_COLUMNS, PROBLEM_COLUMNS, PROVENANCE, SUMMARY, VERDICT_TEXT, num, worst
 
 __all__ = ["render_html", "figures"]
 

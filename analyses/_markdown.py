@@ -11,8 +11,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ._format import (EVIDENCE_COLUMNS, FACT_COLUMNS, PROBLEM_COLUMNS, PROVENANCE, SUMMARY, VERDICT_TEXT,
-                      num, worst)
+from ._format import EVIDENCE_COLUMNS, FACT_COLUMNS, PROBLEM_COLUMNS, PROVENANCE, SUMMARY, VERDICT_TEXT, num, worst
 
 __all__ = ["render_markdown", "text"]
 

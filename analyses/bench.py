@@ -26,12 +26,18 @@ import psutil
 from recorders import open_runs, write_synthetic_run
 
 from .attribution import attribute
-from .coverage import (coverage_by_span, coverage_stats, dropped_mass, dropped_mass_by_layer,
-                       dropped_mass_series, head_coverage)
+from .coverage import (
+    coverage_by_span,
+    coverage_stats,
+    dropped_mass,
+    dropped_mass_by_layer,
+    dropped_mass_series,
+    head_coverage,
+)
 from .divergence import divergence_summary, replay_series
 from .dynamics import freeze_onset, margin_sensitivity
-from .evidence import evidence_held
 from .errors import SQLSandboxError
+from .evidence import evidence_held
 from .report import build_report
 from .sql import Sandbox
 from .stale import stale_holders, stale_victims

@@ -28,8 +28,14 @@ from ._base import Source, connect, first_row, plain, records, relation, run_inf
 from ._html import render_html
 from ._markdown import render_markdown
 from .attribution import FailedArg, attribute
-from .coverage import (coverage_by_span, coverage_stats, dropped_mass, dropped_mass_by_layer,
-                       dropped_mass_series, head_coverage)
+from .coverage import (
+    coverage_by_span,
+    coverage_stats,
+    dropped_mass,
+    dropped_mass_by_layer,
+    dropped_mass_series,
+    head_coverage,
+)
 from .divergence import divergence_summary, free_generation, replay_series
 from .dynamics import freeze_onset, margin_sensitivity
 from .errors import MissingColumnError, ParameterError
@@ -201,7 +207,7 @@ def report_data(source: Source, run_id: str, *, thresholds: Thresholds | Mapping
     attributions = attribute(con, run_id, failed=failed, thresholds=th)
     data: dict[str, Any] = {
         "report_schema_version": REPORT_SCHEMA_VERSION,
-        "generated_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "generated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "run": {**_provenance(info), "problems": records(run_problems(con, run_id).df())},
         "thresholds": th.to_dict(),
         "coverage": _coverage(con, run_id),

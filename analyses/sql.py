@@ -61,7 +61,7 @@ import duckdb
 import pandas as pd
 import pyarrow as pa
 
-from recorders import TABLES, RUNS, open_runs
+from recorders import RUNS, TABLES, open_runs
 from recorders.query import FORMATS, format_rows
 
 from .errors import ParameterError, SQLRefusedError, SQLSandboxError, SQLTimeoutError

@@ -16,8 +16,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from ._base import (Source, check_int, check_positive, connect, first_row, has_rows, relation, run_info,
-                    sql_literal)
+from ._base import Source, check_int, check_positive, connect, first_row, has_rows, relation, run_info, sql_literal
 from .errors import ParameterError
 
 __all__ = ["runs_table", "runs_headline", "run_problems", "token_evictions", "token_lifetime", "evictions_filtered",

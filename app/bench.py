@@ -40,8 +40,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .screens import PAGES
 from .launch import server_command
+from .screens import PAGES
 
 __all__ = ["CHROMIUM", "LAUNCH_ARGS", "BENCH_SHAPE", "Visit", "free_port", "serve", "browser", "visit",
            "bench_app", "main", "DONE"]
@@ -56,13 +56,13 @@ RUN_ID = "bench-1m"
 DONE = "[data-testid=stApp][data-test-script-state=notRunning]"
 #: The page is drawn: its script finished, its title is shown, no element is still a loading
 #: skeleton and every chart has its SVG.
-_DRAWN = """(title) => {
-    const h1 = document.querySelector('%s [data-testid=stMain] h1');
+_DRAWN = f"""(title) => {{
+    const h1 = document.querySelector('{DONE} [data-testid=stMain] h1');
     if (!h1 || (title && !h1.textContent.trim().startsWith(title))) return false;
     if (document.querySelector('[data-testid=stSkeletonElement], .stSkeleton')) return false;
     const charts = document.querySelectorAll('[data-testid=stPlotlyChart]');
     return Array.from(charts).every(c => c.querySelector('.main-svg'));
-}""" % DONE
+}}"""
 _HEIGHT = "() => Math.max(...Array.from(document.querySelectorAll('[data-testid=stMain], " \
           "[data-testid=stMainBlockContainer]')).map(e => e.scrollHeight), 0)"
 

@@ -105,12 +105,11 @@ def bench_record(model_name: str | None = None, prompt_tokens: int = 512, new_to
     import tempfile
     from pathlib import Path
 
-    from recorders.recorder import record
-    from recorders.replay import replay
-
     from h2o_lens.config import H2OConfig
     from h2o_lens.models import load_model
     from h2o_lens.runtime import h2o
+    from recorders.recorder import record
+    from recorders.replay import replay
 
     if model is None:
         model, _ = load_model(model_name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["main", "build_parser"]
 
@@ -122,10 +122,13 @@ def _run_dir(run: str, root: str) -> str:
 
 
 def _print_replay(summary) -> None:
-    verdict = "ok" if summary.implementation_ok else "IMPLEMENTATION ERROR (the masked replay does not reproduce the run)"
-    print(f"replay {summary.run_id}: {summary.requests} request(s), {summary.steps} steps in {summary.seconds:.1f} s | "
-          f"mean KL {summary.mean_kl:.4f} | top-1 agreement {summary.top1_agreement:.3f} | "
-          f"mean dropped mass {summary.mean_dropped_mass:.4f} | max |logit diff| {summary.max_logit_diff:.2e} ({verdict})")
+    verdict = ("ok" if summary.implementation_ok
+               else "IMPLEMENTATION ERROR (the masked replay does not reproduce the run)")
+    print(f"replay {summary.run_id}: {summary.requests} request(s), {summary.steps} steps "
+          f"in {summary.seconds:.1f} s | mean KL {summary.mean_kl:.4f} | "
+          f"top-1 agreement {summary.top1_agreement:.3f} | "
+          f"mean dropped mass {summary.mean_dropped_mass:.4f} | "
+          f"max |logit diff| {summary.max_logit_diff:.2e} ({verdict})")
 
 
 def _check_record(args: argparse.Namespace):
@@ -185,10 +188,9 @@ def _check_record(args: argparse.Namespace):
 def cmd_record(args: argparse.Namespace) -> int:
     import torch
 
+    from h2o_lens.models import load_model
     from recorders.recorder import record, record_teacher_forced
     from recorders.replay import replay
-
-    from h2o_lens.models import load_model
 
     config, task, prompt, evidence = _check_record(args)
     if task is not None:
@@ -301,8 +303,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .jobs import demo
     from h2o_lens.tasks import suite
+
+    from .jobs import demo
 
     tasks = suite(size="demo")
     if args.tasks is not None:

@@ -10,9 +10,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -193,7 +194,7 @@ def demo(out: str | os.PathLike = "demo_runs", *, tasks: Sequence[Task] | None =
 def sweep(out: str | os.PathLike = "sweep_runs", *, tasks: Sequence[Task] | None = None, model: Any = None,
           tokenizer: Any = None, ratios: Sequence[float] = SWEEP_RATIOS,
           policies: Sequence[tuple[str, str]] = SWEEP_POLICIES, page_size: int = 16,
-          progress: bool = True) -> "Any":
+          progress: bool = True) -> Any:
     """Keep ratio × policy over the tasks → the three curves (quality, physical KV, latency).
 
     Writes ``sweep.csv``, ``sweep.md`` and a self-contained ``sweep.html`` with
@@ -202,7 +203,6 @@ def sweep(out: str | os.PathLike = "sweep_runs", *, tasks: Sequence[Task] | None
     from tqdm.auto import tqdm
 
     from analyses import connect, run_curve_points
-
     from h2o_lens.models import load_model
     from h2o_lens.runtime import full_kv_bytes
     from h2o_lens.tasks import suite
@@ -335,12 +335,11 @@ def make_sample_runs(out: str | os.PathLike = "sample_runs", *, model: Any = Non
     """
     import shutil
 
+    from h2o_lens.models import load_model
+    from h2o_lens.tasks import get_task, policy_cases
     from recorders.policy_cases import write_policy_case
     from recorders.recorder import record_teacher_forced
     from recorders.replay import replay as replay_run
-
-    from h2o_lens.models import load_model
-    from h2o_lens.tasks import get_task, policy_cases
 
     root = Path(out)
     if root.exists():

@@ -105,7 +105,7 @@ class H2OCacheLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, owner: "H2OCache", layer_idx: int):
+    def __init__(self, owner: H2OCache, layer_idx: int):
         super().__init__()
         self.owner = owner
         self.layer_idx = layer_idx

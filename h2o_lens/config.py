@@ -142,7 +142,7 @@ class H2OConfig:
             raise ConfigError("the full-cache policy has no slot split")
         return self.spec.split(int(self.heavy), int(self.recent), self.sink)
 
-    def resolve(self, prompt_len: int) -> "H2OConfig":
+    def resolve(self, prompt_len: int) -> H2OConfig:
         """Turn a ``ratio`` budget into slot counts for a prompt of ``prompt_len`` tokens."""
         if self.resolved:
             return self

@@ -22,17 +22,33 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .bench_logs import synthetic_tables, write_synthetic_run
 from .catalog import Catalog, Problem, SegmentFile, inspect_file, scan_root
-from .errors import (DamagedFileError, ManifestError, QueryError, RecorderError, RecorderWarning,
-                     RunExistsError, RunIdError, SchemaError, SchemaVersionError)
-from .manifest import (MANIFEST_NAME, STATUSES, mark_interrupted, new_run_id, read_manifest,
-                       sanitize_run_id, validate_run_id)
+from .errors import (
+    DamagedFileError,
+    ManifestError,
+    QueryError,
+    RecorderError,
+    RecorderWarning,
+    RunExistsError,
+    RunIdError,
+    SchemaError,
+    SchemaVersionError,
+)
+from .manifest import (
+    MANIFEST_NAME,
+    STATUSES,
+    mark_interrupted,
+    new_run_id,
+    read_manifest,
+    sanitize_run_id,
+    validate_run_id,
+)
 from .query import query
 from .run import RunWriter
 from .schema import KEYS, RUNS, SCHEMA_VERSION, TABLE_NAMES, TABLES, VIEW_NAMES, empty_table, to_arrow
 from .segments import SegmentWriter, list_segments, write_segment
 from .store import LoadedRun, RunCheck, check_run, list_runs, load_run, open_runs
-from .bench_logs import synthetic_tables, write_synthetic_run
 
 __all__ = [
     # schema

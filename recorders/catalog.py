@@ -30,8 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .errors import (DamagedFileError, ManifestError, RecorderError, RunIdError, SchemaError,
-                     SchemaVersionError)
+from .errors import DamagedFileError, ManifestError, RecorderError, RunIdError, SchemaError, SchemaVersionError
 from .manifest import MANIFEST_NAME, check_manifest, effective_status, read_manifest, validate_run_id
 from .schema import META_SCHEMA_VERSION, RUNS, SCHEMA_VERSION, TABLE_NAMES, schema_mismatches
 from .segments import SEGMENT_RE

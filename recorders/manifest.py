@@ -87,7 +87,7 @@ def sanitize_run_id(name: str) -> str:
 
 def utc_now() -> dt.datetime:
     """Current time, naive UTC (the convention of every timestamp in the logs)."""
-    return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
 
 
 def new_run_id(policy: str = "run", *, now: dt.datetime | None = None) -> str:
@@ -123,7 +123,7 @@ def _started_at(start_ticks: int) -> str | None:
         seconds = btime + start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, StopIteration, ValueError):
         return None
-    return iso_utc(dt.datetime.fromtimestamp(seconds, dt.timezone.utc).replace(tzinfo=None))
+    return iso_utc(dt.datetime.fromtimestamp(seconds, dt.UTC).replace(tzinfo=None))
 
 
 def process_identity(pid: int | None = None) -> dict[str, Any]:

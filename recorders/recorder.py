@@ -32,16 +32,17 @@ import dataclasses
 import functools
 import os
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
+from transformers import LogitsProcessorList
 
 from h2o_lens.cache import DecodeEvent, PrefillEvent, decode_stats
 from h2o_lens.config import H2OConfig
 from h2o_lens.runtime import H2OSession, h2o
-from transformers import LogitsProcessorList
 
 from .errors import RecorderError
 from .run import RunWriter

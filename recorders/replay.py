@@ -32,7 +32,7 @@ bfloat16 (1 to 4 units in the last place of the largest logit) and 0.8 to
 1.4 · eps · max|logit| in float16: K = 8 is 1.8 times the largest case seen.
 The price: in half precision a wrong log whose effect on the logits stays
 below the bound (one eviction in a small model) goes unseen; a log that
-misses the evictions of whole steps is still caught (tests/test_recorder_exact.py).
+misses the evictions of whole steps is still caught (tests/test_recorders_exact_logs.py).
 The tolerance used is written to the manifest (``logit_tolerance``,
 ``replay.tolerance``), the ``runs`` view reads it and the attribution and
 the report gate use it.
@@ -52,11 +52,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 from h2o_lens.hooks import attention_implementation
 from h2o_lens.kernels import replay_dropped_mass_torch, resolve_backend
 from h2o_lens.ops import prefill_attention
-from transformers import DynamicCache
 
 from .errors import RecorderError
 from .eviction_steps import evict_steps

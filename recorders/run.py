@@ -20,8 +20,16 @@ from typing import Any
 import pyarrow as pa
 
 from .errors import RunExistsError
-from .manifest import (MANIFEST_NAME, config_dict, iso_utc, new_manifest, new_run_id, utc_now,
-                       validate_run_id, write_manifest)
+from .manifest import (
+    MANIFEST_NAME,
+    config_dict,
+    iso_utc,
+    new_manifest,
+    new_run_id,
+    utc_now,
+    validate_run_id,
+    write_manifest,
+)
 from .segments import DEFAULT_ROWS_PER_SEGMENT, SegmentWriter
 
 __all__ = ["RunWriter"]

@@ -26,8 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import SchemaError
-from .schema import (META_CONFIG, META_RUN_ID, META_SCHEMA_VERSION, META_TABLE, SCHEMA_VERSION,
-                     table_schema, to_arrow)
+from .schema import META_CONFIG, META_RUN_ID, META_SCHEMA_VERSION, META_TABLE, SCHEMA_VERSION, table_schema, to_arrow
 
 __all__ = [
     "SEGMENT_RE",

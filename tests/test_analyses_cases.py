@@ -5,11 +5,11 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+from logsim import h2o_log_from_attention, sim_tables, tokens_for, write_run
 
 import analyses
 from recorders import TABLES, open_runs, to_arrow
 from recorders.schema import META_SCHEMA_VERSION, SCHEMA_VERSION
-from test_analyses_sim import simulate, sim_tables, tokens_for, write_run
 
 
 def _replay(steps, masses, layer=0, q_heads=1):
@@ -152,7 +152,7 @@ def _delayed_attention(n: int, p: int, evidence: int, ask: int) -> np.ndarray:
 
 def test_designed_delayed_first_reference_is_a_scoring_lag(tmp_path):
     n, p, evidence, ask = 40, 30, 27, 36
-    sim = simulate(_delayed_attention(n, p, evidence, ask), prompt_len=p, heavy=6, recent=4, kv_heads=1)
+    sim = h2o_log_from_attention(_delayed_attention(n, p, evidence, ask), prompt_len=p, heavy=6, recent=4, kv_heads=1)
     ev = pd.DataFrame(sim.evictions)
     gone = ev[ev.position == evidence].iloc[0]
     assert gone.step == evidence + 4 and gone.left_recent  # evicted as it left the recent window

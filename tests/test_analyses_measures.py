@@ -3,15 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from logsim import h2o_log_from_attention, random_attention, sim_tables, tokens_for, write_run
 
 import analyses
 from analyses.errors import MissingColumnError, ParameterError, UnknownRunError
 from recorders import load_run, open_runs, to_arrow, write_synthetic_run
 from recorders.schema import META_SCHEMA_VERSION, SCHEMA_VERSION
-from test_analyses_sim import random_attention, sim_tables, simulate, tokens_for, write_run
 
 N, P, HEAVY, RECENT, LAYERS, HQ, HKV = 48, 12, 4, 3, 2, 4, 2
 EVIDENCE = {3: "fact", 4: "fact", 9: "key"}
@@ -28,7 +27,7 @@ def world(tmp_path_factory):
     rs = {"request": [0] * len(steps), "step": steps, "kl": kl,
           "top1_agree": [s not in DISAGREE for s in steps], "teacher_logprob": [-0.2] * len(steps)}
     for gqa in ("sum", "max", "none"):
-        sims[gqa] = simulate(att, prompt_len=P, heavy=HEAVY, recent=RECENT, kv_heads=HKV, gqa=gqa)
+        sims[gqa] = h2o_log_from_attention(att, prompt_len=P, heavy=HEAVY, recent=RECENT, kv_heads=HKV, gqa=gqa)
         write_run(root, f"sim-{gqa}", tokens=tokens_for(N, P, evidence=EVIDENCE), **sim_tables(sims[gqa]),
                   replay_steps=rs, heavy=HEAVY, recent=RECENT, gqa=gqa)
     write_synthetic_run(root, "syn", layers=4, kv_heads=2, steps=96, prompt_len=64, heavy=16, recent=16,

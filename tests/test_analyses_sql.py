@@ -13,8 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from analyses import (ParameterError, Sandbox, SQLRefusedError, SQLSandboxError, SQLTimeoutError, check_sql,
-                      format_result, run_sql, view_schemas)
+from analyses import (
+    ParameterError,
+    Sandbox,
+    SQLRefusedError,
+    SQLSandboxError,
+    SQLTimeoutError,
+    check_sql,
+    format_result,
+    run_sql,
+    view_schemas,
+)
 from recorders import write_synthetic_run
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from app_runs import OUTSIDE, PAGES, TITLES
 
 from app.bench import CHROMIUM, DONE, Session, browser, serve, visit
-from test_app import OUTSIDE, PAGES, TITLES, build_runs_root
 
 if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM} (Debian package 'chromium')", allow_module_level=True)
@@ -35,9 +35,9 @@ def shots(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, app_runs_root):
     """The app served over the fixture runs root; the server is stopped whatever happens."""
-    root = build_runs_root(tmp_path_factory.mktemp("browser") / "runs")
+    root = app_runs_root
     log = tmp_path_factory.mktemp("server") / "streamlit.log"
     with serve(root, log=log) as url:
         yield url, root

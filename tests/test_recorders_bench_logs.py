@@ -6,7 +6,8 @@ import time
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from recorders import TABLES, check_run, load_run, open_runs, synthetic_tables, write_synthetic_run
 

@@ -10,14 +10,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import recorders
 from recorders import manifest as mf
-from recorders.errors import (DamagedFileError, ManifestError, RunIdError, SchemaError,
-                              SchemaVersionError)
-from recorders.schema import (KEYS, RUNS, SCHEMA_VERSION, TABLES, duckdb_type, schema_mismatches,
-                              to_arrow)
+from recorders.errors import DamagedFileError, ManifestError, RunIdError, SchemaError, SchemaVersionError
+from recorders.schema import KEYS, RUNS, SCHEMA_VERSION, TABLES, duckdb_type, schema_mismatches, to_arrow
 
 REPO = Path(__file__).resolve().parents[1]
 PROPS = settings(derandomize=True, max_examples=60, deadline=None)

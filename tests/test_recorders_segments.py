@@ -14,10 +14,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from recorders import (RunWriter, SegmentWriter, check_run, list_runs, list_segments, open_runs,
-                       query, synthetic_tables)
+from recorders import RunWriter, SegmentWriter, check_run, list_runs, list_segments, open_runs, query, synthetic_tables
 from recorders.schema import META_CONFIG, META_SCHEMA_VERSION, to_arrow
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,9 +9,26 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from recorders import (TABLE_NAMES, VIEW_NAMES, DamagedFileError, ManifestError, QueryError, RecorderError,
-                       RecorderWarning, RunExistsError, RunIdError, RunWriter, SchemaVersionError, check_run,
-                       list_runs, load_run, open_runs, query, synthetic_tables, write_synthetic_run)
+from recorders import (
+    TABLE_NAMES,
+    VIEW_NAMES,
+    DamagedFileError,
+    ManifestError,
+    QueryError,
+    RecorderError,
+    RecorderWarning,
+    RunExistsError,
+    RunIdError,
+    RunWriter,
+    SchemaVersionError,
+    check_run,
+    list_runs,
+    load_run,
+    open_runs,
+    query,
+    synthetic_tables,
+    write_synthetic_run,
+)
 from recorders.manifest import read_manifest, write_manifest
 from recorders.schema import KEYS, RUNS, TABLES, duckdb_type
 from recorders.segments import file_metadata, segment_name, write_segment
@@ -172,7 +189,7 @@ def test_failed_run_carries_the_error(tmp_path):
         with RunWriter(tmp_path, "run-fail", config=CONFIG, fsync=False) as run:
             run.append("replay_steps", {"request": 0, "step": [5, 6], "kl": [0.1, 0.2],
                                         "top1_agree": [True, False], "teacher_logprob": [-1, -2]})
-            1 / 0
+            raise ZeroDivisionError("division by zero")
     (row,) = list_runs(tmp_path)
     assert row["status"] == "failed" and row["error_type"] == "ZeroDivisionError"
     assert "division by zero" in row["error"]

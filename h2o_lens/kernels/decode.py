@@ -22,8 +22,7 @@ import functools
 import torch
 
 from .. import ops, policies
-from ._checks import (FLOAT_DTYPES, INT_DTYPES, KernelInputError, check_device, check_tensor, dot_options,
-                      next_pow2)
+from ._checks import FLOAT_DTYPES, INT_DTYPES, KernelInputError, check_device, check_tensor, dot_options, next_pow2
 
 __all__ = ["decode_step_triton"]
 

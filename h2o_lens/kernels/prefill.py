@@ -19,8 +19,7 @@ import math
 
 import torch
 
-from ._checks import (FLOAT_DTYPES, KernelInputError, cdiv, check_device, check_tensor, dot_options,
-                      next_pow2)
+from ._checks import FLOAT_DTYPES, KernelInputError, cdiv, check_device, check_tensor, dot_options, next_pow2
 
 __all__ = ["prefill_scores_triton"]
 

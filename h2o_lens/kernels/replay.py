@@ -18,8 +18,16 @@ import math
 
 import torch
 
-from ._checks import (FLOAT_DTYPES, INT_DTYPES, KernelInputError, cdiv, check_device, check_tensor,
-                      dot_options, next_pow2)
+from ._checks import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    KernelInputError,
+    cdiv,
+    check_device,
+    check_tensor,
+    dot_options,
+    next_pow2,
+)
 
 __all__ = ["replay_dropped_mass_triton", "replay_dropped_mass_torch"]
 

@@ -13,8 +13,9 @@ registry. Their tensor hooks import torch when they run.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = ["Policy", "StepContext", "ratio_slots", "half_split"]
 

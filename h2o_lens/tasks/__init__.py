@@ -11,8 +11,8 @@
 """
 from __future__ import annotations
 
-from .real import KINDS, SIZES, CalibrationRow, Task, budget, calibrate, check_answer, get_task, suite
 from .attention_cases import CASES, PolicyCase, policy_case, policy_cases
+from .real import KINDS, SIZES, CalibrationRow, Task, budget, calibrate, check_answer, get_task, suite
 
 __all__ = [
     "Task", "KINDS", "SIZES", "suite", "get_task", "check_answer", "budget", "calibrate", "CalibrationRow",

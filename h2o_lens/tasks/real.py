@@ -46,8 +46,9 @@ import random
 import re
 import time
 import unicodedata
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..config import H2OConfig
 from ..policies import DEFAULT, half_split, ratio_slots

@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 #: rank of each top-level package; a module may import packages of rank <= its own
 LAYERS = {"h2o_lens": 0, "recorders": 1, "analyses": 2, "app": 3, "commands": 4}
-_MODULE_PATH = re.compile(r"^(%s)(\.[A-Za-z_][A-Za-z0-9_]*)*$" % "|".join(LAYERS))
+_MODULE_PATH = re.compile(r"^({})(\.[A-Za-z_][A-Za-z0-9_]*)*$".format("|".join(LAYERS)))
 
 
 def _modules() -> list[Path]:

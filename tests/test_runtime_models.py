@@ -15,12 +15,17 @@ import time
 
 import pytest
 import torch
-
 from tiny import tiny_model
 
 from h2o_lens.errors import DefaultModelMissingError, H2OLensError
-from h2o_lens.models import (DEFAULT_GGUF_FILE, DEFAULT_MODEL, default_cache_dir, default_gguf_path,
-                             load_model, model_info)
+from h2o_lens.models import (
+    DEFAULT_GGUF_FILE,
+    DEFAULT_MODEL,
+    default_cache_dir,
+    default_gguf_path,
+    load_model,
+    model_info,
+)
 
 pytestmark = pytest.mark.model
 
@@ -109,7 +114,7 @@ def test_default_cache_dir_follows_h2o_lens_home(monkeypatch, tmp_path):
 
 def test_racing_conversions_convert_once_and_agree(converted):
     cache_dir, _, results = converted
-    for stdout, stderr, code in results:
+    for _stdout, stderr, code in results:
         assert code == 0, stderr
     conversions = [stderr.count("h2o_lens: converting") for _, stderr, _ in results]
     assert sorted(conversions) == [0, 1], [stderr for _, stderr, _ in results]

@@ -13,7 +13,6 @@ import pytest
 import torch
 from tiny import tiny_model
 
-import h2o_lens
 import recorders
 from h2o_lens import H2OConfig
 from recorders import list_runs, load_run, open_runs, read_manifest
@@ -57,7 +56,7 @@ def test_record_writes_every_table_and_matches_the_cache(tmp_path):
     assert row == ("h2o", 4, 3, "sum", 20, 12, 1, "demo")
     ev = _table(tmp_path, run.run_id, "evictions", EVICT_COLS)
     # 20 prompt tokens -> 7 slots: 13 prefill evictions per (layer, head); then one per decode step
-    for (layer, head), g in ev.groupby(["layer", "kv_head"]):
+    for (_layer, _head), g in ev.groupby(["layer", "kv_head"]):
         assert (g.phase == "prefill").sum() == 13 and (g.phase == "decode").sum() == 11
         assert (g.age == g.step - g.position).all() and (g.margin >= 0).all()
         assert g.position.is_unique  # an evicted position never returns

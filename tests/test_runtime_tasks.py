@@ -9,10 +9,9 @@ import pytest
 
 from h2o_lens.config import H2OConfig
 from h2o_lens.reference import trace
-from h2o_lens.tasks import (CASES, KINDS, Task, get_task, policy_case, policy_cases, suite)
+from h2o_lens.tasks import CASES, KINDS, Task, get_task, policy_case, policy_cases, suite
 from recorders import open_runs
 from recorders.policy_cases import case_kept_sets, write_policy_case
-
 
 # -- policy cases ----------------------------------------------------------------------------------
 
@@ -159,7 +158,7 @@ def test_written_case_runs_read_back_with_row_counts(case_runs):
     root, con = case_runs
     runs = con.sql("SELECT run_id, status, model, policy, prompt_len, new_tokens, max_logit_diff FROM runs").fetchall()
     assert len(runs) == 3 * len(CASES) + 1
-    for run_id, status, model, policy, p, new, diff in runs:
+    for _run_id, status, model, _policy, _p, _new, diff in runs:
         assert status == "complete" and model.startswith("synthetic/") and diff == 0.0
     for case in policy_cases(0):
         n, p = case.n, case.prompt_len

@@ -28,9 +28,15 @@ pytest.importorskip("triton")
 
 from h2o_lens import ops  # noqa: E402
 from h2o_lens.errors import ConfigError  # noqa: E402
-from h2o_lens.kernels import (KernelInputError, decode_step_triton, prefill_scores_triton,  # noqa: E402
-                              replay_dropped_mass_torch, replay_dropped_mass_triton, resolve_backend,
-                              triton_available)
+from h2o_lens.kernels import (  # noqa: E402
+    KernelInputError,
+    decode_step_triton,
+    prefill_scores_triton,
+    replay_dropped_mass_torch,
+    replay_dropped_mass_triton,
+    resolve_backend,
+    triton_available,
+)
 from h2o_lens.reference import simulate  # noqa: E402
 
 pytestmark = pytest.mark.kernel

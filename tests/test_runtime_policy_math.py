@@ -176,7 +176,7 @@ def test_config_split_and_resolve():
     c = H2OConfig(ratio=0.2).resolve(1000)
     assert (c.heavy, c.recent, c.capacity) == (100, 100, 200)
     with pytest.raises(ConfigError, match="not resolved"):
-        H2OConfig(ratio=0.2).capacity
+        _ = H2OConfig(ratio=0.2).capacity
 
 
 @pytest.mark.parametrize("gqa", ["sum", "max"])

@@ -24,7 +24,6 @@ import pytest
 import torch
 from tiny import tiny_model
 
-import h2o_lens
 import recorders
 from h2o_lens import H2OConfig
 from recorders import open_runs

@@ -1,0 +1,16 @@
+"""Fixtures shared by the test modules; shared helpers live in plain modules beside them
+(``tiny``: tiny random models, ``runtime_utils``: kept sets of a run against the reference,
+``logsim``: the numpy H2O simulator that writes runs, ``app_runs``: the dashboard's runs root),
+so no test module imports another."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from app_runs import build_runs_root
+
+
+@pytest.fixture(scope="module")
+def app_runs_root(tmp_path_factory) -> Path:
+    """A runs root with every case the dashboard must handle (:func:`app_runs.build_runs_root`)."""
+    return build_runs_root(tmp_path_factory.mktemp("app") / "runs")
