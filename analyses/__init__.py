@@ -15,29 +15,30 @@ compose::
 This package needs duckdb, pyarrow, pandas, numpy and plotly only, never
 torch: logs open on machines without a model.
 """
+
 from __future__ import annotations
 
 from ._base import connect
 from .attribution import VERDICTS, Attribution, Fact, attribute, evidence_sql, failed_requests
 from .coverage import (
-                       coverage_by_span,
-                       coverage_stats,
-                       dropped_mass,
-                       dropped_mass_by_layer,
-                       dropped_mass_series,
-                       head_coverage,
+    coverage_by_span,
+    coverage_stats,
+    dropped_mass,
+    dropped_mass_by_layer,
+    dropped_mass_series,
+    head_coverage,
 )
 from .curves import kv_footprint, run_curve_points
 from .divergence import divergence_summary, free_generation, paired_runs, replay_series
 from .dynamics import freeze_onset, freeze_series, margin_sensitivity, promotion_windows
 from .errors import (
-                       AnalysisError,
-                       MissingColumnError,
-                       ParameterError,
-                       SQLRefusedError,
-                       SQLSandboxError,
-                       SQLTimeoutError,
-                       UnknownRunError,
+    AnalysisError,
+    MissingColumnError,
+    ParameterError,
+    SQLRefusedError,
+    SQLSandboxError,
+    SQLTimeoutError,
+    UnknownRunError,
 )
 from .evidence import evidence_deletion, evidence_evictions, evidence_held, evidence_spans
 from .keptsets import gqa_overlap, kept_overlap, union_bound
@@ -51,25 +52,71 @@ from .views import HEADLINE_COLUMNS, runs_headline, runs_table
 
 __all__ = [
     # opening logs, the runs and their headline numbers
-    "connect", "runs_table", "runs_headline", "HEADLINE_COLUMNS",
+    "connect",
+    "runs_table",
+    "runs_headline",
+    "HEADLINE_COLUMNS",
     # coverage and divergence
-    "dropped_mass", "coverage_stats", "head_coverage", "coverage_by_span", "dropped_mass_series",
-    "dropped_mass_by_layer", "replay_series", "divergence_summary", "paired_runs", "free_generation",
+    "dropped_mass",
+    "coverage_stats",
+    "head_coverage",
+    "coverage_by_span",
+    "dropped_mass_series",
+    "dropped_mass_by_layer",
+    "replay_series",
+    "divergence_summary",
+    "paired_runs",
+    "free_generation",
     # evidence, kept sets, dynamics
-    "evidence_spans", "evidence_deletion", "evidence_held", "evidence_evictions",
-    "kept_overlap", "union_bound", "gqa_overlap",
-    "promotion_windows", "freeze_series", "freeze_onset", "margin_sensitivity",
-    "stale_victims", "stale_holders", "oracle_agreement", "oracle_available", "ORACLE_COLUMNS",
-    "kv_footprint", "run_curve_points",
+    "evidence_spans",
+    "evidence_deletion",
+    "evidence_held",
+    "evidence_evictions",
+    "kept_overlap",
+    "union_bound",
+    "gqa_overlap",
+    "promotion_windows",
+    "freeze_series",
+    "freeze_onset",
+    "margin_sensitivity",
+    "stale_victims",
+    "stale_holders",
+    "oracle_agreement",
+    "oracle_available",
+    "ORACLE_COLUMNS",
+    "kv_footprint",
+    "run_curve_points",
     # policies (from the registry)
-    "policy_colours", "policy_labels", "scored_policy",
+    "policy_colours",
+    "policy_labels",
+    "scored_policy",
     # attribution and reports
-    "Thresholds", "VERDICTS", "Fact", "Attribution", "attribute", "failed_requests", "evidence_sql",
-    "report_data", "build_report", "write_report", "report_schema", "REPORT_SCHEMA_VERSION",
-    "SCHEMA_PATH", "FORMATS",
+    "Thresholds",
+    "VERDICTS",
+    "Fact",
+    "Attribution",
+    "attribute",
+    "failed_requests",
+    "evidence_sql",
+    "report_data",
+    "build_report",
+    "write_report",
+    "report_schema",
+    "REPORT_SCHEMA_VERSION",
+    "SCHEMA_PATH",
+    "FORMATS",
     # SQL console
-    "Sandbox", "run_sql", "check_sql", "format_result", "view_schemas",
+    "Sandbox",
+    "run_sql",
+    "check_sql",
+    "format_result",
+    "view_schemas",
     # errors
-    "AnalysisError", "ParameterError", "UnknownRunError", "MissingColumnError", "SQLSandboxError",
-    "SQLRefusedError", "SQLTimeoutError",
+    "AnalysisError",
+    "ParameterError",
+    "UnknownRunError",
+    "MissingColumnError",
+    "SQLSandboxError",
+    "SQLRefusedError",
+    "SQLTimeoutError",
 ]

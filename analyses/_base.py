@@ -7,6 +7,7 @@ query, so :func:`relation` gives every marker a name unique to its call:
 relations from different analyses join and nest freely, and stay lazy
 until they are materialised (``.df()``, ``.fetchall()``, ``.arrow()``).
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -24,9 +25,22 @@ from recorders import open_runs
 
 from .errors import MissingColumnError, ParameterError, UnknownRunError
 
-__all__ = ["Source", "connect", "relation", "first_row", "run_info", "plain", "records", "columns",
-           "require_columns", "has_rows", "sql_literal",
-           "check_int", "check_fraction", "check_positive"]
+__all__ = [
+    "Source",
+    "connect",
+    "relation",
+    "first_row",
+    "run_info",
+    "plain",
+    "records",
+    "columns",
+    "require_columns",
+    "has_rows",
+    "sql_literal",
+    "check_int",
+    "check_fraction",
+    "check_positive",
+]
 
 #: A DuckDB connection with the views of a runs root, or the runs root itself.
 Source = duckdb.DuckDBPyConnection | str | os.PathLike
@@ -42,8 +56,9 @@ def connect(source: Source) -> duckdb.DuckDBPyConnection:
         return source
     if isinstance(source, (str, os.PathLike)):
         return open_runs(source, warn=False)
-    raise ParameterError(f"expected a DuckDB connection from recorders.open_runs or a runs root "
-                         f"path, got {type(source).__name__}")
+    raise ParameterError(
+        f"expected a DuckDB connection from recorders.open_runs or a runs root path, got {type(source).__name__}"
+    )
 
 
 def relation(con: duckdb.DuckDBPyConnection, sql: str, **params: Any) -> duckdb.DuckDBPyRelation:
@@ -77,35 +92,41 @@ def run_info(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
     row = first_row(rel)
     if row is None:
         known = [r[0] for r in con.sql("SELECT run_id FROM runs ORDER BY run_id LIMIT 20").fetchall()]
-        raise UnknownRunError(f"run {run_id!r} is not in the runs view; known runs: "
-                              f"{', '.join(known) or 'none'}. Check the run id and the runs root")
+        raise UnknownRunError(
+            f"run {run_id!r} is not in the runs view; known runs: "
+            f"{', '.join(known) or 'none'}. Check the run id and the runs root"
+        )
     return dict(zip(rel.columns, row))
 
 
 def columns(con: duckdb.DuckDBPyConnection, view: str) -> list[str]:
     """Column names of a view (declared ones first, then later additions)."""
-    return [r[0] for r in relation(
-        con, "SELECT column_name FROM information_schema.columns WHERE table_name = $view "
-             "ORDER BY ordinal_position", view=view).fetchall()]
+    return [
+        r[0]
+        for r in relation(
+            con,
+            "SELECT column_name FROM information_schema.columns WHERE table_name = $view ORDER BY ordinal_position",
+            view=view,
+        ).fetchall()
+    ]
 
 
-def require_columns(con: duckdb.DuckDBPyConnection, view: str, needed: tuple[str, ...],
-                    what: str) -> None:
+def require_columns(con: duckdb.DuckDBPyConnection, view: str, needed: tuple[str, ...], what: str) -> None:
     """Raise :class:`MissingColumnError` unless ``view`` has every column of ``needed``."""
     have = set(columns(con, view))
     missing = [c for c in needed if c not in have]
     if missing:
         raise MissingColumnError(
             f"{what} needs column(s) {', '.join(f'{view}.{c}' for c in missing)}, which these logs "
-            f"lack; the recorder must write them (nullable additions to log schema v1)")
+            f"lack; the recorder must write them (nullable additions to log schema v1)"
+        )
 
 
 def has_rows(con: duckdb.DuckDBPyConnection, view: str, run_id: str) -> bool:
     """Whether ``view`` holds at least one row of ``run_id``."""
     if view not in ("tokens", "evictions", "steps", "replay", "replay_steps"):
         raise ParameterError(f"unknown data view {view!r}")
-    return bool(relation(con, f"SELECT 1 FROM {view} WHERE run_id = $run LIMIT 1",
-                         run=run_id).fetchall())
+    return bool(relation(con, f"SELECT 1 FROM {view} WHERE run_id = $run LIMIT 1", run=run_id).fetchall())
 
 
 def plain(value: Any) -> Any:
@@ -154,8 +175,12 @@ def check_fraction(name: str, value: Any) -> float:
 
 
 def check_positive(name: str, value: Any, *, zero: bool = True) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
-        value >= 0 if zero else value > 0) and value == value
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and (value >= 0 if zero else value > 0)
+        and value == value
+    )
     if not ok:
         raise ParameterError(f"{name} must be a number {'>=' if zero else '>'} 0, got {value!r}")
     return float(value)

@@ -1,23 +1,87 @@
 """Small formatting helpers shared by the Markdown and HTML renderers."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["num", "worst", "PROVENANCE", "PROBLEM_COLUMNS", "SUMMARY", "FACT_COLUMNS", "EVIDENCE_COLUMNS",
-           "VERDICT_TEXT"]
+__all__ = [
+    "num",
+    "worst",
+    "PROVENANCE",
+    "PROBLEM_COLUMNS",
+    "SUMMARY",
+    "FACT_COLUMNS",
+    "EVIDENCE_COLUMNS",
+    "VERDICT_TEXT",
+]
 
-PROVENANCE = ("run_id", "name", "status", "model", "policy", "heavy", "recent", "sink", "gqa", "seed",
-              "backend", "prompt_len", "new_tokens", "requests", "source_run", "max_logit_diff",
-              "created_at", "finished_at", "command", "integrity")
+PROVENANCE = (
+    "run_id",
+    "name",
+    "status",
+    "model",
+    "policy",
+    "heavy",
+    "recent",
+    "sink",
+    "gqa",
+    "seed",
+    "backend",
+    "prompt_len",
+    "new_tokens",
+    "requests",
+    "source_run",
+    "max_logit_diff",
+    "created_at",
+    "finished_at",
+    "command",
+    "integrity",
+)
 PROBLEM_COLUMNS = ("path", "table_name", "reason")
-SUMMARY = ("evictions", "replay_steps", "coverage_mean", "coverage_p5", "coverage_min", "kl_mean",
-           "kl_max", "top1_agreement", "near_zero_margin_share", "frozen_sets", "kv_sets",
-           "stale_victims", "failures")
-FACT_COLUMNS = ("kind", "value", "threshold", "step", "layer", "kv_head", "q_head", "position", "score",
-                "margin", "dropped_mass", "note")
-EVIDENCE_COLUMNS = ("label", "step", "layer", "kv_head", "q_head", "position", "text", "score", "margin",
-                    "age", "left_recent", "lag_eviction")
+SUMMARY = (
+    "evictions",
+    "replay_steps",
+    "coverage_mean",
+    "coverage_p5",
+    "coverage_min",
+    "kl_mean",
+    "kl_max",
+    "top1_agreement",
+    "near_zero_margin_share",
+    "frozen_sets",
+    "kv_sets",
+    "stale_victims",
+    "failures",
+)
+FACT_COLUMNS = (
+    "kind",
+    "value",
+    "threshold",
+    "step",
+    "layer",
+    "kv_head",
+    "q_head",
+    "position",
+    "score",
+    "margin",
+    "dropped_mass",
+    "note",
+)
+EVIDENCE_COLUMNS = (
+    "label",
+    "step",
+    "layer",
+    "kv_head",
+    "q_head",
+    "position",
+    "text",
+    "score",
+    "margin",
+    "age",
+    "left_recent",
+    "lag_eviction",
+)
 VERDICT_TEXT = {
     "budget": "budget: the evidence was evicted and the cache lost needed attention",
     "scoring_lag": "scoring lag: the evidence was evicted right after the recent window, before it was read",
@@ -39,8 +103,7 @@ def num(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
-def worst(rows: Sequence[dict[str, Any]], key: str, n: int = 10, *, high: bool = False
-          ) -> list[dict[str, Any]]:
+def worst(rows: Sequence[dict[str, Any]], key: str, n: int = 10, *, high: bool = False) -> list[dict[str, Any]]:
     """The ``n`` rows with the lowest (or highest) non-null ``key``."""
     have = [r for r in rows if r.get(key) is not None]
     return sorted(have, key=lambda r: r[key], reverse=high)[:n]

@@ -5,6 +5,7 @@ rows of the report dict; one script draws them all with ``Plotly.newPlot``
 and marks ``<body data-plots-rendered="N">`` when done (``data-plot-error``
 on failure), which headless browsers and tests can read.
 """
+
 from __future__ import annotations
 
 import html
@@ -61,8 +62,10 @@ _DRAW = """
 
 # -- figures ----------------------------------------------------------------------------------
 
-def _matrix(rows: Sequence[dict[str, Any]], row: str, col: str, value: str
-            ) -> tuple[list[Any], list[Any], list[list[Any]]]:
+
+def _matrix(
+    rows: Sequence[dict[str, Any]], row: str, col: str, value: str
+) -> tuple[list[Any], list[Any], list[list[Any]]]:
     ys = sorted({r[row] for r in rows if r.get(row) is not None})
     xs = sorted({r[col] for r in rows if r.get(col) is not None})
     yi, xi = {v: i for i, v in enumerate(ys)}, {v: i for i, v in enumerate(xs)}
@@ -74,16 +77,29 @@ def _matrix(rows: Sequence[dict[str, Any]], row: str, col: str, value: str
 
 
 def _layout(title: str, x: str, y: str, **extra: Any) -> dict[str, Any]:
-    return {"title": {"text": title, "font": {"size": 14}, "x": 0.01, "xanchor": "left"},
-            "margin": {"l": 60, "r": 20, "t": 40, "b": 45},
-            "xaxis": {"title": {"text": x}}, "yaxis": {"title": {"text": y}}, **extra}
+    return {
+        "title": {"text": title, "font": {"size": 14}, "x": 0.01, "xanchor": "left"},
+        "margin": {"l": 60, "r": 20, "t": 40, "b": 45},
+        "xaxis": {"title": {"text": x}},
+        "yaxis": {"title": {"text": y}},
+        **extra,
+    }
 
 
-def _heatmap(rows: Sequence[dict[str, Any]], row: str, col: str, value: str, title: str, x: str,
-             colorscale: str, **z: Any) -> dict[str, Any]:
+def _heatmap(
+    rows: Sequence[dict[str, Any]], row: str, col: str, value: str, title: str, x: str, colorscale: str, **z: Any
+) -> dict[str, Any]:
     xs, ys, zz = _matrix(rows, row, col, value)
-    trace = {"type": "heatmap", "x": xs, "y": ys, "z": zz, "colorscale": colorscale,
-             "hoverongaps": False, "colorbar": {"thickness": 12}, **z}
+    trace = {
+        "type": "heatmap",
+        "x": xs,
+        "y": ys,
+        "z": zz,
+        "colorscale": colorscale,
+        "hoverongaps": False,
+        "colorbar": {"thickness": 12},
+        **z,
+    }
     layout = _layout(title, x, row)
     for axis in ("xaxis", "yaxis"):
         layout[axis].update(zeroline=False, showgrid=False)
@@ -91,9 +107,16 @@ def _heatmap(rows: Sequence[dict[str, Any]], row: str, col: str, value: str, tit
 
 
 def _series(rows: Sequence[dict[str, Any]], y: str, name: str, requests: Sequence[Any]) -> list[dict]:
-    return [{"type": "scatter", "mode": "lines", "name": f"{name} r{r}" if len(requests) > 1 else name,
-             "x": [p["step"] for p in rows if p["request"] == r],
-             "y": [p[y] for p in rows if p["request"] == r]} for r in requests]
+    return [
+        {
+            "type": "scatter",
+            "mode": "lines",
+            "name": f"{name} r{r}" if len(requests) > 1 else name,
+            "x": [p["step"] for p in rows if p["request"] == r],
+            "y": [p[y] for p in rows if p["request"] == r],
+        }
+        for r in requests
+    ]
 
 
 def figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -101,44 +124,77 @@ def figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     cov, div, dyn = data["coverage"], data["divergence"], data["dynamics"]
     figs: dict[str, dict[str, Any]] = {}
     if cov["heads"]:
-        figs["fig-coverage-p5"] = _heatmap(cov["heads"], "layer", "q_head", "p5", "Coverage P5 per head",
-                                           "query head", "Viridis", zmax=1)
-        figs["fig-coverage-mean"] = _heatmap(cov["heads"], "layer", "q_head", "mean",
-                                             "Coverage mean per head", "query head", "Viridis", zmax=1)
+        figs["fig-coverage-p5"] = _heatmap(
+            cov["heads"], "layer", "q_head", "p5", "Coverage P5 per head", "query head", "Viridis", zmax=1
+        )
+        figs["fig-coverage-mean"] = _heatmap(
+            cov["heads"], "layer", "q_head", "mean", "Coverage mean per head", "query head", "Viridis", zmax=1
+        )
     series = cov["dropped_mass_series"]
     if series:
         reqs = sorted({r["request"] for r in series})[:4]
         figs["fig-dropped-steps"] = {
             "data": _series(series, "mean", "mean", reqs) + _series(series, "p95", "P95 over heads", reqs),
-            "layout": _layout("Dropped mass over steps", "step", "dropped mass")}
+            "layout": _layout("Dropped mass over steps", "step", "dropped mass"),
+        }
         figs["fig-dropped-layers"] = _heatmap(
-            cov["dropped_mass_by_layer"]["rows"], "layer", "step_start", "mean",
+            cov["dropped_mass_by_layer"]["rows"],
+            "layer",
+            "step_start",
+            "mean",
             f"Dropped mass by layer and step (buckets of {cov['dropped_mass_by_layer']['bucket']})",
-            "step", "Inferno", zmin=0)
+            "step",
+            "Inferno",
+            zmin=0,
+        )
     if div["series"]:
         reqs = sorted({r["request"] for r in div["series"]})[:4]
         misses = [r for r in div["series"] if r["top1_agree"] is False]
-        figs["fig-kl"] = {"data": _series(div["series"], "kl", "KL", reqs) + [
-            {"type": "scatter", "mode": "markers", "name": "top-1 differs", "marker": {"color": "#c23b32"},
-             "x": [r["step"] for r in misses], "y": [r["kl"] for r in misses]}],
-            "layout": _layout("KL(teacher ‖ run) over steps", "step", "KL (nats)")}
+        figs["fig-kl"] = {
+            "data": _series(div["series"], "kl", "KL", reqs)
+            + [
+                {
+                    "type": "scatter",
+                    "mode": "markers",
+                    "name": "top-1 differs",
+                    "marker": {"color": "#c23b32"},
+                    "x": [r["step"] for r in misses],
+                    "y": [r["kl"] for r in misses],
+                }
+            ],
+            "layout": _layout("KL(teacher ‖ run) over steps", "step", "KL (nats)"),
+        }
     onsets = dyn["freezing"]["onsets"]
     if onsets:
         col = "q_head" if any(r.get("q_head") is not None for r in onsets) else "kv_head"
         first = [r for r in onsets if r["request"] == onsets[0]["request"]]
-        figs["fig-freeze"] = _heatmap(first, "layer", col, "onset_step",
-                                      f"Freeze onset step, request {onsets[0]['request']} "
-                                      "(blank: never froze)", col.replace("_", " "), "Cividis")
+        figs["fig-freeze"] = _heatmap(
+            first,
+            "layer",
+            col,
+            "onset_step",
+            f"Freeze onset step, request {onsets[0]['request']} (blank: never froze)",
+            col.replace("_", " "),
+            "Cividis",
+        )
     margins = dyn["margins"]["heads"]
     if margins:
         col = "q_head" if any(r.get("q_head") is not None for r in margins) else "kv_head"
-        figs["fig-margins"] = _heatmap(margins, "layer", col, "near_zero_share",
-                                       "Share of evictions with a near-zero margin", col.replace("_", " "),
-                                       "Reds", zmin=0)
+        figs["fig-margins"] = _heatmap(
+            margins,
+            "layer",
+            col,
+            "near_zero_share",
+            "Share of evictions with a near-zero margin",
+            col.replace("_", " "),
+            "Reds",
+            zmin=0,
+        )
     return figs
 
 
 # -- tables ----------------------------------------------------------------------------------------
+
 
 def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     if not rows:
@@ -156,8 +212,9 @@ def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 
 
 def _pairs(mapping: dict[str, Any], keys: Sequence[str]) -> str:
-    return _table([{"field": k, "value": mapping.get(k)} for k in keys if mapping.get(k) is not None],
-                  ("field", "value"))
+    return _table(
+        [{"field": k, "value": mapping.get(k)} for k in keys if mapping.get(k) is not None], ("field", "value")
+    )
 
 
 def _badge(status: str) -> str:
@@ -181,8 +238,10 @@ def _failures(data: dict[str, Any]) -> str:
             f"{html.escape(', '.join(f['failed_by']))}; "
             f"decision step {html.escape(num(f['decision_step']))}.</p>"
             + _table(f["facts"], FACT_COLUMNS)
-            + "<p>Evicted evidence (first 20 rows):</p>" + _table(f["evicted_evidence"][:20], EVIDENCE_COLUMNS)
-            + f"<p>SQL that selects it (paste into the SQL console):</p><pre>{html.escape(f['sql'])}</pre></div>")
+            + "<p>Evicted evidence (first 20 rows):</p>"
+            + _table(f["evicted_evidence"][:20], EVIDENCE_COLUMNS)
+            + f"<p>SQL that selects it (paste into the SQL console):</p><pre>{html.escape(f['sql'])}</pre></div>"
+        )
     return "".join(out)
 
 
@@ -190,18 +249,26 @@ def _integrity(run: dict[str, Any]) -> str:
     """A warning box with the problems when the run's files are damaged or incomplete."""
     if run.get("integrity") in (None, "ok") and not run.get("problems"):
         return ""
-    return (f'<div class="damaged" id="integrity"><p><strong>This run\'s data is damaged or incomplete</strong> '
-            f"({html.escape(str(run.get('integrity')))}). The numbers below come from the files that could "
-            "be read and may be wrong; the gate fails on it.</p>"
-            + _table(run.get("problems") or [], PROBLEM_COLUMNS) + "</div>")
+    return (
+        f'<div class="damaged" id="integrity"><p><strong>This run\'s data is damaged or incomplete</strong> '
+        f"({html.escape(str(run.get('integrity')))}). The numbers below come from the files that could "
+        "be read and may be wrong; the gate fails on it.</p>"
+        + _table(run.get("problems") or [], PROBLEM_COLUMNS)
+        + "</div>"
+    )
 
 
 def _body(data: dict[str, Any], figs: dict[str, Any]) -> str:
     run, verdict, cov, dyn = data["run"], data["verdict"], data["coverage"], data["dynamics"]
     oracle = data["oracle"]
-    oracle_html = (_table(oracle["heads"][:32], ("layer", "kv_head", "q_head", "evictions", "agreement",
-                                                 "regret", "rank_corr_future", "rank_corr_score"))
-                   if oracle["available"] else f"<p>Not available: {html.escape(oracle['reason'])}</p>")
+    oracle_html = (
+        _table(
+            oracle["heads"][:32],
+            ("layer", "kv_head", "q_head", "evictions", "agreement", "regret", "rank_corr_future", "rank_corr_score"),
+        )
+        if oracle["available"]
+        else f"<p>Not available: {html.escape(oracle['reason'])}</p>"
+    )
     free = data["divergence"]["free_generation"]
     verdicts = ", ".join(f"{k} {v}" for k, v in data["summary"]["verdicts"].items())
     return f"""
@@ -225,14 +292,35 @@ per step and query head. A high mean can hide the one query that needed far evid
 {_table(worst(cov['heads'], 'p5'), ('layer', 'q_head', 'kv_head', 'n', 'mean', 'min', 'p1', 'p5'))}
 <h3>Coverage by span of the query token</h3>{_table(cov['spans'], ('span', 'n', 'mean', 'min', 'p1', 'p5'))}
 <h3>Teacher-forced divergence per request</h3>
-{_table(data['divergence']['requests'], ('request', 'steps', 'kl_mean', 'kl_max', 'top1_agreement',
-                                         'first_divergence_step', 'kl_at_divergence'))}
-{'<h3>Free generation against the paired run</h3>' + _table(free, ('request', 'other_run', 'compared',
-   'agreement', 'first_diff_position', 'prompt_mismatches')) if free else ''}
+{
+        _table(
+            data['divergence']['requests'],
+            ('request', 'steps', 'kl_mean', 'kl_max', 'top1_agreement', 'first_divergence_step', 'kl_at_divergence'),
+        )
+    }
+{
+        '<h3>Free generation against the paired run</h3>'
+        + _table(free, ('request', 'other_run', 'compared', 'agreement', 'first_diff_position', 'prompt_mismatches'))
+        if free
+        else ''
+    }
 <h2>Failures</h2>{_failures(data)}
 <h2>Evidence</h2><p>Share of KV sets still holding each span at the answer step.</p>
-{_table(data['evidence'], ('request', 'label', 'at_step', 'sets', 'held_any_share', 'held_all_share',
-                           'first_deletion_step', 'last_deletion_step'))}
+{
+        _table(
+            data['evidence'],
+            (
+                'request',
+                'label',
+                'at_step',
+                'sets',
+                'held_any_share',
+                'held_all_share',
+                'first_deletion_step',
+                'last_deletion_step',
+            ),
+        )
+    }
 <h2>Cache dynamics</h2>
 <p>{dyn['freezing']['frozen']} of {dyn['freezing']['sets']} KV sets froze (promotion rate near 0 while the
 heavy threshold rose and heavy slots aged; windows of {dyn['freezing']['window']} steps).
@@ -252,9 +340,11 @@ def render_html(data: dict[str, Any]) -> str:
     figs = figures(data)
     plotly_js = get_plotlyjs().replace("</script", "<\\/script")
     title = html.escape(f"H2O Lens report: {data['run']['run_id']}")
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{title}</title><style>{_CSS}</style>\n<script>{plotly_js}</script></head>\n"
-            f"<body><main>{_body(data, figs)}</main>\n"
-            f'<script type="application/json" id="h2o-figures">{_script_json(figs)}</script>\n'
-            f"<script>{_DRAW}</script></body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{title}</title><style>{_CSS}</style>\n<script>{plotly_js}</script></head>\n"
+        f"<body><main>{_body(data, figs)}</main>\n"
+        f'<script type="application/json" id="h2o-figures">{_script_json(figs)}</script>\n'
+        f"<script>{_DRAW}</script></body></html>\n"
+    )

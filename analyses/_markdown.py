@@ -5,6 +5,7 @@ errors, manifest fields) is shown as text: HTML is written as entities and
 Markdown syntax is escaped, so a label such as ``<script>`` or
 ``![x](http://...)`` can neither run nor make a viewer fetch anything.
 """
+
 from __future__ import annotations
 
 import re
@@ -47,29 +48,37 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 
 
 def _pairs(mapping: dict[str, Any], keys: Sequence[str]) -> str:
-    return table([{"field": k, "value": mapping.get(k)} for k in keys if mapping.get(k) is not None],
-                 ("field", "value"))
+    return table(
+        [{"field": k, "value": mapping.get(k)} for k in keys if mapping.get(k) is not None], ("field", "value")
+    )
 
 
 def _where(data: dict[str, Any]) -> list[str]:
     cov = data["coverage"]
-    out = ["## Where it goes wrong\n",
-           "Coverage is 1 − dropped mass (teacher attention on evicted positions), per step and query "
-           "head. Lowest P5 first:\n",
-           table(worst(cov["heads"], "p5"), ("layer", "q_head", "kv_head", "n", "mean", "min", "p1", "p5")),
-           "\nBy span of the query token:\n",
-           table(cov["spans"], ("span", "n", "mean", "min", "p1", "p5")),
-           "\nSteps with the highest dropped mass (mean over heads):\n",
-           table(worst(cov["dropped_mass_series"], "mean", high=True),
-                 ("request", "step", "mean", "p95", "max", "worst_layer", "worst_q_head")),
-           "\nTeacher-forced divergence per request:\n",
-           table(data["divergence"]["requests"], ("request", "steps", "kl_mean", "kl_max", "top1_agreement",
-                                                  "first_divergence_step", "kl_at_divergence"))]
+    out = [
+        "## Where it goes wrong\n",
+        "Coverage is 1 − dropped mass (teacher attention on evicted positions), per step and query "
+        "head. Lowest P5 first:\n",
+        table(worst(cov["heads"], "p5"), ("layer", "q_head", "kv_head", "n", "mean", "min", "p1", "p5")),
+        "\nBy span of the query token:\n",
+        table(cov["spans"], ("span", "n", "mean", "min", "p1", "p5")),
+        "\nSteps with the highest dropped mass (mean over heads):\n",
+        table(
+            worst(cov["dropped_mass_series"], "mean", high=True),
+            ("request", "step", "mean", "p95", "max", "worst_layer", "worst_q_head"),
+        ),
+        "\nTeacher-forced divergence per request:\n",
+        table(
+            data["divergence"]["requests"],
+            ("request", "steps", "kl_mean", "kl_max", "top1_agreement", "first_divergence_step", "kl_at_divergence"),
+        ),
+    ]
     free = data["divergence"]["free_generation"]
     if free:
-        out += ["\nFree generation against the paired run:\n",
-                table(free, ("request", "other_run", "compared", "agreement", "first_diff_position",
-                             "prompt_mismatches"))]
+        out += [
+            "\nFree generation against the paired run:\n",
+            table(free, ("request", "other_run", "compared", "agreement", "first_diff_position", "prompt_mismatches")),
+        ]
     return out
 
 
@@ -77,25 +86,44 @@ def _dynamics(data: dict[str, Any]) -> list[str]:
     dyn = data["dynamics"]
     fr, st = dyn["freezing"], dyn["stale"]
     frozen = [r for r in fr["onsets"] if r.get("frozen")]
-    out = ["\n## Cache dynamics\n",
-           f"Freezing (windows of {fr['window']} steps): {fr['frozen']} of {fr['sets']} KV sets froze.\n",
-           table(sorted(frozen, key=lambda r: r["onset_step"])[:15],
-                 ("request", "layer", "kv_head", "q_head", "onset_step", "last_promotion_rate",
-                  "last_threshold", "last_heavy_age")),
-           f"\nMargins near a tie (relative {dyn['margins']['threshold']:g}): share "
-           f"{num(dyn['margins']['near_zero_share'])}. Most sensitive KV sets:\n",
-           table(worst(dyn["margins"]["heads"], "near_zero_share", 8, high=True),
-                 ("layer", "kv_head", "q_head", "evictions", "near_zero", "near_zero_share",
-                  "margin_median")),
-           f"\nStale heavy hitters: {st['stale_victims']} of {st['heavy_evictions']} heavy-slot evictions "
-           "had gained almost no attention over the window before they went.\n",
-           table(worst(st["holders"], "stale_holder_share", 8, high=True),
-                 ("layer", "kv_head", "q_head", "steps", "stale_holder_share", "first_stale_step"))]
+    out = [
+        "\n## Cache dynamics\n",
+        f"Freezing (windows of {fr['window']} steps): {fr['frozen']} of {fr['sets']} KV sets froze.\n",
+        table(
+            sorted(frozen, key=lambda r: r["onset_step"])[:15],
+            (
+                "request",
+                "layer",
+                "kv_head",
+                "q_head",
+                "onset_step",
+                "last_promotion_rate",
+                "last_threshold",
+                "last_heavy_age",
+            ),
+        ),
+        f"\nMargins near a tie (relative {dyn['margins']['threshold']:g}): share "
+        f"{num(dyn['margins']['near_zero_share'])}. Most sensitive KV sets:\n",
+        table(
+            worst(dyn["margins"]["heads"], "near_zero_share", 8, high=True),
+            ("layer", "kv_head", "q_head", "evictions", "near_zero", "near_zero_share", "margin_median"),
+        ),
+        f"\nStale heavy hitters: {st['stale_victims']} of {st['heavy_evictions']} heavy-slot evictions "
+        "had gained almost no attention over the window before they went.\n",
+        table(
+            worst(st["holders"], "stale_holder_share", 8, high=True),
+            ("layer", "kv_head", "q_head", "steps", "stale_holder_share", "first_stale_step"),
+        ),
+    ]
     oracle = data["oracle"]
     out.append("\n## Oracle agreement\n")
-    out.append(table(oracle["heads"][:16], ("layer", "kv_head", "q_head", "evictions", "agreement", "regret",
-                                            "rank_corr_future")) if oracle["available"]
-               else f"Not available: {text(oracle['reason'])}\n")
+    out.append(
+        table(
+            oracle["heads"][:16], ("layer", "kv_head", "q_head", "evictions", "agreement", "regret", "rank_corr_future")
+        )
+        if oracle["available"]
+        else f"Not available: {text(oracle['reason'])}\n"
+    )
     return out
 
 
@@ -104,13 +132,15 @@ def _failures(data: dict[str, Any]) -> list[str]:
     if not data["failures"]:
         return out + ["No request failed.\n"]
     for f in data["failures"]:
-        out += [f"### {f['rank']}. request {f['request']}: **{text(f['verdict'])}**\n",
-                f"{text(VERDICT_TEXT[f['verdict']])}. {text(f['summary'])}. Failed by: "
-                f"{text(', '.join(f['failed_by']))}; decision step {num(f['decision_step'])}.\n",
-                table(f["facts"], FACT_COLUMNS),
-                "\nEvicted evidence (first 10 rows):\n",
-                table(f["evicted_evidence"][:10], EVIDENCE_COLUMNS),
-                "\n" + _fence(f["sql"]) + "\n"]
+        out += [
+            f"### {f['rank']}. request {f['request']}: **{text(f['verdict'])}**\n",
+            f"{text(VERDICT_TEXT[f['verdict']])}. {text(f['summary'])}. Failed by: "
+            f"{text(', '.join(f['failed_by']))}; decision step {num(f['decision_step'])}.\n",
+            table(f["facts"], FACT_COLUMNS),
+            "\nEvicted evidence (first 10 rows):\n",
+            table(f["evicted_evidence"][:10], EVIDENCE_COLUMNS),
+            "\n" + _fence(f["sql"]) + "\n",
+        ]
     return out
 
 
@@ -118,28 +148,48 @@ def _integrity(run: dict[str, Any]) -> list[str]:
     """A warning and the problems when the run's files are damaged or incomplete."""
     if run.get("integrity") in (None, "ok") and not run.get("problems"):
         return []
-    return [f"> **Warning: this run's data is damaged or incomplete** ({text(run.get('integrity'))}). "
-            "The numbers below come from the files that could be read and may be wrong; the gate "
-            "fails on it.\n",
-            table(run.get("problems") or [], PROBLEM_COLUMNS), ""]
+    return [
+        f"> **Warning: this run's data is damaged or incomplete** ({text(run.get('integrity'))}). "
+        "The numbers below come from the files that could be read and may be wrong; the gate "
+        "fails on it.\n",
+        table(run.get("problems") or [], PROBLEM_COLUMNS),
+        "",
+    ]
 
 
 def render_markdown(data: dict[str, Any]) -> str:
     """Markdown text of a report dict."""
     run, verdict = data["run"], data["verdict"]
-    out = [f"# H2O Lens report: {text(run['run_id'])}\n",
-           f"**Verdict: {verdict['status'].upper()}** (report schema {data['report_schema_version']}, "
-           f"generated {text(data['generated_at'])})\n",
-           *_integrity(run),
-           table(verdict["checks"], ("name", "value", "op", "threshold", "status")),
-           "\n## Run\n", _pairs(run, PROVENANCE),
-           "\n## Summary\n", _pairs(data["summary"], SUMMARY),
-           "\nVerdicts: " + ", ".join(f"{k} {v}" for k, v in data["summary"]["verdicts"].items()) + "\n\n"]
+    out = [
+        f"# H2O Lens report: {text(run['run_id'])}\n",
+        f"**Verdict: {verdict['status'].upper()}** (report schema {data['report_schema_version']}, "
+        f"generated {text(data['generated_at'])})\n",
+        *_integrity(run),
+        table(verdict["checks"], ("name", "value", "op", "threshold", "status")),
+        "\n## Run\n",
+        _pairs(run, PROVENANCE),
+        "\n## Summary\n",
+        _pairs(data["summary"], SUMMARY),
+        "\nVerdicts: " + ", ".join(f"{k} {v}" for k, v in data["summary"]["verdicts"].items()) + "\n\n",
+    ]
     out += _where(data)
-    out += ["\n## Evidence\n",
-            "Share of KV sets still holding each span at the answer step (any token / every token):\n",
-            table(data["evidence"], ("request", "label", "at_step", "sets", "held_any_share",
-                                     "held_all_share", "first_deletion_step", "last_deletion_step"))]
+    out += [
+        "\n## Evidence\n",
+        "Share of KV sets still holding each span at the answer step (any token / every token):\n",
+        table(
+            data["evidence"],
+            (
+                "request",
+                "label",
+                "at_step",
+                "sets",
+                "held_any_share",
+                "held_all_share",
+                "first_deletion_step",
+                "last_deletion_step",
+            ),
+        ),
+    ]
     out += _dynamics(data)
     out += _failures(data)
     return "\n".join(out)

@@ -15,6 +15,7 @@ connection is open, at the data size then in use plus the sandbox's allowance, s
 that allocates outside DuckDB's buffer manager (a huge list or string built by one scalar
 expression) fails with an out-of-memory error instead of growing.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,18 +50,24 @@ def _data_size() -> int | None:
 
 
 def _connect(cfg: dict[str, Any]) -> duckdb.DuckDBPyConnection:
-    con = duckdb.connect(cfg["db"], read_only=True, config={
-        "memory_limit": f"{cfg['duckdb_memory_bytes'] // 1024}KiB",
-        "threads": cfg["threads"],
-        "temp_directory": cfg["temp_directory"],
-        "max_temp_directory_size": f"{cfg['temp_bytes'] // 1024}KiB",
-    })
+    con = duckdb.connect(
+        cfg["db"],
+        read_only=True,
+        config={
+            "memory_limit": f"{cfg['duckdb_memory_bytes'] // 1024}KiB",
+            "threads": cfg["threads"],
+            "temp_directory": cfg["temp_directory"],
+            "max_temp_directory_size": f"{cfg['temp_bytes'] // 1024}KiB",
+        },
+    )
     con.execute("SET allowed_directories = $1", [cfg["allowed_directories"]])
-    for statement in ("SET enable_progress_bar = false",
-                      "SET enable_external_access = false",
-                      "SET autoload_known_extensions = false",
-                      "SET autoinstall_known_extensions = false",
-                      "SET lock_configuration = true"):
+    for statement in (
+        "SET enable_progress_bar = false",
+        "SET enable_external_access = false",
+        "SET autoload_known_extensions = false",
+        "SET autoinstall_known_extensions = false",
+        "SET lock_configuration = true",
+    ):
         con.execute(statement)
     return con
 
@@ -87,8 +94,10 @@ def _table(con: duckdb.DuckDBPyConnection, sql: str, max_rows: int, max_bytes: i
         kept = batch if keep == batch.num_rows else batch.slice(0, keep)
         size += kept.nbytes
         if size > max_bytes:
-            return (f"the result passed the {max_bytes:,} byte cap within its first {rows + keep:,} rows "
-                    f"({size:,} bytes so far)")
+            return (
+                f"the result passed the {max_bytes:,} byte cap within its first {rows + keep:,} rows "
+                f"({size:,} bytes so far)"
+            )
         batches.append(kept)
         rows += keep
         if keep < batch.num_rows:

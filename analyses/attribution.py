@@ -32,6 +32,7 @@ Verdicts, first match wins:
     everything else: low dropped mass (with high KL the cause is a value
     direction, positions or an earlier divergence), or evidence still held.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -94,18 +95,25 @@ class Attribution:
     severity: tuple[float, ...] = dataclasses.field(default=(), repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "request": self.request, "verdict": self.verdict,
-                "failed_by": list(self.failed_by), "decision_step": self.decision_step,
-                "summary": self.summary, "facts": [f.to_dict() for f in self.facts],
-                "evicted_evidence": [dict(e) for e in self.evicted_evidence], "sql": self.sql}
+        return {
+            "run_id": self.run_id,
+            "request": self.request,
+            "verdict": self.verdict,
+            "failed_by": list(self.failed_by),
+            "decision_step": self.decision_step,
+            "summary": self.summary,
+            "facts": [f.to_dict() for f in self.facts],
+            "evicted_evidence": [dict(e) for e in self.evicted_evidence],
+            "sql": self.sql,
+        }
 
 
-def _recorded_checker(con: duckdb.DuckDBPyConnection, info: dict[str, Any],
-                      requests: list[int]) -> dict[int, bool]:
+def _recorded_checker(con: duckdb.DuckDBPyConnection, info: dict[str, Any], requests: list[int]) -> dict[int, bool]:
     """Checker failures the logs hold: ``requests.correct``, else the manifest's ``answer_correct``."""
     if "correct" in columns(con, "requests"):
-        rows = relation(con, "SELECT request, correct FROM requests WHERE run_id = $run "
-                             "AND correct IS NOT NULL", run=info["run_id"]).fetchall()
+        rows = relation(
+            con, "SELECT request, correct FROM requests WHERE run_id = $run AND correct IS NOT NULL", run=info["run_id"]
+        ).fetchall()
         if rows:
             return {int(r): not bool(c) for r, c in rows}
     try:
@@ -120,8 +128,9 @@ def _recorded_checker(con: duckdb.DuckDBPyConnection, info: dict[str, Any],
     return {}
 
 
-def _checker(con: duckdb.DuckDBPyConnection, info: dict[str, Any], failed: FailedArg,
-             requests: list[int]) -> dict[int, bool]:
+def _checker(
+    con: duckdb.DuckDBPyConnection, info: dict[str, Any], failed: FailedArg, requests: list[int]
+) -> dict[int, bool]:
     """Answer-checker failure per request: the ``failed`` argument, else what the logs hold."""
     if failed is None:
         return _recorded_checker(con, info, requests)
@@ -142,8 +151,9 @@ def _requests(con: duckdb.DuckDBPyConnection, run_id: str) -> list[int]:
     return [r[0] for r in relation(con, sql, run=run_id).fetchall()]
 
 
-def failed_requests(source: Source, run_id: str, *, failed: FailedArg = None,
-                    thresholds: Thresholds | Mapping[str, Any] | None = None) -> pd.DataFrame:
+def failed_requests(
+    source: Source, run_id: str, *, failed: FailedArg = None, thresholds: Thresholds | Mapping[str, Any] | None = None
+) -> pd.DataFrame:
     """Every request with its divergence summary and why it failed (empty ``failed_by``: it passed).
 
     Returns
@@ -154,8 +164,9 @@ def failed_requests(source: Source, run_id: str, *, failed: FailedArg = None,
     con = connect(source)
     th = Thresholds.from_mapping(thresholds)
     info = run_info(con, run_id)
-    summary = {int(r["request"]): r for r in divergence_summary(con, run_id, kl_high=th.kl_high)
-               .df().to_dict("records")}
+    summary = {
+        int(r["request"]): r for r in divergence_summary(con, run_id, kl_high=th.kl_high).df().to_dict("records")
+    }
     requests = sorted(set(_requests(con, run_id)) | set(summary))
     checker = _checker(con, info, failed, requests)
     rows = []
@@ -170,8 +181,7 @@ def failed_requests(source: Source, run_id: str, *, failed: FailedArg = None,
         kl_max = row.get("kl_max")
         if th.kl_fail is not None and kl_max is not None and pd.notna(kl_max) and kl_max >= th.kl_fail:
             reasons.append("kl")
-        rows.append({"request": r, **row, "checker_failed": bool(checker.get(r, False)),
-                     "failed_by": tuple(reasons)})
+        rows.append({"request": r, **row, "checker_failed": bool(checker.get(r, False)), "failed_by": tuple(reasons)})
     return pd.DataFrame(rows)
 
 
@@ -185,11 +195,13 @@ def evidence_sql(run_id: str, request: int, before_step: int | None) -> str:
         "JOIN tokens t ON t.run_id = e.run_id AND t.request = e.request AND t.position = e.position\n"
         f"WHERE e.run_id = {sql_literal(run_id)} AND e.request = {int(request)}\n"
         f"  AND t.evidence IS NOT NULL{before}\n"
-        "ORDER BY e.step, e.layer, e.kv_head, e.position")
+        "ORDER BY e.step, e.layer, e.kv_head, e.position"
+    )
 
 
-def _dropped_at(con: duckdb.DuckDBPyConnection, run_id: str, request: int, step: int,
-                lookback: int) -> tuple[float | None, dict[str, Any] | None]:
+def _dropped_at(
+    con: duckdb.DuckDBPyConnection, run_id: str, request: int, step: int, lookback: int
+) -> tuple[float | None, dict[str, Any] | None]:
     """Mean dropped mass over heads and steps ``[step - lookback, step]``, and the worst row."""
     sql = """
         SELECT avg(dropped_mass) AS mean, max(dropped_mass) AS worst,
@@ -204,64 +216,101 @@ def _dropped_at(con: duckdb.DuckDBPyConnection, run_id: str, request: int, step:
     return float(row[0]), dict(zip(("dropped_mass", "step", "layer", "q_head", "kv_head"), row[1:]))
 
 
-def _evidence_facts(ev: pd.DataFrame, held: pd.DataFrame, th: Thresholds,
-                    scored: bool = True) -> tuple[bool, bool, list[Fact]]:
+def _evidence_facts(
+    ev: pd.DataFrame, held: pd.DataFrame, th: Thresholds, scored: bool = True
+) -> tuple[bool, bool, list[Fact]]:
     """(evidence evicted, scoring lag, facts) for one request; no lag without scores."""
     facts: list[Fact] = []
     lost = 0.0
     for row in held.itertuples():
         share = 1.0 - float(row.held_all_share)
         lost = max(lost, share)
-        facts.append(Fact("evidence_lost_share", value=share, threshold=th.evidence_lost_share,
-                          step=plain(row.at_step), note=f"span {row.label!r}: share of KV sets that "
-                          "lost a token before the decision step"))
+        facts.append(
+            Fact(
+                "evidence_lost_share",
+                value=share,
+                threshold=th.evidence_lost_share,
+                step=plain(row.at_step),
+                note=f"span {row.label!r}: share of KV sets that lost a token before the decision step",
+            )
+        )
     evicted = bool(len(held)) and lost >= th.evidence_lost_share and len(ev) > 0
     lag_share = float(ev["lag_eviction"].mean()) if len(ev) else 0.0
     if len(ev):
-        facts.append(Fact("lag_eviction_share", value=lag_share, threshold=th.lag_share,
-                          note="evidence evictions soon after leaving the recent window with a low score"
-                               + ("" if scored else "; not a scoring lag: this policy keeps no scores")))
+        facts.append(
+            Fact(
+                "lag_eviction_share",
+                value=lag_share,
+                threshold=th.lag_share,
+                note="evidence evictions soon after leaving the recent window with a low score"
+                + ("" if scored else "; not a scoring lag: this policy keeps no scores"),
+            )
+        )
         for row in ev.head(3).itertuples():
-            facts.append(Fact("evidence_evicted", step=plain(row.step), layer=plain(row.layer),
-                              kv_head=plain(row.kv_head), q_head=plain(row.q_head),
-                              position=plain(row.position), score=plain(row.score),
-                              margin=plain(row.margin),
-                              note=f"{row.label!r} age {row.age}"
-                                   f"{', lag eviction' if row.lag_eviction else ''}"))
+            facts.append(
+                Fact(
+                    "evidence_evicted",
+                    step=plain(row.step),
+                    layer=plain(row.layer),
+                    kv_head=plain(row.kv_head),
+                    q_head=plain(row.q_head),
+                    position=plain(row.position),
+                    score=plain(row.score),
+                    margin=plain(row.margin),
+                    note=f"{row.label!r} age {row.age}{', lag eviction' if row.lag_eviction else ''}",
+                )
+            )
     return evicted, scored and evicted and lag_share >= th.lag_share, facts
 
 
-def _verdict(info: dict[str, Any], evicted: bool, lag: bool, has_evidence: bool,
-             dm: float | None, kl_d: float | None, th: Thresholds) -> tuple[str, str]:
+def _verdict(
+    info: dict[str, Any],
+    evicted: bool,
+    lag: bool,
+    has_evidence: bool,
+    dm: float | None,
+    kl_d: float | None,
+    th: Thresholds,
+) -> tuple[str, str]:
     """The verdict and one sentence saying why (rules in the module docstring)."""
     diff = info.get("max_logit_diff")
     tolerance = th.logit_bound(info.get("logit_tolerance"))
     high_dm = dm is not None and dm >= th.dropped_mass_high
-    dm_text = f"dropped mass {dm:.3g} {'>=' if high_dm else '<'} {th.dropped_mass_high:g}" \
-        if dm is not None else "no teacher replay"
+    dm_text = (
+        f"dropped mass {dm:.3g} {'>=' if high_dm else '<'} {th.dropped_mass_high:g}"
+        if dm is not None
+        else "no teacher replay"
+    )
     if diff is not None and diff > tolerance:
-        return "implementation_error", (f"the masked replay differs from the run's logits by "
-                                        f"{diff:.3g} > {tolerance:g}")
+        return "implementation_error", (
+            f"the masked replay differs from the run's logits by {diff:.3g} > {tolerance:g}"
+        )
     if lag:
-        return "scoring_lag", ("the evidence was evicted right after leaving the recent window with a "
-                               f"low score, before anything attended to it ({dm_text})")
+        return "scoring_lag", (
+            "the evidence was evicted right after leaving the recent window with a "
+            f"low score, before anything attended to it ({dm_text})"
+        )
     if evicted and high_dm:
         return "budget", f"the evidence was evicted and the teacher needed evicted positions ({dm_text})"
     if not has_evidence and high_dm:
         return "budget", f"no evidence is labelled; the teacher needed evicted positions ({dm_text})"
     if dm is not None and not high_dm and kl_d is not None and kl_d >= th.kl_high:
-        return "not_the_cache", (f"low dropped mass but high KL ({kl_d:.3g} >= {th.kl_high:g}): value "
-                                 "direction, positions or an earlier divergence")
+        return "not_the_cache", (
+            f"low dropped mass but high KL ({kl_d:.3g} >= {th.kl_high:g}): value "
+            "direction, positions or an earlier divergence"
+        )
     if evicted:
-        return "not_the_cache", ("evidence was evicted, but the teacher put little attention on "
-                                 f"evicted positions ({dm_text})")
+        return "not_the_cache", (
+            f"evidence was evicted, but the teacher put little attention on evicted positions ({dm_text})"
+        )
     if has_evidence:
         return "not_the_cache", f"the evidence was still in the cache ({dm_text})"
     return "not_the_cache", f"no cache fact explains the failure ({dm_text})"
 
 
-def _decision_step(con: duckdb.DuckDBPyConnection, run_id: str, request: int,
-                   row: dict[str, Any]) -> tuple[int | None, str]:
+def _decision_step(
+    con: duckdb.DuckDBPyConnection, run_id: str, request: int, row: dict[str, Any]
+) -> tuple[int | None, str]:
     """The first diverging step, else the last replayed step, else the last token's position."""
     first = plain(row.get("first_divergence_step"))
     if first is not None:
@@ -276,30 +325,50 @@ def _decision_step(con: duckdb.DuckDBPyConnection, run_id: str, request: int,
     return int(found[0]), "last step of the request (no divergence)"
 
 
-def _replay_facts(con: duckdb.DuckDBPyConnection, info: dict[str, Any], request: int, d: int | None,
-                  why_d: str, kl_d: float | None, th: Thresholds) -> tuple[float | None, list[Fact]]:
+def _replay_facts(
+    con: duckdb.DuckDBPyConnection,
+    info: dict[str, Any],
+    request: int,
+    d: int | None,
+    why_d: str,
+    kl_d: float | None,
+    th: Thresholds,
+) -> tuple[float | None, list[Fact]]:
     """(dropped mass around ``d``, facts about ``d``, the replay check, dropped mass and KL)."""
     facts = [Fact("decision_step", step=d, note=why_d)]
     if info.get("max_logit_diff") is not None:
-        facts.append(Fact("max_logit_diff", value=float(info["max_logit_diff"]),
-                          threshold=th.logit_bound(info.get("logit_tolerance"))))
-    dm, worst = (None, None) if d is None else _dropped_at(con, info["run_id"], request, d,
-                                                          th.dropped_mass_lookback)
+        facts.append(
+            Fact(
+                "max_logit_diff",
+                value=float(info["max_logit_diff"]),
+                threshold=th.logit_bound(info.get("logit_tolerance")),
+            )
+        )
+    dm, worst = (None, None) if d is None else _dropped_at(con, info["run_id"], request, d, th.dropped_mass_lookback)
     if dm is not None:
-        facts.append(Fact("dropped_mass", value=dm, threshold=th.dropped_mass_high, step=d,
-                          note=f"mean over heads, steps {d - th.dropped_mass_lookback}..{d}"))
+        facts.append(
+            Fact(
+                "dropped_mass",
+                value=dm,
+                threshold=th.dropped_mass_high,
+                step=d,
+                note=f"mean over heads, steps {d - th.dropped_mass_lookback}..{d}",
+            )
+        )
         facts.append(Fact("worst_head_dropped_mass", **{k: plain(v) for k, v in worst.items()}))
     if kl_d is not None:
         facts.append(Fact("kl", value=kl_d, threshold=th.kl_high, step=d))
     return dm, facts
 
 
-def _attribute_one(con: duckdb.DuckDBPyConnection, info: dict[str, Any], row: dict[str, Any],
-                   th: Thresholds) -> Attribution:
+def _attribute_one(
+    con: duckdb.DuckDBPyConnection, info: dict[str, Any], row: dict[str, Any], th: Thresholds
+) -> Attribution:
     run_id, request = info["run_id"], int(row["request"])
     d, why_d = _decision_step(con, run_id, request, row)
-    ev = evidence_evictions(con, run_id, request=request, before_step=d, lag_steps=th.lag_steps,
-                            low_score_ratio=th.low_score_ratio).df()
+    ev = evidence_evictions(
+        con, run_id, request=request, before_step=d, lag_steps=th.lag_steps, low_score_ratio=th.low_score_ratio
+    ).df()
     held = evidence_held(con, run_id, at_step=d).df() if d is not None else pd.DataFrame()
     held = held[held["request"] == request] if len(held) else held
     scored = scored_policy(info.get("policy"))
@@ -308,16 +377,29 @@ def _attribute_one(con: duckdb.DuckDBPyConnection, info: dict[str, Any], row: di
     dm, facts = _replay_facts(con, info, request, d, why_d, kl_d, th)
     verdict, why = _verdict(info, evicted, lag, len(held) > 0, dm, kl_d, th)
     top1 = plain(row.get("top1_agreement"))
-    severity = (0.0 if row["checker_failed"] else 1.0, top1 if top1 is not None else 1.0,
-                -(plain(row.get("kl_mean")) or 0.0))
+    severity = (
+        0.0 if row["checker_failed"] else 1.0,
+        top1 if top1 is not None else 1.0,
+        -(plain(row.get("kl_mean")) or 0.0),
+    )
     evicted_rows = tuple({k: plain(v) for k, v in r.items()} for r in ev.head(50).to_dict("records"))
-    return Attribution(run_id, request, verdict, tuple(row["failed_by"]), d, why,
-                       tuple(facts + evidence_facts), evicted_rows, evidence_sql(run_id, request, d),
-                       severity)
+    return Attribution(
+        run_id,
+        request,
+        verdict,
+        tuple(row["failed_by"]),
+        d,
+        why,
+        tuple(facts + evidence_facts),
+        evicted_rows,
+        evidence_sql(run_id, request, d),
+        severity,
+    )
 
 
-def attribute(source: Source, run_id: str, *, failed: FailedArg = None,
-              thresholds: Thresholds | Mapping[str, Any] | None = None) -> list[Attribution]:
+def attribute(
+    source: Source, run_id: str, *, failed: FailedArg = None, thresholds: Thresholds | Mapping[str, Any] | None = None
+) -> list[Attribution]:
     """Verdicts for every failed request of a run, most severe first.
 
     Parameters

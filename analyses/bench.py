@@ -7,6 +7,7 @@ needs is then timed (materialised as the report does: aggregated rows only),
 and the report is rendered. Targets on 2 cores: analyses ≤ 10 s in total,
 peak RSS ≤ 3 GB, report render ≤ 20 s.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,8 +45,7 @@ from .stale import stale_holders, stale_victims
 
 __all__ = ["bench_analyses", "bench_sql", "SHAPE", "SQL_QUERIES"]
 
-SHAPE = {"layers": 32, "kv_heads": 8, "q_heads": 32, "steps": 1024, "prompt_len": 2048,
-         "heavy": 256, "recent": 256}
+SHAPE = {"layers": 32, "kv_heads": 8, "q_heads": 32, "steps": 1024, "prompt_len": 2048, "heavy": 256, "recent": 256}
 RUN_ID = "bench-10m"
 
 
@@ -89,18 +89,29 @@ def _analyses(con: Any, run_id: str) -> dict[str, Callable[[], Any]]:
         "evidence held": lambda: evidence_held(con, run_id).df(),
         "freeze onset": lambda: freeze_onset(con, run_id, window=32).df(),
         "margin sensitivity": lambda: margin_sensitivity(con, run_id).df(),
-        "stale victims": lambda: stale_victims(con, run_id).query(
-            "sv", "SELECT layer, kv_head, count(*) n, count(*) FILTER (WHERE stale) s "
-                  "FROM sv GROUP BY ALL").df(),
-        "stale holders": lambda: stale_holders(con, run_id).query(
-            "sh", "SELECT layer, kv_head, avg(stale_holder::INT) s FROM sh GROUP BY ALL").df(),
+        "stale victims": lambda: (
+            stale_victims(con, run_id)
+            .query("sv", "SELECT layer, kv_head, count(*) n, count(*) FILTER (WHERE stale) s FROM sv GROUP BY ALL")
+            .df()
+        ),
+        "stale holders": lambda: (
+            stale_holders(con, run_id)
+            .query("sh", "SELECT layer, kv_head, avg(stale_holder::INT) s FROM sh GROUP BY ALL")
+            .df()
+        ),
         "attribution": lambda: attribute(con, run_id, failed=True),
     }
 
 
-def bench_analyses(tmpdir: str | os.PathLike, *, evictions: int = 10_000_000, threads: int = 2,
-                   memory_limit: str = "2GB", shape: Mapping[str, int] | None = None,
-                   verbose: bool = True) -> dict[str, Any]:
+def bench_analyses(
+    tmpdir: str | os.PathLike,
+    *,
+    evictions: int = 10_000_000,
+    threads: int = 2,
+    memory_limit: str = "2GB",
+    shape: Mapping[str, int] | None = None,
+    verbose: bool = True,
+) -> dict[str, Any]:
     """Generate the benchmark run under ``tmpdir``, time the analyses and the report.
 
     ``shape`` overrides entries of :data:`SHAPE` (layers, kv_heads, q_heads,
@@ -141,10 +152,18 @@ def bench_analyses(tmpdir: str | os.PathLike, *, evictions: int = 10_000_000, th
         t = time.perf_counter()
         html = build_report(con, RUN_ID, fmt="html", failed=True)
         report_s = time.perf_counter() - t
-    out = {"rows": rows, "shape": shape, "evictions_per_step": k, "generate_s": generate_s, "analyses": times,
-           "analyses_total_s": sum(times.values()), "report_s": report_s, "report_bytes": len(html),
-           "peak_rss_bytes": rss.peak,
-           "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    out = {
+        "rows": rows,
+        "shape": shape,
+        "evictions_per_step": k,
+        "generate_s": generate_s,
+        "analyses": times,
+        "analyses_total_s": sum(times.values()),
+        "report_s": report_s,
+        "report_bytes": len(html),
+        "peak_rss_bytes": rss.peak,
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
     if verbose:
         _print(out)
     return out
@@ -152,16 +171,19 @@ def bench_analyses(tmpdir: str | os.PathLike, *, evictions: int = 10_000_000, th
 
 def _print(out: dict[str, Any]) -> None:
     shape = out["shape"]
-    print(f"benchmark run: {out['rows']:,} eviction rows ({shape['layers']} layers x "
-          f"{shape['kv_heads']} KV heads, "
-          f"{out['evictions_per_step']} evictions per logged step), generated in {out['generate_s']:.1f} s")
+    print(
+        f"benchmark run: {out['rows']:,} eviction rows ({shape['layers']} layers x "
+        f"{shape['kv_heads']} KV heads, "
+        f"{out['evictions_per_step']} evictions per logged step), generated in {out['generate_s']:.1f} s"
+    )
     for name, seconds in out["analyses"].items():
         print(f"  {name:<24} {seconds:7.3f} s")
     print(f"analyses total            {out['analyses_total_s']:7.3f} s   (target <= 10 s)")
-    print(f"report render (html)      {out['report_s']:7.3f} s   (target <= 20 s), "
-          f"{out['report_bytes'] / 1e6:.1f} MB")
-    print(f"peak RSS                  {out['peak_rss_bytes'] / 2**30:7.3f} GiB (target <= 3 GB; "
-          f"getrusage max {out['max_rss_bytes'] / 2**30:.3f} GiB)")
+    print(f"report render (html)      {out['report_s']:7.3f} s   (target <= 20 s), {out['report_bytes'] / 1e6:.1f} MB")
+    print(
+        f"peak RSS                  {out['peak_rss_bytes'] / 2**30:7.3f} GiB (target <= 3 GB; "
+        f"getrusage max {out['max_rss_bytes'] / 2**30:.3f} GiB)"
+    )
 
 
 #: The console's stress queries: (what it shows, SQL). The first four build huge values in a
@@ -171,10 +193,14 @@ SQL_QUERIES = (
     ("list of 1e9 BIGINTs (8 GB)", "SELECT length(list(range(1e9::BIGINT))) AS n"),
     ("string of 2e9 bytes", "SELECT length(repeat('x', 2e9::BIGINT)) AS n"),
     ("list of 5e7 BIGINTs (400 MB)", "SELECT length(list(range(5e7::BIGINT))) AS n"),
-    ("3 lists of 2e7 BIGINTs joined", ("SELECT length(list_concat(range(2e7::BIGINT), range(2e7::BIGINT), "
-                                       "range(2e7::BIGINT))) AS n")),
-    ("DISTINCT over 6e6 strings", ("SELECT count(*) AS n FROM (SELECT DISTINCT i::VARCHAR || 'abcdefghijkl' AS s "
-                                   "FROM range(6000000) t(i))")),
+    (
+        "3 lists of 2e7 BIGINTs joined",
+        ("SELECT length(list_concat(range(2e7::BIGINT), range(2e7::BIGINT), range(2e7::BIGINT))) AS n"),
+    ),
+    (
+        "DISTINCT over 6e6 strings",
+        ("SELECT count(*) AS n FROM (SELECT DISTINCT i::VARCHAR || 'abcdefghijkl' AS s FROM range(6000000) t(i))"),
+    ),
     ("1e6 rows of 1 kB (byte cap)", "SELECT repeat('x', 1000) AS s FROM range(1000000)"),
 )
 
@@ -204,15 +230,20 @@ def bench_sql(*, memory_limit: str | int = "512MB", timeout_s: float = 120.0, ve
                     outcome = str(exc)
                 rows.append({"label": label, "sql": sql, "outcome": outcome, "seconds": time.perf_counter() - t})
             limit = box.memory_limit
-    out = {"memory_limit": limit, "queries": rows,
-           "worker_max_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
-           "self_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    out = {
+        "memory_limit": limit,
+        "queries": rows,
+        "worker_max_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+        "self_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
     if verbose:
         print(f"SQL console memory limit: {limit / 1e6:,.0f} MB (worker data segment capped at start-up size + limit)")
         for row in rows:
             print(f"  {row['label']:<30} {row['seconds']:6.2f} s  {row['outcome'][:120]}")
-        print(f"peak RSS: query worker {out['worker_max_rss_bytes'] / 2**20:,.0f} MiB, "
-              f"this process {out['self_max_rss_bytes'] / 2**20:,.0f} MiB (getrusage)")
+        print(
+            f"peak RSS: query worker {out['worker_max_rss_bytes'] / 2**20:,.0f} MiB, "
+            f"this process {out['self_max_rss_bytes'] / 2**20:,.0f} MiB (getrusage)"
+        )
     return out
 
 

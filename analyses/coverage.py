@@ -9,6 +9,7 @@ and the slices by span show where in the sequence the loss happens.
 
 Percentiles are ``quantile_cont`` (linear interpolation, as numpy's default).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,8 +19,14 @@ import duckdb
 from ._base import Source, check_int, connect, relation
 from .errors import ParameterError
 
-__all__ = ["dropped_mass", "coverage_stats", "head_coverage", "coverage_by_span",
-           "dropped_mass_series", "dropped_mass_by_layer"]
+__all__ = [
+    "dropped_mass",
+    "coverage_stats",
+    "head_coverage",
+    "coverage_by_span",
+    "dropped_mass_series",
+    "dropped_mass_by_layer",
+]
 
 _REPLAY = """
     SELECT request, step, layer, q_head, kv_head, dropped_mass, 1.0::DOUBLE - dropped_mass AS coverage
@@ -46,21 +53,23 @@ def dropped_mass(source: Source, run_id: str, *, request: int | None = None) -> 
     return relation(connect(source), _REPLAY, run=run_id, request=request)
 
 
-def coverage_stats(rel: duckdb.DuckDBPyRelation, by: Sequence[str] = ("layer", "q_head", "kv_head"),
-                   value: str = "coverage") -> duckdb.DuckDBPyRelation:
+def coverage_stats(
+    rel: duckdb.DuckDBPyRelation, by: Sequence[str] = ("layer", "q_head", "kv_head"), value: str = "coverage"
+) -> duckdb.DuckDBPyRelation:
     """Relation → relation: ``n, mean, min, p1, p5, max`` of ``value`` per group ``by``.
 
     ``by=()`` summarises the whole relation in one row.
     """
     for name in (*by, value):
         if name not in rel.columns:
-            raise ParameterError(f"column {name!r} is not in the relation; it has "
-                                 f"{', '.join(rel.columns)}")
+            raise ParameterError(f"column {name!r} is not in the relation; it has {', '.join(rel.columns)}")
     keys = ", ".join(_ident(b) for b in by)
     v = _ident(value)
-    sql = (f"SELECT {keys + ', ' if keys else ''}count({v}) AS n, avg({v}) AS mean, min({v}) AS min, "
-           f"quantile_cont({v}, 0.01) AS p1, quantile_cont({v}, 0.05) AS p5, max({v}) AS max "
-           f"FROM stats_input{' GROUP BY ' + keys + ' ORDER BY ' + keys if keys else ''}")
+    sql = (
+        f"SELECT {keys + ', ' if keys else ''}count({v}) AS n, avg({v}) AS mean, min({v}) AS min, "
+        f"quantile_cont({v}, 0.01) AS p1, quantile_cont({v}, 0.05) AS p5, max({v}) AS max "
+        f"FROM stats_input{' GROUP BY ' + keys + ' ORDER BY ' + keys if keys else ''}"
+    )
     return rel.query("stats_input", sql)
 
 

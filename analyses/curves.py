@@ -10,6 +10,7 @@ Footprints are ratios to the full cache of the same tokens (multiply by the
 full cache's bytes to get bytes); they count the state after the last
 processed step, per request, layer and KV set.
 """
+
 from __future__ import annotations
 
 import duckdb
@@ -79,8 +80,9 @@ def run_curve_points(source: Source, run_ids: list[str], *, page_size: int = 16)
     parts = []
     for i, run_id in enumerate(run_ids):
         fp = kv_footprint(con, run_id, page_size=page_size)
-        parts.append(fp.aggregate("avg(kept_share) AS kept_share, avg(page_share) AS page_share")
-                     .project(f"*, {i} AS idx"))
+        parts.append(
+            fp.aggregate("avg(kept_share) AS kept_share, avg(page_share) AS page_share").project(f"*, {i} AS idx")
+        )
     if not parts:
         return relation(con, "SELECT NULL::VARCHAR AS run_id WHERE false")
     fp = parts[0]

@@ -7,6 +7,7 @@ read the same tokens, so it measures the cache approximation itself. Free
 generation (the paired full-cache run's own tokens) shows whether small
 errors were amplified; it is reported separately, never mixed in.
 """
+
 from __future__ import annotations
 
 import duckdb
@@ -25,8 +26,7 @@ def replay_series(source: Source, run_id: str) -> duckdb.DuckDBPyRelation:
     return relation(connect(source), sql, run=run_id)
 
 
-def divergence_summary(source: Source, run_id: str, *, kl_high: float | None = None
-                       ) -> duckdb.DuckDBPyRelation:
+def divergence_summary(source: Source, run_id: str, *, kl_high: float | None = None) -> duckdb.DuckDBPyRelation:
     """Per request: KL statistics, top-1 agreement and the first divergence step.
 
     The first divergence step is the first step whose top-1 token differs
@@ -70,8 +70,7 @@ def paired_runs(source: Source, run_id: str) -> list[str]:
     return [r[0] for r in relation(con, sql, run=run_id).fetchall()]
 
 
-def free_generation(source: Source, run_id: str, other: str | None = None
-                    ) -> duckdb.DuckDBPyRelation | None:
+def free_generation(source: Source, run_id: str, other: str | None = None) -> duckdb.DuckDBPyRelation | None:
     """Compare the generated tokens of ``run_id`` with a paired run's, per request.
 
     ``other`` defaults to the first of :func:`paired_runs`; None when there is none.

@@ -19,6 +19,7 @@ earliest window from which every window to the end of the run is *frozen*
   ``(heavy_age_k - heavy_age_{k-1}) / (end_step_k - end_step_{k-1})``; a heavy
   set that never changes ages exactly 1 per step.
 """
+
 from __future__ import annotations
 
 import duckdb
@@ -45,7 +46,9 @@ _WINDOWS = """
     )
 """
 
-_SERIES = _WINDOWS + """
+_SERIES = (
+    _WINDOWS
+    + """
     , lagged AS (
         SELECT *, lag(threshold) OVER h AS prev_threshold, lag(heavy_age) OVER h AS prev_heavy_age,
                lag(end_step) OVER h AS prev_end_step
@@ -60,6 +63,7 @@ _SERIES = _WINDOWS + """
         FROM lagged
     )
 """
+)
 
 
 def _check(window: int, max_rate: float, min_age_slope: float) -> None:
@@ -83,17 +87,26 @@ def promotion_windows(source: Source, run_id: str, *, window: int = 16) -> duckd
     return relation(connect(source), sql, run=run_id, window=window)
 
 
-def freeze_series(source: Source, run_id: str, *, window: int = 16, max_rate: float = 0.05,
-                  min_age_slope: float = 0.5) -> duckdb.DuckDBPyRelation:
+def freeze_series(
+    source: Source, run_id: str, *, window: int = 16, max_rate: float = 0.05, min_age_slope: float = 0.5
+) -> duckdb.DuckDBPyRelation:
     """The series behind freeze detection: :func:`promotion_windows` plus ``age_slope, frozen``."""
     _check(window, max_rate, min_age_slope)
     sql = _SERIES + f" SELECT * FROM series ORDER BY {_KEYS}, win"
-    return relation(connect(source), sql, run=run_id, window=window, max_rate=float(max_rate),
-                    min_age_slope=float(min_age_slope))
+    return relation(
+        connect(source), sql, run=run_id, window=window, max_rate=float(max_rate), min_age_slope=float(min_age_slope)
+    )
 
 
-def freeze_onset(source: Source, run_id: str, *, window: int = 16, max_rate: float = 0.05,
-                 min_age_slope: float = 0.5, min_windows: int = 2) -> duckdb.DuckDBPyRelation:
+def freeze_onset(
+    source: Source,
+    run_id: str,
+    *,
+    window: int = 16,
+    max_rate: float = 0.05,
+    min_age_slope: float = 0.5,
+    min_windows: int = 2,
+) -> duckdb.DuckDBPyRelation:
     """Freeze onset step per KV set (null when the set never freezes for good).
 
     Returns
@@ -104,7 +117,9 @@ def freeze_onset(source: Source, run_id: str, *, window: int = 16, max_rate: flo
     """
     _check(window, max_rate, min_age_slope)
     check_int("min_windows", min_windows, 1)
-    sql = _SERIES + f"""
+    sql = (
+        _SERIES
+        + f"""
         , tail AS (
             SELECT *, bool_and(frozen) OVER t AS frozen_to_end, count(*) OVER t AS windows_to_end
             FROM series
@@ -120,12 +135,21 @@ def freeze_onset(source: Source, run_id: str, *, window: int = 16, max_rate: flo
                arg_max(threshold, win) AS last_threshold, arg_max(heavy_age, win) AS last_heavy_age
         FROM tail GROUP BY ALL ORDER BY {_KEYS}
     """
-    return relation(connect(source), sql, run=run_id, window=window, max_rate=float(max_rate),
-                    min_age_slope=float(min_age_slope), min_windows=min_windows)
+    )
+    return relation(
+        connect(source),
+        sql,
+        run=run_id,
+        window=window,
+        max_rate=float(max_rate),
+        min_age_slope=float(min_age_slope),
+        min_windows=min_windows,
+    )
 
 
-def margin_sensitivity(source: Source, run_id: str, *, threshold: float = 1e-3, relative: bool = True,
-                       phase: str | None = None) -> duckdb.DuckDBPyRelation:
+def margin_sensitivity(
+    source: Source, run_id: str, *, threshold: float = 1e-3, relative: bool = True, phase: str | None = None
+) -> duckdb.DuckDBPyRelation:
     """Share of evictions whose margin is near 0, per KV set (DESIGN.md §8.1).
 
     An eviction is *near a tie* when ``margin <= threshold`` or, with
@@ -154,5 +178,4 @@ def margin_sensitivity(source: Source, run_id: str, *, threshold: float = 1e-3, 
                near_zero / count(*) AS near_zero_share, median(margin) AS margin_median
         FROM e GROUP BY ALL ORDER BY layer, kv_head, q_head
     """
-    return relation(connect(source), sql, run=run_id, threshold=float(threshold),
-                    relative=bool(relative), phase=phase)
+    return relation(connect(source), sql, run=run_id, threshold=float(threshold), relative=bool(relative), phase=phase)

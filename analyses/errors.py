@@ -3,6 +3,7 @@
 Every message says what was received, what was expected and how to fix it,
 naming the run, the view or the column concerned.
 """
+
 from __future__ import annotations
 
 from h2o_lens.errors import H2OLensError

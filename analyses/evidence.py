@@ -12,6 +12,7 @@ candidate set ``D_t``: ``i <= t`` and ``i`` was not evicted at a step before
   every token is (``held_all``). The default ``a`` is the answer step, the
   first generated position of the request.
 """
+
 from __future__ import annotations
 
 import duckdb
@@ -24,8 +25,7 @@ __all__ = ["evidence_spans", "evidence_deletion", "evidence_held", "evidence_evi
 def _sets_sql(con: duckdb.DuckDBPyConnection, run_id: str) -> str:
     """KV sets of a run: from ``steps`` (small), else from ``evictions``."""
     table = "steps" if has_rows(con, "steps", run_id) else "evictions"
-    return (f"SELECT DISTINCT request, layer, kv_head, coalesce(q_head, -1) AS qh "
-            f"FROM {table} WHERE run_id = $run")
+    return f"SELECT DISTINCT request, layer, kv_head, coalesce(q_head, -1) AS qh FROM {table} WHERE run_id = $run"
 
 
 _CONTEXT = """
@@ -46,8 +46,10 @@ _CONTEXT = """
 
 def evidence_spans(source: Source, run_id: str) -> duckdb.DuckDBPyRelation:
     """Evidence spans: ``request, label, tokens, first_position, last_position, answer_step``."""
-    sql = f"WITH {_CONTEXT} SELECT s.*, a.answer_step FROM spans s LEFT JOIN answer a USING (request) " \
-          "ORDER BY request, first_position"
+    sql = (
+        f"WITH {_CONTEXT} SELECT s.*, a.answer_step FROM spans s LEFT JOIN answer a USING (request) "
+        "ORDER BY request, first_position"
+    )
     return relation(connect(source), sql, run=run_id)
 
 
@@ -84,8 +86,7 @@ def evidence_deletion(source: Source, run_id: str) -> duckdb.DuckDBPyRelation:
         is null while any token of the span is still held.
     """
     con = connect(source)
-    sql = _deletion_sql(con, run_id) + \
-        " SELECT * FROM deletion ORDER BY request, label, layer, kv_head, q_head"
+    sql = _deletion_sql(con, run_id) + " SELECT * FROM deletion ORDER BY request, label, layer, kv_head, q_head"
     return relation(con, sql, run=run_id)
 
 
@@ -103,7 +104,9 @@ def evidence_held(source: Source, run_id: str, *, at_step: int | None = None) ->
     if at_step is not None:
         check_int("at_step", at_step)
     con = connect(source)
-    sql = _deletion_sql(con, run_id) + """
+    sql = (
+        _deletion_sql(con, run_id)
+        + """
         , d AS (SELECT *, coalesce($at_step, answer_step) AS at_step FROM deletion)
         SELECT request, label, any_value(at_step) AS at_step, count(*) AS sets,
                count(*) FILTER (WHERE deletion_step IS NULL OR deletion_step >= at_step) AS held_any,
@@ -113,12 +116,19 @@ def evidence_held(source: Source, run_id: str, *, at_step: int | None = None) ->
                min(deletion_step) AS first_deletion_step, max(deletion_step) AS last_deletion_step
         FROM d GROUP BY request, label ORDER BY request, label
     """
+    )
     return relation(con, sql, run=run_id, at_step=at_step)
 
 
-def evidence_evictions(source: Source, run_id: str, *, request: int | None = None,
-                       before_step: int | None = None, lag_steps: int = 4,
-                       low_score_ratio: float = 0.5) -> duckdb.DuckDBPyRelation:
+def evidence_evictions(
+    source: Source,
+    run_id: str,
+    *,
+    request: int | None = None,
+    before_step: int | None = None,
+    lag_steps: int = 4,
+    low_score_ratio: float = 0.5,
+) -> duckdb.DuckDBPyRelation:
     """Eviction rows of evidence tokens, each flagged for scoring lag.
 
     A row is a *lag eviction* when the token was evicted in the decode phase
@@ -150,5 +160,12 @@ def evidence_evictions(source: Source, run_id: str, *, request: int | None = Non
         WHERE e.run_id = $run AND ($before IS NULL OR e.step < $before)
         ORDER BY e.request, e.step, e.layer, e.kv_head, e.q_head, e.position
     """
-    return relation(connect(source), sql, run=run_id, request=request, before=before_step,
-                    lag_steps=lag_steps, ratio=float(low_score_ratio))
+    return relation(
+        connect(source),
+        sql,
+        run=run_id,
+        request=request,
+        before=before_step,
+        lag_steps=lag_steps,
+        ratio=float(low_score_ratio),
+    )

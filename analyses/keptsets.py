@@ -18,6 +18,7 @@ is the quality upper bound of GQA aggregation: position ``i`` leaves the
 union of a group when every query head of the group evicted it, at the last
 of those steps.
 """
+
 from __future__ import annotations
 
 import duckdb
@@ -65,12 +66,13 @@ def _overlap_sql(ea: str, eb: str, grid: str) -> str:
 
 def _shared(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
     if run_info(con, run_id).get("gqa") == "none":
-        raise ParameterError(f"run {run_id!r} keeps one set per query head (gqa='none'); "
-                             "pass it as none_run and compare runs with shared KV sets")
+        raise ParameterError(
+            f"run {run_id!r} keeps one set per query head (gqa='none'); "
+            "pass it as none_run and compare runs with shared KV sets"
+        )
 
 
-_EVICTED = ("SELECT request, layer, kv_head, position, step FROM evictions "
-            "WHERE run_id = {p} AND q_head IS NULL")
+_EVICTED = "SELECT request, layer, kv_head, position, step FROM evictions WHERE run_id = {p} AND q_head IS NULL"
 _GRID = "SELECT DISTINCT request, step, layer, kv_head FROM steps WHERE run_id = {p} AND q_head IS NULL"
 
 
@@ -87,9 +89,12 @@ def kept_overlap(source: Source, run_a: str, run_b: str) -> duckdb.DuckDBPyRelat
     _shared(con, run_a)
     _shared(con, run_b)
     grid = _GRID.format(p="$a") + " INTERSECT " + _GRID.format(p="$b")
-    sql = _overlap_sql(_EVICTED.format(p="$a"), _EVICTED.format(p="$b"), grid) + f"""
+    sql = (
+        _overlap_sql(_EVICTED.format(p="$a"), _EVICTED.format(p="$b"), grid)
+        + f"""
         SELECT *, intersection / union_size AS jaccard FROM sized ORDER BY {_KEYS}, step
     """
+    )
     return relation(con, sql, a=run_a, b=run_b)
 
 
@@ -120,19 +125,23 @@ def union_bound(source: Source, run_id: str, none_run: str) -> duckdb.DuckDBPyRe
         SELECT p.request, p.layer, p.kv_head, p.position, p.step
         FROM per_pos p JOIN groups g USING (layer, kv_head) WHERE p.heads = g.size
     """
-    grid = (_GRID.format(p="$run") + " INTERSECT SELECT DISTINCT request, step, layer, kv_head "
-            "FROM steps WHERE run_id = $none")
-    sql = _overlap_sql(_EVICTED.format(p="$run"), union_events, grid) + f"""
+    grid = (
+        _GRID.format(p="$run") + " INTERSECT SELECT DISTINCT request, step, layer, kv_head "
+        "FROM steps WHERE run_id = $none"
+    )
+    sql = (
+        _overlap_sql(_EVICTED.format(p="$run"), union_events, grid)
+        + f"""
         SELECT request, step, layer, kv_head, size_a AS kept, size_b AS union_size,
                intersection AS held, intersection / size_b AS recall,
                intersection / union_size AS jaccard
         FROM sized ORDER BY {_KEYS}, step
     """
+    )
     return relation(con, sql, run=run_id, none=none_run)
 
 
-def gqa_overlap(source: Source, sum_run: str, max_run: str, none_run: str | None = None
-                ) -> duckdb.DuckDBPyRelation:
+def gqa_overlap(source: Source, sum_run: str, max_run: str, none_run: str | None = None) -> duckdb.DuckDBPyRelation:
     """Kept-set overlap of ``gqa='sum'`` and ``gqa='max'`` runs, with the union upper bound.
 
     Returns
@@ -146,14 +155,16 @@ def gqa_overlap(source: Source, sum_run: str, max_run: str, none_run: str | None
     for run, expected in ((sum_run, "sum"), (max_run, "max")):
         gqa = run_info(con, run).get("gqa")
         if gqa is not None and gqa != expected:
-            raise ParameterError(f"run {run!r} aggregates with gqa={gqa!r}; pass a gqa={expected!r} "
-                                 f"run as {expected}_run (kept_overlap compares any two runs)")
+            raise ParameterError(
+                f"run {run!r} aggregates with gqa={gqa!r}; pass a gqa={expected!r} "
+                f"run as {expected}_run (kept_overlap compares any two runs)"
+            )
     base = kept_overlap(con, sum_run, max_run)
     if none_run is None:
         return base
     keys = ["request", "step", "layer", "kv_head"]
     s = union_bound(con, sum_run, none_run).select(
-        "request, step, layer, kv_head, union_size AS qhead_union_size, recall AS recall_sum")
+        "request, step, layer, kv_head, union_size AS qhead_union_size, recall AS recall_sum"
+    )
     m = union_bound(con, max_run, none_run).select("request, step, layer, kv_head, recall AS recall_max")
-    return base.join(s, keys, how="left").join(m, keys, how="left").order(
-        "request, layer, kv_head, step")
+    return base.join(s, keys, how="left").join(m, keys, how="left").order("request, layer, kv_head, step")

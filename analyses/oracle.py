@@ -25,6 +25,7 @@ Definitions, per KV set:
 * ``rank_corr_future``: Spearman correlation of ``score`` and
   ``teacher_future_mass`` (do low online scores predict little future use).
 """
+
 from __future__ import annotations
 
 import duckdb
@@ -40,8 +41,7 @@ ORACLE_COLUMNS = ("teacher_future_mass", "teacher_score")
 def _avg_rank(col: str) -> str:
     """Average rank of ``col`` within a KV set (ties share the mean of their ranks, as Spearman's)."""
     part = "PARTITION BY layer, kv_head, q_head"
-    return (f"(rank() OVER ({part} ORDER BY {col}) "
-            f"+ (count(*) OVER ({part}, {col}) - 1) / 2.0)")
+    return f"(rank() OVER ({part} ORDER BY {col}) + (count(*) OVER ({part}, {col}) - 1) / 2.0)"
 
 
 _JOIN = """
@@ -80,7 +80,8 @@ def oracle_agreement(source: Source, run_id: str, *, eps: float = 0.05) -> duckd
     if not oracle_available(con, run_id):
         raise MissingColumnError(
             f"oracle agreement of run {run_id!r} needs the replay's oracle table (teacher_future_mass, "
-            "teacher_score); run `h2o-lens replay` on it first")
+            "teacher_score); run `h2o-lens replay` on it first"
+        )
     sql = f"""
         WITH e AS (
             SELECT e.layer, e.kv_head, e.q_head, e.step, e.position, e.score,

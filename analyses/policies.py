@@ -3,6 +3,7 @@
 :mod:`h2o_lens.policies` declares each policy once (DESIGN.md §2.9) and imports no torch,
 so the layers without a model read it here instead of keeping their own lists.
 """
+
 from __future__ import annotations
 
 from h2o_lens import policies as registry

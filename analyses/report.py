@@ -7,6 +7,7 @@ The renderers only format that dict. The HTML file is self-contained:
 plotly.js is inlined once and every figure is JSON drawn by ``Plotly.newPlot``,
 so it opens offline.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -45,8 +46,15 @@ from .stale import stale_holders, stale_victims
 from .thresholds import Thresholds
 from .views import run_problems
 
-__all__ = ["REPORT_SCHEMA_VERSION", "SCHEMA_PATH", "FORMATS", "report_data", "build_report",
-           "write_report", "report_schema"]
+__all__ = [
+    "REPORT_SCHEMA_VERSION",
+    "SCHEMA_PATH",
+    "FORMATS",
+    "report_data",
+    "build_report",
+    "write_report",
+    "report_schema",
+]
 
 REPORT_SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
@@ -59,6 +67,7 @@ def report_schema() -> dict[str, Any]:
 
 
 # -- sections --------------------------------------------------------------------------------
+
 
 def _versions(manifest: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -77,9 +86,30 @@ def _provenance(info: dict[str, Any]) -> dict[str, Any]:
     except (RecorderError, OSError):
         manifest = {}
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
-    keys = ("run_id", "name", "status", "model", "policy", "heavy", "recent", "sink", "gqa", "seed",
-            "backend", "prompt_len", "new_tokens", "requests", "created_at", "finished_at",
-            "source_run", "max_logit_diff", "logit_tolerance", "schema_version", "error", "integrity")
+    keys = (
+        "run_id",
+        "name",
+        "status",
+        "model",
+        "policy",
+        "heavy",
+        "recent",
+        "sink",
+        "gqa",
+        "seed",
+        "backend",
+        "prompt_len",
+        "new_tokens",
+        "requests",
+        "created_at",
+        "finished_at",
+        "source_run",
+        "max_logit_diff",
+        "logit_tolerance",
+        "schema_version",
+        "error",
+        "integrity",
+    )
     out = {k: plain(info.get(k)) for k in keys}
     command = manifest.get("command")
     out["command"] = " ".join(map(str, command)) if isinstance(command, list) else command
@@ -109,16 +139,22 @@ def _totals(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
 
 def _coverage(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
     overall = _one(coverage_stats(dropped_mass(con, run_id), by=()))
-    span = _one(relation(con, "SELECT max(step) - min(step) + 1 AS n FROM replay WHERE run_id = $run",
-                         run=run_id)).get("n") or 0
+    span = (
+        _one(relation(con, "SELECT max(step) - min(step) + 1 AS n FROM replay WHERE run_id = $run", run=run_id)).get(
+            "n"
+        )
+        or 0
+    )
     bucket = max(1, math.ceil(span / 48))  # at most 48 step columns in the layer × step heatmap
     return {
         "overall": overall,
         "heads": records(head_coverage(con, run_id).df()),
         "spans": records(coverage_by_span(con, run_id, by_head=False).df()),
         "dropped_mass_series": records(dropped_mass_series(con, run_id).df()),
-        "dropped_mass_by_layer": {"bucket": bucket,
-                                  "rows": records(dropped_mass_by_layer(con, run_id, bucket=bucket).df())},
+        "dropped_mass_by_layer": {
+            "bucket": bucket,
+            "rows": records(dropped_mass_by_layer(con, run_id, bucket=bucket).df()),
+        },
     }
 
 
@@ -131,32 +167,57 @@ def _divergence(con: duckdb.DuckDBPyConnection, run_id: str, th: Thresholds) -> 
     }
 
 
-def _dynamics(con: duckdb.DuckDBPyConnection, run_id: str, totals: dict[str, Any],
-              th: Thresholds) -> dict[str, Any]:
+def _dynamics(con: duckdb.DuckDBPyConnection, run_id: str, totals: dict[str, Any], th: Thresholds) -> dict[str, Any]:
     first, last = totals.get("first_step"), totals.get("last_step")
     window = max(4, math.ceil(((last - first + 1) if first is not None else 0) / 32))
     onsets = freeze_onset(con, run_id, window=window).df()
     margins = margin_sensitivity(con, run_id, threshold=th.margin_tie).df()
-    victims = stale_victims(con, run_id).query("sv", """
+    victims = (
+        stale_victims(con, run_id)
+        .query(
+            "sv",
+            """
         SELECT layer, kv_head, q_head, count(*) AS heavy_evictions,
                count(*) FILTER (WHERE stale) AS stale, avg(residency) FILTER (WHERE stale) AS residency_mean
-        FROM sv GROUP BY ALL ORDER BY layer, kv_head, q_head""").df()
-    holders = stale_holders(con, run_id).query("sh", """
+        FROM sv GROUP BY ALL ORDER BY layer, kv_head, q_head""",
+        )
+        .df()
+    )
+    holders = (
+        stale_holders(con, run_id)
+        .query(
+            "sh",
+            """
         SELECT layer, kv_head, q_head, count(*) AS steps,
                avg(stale_holder::INT) AS stale_holder_share,
                min(step) FILTER (WHERE stale_holder) AS first_stale_step
-        FROM sh GROUP BY ALL ORDER BY layer, kv_head, q_head""").df()
+        FROM sh GROUP BY ALL ORDER BY layer, kv_head, q_head""",
+        )
+        .df()
+    )
     frozen = int(onsets["frozen"].sum()) if len(onsets) else 0
     return {
-        "freezing": {"window": window, "sets": len(onsets), "frozen": frozen,
-                     "frozen_share": frozen / len(onsets) if len(onsets) else None,
-                     "onsets": records(onsets)},
-        "margins": {"threshold": th.margin_tie, "relative": True, "heads": records(margins),
-                    "near_zero_share": plain(margins["near_zero"].sum() / margins["evictions"].sum())
-                    if len(margins) and margins["evictions"].sum() else None},
-        "stale": {"victims": records(victims), "holders": records(holders),
-                  "stale_victims": int(victims["stale"].sum()) if len(victims) else 0,
-                  "heavy_evictions": int(victims["heavy_evictions"].sum()) if len(victims) else 0},
+        "freezing": {
+            "window": window,
+            "sets": len(onsets),
+            "frozen": frozen,
+            "frozen_share": frozen / len(onsets) if len(onsets) else None,
+            "onsets": records(onsets),
+        },
+        "margins": {
+            "threshold": th.margin_tie,
+            "relative": True,
+            "heads": records(margins),
+            "near_zero_share": plain(margins["near_zero"].sum() / margins["evictions"].sum())
+            if len(margins) and margins["evictions"].sum()
+            else None,
+        },
+        "stale": {
+            "victims": records(victims),
+            "holders": records(holders),
+            "stale_victims": int(victims["stale"].sum()) if len(victims) else 0,
+            "heavy_evictions": int(victims["heavy_evictions"].sum()) if len(victims) else 0,
+        },
     }
 
 
@@ -173,11 +234,16 @@ def _check(name: str, value: Any, threshold: Any, op: str) -> dict[str, Any]:
     if threshold is None:
         return {"name": name, "value": value, "threshold": None, "op": op, "status": "off", "pass": None}
     if value is None:
-        return {"name": name, "value": None, "threshold": threshold, "op": op, "status": "no data",
-                "pass": None}
+        return {"name": name, "value": None, "threshold": threshold, "op": op, "status": "no data", "pass": None}
     ok = value >= threshold if op == ">=" else value <= threshold
-    return {"name": name, "value": value, "threshold": threshold, "op": op,
-            "status": "pass" if ok else "fail", "pass": bool(ok)}
+    return {
+        "name": name,
+        "value": value,
+        "threshold": threshold,
+        "op": op,
+        "status": "pass" if ok else "fail",
+        "pass": bool(ok),
+    }
 
 
 def _verdict(data: dict[str, Any], th: Thresholds) -> dict[str, Any]:
@@ -188,8 +254,12 @@ def _verdict(data: dict[str, Any], th: Thresholds) -> dict[str, Any]:
         _check("top1_agreement", totals.get("top1_agreement"), th.gate_min_top1_agreement, ">="),
         _check("failures", len(failures), th.gate_max_failures, "<="),
         _check("frozen_share", data["dynamics"]["freezing"]["frozen_share"], th.gate_max_frozen_share, "<="),
-        _check("max_logit_diff", data["run"].get("max_logit_diff"),
-               th.logit_bound(data["run"].get("logit_tolerance")), "<="),
+        _check(
+            "max_logit_diff",
+            data["run"].get("max_logit_diff"),
+            th.logit_bound(data["run"].get("logit_tolerance")),
+            "<=",
+        ),
         # numbers read from a damaged or incomplete run cannot pass a gate
         _check("problems", len(data["run"]["problems"]), 0, "<="),
     ]
@@ -197,8 +267,9 @@ def _verdict(data: dict[str, Any], th: Thresholds) -> dict[str, Any]:
     return {"pass": passed, "status": "pass" if passed else "fail", "checks": checks}
 
 
-def report_data(source: Source, run_id: str, *, thresholds: Thresholds | Mapping[str, Any] | None = None,
-                failed: FailedArg = None) -> dict[str, Any]:
+def report_data(
+    source: Source, run_id: str, *, thresholds: Thresholds | Mapping[str, Any] | None = None, failed: FailedArg = None
+) -> dict[str, Any]:
     """Every section of the report of ``run_id`` as one JSON-ready dict (see ``report.schema.json``)."""
     con = connect(source)
     th = Thresholds.from_mapping(thresholds)
@@ -227,8 +298,10 @@ def report_data(source: Source, run_id: str, *, thresholds: Thresholds | Mapping
         "kv_sets": data["dynamics"]["freezing"]["sets"],
         "stale_victims": data["dynamics"]["stale"]["stale_victims"],
         "failures": len(attributions),
-        "verdicts": {v: sum(a.verdict == v for a in attributions) for v in
-                     ("budget", "scoring_lag", "not_the_cache", "implementation_error")},
+        "verdicts": {
+            v: sum(a.verdict == v for a in attributions)
+            for v in ("budget", "scoring_lag", "not_the_cache", "implementation_error")
+        },
     }
     data["verdict"] = _verdict(data, th)
     return data
@@ -236,9 +309,15 @@ def report_data(source: Source, run_id: str, *, thresholds: Thresholds | Mapping
 
 # -- rendering -----------------------------------------------------------------------------------
 
-def build_report(root: Source, run_id: str, *, fmt: str = "html",
-                 thresholds: Thresholds | Mapping[str, Any] | None = None,
-                 failed: FailedArg = None) -> str:
+
+def build_report(
+    root: Source,
+    run_id: str,
+    *,
+    fmt: str = "html",
+    thresholds: Thresholds | Mapping[str, Any] | None = None,
+    failed: FailedArg = None,
+) -> str:
     """The report of ``run_id`` as text: ``"html"`` (self-contained), ``"md"`` or ``"json"``."""
     if fmt not in FORMATS:
         raise ParameterError(f"unknown report format {fmt!r}; expected one of {', '.join(FORMATS)}")
@@ -250,16 +329,24 @@ def build_report(root: Source, run_id: str, *, fmt: str = "html",
     return render_html(data)
 
 
-def write_report(root: Source, run_id: str, path: str | os.PathLike, fmt: str | None = None, *,
-                 thresholds: Thresholds | Mapping[str, Any] | None = None,
-                 failed: FailedArg = None) -> Path:
+def write_report(
+    root: Source,
+    run_id: str,
+    path: str | os.PathLike,
+    fmt: str | None = None,
+    *,
+    thresholds: Thresholds | Mapping[str, Any] | None = None,
+    failed: FailedArg = None,
+) -> Path:
     """Write the report to ``path``; ``fmt`` defaults to the suffix (.html, .md, .json)."""
     path = Path(path)
     if fmt is None:
         fmt = {".html": "html", ".htm": "html", ".md": "md", ".json": "json"}.get(path.suffix.lower())
         if fmt is None:
-            raise ParameterError(f"cannot tell the report format from {path.name!r}; pass fmt= one of "
-                                 f"{', '.join(FORMATS)} or use a .html, .md or .json name")
+            raise ParameterError(
+                f"cannot tell the report format from {path.name!r}; pass fmt= one of "
+                f"{', '.join(FORMATS)} or use a .html, .md or .json name"
+            )
     text = build_report(root, run_id, fmt=fmt, thresholds=thresholds, failed=failed)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")

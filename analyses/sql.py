@@ -41,6 +41,7 @@ Limits. Queries run in a worker process (``_sql_worker.py``) owned by the
   Arrow buffers pass ``max_bytes`` is refused, not cut;
 * threads: ``threads`` DuckDB worker threads.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,22 +73,71 @@ _ALLOWED_NODES = frozenset({"SELECT_NODE", "SET_OPERATION_NODE", "RECURSIVE_CTE_
 #: The table functions a statement may call: generators, the file readers (bounded by
 #: ``allowed_directories``) and read-only listings. Anything else, e.g. ``query``,
 #: ``query_table``, ``json_execute_serialized_sql`` or ``checkpoint``, is refused.
-TABLE_FUNCTIONS = frozenset({
-    "range", "generate_series", "unnest", "repeat", "repeat_row", "glob", "sniff_csv",
-    "read_parquet", "parquet_scan", "parquet_metadata", "parquet_schema", "parquet_kv_metadata",
-    "parquet_file_metadata", "read_csv", "read_csv_auto", "read_json", "read_json_auto",
-    "read_json_objects", "read_json_objects_auto", "read_ndjson", "read_ndjson_auto",
-    "read_ndjson_objects", "read_text", "read_blob", "json_each", "json_tree",
-    "duckdb_columns", "duckdb_views", "duckdb_tables", "duckdb_schemas", "duckdb_types",
-    "duckdb_functions", "duckdb_keywords", "duckdb_settings", "pragma_table_info", "pragma_version",
-})
+TABLE_FUNCTIONS = frozenset(
+    {
+        "range",
+        "generate_series",
+        "unnest",
+        "repeat",
+        "repeat_row",
+        "glob",
+        "sniff_csv",
+        "read_parquet",
+        "parquet_scan",
+        "parquet_metadata",
+        "parquet_schema",
+        "parquet_kv_metadata",
+        "parquet_file_metadata",
+        "read_csv",
+        "read_csv_auto",
+        "read_json",
+        "read_json_auto",
+        "read_json_objects",
+        "read_json_objects_auto",
+        "read_ndjson",
+        "read_ndjson_auto",
+        "read_ndjson_objects",
+        "read_text",
+        "read_blob",
+        "json_each",
+        "json_tree",
+        "duckdb_columns",
+        "duckdb_views",
+        "duckdb_tables",
+        "duckdb_schemas",
+        "duckdb_types",
+        "duckdb_functions",
+        "duckdb_keywords",
+        "duckdb_settings",
+        "pragma_table_info",
+        "pragma_version",
+    }
+)
 #: Scalar (or any) functions that take SQL text to parse, plan or run.
-_SQL_TEXT_FUNCTIONS = frozenset({"query", "query_table", "json_execute_serialized_sql", "json_serialize_sql",
-                                 "json_deserialize_sql", "json_serialize_plan"})
+_SQL_TEXT_FUNCTIONS = frozenset(
+    {
+        "query",
+        "query_table",
+        "json_execute_serialized_sql",
+        "json_serialize_sql",
+        "json_deserialize_sql",
+        "json_serialize_plan",
+    }
+)
 _WORKER = Path(__file__).with_name("_sql_worker.py")
 _START_TIMEOUT_S = 120.0
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _parser: duckdb.DuckDBPyConnection | None = None
 _parser_lock = threading.Lock()
 
@@ -142,22 +192,26 @@ def _tree_facts(node: Any, nodes: set[str], functions: set[str], tables: set[str
 def check_sql(sql: str) -> str:
     """Return ``sql`` if the console may run it, else raise :class:`SQLRefusedError` saying why."""
     if not isinstance(sql, str) or not sql.strip():
-        raise SQLRefusedError("empty query: write one SELECT statement over the views "
-                              "runs, tokens, evictions, steps, replay, replay_steps, problems")
+        raise SQLRefusedError(
+            "empty query: write one SELECT statement over the views "
+            "runs, tokens, evictions, steps, replay, replay_steps, problems"
+        )
     try:
         statements = duckdb.extract_statements(sql)
     except duckdb.Error as exc:
         raise SQLSandboxError(f"cannot parse the query: {exc}") from None
     if len(statements) != 1:
-        raise SQLRefusedError(f"refused: {len(statements)} statements; the console runs exactly one "
-                              "SELECT statement per query")
+        raise SQLRefusedError(
+            f"refused: {len(statements)} statements; the console runs exactly one SELECT statement per query"
+        )
     kind = statements[0].type.name
     if kind != "SELECT":
         words = re.sub(r"--[^\n]*|/\*.*?\*/", " ", statements[0].query, flags=re.S).split()
         word = words[0].upper() if words else kind
         what = f"{word} statement" if word == kind else f"{word} statement ({kind})"
-        raise SQLRefusedError(f"refused: {what}; the console is read-only and runs only "
-                              "SELECT / WITH … SELECT statements")
+        raise SQLRefusedError(
+            f"refused: {what}; the console is read-only and runs only SELECT / WITH … SELECT statements"
+        )
     tree = _parse_tree(sql)
     if tree.get("error"):
         raise SQLRefusedError(f"refused: {tree.get('error_message', 'the statement cannot be checked')}")
@@ -168,16 +222,21 @@ def check_sql(sql: str) -> str:
     writing = sorted(nodes - _ALLOWED_NODES)
     if writing:
         kinds = ", ".join(n.removesuffix("_QUERY_NODE").removesuffix("_NODE") for n in writing)
-        raise SQLRefusedError(f"refused: the statement contains {kinds} (e.g. in a WITH clause); "
-                              "the console is read-only")
+        raise SQLRefusedError(
+            f"refused: the statement contains {kinds} (e.g. in a WITH clause); the console is read-only"
+        )
     hidden = sorted(functions & _SQL_TEXT_FUNCTIONS)
     if hidden:
-        raise SQLRefusedError(f"refused: {', '.join(f + '()' for f in hidden)} takes SQL text that cannot be "
-                              "checked here; write the query directly")
+        raise SQLRefusedError(
+            f"refused: {', '.join(f + '()' for f in hidden)} takes SQL text that cannot be "
+            "checked here; write the query directly"
+        )
     unknown = sorted(tables - TABLE_FUNCTIONS)
     if unknown:
-        raise SQLRefusedError(f"refused: table function {', '.join(f + '()' for f in unknown)} is not "
-                              f"available in the console; allowed: {', '.join(sorted(TABLE_FUNCTIONS))}")
+        raise SQLRefusedError(
+            f"refused: table function {', '.join(f + '()' for f in unknown)} is not "
+            f"available in the console; allowed: {', '.join(sorted(TABLE_FUNCTIONS))}"
+        )
     return sql
 
 
@@ -191,18 +250,22 @@ def _refuse_links_out(root: Path) -> None:
                 if target != root and root not in target.parents:
                     raise SQLRefusedError(
                         f"refused: {path} links to {target}, outside the runs root {root}; the SQL "
-                        "console reads only the root. Copy the run into the root instead of linking it")
+                        "console reads only the root. Copy the run into the root instead of linking it"
+                    )
 
 
 def _failure(kind: str, type_name: str, message: str, root: Path, memory_limit: int) -> SQLSandboxError:
     """The error for a worker's answer ``kind`` (``memory``, ``bytes`` or ``error``)."""
     text = message.split("\n")[0]
     if kind == "memory":
-        return SQLSandboxError(f"query stopped: it needs more than the sandbox's {_mb(memory_limit)} memory "
-                               f"limit ({text}); filter by run_id, step or layer, aggregate, or raise the limit")
+        return SQLSandboxError(
+            f"query stopped: it needs more than the sandbox's {_mb(memory_limit)} memory "
+            f"limit ({text}); filter by run_id, step or layer, aggregate, or raise the limit"
+        )
     if kind == "bytes":
-        return SQLSandboxError(f"query refused: {text}; select fewer columns or rows, aggregate, or raise "
-                               "the byte cap (--max-bytes)")
+        return SQLSandboxError(
+            f"query refused: {text}; select fewer columns or rows, aggregate, or raise the byte cap (--max-bytes)"
+        )
     if type_name == "PermissionException" or "disabled by configuration" in text:
         return SQLRefusedError(f"refused: {text}. Only files under the runs root {root} can be read")
     if "read-only" in text or "configuration has been locked" in text:
@@ -225,10 +288,15 @@ def _mb(n: int) -> str:
 
 
 def _check_timeout(timeout_s: Any) -> float:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
-            or timeout_s <= 0:
-        raise ParameterError(f"the time limit (timeout_s, --timeout) must be a finite number of seconds > 0, "
-                             f"got {timeout_s!r}")
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not math.isfinite(timeout_s)
+        or timeout_s <= 0
+    ):
+        raise ParameterError(
+            f"the time limit (timeout_s, --timeout) must be a finite number of seconds > 0, got {timeout_s!r}"
+        )
     return float(timeout_s)
 
 
@@ -242,8 +310,13 @@ class _Worker:
         try:
             with open(log, "ab") as err:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-P", str(_WORKER), str(down_r), str(up_w)], pass_fds=(down_r, up_w),
-                    stdin=subprocess.DEVNULL, stdout=err, stderr=err, close_fds=True)
+                    [sys.executable, "-P", str(_WORKER), str(down_r), str(up_w)],
+                    pass_fds=(down_r, up_w),
+                    stdin=subprocess.DEVNULL,
+                    stdout=err,
+                    stderr=err,
+                    close_fds=True,
+                )
         except BaseException:
             for fd in (down_r, down_w, up_r, up_w):
                 os.close(fd)
@@ -315,8 +388,14 @@ class Sandbox:
     and remove its temp folder.
     """
 
-    def __init__(self, root: str | os.PathLike, *, memory_limit: int | str = "1GB", threads: int = 2,
-                 spill_limit: int | str = "4GB"):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        memory_limit: int | str = "1GB",
+        threads: int = 2,
+        spill_limit: int | str = "4GB",
+    ):
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise ParameterError(f"runs root {self.root} does not exist or is not a folder")
@@ -339,10 +418,15 @@ class Sandbox:
         except BaseException:
             shutil.rmtree(self._tmp, ignore_errors=True)
             raise
-        self._config = {"db": str(path), "threads": threads, "temp_directory": str(self._tmp / "spill"),
-                        "temp_bytes": spill, "memory_bytes": self.memory_limit,
-                        "duckdb_memory_bytes": _duckdb_share(self.memory_limit),
-                        "allowed_directories": [str(self.root) + os.sep]}
+        self._config = {
+            "db": str(path),
+            "threads": threads,
+            "temp_directory": str(self._tmp / "spill"),
+            "temp_bytes": spill,
+            "memory_bytes": self.memory_limit,
+            "duckdb_memory_bytes": _duckdb_share(self.memory_limit),
+            "allowed_directories": [str(self.root) + os.sep],
+        }
         self._worker: _Worker | None = None
         self._lock = threading.Lock()
 
@@ -356,8 +440,9 @@ class Sandbox:
             self._worker.kill()
             self._worker = None
 
-    def run(self, sql: str, *, max_rows: int = 10_000, timeout_s: float = 10.0,
-            max_bytes: int | str = "64MB") -> pd.DataFrame:
+    def run(
+        self, sql: str, *, max_rows: int = 10_000, timeout_s: float = 10.0, max_bytes: int | str = "64MB"
+    ) -> pd.DataFrame:
         """Run one checked SELECT; ``df.attrs['truncated']`` says whether rows were cut at ``max_rows``.
 
         Nothing is returned after ``timeout_s``: the worker is killed at the deadline.
@@ -387,19 +472,24 @@ class Sandbox:
                 header = worker.receive(deadline - time.monotonic())
                 if header is None or time.monotonic() > deadline:
                     self._drop_worker()
-                    raise SQLTimeoutError(f"query stopped after the {timeout_s:g} s time limit; narrow it "
-                                          "(filter by run_id, step or layer) or aggregate")
+                    raise SQLTimeoutError(
+                        f"query stopped after the {timeout_s:g} s time limit; narrow it "
+                        "(filter by run_id, step or layer) or aggregate"
+                    )
                 payload = worker.inbox.recv_bytes() if header["kind"] == "rows" else None
             except (EOFError, ConnectionError):
                 why = worker.log_tail()
                 self._drop_worker()
-                raise SQLSandboxError(f"query stopped: the SQL worker process ended ({why}); it may have "
-                                      f"needed more than the {_mb(self.memory_limit)} memory limit") from None
+                raise SQLSandboxError(
+                    f"query stopped: the SQL worker process ended ({why}); it may have "
+                    f"needed more than the {_mb(self.memory_limit)} memory limit"
+                ) from None
             if header["kind"] == "memory":  # an allocation failed somewhere: start the next query afresh
                 self._drop_worker()
         if payload is None:
-            raise _failure(header["kind"], header.get("type", ""), header.get("message", ""),
-                           self.root, self.memory_limit)
+            raise _failure(
+                header["kind"], header.get("type", ""), header.get("message", ""), self.root, self.memory_limit
+            )
         table = pa.ipc.open_stream(payload).read_all()
         df = table.to_pandas()
         df.attrs["truncated"] = bool(header["truncated"])
@@ -421,8 +511,16 @@ class Sandbox:
         self.close()
 
 
-def run_sql(root: str | os.PathLike, sql: str, *, max_rows: int = 10_000, timeout_s: float = 10.0,
-            max_bytes: int | str = "64MB", memory_limit: int | str = "1GB", threads: int = 2) -> pd.DataFrame:
+def run_sql(
+    root: str | os.PathLike,
+    sql: str,
+    *,
+    max_rows: int = 10_000,
+    timeout_s: float = 10.0,
+    max_bytes: int | str = "64MB",
+    memory_limit: int | str = "1GB",
+    threads: int = 2,
+) -> pd.DataFrame:
     """Run one read-only SELECT over the views of ``root`` in a fresh :class:`Sandbox` (limits: see there)."""
     check_sql(sql)  # refuse before opening anything
     _check_timeout(timeout_s)
@@ -435,10 +533,8 @@ def format_result(df: pd.DataFrame, fmt: str = "table") -> str:
     """Format a :func:`run_sql` result as an aligned ``table``, ``csv`` or ``json``."""
     if fmt not in FORMATS:
         raise ParameterError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    rows = [tuple(None if _missing(v) else v for v in row)
-            for row in df.itertuples(index=False, name=None)]
-    return format_rows([str(c) for c in df.columns], rows, fmt,
-                       truncated=bool(df.attrs.get("truncated", False)))
+    rows = [tuple(None if _missing(v) else v for v in row) for row in df.itertuples(index=False, name=None)]
+    return format_rows([str(c) for c in df.columns], rows, fmt, truncated=bool(df.attrs.get("truncated", False)))
 
 
 def _missing(value: Any) -> bool:
@@ -456,7 +552,8 @@ def view_schemas(root: str | os.PathLike) -> dict[str, list[dict[str, str]]]:
     try:
         rows = con.execute(
             "SELECT table_name, column_name, data_type FROM information_schema.columns "
-            "WHERE table_schema = 'main' ORDER BY table_name, ordinal_position").fetchall()
+            "WHERE table_schema = 'main' ORDER BY table_name, ordinal_position"
+        ).fetchall()
     finally:
         con.close()
     for view, name, type_ in rows:

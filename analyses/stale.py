@@ -26,6 +26,7 @@ Both relations are unordered (they can hold millions of rows): aggregate
 or order them where they are used. Both are lower bounds on staleness from the run's own online scores; the
 teacher's attention per position would sharpen them (see :mod:`.oracle`).
 """
+
 from __future__ import annotations
 
 import duckdb
@@ -55,8 +56,9 @@ _STEPS = """
 """
 
 
-def stale_victims(source: Source, run_id: str, *, window: int | None = None,
-                  max_rate: float = 0.01) -> duckdb.DuckDBPyRelation:
+def stale_victims(
+    source: Source, run_id: str, *, window: int | None = None, max_rate: float = 0.01
+) -> duckdb.DuckDBPyRelation:
     """Heavy-slot evictions flagged stale (see the module docstring).
 
     Returns
@@ -103,8 +105,9 @@ def stale_victims(source: Source, run_id: str, *, window: int | None = None,
     return relation(con, sql, run=run_id, w=w, rate=float(max_rate))
 
 
-def stale_holders(source: Source, run_id: str, *, window: int | None = None,
-                  max_rate: float = 0.01) -> duckdb.DuckDBPyRelation:
+def stale_holders(
+    source: Source, run_id: str, *, window: int | None = None, max_rate: float = 0.01
+) -> duckdb.DuckDBPyRelation:
     """Per logged step and KV set: does the kept set provably hold a stale heavy hitter?
 
     Returns

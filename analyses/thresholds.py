@@ -3,6 +3,7 @@
 One frozen dataclass so that a CI job sets both from one JSON object
 (``Thresholds.from_mapping``); every field is validated on construction.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +14,16 @@ from .errors import ParameterError
 
 __all__ = ["Thresholds"]
 
-_FRACTIONS = ("min_top1_agreement", "dropped_mass_high", "evidence_lost_share", "low_score_ratio",
-              "lag_share", "gate_min_coverage_p5", "gate_min_top1_agreement", "gate_max_frozen_share")
+_FRACTIONS = (
+    "min_top1_agreement",
+    "dropped_mass_high",
+    "evidence_lost_share",
+    "low_score_ratio",
+    "lag_share",
+    "gate_min_coverage_p5",
+    "gate_min_top1_agreement",
+    "gate_max_frozen_share",
+)
 _NON_NEGATIVE = ("kl_high", "kl_fail", "logit_tolerance", "margin_tie", "gate_max_kl_mean")
 _COUNTS = ("dropped_mass_lookback", "lag_steps", "gate_max_failures")
 
@@ -98,8 +107,7 @@ class Thresholds:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - names)
         if unknown:
-            raise ParameterError(f"unknown threshold(s) {', '.join(unknown)}; "
-                                 f"known: {', '.join(sorted(names))}")
+            raise ParameterError(f"unknown threshold(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
         return cls(**dict(values))
 
     def logit_bound(self, run_tolerance: float | None) -> float:

@@ -9,6 +9,7 @@ A *KV set* is ``(layer, kv_head)`` plus ``q_head`` for ``gqa='none'`` runs
 (one set per query head). A position leaves a KV set at most once (evicted
 positions never return), so counting eviction rows per position counts sets.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,9 +20,22 @@ import pandas as pd
 from ._base import Source, check_int, check_positive, connect, first_row, has_rows, relation, run_info, sql_literal
 from .errors import ParameterError
 
-__all__ = ["runs_table", "runs_headline", "run_problems", "token_evictions", "token_lifetime", "evictions_filtered",
-           "margin_histogram", "head_dropped_mass", "where", "capped", "gqa_partner", "kv_sets",
-           "step_range", "console_examples"]
+__all__ = [
+    "runs_table",
+    "runs_headline",
+    "run_problems",
+    "token_evictions",
+    "token_lifetime",
+    "evictions_filtered",
+    "margin_histogram",
+    "head_dropped_mass",
+    "where",
+    "capped",
+    "gqa_partner",
+    "kv_sets",
+    "step_range",
+    "console_examples",
+]
 
 _PHASES = (None, "prefill", "decode")
 
@@ -67,9 +81,25 @@ def runs_table(source: Source) -> duckdb.DuckDBPyRelation:
 
 
 #: the columns of :func:`runs_headline`, in order
-HEADLINE_COLUMNS = ("run_id", "name", "status", "policy", "heavy", "recent", "gqa", "prompt_len", "new_tokens",
-                    "evictions", "kl_mean", "top1_agreement", "dropped_mass_mean", "correct_share",
-                    "max_logit_diff", "integrity", "model")
+HEADLINE_COLUMNS = (
+    "run_id",
+    "name",
+    "status",
+    "policy",
+    "heavy",
+    "recent",
+    "gqa",
+    "prompt_len",
+    "new_tokens",
+    "evictions",
+    "kl_mean",
+    "top1_agreement",
+    "dropped_mass_mean",
+    "correct_share",
+    "max_logit_diff",
+    "integrity",
+    "model",
+)
 
 
 def runs_headline(source: Source) -> duckdb.DuckDBPyRelation:
@@ -81,7 +111,8 @@ def runs_headline(source: Source) -> duckdb.DuckDBPyRelation:
     rounded = {"kl_mean": 4, "dropped_mass_mean": 4, "top1_agreement": 3, "correct_share": 3}
     cols = ", ".join(f"round({c}, {rounded[c]}) AS {c}" if c in rounded else c for c in HEADLINE_COLUMNS)
     return runs_table(source).query(
-        "runs_table", f"SELECT {cols} FROM runs_table ORDER BY created_at NULLS LAST, run_id")
+        "runs_table", f"SELECT {cols} FROM runs_table ORDER BY created_at NULLS LAST, run_id"
+    )
 
 
 def run_problems(source: Source, run_id: str | None = None) -> duckdb.DuckDBPyRelation:
@@ -106,8 +137,11 @@ def kv_sets(source: Source, run_id: str) -> duckdb.DuckDBPyRelation:
     """The KV sets of a run: ``layer, kv_head, q_head`` (``q_head`` null unless ``gqa='none'``)."""
     con = connect(source)
     table = _sets_table(con, run_id)
-    return relation(con, f"SELECT DISTINCT layer, kv_head, q_head FROM {table} WHERE run_id = $run "
-                         "ORDER BY layer, kv_head, q_head", run=run_id)
+    return relation(
+        con,
+        f"SELECT DISTINCT layer, kv_head, q_head FROM {table} WHERE run_id = $run ORDER BY layer, kv_head, q_head",
+        run=run_id,
+    )
 
 
 def step_range(source: Source, run_id: str) -> duckdb.DuckDBPyRelation:
@@ -133,10 +167,18 @@ def step_range(source: Source, run_id: str) -> duckdb.DuckDBPyRelation:
     return relation(connect(source), sql, run=run_id)
 
 
-def token_evictions(source: Source, run_id: str, *, request: int = 0, layer: int | None = None,
-                    kv_head: int | None = None, q_head: int | None = None,
-                    at_step: int | None = None, first: int | None = None,
-                    last: int | None = None) -> duckdb.DuckDBPyRelation:
+def token_evictions(
+    source: Source,
+    run_id: str,
+    *,
+    request: int = 0,
+    layer: int | None = None,
+    kv_head: int | None = None,
+    q_head: int | None = None,
+    at_step: int | None = None,
+    first: int | None = None,
+    last: int | None = None,
+) -> duckdb.DuckDBPyRelation:
     """Per token of one request: when it left one KV set and how many sets dropped it.
 
     Parameters
@@ -160,8 +202,14 @@ def token_evictions(source: Source, run_id: str, *, request: int = 0, layer: int
         count.
     """
     check_int("request", request)
-    for name, value in (("layer", layer), ("kv_head", kv_head), ("q_head", q_head),
-                        ("at_step", at_step), ("first", first), ("last", last)):
+    for name, value in (
+        ("layer", layer),
+        ("kv_head", kv_head),
+        ("q_head", q_head),
+        ("at_step", at_step),
+        ("first", first),
+        ("last", last),
+    ):
         if value is not None:
             check_int(name, value)
     con = connect(source)
@@ -191,12 +239,21 @@ def token_evictions(source: Source, run_id: str, *, request: int = 0, layer: int
         FROM tok t CROSS JOIN sets LEFT JOIN ev USING (position)
         ORDER BY t.position
     """
-    return relation(con, sql, run=run_id, request=request, layer=layer, kv_head=kv_head,
-                    q_head=q_head, at_step=at_step, first=first, last=last)
+    return relation(
+        con,
+        sql,
+        run=run_id,
+        request=request,
+        layer=layer,
+        kv_head=kv_head,
+        q_head=q_head,
+        at_step=at_step,
+        first=first,
+        last=last,
+    )
 
 
-def token_lifetime(source: Source, run_id: str, position: int, *, request: int = 0
-                   ) -> duckdb.DuckDBPyRelation:
+def token_lifetime(source: Source, run_id: str, position: int, *, request: int = 0) -> duckdb.DuckDBPyRelation:
     """One token across every KV set: the step it was evicted, with score and margin then.
 
     Returns
@@ -241,25 +298,51 @@ _FILTERED = """
 """
 
 
-def _filters(request: int | None, layer: int | None, kv_head: int | None, step_min: int | None,
-             step_max: int | None, phase: str | None, margin_max: float | None) -> dict[str, Any]:
-    for name, value in (("request", request), ("layer", layer), ("kv_head", kv_head),
-                        ("step_min", step_min), ("step_max", step_max)):
+def _filters(
+    request: int | None,
+    layer: int | None,
+    kv_head: int | None,
+    step_min: int | None,
+    step_max: int | None,
+    phase: str | None,
+    margin_max: float | None,
+) -> dict[str, Any]:
+    for name, value in (
+        ("request", request),
+        ("layer", layer),
+        ("kv_head", kv_head),
+        ("step_min", step_min),
+        ("step_max", step_max),
+    ):
         if value is not None:
             check_int(name, value)
     if phase not in _PHASES:
         raise ParameterError(f"phase must be None, 'prefill' or 'decode', got {phase!r}")
     if margin_max is not None:
         margin_max = check_positive("margin_max", margin_max)
-    return {"request": request, "layer": layer, "kv_head": kv_head, "step_min": step_min,
-            "step_max": step_max, "phase": phase, "margin_max": margin_max}
+    return {
+        "request": request,
+        "layer": layer,
+        "kv_head": kv_head,
+        "step_min": step_min,
+        "step_max": step_max,
+        "phase": phase,
+        "margin_max": margin_max,
+    }
 
 
-def evictions_filtered(source: Source, run_id: str, *, request: int | None = None,
-                       layer: int | None = None, kv_head: int | None = None,
-                       step_min: int | None = None, step_max: int | None = None,
-                       phase: str | None = None, margin_max: float | None = None
-                       ) -> duckdb.DuckDBPyRelation:
+def evictions_filtered(
+    source: Source,
+    run_id: str,
+    *,
+    request: int | None = None,
+    layer: int | None = None,
+    kv_head: int | None = None,
+    step_min: int | None = None,
+    step_max: int | None = None,
+    phase: str | None = None,
+    margin_max: float | None = None,
+) -> duckdb.DuckDBPyRelation:
     """Eviction rows of one run matching the filters, with the victim's text, ordered by request and step.
 
     Unbounded (a run can hold millions of rows): materialise it with :func:`capped`.
@@ -275,11 +358,20 @@ def evictions_filtered(source: Source, run_id: str, *, request: int | None = Non
     return relation(connect(source), sql, run=run_id, **params)
 
 
-def margin_histogram(source: Source, run_id: str, *, bins: int = 40, log: bool = True,
-                     request: int | None = None, layer: int | None = None,
-                     kv_head: int | None = None, step_min: int | None = None,
-                     step_max: int | None = None, phase: str | None = None,
-                     margin_max: float | None = None) -> duckdb.DuckDBPyRelation:
+def margin_histogram(
+    source: Source,
+    run_id: str,
+    *,
+    bins: int = 40,
+    log: bool = True,
+    request: int | None = None,
+    layer: int | None = None,
+    kv_head: int | None = None,
+    step_min: int | None = None,
+    step_max: int | None = None,
+    phase: str | None = None,
+    margin_max: float | None = None,
+) -> duckdb.DuckDBPyRelation:
     """Histogram of eviction margins under the filters of :func:`evictions_filtered`.
 
     ``bins`` equal-width bins span the smallest to the largest margin, in
@@ -320,8 +412,9 @@ def margin_histogram(source: Source, run_id: str, *, bins: int = 40, log: bool =
     return relation(connect(source), sql, run=run_id, bins=bins, log=bool(log), **params)
 
 
-def head_dropped_mass(source: Source, run_id: str, *, layer: int, q_head: int,
-                      request: int | None = None) -> duckdb.DuckDBPyRelation:
+def head_dropped_mass(
+    source: Source, run_id: str, *, layer: int, q_head: int, request: int | None = None
+) -> duckdb.DuckDBPyRelation:
     """Dropped mass of one query head over steps: ``request, step, dropped_mass, coverage``."""
     check_int("layer", layer)
     check_int("q_head", q_head)
@@ -340,8 +433,7 @@ def where(rel: duckdb.DuckDBPyRelation, **equals: Any) -> duckdb.DuckDBPyRelatio
     """Relation → relation: the rows whose columns equal the given values (None matches null)."""
     for name, value in equals.items():
         if name not in rel.columns:
-            raise ParameterError(f"column {name!r} is not in the relation; it has "
-                                 f"{', '.join(rel.columns)}")
+            raise ParameterError(f"column {name!r} is not in the relation; it has {', '.join(rel.columns)}")
         col = duckdb.ColumnExpression(name)
         rel = rel.filter(col.isnull() if value is None else col == duckdb.ConstantExpression(value))
     return rel
@@ -384,17 +476,21 @@ def console_examples(run_id: str) -> dict[str, str]:
         "Evictions per layer and KV head": (
             "SELECT layer, kv_head, count(*) AS evictions, median(margin) AS median_margin,\n"
             "       avg(left_recent::INT) AS left_recent_share\n"
-            f"FROM evictions\nWHERE run_id = {run}\nGROUP BY ALL\nORDER BY layer, kv_head"),
+            f"FROM evictions\nWHERE run_id = {run}\nGROUP BY ALL\nORDER BY layer, kv_head"
+        ),
         "Steps where the run and the teacher disagree": (
             "SELECT step, kl, teacher_logprob\nFROM replay_steps\n"
-            f"WHERE run_id = {run} AND NOT top1_agree\nORDER BY step"),
+            f"WHERE run_id = {run} AND NOT top1_agree\nORDER BY step"
+        ),
         "Worst heads by dropped mass": (
             "SELECT layer, q_head, avg(dropped_mass) AS mean_dropped, max(dropped_mass) AS worst\n"
-            f"FROM replay\nWHERE run_id = {run}\nGROUP BY ALL\nORDER BY mean_dropped DESC\nLIMIT 20"),
+            f"FROM replay\nWHERE run_id = {run}\nGROUP BY ALL\nORDER BY mean_dropped DESC\nLIMIT 20"
+        ),
         "Evidence tokens and when they left": (
             "SELECT t.position, t.text, t.evidence, e.layer, e.kv_head, e.step, e.score, e.margin\n"
             "FROM tokens t JOIN evictions e USING (run_id, request, position)\n"
-            f"WHERE t.run_id = {run} AND t.evidence IS NOT NULL\nORDER BY e.step"),
+            f"WHERE t.run_id = {run} AND t.evidence IS NOT NULL\nORDER BY e.step"
+        ),
         "Runs": "SELECT run_id, status, policy, heavy, recent, gqa, prompt_len, new_tokens\n"
-                "FROM runs\nORDER BY created_at DESC",
+        "FROM runs\nORDER BY created_at DESC",
     }

@@ -22,6 +22,7 @@ Targets on 2 cores: Overview and Heads first paint ≤ 3 s, every page
 The server and browser helpers here (:func:`serve`, :func:`browser`,
 :func:`visit`) are also used by the browser test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,15 +44,40 @@ from typing import Any
 from .launch import server_command
 from .screens import PAGES
 
-__all__ = ["CHROMIUM", "LAUNCH_ARGS", "BENCH_SHAPE", "Visit", "free_port", "serve", "browser", "visit",
-           "bench_app", "main", "DONE"]
+__all__ = [
+    "CHROMIUM",
+    "LAUNCH_ARGS",
+    "BENCH_SHAPE",
+    "Visit",
+    "free_port",
+    "serve",
+    "browser",
+    "visit",
+    "bench_app",
+    "main",
+    "DONE",
+]
 
 CHROMIUM = "/usr/bin/chromium"
-LAUNCH_ARGS = ("--no-sandbox", "--disable-gpu", "--disable-background-networking",
-               "--disable-component-update", "--disable-sync", "--no-first-run")
+LAUNCH_ARGS = (
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+)
 #: Shape of the benchmark run: 256 KV sets × (2,048 prefill + 2,048 decode) = 1,048,576 evictions.
-BENCH_SHAPE = {"layers": 32, "kv_heads": 8, "q_heads": 32, "steps": 1024, "prompt_len": 2560,
-               "heavy": 256, "recent": 256, "evictions_per_step": 2}
+BENCH_SHAPE = {
+    "layers": 32,
+    "kv_heads": 8,
+    "q_heads": 32,
+    "steps": 1024,
+    "prompt_len": 2560,
+    "heavy": 256,
+    "recent": 256,
+    "evictions_per_step": 2,
+}
 RUN_ID = "bench-1m"
 DONE = "[data-testid=stApp][data-test-script-state=notRunning]"
 #: The page is drawn: its script finished, its title is shown, no element is still a loading
@@ -63,8 +89,10 @@ _DRAWN = f"""(title) => {{
     const charts = document.querySelectorAll('[data-testid=stPlotlyChart]');
     return Array.from(charts).every(c => c.querySelector('.main-svg'));
 }}"""
-_HEIGHT = "() => Math.max(...Array.from(document.querySelectorAll('[data-testid=stMain], " \
-          "[data-testid=stMainBlockContainer]')).map(e => e.scrollHeight), 0)"
+_HEIGHT = (
+    "() => Math.max(...Array.from(document.querySelectorAll('[data-testid=stMain], "
+    "[data-testid=stMainBlockContainer]')).map(e => e.scrollHeight), 0)"
+)
 
 
 def free_port() -> int:
@@ -78,8 +106,9 @@ def _wait_health(url: str, proc: subprocess.Popen, log: Path, timeout: float) ->
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the dashboard server exited with code {proc.returncode}:\n"
-                               f"{log.read_text(errors='replace')[-3000:]}")
+            raise RuntimeError(
+                f"the dashboard server exited with code {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}"
+            )
         try:
             with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as resp:
                 if resp.read().decode().strip() == "ok":
@@ -87,8 +116,10 @@ def _wait_health(url: str, proc: subprocess.Popen, log: Path, timeout: float) ->
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.25)
-    raise TimeoutError(f"the dashboard server at {url} did not answer /_stcore/health within {timeout:g} s:\n"
-                       f"{log.read_text(errors='replace')[-3000:]}")
+    raise TimeoutError(
+        f"the dashboard server at {url} did not answer /_stcore/health within {timeout:g} s:\n"
+        f"{log.read_text(errors='replace')[-3000:]}"
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -106,8 +137,9 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def serve(root: str | os.PathLike, port: int | None = None, *, timeout: float = 90.0,
-          log: str | os.PathLike | None = None) -> Iterator[str]:
+def serve(
+    root: str | os.PathLike, port: int | None = None, *, timeout: float = 90.0, log: str | os.PathLike | None = None
+) -> Iterator[str]:
     """Serve the app over ``root`` in a child process; yields its base URL once healthy.
 
     The server is always stopped on exit (its whole process group), also on errors.
@@ -115,11 +147,11 @@ def serve(root: str | os.PathLike, port: int | None = None, *, timeout: float = 
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = Path(log) if log else Path(tempfile.mkstemp(prefix="h2o-lens-app-", suffix=".log")[1])
-    cmd = server_command(root, port, extra=["--server.fileWatcherType", "none",
-                                            "--server.runOnSave", "false"])
+    cmd = server_command(root, port, extra=["--server.fileWatcherType", "none", "--server.runOnSave", "false"])
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         try:
             _wait_health(url, proc, log_path, timeout)
             yield url
@@ -167,11 +199,21 @@ class _Frames:
         return sum(self.sizes[mark:]), len(self.sizes) - mark
 
 
-def _finish(page: Any, url: str, seconds: float, frames: _Frames, mark: int, screenshot: Any,
-            timeout_s: float, title: str | None) -> Visit:
+def _finish(
+    page: Any,
+    url: str,
+    seconds: float,
+    frames: _Frames,
+    mark: int,
+    screenshot: Any,
+    timeout_s: float,
+    title: str | None,
+) -> Visit:
     page.wait_for_timeout(300)  # late frames (e.g. the query-string update) count too
-    errors = [page.locator("[data-testid=stException]").nth(i).inner_text()
-              for i in range(page.locator("[data-testid=stException]").count())]
+    errors = [
+        page.locator("[data-testid=stException]").nth(i).inner_text()
+        for i in range(page.locator("[data-testid=stException]").count())
+    ]
     shown = page.locator("[data-testid=stMain] h1").first.inner_text()
     shot = None
     if screenshot is not None:  # the app scrolls inside its main block: grow the window to fit it
@@ -189,12 +231,19 @@ def _finish(page: Any, url: str, seconds: float, frames: _Frames, mark: int, scr
     return Visit(url, seconds, sent, count, errors, shown, shot)
 
 
-def visit(b: Any, url: str, *, screenshot: str | os.PathLike | None = None, timeout_s: float = 120.0,
-          width: int = 1500, height: int = 1000, title: str | None = None) -> Visit:
+def visit(
+    b: Any,
+    url: str,
+    *,
+    screenshot: str | os.PathLike | None = None,
+    timeout_s: float = 120.0,
+    width: int = 1500,
+    height: int = 1000,
+    title: str | None = None,
+) -> Visit:
     """Open ``url`` in a new browser session (a new tab of ``b``, a browser or a context) and wait
     until the page is drawn; with ``title``, until its heading starts with it."""
-    page = b.new_page(viewport={"width": width, "height": height}) if hasattr(b, "new_context") \
-        else b.new_page()
+    page = b.new_page(viewport={"width": width, "height": height}) if hasattr(b, "new_context") else b.new_page()
     if not hasattr(b, "new_context"):
         page.set_viewport_size({"width": width, "height": height})
     frames = _Frames(page)
@@ -211,10 +260,10 @@ def visit(b: Any, url: str, *, screenshot: str | os.PathLike | None = None, time
 class Session:
     """One browser tab on the app, moving between pages through the sidebar navigation."""
 
-    def __init__(self, b: Any, url: str, *, width: int = 1500, height: int = 1000,
-                 timeout_s: float = 120.0) -> None:
-        self.page = b.new_page(viewport={"width": width, "height": height}) if hasattr(b, "new_context") \
-            else b.new_page()
+    def __init__(self, b: Any, url: str, *, width: int = 1500, height: int = 1000, timeout_s: float = 120.0) -> None:
+        self.page = (
+            b.new_page(viewport={"width": width, "height": height}) if hasattr(b, "new_context") else b.new_page()
+        )
         self.frames = _Frames(self.page)
         self.timeout_s = timeout_s
         self.page.goto(url, wait_until="domcontentloaded", timeout=timeout_s * 1000)
@@ -234,9 +283,14 @@ class Session:
         self.page.close()
 
 
-def bench_app(*, evictions: int = 1_000_000, root: str | os.PathLike | None = None,
-              pages: Sequence[str] | None = None, screenshots: str | os.PathLike | None = None,
-              port: int | None = None) -> dict[str, dict[str, float]]:
+def bench_app(
+    *,
+    evictions: int = 1_000_000,
+    root: str | os.PathLike | None = None,
+    pages: Sequence[str] | None = None,
+    screenshots: str | os.PathLike | None = None,
+    port: int | None = None,
+) -> dict[str, dict[str, float]]:
     """Measure first paint and websocket bytes of each page over a synthetic run of ~``evictions``.
 
     Parameters
@@ -271,15 +325,22 @@ def bench_app(*, evictions: int = 1_000_000, root: str | os.PathLike | None = No
         t0 = time.perf_counter()
         write_synthetic_run(root, RUN_ID, fsync=False, **shape)
         rows = sets * (prefill + shape["steps"] * shape["evictions_per_step"])
-        print(f"synthetic run {RUN_ID}: {rows:,} evictions, {shape['layers']} layers × {shape['kv_heads']} "
-              f"KV heads, {shape['steps']} steps, written in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(
+            f"synthetic run {RUN_ID}: {rows:,} evictions, {shape['layers']} layers × {shape['kv_heads']} "
+            f"KV heads, {shape['steps']} steps, written in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
         url = stack.enter_context(serve(root, port))
-        context = stack.enter_context(contextlib.closing(stack.enter_context(browser()).new_context(
-            viewport={"width": 1500, "height": 1000})))
+        context = stack.enter_context(
+            contextlib.closing(stack.enter_context(browser()).new_context(viewport={"width": 1500, "height": 1000}))
+        )
         titles = {key: title for key, title, *_ in PAGES}
         warm = visit(context, f"{url}/?run={RUN_ID}", title="Runs")
-        print(f"server warm: Runs page drawn in {warm.seconds:.2f} s; load average "
-              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs", flush=True)
+        print(
+            f"server warm: Runs page drawn in {warm.seconds:.2f} s; load average "
+            f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs",
+            flush=True,
+        )
         session = Session(context, f"{url}/?run={RUN_ID}")
         out: dict[str, dict[str, float]] = {}
         for key in pages:
@@ -292,15 +353,24 @@ def bench_app(*, evictions: int = 1_000_000, root: str | os.PathLike | None = No
             for v in (nav, tab):
                 if v.exceptions:
                     print(f"  {key}: EXCEPTION {v.exceptions[0][:300]}", flush=True)
-            out[key] = {"first_paint_s": nav.seconds, "new_tab_s": tab.seconds,
-                        "ws_bytes": max(nav.ws_bytes, tab.ws_bytes), "nav_bytes": nav.ws_bytes,
-                        "tab_bytes": tab.ws_bytes}
-            print(f"  {key:<10} first paint {nav.seconds:5.2f} s (navigation, {nav.ws_bytes / 1e6:.3f} MB)   "
-                  f"new tab {tab.seconds:5.2f} s ({tab.ws_bytes / 1e6:.3f} MB in {tab.ws_frames} frames)",
-                  flush=True)
+            out[key] = {
+                "first_paint_s": nav.seconds,
+                "new_tab_s": tab.seconds,
+                "ws_bytes": max(nav.ws_bytes, tab.ws_bytes),
+                "nav_bytes": nav.ws_bytes,
+                "tab_bytes": tab.ws_bytes,
+            }
+            print(
+                f"  {key:<10} first paint {nav.seconds:5.2f} s (navigation, {nav.ws_bytes / 1e6:.3f} MB)   "
+                f"new tab {tab.seconds:5.2f} s ({tab.ws_bytes / 1e6:.3f} MB in {tab.ws_frames} frames)",
+                flush=True,
+            )
         session.close()
-    targets = [f"{k} first paint {v['first_paint_s']:.2f} s (target ≤ 3 s)"
-               for k, v in out.items() if k in ("overview", "heads")]
+    targets = [
+        f"{k} first paint {v['first_paint_s']:.2f} s (target ≤ 3 s)"
+        for k, v in out.items()
+        if k in ("overview", "heads")
+    ]
     worst = max(out.items(), key=lambda kv: kv[1]["ws_bytes"])
     print("; ".join(targets) + f"; largest page {worst[0]} {worst[1]['ws_bytes'] / 1e6:.3f} MB (target ≤ 5 MB)")
     return out

@@ -1,4 +1,5 @@
 """Pieces every page shares: the empty-root message, the run header and its warnings."""
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,18 @@ from .plain import code, md
 from .screens import PAGES
 from .state import DATA_ERRORS, Root, remembered
 
-__all__ = ["PAGES", "empty_root", "problem_lines", "load_runs", "current_run", "run_page", "no_data", "fmt",
-           "metric_row", "show_attributions"]
+__all__ = [
+    "PAGES",
+    "empty_root",
+    "problem_lines",
+    "load_runs",
+    "current_run",
+    "run_page",
+    "no_data",
+    "fmt",
+    "metric_row",
+    "show_attributions",
+]
 
 
 def empty_root(root: Root, problems: pd.DataFrame | None = None) -> None:
@@ -32,26 +43,25 @@ def empty_root(root: Root, problems: pd.DataFrame | None = None) -> None:
         "```bash\nh2o-lens app path/to/runs\n```\n"
         "A synthetic run (no model needed) shows what the pages look like:\n\n"
         f"```bash\npython -c \"from recorders import write_synthetic_run; "
-        f"write_synthetic_run('{path}', 'synthetic-demo')\"\n```")
+        f"write_synthetic_run('{path}', 'synthetic-demo')\"\n```"
+    )
     if problems is not None and len(problems):
         _problem_list("Skipped while reading the root", problems)
 
 
 def _reason(path: str, reason: str) -> str:
-    return reason[len(path) + 2:] if reason.startswith(f"{path}: ") else reason
+    return reason[len(path) + 2 :] if reason.startswith(f"{path}: ") else reason
 
 
 def problem_lines(problems: pd.DataFrame, limit: int = 20) -> str:
     """Markdown bullets ``path: reason`` of what the readers found wrong (shown as text)."""
-    lines = "\n".join(f"- {code(r.path)}: {md(_reason(r.path, r.reason))}"
-                      for r in problems.head(limit).itertuples())
+    lines = "\n".join(f"- {code(r.path)}: {md(_reason(r.path, r.reason))}" for r in problems.head(limit).itertuples())
     more = f"\n- … and {len(problems) - limit} more" if len(problems) > limit else ""
     return lines + more
 
 
 def _problem_list(title: str, problems: pd.DataFrame) -> None:
-    st.warning(f"**{title}** ({len(problems)} problem(s)):\n{problem_lines(problems)}",
-               icon=":material/warning:")
+    st.warning(f"**{title}** ({len(problems)} problem(s)):\n{problem_lines(problems)}", icon=":material/warning:")
 
 
 def load_runs(root: Root) -> pd.DataFrame | None:
@@ -74,18 +84,24 @@ def _notes(root: Root, row: dict[str, Any]) -> None:
     run_id, status = row["run_id"], row["status"]
     shown = code(run_id)
     if status == "interrupted":
-        st.warning(f"Run {shown} was **interrupted**: its writer stopped before closing the run, so "
-                   "its logs end early. Everything it wrote is shown; tables it never reached are empty.",
-                   icon=":material/warning:")
+        st.warning(
+            f"Run {shown} was **interrupted**: its writer stopped before closing the run, so "
+            "its logs end early. Everything it wrote is shown; tables it never reached are empty.",
+            icon=":material/warning:",
+        )
     elif status == "running":
-        st.info(f"Run {shown} is still being written; press **Reload runs** for new rows.",
-                icon=":material/hourglass_top:")
+        st.info(
+            f"Run {shown} is still being written; press **Reload runs** for new rows.", icon=":material/hourglass_top:"
+        )
     elif status == "failed":
-        st.warning(f"Run {shown} **failed**: {md(row.get('error') or 'no error message recorded')}",
-                   icon=":material/warning:")
+        st.warning(
+            f"Run {shown} **failed**: {md(row.get('error') or 'no error message recorded')}", icon=":material/warning:"
+        )
     elif status not in ("complete",):
-        st.warning(f"Run {shown} has status **{md(status)}**: its manifest is missing or unreadable.",
-                   icon=":material/warning:")
+        st.warning(
+            f"Run {shown} has status **{md(status)}**: its manifest is missing or unreadable.",
+            icon=":material/warning:",
+        )
     row["damaged_tables"] = set()
     if row.get("problems"):
         try:
@@ -99,8 +115,10 @@ def _notes(root: Root, row: dict[str, Any]) -> None:
 def no_data(row: dict[str, Any], table: str, message: str) -> None:
     """Say why a section is empty: the table's files were unreadable, or the run never wrote it."""
     if table in row.get("damaged_tables", ()):
-        st.warning(f"The `{table}` files of this run could not be read (listed above), so this section "
-                   "is empty.", icon=":material/warning:")
+        st.warning(
+            f"The `{table}` files of this run could not be read (listed above), so this section is empty.",
+            icon=":material/warning:",
+        )
     else:
         st.info(message, icon=":material/info:")
 
@@ -166,15 +184,30 @@ def metric_row(items: list[tuple[str, str, str | None]]) -> None:
 
 _VERDICTS = {
     "budget": ("Budget", "red", "the evidence was evicted and the teacher needed evicted positions"),
-    "scoring_lag": ("Scoring lag", "orange", "the evidence was evicted right after leaving the recent "
-                    "window, before anything attended to it"),
+    "scoring_lag": (
+        "Scoring lag",
+        "orange",
+        "the evidence was evicted right after leaving the recent window, before anything attended to it",
+    ),
     "not_the_cache": ("Not the cache", "blue", "the cache does not explain the failure"),
     "implementation_error": ("Implementation error", "violet", "the replay does not reproduce the run"),
 }
 
 
-_FACT_COLUMNS = ("kind", "note", "value", "threshold", "step", "layer", "kv_head", "q_head", "position",
-                 "score", "margin", "dropped_mass")
+_FACT_COLUMNS = (
+    "kind",
+    "note",
+    "value",
+    "threshold",
+    "step",
+    "layer",
+    "kv_head",
+    "q_head",
+    "position",
+    "score",
+    "margin",
+    "dropped_mass",
+)
 
 
 def show_attributions(attributions: list[dict[str, Any]], *, judged: bool = True, limit: int = 10) -> None:
@@ -184,12 +217,18 @@ def show_attributions(attributions: list[dict[str, Any]], *, judged: bool = True
     so no request could be found failing.
     """
     if not attributions and not judged:
-        st.info("Nothing to attribute: the run has no answer-checker verdict and no teacher replay, so no "
-                "request can be judged.", icon=":material/info:")
+        st.info(
+            "Nothing to attribute: the run has no answer-checker verdict and no teacher replay, so no "
+            "request can be judged.",
+            icon=":material/info:",
+        )
         return
     if not attributions:
-        st.success("No request failed (answer checker, top-1 agreement and KL within the thresholds): "
-                   "there is nothing to attribute.", icon=":material/check_circle:")
+        st.success(
+            "No request failed (answer checker, top-1 agreement and KL within the thresholds): "
+            "there is nothing to attribute.",
+            icon=":material/check_circle:",
+        )
         return
     for a in attributions[:limit]:
         name, color, meaning = _VERDICTS.get(a["verdict"], (a["verdict"], "gray", ""))
@@ -197,17 +236,24 @@ def show_attributions(attributions: list[dict[str, Any]], *, judged: bool = True
             st.markdown(f"#### Request {a['request']}: :{color}-badge[{name}]")
             st.markdown(f"**Why:** {md(a['summary'])}.  \n*{name}*: {meaning}.")
             step = a.get("decision_step")
-            st.caption(f"Failed by: {', '.join(a['failed_by']) or '–'} · decision step: "
-                       f"{step if step is not None else '–'}")
+            st.caption(
+                f"Failed by: {', '.join(a['failed_by']) or '–'} · decision step: {step if step is not None else '–'}"
+            )
             facts = pd.DataFrame(a["facts"])
             if len(facts):
                 order = [c for c in _FACT_COLUMNS if c in facts.columns]
-                st.dataframe(facts, hide_index=True, height=min(400, 38 + 35 * len(facts)),
-                             column_order=order, column_config={
-                                 "kind": st.column_config.TextColumn("fact", pinned=True),
-                                 "note": st.column_config.TextColumn("note", width="medium"),
-                                 "value": st.column_config.NumberColumn("value", format="%.4g"),
-                                 "threshold": st.column_config.NumberColumn("threshold", format="%.4g")})
+                st.dataframe(
+                    facts,
+                    hide_index=True,
+                    height=min(400, 38 + 35 * len(facts)),
+                    column_order=order,
+                    column_config={
+                        "kind": st.column_config.TextColumn("fact", pinned=True),
+                        "note": st.column_config.TextColumn("note", width="medium"),
+                        "value": st.column_config.NumberColumn("value", format="%.4g"),
+                        "threshold": st.column_config.NumberColumn("threshold", format="%.4g"),
+                    },
+                )
             if a.get("evicted_evidence"):
                 with st.expander(f"Evidence evictions ({len(a['evicted_evidence'])} shown)"):
                     st.dataframe(pd.DataFrame(a["evicted_evidence"]), hide_index=True)

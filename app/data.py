@@ -3,6 +3,7 @@
 Results are cached per runs root version (see :class:`app.state.Root`), so
 revisiting a page is instant and a new or changed run invalidates them.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -128,17 +129,36 @@ def freezing(root: Root, run_id: str, window: int) -> tuple[pd.DataFrame, pd.Dat
     with cursor(root) as cur:
         onset = analyses.freeze_onset(cur, run_id, window=window).df()
         series = analyses.freeze_series(cur, run_id, window=window)
-        rate = analyses.coverage_stats(series, by=("request", "layer", "kv_head", "q_head"),
-                                       value="promotion_rate").df()
+        rate = analyses.coverage_stats(
+            series, by=("request", "layer", "kv_head", "q_head"), value="promotion_rate"
+        ).df()
         return onset, rate, series.df()
 
 
 @_cache
-def tokens(root: Root, run_id: str, request: int, layer: int | None, kv_head: int | None,
-           q_head: int | None, at_step: int | None, first: int, last: int) -> pd.DataFrame:
+def tokens(
+    root: Root,
+    run_id: str,
+    request: int,
+    layer: int | None,
+    kv_head: int | None,
+    q_head: int | None,
+    at_step: int | None,
+    first: int,
+    last: int,
+) -> pd.DataFrame:
     with cursor(root) as cur:
-        return views.token_evictions(cur, run_id, request=request, layer=layer, kv_head=kv_head,
-                                     q_head=q_head, at_step=at_step, first=first, last=last).df()
+        return views.token_evictions(
+            cur,
+            run_id,
+            request=request,
+            layer=layer,
+            kv_head=kv_head,
+            q_head=q_head,
+            at_step=at_step,
+            first=first,
+            last=last,
+        ).df()
 
 
 @_cache
@@ -161,8 +181,7 @@ def evictions(root: Root, run_id: str, filters: tuple[tuple[str, Any], ...]) -> 
 
 
 @_cache
-def margin_histogram(root: Root, run_id: str, filters: tuple[tuple[str, Any], ...],
-                     log: bool) -> pd.DataFrame:
+def margin_histogram(root: Root, run_id: str, filters: tuple[tuple[str, Any], ...], log: bool) -> pd.DataFrame:
     with cursor(root) as cur:
         return views.margin_histogram(cur, run_id, log=log, **dict(filters)).df()
 

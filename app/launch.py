@@ -1,4 +1,5 @@
 """Starting the dashboard server: ``streamlit run app/main.py -- --root ROOT``."""
+
 from __future__ import annotations
 
 import os
@@ -18,9 +19,14 @@ def default_root() -> Path:
     return Path(__file__).resolve().parent.parent / "sample_runs"
 
 
-def server_command(root: str | os.PathLike | None = None, port: int = 8501, *,
-                   open_browser: bool = False, address: str = "127.0.0.1",
-                   extra: Sequence[str] = ()) -> list[str]:
+def server_command(
+    root: str | os.PathLike | None = None,
+    port: int = 8501,
+    *,
+    open_browser: bool = False,
+    address: str = "127.0.0.1",
+    extra: Sequence[str] = (),
+) -> list[str]:
     """The ``streamlit run`` command line that serves the app over ``root``.
 
     Parameters
@@ -39,25 +45,40 @@ def server_command(root: str | os.PathLike | None = None, port: int = 8501, *,
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"port must be an int in 1..65535, got {port!r}")
     root = Path(root if root is not None else default_root()).expanduser().resolve()
-    return [sys.executable, "-m", "streamlit", "run", str(MAIN),
-            "--server.headless", "false" if open_browser else "true",
-            "--server.address", address, "--server.port", str(port),
-            "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer",
-            # selections are written into widget state and passed as defaults on purpose (app/state.py)
-            "--global.disableWidgetStateDuplicationWarning", "true", *extra,
-            "--", "--root", str(root)]
+    return [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(MAIN),
+        "--server.headless",
+        "false" if open_browser else "true",
+        "--server.address",
+        address,
+        "--server.port",
+        str(port),
+        "--browser.gatherUsageStats",
+        "false",
+        "--client.toolbarMode",
+        "viewer",
+        # selections are written into widget state and passed as defaults on purpose (app/state.py)
+        "--global.disableWidgetStateDuplicationWarning",
+        "true",
+        *extra,
+        "--",
+        "--root",
+        str(root),
+    ]
 
 
-def run_app(root: str | os.PathLike | None = None, port: int = 8501,
-            open_browser: bool = False) -> int:
+def run_app(root: str | os.PathLike | None = None, port: int = 8501, open_browser: bool = False) -> int:
     """Serve the dashboard over ``root`` until interrupted; returns the server's exit code.
 
     ``root`` defaults to the repository's ``sample_runs/`` folder. The page
     is at ``http://127.0.0.1:<port>/``.
     """
     cmd = server_command(root, port, open_browser=open_browser)
-    print(f"H2O Lens dashboard: http://127.0.0.1:{port}/  (runs root {cmd[-1]}; Ctrl+C stops it)",
-          flush=True)
+    print(f"H2O Lens dashboard: http://127.0.0.1:{port}/  (runs root {cmd[-1]}; Ctrl+C stops it)", flush=True)
     proc = subprocess.Popen(cmd)
     try:
         return proc.wait()

@@ -3,6 +3,7 @@
 Builds the navigation, the run picker and the root controls in the sidebar,
 then runs the selected page (one file per page in ``app/screens/``).
 """
+
 from __future__ import annotations
 
 import sys
@@ -24,9 +25,10 @@ st.cache_resource(show_spinner=False)(charts.warm_up)()  # once per process
 state.start_session()
 root = state.current_root()
 
-pages = {key: st.Page(f"screens/{key}.py", title=title, icon=icon, url_path=key, default=key == "runs",
-                      help=help_text)
-         for key, title, icon, help_text in common.PAGES}
+pages = {
+    key: st.Page(f"screens/{key}.py", title=title, icon=icon, url_path=key, default=key == "runs", help=help_text)
+    for key, title, icon, help_text in common.PAGES
+}
 current = st.navigation(list(pages.values()))
 wanted = state.initial_page()
 if wanted in pages and pages[wanted].title != current.title:
@@ -39,13 +41,23 @@ with st.sidebar:
         st.warning(f"Run {code(linked)} from the link is not under this runs root.", icon=":material/link_off:")
         state.remember("run", None)
     if runs is not None and len(runs):
-        labels = {r.run_id: f"{r.run_id} · {r.policy or '?'} · {r.status}"
-                            + ("" if r.integrity in (None, "ok") else " · damaged data") for r in runs.itertuples()}
-        state.select("Run", list(labels), "run", page="sidebar", format_func=labels.get,
-                     help="The run every page shows; the Runs page lists them all")
+        labels = {
+            r.run_id: f"{r.run_id} · {r.policy or '?'} · {r.status}"
+            + ("" if r.integrity in (None, "ok") else " · damaged data")
+            for r in runs.itertuples()
+        }
+        state.select(
+            "Run",
+            list(labels),
+            "run",
+            page="sidebar",
+            format_func=labels.get,
+            help="The run every page shows; the Runs page lists them all",
+        )
     st.caption(f"Runs root: {code(root.path)}")
-    if st.button("Reload runs", icon=":material/refresh:",
-                 help="Read the runs root again (new runs, new rows, changed status)"):
+    if st.button(
+        "Reload runs", icon=":material/refresh:", help="Read the runs root again (new runs, new rows, changed status)"
+    ):
         data.clear()
         st.rerun()
 

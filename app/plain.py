@@ -7,6 +7,7 @@ characters it holds and nothing more: :func:`md` backslash-escapes the
 characters of that syntax, :func:`code` wraps the text in a code span, where
 nothing is parsed.
 """
+
 from __future__ import annotations
 
 import re

@@ -7,6 +7,7 @@ a session starts, the link's parameters seed that memory; afterwards the
 widgets drive it (Streamlit clears query parameters on page changes, and the
 page writes them back).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,25 @@ from recorders.errors import RecorderError
 from .launch import default_root
 from .plain import code, md
 
-__all__ = ["ROOT_ENV", "PARAMS", "MAX_ROWS", "Root", "resolve_root", "current_root", "connection",
-           "cursor", "guard", "start_session", "initial_page", "remembered", "remember",
-           "publish", "select", "slider", "number"]
+__all__ = [
+    "ROOT_ENV",
+    "PARAMS",
+    "MAX_ROWS",
+    "Root",
+    "resolve_root",
+    "current_root",
+    "connection",
+    "cursor",
+    "guard",
+    "start_session",
+    "initial_page",
+    "remembered",
+    "remember",
+    "publish",
+    "select",
+    "slider",
+    "number",
+]
 
 #: Environment variable naming the runs root when ``--root`` is not given.
 ROOT_ENV = "H2O_LENS_ROOT"
@@ -113,6 +130,7 @@ def guard(what: str, run: str | None = None) -> Iterator[None]:
 
 # -- selections ------------------------------------------------------------------------------
 
+
 def _memory() -> dict[str, str]:
     return st.session_state.setdefault("_h2o_selection", {})
 
@@ -168,8 +186,7 @@ def _parse(text: str | None, cast: Callable[[str], T]) -> T | None:
         return None
 
 
-def _initial(key: str, name: str, ok: Callable[[Any], bool], cast: Callable[[str], Any],
-             default: Any) -> Any:
+def _initial(key: str, name: str, ok: Callable[[Any], bool], cast: Callable[[str], Any], default: Any) -> Any:
     """The value a widget starts from: its own state when valid, else the remembered value,
     else ``default``; returned so the widget also gets it as its default.
 
@@ -187,8 +204,17 @@ def _initial(key: str, name: str, ok: Callable[[Any], bool], cast: Callable[[str
     return value
 
 
-def select(label: str, options: Sequence[T], name: str, *, page: str, default: T | None = None,
-           container: Any = None, cast: Callable[[str], Any] = str, **kwargs: Any) -> T:
+def select(
+    label: str,
+    options: Sequence[T],
+    name: str,
+    *,
+    page: str,
+    default: T | None = None,
+    container: Any = None,
+    cast: Callable[[str], Any] = str,
+    **kwargs: Any,
+) -> T:
     """A selectbox remembered under ``name`` (and so in the URL)."""
     options = list(options)
     key = f"w_{page}_{name}"
@@ -198,8 +224,9 @@ def select(label: str, options: Sequence[T], name: str, *, page: str, default: T
     return value
 
 
-def slider(label: str, lo: int, hi: int, name: str, *, page: str, default: int,
-           container: Any = None, **kwargs: Any) -> int:
+def slider(
+    label: str, lo: int, hi: int, name: str, *, page: str, default: int, container: Any = None, **kwargs: Any
+) -> int:
     """An integer slider remembered under ``name``; a one-value range shows as a caption."""
     key = f"w_{page}_{name}"
     if hi <= lo:
@@ -212,12 +239,14 @@ def slider(label: str, lo: int, hi: int, name: str, *, page: str, default: int,
     return value
 
 
-def number(label: str, lo: int, hi: int, name: str, *, page: str, default: int,
-           container: Any = None, **kwargs: Any) -> int:
+def number(
+    label: str, lo: int, hi: int, name: str, *, page: str, default: int, container: Any = None, **kwargs: Any
+) -> int:
     """An integer input remembered under ``name``."""
     key = f"w_{page}_{name}"
     start = _initial(key, name, lambda v: isinstance(v, int) and lo <= v <= hi, int, default)
-    value = (container or st).number_input(label, min_value=lo, max_value=max(lo, hi), value=start, step=1,
-                                           key=key, **kwargs)
+    value = (container or st).number_input(
+        label, min_value=lo, max_value=max(lo, hi), value=start, step=1, key=key, **kwargs
+    )
     remember(name, int(value))
     return int(value)

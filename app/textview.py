@@ -7,6 +7,7 @@ evicted it (0 = none = no colour, 1 = all = red). Evidence tokens are
 underlined, tokens not yet seen at the chosen step are greyed, the selected
 token is outlined.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,21 +39,26 @@ def _shown(text: object) -> str:
     return html.escape(raw.replace("\n", "↵\n").replace("\t", "⇥\t"))
 
 
-def token_html(df: pd.DataFrame, *, mode: str, step_range: tuple[int, int], at_step: int | None,
-               selected: int | None) -> str:
+def token_html(
+    df: pd.DataFrame, *, mode: str, step_range: tuple[int, int], at_step: int | None, selected: int | None
+) -> str:
     """HTML of the tokens of ``df`` (:func:`analyses.views.token_evictions` rows)."""
     lo, hi = step_range
     span = max(hi - lo, 1)
-    parts = ['<div style="font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 0.9rem; '
-             'line-height: 1.9; white-space: pre-wrap; word-break: break-word; max-height: 520px; '
-             'overflow-y: auto; padding: 0.6rem; border: 1px solid rgba(128,128,128,0.35); '
-             'border-radius: 0.4rem;">']
+    parts = [
+        '<div style="font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 0.9rem; '
+        'line-height: 1.9; white-space: pre-wrap; word-break: break-word; max-height: 520px; '
+        'overflow-y: auto; padding: 0.6rem; border: 1px solid rgba(128,128,128,0.35); '
+        'border-radius: 0.4rem;">'
+    ]
     in_prompt = None
     for row in df.itertuples(index=False):
         if in_prompt is not None and in_prompt and not row.is_prompt:
-            parts.append('<span style="display:inline-block; margin: 0 0.4rem; padding: 0 0.4rem; '
-                         'border-radius: 0.3rem; background:#444; color:#fff; font-size:0.75rem;">'
-                         'generation ▸</span>')
+            parts.append(
+                '<span style="display:inline-block; margin: 0 0.4rem; padding: 0 0.4rem; '
+                'border-radius: 0.3rem; background:#444; color:#fff; font-size:0.75rem;">'
+                'generation ▸</span>'
+            )
         in_prompt = bool(row.is_prompt)
         pos = int(row.position)
         future = at_step is not None and pos > at_step
@@ -90,13 +96,17 @@ def legend_html(*, mode: str, step_range: tuple[int, int]) -> str:
     else:
         stops = [_color(_SHARE_SCALE, 0.08 + 0.5 * t) for t in (0.0, 0.25, 0.5, 0.75, 1.0)]
         left, right = "few KV sets evicted it", "all KV sets"
-    bar = (f'<span style="display:inline-block; width: 160px; height: 12px; vertical-align: middle; '
-           f'border-radius: 2px; background: linear-gradient(to right, {", ".join(stops)});"></span>')
+    bar = (
+        f'<span style="display:inline-block; width: 160px; height: 12px; vertical-align: middle; '
+        f'border-radius: 2px; background: linear-gradient(to right, {", ".join(stops)});"></span>'
+    )
     item = 'style="margin-right: 1.2rem; white-space: nowrap;"'
-    return (f'<div style="font-size: 0.85rem; line-height: 2;">'
-            f'<span {item}>{left} {bar} {right}</span>'
-            f'<span {item}>no colour: kept</span>'
-            f'<span {item}><span style="border-bottom: 3px solid {_EVIDENCE};">evidence</span></span>'
-            f'<span {item}><span style="color:#999;">grey: not yet seen</span></span>'
-            f'<span {item}><span style="outline: 2px solid #000; outline-offset: 1px;">selected</span></span>'
-            f'</div>')
+    return (
+        f'<div style="font-size: 0.85rem; line-height: 2;">'
+        f'<span {item}>{left} {bar} {right}</span>'
+        f'<span {item}>no colour: kept</span>'
+        f'<span {item}><span style="border-bottom: 3px solid {_EVIDENCE};">evidence</span></span>'
+        f'<span {item}><span style="color:#999;">grey: not yet seen</span></span>'
+        f'<span {item}><span style="outline: 2px solid #000; outline-offset: 1px;">selected</span></span>'
+        f'</div>'
+    )

@@ -3,6 +3,7 @@
 Timings belong here, not in tests: each figure is the median over rounds
 that alternate the two paths being compared, on the same process and data.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -22,8 +23,15 @@ def _halves(budget: int) -> dict[str, int]:
     return dict(zip(("heavy", "recent"), half_split(budget)))
 
 
-def bench_decode(model_name: str | None = None, contexts=(512, 2048, 4096), keep: float = 0.2,
-                 steps: int = 16, rounds: int = 3, prefill_context: int = 2048, model=None) -> int:
+def bench_decode(
+    model_name: str | None = None,
+    contexts=(512, 2048, 4096),
+    keep: float = 0.2,
+    steps: int = 16,
+    rounds: int = 3,
+    prefill_context: int = 2048,
+    model=None,
+) -> int:
     """H2O decode step ÷ full-cache SDPA decode step, prefill ratio, and KV bytes.
 
     Prints one table; returns 0.
@@ -40,12 +48,16 @@ def bench_decode(model_name: str | None = None, contexts=(512, 2048, 4096), keep
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     vocab = text.vocab_size
     gen = torch.Generator().manual_seed(0)
-    print(f"model {type(model).__name__}: {text.num_hidden_layers} layers, {text.num_attention_heads} "
-          f"query heads, {text.num_key_value_heads} KV heads, head_dim {head_dim}; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{steps} steps x {rounds} rounds, medians")
-    print(f"{'context':>8} {'B':>6} {'full ms/step':>13} {'h2o ms/step':>12} {'ratio':>7} "
-          f"{'KV bytes/full':>14} {'B/N+2/d':>8}")
+    print(
+        f"model {type(model).__name__}: {text.num_hidden_layers} layers, {text.num_attention_heads} "
+        f"query heads, {text.num_key_value_heads} KV heads, head_dim {head_dim}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"{steps} steps x {rounds} rounds, medians"
+    )
+    print(
+        f"{'context':>8} {'B':>6} {'full ms/step':>13} {'h2o ms/step':>12} {'ratio':>7} "
+        f"{'KV bytes/full':>14} {'B/N+2/d':>8}"
+    )
     for n in contexts:
         budget = ratio_slots(keep, n)
         cfg = H2OConfig(**_halves(budget))
@@ -68,8 +80,11 @@ def bench_decode(model_name: str | None = None, contexts=(512, 2048, 4096), keep
             b = fast.cache.nbytes()
         fullb = full_kv_bytes(model, tokens)
         ratio_b = (b["kv"] + b["metadata"]) / fullb
-        print(f"{n:>8} {budget:>6} {tf * 1e3:>13.2f} {th * 1e3:>12.2f} {th / tf:>7.3f} "
-              f"{ratio_b:>14.4f} {budget / tokens + 2 / head_dim:>8.4f}", flush=True)
+        print(
+            f"{n:>8} {budget:>6} {tf * 1e3:>13.2f} {th * 1e3:>12.2f} {th / tf:>7.3f} "
+            f"{ratio_b:>14.4f} {budget / tokens + 2 / head_dim:>8.4f}",
+            flush=True,
+        )
 
     # prefill with scores vs SDPA prefill
     n = prefill_context
@@ -94,8 +109,14 @@ def bench_decode(model_name: str | None = None, contexts=(512, 2048, 4096), keep
     return 0
 
 
-def bench_record(model_name: str | None = None, prompt_tokens: int = 512, new_tokens: int = 128,
-                 keep: float = 0.2, rounds: int = 3, model=None) -> int:
+def bench_record(
+    model_name: str | None = None,
+    prompt_tokens: int = 512,
+    new_tokens: int = 128,
+    keep: float = 0.2,
+    rounds: int = 3,
+    model=None,
+) -> int:
     """Recorder overhead, replay cost and log size on one model, side by side.
 
     Prints: decode with recorder ÷ decode without (same cache, same tokens),
@@ -121,8 +142,10 @@ def bench_record(model_name: str | None = None, prompt_tokens: int = 512, new_to
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     root = Path(tempfile.mkdtemp(prefix="h2o-lens-bench-"))
     t_plain, t_rec, t_close, runs = [], [], [], []
-    print(f"{type(model).__name__}: prompt {prompt_tokens} tokens, {new_tokens} new, B={budget} "
-          f"({cfg.describe()}), {rounds} rounds alternating")
+    print(
+        f"{type(model).__name__}: prompt {prompt_tokens} tokens, {new_tokens} new, B={budget} "
+        f"({cfg.describe()}), {rounds} rounds alternating"
+    )
     with torch.no_grad():
         with h2o(model, cfg):
             model.generate(ids, **dict(kw, max_new_tokens=4, min_new_tokens=4))  # warm-up
@@ -147,8 +170,10 @@ def bench_record(model_name: str | None = None, prompt_tokens: int = 512, new_to
 
     rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
     size = sum(os.path.getsize(f) for f in files)
-    print(f"generate without recorder {plain:.2f} s, with recorder {rec:.2f} s: ratio {rec / plain:.3f} "
-          f"(+ {statistics.median(t_close) * 1e3:.0f} ms to close the run: flush, fsync, manifest)")
+    print(
+        f"generate without recorder {plain:.2f} s, with recorder {rec:.2f} s: ratio {rec / plain:.3f} "
+        f"(+ {statistics.median(t_close) * 1e3:.0f} ms to close the run: flush, fsync, manifest)"
+    )
     print(f"replay {rep:.2f} s / generation {plain:.2f} s: ratio {rep / plain:.3f}")
     print(f"evictions: {rows} rows, {size} bytes: {size / max(rows, 1):.2f} bytes per row")
     return 0

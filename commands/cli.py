@@ -1,4 +1,5 @@
 """The ``h2o-lens`` command line."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,12 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
     from h2o_lens import policies
 
     g = p.add_argument_group("policy")
-    g.add_argument("--policy", default=policies.DEFAULT, metavar="{" + ",".join(policies.names()) + "}",
-                   help="; ".join(f"{q.name}: {q.summary}" for q in policies.all_policies()))
+    g.add_argument(
+        "--policy",
+        default=policies.DEFAULT,
+        metavar="{" + ",".join(policies.names()) + "}",
+        help="; ".join(f"{q.name}: {q.summary}" for q in policies.all_policies()),
+    )
     g.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots per layer and KV head")
     g.add_argument("--recent", type=int, default=None, help="recent-window slots per layer and KV head")
     g.add_argument("--ratio", type=float, default=None, help="total keep ratio of the prompt instead of slots")
@@ -40,8 +45,9 @@ def _config(args: argparse.Namespace):
         heavy = recent = ratio = None
     elif ratio is None and heavy is None and recent is None:
         heavy, recent = 64, 64
-    return H2OConfig(policy=args.policy, heavy=heavy, recent=recent, ratio=ratio,
-                     gqa=args.gqa, sink=args.sink, seed=args.seed)
+    return H2OConfig(
+        policy=args.policy, heavy=heavy, recent=recent, ratio=ratio, gqa=args.gqa, sink=args.sink, seed=args.seed
+    )
 
 
 def _mib(n: int) -> str:
@@ -63,8 +69,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = DEFAULT_PROMPT
     model, tok = load_model(args.model)
     if not args.raw and getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                       add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
     else:
         text = prompt
     enc = tok(text, return_tensors="pt", add_special_tokens=args.raw)
@@ -82,15 +89,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print("---", file=sys.stderr)
     cache = session.last_cache
     if cache is None:
-        print(f"policy: full cache | prompt {prompt_len} tokens, generated {len(new)} | "
-              f"KV {_mib(full)}", file=sys.stderr)
+        print(
+            f"policy: full cache | prompt {prompt_len} tokens, generated {len(new)} | KV {_mib(full)}", file=sys.stderr
+        )
         return 0
     b = cache.nbytes()
-    print(f"policy: {cache.resolved_config.describe()} | prompt {prompt_len} tokens, generated {len(new)}",
-          file=sys.stderr)
-    print(f"physical KV: {_mib(b['kv'])} (+ {b['metadata'] / 1024:.1f} KiB scores and positions) "
-          f"vs full cache {_mib(full)} at {total} tokens: {b['kv'] / full:.3f} of full",
-          file=sys.stderr)
+    print(
+        f"policy: {cache.resolved_config.describe()} | prompt {prompt_len} tokens, generated {len(new)}",
+        file=sys.stderr,
+    )
+    print(
+        f"physical KV: {_mib(b['kv'])} (+ {b['metadata'] / 1024:.1f} KiB scores and positions) "
+        f"vs full cache {_mib(full)} at {total} tokens: {b['kv'] / full:.3f} of full",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -103,8 +115,9 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 def _chat(tok, prompt: str, raw: bool) -> str:
     if not raw and getattr(tok, "chat_template", None):
-        return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                       add_generation_prompt=True)
+        return tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
     return prompt
 
 
@@ -117,18 +130,22 @@ def _run_dir(run: str, root: str) -> str:
         return path
     from h2o_lens.errors import H2OLensError
 
-    raise H2OLensError(f"no run {run!r}: neither a folder nor a run id under {root!r}; "
-                       "list runs with `h2o-lens runs ROOT`")
+    raise H2OLensError(
+        f"no run {run!r}: neither a folder nor a run id under {root!r}; list runs with `h2o-lens runs ROOT`"
+    )
 
 
 def _print_replay(summary) -> None:
-    verdict = ("ok" if summary.implementation_ok
-               else "IMPLEMENTATION ERROR (the masked replay does not reproduce the run)")
-    print(f"replay {summary.run_id}: {summary.requests} request(s), {summary.steps} steps "
-          f"in {summary.seconds:.1f} s | mean KL {summary.mean_kl:.4f} | "
-          f"top-1 agreement {summary.top1_agreement:.3f} | "
-          f"mean dropped mass {summary.mean_dropped_mass:.4f} | "
-          f"max |logit diff| {summary.max_logit_diff:.2e} ({verdict})")
+    verdict = (
+        "ok" if summary.implementation_ok else "IMPLEMENTATION ERROR (the masked replay does not reproduce the run)"
+    )
+    print(
+        f"replay {summary.run_id}: {summary.requests} request(s), {summary.steps} steps "
+        f"in {summary.seconds:.1f} s | mean KL {summary.mean_kl:.4f} | "
+        f"top-1 agreement {summary.top1_agreement:.3f} | "
+        f"mean dropped mass {summary.mean_dropped_mass:.4f} | "
+        f"max |logit diff| {summary.max_logit_diff:.2e} ({verdict})"
+    )
 
 
 def _check_record(args: argparse.Namespace):
@@ -141,16 +158,27 @@ def _check_record(args: argparse.Namespace):
 
     config = _config(args)
     if not config.spec.evicts and (args.heavy is not None or args.recent is not None or args.ratio is not None):
-        print(f"h2o-lens: note: --policy {config.policy} keeps every token; --heavy/--recent/--ratio are ignored",
-              file=sys.stderr)
+        print(
+            f"h2o-lens: note: --policy {config.policy} keeps every token; --heavy/--recent/--ratio are ignored",
+            file=sys.stderr,
+        )
     if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise ConfigError(f"--out {args.out!r} is an existing file; runs are written to a folder: "
-                          "give a folder path (it is created if missing)")
+        raise ConfigError(
+            f"--out {args.out!r} is an existing file; runs are written to a folder: "
+            "give a folder path (it is created if missing)"
+        )
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    sources = [name for name, given in (("--task", args.task), ("--teacher-force", args.teacher_force),
-                                        ("--prompt", args.prompt), ("--prompt-file", args.prompt_file))
-               if given is not None]
+    sources = [
+        name
+        for name, given in (
+            ("--task", args.task),
+            ("--teacher-force", args.teacher_force),
+            ("--prompt", args.prompt),
+            ("--prompt-file", args.prompt_file),
+        )
+        if given is not None
+    ]
     if len(sources) > 1:
         raise ConfigError(f"give one of --task, --teacher-force, --prompt, --prompt-file; got {' and '.join(sources)}")
     task = prompt = None
@@ -166,8 +194,10 @@ def _check_record(args: argparse.Namespace):
         _run_dir(args.teacher_force, args.out)
     else:
         if args.prompt_file is not None and not os.path.isfile(args.prompt_file):
-            raise ConfigError(f"--prompt-file {args.prompt_file!r} does not exist (or is not a file); "
-                              "give the path of a UTF-8 text file")
+            raise ConfigError(
+                f"--prompt-file {args.prompt_file!r} does not exist (or is not a file); "
+                "give the path of a UTF-8 text file"
+            )
         try:
             prompt = _read_prompt(args)
         except (OSError, UnicodeDecodeError) as exc:
@@ -177,11 +207,13 @@ def _check_record(args: argparse.Namespace):
             raise ConfigError(f"{where} is empty; give a prompt with some text")
         for label, text in evidence.items():
             if text not in prompt:
-                raise ConfigError(f"--evidence {label}={text!r} does not occur in the prompt; "
-                                  "give a substring of the prompt text")
+                raise ConfigError(
+                    f"--evidence {label}={text!r} does not occur in the prompt; give a substring of the prompt text"
+                )
     if evidence and prompt is None:
-        raise ConfigError("--evidence needs --prompt or --prompt-file (tasks and teacher-forced runs "
-                          "carry their own evidence labels)")
+        raise ConfigError(
+            "--evidence needs --prompt or --prompt-file (tasks and teacher-forced runs carry their own evidence labels)"
+        )
     return config, task, prompt, evidence
 
 
@@ -199,9 +231,11 @@ def cmd_record(args: argparse.Namespace) -> int:
         model, tok = load_model(args.model)
         done = run_task(model, tok, task, config, args.out, replay=args.replay, name=args.name)
         print(done.answer.strip())
-        print(f"recorded {done.run_id} ({config.describe()}), task {task.name}: "
-              f"{'correct' if done.correct else 'WRONG'} (expected {task.expected}): {done.run_dir}",
-              file=sys.stderr)
+        print(
+            f"recorded {done.run_id} ({config.describe()}), task {task.name}: "
+            f"{'correct' if done.correct else 'WRONG'} (expected {task.expected}): {done.run_dir}",
+            file=sys.stderr,
+        )
         return 0
     if args.teacher_force:
         from recorders import read_manifest
@@ -217,18 +251,32 @@ def cmd_record(args: argparse.Namespace) -> int:
         from h2o_lens.progress import GenerationProgress
 
         gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        with torch.no_grad(), record(model, config, out=args.out, tokenizer=tok, evidence=evidence or None,
-                                     name=args.name, prompts=[prompt]) as rec:
+        with (
+            torch.no_grad(),
+            record(
+                model, config, out=args.out, tokenizer=tok, evidence=evidence or None, name=args.name, prompts=[prompt]
+            ) as rec,
+        ):
             out = model.generate(**enc, **gen, streamer=GenerationProgress(args.max_new_tokens, "record"))
-        print(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+        print(tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip())
         runs = [rec]
         if args.with_full and config.spec.evicts:
             from h2o_lens import policies
             from h2o_lens.config import H2OConfig
 
-            with torch.no_grad(), record(model, H2OConfig(policy=policies.FULL_CACHE), out=args.out, tokenizer=tok,
-                                         evidence=evidence or None, name=args.name, prompts=[prompt],
-                                         info={"source_run": rec.run_id}) as full:
+            with (
+                torch.no_grad(),
+                record(
+                    model,
+                    H2OConfig(policy=policies.FULL_CACHE),
+                    out=args.out,
+                    tokenizer=tok,
+                    evidence=evidence or None,
+                    name=args.name,
+                    prompts=[prompt],
+                    info={"source_run": rec.run_id},
+                ) as full,
+            ):
                 model.generate(**enc, **gen, streamer=GenerationProgress(args.max_new_tokens, "record full"))
             runs.append(full)
     for rec in runs:
@@ -269,8 +317,15 @@ def cmd_runs(args: argparse.Namespace) -> int:
 def cmd_sql(args: argparse.Namespace) -> int:
     from analyses import format_result, run_sql
 
-    df = run_sql(args.root, args.sql, max_rows=args.max_rows, timeout_s=args.timeout, max_bytes=args.max_bytes,
-                 memory_limit=args.memory_limit, threads=args.threads)
+    df = run_sql(
+        args.root,
+        args.sql,
+        max_rows=args.max_rows,
+        timeout_s=args.timeout,
+        max_bytes=args.max_bytes,
+        memory_limit=args.memory_limit,
+        threads=args.threads,
+    )
     print(format_result(df, args.format))
     if df.attrs.get("truncated"):
         print(f"(cut at {args.max_rows} rows; raise --max-rows)", file=sys.stderr)
@@ -311,7 +366,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.tasks is not None:
         if args.tasks < 1:
             raise SystemExit("--tasks must be at least 1")
-        tasks = tasks[:args.tasks]
+        tasks = tasks[: args.tasks]
     demo(args.out, tasks=tasks, reports=not args.no_reports)
     return 0
 
@@ -331,8 +386,10 @@ def sweep_grid(items: Sequence[str] | None) -> tuple[tuple[str, str], ...]:
         name, _, gqa = item.partition(":")
         policies.get(name)  # ConfigError naming the known policies
         if gqa and gqa not in GQA_MODES:
-            raise ConfigError(f"--policies {item!r}: unknown gqa {gqa!r}; expected NAME or NAME:GQA with GQA "
-                              f"one of {', '.join(GQA_MODES)}, e.g. h2o:max")
+            raise ConfigError(
+                f"--policies {item!r}: unknown gqa {gqa!r}; expected NAME or NAME:GQA with GQA "
+                f"one of {', '.join(GQA_MODES)}, e.g. h2o:max"
+            )
         grid.append((name, gqa or "sum"))
     return tuple(grid)
 
@@ -350,7 +407,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return 2
     tasks = suite(size=args.size)
     if args.tasks:
-        tasks = tasks[:args.tasks]
+        tasks = tasks[: args.tasks]
     sweep(args.out, tasks=tasks, ratios=args.ratios, policies=grid, page_size=args.page_size)
     return 0
 
@@ -372,8 +429,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
     if args.what == "decode":
-        return bench.bench_decode(model_name=args.model, contexts=args.contexts, keep=args.keep,
-                                  steps=args.steps, rounds=args.rounds)
+        return bench.bench_decode(
+            model_name=args.model, contexts=args.contexts, keep=args.keep, steps=args.steps, rounds=args.rounds
+        )
     if args.what == "record":
         return bench.bench_record(model_name=args.model, keep=args.keep, rounds=args.rounds)
     if args.what == "sql":
@@ -412,12 +470,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", default=None)
     r.add_argument("--out", default="runs", help="runs root (default: ./runs)")
     r.add_argument("--name", default=None, help="free-form run name")
-    r.add_argument("--evidence", action="append", default=[], metavar="LABEL=TEXT",
-                   help="an evidence span: a substring of the prompt (repeatable)")
+    r.add_argument(
+        "--evidence",
+        action="append",
+        default=[],
+        metavar="LABEL=TEXT",
+        help="an evidence span: a substring of the prompt (repeatable)",
+    )
     r.add_argument("--max-new-tokens", type=int, default=64)
     r.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    r.add_argument("--teacher-force", metavar="RUN", default=None,
-                   help="re-record RUN's exact tokens under this policy (paired comparison)")
+    r.add_argument(
+        "--teacher-force",
+        metavar="RUN",
+        default=None,
+        help="re-record RUN's exact tokens under this policy (paired comparison)",
+    )
     r.add_argument("--with-full", action="store_true", help="also record the full-cache generation")
     r.add_argument("--replay", action="store_true", help="replay against the full-cache teacher afterwards")
     _add_policy_args(r)
@@ -426,10 +493,18 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("replay", help="replay a run against a full-cache teacher")
     rp.add_argument("run", help="run folder, or run id under --root")
     rp.add_argument("--root", default="runs")
-    rp.add_argument("--tolerance", type=float, default=None,
-                    help="largest accepted |logit diff| of the check (default: derived from the dtype)")
-    rp.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto",
-                    help="dropped mass and oracle: Triton kernels (auto: on CUDA) or chunked torch")
+    rp.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="largest accepted |logit diff| of the check (default: derived from the dtype)",
+    )
+    rp.add_argument(
+        "--backend",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="dropped mass and oracle: Triton kernels (auto: on CUDA) or chunked torch",
+    )
     rp.set_defaults(func=cmd_replay)
 
     ru = sub.add_parser("runs", help="list the runs of a runs root with headline numbers")
@@ -470,9 +545,13 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--tasks", type=int, default=None, help="use only the first N tasks")
     sw.add_argument("--ratios", type=float, nargs="+", default=[1.0, 0.4, 0.2, 0.1, 0.05])
     sw.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    sw.add_argument("--policies", nargs="+", default=None, metavar="NAME[:GQA]",
-                    help="policies of the grid (default: h2o:sum h2o:max and its baselines); e.g. "
-                         "h2o tova scissorhands")
+    sw.add_argument(
+        "--policies",
+        nargs="+",
+        default=None,
+        metavar="NAME[:GQA]",
+        help="policies of the grid (default: h2o:sum h2o:max and its baselines); e.g. h2o tova scissorhands",
+    )
     sw.set_defaults(func=cmd_sweep)
 
     sm = sub.add_parser("samples", help="regenerate the shipped sample runs (policy cases and a few tasks)")

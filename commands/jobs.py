@@ -4,6 +4,7 @@ Both record real runs on the default model, replay them against the full-cache
 teacher and read the results back through :mod:`analyses`. They sit at the top
 of the stack, so ``recorders`` and ``analyses`` are imported inside functions.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,15 +65,27 @@ def _config(policy: str, ratio: float | None, gqa: str = "sum") -> H2OConfig:
     return H2OConfig(policy=policy, ratio=ratio, gqa=gqa)
 
 
-def run_task(model: Any, tok: Any, task: Task, config: H2OConfig, out: str | os.PathLike, *,
-             ratio: float | None = None, replay: bool = True, name: str | None = None,
-             run_id: str | None = None) -> TaskRun:
+def run_task(
+    model: Any,
+    tok: Any,
+    task: Task,
+    config: H2OConfig,
+    out: str | os.PathLike,
+    *,
+    ratio: float | None = None,
+    replay: bool = True,
+    name: str | None = None,
+    run_id: str | None = None,
+) -> TaskRun:
     """Record ``task`` under ``config`` (and replay it); the requests table carries the checker's verdict."""
     from recorders.recorder import record
     from recorders.replay import replay as replay_run
 
-    text = tok.apply_chat_template([{"role": "user", "content": task.prompt}], tokenize=False,
-                                   add_generation_prompt=True) if getattr(tok, "chat_template", None) else task.prompt
+    text = (
+        tok.apply_chat_template([{"role": "user", "content": task.prompt}], tokenize=False, add_generation_prompt=True)
+        if getattr(tok, "chat_template", None)
+        else task.prompt
+    )
     enc = tok(text, return_tensors="pt", add_special_tokens=not getattr(tok, "chat_template", None))
     verdict: dict[str, Any] = {}
 
@@ -83,15 +96,35 @@ def run_task(model: Any, tok: Any, task: Task, config: H2OConfig, out: str | os.
 
     t0 = time.perf_counter()
     info = {"task": task.name}
-    with torch.no_grad(), record(model, config, out=str(out), tokenizer=tok, evidence=task.evidence,
-                                 prompts=[task.prompt], name=name or task.name, info=info,
-                                 annotate=annotate, run_id=run_id) as run:
-        model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False,
-                       pad_token_id=tok.pad_token_id)
+    with (
+        torch.no_grad(),
+        record(
+            model,
+            config,
+            out=str(out),
+            tokenizer=tok,
+            evidence=task.evidence,
+            prompts=[task.prompt],
+            name=name or task.name,
+            info=info,
+            annotate=annotate,
+            run_id=run_id,
+        ) as run,
+    ):
+        model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     if replay:
         replay_run(run.run_dir, model=model, progress=False)
-    return TaskRun(task.name, config.policy, config.gqa, ratio, run.run_id, Path(run.run_dir),
-                   verdict.get("answer", ""), verdict.get("correct", False), time.perf_counter() - t0)
+    return TaskRun(
+        task.name,
+        config.policy,
+        config.gqa,
+        ratio,
+        run.run_id,
+        Path(run.run_dir),
+        verdict.get("answer", ""),
+        verdict.get("correct", False),
+        time.perf_counter() - t0,
+    )
 
 
 def _verdicts(root: str | os.PathLike, runs: Iterable[TaskRun]) -> dict[str, str]:
@@ -129,9 +162,17 @@ def _table(rows: list[list[Any]], header: list[str]) -> str:
     return "\n".join([line, sep, *("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells)])
 
 
-def demo(out: str | os.PathLike = "demo_runs", *, tasks: Sequence[Task] | None = None, model: Any = None,
-         tokenizer: Any = None, budgets: Sequence[float] = DEMO_BUDGETS, baselines: Sequence[str] = BASELINES,
-         reports: bool = True, progress: bool = True) -> list[TaskRun]:
+def demo(
+    out: str | os.PathLike = "demo_runs",
+    *,
+    tasks: Sequence[Task] | None = None,
+    model: Any = None,
+    tokenizer: Any = None,
+    budgets: Sequence[float] = DEMO_BUDGETS,
+    baselines: Sequence[str] = BASELINES,
+    reports: bool = True,
+    progress: bool = True,
+) -> list[TaskRun]:
     """Run the task suite with H2O at ``budgets`` and the baselines at the first budget.
 
     Every run is replayed; each H2O run gets an HTML, Markdown and JSON report
@@ -171,30 +212,51 @@ def demo(out: str | os.PathLike = "demo_runs", *, tasks: Sequence[Task] | None =
     rows = []
     for r in runs:
         h = head.get(r.run_id, {})
-        rows.append([r.task, r.policy, "100%" if r.ratio is None else f"{r.ratio:.0%}",
-                     "yes" if r.correct else "NO", f"{h.get('kl', 0):.3f}", f"{h.get('dropped', 0):.3f}",
-                     verdicts[r.run_id], r.run_id])
+        rows.append(
+            [
+                r.task,
+                r.policy,
+                "100%" if r.ratio is None else f"{r.ratio:.0%}",
+                "yes" if r.correct else "NO",
+                f"{h.get('kl', 0):.3f}",
+                f"{h.get('dropped', 0):.3f}",
+                verdicts[r.run_id],
+                r.run_id,
+            ]
+        )
     print(_table(rows, ["task", "policy", "budget", "correct", "KL", "dropped", "verdict", "run"]))
     acc = {}
     for r in runs:
         key = (r.policy, r.ratio)
         acc.setdefault(key, []).append(r.correct)
     print()
-    print("accuracy: " + ", ".join(f"{p}@{'100%' if q is None else f'{q:.0%}'} {sum(v)}/{len(v)}"
-                                   for (p, q), v in acc.items()))
+    print(
+        "accuracy: "
+        + ", ".join(f"{p}@{'100%' if q is None else f'{q:.0%}'} {sum(v)}/{len(v)}" for (p, q), v in acc.items())
+    )
     print(f"{len(runs)} runs in {time.perf_counter() - t0:.0f} s under {root}/ (reports in {root}/reports/)")
     print(f"open the dashboard: h2o-lens app {root}")
-    (root / "demo_summary.json").write_text(json.dumps(
-        [dict(zip(["task", "policy", "budget", "correct", "kl", "dropped", "verdict", "run_id"], r)) for r in rows],
-        indent=1))
+    (root / "demo_summary.json").write_text(
+        json.dumps(
+            [dict(zip(["task", "policy", "budget", "correct", "kl", "dropped", "verdict", "run_id"], r)) for r in rows],
+            indent=1,
+        )
+    )
     sys.stdout.flush()
     return runs
 
 
-def sweep(out: str | os.PathLike = "sweep_runs", *, tasks: Sequence[Task] | None = None, model: Any = None,
-          tokenizer: Any = None, ratios: Sequence[float] = SWEEP_RATIOS,
-          policies: Sequence[tuple[str, str]] = SWEEP_POLICIES, page_size: int = 16,
-          progress: bool = True) -> Any:
+def sweep(
+    out: str | os.PathLike = "sweep_runs",
+    *,
+    tasks: Sequence[Task] | None = None,
+    model: Any = None,
+    tokenizer: Any = None,
+    ratios: Sequence[float] = SWEEP_RATIOS,
+    policies: Sequence[tuple[str, str]] = SWEEP_POLICIES,
+    page_size: int = 16,
+    progress: bool = True,
+) -> Any:
     """Keep ratio × policy over the tasks → the three curves (quality, physical KV, latency).
 
     Writes ``sweep.csv``, ``sweep.md`` and a self-contained ``sweep.html`` with
@@ -214,7 +276,7 @@ def sweep(out: str | os.PathLike = "sweep_runs", *, tasks: Sequence[Task] | None
     root.mkdir(parents=True, exist_ok=True)
     plan = []
     for ratio in ratios:
-        for policy, gqa in (policies if ratio < 1.0 else [(registry.FULL_CACHE, "sum")]):
+        for policy, gqa in policies if ratio < 1.0 else [(registry.FULL_CACHE, "sum")]:
             plan += [(task, policy, gqa, ratio) for task in tasks]
     runs = []
     for task, policy, gqa, ratio in tqdm(plan, desc="sweep", unit="run", disable=not progress):
@@ -226,16 +288,22 @@ def sweep(out: str | os.PathLike = "sweep_runs", *, tasks: Sequence[Task] | None
     points["policy"] = [labels[(r.policy, r.gqa)] for r in runs]
     points["correct"] = [r.correct for r in runs]
     per_token = full_kv_bytes(model, 1)  # K and V bytes of one position in a full cache, all layers
-    table = (points.groupby(["policy", "keep_ratio"], as_index=False)
-             .agg(accuracy=("correct", "mean"), kl_mean=("kl_mean", "mean"), dropped_mass=("dropped_mass", "mean"),
-                  kv_share=("kept_share", "mean"), page_share=("page_share", "mean"),
-                  ms_per_token=("seconds_per_token", lambda s: 1e3 * s.median()), runs=("run_id", "count")))
+    table = points.groupby(["policy", "keep_ratio"], as_index=False).agg(
+        accuracy=("correct", "mean"),
+        kl_mean=("kl_mean", "mean"),
+        dropped_mass=("dropped_mass", "mean"),
+        kv_share=("kept_share", "mean"),
+        page_share=("page_share", "mean"),
+        ms_per_token=("seconds_per_token", lambda s: 1e3 * s.median()),
+        runs=("run_id", "count"),
+    )
     table["kv_bytes_per_token"] = table["kv_share"] * per_token
     table["paged_bytes_per_token"] = table["page_share"] * per_token
     table = table.sort_values(["policy", "keep_ratio"], ascending=[True, False])
     table.to_csv(root / "sweep.csv", index=False)
-    (root / "sweep.md").write_text(table.to_markdown(index=False, floatfmt=".4g") if _has_tabulate()
-                                   else table.to_string(index=False))
+    (root / "sweep.md").write_text(
+        table.to_markdown(index=False, floatfmt=".4g") if _has_tabulate() else table.to_string(index=False)
+    )
     _sweep_html(table, root / "sweep.html", page_size, {label: p for (p, _), label in labels.items()})
     print(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"\n{len(runs)} runs under {root}/; curves in {root}/sweep.html, table in {root}/sweep.csv")
@@ -271,9 +339,18 @@ def _sweep_html(table: Any, path: Path, page_size: int, policy_of: dict[str, str
     from plotly.offline import get_plotlyjs
     from plotly.subplots import make_subplots
 
-    fig = make_subplots(rows=2, cols=2, horizontal_spacing=0.08, vertical_spacing=0.14, subplot_titles=(
-        "quality: answer accuracy", "quality: mean KL(teacher ‖ run), nats (full cache: 0)",
-        f"physical KV bytes per token (dashed: pages of {page_size} tokens)", "decode latency, ms per token"))
+    fig = make_subplots(
+        rows=2,
+        cols=2,
+        horizontal_spacing=0.08,
+        vertical_spacing=0.14,
+        subplot_titles=(
+            "quality: answer accuracy",
+            "quality: mean KL(teacher ‖ run), nats (full cache: 0)",
+            f"physical KV bytes per token (dashed: pages of {page_size} tokens)",
+            "decode latency, ms per token",
+        ),
+    )
     is_full = table["policy"].map(lambda label: not registry.get(policy_of[label]).evicts)
     full = table[is_full]
     drawn: set[str] = set()
@@ -286,33 +363,61 @@ def _sweep_html(table: Any, path: Path, page_size: int, policy_of: dict[str, str
         common = dict(x=x, legendgroup=label, line={"color": color, "dash": dash}, marker={"color": color})
         fig.add_trace(go.Scatter(y=g["accuracy"], name=label, mode="lines+markers", **common), row=1, col=1)
         kl = g["kl_mean"].where(g["kl_mean"] > 0)  # log axis: the full cache's KL of 0 is left out
-        fig.add_trace(go.Scatter(y=kl, name=label, showlegend=False, mode="lines+markers", **common),
-                      row=1, col=2)
-        fig.add_trace(go.Scatter(y=g["kv_bytes_per_token"], name=f"{label} tokens", showlegend=False,
-                                 mode="lines+markers", **common), row=2, col=1)
-        fig.add_trace(go.Scatter(y=g["paged_bytes_per_token"], name=f"{label} pages", showlegend=False,
-                                 mode="lines", **{**common, "line": {"color": color, "dash": "dash"}}), row=2, col=1)
-        fig.add_trace(go.Scatter(y=g["ms_per_token"], name=label, showlegend=False, mode="lines+markers",
-                                 **common), row=2, col=2)
+        fig.add_trace(go.Scatter(y=kl, name=label, showlegend=False, mode="lines+markers", **common), row=1, col=2)
+        fig.add_trace(
+            go.Scatter(
+                y=g["kv_bytes_per_token"], name=f"{label} tokens", showlegend=False, mode="lines+markers", **common
+            ),
+            row=2,
+            col=1,
+        )
+        fig.add_trace(
+            go.Scatter(
+                y=g["paged_bytes_per_token"],
+                name=f"{label} pages",
+                showlegend=False,
+                mode="lines",
+                **{**common, "line": {"color": color, "dash": "dash"}},
+            ),
+            row=2,
+            col=1,
+        )
+        fig.add_trace(
+            go.Scatter(y=g["ms_per_token"], name=label, showlegend=False, mode="lines+markers", **common), row=2, col=2
+        )
     ticks = sorted({float(v) * 100 for v in table["keep_ratio"]})
     for row in (1, 2):
         for col in (1, 2):
-            fig.update_xaxes(title_text="keep ratio (%)", type="log", tickvals=ticks,
-                             ticktext=[f"{t:g}" for t in ticks], row=row, col=col)
+            fig.update_xaxes(
+                title_text="keep ratio (%)",
+                type="log",
+                tickvals=ticks,
+                ticktext=[f"{t:g}" for t in ticks],
+                row=row,
+                col=col,
+            )
     fig.update_yaxes(range=[-0.05, 1.05], row=1, col=1)
     fig.update_yaxes(type="log", row=1, col=2)
     fig.update_yaxes(rangemode="tozero", row=2, col=1)
     fig.update_yaxes(rangemode="tozero", row=2, col=2)
-    fig.update_layout(height=820, width=1300, title="H2O Lens budget sweep: quality, physical memory and "
-                      "latency against keep ratio", legend={"title": {"text": "policy"}})
+    fig.update_layout(
+        height=820,
+        width=1300,
+        title="H2O Lens budget sweep: quality, physical memory and latency against keep ratio",
+        legend={"title": {"text": "policy"}},
+    )
     body = fig.to_json()
-    style = ("body{font-family:sans-serif;margin:24px}table{border-collapse:collapse;font-size:13px}"
-             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f3f3f3}")
-    html = (f"<!doctype html><html><head><meta charset='utf-8'><title>H2O Lens sweep</title>"
-            f"<style>{style}</style><script>{get_plotlyjs()}</script></head><body><div id='fig'></div>"
-            f"<script>const f={body};Plotly.newPlot('fig',f.data,f.layout);</script>"
-            f"<h3>Per policy and keep ratio (means over tasks; latency: median)</h3>"
-            f"{table.to_html(index=False, border=0, float_format=lambda v: f'{v:.4g}')}</body></html>")
+    style = (
+        "body{font-family:sans-serif;margin:24px}table{border-collapse:collapse;font-size:13px}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f3f3f3}"
+    )
+    html = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>H2O Lens sweep</title>"
+        f"<style>{style}</style><script>{get_plotlyjs()}</script></head><body><div id='fig'></div>"
+        f"<script>const f={body};Plotly.newPlot('fig',f.data,f.layout);</script>"
+        f"<h3>Per policy and keep ratio (means over tasks; latency: median)</h3>"
+        f"{table.to_html(index=False, border=0, float_format=lambda v: f'{v:.4g}')}</body></html>"
+    )
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(html, encoding="utf-8")
     os.replace(tmp, path)
@@ -322,8 +427,9 @@ def _sweep_html(table: Any, path: Path, page_size: int, policy_of: dict[str, str
 SAMPLE_TASKS = ("delayed_recall_0", "multi_fact_0", "long_passage_0")
 
 
-def make_sample_runs(out: str | os.PathLike = "sample_runs", *, model: Any = None, tokenizer: Any = None,
-                     progress: bool = True) -> list[str]:
+def make_sample_runs(
+    out: str | os.PathLike = "sample_runs", *, model: Any = None, tokenizer: Any = None, progress: bool = True
+) -> list[str]:
     """Regenerate the shipped sample runs (≤ 20 MB): policy cases and a few real tasks.
 
     * every synthetic policy case under H2O, plus the baselines that show its
@@ -350,8 +456,11 @@ def make_sample_runs(out: str | os.PathLike = "sample_runs", *, model: Any = Non
     made = []
     for case in policy_cases():
         made.append(write_policy_case(root, case).name)
-        extra = {"far_hotspot": [("local", "sum")], "gqa_split": [("h2o", "max"), ("h2o", "none")],
-                 "delayed_reference": [("local", "sum")]}.get(case.name, [])
+        extra = {
+            "far_hotspot": [("local", "sum")],
+            "gqa_split": [("h2o", "max"), ("h2o", "none")],
+            "delayed_reference": [("local", "sum")],
+        }.get(case.name, [])
         for policy, gqa in extra:
             made.append(write_policy_case(root, case, policy=policy, gqa=gqa).name)
     if model is None:
@@ -361,17 +470,30 @@ def make_sample_runs(out: str | os.PathLike = "sample_runs", *, model: Any = Non
         runs = {}
         for policy, ratio in (("full", None), ("h2o", 0.2), ("h2o", 0.1), ("local", 0.2)):
             pct = "100" if ratio is None else f"{round(ratio * 100)}"
-            runs[(policy, ratio)] = run_task(model, tokenizer, task, _config(policy, ratio), root, ratio=ratio,
-                                             name=f"{name} {policy} {pct}%",
-                                             run_id=f"{name}-{policy}-{pct}".replace("_", "-"))
+            runs[(policy, ratio)] = run_task(
+                model,
+                tokenizer,
+                task,
+                _config(policy, ratio),
+                root,
+                ratio=ratio,
+                name=f"{name} {policy} {pct}%",
+                run_id=f"{name}-{policy}-{pct}".replace("_", "-"),
+            )
             made.append(runs[(policy, ratio)].run_id)
         base = runs[("h2o", 0.2)]
         resolved = json.loads((base.run_dir / "manifest.json").read_text())["config"]
         for gqa in ("max", "none"):
             cfg = H2OConfig(heavy=resolved["heavy"], recent=resolved["recent"], gqa=gqa)
-            rec = record_teacher_forced(model, base.run_dir, cfg, out=root, tokenizer=tokenizer,
-                                        name=f"{name} h2o 20% gqa={gqa} (same tokens)",
-                                        run_id=f"{name}-h2o-20-{gqa}-paired".replace("_", "-"))
+            rec = record_teacher_forced(
+                model,
+                base.run_dir,
+                cfg,
+                out=root,
+                tokenizer=tokenizer,
+                name=f"{name} h2o 20% gqa={gqa} (same tokens)",
+                run_id=f"{name}-h2o-20-{gqa}-paired".replace("_", "-"),
+            )
             replay_run(rec.run_dir, model=model, progress=False)
             made.append(rec.run_id)
     size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())

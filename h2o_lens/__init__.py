@@ -4,6 +4,7 @@ The public API is re-exported lazily so that ``import h2o_lens`` stays cheap
 and needs no pyarrow, duckdb or streamlit. Recording lives one layer up, in
 :mod:`recorders` (``recorders.record``): this package imports nothing above it.
 """
+
 from __future__ import annotations
 
 import importlib

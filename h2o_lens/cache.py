@@ -7,6 +7,7 @@ positions of its ``B`` slots per request and KV set, with a few verbs
 function (:mod:`h2o_lens.hooks`); ``update`` hands the layer to it through
 the kwargs dict that the attention modules pass on (DESIGN.md §3).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,25 +66,30 @@ class DecodeEvent:
     kept: torch.Tensor
 
     def stats(self, recent: torch.Tensor | int, sink: torch.Tensor | int = 0) -> policy.StepStats:
-        return decode_stats(self.cand_scores, self.cand_positions, self.slot, self.evicts,
-                            self.step, recent, sink)
+        return decode_stats(self.cand_scores, self.cand_positions, self.slot, self.evicts, self.step, recent, sink)
 
 
-def decode_stats(cand_scores: torch.Tensor, cand_positions: torch.Tensor, slot: torch.Tensor,
-                 evicts: torch.Tensor, step: torch.Tensor, recent: torch.Tensor | int,
-                 sink: torch.Tensor | int = 0) -> policy.StepStats:
+def decode_stats(
+    cand_scores: torch.Tensor,
+    cand_positions: torch.Tensor,
+    slot: torch.Tensor,
+    evicts: torch.Tensor,
+    step: torch.Tensor,
+    recent: torch.Tensor | int,
+    sink: torch.Tensor | int = 0,
+) -> policy.StepStats:
     """:class:`~h2o_lens.policy.StepStats` of decode steps, any leading dims.
 
     ``cand_* (..., Hs, B + 1)``, ``slot, evicts (..., Hs)``, ``step (...)``;
     ``recent`` and ``sink`` ints, or per-request tensors broadcastable to ``step``.
     """
+
     def col(x, n):  # an int, or a tensor with n trailing unit dims
         return x[(...,) + (None,) * n] if isinstance(x, torch.Tensor) else x
 
     step_col = step[..., None, None]
     eligible = policy.eligible_mask(cand_positions, step_col, col(recent, 2), col(sink, 2))
-    return policy.step_stats(cand_scores, cand_positions, eligible, slot, evicts, step[..., None],
-                             col(recent, 1))
+    return policy.step_stats(cand_scores, cand_positions, eligible, slot, evicts, step[..., None], col(recent, 1))
 
 
 class CacheListener(Protocol):
@@ -124,14 +130,16 @@ class H2OCacheLayer(CacheLayerMixin):
         self.device = key_states.device
         self.dtype = key_states.dtype
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               kwargs: dict | None = None, **extra: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, kwargs: dict | None = None, **extra: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage the new K/V for the attention function; returns them unchanged."""
         if kwargs is None:
             raise UnsupportedModelError(
                 f"layer {self.layer_idx}: the attention module called cache.update without its "
                 "kwargs dict, so the H2O attention function cannot reach the cache; this "
-                "architecture is not supported (supported: Llama, Qwen2/3, Mistral, Phi-3 families)")
+                "architecture is not supported (supported: Llama, Qwen2/3, Mistral, Phi-3 families)"
+            )
         if self.owner.group > 1 and self.owner.config.gqa == "none":
             key_states = key_states.repeat_interleave(self.owner.group, dim=1)
             value_states = value_states.repeat_interleave(self.owner.group, dim=1)
@@ -186,13 +194,15 @@ class H2OCacheLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         raise UnsupportedModelError(
             "the H2O cache cannot be cropped: an eviction is irreversible, so assisted or "
-            "speculative decoding (which rolls tokens back) is not supported; generate without it")
+            "speculative decoding (which rolls tokens back) is not supported; generate without it"
+        )
 
     # -- H2O verbs ---------------------------------------------------------------
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pending is None:
             raise UnsupportedModelError(
-                f"layer {self.layer_idx}: the attention function ran without a preceding cache.update")
+                f"layer {self.layer_idx}: the attention function ran without a preceding cache.update"
+            )
         kv, self.pending = self.pending, None
         return kv
 
@@ -223,12 +233,10 @@ class H2OCacheLayer(CacheLayerMixin):
 
                 scores = prefill_scores_triton(query.contiguous(), key.contiguous(), valid, scaling, gqa)
         else:
-            out, scores = ops.prefill_attention(query, key, value, valid, scaling, gqa,
-                                                chunk=owner.prefill_chunk)
+            out, scores = ops.prefill_attention(query, key, value, valid, scaling, gqa, chunk=owner.prefill_chunk)
             if spec.prefill != "columns":
                 scores = None
-        rows = ops.prefill_rows(query, key, valid, scaling, gqa, spec.prefill_rows) \
-            if spec.prefill == "rows" else None
+        rows = ops.prefill_rows(query, key, valid, scaling, gqa, spec.prefill_rows) if spec.prefill == "rows" else None
         dtype = scores.dtype if scores is not None else torch.promote_types(query.dtype, torch.float32)
         if valid is None:
             pos = torch.arange(p, device=key.device, dtype=POS_DTYPE).expand(b, p)
@@ -246,9 +254,15 @@ class H2OCacheLayer(CacheLayerMixin):
         heads = owner.group if gqa != "none" else 1
         for group_rows, args in self.groups():
             sel = slice(None) if group_rows is None else group_rows
-            drive[sel], hist = ops.prefill_scores(None if scores is None else scores[sel],
-                                                  None if rows is None else rows[sel], positions[sel], args,
-                                                  self.layer_idx, dtype, heads)
+            drive[sel], hist = ops.prefill_scores(
+                None if scores is None else scores[sel],
+                None if rows is None else rows[sel],
+                positions[sel],
+                args,
+                self.layer_idx,
+                dtype,
+                heads,
+            )
             if history is not None:
                 history[sel] = hist
             keep[sel] = policy.prefill_keep(drive[sel], positions[sel], args.heavy, args.recent, args.sink)
@@ -277,8 +291,10 @@ class H2OCacheLayer(CacheLayerMixin):
         self.fill = None if bool((fill >= caps).all()) else fill
         self.is_initialized = True
         if owner.listener is not None:
-            owner.listener.on_prefill(self.layer_idx, PrefillEvent(
-                positions=positions, scores=drive, keep=keep, eligible=eligible, step=count - 1))
+            owner.listener.on_prefill(
+                self.layer_idx,
+                PrefillEvent(positions=positions, scores=drive, keep=keep, eligible=eligible, step=count - 1),
+            )
         return out
 
     def decode(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -295,14 +311,35 @@ class H2OCacheLayer(CacheLayerMixin):
         cap = self.keys.shape[2]
         groups = self.groups()
         if len(groups) == 1 and groups[0][0] is None and groups[0][1].capacity == cap:
-            res = self._step(groups[0][1], q, k, v, self.keys, self.values, self.scores, self.positions,
-                             step, self.fill, scaling, listener is not None, self.history)
+            res = self._step(
+                groups[0][1],
+                q,
+                k,
+                v,
+                self.keys,
+                self.values,
+                self.scores,
+                self.positions,
+                step,
+                self.fill,
+                scaling,
+                listener is not None,
+                self.history,
+            )
         else:
             res = self._step_groups(groups, q, k, v, step, scaling, listener is not None)
         if listener is not None:
-            listener.on_decode(self.layer_idx, DecodeEvent(
-                step=step, slot=res.slot, evicts=res.evicts, cand_scores=res.cand_scores,
-                cand_positions=res.cand_positions, kept=self.positions))
+            listener.on_decode(
+                self.layer_idx,
+                DecodeEvent(
+                    step=step,
+                    slot=res.slot,
+                    evicts=res.evicts,
+                    cand_scores=res.cand_scores,
+                    cand_positions=res.cand_positions,
+                    kept=self.positions,
+                ),
+            )
         self.next_pos = step + 1
         if self.fill is not None:
             caps = owner.row_capacity(self.budget)
@@ -311,17 +348,46 @@ class H2OCacheLayer(CacheLayerMixin):
                 self.fill = None
         return res.out[:, None]
 
-    def _step(self, args: ops.PolicyArgs, q, k, v, keys, values, scores, positions, step, fill,
-              scaling: float, want: bool, history: torch.Tensor | None = None) -> ops.DecodeResult:
+    def _step(
+        self,
+        args: ops.PolicyArgs,
+        q,
+        k,
+        v,
+        keys,
+        values,
+        scores,
+        positions,
+        step,
+        fill,
+        scaling: float,
+        want: bool,
+        history: torch.Tensor | None = None,
+    ) -> ops.DecodeResult:
         """The fused Triton step when the backend and the policy have one (``Policy.kernels``) and
         no listener needs the candidate set; the torch step otherwise."""
         if not want and self.owner.backend == "triton" and "decode" in args.spec.kernels:
             from .kernels import decode_step_triton
 
-            return decode_step_triton(q, k, v, keys, values, scores, positions, step, fill, scaling, args,
-                                      layer=self.layer_idx)
-        return ops.decode_step(q, k, v, keys, values, scores, positions, step, fill, scaling, args,
-                               layer=self.layer_idx, history=history, want_candidates=want)
+            return decode_step_triton(
+                q, k, v, keys, values, scores, positions, step, fill, scaling, args, layer=self.layer_idx
+            )
+        return ops.decode_step(
+            q,
+            k,
+            v,
+            keys,
+            values,
+            scores,
+            positions,
+            step,
+            fill,
+            scaling,
+            args,
+            layer=self.layer_idx,
+            history=history,
+            want_candidates=want,
+        )
 
     def _step_groups(self, groups, q, k, v, step, scaling: float, want: bool) -> ops.DecodeResult:
         """One decode step per budget on its rows and its first ``B_r`` slots, written back."""
@@ -330,8 +396,9 @@ class H2OCacheLayer(CacheLayerMixin):
         slot = torch.empty(b, hs, dtype=torch.int64, device=q.device)
         evicts = torch.empty(b, hs, dtype=torch.bool, device=q.device)
         cand_s = self.scores.new_zeros(b, hs, cap + 1) if want else None
-        cand_p = torch.full((b, hs, cap + 1), policy.EMPTY, dtype=self.positions.dtype,
-                            device=q.device) if want else None
+        cand_p = (
+            torch.full((b, hs, cap + 1), policy.EMPTY, dtype=self.positions.dtype, device=q.device) if want else None
+        )
         for rows, args in groups:
             sel = torch.arange(b, device=q.device) if rows is None else rows
             c = args.capacity
@@ -342,8 +409,18 @@ class H2OCacheLayer(CacheLayerMixin):
             fill = None if self.fill is None else self.fill[sel]
             if fill is not None and bool((fill >= c).all()):
                 fill = None
-            res = self._step(args, q[sel], k[sel], v[sel], *state[:4], step[sel], fill, scaling, want,
-                             state[4] if len(state) > 4 else None)
+            res = self._step(
+                args,
+                q[sel],
+                k[sel],
+                v[sel],
+                *state[:4],
+                step[sel],
+                fill,
+                scaling,
+                want,
+                state[4] if len(state) > 4 else None,
+            )
             for t, new in zip(stored, state):
                 t[sel, :, :c] = new
             out[sel] = res.out
@@ -359,8 +436,7 @@ class H2OCacheLayer(CacheLayerMixin):
         if self.keys is None:
             return 0, 0
         kv = self.keys.numel() * self.keys.element_size() * 2
-        meta = self.scores.numel() * self.scores.element_size() \
-            + self.positions.numel() * self.positions.element_size()
+        meta = self.scores.numel() * self.scores.element_size() + self.positions.numel() * self.positions.element_size()
         if self.history is not None:
             meta += self.history.numel() * self.history.element_size()
         return kv, meta
@@ -379,13 +455,14 @@ class H2OCache(Cache):
         Receives an event per layer at prefill and at every decode step.
     """
 
-    def __init__(self, config: H2OConfig, model_config: Any, listener: CacheListener | None = None,
-                 prefill_chunk: int = 512):
+    def __init__(
+        self, config: H2OConfig, model_config: Any, listener: CacheListener | None = None, prefill_chunk: int = 512
+    ):
         if not config.spec.evicts:
-            raise ConfigError(f"policy {config.policy!r} uses transformers' own cache; "
-                              "H2OCache needs an evicting policy")
-        text = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") \
-            else model_config
+            raise ConfigError(
+                f"policy {config.policy!r} uses transformers' own cache; H2OCache needs an evicting policy"
+            )
+        text = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
         n_layers = text.num_hidden_layers
         hq = text.num_attention_heads
         hkv = getattr(text, "num_key_value_heads", None) or hq
@@ -411,7 +488,8 @@ class H2OCache(Cache):
             raise ConfigError(
                 f"the requests of this cache have {len(self.budgets)} different budgets "
                 "(a keep ratio resolved per prompt length); read them per request with "
-                "cache.request_budgets() or cache.request_configs")
+                "cache.request_budgets() or cache.request_configs"
+            )
         return self.budgets[0]
 
     @property

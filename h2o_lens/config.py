@@ -8,6 +8,7 @@ counts once, with :meth:`H2OConfig.resolve`. What depends on the policy (its
 split, its budget check, whether it evicts) is read from the policy registry,
 :mod:`h2o_lens.policies` (DESIGN.md §2.9).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,8 @@ def _count(name: str, value: Any, *, allow_none: bool = True) -> None:
         raise ConfigError(
             f"{name} must be a whole number of KV slots, got {value!r} "
             f"({type(value).__name__}); pass an int such as {name}=64, "
-            "or use ratio=0.2 for a share of the prompt")
+            "or use ratio=0.2 for a share of the prompt"
+        )
     if value < 0:
         raise ConfigError(f"{name} must be >= 0, got {value}; pass a slot count such as {name}=64")
 
@@ -94,19 +96,26 @@ class H2OConfig:
             if self.heavy is not None or self.recent is not None:
                 raise ConfigError(
                     f"give either ratio or heavy/recent, got ratio={self.ratio!r}, "
-                    f"heavy={self.heavy!r}, recent={self.recent!r}")
-            if isinstance(self.ratio, bool) or not isinstance(self.ratio, numbers.Real) \
-                    or not math.isfinite(self.ratio) or not 0 < self.ratio <= 1:
+                    f"heavy={self.heavy!r}, recent={self.recent!r}"
+                )
+            if (
+                isinstance(self.ratio, bool)
+                or not isinstance(self.ratio, numbers.Real)
+                or not math.isfinite(self.ratio)
+                or not 0 < self.ratio <= 1
+            ):
                 raise ConfigError(f"ratio must be a number in (0, 1], got {self.ratio!r}; e.g. ratio=0.2")
             return
         if self.heavy is None or self.recent is None:
             raise ConfigError(
                 f"policy {self.policy!r} needs a budget: got heavy={self.heavy!r}, "
-                f"recent={self.recent!r}; pass both (e.g. heavy=64, recent=64) or ratio=0.2")
+                f"recent={self.recent!r}; pass both (e.g. heavy=64, recent=64) or ratio=0.2"
+            )
         if self.heavy + self.recent == 0:
             raise ConfigError(
                 "heavy + recent is 0: a cache of zero slots cannot attend to anything; "
-                "pass a positive budget such as heavy=64, recent=64")
+                "pass a positive budget such as heavy=64, recent=64"
+            )
         problem = self.spec.check_budget(self.heavy, self.recent, self.sink)
         if problem is not None:
             raise ConfigError(problem)
@@ -152,8 +161,8 @@ class H2OConfig:
     def _need_resolved(self) -> None:
         if not self.resolved:
             raise ConfigError(
-                f"budget ratio={self.ratio} is not resolved to slot counts yet; "
-                "call config.resolve(prompt_len) first")
+                f"budget ratio={self.ratio} is not resolved to slot counts yet; call config.resolve(prompt_len) first"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for manifests and Parquet metadata."""

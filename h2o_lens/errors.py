@@ -2,6 +2,7 @@
 
 Every error says what was received, what was expected and how to fix it.
 """
+
 from __future__ import annotations
 
 __all__ = [

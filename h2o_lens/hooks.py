@@ -5,6 +5,7 @@ Registered under one name, :data:`ATTN_NAME`, only while a scope
 :func:`attention_implementation` is that scope's registration, shared with
 the replay (:mod:`recorders.replay`), which registers its own functions.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,14 @@ class _Users:
 _users: dict[str, _Users] = {}  # name -> active uses (see attention_implementation)
 
 
-def h2o_mask(batch_size: int, q_length: int, kv_length: int, *args: Any,
-             attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
+def h2o_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    *args: Any,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
     """Pass the 2-D padding mask ``(b, kv_length)`` through unchanged.
 
     Causality and slot validity are built inside :func:`h2o_attention`; the
@@ -52,10 +59,17 @@ def h2o_mask(batch_size: int, q_length: int, kv_length: int, *args: Any,
     return attention_mask.to(torch.bool)
 
 
-def h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, scaling: float | None = None,
-                  dropout: float = 0.0, h2o_layer: Any = None, **kwargs: Any
-                  ) -> tuple[torch.Tensor, None]:
+def h2o_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    h2o_layer: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """Attention over the H2O cache of ``module``'s layer.
 
     ``query (b, Hq, q, d)``; ``key``/``value`` are what the cache's
@@ -65,13 +79,15 @@ def h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
         raise UnsupportedModelError(
             f"{type(module).__name__} ran the H2O attention without an H2O cache; inside "
             "h2o_lens.h2o(...) call model.generate(...), or pass cache=session.new_cache() "
-            "to the forward")
+            "to the forward"
+        )
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if window is not None and h2o_layer.seen > window:
         raise UnsupportedModelError(
             f"layer {h2o_layer.layer_idx} uses sliding-window attention (window {window}) and the "
             f"sequence reached {h2o_layer.seen} tokens; H2O Lens does not combine H2O with sliding "
-            "windows: use a model config with sliding_window=None or shorter sequences")
+            "windows: use a model config with sliding_window=None or shorter sequences"
+        )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     q_len = query.shape[2]
@@ -81,19 +97,22 @@ def h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
             if attention_mask.dim() != 2:
                 raise UnsupportedModelError(
                     f"expected a 2-D padding mask from the registered mask function, got shape "
-                    f"{tuple(attention_mask.shape)}; a model that builds its own 4-D mask is not supported")
+                    f"{tuple(attention_mask.shape)}; a model that builds its own 4-D mask is not supported"
+                )
             valid = attention_mask[:, -q_len:]
         return h2o_layer.prefill(query, valid, scaling), None
     if q_len != 1:
         raise UnsupportedModelError(
             f"layer {h2o_layer.layer_idx}: a forward of {q_len} tokens after the prefill; the H2O "
-            "cache decodes one token per step (chunked prefill and speculative decoding are not supported)")
+            "cache decodes one token per step (chunked prefill and speculative decoding are not supported)"
+        )
     return h2o_layer.decode(query, scaling), None
 
 
 @contextlib.contextmanager
-def attention_implementation(model: Any, name: str, attention_fn: Callable[..., Any],
-                             mask_fn: Callable[..., Any]) -> Iterator[None]:
+def attention_implementation(
+    model: Any, name: str, attention_fn: Callable[..., Any], mask_fn: Callable[..., Any]
+) -> Iterator[None]:
     """Run ``model`` with ``attention_fn`` and ``mask_fn`` registered under ``name``.
 
     Registers both with transformers' ``AttentionInterface`` and
@@ -129,8 +148,7 @@ def _acquire(name: str, attention_fn: Callable[..., Any], mask_fn: Callable[...,
     with _lock:
         held = _users.get(name)
         if held is None:
-            saved = (AttentionInterface._global_mapping.get(name),
-                     AttentionMaskInterface._global_mapping.get(name))
+            saved = (AttentionInterface._global_mapping.get(name), AttentionMaskInterface._global_mapping.get(name))
             AttentionInterface.register(name, attention_fn)
             AttentionMaskInterface.register(name, mask_fn)
             _users[name] = _Users(1, attention_fn, mask_fn, saved)
@@ -139,7 +157,8 @@ def _acquire(name: str, attention_fn: Callable[..., Any], mask_fn: Callable[...,
             raise ImplementationError(
                 f"the attention implementation {name!r} is already registered with other functions "
                 f"({held.functions[0]!r}, {held.functions[1]!r}) by an enclosing scope; give the "
-                "nested scope its own name or the same functions")
+                "nested scope its own name or the same functions"
+            )
         held.count += 1
 
 

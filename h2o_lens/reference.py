@@ -7,14 +7,14 @@ the other ranked policies (:mod:`h2o_lens.policies.tova`,
 kept sets and share the pieces defined here once: which prompt positions are
 kept (:func:`keep_prompt`) and which slot a decode step evicts (:func:`evict`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["simulate", "trace", "Trace", "check", "softmax", "aggregate", "uniform_share", "keep_prompt",
-           "evict"]
+__all__ = ["simulate", "trace", "Trace", "check", "softmax", "aggregate", "uniform_share", "keep_prompt", "evict"]
 
 
 @dataclass

@@ -8,6 +8,7 @@ Inside the scope ``model.generate`` builds a fresh :class:`H2OCache` for each
 call (unless one is passed as ``cache=``); on exit, exceptions included, the
 model's attention implementation and ``generate`` are restored exactly.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,23 +34,26 @@ def check_model(model: Any) -> None:
     if config is None or not hasattr(model, "generate"):
         raise UnsupportedModelError(
             f"expected a transformers causal LM (PreTrainedModel with .config and .generate), "
-            f"got {type(model).__name__}")
+            f"got {type(model).__name__}"
+        )
     text = config.get_text_config(decoder=True)
     if getattr(text, "is_encoder_decoder", False) or getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
-            f"{type(model).__name__} is an encoder-decoder model; H2O Lens hooks decoder-only causal LMs")
+            f"{type(model).__name__} is an encoder-decoder model; H2O Lens hooks decoder-only causal LMs"
+        )
     can_set = getattr(model, "_can_set_attn_implementation", None)
     if can_set is None or not can_set():
         raise UnsupportedModelError(
             f"{type(model).__name__} does not route attention through transformers' "
-            "AttentionInterface, so the H2O attention cannot be installed; supported families: "
-            + ", ".join(_TESTED))
+            "AttentionInterface, so the H2O attention cannot be installed; supported families: " + ", ".join(_TESTED)
+        )
     types = getattr(text, "layer_types", None) or []
     odd = sorted({t for t in types if t != "full_attention"})
     if odd:
         raise UnsupportedModelError(
             f"{type(model).__name__} has layers of type {odd}; H2O Lens supports models whose "
-            "layers all use full attention")
+            "layers all use full attention"
+        )
     if not hasattr(text, "num_attention_heads") or not hasattr(text, "num_hidden_layers"):
         raise UnsupportedModelError(f"{type(model).__name__}'s config has no attention head counts")
 
@@ -84,14 +88,16 @@ class H2OSession:
             if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
                 raise UnsupportedModelError(
                     "assisted/speculative decoding rolls tokens back, which an H2O cache cannot do; "
-                    "generate without assistant_model / prompt_lookup_num_tokens")
+                    "generate without assistant_model / prompt_lookup_num_tokens"
+                )
             kwargs["cache"] = self.new_cache()
         return original(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def h2o(model: Any, config: H2OConfig | None = None, *, listener: CacheListener | None = None,
-        **options: Any) -> Iterator[H2OSession]:
+def h2o(
+    model: Any, config: H2OConfig | None = None, *, listener: CacheListener | None = None, **options: Any
+) -> Iterator[H2OSession]:
     """Run ``model`` with H2O eviction inside a ``with`` block.
 
     Parameters

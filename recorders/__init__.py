@@ -17,6 +17,7 @@ This package needs numpy, pyarrow and duckdb only: logs open on machines
 without torch or a model. :func:`record`, :func:`record_teacher_forced` and
 :func:`replay` need torch and transformers, and are imported on first use.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -52,20 +53,52 @@ from .store import LoadedRun, RunCheck, check_run, list_runs, load_run, open_run
 
 __all__ = [
     # schema
-    "SCHEMA_VERSION", "TABLES", "TABLE_NAMES", "RUNS", "VIEW_NAMES", "KEYS", "empty_table",
+    "SCHEMA_VERSION",
+    "TABLES",
+    "TABLE_NAMES",
+    "RUNS",
+    "VIEW_NAMES",
+    "KEYS",
+    "empty_table",
     "to_arrow",
     # writing
-    "RunWriter", "SegmentWriter", "write_segment", "list_segments",
-    "new_run_id", "sanitize_run_id", "validate_run_id", "read_manifest", "mark_interrupted",
-    "MANIFEST_NAME", "STATUSES",
+    "RunWriter",
+    "SegmentWriter",
+    "write_segment",
+    "list_segments",
+    "new_run_id",
+    "sanitize_run_id",
+    "validate_run_id",
+    "read_manifest",
+    "mark_interrupted",
+    "MANIFEST_NAME",
+    "STATUSES",
     # reading
-    "open_runs", "list_runs", "query", "check_run", "load_run", "scan_root", "inspect_file",
-    "Catalog", "Problem", "SegmentFile", "RunCheck", "LoadedRun",
+    "open_runs",
+    "list_runs",
+    "query",
+    "check_run",
+    "load_run",
+    "scan_root",
+    "inspect_file",
+    "Catalog",
+    "Problem",
+    "SegmentFile",
+    "RunCheck",
+    "LoadedRun",
     # synthetic runs
-    "write_synthetic_run", "synthetic_tables",
+    "write_synthetic_run",
+    "synthetic_tables",
     # errors
-    "RecorderError", "RunIdError", "RunExistsError", "SchemaError", "SchemaVersionError",
-    "DamagedFileError", "ManifestError", "QueryError", "RecorderWarning",
+    "RecorderError",
+    "RunIdError",
+    "RunExistsError",
+    "SchemaError",
+    "SchemaVersionError",
+    "DamagedFileError",
+    "ManifestError",
+    "QueryError",
+    "RecorderWarning",
 ]
 
 #: the recording and replay entry points import torch: loaded on first access

@@ -13,6 +13,7 @@ With ``evictions_per_step = k > 1`` each logged step stands for a chunk of
 ``k`` new tokens that each evict one position (a load-test knob; H2O itself
 evicts one per step).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,9 +30,30 @@ from .schema import TABLE_NAMES, repeat_string, table_schema
 
 __all__ = ["write_synthetic_run", "synthetic_tables"]
 
-_WORDS = pa.array(["the", " cache", " key", " value", " token", " heavy", " hitter", " recent",
-                   " window", " score", " layer", " head", " attention", " evidence", " answer",
-                   " is", " of", " and", ",", "."])
+_WORDS = pa.array(
+    [
+        "the",
+        " cache",
+        " key",
+        " value",
+        " token",
+        " heavy",
+        " hitter",
+        " recent",
+        " window",
+        " score",
+        " layer",
+        " head",
+        " attention",
+        " evidence",
+        " answer",
+        " is",
+        " of",
+        " and",
+        ",",
+        ".",
+    ]
+)
 _PHASES = pa.array(["prefill", "decode"])
 _VOCAB = 49152
 _NEEDLE = "needle"
@@ -53,8 +75,7 @@ def _table(name: str, run_id: str, n: int, columns: dict[str, Any]) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _prev_occupants(promoted: np.ndarray, slot: np.ndarray, exits: np.ndarray,
-                    init: np.ndarray) -> np.ndarray:
+def _prev_occupants(promoted: np.ndarray, slot: np.ndarray, exits: np.ndarray, init: np.ndarray) -> np.ndarray:
     """Position evicted by each promotion: the previous occupant of the chosen heavy slot.
 
     promoted, slot: (G, M); exits: (M,) position entering the slot; init: (G, H).
@@ -62,9 +83,9 @@ def _prev_occupants(promoted: np.ndarray, slot: np.ndarray, exits: np.ndarray,
     """
     g_count, m = promoted.shape
     h = init.shape[1]
-    flat = np.flatnonzero(promoted)                       # event order: head, then time
-    key = (flat // m) * h + slot.ravel()[flat]            # (head, slot)
-    order = np.argsort(key, kind="stable")                # group by slot, keep time order
+    flat = np.flatnonzero(promoted)  # event order: head, then time
+    key = (flat // m) * h + slot.ravel()[flat]  # (head, slot)
+    order = np.argsort(key, kind="stable")  # group by slot, keep time order
     skey, sflat = key[order], flat[order]
     first = np.ones(len(skey), bool)
     first[1:] = skey[1:] != skey[:-1]
@@ -80,22 +101,23 @@ def _prev_occupants(promoted: np.ndarray, slot: np.ndarray, exits: np.ndarray,
 class _Stream:
     """The eviction stream of one request, per (layer, KV head) ``G`` and sub-step ``M``."""
 
-    layer_of: np.ndarray      # (G,) layer of each stream
-    head_of: np.ndarray       # (G,) KV head of each stream
-    init: np.ndarray          # (G, H) heavy positions kept by the prefill
-    pre: dict | None          # prefill victims: pos, score, margin (G, P - R - H); None if none
-    t: np.ndarray             # (M,) sub-steps
-    exits: np.ndarray         # (M,) position leaving the recent window
-    logged: np.ndarray        # (M,) step column
-    thr: np.ndarray           # (G, M) min heavy score
-    promoted: np.ndarray      # (G, M) the exiting token took a heavy slot
-    victim: np.ndarray        # (G, M) position evicted
-    score: np.ndarray         # (G, M)
-    margin: np.ndarray        # (G, M)
+    layer_of: np.ndarray  # (G,) layer of each stream
+    head_of: np.ndarray  # (G,) KV head of each stream
+    init: np.ndarray  # (G, H) heavy positions kept by the prefill
+    pre: dict | None  # prefill victims: pos, score, margin (G, P - R - H); None if none
+    t: np.ndarray  # (M,) sub-steps
+    exits: np.ndarray  # (M,) position leaving the recent window
+    logged: np.ndarray  # (M,) step column
+    thr: np.ndarray  # (G, M) min heavy score
+    promoted: np.ndarray  # (G, M) the exiting token took a heavy slot
+    victim: np.ndarray  # (G, M) position evicted
+    score: np.ndarray  # (G, M)
+    margin: np.ndarray  # (G, M)
 
 
-def _prefill(rng: np.random.Generator, scale: np.ndarray, prompt_len: int, heavy: int,
-             recent: int) -> tuple[np.ndarray, dict | None, int]:
+def _prefill(
+    rng: np.random.Generator, scale: np.ndarray, prompt_len: int, heavy: int, recent: int
+) -> tuple[np.ndarray, dict | None, int]:
     """Keep the recent tail and the top-``heavy`` of the rest: (kept heavy, victims, first sub-step)."""
     g_count, big_p = len(scale), prompt_len
     n_old = big_p - recent
@@ -103,30 +125,39 @@ def _prefill(rng: np.random.Generator, scale: np.ndarray, prompt_len: int, heavy
         return np.broadcast_to(np.arange(heavy), (g_count, heavy)).copy(), None, heavy + recent
     pos = np.arange(n_old)
     key = rng.lognormal(0.0, 0.8, (g_count, n_old)) * np.log1p(big_p - pos) * scale[:, None]
-    order = np.argsort(-key, axis=1, kind="stable")                 # (G, n_old)
-    init = np.sort(order[:, :heavy], axis=1)                        # (G, H) kept
-    gone = order[:, heavy:]                                         # (G, n_old - H)
-    thr0 = np.take_along_axis(key, order[:, heavy - 1:heavy], 1)    # (G, 1) lowest kept
+    order = np.argsort(-key, axis=1, kind="stable")  # (G, n_old)
+    init = np.sort(order[:, :heavy], axis=1)  # (G, H) kept
+    gone = order[:, heavy:]  # (G, n_old - H)
+    thr0 = np.take_along_axis(key, order[:, heavy - 1 : heavy], 1)  # (G, 1) lowest kept
     pre_score = np.take_along_axis(key, gone, 1)
     return init, {"pos": gone, "score": pre_score, "margin": thr0 - pre_score}, big_p
 
 
-def _stream(rng: np.random.Generator, *, layers: int, kv_heads: int, steps: int, prompt_len: int,
-            heavy: int, recent: int, k: int) -> _Stream:
+def _stream(
+    rng: np.random.Generator,
+    *,
+    layers: int,
+    kv_heads: int,
+    steps: int,
+    prompt_len: int,
+    heavy: int,
+    recent: int,
+    k: int,
+) -> _Stream:
     """Prefill, then at each sub-step promote the exiting token if it beats the heavy threshold."""
     g_count, big_p = layers * kv_heads, prompt_len
-    layer_of = np.repeat(np.arange(layers, dtype=np.int16), kv_heads)   # (G,)
-    head_of = np.tile(np.arange(kv_heads, dtype=np.int16), layers)      # (G,)
-    scale = rng.lognormal(0.0, 0.3, g_count)                            # (G,)
+    layer_of = np.repeat(np.arange(layers, dtype=np.int16), kv_heads)  # (G,)
+    head_of = np.tile(np.arange(kv_heads, dtype=np.int16), layers)  # (G,)
+    scale = rng.lognormal(0.0, 0.3, g_count)  # (G,)
     init, pre, t_start = _prefill(rng, scale, prompt_len, heavy, recent)
-    t = np.arange(t_start, big_p + steps * k)                           # (M,) sub-steps
-    exits = t - recent                                                  # (M,)
+    t = np.arange(t_start, big_p + steps * k)  # (M,) sub-steps
+    exits = t - recent  # (M,)
     m = len(t)
-    logged = big_p - 1 + ((t - big_p) // k + 1) * k                    # (M,) step column
+    logged = big_p - 1 + ((t - big_p) // k + 1) * k  # (M,) step column
     frac = np.arange(m) / max(m, 1)
     drift = rng.uniform(0.0, 1.8, g_count)[:, None]
-    mu = rng.normal(0.1, 0.2, g_count)[:, None] - drift * frac          # (G, M)
-    thr = scale[:, None] * (1.0 + np.log1p(t / big_p))[None, :] * 2.0   # (G, M) min heavy
+    mu = rng.normal(0.1, 0.2, g_count)[:, None] - drift * frac  # (G, M)
+    thr = scale[:, None] * (1.0 + np.log1p(t / big_p))[None, :] * 2.0  # (G, M) min heavy
     ratio = np.exp(mu + rng.normal(0.0, 0.6, (g_count, m)))
     promoted = ratio > 1.0
     slot = rng.integers(0, heavy, (g_count, m))
@@ -140,16 +171,25 @@ def _stream(rng: np.random.Generator, *, layers: int, kv_heads: int, steps: int,
 def _evictions(st: _Stream, request: int, prompt_len: int) -> dict[str, Any]:
     """Evictions rows: the prefill's victims, then one per sub-step, per stream."""
     g_count, m = st.promoted.shape
-    parts = {"step": [np.broadcast_to(st.logged, (g_count, m))], "position": [st.victim],
-             "score": [st.score], "margin": [st.margin], "left_recent": [~st.promoted],
-             "phase": [np.ones((g_count, m), np.int8)]}
+    parts = {
+        "step": [np.broadcast_to(st.logged, (g_count, m))],
+        "position": [st.victim],
+        "score": [st.score],
+        "margin": [st.margin],
+        "left_recent": [~st.promoted],
+        "phase": [np.ones((g_count, m), np.int8)],
+    }
     if st.pre is not None:
         pre = st.pre
         n_pre = pre["pos"].shape[1]
-        for name, value in (("step", np.full((g_count, n_pre), prompt_len - 1)),
-                            ("position", pre["pos"]), ("score", pre["score"]),
-                            ("margin", pre["margin"]), ("left_recent", np.zeros_like(pre["pos"], bool)),
-                            ("phase", np.zeros((g_count, n_pre), np.int8))):
+        for name, value in (
+            ("step", np.full((g_count, n_pre), prompt_len - 1)),
+            ("position", pre["pos"]),
+            ("score", pre["score"]),
+            ("margin", pre["margin"]),
+            ("left_recent", np.zeros_like(pre["pos"], bool)),
+            ("phase", np.zeros((g_count, n_pre), np.int8)),
+        ):
             parts[name].insert(0, value)
     cols = {name: np.concatenate(v, axis=1).ravel() for name, v in parts.items()}
     per_head = cols["step"].size // g_count
@@ -184,8 +224,9 @@ def _steps(st: _Stream, request: int, step_rows: np.ndarray, heavy: int, recent:
     }
 
 
-def _replay(rng: np.random.Generator, request: int, step_values: np.ndarray, layers: int, kv_heads: int,
-            q_heads: int) -> dict[str, Any]:
+def _replay(
+    rng: np.random.Generator, request: int, step_values: np.ndarray, layers: int, kv_heads: int, q_heads: int
+) -> dict[str, Any]:
     """Replay rows: a dropped mass per step, layer and query head."""
     steps = len(step_values)
     group = q_heads // kv_heads
@@ -197,8 +238,7 @@ def _replay(rng: np.random.Generator, request: int, step_values: np.ndarray, lay
         "step": np.broadcast_to(step_values[:, None, None], shape).ravel(),
         "layer": np.broadcast_to(np.arange(layers, dtype=np.int16)[None, :, None], shape).ravel(),
         "q_head": np.broadcast_to(np.arange(q_heads, dtype=np.int16)[None, None, :], shape).ravel(),
-        "kv_head": np.broadcast_to((np.arange(q_heads) // group).astype(np.int16)[None, None, :],
-                                   shape).ravel(),
+        "kv_head": np.broadcast_to((np.arange(q_heads) // group).astype(np.int16)[None, None, :], shape).ravel(),
         "dropped_mass": np.clip(mass, 0.0, 1.0).astype(np.float32).ravel(),
     }
 
@@ -234,12 +274,24 @@ def _tokens(rng: np.random.Generator, request: int, n_pos: int, prompt_len: int)
     }
 
 
-def _request_tables(rng: np.random.Generator, *, request: int, layers: int, kv_heads: int,
-                    q_heads: int, steps: int, prompt_len: int, heavy: int, recent: int,
-                    k: int, wanted: set[str]) -> dict[str, dict[str, Any]]:
+def _request_tables(
+    rng: np.random.Generator,
+    *,
+    request: int,
+    layers: int,
+    kv_heads: int,
+    q_heads: int,
+    steps: int,
+    prompt_len: int,
+    heavy: int,
+    recent: int,
+    k: int,
+    wanted: set[str],
+) -> dict[str, dict[str, Any]]:
     """Columns of the ``wanted`` tables of one request (random draws in a fixed order)."""
-    st = _stream(rng, layers=layers, kv_heads=kv_heads, steps=steps, prompt_len=prompt_len,
-                 heavy=heavy, recent=recent, k=k)
+    st = _stream(
+        rng, layers=layers, kv_heads=kv_heads, steps=steps, prompt_len=prompt_len, heavy=heavy, recent=recent, k=k
+    )
     out: dict[str, dict[str, Any]] = {}
     if "evictions" in wanted:
         out["evictions"] = _evictions(st, request, prompt_len)
@@ -247,7 +299,7 @@ def _request_tables(rng: np.random.Generator, *, request: int, layers: int, kv_h
     step_rows = np.flatnonzero((st.t - prompt_len) % k == k - 1) if m else np.zeros(0, np.int64)
     if "steps" in wanted and len(step_rows):
         out["steps"] = _steps(st, request, step_rows, heavy, recent)
-    step_values = prompt_len - 1 + k * np.arange(1, steps + 1)          # (S,)
+    step_values = prompt_len - 1 + k * np.arange(1, steps + 1)  # (S,)
     if "replay" in wanted and steps:
         out["replay"] = _replay(rng, request, step_values, layers, kv_heads, q_heads)
     if "replay_steps" in wanted and steps:
@@ -257,18 +309,34 @@ def _request_tables(rng: np.random.Generator, *, request: int, layers: int, kv_h
     return out
 
 
-def synthetic_tables(run_id: str, *, layers: int = 4, kv_heads: int = 2, q_heads: int | None = None,
-                     steps: int = 64, prompt_len: int = 128, seed: int = 0,
-                     evictions_per_step: int = 1, heavy: int | None = None,
-                     recent: int | None = None, requests: int = 1,
-                     tables: Iterable[str] = TABLE_NAMES) -> dict[str, list[pa.Table]]:
+def synthetic_tables(
+    run_id: str,
+    *,
+    layers: int = 4,
+    kv_heads: int = 2,
+    q_heads: int | None = None,
+    steps: int = 64,
+    prompt_len: int = 128,
+    seed: int = 0,
+    evictions_per_step: int = 1,
+    heavy: int | None = None,
+    recent: int | None = None,
+    requests: int = 1,
+    tables: Iterable[str] = TABLE_NAMES,
+) -> dict[str, list[pa.Table]]:
     """Synthetic tables of one run in memory, one table per request (see :func:`write_synthetic_run`)."""
     q_heads = 3 * kv_heads if q_heads is None else q_heads
     heavy = max(1, prompt_len // 4) if heavy is None else heavy
     recent = max(1, prompt_len // 4) if recent is None else recent
-    for name, value in (("layers", layers), ("kv_heads", kv_heads), ("q_heads", q_heads),
-                        ("heavy", heavy), ("recent", recent), ("requests", requests),
-                        ("evictions_per_step", evictions_per_step)):
+    for name, value in (
+        ("layers", layers),
+        ("kv_heads", kv_heads),
+        ("q_heads", q_heads),
+        ("heavy", heavy),
+        ("recent", recent),
+        ("requests", requests),
+        ("evictions_per_step", evictions_per_step),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     for name, value in (("steps", steps), ("prompt_len", prompt_len)):
@@ -283,23 +351,49 @@ def synthetic_tables(run_id: str, *, layers: int = 4, kv_heads: int = 2, q_heads
     rng = np.random.default_rng(seed)
     out: dict[str, list[pa.Table]] = {t: [] for t in TABLE_NAMES if t in wanted}
     for request in range(requests):
-        cols = _request_tables(rng, request=request, layers=layers, kv_heads=kv_heads,
-                               q_heads=q_heads, steps=steps, prompt_len=prompt_len, heavy=heavy,
-                               recent=recent, k=evictions_per_step, wanted=wanted)
+        cols = _request_tables(
+            rng,
+            request=request,
+            layers=layers,
+            kv_heads=kv_heads,
+            q_heads=q_heads,
+            steps=steps,
+            prompt_len=prompt_len,
+            heavy=heavy,
+            recent=recent,
+            k=evictions_per_step,
+            wanted=wanted,
+        )
         for name in out:
             columns = cols.get(name)
-            out[name].append(_table(name, run_id, len(columns["request"]), columns)
-                             if columns else table_schema(name).empty_table())
+            out[name].append(
+                _table(name, run_id, len(columns["request"]), columns) if columns else table_schema(name).empty_table()
+            )
     return out
 
 
-def write_synthetic_run(root: str | os.PathLike, run_id: str, *, layers: int = 4, kv_heads: int = 2,
-                        q_heads: int | None = None, steps: int = 64, prompt_len: int = 128,
-                        seed: int = 0, evictions_per_step: int = 1, heavy: int | None = None,
-                        recent: int | None = None, requests: int = 1, policy: str = "h2o",
-                        gqa: str = "sum", tables: Iterable[str] = TABLE_NAMES,
-                        rows_per_segment: int = 2_000_000, status: str = "complete",
-                        model: str = "synthetic/llama", fsync: bool = True) -> Path:
+def write_synthetic_run(
+    root: str | os.PathLike,
+    run_id: str,
+    *,
+    layers: int = 4,
+    kv_heads: int = 2,
+    q_heads: int | None = None,
+    steps: int = 64,
+    prompt_len: int = 128,
+    seed: int = 0,
+    evictions_per_step: int = 1,
+    heavy: int | None = None,
+    recent: int | None = None,
+    requests: int = 1,
+    policy: str = "h2o",
+    gqa: str = "sum",
+    tables: Iterable[str] = TABLE_NAMES,
+    rows_per_segment: int = 2_000_000,
+    status: str = "complete",
+    model: str = "synthetic/llama",
+    fsync: bool = True,
+) -> Path:
     """Write a deterministic synthetic run to ``<root>/<run_id>/``.
 
     Parameters
@@ -341,18 +435,44 @@ def write_synthetic_run(root: str | os.PathLike, run_id: str, *, layers: int = 4
     q_heads = 3 * kv_heads if q_heads is None else q_heads
     heavy = max(1, prompt_len // 4) if heavy is None else heavy
     recent = max(1, prompt_len // 4) if recent is None else recent
-    data = synthetic_tables(run_id, layers=layers, kv_heads=kv_heads, q_heads=q_heads, steps=steps,
-                            prompt_len=prompt_len, seed=seed,
-                            evictions_per_step=evictions_per_step, heavy=heavy, recent=recent,
-                            requests=requests, tables=tables)
-    config = {"policy": policy, "heavy": heavy, "recent": recent, "gqa": gqa, "sink": 4,
-              "seed": seed, "backend": "torch", "synthetic": True,
-              "evictions_per_step": evictions_per_step}
+    data = synthetic_tables(
+        run_id,
+        layers=layers,
+        kv_heads=kv_heads,
+        q_heads=q_heads,
+        steps=steps,
+        prompt_len=prompt_len,
+        seed=seed,
+        evictions_per_step=evictions_per_step,
+        heavy=heavy,
+        recent=recent,
+        requests=requests,
+        tables=tables,
+    )
+    config = {
+        "policy": policy,
+        "heavy": heavy,
+        "recent": recent,
+        "gqa": gqa,
+        "sink": 4,
+        "seed": seed,
+        "backend": "torch",
+        "synthetic": True,
+        "evictions_per_step": evictions_per_step,
+    }
     model_info = {"name": model, "layers": layers, "kv_heads": kv_heads, "q_heads": q_heads}
-    run = RunWriter(root, run_id, config=config, model=model_info,
-                    rows_per_segment=rows_per_segment, fsync=fsync, prompt_len=prompt_len,
-                    new_tokens=steps * evictions_per_step, requests=requests,
-                    name=f"synthetic {policy} seed {seed}")
+    run = RunWriter(
+        root,
+        run_id,
+        config=config,
+        model=model_info,
+        rows_per_segment=rows_per_segment,
+        fsync=fsync,
+        prompt_len=prompt_len,
+        new_tokens=steps * evictions_per_step,
+        requests=requests,
+        name=f"synthetic {policy} seed {seed}",
+    )
     run.start()
     for name, parts in data.items():
         for part in parts:  # empty parts write nothing

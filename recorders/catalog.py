@@ -16,6 +16,7 @@ what is wrong, the ``problems`` view names the file. A file or manifest of a
 newer schema version is an error, not a problem: this code cannot read it
 and must be upgraded.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,7 @@ from .manifest import MANIFEST_NAME, check_manifest, effective_status, read_mani
 from .schema import META_SCHEMA_VERSION, RUNS, SCHEMA_VERSION, TABLE_NAMES, schema_mismatches
 from .segments import SEGMENT_RE
 
-__all__ = ["Problem", "SegmentFile", "RunEntry", "Catalog", "inspect_file", "scan_run",
-           "scan_root", "run_row"]
+__all__ = ["Problem", "SegmentFile", "RunEntry", "Catalog", "inspect_file", "scan_run", "scan_root", "run_row"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,16 +103,17 @@ class Catalog:
 
 # -- one file ---------------------------------------------------------------------
 
+
 @functools.lru_cache(maxsize=65536)
-def _inspect_cached(path: str, size: int, mtime_ns: int, table: str
-                    ) -> tuple[SegmentFile | None, RecorderError | None]:
+def _inspect_cached(path: str, size: int, mtime_ns: int, table: str) -> tuple[SegmentFile | None, RecorderError | None]:
     try:
         md = pq.read_metadata(path)
         schema = md.schema.to_arrow_schema()
     except (OSError, pa.ArrowException, ValueError) as exc:
         return None, DamagedFileError(
             f"{path}: not a readable Parquet file ({size} bytes; {exc}). A writer killed mid-file "
-            "or a partial copy leaves such files; move it away or delete it")
+            "or a partial copy leaves such files; move it away or delete it"
+        )
     raw = (md.metadata or {}).get(META_SCHEMA_VERSION.encode())
     try:
         version = int(raw) if raw is not None else None
@@ -121,24 +122,27 @@ def _inspect_cached(path: str, size: int, mtime_ns: int, table: str
     if version is None:
         return None, SchemaError(
             f"{path}: no valid {META_SCHEMA_VERSION} metadata (found {raw!r}); the file was not "
-            "written by recorders. Move it out of the run folder")
+            "written by recorders. Move it out of the run folder"
+        )
     if version > SCHEMA_VERSION:
         return None, SchemaVersionError(
             f"{path}: written with log schema version {version}, this code reads versions "
-            f"<= {SCHEMA_VERSION}; upgrade h2o-lens to open it")
+            f"<= {SCHEMA_VERSION}; upgrade h2o-lens to open it"
+        )
     mismatches = schema_mismatches(table, schema)
     if mismatches:
-        return None, SchemaError(f"{path}: does not match the {table!r} schema: "
-                                 + "; ".join(mismatches))
+        return None, SchemaError(f"{path}: does not match the {table!r} schema: " + "; ".join(mismatches))
     try:
         rows, run_ids = _read_through(path)
     except (OSError, pa.ArrowException, ValueError) as exc:
         return None, DamagedFileError(
             f"{path}: the footer is intact but the data cannot be read ({exc}). Damaged pages "
-            "(a bad disk or copy); move the file away or delete it")
+            "(a bad disk or copy); move the file away or delete it"
+        )
     if rows != md.num_rows:
-        return None, DamagedFileError(f"{path}: the footer announces {md.num_rows} rows but {rows} "
-                                      "were read; move the file away or delete it")
+        return None, DamagedFileError(
+            f"{path}: the footer announces {md.num_rows} rows but {rows} were read; move the file away or delete it"
+        )
     return SegmentFile(Path(path), table, md.num_rows, tuple(schema.names), version, run_ids), None
 
 
@@ -189,6 +193,7 @@ def inspect_file(path: str | os.PathLike, table: str | None = None) -> SegmentFi
 
 # -- one run and a whole root ----------------------------------------------------------
 
+
 def scan_run(run_dir: str | os.PathLike, *, strict: bool = False) -> tuple[RunEntry, list[Problem]]:
     """Read a run's manifest, validate its segments and check the run as a whole.
 
@@ -207,8 +212,14 @@ def scan_run(run_dir: str | os.PathLike, *, strict: bool = False) -> tuple[RunEn
     notes: list[str] = []
     manifest_path = str(run_dir / MANIFEST_NAME)
 
-    def problem(path: str, reason: str, note: str, table: str | None = None,
-                error: type[RecorderError] | None = DamagedFileError, kind: str | None = None) -> None:
+    def problem(
+        path: str,
+        reason: str,
+        note: str,
+        table: str | None = None,
+        error: type[RecorderError] | None = DamagedFileError,
+        kind: str | None = None,
+    ) -> None:
         if strict and error is not None:
             raise error(reason if reason.startswith(path) else f"{path}: {reason}")
         problems.append(Problem(path, reason, run_id, table, kind))
@@ -220,17 +231,26 @@ def scan_run(run_dir: str | os.PathLike, *, strict: bool = False) -> tuple[RunEn
         manifest, issues = check_manifest(read_manifest(run_dir))
         status = effective_status(manifest)
     except (ManifestError, DamagedFileError) as exc:
-        problem(manifest_path, str(exc), "manifest missing" if isinstance(exc, ManifestError)
-                else "manifest unreadable", error=type(exc))
+        problem(
+            manifest_path,
+            str(exc),
+            "manifest missing" if isinstance(exc, ManifestError) else "manifest unreadable",
+            error=type(exc),
+        )
         issues = []
     for issue in issues:  # never fatal: the rows can still be read
-        problem(manifest_path, f"{issue}; the field is ignored",
-                f"manifest field {issue.split()[1]} invalid", error=None)
+        problem(
+            manifest_path, f"{issue}; the field is ignored", f"manifest field {issue.split()[1]} invalid", error=None
+        )
     named = (manifest or {}).get("run_id")
     if isinstance(named, str) and named != run_id:
-        problem(str(run_dir), f"the manifest's run_id {named!r} differs from the folder name {run_id!r}; "
-                f"rows are read as run {run_id!r}. Rename the folder to {named!r} if it was moved",
-                "manifest run_id differs from the folder", error=None)
+        problem(
+            str(run_dir),
+            f"the manifest's run_id {named!r} differs from the folder name {run_id!r}; "
+            f"rows are read as run {run_id!r}. Rename the folder to {named!r} if it was moved",
+            "manifest run_id differs from the folder",
+            error=None,
+        )
     files: dict[str, list[SegmentFile]] = {}
     for entry in sorted(os.scandir(run_dir), key=lambda e: e.name):
         m = SEGMENT_RE.fullmatch(entry.name)
@@ -238,8 +258,13 @@ def scan_run(run_dir: str | os.PathLike, *, strict: bool = False) -> tuple[RunEn
             continue
         table = m["table"]
         if table not in TABLE_NAMES:
-            problem(entry.path, f"unknown table {table!r}; expected one of {', '.join(TABLE_NAMES)}",
-                    f"{entry.name} left out (unknown table)", table, SchemaError)
+            problem(
+                entry.path,
+                f"unknown table {table!r}; expected one of {', '.join(TABLE_NAMES)}",
+                f"{entry.name} left out (unknown table)",
+                table,
+                SchemaError,
+            )
             continue
         try:
             seg = inspect_file(entry.path, table)
@@ -255,19 +280,31 @@ def scan_run(run_dir: str | os.PathLike, *, strict: bool = False) -> tuple[RunEn
         foreign = [(rid, n) for rid, n in seg.run_ids if rid != run_id]
         if foreign:
             shown = ", ".join(f"{n} row(s) of run {rid!r}" for rid, n in foreign[:3])
-            problem(entry.path, f"{entry.path}: holds {shown}; this folder is run {run_id!r}. The file "
-                    "is left out so no run counts rows that are not its own; move it to its run's "
-                    "folder", f"{entry.name} left out (rows of another run)", table, SchemaError)
+            problem(
+                entry.path,
+                f"{entry.path}: holds {shown}; this folder is run {run_id!r}. The file "
+                "is left out so no run counts rows that are not its own; move it to its run's "
+                "folder",
+                f"{entry.name} left out (rows of another run)",
+                table,
+                SchemaError,
+            )
             continue
         files.setdefault(table, []).append(seg)
     recorded = (manifest or {}).get("rows")
     for table, count in sorted((recorded or {}).items()):
         read = sum(f.rows for f in files.get(table, []))
         if read != count:
-            problem(manifest_path, f"table {table!r}: the manifest records {count} rows, {read} were read "
-                    f"from the readable segments; this run's {table} numbers are incomplete or wrong "
-                    "(a segment is missing, damaged or was added later)",
-                    f"{table}: {read} of {count} rows", table, error=None, kind="rows")
+            problem(
+                manifest_path,
+                f"table {table!r}: the manifest records {count} rows, {read} were read "
+                f"from the readable segments; this run's {table} numbers are incomplete or wrong "
+                "(a segment is missing, damaged or was added later)",
+                f"{table}: {read} of {count} rows",
+                table,
+                error=None,
+                kind="rows",
+            )
     return RunEntry(run_id, run_dir, manifest, status, files, notes), problems
 
 
@@ -297,8 +334,7 @@ def scan_root(root: str | os.PathLike) -> Catalog:
             problems.append(Problem(str(path), f"skipped: {exc}"))
             continue
         except OSError as exc:  # an unreadable folder is one run's problem, not the root's
-            problems.append(Problem(str(path), f"skipped: the run folder cannot be read ({exc})",
-                                    entry.name))
+            problems.append(Problem(str(path), f"skipped: the run folder cannot be read ({exc})", entry.name))
             continue
         problems.extend(run_problems)
         runs.append(run)

@@ -3,6 +3,7 @@
 Every message says what was found, what was expected and how to fix it, and
 names the run folder or the file concerned.
 """
+
 from __future__ import annotations
 
 from h2o_lens.errors import H2OLensError

@@ -6,6 +6,7 @@ written ``evictions`` table. Position ``i`` is visible to the query of step
 ``t`` while ``evict_step[i] >= t`` (a position evicted at step ``t`` is still
 seen at ``t``).
 """
+
 from __future__ import annotations
 
 import numpy as np

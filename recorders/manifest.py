@@ -7,6 +7,7 @@ finds a ``running`` manifest whose writer process is gone (same host and
 boot, pid dead or reused by a process with another start time) reports the
 run as ``interrupted``; :func:`mark_interrupted` rewrites it as such.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,12 +63,16 @@ def validate_run_id(run_id: Any) -> str:
     if not isinstance(run_id, str):
         raise RunIdError(f"run id must be a string, got {run_id!r} ({type(run_id).__name__})")
     if _NUMERIC_RE.fullmatch(run_id):
-        raise RunIdError(f"run id {run_id!r} is numeric; numeric folder names are read back as "
-                         f"numbers. Use a name with a letter, e.g. 'run-{run_id}'")
+        raise RunIdError(
+            f"run id {run_id!r} is numeric; numeric folder names are read back as "
+            f"numbers. Use a name with a letter, e.g. 'run-{run_id}'"
+        )
     if not _RUN_ID_RE.fullmatch(run_id):
-        raise RunIdError(f"run id {run_id!r} is not a valid folder name; use 1-128 characters "
-                         "from A-Z a-z 0-9 . _ - starting with a letter or digit, "
-                         "or pass the name through sanitize_run_id()")
+        raise RunIdError(
+            f"run id {run_id!r} is not a valid folder name; use 1-128 characters "
+            "from A-Z a-z 0-9 . _ - starting with a letter or digit, "
+            "or pass the name through sanitize_run_id()"
+        )
     return run_id
 
 
@@ -80,8 +85,9 @@ def sanitize_run_id(name: str) -> str:
     cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", str(name).strip())
     cleaned = re.sub(r"-{2,}", "-", cleaned).lstrip("._-")[:128].rstrip("-")
     if not cleaned:
-        raise RunIdError(f"name {name!r} holds no letter or digit usable as a run id; "
-                         "pass a name such as 'h2o-needle-test'")
+        raise RunIdError(
+            f"name {name!r} holds no letter or digit usable as a run id; pass a name such as 'h2o-needle-test'"
+        )
     return validate_run_id(cleaned)
 
 
@@ -98,6 +104,7 @@ def new_run_id(policy: str = "run", *, now: dt.datetime | None = None) -> str:
 
 # -- writer process identity ---------------------------------------------------
 
+
 def _boot_id() -> str | None:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -111,15 +118,16 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
+    fields = raw[raw.rindex(")") + 2 :].split()  # after "pid (comm) "
     return fields[0], int(fields[19])
 
 
 def _started_at(start_ticks: int) -> str | None:
     """Wall-clock start of a process from its start ticks and the boot time, ISO UTC."""
     try:
-        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                     if line.startswith("btime "))
+        btime = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime ")
+        )
         seconds = btime + start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, StopIteration, ValueError):
         return None
@@ -177,6 +185,7 @@ def writer_alive(writer: Mapping[str, Any]) -> bool | None:
 
 # -- manifest files ---------------------------------------------------------------
 
+
 def config_dict(config: Any) -> dict[str, Any]:
     """A JSON-ready dict from a mapping, a dataclass or None."""
     if config is None:
@@ -197,8 +206,7 @@ def iso_utc(value: dt.datetime) -> str:
     return value.isoformat(timespec="microseconds") + "Z"
 
 
-def new_manifest(run_id: str, *, config: Any = None, model: Any = None,
-                 **info: Any) -> dict[str, Any]:
+def new_manifest(run_id: str, *, config: Any = None, model: Any = None, **info: Any) -> dict[str, Any]:
     """The manifest of a run that starts now (status ``running``).
 
     ``model`` is a model id string or a dict with at least ``name``; ``info``
@@ -257,8 +265,10 @@ def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise ManifestError(f"run folder {str(run_dir)!r} has no {MANIFEST_NAME}; "
-                            "it was not written by recorders or its writer died at start") from None
+        raise ManifestError(
+            f"run folder {str(run_dir)!r} has no {MANIFEST_NAME}; "
+            "it was not written by recorders or its writer died at start"
+        ) from None
     try:
         manifest = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -269,7 +279,8 @@ def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
     if isinstance(version, int) and version > SCHEMA_VERSION:
         raise SchemaVersionError(
             f"{path}: written with log schema version {version}, this code reads versions "
-            f"<= {SCHEMA_VERSION}; upgrade h2o-lens to open it")
+            f"<= {SCHEMA_VERSION}; upgrade h2o-lens to open it"
+        )
     return manifest
 
 
@@ -290,8 +301,9 @@ def _clean_text(value: Any, where: str, issues: list[str]) -> Any:
             return value.encode("utf-8", "replace").decode("utf-8")
         return value
     if isinstance(value, dict):
-        return {_clean_text(k, f"{where} key", issues): _clean_text(v, f"{where}.{k}", issues)
-                for k, v in value.items()}
+        return {
+            _clean_text(k, f"{where} key", issues): _clean_text(v, f"{where}.{k}", issues) for k, v in value.items()
+        }
     if isinstance(value, list):
         return [_clean_text(v, f"{where}[{i}]", issues) for i, v in enumerate(value)]
     return value
@@ -315,7 +327,7 @@ def _field_issue(field: pa.Field, value: Any) -> str | None:
     elif pa.types.is_floating(type_):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if ok and isinstance(value, int):
-            ok = math.isfinite(float(value)) if abs(value) < 2 ** 1023 else False
+            ok = math.isfinite(float(value)) if abs(value) < 2**1023 else False
         want = "a number"
     elif pa.types.is_timestamp(type_):
         want = "an ISO 8601 time such as '2026-11-29T18:48:11.699089Z'"
@@ -384,8 +396,11 @@ def check_manifest(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], list[st
     if out.get("config") is not None and not isinstance(out["config"], dict):
         drop("config", f"is {type(out['config']).__name__}, expected an object")
     model = out.get("model")
-    if model is not None and not (isinstance(model, str) or isinstance(model, dict) and all(
-            isinstance(model.get(k), (str, type(None))) for k in ("name", "id"))):
+    if model is not None and not (
+        isinstance(model, str)
+        or isinstance(model, dict)
+        and all(isinstance(model.get(k), (str, type(None))) for k in ("name", "id"))
+    ):
         drop("model", "is neither a model id string nor an object with a string name")
     command = out.get("command")
     if command is not None and not (isinstance(command, str) or isinstance(command, list)):
@@ -394,9 +409,9 @@ def check_manifest(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], list[st
     for field in RUNS:
         if field.name in _OWN_FIELDS:
             continue
-        if (why := _field_issue(field, out.get(field.name))):
+        if why := _field_issue(field, out.get(field.name)):
             drop(field.name, why)
-        if (why := _field_issue(field, config.get(field.name))):
+        if why := _field_issue(field, config.get(field.name)):
             drop(field.name, why, config, "config.")
     return out, issues
 
@@ -405,8 +420,12 @@ def effective_status(manifest: Mapping[str, Any]) -> str:
     """The manifest's status, or ``interrupted`` for a ``running`` run whose writer is gone."""
     status = manifest.get("status", "unknown")
     writer = manifest.get("writer")
-    if status == "running" and isinstance(writer, Mapping) and _writer_issue(dict(writer)) is None \
-            and writer_alive(writer) is False:
+    if (
+        status == "running"
+        and isinstance(writer, Mapping)
+        and _writer_issue(dict(writer)) is None
+        and writer_alive(writer) is False
+    ):
         return "interrupted"
     return status if isinstance(status, str) else "unknown"
 

@@ -23,6 +23,7 @@ The sequence is teacher-forced: generated positions carry the tokens the
 full-cache teacher predicts (``case.token_ids``), so every policy sees the
 same text and the attention pattern does not depend on the run.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,6 +48,7 @@ from .run import RunWriter
 from .store import load_run
 
 __all__ = ["write_policy_case", "case_kept_sets"]
+
 
 class _Tap:
     """Cache listener: forwards to the recorder and keeps each step's candidate sets."""
@@ -88,8 +90,7 @@ def _run_cache(case: PolicyCase, config: H2OConfig, rec: Recording | None) -> _T
     n, p = case.n, case.prompt_len
     layers, hkv = case.layers, case.kv_heads
     sets = case.q_heads if config.gqa == "none" else hkv
-    shape = SimpleNamespace(num_hidden_layers=layers, num_attention_heads=case.q_heads,
-                            num_key_value_heads=hkv)
+    shape = SimpleNamespace(num_hidden_layers=layers, num_attention_heads=case.q_heads, num_key_value_heads=hkv)
     tap = _Tap(rec, layers, sets, n + 1)
     session = H2OSession(SimpleNamespace(config=shape), config, listener=tap)
     if rec is not None:
@@ -148,10 +149,19 @@ def _log_softmax(z: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
-def write_policy_case(root: str | os.PathLike, case: PolicyCase, heavy: int | None = None,
-                      recent: int | None = None, gqa: str = "sum", policy: str = "h2o",
-                      run_id: str | None = None, *, sink: int = 4, seed: int = 0,
-                      fsync: bool = False) -> Path:
+def write_policy_case(
+    root: str | os.PathLike,
+    case: PolicyCase,
+    heavy: int | None = None,
+    recent: int | None = None,
+    gqa: str = "sum",
+    policy: str = "h2o",
+    run_id: str | None = None,
+    *,
+    sink: int = 4,
+    seed: int = 0,
+    fsync: bool = False,
+) -> Path:
     """Run ``policy`` on ``case`` in FP64 and write a complete, schema-valid run.
 
     Parameters
@@ -181,18 +191,27 @@ def write_policy_case(root: str | os.PathLike, case: PolicyCase, heavy: int | No
     if not evicts:
         config = H2OConfig(policy=policy, gqa=gqa, backend="torch", seed=seed)
     else:
-        config = H2OConfig(policy=policy, heavy=heavy, recent=recent, gqa=gqa, sink=sink,
-                           backend="torch", seed=seed)
+        config = H2OConfig(policy=policy, heavy=heavy, recent=recent, gqa=gqa, sink=sink, backend="torch", seed=seed)
     run_id = run_id or f"{case.name}-{policy}-{gqa}-h{heavy}r{recent}".replace("_", "-")
     t0 = time.perf_counter()
     n, p = case.n, case.prompt_len
     gqa_none = gqa == "none"
     sets = case.q_heads if gqa_none else case.kv_heads
-    model = {"name": f"synthetic/{case.name}", "layers": case.layers, "kv_heads": case.kv_heads,
-             "q_heads": case.q_heads, "vocab": len(case.vocab)}
-    info = {"name": f"policy case {case.name} ({config.describe()})", "synthetic": True,
-            "teacher_forced": True, "case": case.name, "case_seed": case.seed,
-            "case_description": case.description}
+    model = {
+        "name": f"synthetic/{case.name}",
+        "layers": case.layers,
+        "kv_heads": case.kv_heads,
+        "q_heads": case.q_heads,
+        "vocab": len(case.vocab),
+    }
+    info = {
+        "name": f"policy case {case.name} ({config.describe()})",
+        "synthetic": True,
+        "teacher_forced": True,
+        "case": case.name,
+        "case_seed": case.seed,
+        "case_description": case.description,
+    }
     writer = RunWriter(root, run_id, config=config.to_dict(), model=model, fsync=fsync, **info)
     writer.start()
     try:
@@ -204,10 +223,19 @@ def write_policy_case(root: str | os.PathLike, case: PolicyCase, heavy: int | No
         writer.flush()
         rebuilt = _rebuilt_sets(writer.run_dir, case, sets, gqa_none)
         stats = _write_outputs(writer, case, cand, rebuilt, gqa)
-        writer.update(policy=config.policy, heavy=heavy if evicts else None,
-                      recent=recent if evicts else None, gqa=gqa, sink=config.sink,
-                      seed=seed, backend="torch", prompt_len=p, new_tokens=n - p + 1, requests=1,
-                      max_logit_diff=stats["max_logit_diff"])
+        writer.update(
+            policy=config.policy,
+            heavy=heavy if evicts else None,
+            recent=recent if evicts else None,
+            gqa=gqa,
+            sink=config.sink,
+            seed=seed,
+            backend="torch",
+            prompt_len=p,
+            new_tokens=n - p + 1,
+            requests=1,
+            max_logit_diff=stats["max_logit_diff"],
+        )
     except BaseException as exc:
         writer.close("failed", exc)
         raise
@@ -219,9 +247,14 @@ def write_policy_case(root: str | os.PathLike, case: PolicyCase, heavy: int | No
 def _write_replay_summary(run_dir: Path, stats: dict[str, float], seconds: float) -> None:
     """The manifest's ``replay`` entry, as :func:`recorders.replay.replay` writes it."""
     manifest = read_manifest(run_dir)
-    manifest["replay"] = {"implementation_ok": stats["max_logit_diff"] <= 1e-9, "tolerance": 1e-9,
-                          "mean_kl": stats["mean_kl"], "top1_agreement": stats["top1_agreement"],
-                          "mean_dropped_mass": stats["mean_dropped_mass"], "seconds": seconds}
+    manifest["replay"] = {
+        "implementation_ok": stats["max_logit_diff"] <= 1e-9,
+        "tolerance": 1e-9,
+        "mean_kl": stats["mean_kl"],
+        "top1_agreement": stats["top1_agreement"],
+        "mean_dropped_mass": stats["mean_dropped_mass"],
+        "seconds": seconds,
+    }
     write_manifest(run_dir, manifest)
 
 
@@ -282,12 +315,17 @@ def _compare(case: PolicyCase, cand: dict[int, np.ndarray], evict_step: np.ndarr
 
 def _append_tokens(writer: RunWriter, case: PolicyCase) -> None:
     n, p = case.n, case.prompt_len
-    writer.append("tokens", {
-        "request": np.zeros(n + 1, np.int32), "position": np.arange(n + 1, dtype=np.int64),
-        "token_id": case.token_ids.astype(np.int32),
-        "text": [case.vocab[i] for i in case.token_ids], "is_prompt": np.arange(n + 1) < p,
-        "evidence": case.evidence_labels(),
-    })
+    writer.append(
+        "tokens",
+        {
+            "request": np.zeros(n + 1, np.int32),
+            "position": np.arange(n + 1, dtype=np.int64),
+            "token_id": case.token_ids.astype(np.int32),
+            "text": [case.vocab[i] for i in case.token_ids],
+            "is_prompt": np.arange(n + 1) < p,
+            "evidence": case.evidence_labels(),
+        },
+    )
 
 
 def _append_replay(writer: RunWriter, case: PolicyCase, c: _Compared) -> None:
@@ -295,41 +333,63 @@ def _append_replay(writer: RunWriter, case: PolicyCase, c: _Compared) -> None:
     steps = c.steps
     qh = np.arange(case.q_heads)
     shape = (len(steps), case.layers, case.q_heads)
-    writer.append("replay", {
-        "request": np.zeros(np.prod(shape), np.int32),
-        "step": np.broadcast_to(steps[:, None, None], shape).ravel(),
-        "layer": np.broadcast_to(np.arange(case.layers, dtype=np.int16)[None, :, None], shape).ravel(),
-        "q_head": np.broadcast_to(qh.astype(np.int16)[None, None, :], shape).ravel(),
-        "kv_head": np.broadcast_to((qh // case.group).astype(np.int16)[None, None, :], shape).ravel(),
-        "dropped_mass": np.clip(c.dropped.reshape(shape), 0.0, 1.0).astype(np.float32).ravel(),
-    })
-    writer.append("replay_steps", {
-        "request": np.zeros(len(steps), np.int32), "step": steps,
-        "kl": np.asarray(c.kl, np.float32), "top1_agree": np.asarray(c.agree),
-        "teacher_logprob": np.asarray(c.t_logprob, np.float32),
-    })
+    writer.append(
+        "replay",
+        {
+            "request": np.zeros(np.prod(shape), np.int32),
+            "step": np.broadcast_to(steps[:, None, None], shape).ravel(),
+            "layer": np.broadcast_to(np.arange(case.layers, dtype=np.int16)[None, :, None], shape).ravel(),
+            "q_head": np.broadcast_to(qh.astype(np.int16)[None, None, :], shape).ravel(),
+            "kv_head": np.broadcast_to((qh // case.group).astype(np.int16)[None, None, :], shape).ravel(),
+            "dropped_mass": np.clip(c.dropped.reshape(shape), 0.0, 1.0).astype(np.float32).ravel(),
+        },
+    )
+    writer.append(
+        "replay_steps",
+        {
+            "request": np.zeros(len(steps), np.int32),
+            "step": steps,
+            "kl": np.asarray(c.kl, np.float32),
+            "top1_agree": np.asarray(c.agree),
+            "teacher_logprob": np.asarray(c.t_logprob, np.float32),
+        },
+    )
 
 
 def _append_run_logits(writer: RunWriter, case: PolicyCase, c: _Compared) -> None:
     """The run's logits per step and the request row with its answer and verdict."""
     n, p = case.n, case.prompt_len
     lg = np.asarray(c.lg_rows)
-    writer.append("run_logits", {
-        "request": np.zeros(len(c.steps), np.int32), "step": c.steps,
-        "token_id": lg[:, 0].astype(np.int32), "token_logit": lg[:, 1].astype(np.float32),
-        "top1_id": np.asarray(c.run_top, np.int32), "top1_logit": lg[:, 2].astype(np.float32),
-        "lse": lg[:, 3].astype(np.float32),
-    })
+    writer.append(
+        "run_logits",
+        {
+            "request": np.zeros(len(c.steps), np.int32),
+            "step": c.steps,
+            "token_id": lg[:, 0].astype(np.int32),
+            "token_logit": lg[:, 1].astype(np.float32),
+            "top1_id": np.asarray(c.run_top, np.int32),
+            "top1_logit": lg[:, 2].astype(np.float32),
+            "lse": lg[:, 3].astype(np.float32),
+        },
+    )
     a = case.answer_step - (p - 1)
-    writer.append("requests", {
-        "request": np.zeros(1, np.int32), "prompt_len": np.array([p]), "new_tokens": np.array([n - p + 1]),
-        "answer": [case.vocab[c.run_top[a]].strip()], "task": [case.name],
-        "expected": [case.vocab[c.teacher_top[a]].strip()], "correct": [c.run_top[a] == c.teacher_top[a]],
-    })
+    writer.append(
+        "requests",
+        {
+            "request": np.zeros(1, np.int32),
+            "prompt_len": np.array([p]),
+            "new_tokens": np.array([n - p + 1]),
+            "answer": [case.vocab[c.run_top[a]].strip()],
+            "task": [case.name],
+            "expected": [case.vocab[c.teacher_top[a]].strip()],
+            "correct": [c.run_top[a] == c.teacher_top[a]],
+        },
+    )
 
 
-def _write_outputs(writer: RunWriter, case: PolicyCase, cand: dict[int, np.ndarray], evict_step: np.ndarray,
-                   gqa: str) -> dict[str, float]:
+def _write_outputs(
+    writer: RunWriter, case: PolicyCase, cand: dict[int, np.ndarray], evict_step: np.ndarray, gqa: str
+) -> dict[str, float]:
     """Teacher and run distributions per step; tokens, replay, replay_steps, run_logits, requests."""
     c = _compare(case, cand, evict_step, gqa)
     _append_tokens(writer, case)
@@ -338,6 +398,11 @@ def _write_outputs(writer: RunWriter, case: PolicyCase, cand: dict[int, np.ndarr
     if c.max_diff > 1e-9:
         raise ImplementationError(
             f"policy case {case.name}: the candidate sets rebuilt from the written evictions give "
-            f"logits {c.max_diff:.3g} away from the run's own; the eviction rows are inconsistent")
-    return {"max_logit_diff": c.max_diff, "mean_kl": float(np.mean(c.kl)),
-            "top1_agreement": float(np.mean(c.agree)), "mean_dropped_mass": float(c.dropped.mean())}
+            f"logits {c.max_diff:.3g} away from the run's own; the eviction rows are inconsistent"
+        )
+    return {
+        "max_logit_diff": c.max_diff,
+        "mean_kl": float(np.mean(c.kl)),
+        "top1_agreement": float(np.mean(c.agree)),
+        "mean_dropped_mass": float(c.dropped.mean()),
+    }

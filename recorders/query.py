@@ -5,6 +5,7 @@ statement (a ``WITH ... SELECT`` counts). Sandboxing of the SQL (allowed
 directories, no external access, timeouts) belongs to the caller that
 exposes it to users.
 """
+
 from __future__ import annotations
 
 import csv
@@ -64,8 +65,7 @@ def _cell(value: Any) -> str:
     return str(_plain(value))
 
 
-def format_rows(columns: list[str], rows: list[tuple], fmt: str = "table",
-                truncated: bool = False) -> str:
+def format_rows(columns: list[str], rows: list[tuple], fmt: str = "table", truncated: bool = False) -> str:
     """Format query rows as an aligned ``table``, ``csv`` or ``json`` (list of objects)."""
     if fmt == "csv":
         buf = io.StringIO()
@@ -79,15 +79,20 @@ def format_rows(columns: list[str], rows: list[tuple], fmt: str = "table",
         raise QueryError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
     cells = [[_cell(v) for v in row] for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip(),
-             "  ".join("-" * w for w in widths)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip(), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     lines.append(f"({len(rows)} rows{', truncated' if truncated else ''})")
     return "\n".join(lines) + "\n"
 
 
-def query(root: str | os.PathLike, sql: str, fmt: str = "table", max_rows: int = 1000, *,
-          con: duckdb.DuckDBPyConnection | None = None) -> str:
+def query(
+    root: str | os.PathLike,
+    sql: str,
+    fmt: str = "table",
+    max_rows: int = 1000,
+    *,
+    con: duckdb.DuckDBPyConnection | None = None,
+) -> str:
     """Run one SELECT over the views of ``root`` and format at most ``max_rows`` rows.
 
     Parameters

@@ -24,6 +24,7 @@ What is logged is what each returned sequence really went through:
 This module imports torch (it listens to the runtime); the rest of
 ``recorders`` does not, so logs still open without a model.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,8 +58,7 @@ def _token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     return [tokenizer.decode([int(i)], skip_special_tokens=False) for i in ids]
 
 
-def locate_evidence(pieces: Sequence[str], spans: Mapping[str, Any], prompt: str | None = None
-                    ) -> list[str | None]:
+def locate_evidence(pieces: Sequence[str], spans: Mapping[str, Any], prompt: str | None = None) -> list[str | None]:
     """Label of the evidence span each prompt token belongs to (``None`` if none).
 
     Parameters
@@ -75,24 +75,28 @@ def locate_evidence(pieces: Sequence[str], spans: Mapping[str, Any], prompt: str
         if isinstance(span, str):
             begin = text.find(span)
             if not span or begin < 0:
-                raise RecorderError(f"evidence {label!r}: {span!r} does not occur in the prompt text; "
-                                    "give a substring of the prompt or a (start, end) character range")
+                raise RecorderError(
+                    f"evidence {label!r}: {span!r} does not occur in the prompt text; "
+                    "give a substring of the prompt or a (start, end) character range"
+                )
             end = begin + len(span)
         else:
             try:
                 a, b = (int(x) for x in span)
             except (TypeError, ValueError):
-                raise RecorderError(f"evidence {label!r}: expected a substring or a (start, end) pair, "
-                                    f"got {span!r}") from None
+                raise RecorderError(
+                    f"evidence {label!r}: expected a substring or a (start, end) pair, got {span!r}"
+                ) from None
             offset = 0
             if prompt is not None:
                 offset = text.find(prompt)
                 if offset < 0:
-                    raise RecorderError(f"evidence {label!r}: the prompt text is not found in the "
-                                        "tokenized input; give the evidence as a substring instead")
+                    raise RecorderError(
+                        f"evidence {label!r}: the prompt text is not found in the "
+                        "tokenized input; give the evidence as a substring instead"
+                    )
             if not 0 <= a < b or (prompt is not None and b > len(prompt)):
-                raise RecorderError(f"evidence {label!r}: character range {span!r} is empty or outside "
-                                    "the prompt")
+                raise RecorderError(f"evidence {label!r}: character range {span!r} is empty or outside the prompt")
             begin, end = offset + a, offset + b
         hit = (starts[:-1] < end) & (starts[1:] > begin)
         if not hit.any():
@@ -121,17 +125,20 @@ def _refuse_inexact(config: Any, kwargs: Mapping[str, Any]) -> None:
             f"record does not support beam search (num_beams={config.num_beams}): beams reorder the "
             "cache rows at every step, so an eviction cannot be attributed to a returned sequence "
             "exactly; record greedy or sampled generation (num_beams=1), e.g. with "
-            "num_return_sequences for several samples per prompt")
+            "num_return_sequences for several samples per prompt"
+        )
     if getattr(config, "stop_strings", None):
         raise RecorderError(
             "record does not support stop_strings: the recorder cannot observe where generate stopped "
             "each row, so it would log the padding after the stop as generated; cut the answers "
-            "after generation instead")
+            "after generation instead"
+        )
     if kwargs.get("stopping_criteria"):
         raise RecorderError(
             "record does not support custom stopping_criteria: rows they stop are padded by generate "
             "in a way the recorder cannot tell from generated text; stop with eos_token_id or "
-            "max_new_tokens instead")
+            "max_new_tokens instead"
+        )
 
 
 def _eos_ids(config: Any) -> list[int]:
@@ -181,7 +188,8 @@ class _GenerateWatch:
             raise RecorderError(
                 f"record needs generate's 2-D padding mask, got an attention mask of shape "
                 f"{tuple(mask.shape)} for input_ids of shape {tuple(ids.shape)}; generate without a "
-                "static cache (cache_implementation='static' builds a 4-D mask)")
+                "static cache (cache_implementation='static' builds a 4-D mask)"
+            )
         return mask.bool()
 
 
@@ -226,8 +234,16 @@ class Recording:
     session : the runtime's :class:`~h2o_lens.runtime.H2OSession`
     """
 
-    def __init__(self, writer: RunWriter, config: H2OConfig, tokenizer: Any, evidence: EvidenceSpec | None,
-                 prompts: Sequence[str] | None, flush_every: int, model: Any):
+    def __init__(
+        self,
+        writer: RunWriter,
+        config: H2OConfig,
+        tokenizer: Any,
+        evidence: EvidenceSpec | None,
+        prompts: Sequence[str] | None,
+        flush_every: int,
+        model: Any,
+    ):
         self.writer = writer
         self.config = config
         self.tokenizer = tokenizer
@@ -284,16 +300,24 @@ class Recording:
         pos = ev.positions[r, h, i].to(torch.int64)
         score = ev.scores[r, h, i]
         margin = torch.where(low_ok[r, h], low[r, h] - score, torch.full_like(score, float("nan")))
-        self._append_evictions(r, h, step, pos, score, margin, recent[r.cpu()], group, layer=layer,
-                               phase="prefill")
+        self._append_evictions(r, h, step, pos, score, margin, recent[r.cpu()], group, layer=layer, phase="prefill")
         # one steps row per (request, set) at the last prompt position
         kept = ev.keep.sum(-1)
         heavy_pos = torch.where(survivors, ev.positions.to(torch.float32), float("nan"))
         age = ev.step[:, None].float() - torch.nanmean(heavy_pos, -1)
         rr, hh = torch.meshgrid(torch.arange(b), torch.arange(hs), indexing="ij")
-        self._append_steps(rr.reshape(-1), hh.reshape(-1), ev.step[rr].reshape(-1).to(torch.int64),
-                           torch.where(low_ok, low, float("nan")).reshape(-1), None, None,
-                           kept.reshape(-1), age.reshape(-1), layer, group)
+        self._append_steps(
+            rr.reshape(-1),
+            hh.reshape(-1),
+            ev.step[rr].reshape(-1).to(torch.int64),
+            torch.where(low_ok, low, float("nan")).reshape(-1),
+            None,
+            None,
+            kept.reshape(-1),
+            age.reshape(-1),
+            layer,
+            group,
+        )
 
     def on_decode(self, layer: int, ev: DecodeEvent) -> None:
         self._pending.layer.append(layer)
@@ -324,9 +348,18 @@ class Recording:
         alive = torch.stack([ones if a is None else a for a in pend.alive])[:, :, None].expand(k, b, hs)
         # evictions (none of a request that already ended: it fed its EOS or padding)
         sel = evicts & alive
-        self._append_evictions(req[sel], head[sel], step3[sel], st.victim_position[sel].to(torch.int64),
-                               st.victim_score[sel], st.margin[sel], recent[req[sel]], group, layer=layer[sel],
-                               phase="decode")
+        self._append_evictions(
+            req[sel],
+            head[sel],
+            step3[sel],
+            st.victim_position[sel].to(torch.int64),
+            st.victim_score[sel],
+            st.margin[sel],
+            recent[req[sel]],
+            group,
+            layer=layer[sel],
+            phase="decode",
+        )
         # steps: kept count and mean age of the heavy slots after the step (the eligible survivors:
         # outside the recent window and the sink)
         kept = (c_pos >= 0).sum(-1) - evicts.to(torch.int64)
@@ -336,9 +369,19 @@ class Recording:
         has_exit = exiting >= 0
         if not bool(alive.any()):
             return
-        self._append_steps(req[alive], head[alive], step3[alive], st.min_heavy_score[alive],
-                           st.promoted[alive], exiting[alive], kept[alive], age[alive], layer[alive], group,
-                           has_exit=has_exit[alive])
+        self._append_steps(
+            req[alive],
+            head[alive],
+            step3[alive],
+            st.min_heavy_score[alive],
+            st.promoted[alive],
+            exiting[alive],
+            kept[alive],
+            age[alive],
+            layer[alive],
+            group,
+            has_exit=has_exit[alive],
+        )
 
     def _heads(self, h: torch.Tensor, group: int) -> dict[str, np.ndarray]:
         h = h.numpy().astype(np.int16)
@@ -346,8 +389,7 @@ class Recording:
             return {"kv_head": h // group, "q_head": h}
         return {"kv_head": h}
 
-    def _append_evictions(self, r, h, step, pos, score, margin, recent, group, *, layer=None,
-                          phase: str) -> None:
+    def _append_evictions(self, r, h, step, pos, score, margin, recent, group, *, layer=None, phase: str) -> None:
         if r.numel() == 0:
             return
         step_np = step.numpy()
@@ -355,7 +397,8 @@ class Recording:
         cols = {
             "request": r.numpy().astype(np.int32) + self._request_base,
             "step": step_np,
-            "layer": layer.numpy().astype(np.int16) if isinstance(layer, torch.Tensor)
+            "layer": layer.numpy().astype(np.int16)
+            if isinstance(layer, torch.Tensor)
             else np.full(len(pos_np), layer, np.int16),
             **self._heads(h, group),
             "position": pos_np,
@@ -367,14 +410,12 @@ class Recording:
         }
         self.writer.append("evictions", cols)
 
-    def _append_steps(self, r, h, step, min_heavy, promoted, exiting, kept, age, layer, group,
-                      has_exit=None) -> None:
+    def _append_steps(self, r, h, step, min_heavy, promoted, exiting, kept, age, layer, group, has_exit=None) -> None:
         n = r.numel()
         cols = {
             "request": r.numpy().astype(np.int32) + self._request_base,
             "step": step.numpy(),
-            "layer": layer.numpy().astype(np.int16) if isinstance(layer, torch.Tensor)
-            else np.full(n, layer, np.int16),
+            "layer": layer.numpy().astype(np.int16) if isinstance(layer, torch.Tensor) else np.full(n, layer, np.int16),
             **self._heads(h, group),
             "min_heavy_score": np.ma.masked_invalid(min_heavy.float().numpy()),
             "kept": kept.numpy().astype(np.int32),
@@ -422,10 +463,13 @@ class Recording:
             raise RecorderError("generate ran no forward pass, so there is nothing to record")
         rows = watch.input_ids.shape[0]
         if rows % input_ids.shape[0]:
-            raise RecorderError(f"generate ran {rows} rows for {input_ids.shape[0]} prompts; the recorder "
-                                "maps rows to prompts only for num_return_sequences expansion")
-        self._write_tokens(watch.input_ids, watch.prompt_mask(), out, samples=rows // input_ids.shape[0],
-                           eos=_eos_ids(gen_config))
+            raise RecorderError(
+                f"generate ran {rows} rows for {input_ids.shape[0]} prompts; the recorder "
+                "maps rows to prompts only for num_return_sequences expansion"
+            )
+        self._write_tokens(
+            watch.input_ids, watch.prompt_mask(), out, samples=rows // input_ids.shape[0], eos=_eos_ids(gen_config)
+        )
         self._request_base += rows
         self._prompt_base += input_ids.shape[0]
         self.generations += 1
@@ -433,8 +477,9 @@ class Recording:
             out.logits = None
         return out if want_dict else out.sequences
 
-    def force(self, prompt_ids: Sequence[int], new_ids: Sequence[int],
-              evidence_labels: Sequence[str | None] | None = None) -> Any:
+    def force(
+        self, prompt_ids: Sequence[int], new_ids: Sequence[int], evidence_labels: Sequence[str | None] | None = None
+    ) -> Any:
         """Run one request on a given token sequence (teacher forcing) and record it.
 
         The prompt is prefilled, then ``new_ids`` are fed one per step instead
@@ -463,8 +508,9 @@ class Recording:
                 out = model(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True, position_ids=pos)
                 logits.append(out.logits[:, -1].float())
         self.flush()
-        result = SimpleNamespace(sequences=torch.cat([prompt, torch.tensor([new], dtype=torch.long)], 1),
-                                 logits=tuple(logits[:len(new)]))
+        result = SimpleNamespace(
+            sequences=torch.cat([prompt, torch.tensor([new], dtype=torch.long)], 1), logits=tuple(logits[: len(new)])
+        )
         self._labels_override = evidence_labels
         try:
             self._write_tokens(prompt, None, result)
@@ -475,8 +521,9 @@ class Recording:
         self.generations += 1
         return result
 
-    def _write_tokens(self, input_ids: torch.Tensor, mask: torch.Tensor | None, out: Any, *,
-                      samples: int = 1, eos: Sequence[int] = ()) -> None:
+    def _write_tokens(
+        self, input_ids: torch.Tensor, mask: torch.Tensor | None, out: Any, *, samples: int = 1, eos: Sequence[int] = ()
+    ) -> None:
         """One ``tokens``/``requests``/``run_logits`` set per row of ``input_ids``.
 
         ``input_ids (rows, width)`` are the rows generate ran (prompts repeated
@@ -493,7 +540,7 @@ class Recording:
             prompt = ids[r][valid[r]].tolist()
             new = seq[r, width:].tolist()
             ends = [j for j, t in enumerate(new) if t in eos][:1]
-            new = new[:ends[0] + 1] if ends else new  # what follows the EOS is padding
+            new = new[: ends[0] + 1] if ends else new  # what follows the EOS is padding
             n_prompt = len(prompt)
             prompt_index, sample = self._prompt_base + r // samples, r % samples
             all_ids = prompt + new
@@ -508,39 +555,52 @@ class Recording:
                 prompt_text = self.prompts[prompt_index] if self.prompts else None
                 labels[:n_prompt] = locate_evidence(pieces[:n_prompt], spans, prompt_text)
             request = self._request_base + r
-            self.writer.append("tokens", {
-                "request": np.full(len(all_ids), request, np.int32),
-                "position": np.arange(len(all_ids), dtype=np.int64),
-                "token_id": np.asarray(all_ids, dtype=np.int32),
-                "text": pieces,
-                "is_prompt": np.arange(len(all_ids)) < n_prompt,
-                "evidence": labels,
-            })
+            self.writer.append(
+                "tokens",
+                {
+                    "request": np.full(len(all_ids), request, np.int32),
+                    "position": np.arange(len(all_ids), dtype=np.int64),
+                    "token_id": np.asarray(all_ids, dtype=np.int32),
+                    "text": pieces,
+                    "is_prompt": np.arange(len(all_ids)) < n_prompt,
+                    "evidence": labels,
+                },
+            )
             answer = tok.decode(new, skip_special_tokens=True) if tok is not None else None
             extra = dict(self.annotate(request, answer)) if self.annotate is not None else {}
             budget = self.config.resolve(n_prompt)  # what the cache resolved for this row
             self.budgets.append(budget)
             full = not budget.spec.evicts
-            self.writer.append("requests", {
-                "request": np.array([request], np.int32), "prompt_len": np.array([n_prompt]),
-                "new_tokens": np.array([len(new)]), "answer": [answer],
-                "heavy": [None if full else budget.heavy], "recent": [None if full else budget.recent],
-                "prompt_index": np.array([prompt_index], np.int32), "sample_index": np.array([sample], np.int32),
-                **{k: [v] for k, v in extra.items()},
-            })
+            self.writer.append(
+                "requests",
+                {
+                    "request": np.array([request], np.int32),
+                    "prompt_len": np.array([n_prompt]),
+                    "new_tokens": np.array([len(new)]),
+                    "answer": [answer],
+                    "heavy": [None if full else budget.heavy],
+                    "recent": [None if full else budget.recent],
+                    "prompt_index": np.array([prompt_index], np.int32),
+                    "sample_index": np.array([sample], np.int32),
+                    **{k: [v] for k, v in extra.items()},
+                },
+            )
             if logits is not None and len(new):
-                lg = logits[r, :len(new)]  # (T, V): step j predicts token P + j from query P - 1 + j
+                lg = logits[r, : len(new)]  # (T, V): step j predicts token P + j from query P - 1 + j
                 chosen = torch.tensor(new)
                 top = lg.max(-1)
-                self.writer.append("run_logits", {
-                    "request": np.full(len(new), request, np.int32),
-                    "step": np.arange(n_prompt - 1, n_prompt - 1 + len(new), dtype=np.int64),
-                    "token_id": chosen.numpy().astype(np.int32),
-                    "token_logit": lg.gather(-1, chosen[:, None])[:, 0].numpy(),
-                    "top1_id": top.indices.numpy().astype(np.int32),
-                    "top1_logit": top.values.numpy(),
-                    "lse": torch.logsumexp(lg, -1).numpy(),
-                })
+                self.writer.append(
+                    "run_logits",
+                    {
+                        "request": np.full(len(new), request, np.int32),
+                        "step": np.arange(n_prompt - 1, n_prompt - 1 + len(new), dtype=np.int64),
+                        "token_id": chosen.numpy().astype(np.int32),
+                        "token_logit": lg.gather(-1, chosen[:, None])[:, 0].numpy(),
+                        "top1_id": top.indices.numpy().astype(np.int32),
+                        "top1_logit": top.values.numpy(),
+                        "lse": torch.logsumexp(lg, -1).numpy(),
+                    },
+                )
             self.prompt_len = max(self.prompt_len, n_prompt)
             self.new_tokens = max(self.new_tokens, len(new))
             self.requests = request + 1
@@ -552,18 +612,31 @@ class Recording:
         if isinstance(ev, Mapping):
             return ev
         if prompt_index >= len(ev):
-            raise RecorderError(f"evidence was given for {len(ev)} prompts, but prompt {prompt_index} was "
-                                "generated; give one evidence mapping per prompt")
+            raise RecorderError(
+                f"evidence was given for {len(ev)} prompts, but prompt {prompt_index} was "
+                "generated; give one evidence mapping per prompt"
+            )
         return ev[prompt_index]
 
 
 @contextlib.contextmanager
-def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: Any = None,
-           evidence: EvidenceSpec | None = None, name: str | None = None, run_id: str | None = None,
-           prompts: Sequence[str] | None = None, info: Mapping[str, Any] | None = None,
-           flush_every: int = 32, fsync: bool = True, rows_per_segment: int | None = None,
-           annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None,
-           **options: Any) -> Iterator[Recording]:
+def record(
+    model: Any,
+    policy: H2OConfig | None = None,
+    *,
+    out: str,
+    tokenizer: Any = None,
+    evidence: EvidenceSpec | None = None,
+    name: str | None = None,
+    run_id: str | None = None,
+    prompts: Sequence[str] | None = None,
+    info: Mapping[str, Any] | None = None,
+    flush_every: int = 32,
+    fsync: bool = True,
+    rows_per_segment: int | None = None,
+    annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None,
+    **options: Any,
+) -> Iterator[Recording]:
     """Record every eviction of the ``model.generate`` calls inside the block.
 
     Parameters
@@ -593,8 +666,16 @@ def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: 
     if policy is not None and options:
         raise RecorderError(f"give either a policy or keyword options, not both (got {sorted(options)})")
     sizing = {"rows_per_segment": rows_per_segment} if rows_per_segment else {}
-    writer = RunWriter(out, run_id, config=config.to_dict(), model=model_info(model), fsync=fsync,
-                       name=name, **sizing, **dict(info or {}))
+    writer = RunWriter(
+        out,
+        run_id,
+        config=config.to_dict(),
+        model=model_info(model),
+        fsync=fsync,
+        name=name,
+        **sizing,
+        **dict(info or {}),
+    )
     rec = Recording(writer, config, tokenizer, evidence, prompts, flush_every, model)
     rec.annotate = annotate
     writer.start()
@@ -618,14 +699,23 @@ def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: 
         resolved = config if config.resolved else shared
         if not config.spec.evicts:  # no slots: a budget given with it is ignored
             resolved = dataclasses.replace(config, heavy=None, recent=None, ratio=None)
-        writer.update(config=(resolved or config).to_dict(), policy=config.policy,
-                      heavy=resolved.heavy if resolved else None, recent=resolved.recent if resolved else None,
-                      budget_per_request=resolved is None, gqa=config.gqa, sink=config.sink, seed=config.seed,
-                      backend=cache.backend if cache is not None else "torch",
-                      prompt_len=rec.prompt_len, new_tokens=rec.new_tokens, requests=rec.requests,
-                      seconds_per_token=float(np.median(rec.step_times)) if rec.step_times else None,
-                      prefill_seconds=float(np.median(rec.prefill_seconds)) if rec.prefill_seconds else None,
-                      keep_ratio=config.ratio)
+        writer.update(
+            config=(resolved or config).to_dict(),
+            policy=config.policy,
+            heavy=resolved.heavy if resolved else None,
+            recent=resolved.recent if resolved else None,
+            budget_per_request=resolved is None,
+            gqa=config.gqa,
+            sink=config.sink,
+            seed=config.seed,
+            backend=cache.backend if cache is not None else "torch",
+            prompt_len=rec.prompt_len,
+            new_tokens=rec.new_tokens,
+            requests=rec.requests,
+            seconds_per_token=float(np.median(rec.step_times)) if rec.step_times else None,
+            prefill_seconds=float(np.median(rec.prefill_seconds)) if rec.prefill_seconds else None,
+            keep_ratio=config.ratio,
+        )
     except BaseException as exc:
         if writer.status == "running":
             writer.close("failed", exc)
@@ -633,9 +723,17 @@ def record(model: Any, policy: H2OConfig | None = None, *, out: str, tokenizer: 
     writer.close("complete")
 
 
-def record_teacher_forced(model: Any, source_dir: str | os.PathLike, policy: H2OConfig, *, out: str,
-                          tokenizer: Any = None, name: str | None = None, run_id: str | None = None,
-                          fsync: bool = True) -> Recording:
+def record_teacher_forced(
+    model: Any,
+    source_dir: str | os.PathLike,
+    policy: H2OConfig,
+    *,
+    out: str,
+    tokenizer: Any = None,
+    name: str | None = None,
+    run_id: str | None = None,
+    fsync: bool = True,
+) -> Recording:
     """Re-record the exact token sequence of a recorded run under another setting.
 
     Every request of ``source_dir`` is prefilled with its prompt and fed its
@@ -651,8 +749,7 @@ def record_teacher_forced(model: Any, source_dir: str | os.PathLike, policy: H2O
     if not len(req):
         raise RecorderError(f"{source_dir}: the source run has no tokens to replay")
     info = {"source_run": src.run_id, "teacher_forced": True}
-    with record(model, policy, out=out, tokenizer=tokenizer, name=name, run_id=run_id, info=info,
-                fsync=fsync) as rec:
+    with record(model, policy, out=out, tokenizer=tokenizer, name=name, run_id=run_id, info=info, fsync=fsync) as rec:
         for r in sorted(set(req.tolist())):
             sel = np.flatnonzero(req == r)
             order = sel[np.argsort(np.asarray(tok["position"])[sel])]

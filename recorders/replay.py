@@ -40,6 +40,7 @@ the report gate use it.
 Writes the ``replay`` and ``replay_steps`` tables into the run folder
 (replacing an earlier replay) and updates the manifest.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,12 +72,12 @@ REPLAY_ATTN = "h2o_lens_replay"
 DEFAULT_TOLERANCE = 2e-3
 #: K of the dtype term K · eps(dtype) · max|logit| (see the module docstring for the measured spread)
 TOLERANCE_ULPS = 8.0
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def implementation_tolerance(dtype: torch.dtype | str, logit_scale: float, *,
-                             floor: float = DEFAULT_TOLERANCE) -> float:
+def implementation_tolerance(
+    dtype: torch.dtype | str, logit_scale: float, *, floor: float = DEFAULT_TOLERANCE
+) -> float:
     """Largest |logit difference| that rounding in ``dtype`` explains (module docstring).
 
     Parameters
@@ -88,8 +89,9 @@ def implementation_tolerance(dtype: torch.dtype | str, logit_scale: float, *,
     if isinstance(dtype, str):
         name = dtype.removeprefix("torch.")
         if name not in _DTYPES:
-            raise RecorderError(f"unknown dtype {dtype!r} for the implementation tolerance; "
-                                f"expected one of {', '.join(_DTYPES)}")
+            raise RecorderError(
+                f"unknown dtype {dtype!r} for the implementation tolerance; expected one of {', '.join(_DTYPES)}"
+            )
         dtype = _DTYPES[name]
     if not dtype.is_floating_point:
         raise RecorderError(f"the implementation tolerance needs a floating dtype, got {dtype}")
@@ -99,8 +101,11 @@ def implementation_tolerance(dtype: torch.dtype | str, logit_scale: float, *,
 
 def _coarser(*dtypes: torch.dtype | str | None) -> torch.dtype:
     """The dtype with the largest machine epsilon among those given (float32 if none)."""
-    found = [_DTYPES.get(str(d).removeprefix("torch."), None) if not isinstance(d, torch.dtype) else d
-             for d in dtypes if d is not None]
+    found = [
+        _DTYPES.get(str(d).removeprefix("torch."), None) if not isinstance(d, torch.dtype) else d
+        for d in dtypes
+        if d is not None
+    ]
     found = [d for d in found if d is not None and d.is_floating_point]
     return max(found, key=lambda d: torch.finfo(d).eps, default=torch.float32)
 
@@ -137,8 +142,7 @@ class _State:
         self.backend = "auto"  # dropped mass and oracle: "torch", or the Triton kernels ("auto" on CUDA)
 
 
-def _attention(state: _State, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-               **kwargs):
+def _attention(state: _State, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention of the replay forwards; queries are the last rows of the keys.
 
     ``prompt``: full causal attention over the prompt (shared by teacher and
@@ -148,7 +152,7 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
     b, hq, m, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
     group = hq // hkv
-    scaling = scaling if scaling is not None else d ** -0.5
+    scaling = scaling if scaling is not None else d**-0.5
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if state.mode == "prompt":
         rep = state.sets_per_kv
@@ -169,11 +173,13 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
         if state.backend == "triton":
             from h2o_lens.kernels import replay_dropped_mass_triton
 
-            dropped, before, after = replay_dropped_mass_triton(query.contiguous(), k_sets.contiguous(), ev,
-                                                                scaling, oracle=state.agg)
+            dropped, before, after = replay_dropped_mass_triton(
+                query.contiguous(), k_sets.contiguous(), ev, scaling, oracle=state.agg
+            )
         else:
-            dropped, before, after = replay_dropped_mass_torch(query, k_sets, ev, scaling, chunk=state.chunk,
-                                                               oracle=state.agg)
+            dropped, before, after = replay_dropped_mass_torch(
+                query, k_sets, ev, scaling, chunk=state.chunk, oracle=state.agg
+            )
         state.dropped[layer] = dropped[0]
         state.before[layer], state.after[layer] = before[0], after[0]  # (Hs, N)
         return out.transpose(1, 2), None
@@ -183,8 +189,7 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
         e = min(m, s + state.chunk)
         r = rows[s:e]
         visible = (cols <= r) & (per_q >= r)  # (1, Hq, c, N): kept at the step of each row
-        out[:, :, s:e] = sdpa(query[:, :, s:e], key, value, attn_mask=visible, scale=scaling,
-                              enable_gqa=group > 1)
+        out[:, :, s:e] = sdpa(query[:, :, s:e], key, value, attn_mask=visible, scale=scaling, enable_gqa=group > 1)
     return out.transpose(1, 2), None
 
 
@@ -197,16 +202,26 @@ def _replay_attention(model, state: _State) -> contextlib.AbstractContextManager
     return attention_implementation(model, REPLAY_ATTN, functools.partial(_attention, state), _no_mask)
 
 
-def _request_evict_steps(ev: dict[str, np.ndarray], request: int, layers: int, sets: int, n: int,
-                 gqa_none: bool) -> dict[int, torch.Tensor]:
+def _request_evict_steps(
+    ev: dict[str, np.ndarray], request: int, layers: int, sets: int, n: int, gqa_none: bool
+) -> dict[int, torch.Tensor]:
     """Per layer ``(1, Hs, N)`` step at which each position of ``request`` left the cache."""
     sel = ev["request"] == request
     out = evict_steps({k: v[sel] for k, v in ev.items()}, layers, sets, n, gqa_none)
     return {layer: torch.from_numpy(out[layer])[None] for layer in range(layers)}
 
 
-def _oracle_rows(rows: dict[str, list[np.ndarray]], ev: dict[str, np.ndarray], request: int, p: int, n: int,
-                 layers: int, state: _State, gqa_none: bool, group: int) -> None:
+def _oracle_rows(
+    rows: dict[str, list[np.ndarray]],
+    ev: dict[str, np.ndarray],
+    request: int,
+    p: int,
+    n: int,
+    layers: int,
+    state: _State,
+    gqa_none: bool,
+    group: int,
+) -> None:
     """Teacher weight on every evicted position, before and after its eviction step."""
     sel = np.flatnonzero((ev["request"] == request) & (ev["position"] < n))
     if not len(sel):
@@ -268,13 +283,25 @@ class _Rows:
     """Rows of the replay, replay_steps and oracle tables, and the implementation check's figures."""
 
     def __init__(self):
-        self.oracle: dict[str, list[np.ndarray]] = {k: [] for k in (
-            "request", "step", "layer", "kv_head", "q_head", "position", "teacher_score",
-            "teacher_future_mass")}
-        self.replay: dict[str, list[np.ndarray]] = {k: [] for k in (
-            "request", "step", "layer", "q_head", "kv_head", "dropped_mass")}
-        self.steps: dict[str, list[np.ndarray]] = {k: [] for k in (
-            "request", "step", "kl", "top1_agree", "teacher_logprob")}
+        self.oracle: dict[str, list[np.ndarray]] = {
+            k: []
+            for k in (
+                "request",
+                "step",
+                "layer",
+                "kv_head",
+                "q_head",
+                "position",
+                "teacher_score",
+                "teacher_future_mass",
+            )
+        }
+        self.replay: dict[str, list[np.ndarray]] = {
+            k: [] for k in ("request", "step", "layer", "q_head", "kv_head", "dropped_mass")
+        }
+        self.steps: dict[str, list[np.ndarray]] = {
+            k: [] for k in ("request", "step", "kl", "top1_agree", "teacher_logprob")
+        }
         self.max_diff, self.n_steps, self.logit_scale = 0.0, 0, 0.0
 
 
@@ -287,8 +314,10 @@ def _load(run_dir: Path) -> _Run:
     run = load_run(run_dir, tables=("tokens", "evictions", "run_logits"))
     config = run.manifest.get("config") or {}
     tokens = run["tokens"].to_pydict()
-    ev = {k: np.asarray(run["evictions"][k].to_pylist(), dtype=np.int64)
-          for k in ("request", "step", "layer", "kv_head", "position")}
+    ev = {
+        k: np.asarray(run["evictions"][k].to_pylist(), dtype=np.int64)
+        for k in ("request", "step", "layer", "kv_head", "position")
+    }
     if config.get("gqa") == "none":
         ev["q_head"] = np.asarray(run["evictions"]["q_head"].fill_null(-1).to_pylist(), dtype=np.int64)
     logits = {k: np.asarray(v) for k, v in run["run_logits"].to_pydict().items() if k != "run_id"}
@@ -342,23 +371,22 @@ def _forward(model, state: _State, ids: np.ndarray, p: int, n: int, bar) -> tupl
     teacher, masked = first, first
     if n > p:
         state.mode = "teacher"
-        teacher = torch.cat([first, model(input_ids=x[:, p:], cache=cache, use_cache=True)
-                             .logits[0].float()])
+        teacher = torch.cat([first, model(input_ids=x[:, p:], cache=cache, use_cache=True).logits[0].float()])
         bar.update()
         cache.crop(p - n)
         state.mode = "masked"
-        masked = torch.cat([first, model(input_ids=x[:, p:], cache=cache, use_cache=True)
-                            .logits[0].float()])
+        masked = torch.cat([first, model(input_ids=x[:, p:], cache=cache, use_cache=True).logits[0].float()])
     bar.update()
     return teacher, masked
 
 
-def _step_rows(rows: _Rows, request: int, ids: np.ndarray, p: int, teacher: torch.Tensor,
-               masked: torch.Tensor) -> np.ndarray:
+def _step_rows(
+    rows: _Rows, request: int, ids: np.ndarray, p: int, teacher: torch.Tensor, masked: torch.Tensor
+) -> np.ndarray:
     """KL(teacher ‖ masked), top-1 agreement and teacher log-probability per step; returns the steps."""
     t = teacher.shape[0]
     steps = np.arange(p - 1, p - 1 + t, dtype=np.int64)
-    nxt = torch.as_tensor(ids[p:p + t], dtype=torch.long)
+    nxt = torch.as_tensor(ids[p : p + t], dtype=torch.long)
     lt, lm = torch.log_softmax(teacher, -1), torch.log_softmax(masked, -1)
     kl = (lt.exp() * (lt - lm)).sum(-1)
     rows.steps["request"].append(np.full(t, request, np.int32))
@@ -370,8 +398,9 @@ def _step_rows(rows: _Rows, request: int, ids: np.ndarray, p: int, teacher: torc
     return steps
 
 
-def _check_implementation(rows: _Rows, logits: dict[str, np.ndarray], request: int, p: int,
-                          masked: torch.Tensor) -> None:
+def _check_implementation(
+    rows: _Rows, logits: dict[str, np.ndarray], request: int, p: int, masked: torch.Tensor
+) -> None:
     """Compare the masked replay's logits with those the run itself logged (max |difference|)."""
     ls = logits["request"] == request
     if not ls.any():
@@ -381,15 +410,18 @@ def _check_implementation(rows: _Rows, logits: dict[str, np.ndarray], request: i
     idx = idx[ok]
     m = masked[torch.as_tensor(idx)]
     diffs = [
-        np.abs(m.gather(-1, torch.as_tensor(logits[c][ls][ok], dtype=torch.long)[:, None])[:, 0]
-               .numpy() - logits[v][ls][ok])
+        np.abs(
+            m.gather(-1, torch.as_tensor(logits[c][ls][ok], dtype=torch.long)[:, None])[:, 0].numpy()
+            - logits[v][ls][ok]
+        )
         for c, v in (("token_id", "token_logit"), ("top1_id", "top1_logit"))
     ]
     diffs.append(np.abs(torch.logsumexp(m, -1).numpy() - logits["lse"][ls][ok]))
     rows.max_diff = max(rows.max_diff, float(max(d.max() for d in diffs)))
     if ok.any():
-        rows.logit_scale = max(rows.logit_scale, *(float(np.abs(logits[c][ls][ok]).max())
-                                                   for c in ("token_logit", "top1_logit")))
+        rows.logit_scale = max(
+            rows.logit_scale, *(float(np.abs(logits[c][ls][ok]).max()) for c in ("token_logit", "top1_logit"))
+        )
 
 
 def _replay_rows(rows: _Rows, request: int, steps: np.ndarray, state: _State, shape: _Shape) -> None:
@@ -449,28 +481,46 @@ def _summarize(run: _Run, model, rows: _Rows, tolerance: float | None, seconds: 
         tolerance = implementation_tolerance(_coarser(run_dtype, replay_dtype), rows.logit_scale)
     steps_all = _cat(rows.steps) if rows.steps["step"] else None
     return ReplaySummary(
-        run_id=run.run_id, requests=len(run.requests), steps=rows.n_steps, max_logit_diff=rows.max_diff,
+        run_id=run.run_id,
+        requests=len(run.requests),
+        steps=rows.n_steps,
+        max_logit_diff=rows.max_diff,
         implementation_ok=rows.max_diff <= tolerance,
         mean_kl=float(steps_all["kl"].mean()) if steps_all is not None else 0.0,
         top1_agreement=float(steps_all["top1_agree"].mean()) if steps_all is not None else 1.0,
         mean_dropped_mass=float(np.concatenate(rows.replay["dropped_mass"]).mean())
-        if rows.replay["dropped_mass"] else 0.0,
-        seconds=seconds, tolerance=tolerance)
+        if rows.replay["dropped_mass"]
+        else 0.0,
+        seconds=seconds,
+        tolerance=tolerance,
+    )
 
 
 def _update_manifest(run_dir: Path, summary: ReplaySummary, backend: str) -> None:
     manifest = read_manifest(run_dir)
     manifest["max_logit_diff"] = summary.max_logit_diff
     manifest["logit_tolerance"] = summary.tolerance
-    manifest["replay"] = {"implementation_ok": summary.implementation_ok, "tolerance": summary.tolerance,
-                          "mean_kl": summary.mean_kl, "top1_agreement": summary.top1_agreement,
-                          "mean_dropped_mass": summary.mean_dropped_mass, "seconds": summary.seconds,
-                          "backend": backend}
+    manifest["replay"] = {
+        "implementation_ok": summary.implementation_ok,
+        "tolerance": summary.tolerance,
+        "mean_kl": summary.mean_kl,
+        "top1_agreement": summary.top1_agreement,
+        "mean_dropped_mass": summary.mean_dropped_mass,
+        "seconds": summary.seconds,
+        "backend": backend,
+    }
     write_manifest(run_dir, manifest)
 
 
-def replay(run_dir: str | os.PathLike, *, model: Any = None, tolerance: float | None = None,
-           chunk: int = 512, progress: bool = True, backend: str = "auto") -> ReplaySummary:
+def replay(
+    run_dir: str | os.PathLike,
+    *,
+    model: Any = None,
+    tolerance: float | None = None,
+    chunk: int = 512,
+    progress: bool = True,
+    backend: str = "auto",
+) -> ReplaySummary:
     """Replay one recorded run (see the module docstring) and write its replay tables.
 
     Parameters

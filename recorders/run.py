@@ -10,6 +10,7 @@ buffered rows are still flushed and the manifest becomes ``failed`` with the
 error message and type (the exception propagates). A killed process leaves
 ``running``, which readers report as ``interrupted``.
 """
+
 from __future__ import annotations
 
 import os
@@ -58,13 +59,21 @@ class RunWriter:
         ``prompt_len``, ``new_tokens``, ``requests``, ``max_logit_diff``.
     """
 
-    def __init__(self, root: str | os.PathLike, run_id: str | None = None, *,
-                 config: Any = None, model: Any = None,
-                 rows_per_segment: int = DEFAULT_ROWS_PER_SEGMENT, fsync: bool = True,
-                 **info: Any) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        run_id: str | None = None,
+        *,
+        config: Any = None,
+        model: Any = None,
+        rows_per_segment: int = DEFAULT_ROWS_PER_SEGMENT,
+        fsync: bool = True,
+        **info: Any,
+    ) -> None:
         self.config = config_dict(config)
-        self.run_id = validate_run_id(run_id) if run_id is not None else \
-            new_run_id(str(self.config.get("policy", "run")))
+        self.run_id = (
+            validate_run_id(run_id) if run_id is not None else new_run_id(str(self.config.get("policy", "run")))
+        )
         self.root = Path(root)
         self.run_dir = self.root / self.run_id
         self._model = model
@@ -88,11 +97,16 @@ class RunWriter:
             if (self.run_dir / MANIFEST_NAME).exists() or any(self.run_dir.glob("*.parquet")):
                 raise RunExistsError(
                     f"run folder {self.run_dir} already holds a run; pick another run_id "
-                    "or leave run_id unset for a fresh one") from None
-        self.manifest = new_manifest(self.run_id, config=self.config, model=self._model,
-                                     **self._info)
-        self.segments = SegmentWriter(self.run_dir, run_id=self.run_id, config=self.config,
-                                      rows_per_segment=self._rows_per_segment, fsync=self._fsync)
+                    "or leave run_id unset for a fresh one"
+                ) from None
+        self.manifest = new_manifest(self.run_id, config=self.config, model=self._model, **self._info)
+        self.segments = SegmentWriter(
+            self.run_dir,
+            run_id=self.run_id,
+            config=self.config,
+            rows_per_segment=self._rows_per_segment,
+            fsync=self._fsync,
+        )
         write_manifest(self.run_dir, self.manifest)
         self.status = "running"
         return self
@@ -131,8 +145,7 @@ class RunWriter:
         self.manifest["finished_at"] = iso_utc(utc_now())
         if error is not None:
             self.manifest["error"] = str(error) or repr(error)
-            self.manifest["error_type"] = type(error).__name__ if isinstance(error, BaseException) \
-                else "Error"
+            self.manifest["error_type"] = type(error).__name__ if isinstance(error, BaseException) else "Error"
         self.manifest["rows"] = dict(segments.rows_written)
         write_manifest(self.run_dir, self.manifest)
         self.status = status
@@ -141,8 +154,7 @@ class RunWriter:
 
     def _started(self) -> SegmentWriter:
         if self.segments is None:
-            raise RuntimeError(f"run {self.run_id} is not started; use `with RunWriter(...)` "
-                               "or call start()")
+            raise RuntimeError(f"run {self.run_id} is not started; use `with RunWriter(...)` or call start()")
         if self.status not in (None, "running"):
             raise RuntimeError(f"run {self.run_id} is already {self.status}")
         return self.segments

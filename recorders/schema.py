@@ -9,6 +9,7 @@ Integer widths: ``request`` int32, ``step``/``position`` int64, head and layer
 indices int16, scores, margins and masses float32, flags bool. Timestamps of
 the ``runs`` view are naive UTC.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -55,89 +56,142 @@ _REQUEST = _f("request", pa.int32(), "request (batch row) index within the run")
 _STEP = _f("step", pa.int64(), "query position being processed; prefill rows carry prompt_len - 1")
 _LAYER = _f("layer", pa.int16(), "decoder layer index")
 _KV_HEAD = _f("kv_head", pa.int16(), "KV head index")
-_Q_HEAD_OPT = _f("q_head", pa.int16(), "query head, only when gqa='none' keeps one set per query head",
-                 nullable=True)
+_Q_HEAD_OPT = _f("q_head", pa.int16(), "query head, only when gqa='none' keeps one set per query head", nullable=True)
 
 TABLES: dict[str, pa.Schema] = {
-    "tokens": pa.schema([
-        _RUN_ID, _REQUEST,
-        _f("position", pa.int64(), "original input position"),
-        _f("token_id", pa.int32(), "vocabulary id"),
-        _f("text", pa.string(), "decoded text of the token", nullable=True),
-        _f("is_prompt", pa.bool_(), "token belongs to the prompt"),
-        _f("evidence", pa.string(), "evidence span label, or null", nullable=True),
-    ]),
-    "evictions": pa.schema([
-        _RUN_ID, _REQUEST, _STEP, _LAYER, _KV_HEAD,
-        _f("position", pa.int64(), "original position of the evicted token"),
-        _f("score", pa.float32(), "score that chose the victim: cumulative attention for h2o and heavy; "
-           "the seeded draw of this step for random; 0 for local and sink (position decides)"),
-        _f("margin", pa.float32(), "lowest surviving eligible score - victim score (>= 0), same scores"),
-        _f("age", pa.int64(), "step - position"),
-        _f("left_recent", pa.bool_(), "the victim is the token that left the recent window this step"),
-        _f("phase", pa.string(), "'prefill' or 'decode'", nullable=True),
-        _Q_HEAD_OPT,
-    ]),
-    "steps": pa.schema([
-        _RUN_ID, _REQUEST, _STEP, _LAYER, _KV_HEAD,
-        _f("min_heavy_score", pa.float32(), "lowest score among the heavy slots after the step",
-           nullable=True),
-        _f("promoted", pa.bool_(), "the token leaving the recent window survived (null: none left)",
-           nullable=True),
-        _f("exiting_position", pa.int64(), "position that left the recent window (null: none)",
-           nullable=True),
-        _f("kept", pa.int32(), "slots held after the step", nullable=True),
-        _f("heavy_age_mean", pa.float32(), "mean age (step - position) of the heavy slots",
-           nullable=True),
-        _Q_HEAD_OPT,
-    ]),
-    "replay": pa.schema([
-        _RUN_ID, _REQUEST, _STEP, _LAYER,
-        _f("q_head", pa.int16(), "query head index"),
-        _KV_HEAD,
-        _f("dropped_mass", pa.float32(), "full-cache teacher weight on positions not in the cache"),
-    ]),
-    "replay_steps": pa.schema([
-        _RUN_ID, _REQUEST, _STEP,
-        _f("kl", pa.float32(), "KL(teacher || run) of the next-token distributions"),
-        _f("top1_agree", pa.bool_(), "teacher and run agree on the most likely next token"),
-        _f("teacher_logprob", pa.float32(), "teacher log-probability of the run's next token"),
-    ]),
-    "oracle": pa.schema([
-        _RUN_ID, _REQUEST, _STEP, _LAYER, _KV_HEAD,
-        _f("position", pa.int64(), "original position of the evicted token (one row per eviction)"),
-        _f("teacher_score", pa.float32(),
-           "full-cache teacher weight on the position over steps position..step, aggregated like gqa"),
-        _f("teacher_future_mass", pa.float32(),
-           "full-cache teacher weight on the position over steps after its eviction (teacher-forced)"),
-        _Q_HEAD_OPT,
-    ]),
-    "run_logits": pa.schema([
-        _RUN_ID, _REQUEST, _STEP,
-        _f("token_id", pa.int32(), "token the run produced from this step's logits"),
-        _f("token_logit", pa.float32(), "the run's logit of that token"),
-        _f("top1_id", pa.int32(), "the run's most likely next token"),
-        _f("top1_logit", pa.float32(), "the run's largest logit"),
-        _f("lse", pa.float32(), "log-sum-exp of the run's logits (the softmax normaliser)"),
-    ]),
-    "requests": pa.schema([
-        _RUN_ID, _REQUEST,
-        _f("prompt_len", pa.int64(), "prompt tokens of this request (padding excluded)"),
-        _f("new_tokens", pa.int64(), "tokens generated for this request"),
-        _f("answer", pa.string(), "decoded generated text", nullable=True),
-        _f("task", pa.string(), "task name, when the run comes from the task suite", nullable=True),
-        _f("expected", pa.string(), "expected answer of the task", nullable=True),
-        _f("correct", pa.bool_(), "answer checker verdict (null: no checker)", nullable=True),
-        _f("heavy", pa.int32(), "heavy slot count of this request (a keep ratio resolved on its own "
-           "prompt_len; the policy splits heavy + recent as H2OConfig.split); null: full cache",
-           nullable=True),
-        _f("recent", pa.int32(), "recent slot count of this request (see heavy); null: full cache",
-           nullable=True),
-        _f("prompt_index", pa.int32(),
-           "prompt this sequence continues, numbered across the run's generate calls", nullable=True),
-        _f("sample_index", pa.int32(),
-           "which of the num_return_sequences sequences of its prompt (0-based)", nullable=True),
-    ]),
+    "tokens": pa.schema(
+        [
+            _RUN_ID,
+            _REQUEST,
+            _f("position", pa.int64(), "original input position"),
+            _f("token_id", pa.int32(), "vocabulary id"),
+            _f("text", pa.string(), "decoded text of the token", nullable=True),
+            _f("is_prompt", pa.bool_(), "token belongs to the prompt"),
+            _f("evidence", pa.string(), "evidence span label, or null", nullable=True),
+        ]
+    ),
+    "evictions": pa.schema(
+        [
+            _RUN_ID,
+            _REQUEST,
+            _STEP,
+            _LAYER,
+            _KV_HEAD,
+            _f("position", pa.int64(), "original position of the evicted token"),
+            _f(
+                "score",
+                pa.float32(),
+                "score that chose the victim: cumulative attention for h2o and heavy; "
+                "the seeded draw of this step for random; 0 for local and sink (position decides)",
+            ),
+            _f("margin", pa.float32(), "lowest surviving eligible score - victim score (>= 0), same scores"),
+            _f("age", pa.int64(), "step - position"),
+            _f("left_recent", pa.bool_(), "the victim is the token that left the recent window this step"),
+            _f("phase", pa.string(), "'prefill' or 'decode'", nullable=True),
+            _Q_HEAD_OPT,
+        ]
+    ),
+    "steps": pa.schema(
+        [
+            _RUN_ID,
+            _REQUEST,
+            _STEP,
+            _LAYER,
+            _KV_HEAD,
+            _f("min_heavy_score", pa.float32(), "lowest score among the heavy slots after the step", nullable=True),
+            _f("promoted", pa.bool_(), "the token leaving the recent window survived (null: none left)", nullable=True),
+            _f("exiting_position", pa.int64(), "position that left the recent window (null: none)", nullable=True),
+            _f("kept", pa.int32(), "slots held after the step", nullable=True),
+            _f("heavy_age_mean", pa.float32(), "mean age (step - position) of the heavy slots", nullable=True),
+            _Q_HEAD_OPT,
+        ]
+    ),
+    "replay": pa.schema(
+        [
+            _RUN_ID,
+            _REQUEST,
+            _STEP,
+            _LAYER,
+            _f("q_head", pa.int16(), "query head index"),
+            _KV_HEAD,
+            _f("dropped_mass", pa.float32(), "full-cache teacher weight on positions not in the cache"),
+        ]
+    ),
+    "replay_steps": pa.schema(
+        [
+            _RUN_ID,
+            _REQUEST,
+            _STEP,
+            _f("kl", pa.float32(), "KL(teacher || run) of the next-token distributions"),
+            _f("top1_agree", pa.bool_(), "teacher and run agree on the most likely next token"),
+            _f("teacher_logprob", pa.float32(), "teacher log-probability of the run's next token"),
+        ]
+    ),
+    "oracle": pa.schema(
+        [
+            _RUN_ID,
+            _REQUEST,
+            _STEP,
+            _LAYER,
+            _KV_HEAD,
+            _f("position", pa.int64(), "original position of the evicted token (one row per eviction)"),
+            _f(
+                "teacher_score",
+                pa.float32(),
+                "full-cache teacher weight on the position over steps position..step, aggregated like gqa",
+            ),
+            _f(
+                "teacher_future_mass",
+                pa.float32(),
+                "full-cache teacher weight on the position over steps after its eviction (teacher-forced)",
+            ),
+            _Q_HEAD_OPT,
+        ]
+    ),
+    "run_logits": pa.schema(
+        [
+            _RUN_ID,
+            _REQUEST,
+            _STEP,
+            _f("token_id", pa.int32(), "token the run produced from this step's logits"),
+            _f("token_logit", pa.float32(), "the run's logit of that token"),
+            _f("top1_id", pa.int32(), "the run's most likely next token"),
+            _f("top1_logit", pa.float32(), "the run's largest logit"),
+            _f("lse", pa.float32(), "log-sum-exp of the run's logits (the softmax normaliser)"),
+        ]
+    ),
+    "requests": pa.schema(
+        [
+            _RUN_ID,
+            _REQUEST,
+            _f("prompt_len", pa.int64(), "prompt tokens of this request (padding excluded)"),
+            _f("new_tokens", pa.int64(), "tokens generated for this request"),
+            _f("answer", pa.string(), "decoded generated text", nullable=True),
+            _f("task", pa.string(), "task name, when the run comes from the task suite", nullable=True),
+            _f("expected", pa.string(), "expected answer of the task", nullable=True),
+            _f("correct", pa.bool_(), "answer checker verdict (null: no checker)", nullable=True),
+            _f(
+                "heavy",
+                pa.int32(),
+                "heavy slot count of this request (a keep ratio resolved on its own "
+                "prompt_len; the policy splits heavy + recent as H2OConfig.split); null: full cache",
+                nullable=True,
+            ),
+            _f("recent", pa.int32(), "recent slot count of this request (see heavy); null: full cache", nullable=True),
+            _f(
+                "prompt_index",
+                pa.int32(),
+                "prompt this sequence continues, numbered across the run's generate calls",
+                nullable=True,
+            ),
+            _f(
+                "sample_index",
+                pa.int32(),
+                "which of the num_return_sequences sequences of its prompt (0-based)",
+                nullable=True,
+            ),
+        ]
+    ),
 }
 TABLE_NAMES: tuple[str, ...] = tuple(TABLES)
 
@@ -154,44 +208,55 @@ KEYS: dict[str, tuple[str, ...]] = {
 }
 
 #: The ``runs`` view: one row per run, built from the manifests.
-RUNS = pa.schema([
-    _RUN_ID,
-    _f("status", pa.string(), "running | complete | failed | interrupted | unknown"),
-    _f("model", pa.string(), "model id or path", nullable=True),
-    _f("policy", pa.string(), "h2o | full | local | heavy | sink | random", nullable=True),
-    _f("heavy", pa.int32(), "heavy slot count (null: full cache, or budgets differ per request: "
-       "see requests.heavy)", nullable=True),
-    _f("recent", pa.int32(), "recent slot count (null as heavy; see requests.recent)", nullable=True),
-    _f("gqa", pa.string(), "sum | max | none", nullable=True),
-    _f("prompt_len", pa.int64(), "prompt tokens (longest request)", nullable=True),
-    _f("new_tokens", pa.int64(), "generated tokens (longest request)", nullable=True),
-    _f("created_at", pa.timestamp("us"), "start of the run, UTC", nullable=True),
-    _f("finished_at", pa.timestamp("us"), "end of the run, UTC", nullable=True),
-    _f("name", pa.string(), "free-form run name", nullable=True),
-    _f("sink", pa.int32(), "sink slot count (sink policy)", nullable=True),
-    _f("seed", pa.int64(), "seed of the random policy / sampling", nullable=True),
-    _f("backend", pa.string(), "auto | torch | triton", nullable=True),
-    _f("requests", pa.int32(), "number of requests in the run", nullable=True),
-    _f("source_run", pa.string(), "run this one is paired with (e.g. the full-cache teacher)",
-       nullable=True),
-    _f("max_logit_diff", pa.float64(), "implementation check: max |logit difference| of the replay",
-       nullable=True),
-    _f("seconds_per_token", pa.float64(), "median decode step time (wall clock) of the generation",
-       nullable=True),
-    _f("prefill_seconds", pa.float64(), "prefill time of the generation (wall clock)", nullable=True),
-    _f("task", pa.string(), "task name when the run comes from the task suite", nullable=True),
-    _f("keep_ratio", pa.float64(), "budget as a share of the prompt, when given as a ratio", nullable=True),
-    _f("error", pa.string(), "error message of a failed run", nullable=True),
-    _f("error_type", pa.string(), "exception type of a failed run", nullable=True),
-    _f("schema_version", pa.int32(), "log format version of the manifest", nullable=True),
-    _f("config", pa.string(), "run configuration, JSON", nullable=True),
-    _f("path", pa.string(), "run folder", nullable=True),
-    _f("integrity", pa.string(), "'ok' when every file of the run was read in full and matches the "
-       "manifest's row counts; otherwise what is wrong (details in the problems view)", nullable=True),
-    _f("logit_tolerance", pa.float64(),
-       "implementation check: largest accepted |logit difference|, derived from the run's dtype",
-       nullable=True),
-])
+RUNS = pa.schema(
+    [
+        _RUN_ID,
+        _f("status", pa.string(), "running | complete | failed | interrupted | unknown"),
+        _f("model", pa.string(), "model id or path", nullable=True),
+        _f("policy", pa.string(), "h2o | full | local | heavy | sink | random", nullable=True),
+        _f(
+            "heavy",
+            pa.int32(),
+            "heavy slot count (null: full cache, or budgets differ per request: see requests.heavy)",
+            nullable=True,
+        ),
+        _f("recent", pa.int32(), "recent slot count (null as heavy; see requests.recent)", nullable=True),
+        _f("gqa", pa.string(), "sum | max | none", nullable=True),
+        _f("prompt_len", pa.int64(), "prompt tokens (longest request)", nullable=True),
+        _f("new_tokens", pa.int64(), "generated tokens (longest request)", nullable=True),
+        _f("created_at", pa.timestamp("us"), "start of the run, UTC", nullable=True),
+        _f("finished_at", pa.timestamp("us"), "end of the run, UTC", nullable=True),
+        _f("name", pa.string(), "free-form run name", nullable=True),
+        _f("sink", pa.int32(), "sink slot count (sink policy)", nullable=True),
+        _f("seed", pa.int64(), "seed of the random policy / sampling", nullable=True),
+        _f("backend", pa.string(), "auto | torch | triton", nullable=True),
+        _f("requests", pa.int32(), "number of requests in the run", nullable=True),
+        _f("source_run", pa.string(), "run this one is paired with (e.g. the full-cache teacher)", nullable=True),
+        _f("max_logit_diff", pa.float64(), "implementation check: max |logit difference| of the replay", nullable=True),
+        _f("seconds_per_token", pa.float64(), "median decode step time (wall clock) of the generation", nullable=True),
+        _f("prefill_seconds", pa.float64(), "prefill time of the generation (wall clock)", nullable=True),
+        _f("task", pa.string(), "task name when the run comes from the task suite", nullable=True),
+        _f("keep_ratio", pa.float64(), "budget as a share of the prompt, when given as a ratio", nullable=True),
+        _f("error", pa.string(), "error message of a failed run", nullable=True),
+        _f("error_type", pa.string(), "exception type of a failed run", nullable=True),
+        _f("schema_version", pa.int32(), "log format version of the manifest", nullable=True),
+        _f("config", pa.string(), "run configuration, JSON", nullable=True),
+        _f("path", pa.string(), "run folder", nullable=True),
+        _f(
+            "integrity",
+            pa.string(),
+            "'ok' when every file of the run was read in full and matches the "
+            "manifest's row counts; otherwise what is wrong (details in the problems view)",
+            nullable=True,
+        ),
+        _f(
+            "logit_tolerance",
+            pa.float64(),
+            "implementation check: largest accepted |logit difference|, derived from the run's dtype",
+            nullable=True,
+        ),
+    ]
+)
 
 VIEW_NAMES: tuple[str, ...] = ("runs",) + TABLE_NAMES
 
@@ -232,16 +297,20 @@ def empty_table(table: str) -> pa.Table:
 
 
 def _is_scalar(value: Any) -> bool:
-    return value is None or isinstance(value, (str, bytes, bool, numbers.Number, np.generic)) or (
-        isinstance(value, np.ndarray) and value.ndim == 0)
+    return (
+        value is None
+        or isinstance(value, (str, bytes, bool, numbers.Number, np.generic))
+        or (isinstance(value, np.ndarray) and value.ndim == 0)
+    )
 
 
 def repeat_string(value: str, n: int) -> pa.Array:
     """A string array of ``n`` copies of ``value``, built from buffers (no Python list)."""
     data = value.encode()
     if (n + 1) * len(data) >= 2**31:
-        raise SchemaError(f"{n} copies of {value!r} exceed 2 GiB in one string column; "
-                          "append the rows in smaller batches")
+        raise SchemaError(
+            f"{n} copies of {value!r} exceed 2 GiB in one string column; append the rows in smaller batches"
+        )
     offsets = np.arange(n + 1, dtype=np.int32) * np.int32(len(data))
     return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data * n))
 
@@ -267,14 +336,15 @@ def _column(table: str, field: pa.Field, value: Any, n: int) -> pa.Array:
         if arr.type != field.type:
             arr = arr.cast(field.type, safe=True)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError) as exc:
-        raise SchemaError(f"{where}: cannot store the values as {field.type}: {exc}; "
-                          f"pass values of type {field.type}") from exc
+        raise SchemaError(
+            f"{where}: cannot store the values as {field.type}: {exc}; pass values of type {field.type}"
+        ) from exc
     if len(arr) != n:
-        raise SchemaError(f"{where} has {len(arr)} rows, expected {n} like the other columns; "
-                          "pass columns of equal length")
+        raise SchemaError(
+            f"{where} has {len(arr)} rows, expected {n} like the other columns; pass columns of equal length"
+        )
     if not field.nullable and arr.null_count:
-        raise SchemaError(f"{where} holds {arr.null_count} nulls but is not nullable; "
-                          "fill the missing values")
+        raise SchemaError(f"{where} holds {arr.null_count} nulls but is not nullable; fill the missing values")
     return arr
 
 
@@ -301,15 +371,15 @@ def to_arrow(table: str, columns: Mapping[str, Any], *, run_id: str | None = Non
     schema = table_schema(table)
     unknown = sorted(set(columns) - set(schema.names))
     if unknown:
-        raise SchemaError(f"table {table!r} has no column(s) {', '.join(unknown)}; "
-                          f"declared columns: {', '.join(schema.names)}")
+        raise SchemaError(
+            f"table {table!r} has no column(s) {', '.join(unknown)}; declared columns: {', '.join(schema.names)}"
+        )
     lengths = {len(v) for v in columns.values() if not _is_scalar(v)}
     if not lengths:
         raise SchemaError(f"table {table!r}: at least one column must be an array, got only scalars")
     if len(lengths) > 1:
         sizes = {k: len(v) for k, v in columns.items() if not _is_scalar(v)}
-        raise SchemaError(f"table {table!r}: columns have unequal lengths {sizes}; "
-                          "pass columns of equal length")
+        raise SchemaError(f"table {table!r}: columns have unequal lengths {sizes}; pass columns of equal length")
     n = lengths.pop()
     arrays = []
     for field in schema:
@@ -317,8 +387,9 @@ def to_arrow(table: str, columns: Mapping[str, Any], *, run_id: str | None = Non
         if value is None and field.name == "run_id":
             value = run_id
         if value is None and not field.nullable:
-            raise SchemaError(f"table {table!r} requires column {field.name!r} ({field.type}); "
-                              "it is missing from the batch")
+            raise SchemaError(
+                f"table {table!r} requires column {field.name!r} ({field.type}); it is missing from the batch"
+            )
         arrays.append(_column(table, field, value, n))
     return pa.Table.from_arrays(arrays, schema=schema)
 

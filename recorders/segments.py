@@ -13,6 +13,7 @@ dictionary for the rest; every page carries a CRC-32 checksum. Every file carrie
 ``h2o_lens.schema_version``, ``h2o_lens.config``, ``h2o_lens.table`` and
 ``h2o_lens.run_id``.
 """
+
 from __future__ import annotations
 
 import json
@@ -115,9 +116,16 @@ def file_metadata(table: str, run_id: str | None, config_json: str) -> dict[str,
     return meta
 
 
-def write_segment(path: str | os.PathLike, table: str, data: pa.Table, *,
-                  config_json: str = "{}", run_id: str | None = None,
-                  metadata: Mapping[str, str] | None = None, fsync: bool = True) -> Path:
+def write_segment(
+    path: str | os.PathLike,
+    table: str,
+    data: pa.Table,
+    *,
+    config_json: str = "{}",
+    run_id: str | None = None,
+    metadata: Mapping[str, str] | None = None,
+    fsync: bool = True,
+) -> Path:
     """Write one closed segment atomically.
 
     Parameters
@@ -137,8 +145,10 @@ def write_segment(path: str | os.PathLike, table: str, data: pa.Table, *,
     path = Path(path)
     schema = table_schema(table)
     if not data.schema.equals(schema):
-        raise SchemaError(f"segment {path.name}: table schema differs from the declared "
-                          f"{table!r} schema; build it with schema.to_arrow()")
+        raise SchemaError(
+            f"segment {path.name}: table schema differs from the declared "
+            f"{table!r} schema; build it with schema.to_arrow()"
+        )
     meta = file_metadata(table, run_id, config_json)
     meta.update(metadata or {})
     data = data.replace_schema_metadata(meta)
@@ -170,11 +180,16 @@ class SegmentWriter:
         Make each segment durable before it becomes visible.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, run_id: str | None = None,
-                 config: Mapping[str, Any] | None = None,
-                 rows_per_segment: int = DEFAULT_ROWS_PER_SEGMENT, fsync: bool = True) -> None:
-        if isinstance(rows_per_segment, bool) or not isinstance(rows_per_segment, int) \
-                or rows_per_segment < 1:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        run_id: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        rows_per_segment: int = DEFAULT_ROWS_PER_SEGMENT,
+        fsync: bool = True,
+    ) -> None:
+        if isinstance(rows_per_segment, bool) or not isinstance(rows_per_segment, int) or rows_per_segment < 1:
             raise ValueError(f"rows_per_segment must be a positive int, got {rows_per_segment!r}")
         self.run_dir = Path(run_dir)
         self.run_id = run_id or self.run_dir.name
@@ -183,8 +198,7 @@ class SegmentWriter:
         self.fsync = fsync
         self.removed_temp_files = clean_temp_files(self.run_dir)
         existing = list_segments(self.run_dir)
-        self._next = {t: int(SEGMENT_RE.fullmatch(p[-1].name)["index"]) + 1
-                      for t, p in existing.items()}
+        self._next = {t: int(SEGMENT_RE.fullmatch(p[-1].name)["index"]) + 1 for t, p in existing.items()}
         self._buffers: dict[str, list[pa.Table]] = {}
         self._buffered: dict[str, int] = {}
         self.rows_written: dict[str, int] = {}
@@ -200,8 +214,11 @@ class SegmentWriter:
         if self.closed:
             raise ValueError(f"segment writer of {self.run_dir} is closed; open a new one")
         if isinstance(columns, pa.Table):
-            batch = columns if columns.schema.equals(table_schema(table)) else \
-                to_arrow(table, {n: columns[n] for n in columns.column_names}, run_id=self.run_id)
+            batch = (
+                columns
+                if columns.schema.equals(table_schema(table))
+                else to_arrow(table, {n: columns[n] for n in columns.column_names}, run_id=self.run_id)
+            )
         else:
             batch = to_arrow(table, columns, run_id=self.run_id)
         if batch.num_rows == 0:
@@ -214,7 +231,7 @@ class SegmentWriter:
     def flush(self, table: str | None = None) -> list[Path]:
         """Write every buffered row of ``table`` (or of every table) as segments."""
         written = []
-        for name in ([table] if table else list(self._buffers)):
+        for name in [table] if table else list(self._buffers):
             written += self._flush_table(name, keep_tail=False)
         return written
 
@@ -239,8 +256,14 @@ class SegmentWriter:
 
     def _write(self, table: str, data: pa.Table) -> Path:
         index = self._next.get(table, 0)
-        path = write_segment(self.run_dir / segment_name(table, index), table, data,
-                             config_json=self.config_json, run_id=self.run_id, fsync=self.fsync)
+        path = write_segment(
+            self.run_dir / segment_name(table, index),
+            table,
+            data,
+            config_json=self.config_json,
+            run_id=self.run_id,
+            fsync=self.fsync,
+        )
         self._next[table] = index + 1
         self.rows_written[table] = self.rows_written.get(table, 0) + data.num_rows
         self.segments.append(path)

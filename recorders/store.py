@@ -12,6 +12,7 @@ by later versions appear after the declared ones.
 :func:`check_run` and :func:`load_run` are strict: a damaged file raises an
 error that names it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,7 @@ from .errors import DamagedFileError, RecorderWarning
 from .manifest import mark_interrupted
 from .schema import RUNS, TABLE_NAMES, duckdb_type, table_schema
 
-__all__ = ["open_runs", "create_views", "list_runs", "check_run", "load_run", "RunCheck",
-           "LoadedRun"]
+__all__ = ["open_runs", "create_views", "list_runs", "check_run", "load_run", "RunCheck", "LoadedRun"]
 
 _PROBLEM_COLUMNS = ("path", "run_id", "table_name", "reason")
 
@@ -44,8 +44,7 @@ def _ident(name: str) -> str:
 
 def _literal(value: Any, type_: pa.DataType) -> str:
     sql_type = duckdb_type(type_)
-    if value is None or (isinstance(value, float) and math.isnan(value) and
-                         not pa.types.is_floating(type_)):
+    if value is None or (isinstance(value, float) and math.isnan(value) and not pa.types.is_floating(type_)):
         return f"CAST(NULL AS {sql_type})"
     if isinstance(value, bool):
         text = "true" if value else "false"
@@ -64,8 +63,7 @@ def _values_view(name: str, schema: pa.Schema, rows: Iterable[dict[str, Any]]) -
     if not rows:
         cols = ", ".join(f"CAST(NULL AS {duckdb_type(f.type)}) AS {_ident(f.name)}" for f in schema)
         return f"CREATE OR REPLACE VIEW {_ident(name)} AS SELECT {cols} WHERE false"
-    values = ",\n".join("(" + ", ".join(_literal(r.get(f.name), f.type) for f in schema) + ")"
-                        for r in rows)
+    values = ",\n".join("(" + ", ".join(_literal(r.get(f.name), f.type) for f in schema) + ")" for r in rows)
     names = ", ".join(_ident(f.name) for f in schema)
     return f"CREATE OR REPLACE VIEW {_ident(name)} AS SELECT * FROM (VALUES {values}) AS t({names})"
 
@@ -75,15 +73,19 @@ def _table_view(table: str, files: list[SegmentFile]) -> str:
     if not files:
         return _values_view(table, schema, [])
     present = {c for f in files for c in f.columns}
-    cols = [_ident(f.name) if f.name in present else
-            f"CAST(NULL AS {duckdb_type(f.type)}) AS {_ident(f.name)}" for f in schema]
+    cols = [
+        _ident(f.name) if f.name in present else f"CAST(NULL AS {duckdb_type(f.type)}) AS {_ident(f.name)}"
+        for f in schema
+    ]
     extras: list[str] = []
     for f in files:  # columns added by later versions, in order of appearance
         extras += [c for c in f.columns if c not in schema.names and c not in extras]
     cols += [_ident(c) for c in extras]
     paths = ", ".join("'" + str(f.path).replace("'", "''") + "'" for f in files)
-    return (f"CREATE OR REPLACE VIEW {_ident(table)} AS SELECT {', '.join(cols)} "
-            f"FROM read_parquet([{paths}], union_by_name = true)")
+    return (
+        f"CREATE OR REPLACE VIEW {_ident(table)} AS SELECT {', '.join(cols)} "
+        f"FROM read_parquet([{paths}], union_by_name = true)"
+    )
 
 
 def create_views(con: duckdb.DuckDBPyConnection, catalog: Catalog) -> None:
@@ -92,13 +94,18 @@ def create_views(con: duckdb.DuckDBPyConnection, catalog: Catalog) -> None:
     for table in TABLE_NAMES:
         con.execute(_table_view(table, catalog.files(table)))
     problem_schema = pa.schema([pa.field(c, pa.string()) for c in _PROBLEM_COLUMNS])
-    con.execute(_values_view("problems", problem_schema, (
-        {"path": p.path, "run_id": p.run_id, "table_name": p.table, "reason": p.reason}
-        for p in catalog.problems)))
+    con.execute(
+        _values_view(
+            "problems",
+            problem_schema,
+            ({"path": p.path, "run_id": p.run_id, "table_name": p.table, "reason": p.reason} for p in catalog.problems),
+        )
+    )
 
 
-def open_runs(root: str | os.PathLike, *, con: duckdb.DuckDBPyConnection | None = None,
-              warn: bool = True) -> duckdb.DuckDBPyConnection:
+def open_runs(
+    root: str | os.PathLike, *, con: duckdb.DuckDBPyConnection | None = None, warn: bool = True
+) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with the views of every run under ``root``.
 
     Parameters
@@ -145,6 +152,7 @@ def list_runs(root: str | os.PathLike, *, mark: bool = False) -> list[dict[str, 
 
 # -- one run, strict -------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class RunCheck:
     """Result of :func:`check_run`: a run whose every file was read in full."""
@@ -173,8 +181,9 @@ def _read_segment(seg: SegmentFile) -> pa.Table:
     try:
         return pq.read_table(seg.path)
     except (OSError, pa.ArrowException, ValueError) as exc:
-        raise DamagedFileError(f"{seg.path}: footer is valid but the data cannot be read ({exc}); "
-                               "move it away or delete it") from None
+        raise DamagedFileError(
+            f"{seg.path}: footer is valid but the data cannot be read ({exc}); move it away or delete it"
+        ) from None
 
 
 def _strict_run(run_dir: str | os.PathLike) -> tuple[RunEntry, list[Problem]]:
@@ -210,8 +219,7 @@ def check_run(run_dir: str | os.PathLike) -> RunCheck:
 def _conform(table: str, parts: list[pa.Table]) -> pa.Table:
     """Concatenate segments of any version <= current into the declared column order."""
     schema = table_schema(table)
-    data = pa.concat_tables([p.replace_schema_metadata(None) for p in parts],
-                            promote_options="default")
+    data = pa.concat_tables([p.replace_schema_metadata(None) for p in parts], promote_options="default")
     columns, fields = [], []
     for field in schema:
         if field.name in data.column_names:
@@ -239,10 +247,9 @@ def load_run(run_dir: str | os.PathLike, tables: Iterable[str] | None = None) ->
     """
     run, _ = _strict_run(run_dir)
     out = {}
-    for table in (tables or TABLE_NAMES):
+    for table in tables or TABLE_NAMES:
         segs = run.files.get(table, [])
         parts = [_read_segment(s) for s in segs] or [table_schema(table).empty_table()]
         out[table] = _conform(table, parts)
     assert run.manifest is not None
     return LoadedRun(run.run_id, run.status, run.manifest, out)
-

@@ -2,6 +2,7 @@
 (``tiny``: tiny random models, ``runtime_utils``: kept sets of a run against the reference,
 ``logsim``: the numpy H2O simulator that writes runs, ``app_runs``: the dashboard's runs root),
 so no test module imports another."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """Helpers shared by the runtime tests: capture a run's own q/k and kept sets."""
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,9 @@ def capture_qk():
         AttentionInterface.register(hooks.ATTN_NAME, hooks.h2o_attention)
 
 
-def reference_sets(rec: dict, request: int, prefill: int, heavy: int, recent: int, gqa: str,
-                   offset: int = 0, policy: str = "h2o") -> list[list[list[int]]]:
+def reference_sets(
+    rec: dict, request: int, prefill: int, heavy: int, recent: int, gqa: str, offset: int = 0, policy: str = "h2o"
+) -> list[list[list[int]]]:
     """Kept sets per step and KV set computed by the policy's FP64 reference from captured q/k.
 
     ``offset`` drops left-padding columns of the request; ``heavy, recent`` are the split
@@ -64,7 +66,7 @@ def reference_sets(rec: dict, request: int, prefill: int, heavy: int, recent: in
     scaling = rec["scaling"] or q.shape[-1] ** -0.5
     per_set = []
     for g in range(hs):
-        logits = torch.einsum("hnd,md->hnm", q[g * group:(g + 1) * group], k[g]) * scaling
+        logits = torch.einsum("hnd,md->hnm", q[g * group : (g + 1) * group], k[g]) * scaling
         per_set.append(simulate(logits.numpy(), prefill, heavy, recent, "sum" if gqa == "none" else gqa))
     steps = len(per_set[0])
     return [[per_set[g][s] for g in range(hs)] for s in range(steps)]

@@ -1,4 +1,5 @@
 """The analyses benchmark runs end to end (at a small scale here; full scale: python -m analyses.bench)."""
+
 from __future__ import annotations
 
 from analyses.bench import SHAPE, bench_analyses

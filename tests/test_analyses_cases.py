@@ -1,4 +1,5 @@
 """Hand-computed cases: the seed's worked example, a designed freeze, designed failures."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,20 +17,30 @@ def _replay(steps, masses, layer=0, q_heads=1):
     rows = {"request": [], "step": [], "layer": [], "q_head": [], "kv_head": [], "dropped_mass": []}
     for s, m in zip(steps, masses):
         for q in range(q_heads):
-            for k, v in (("request", 0), ("step", s), ("layer", layer), ("q_head", q), ("kv_head", 0),
-                         ("dropped_mass", m)):
+            for k, v in (
+                ("request", 0),
+                ("step", s),
+                ("layer", layer),
+                ("q_head", q),
+                ("kv_head", 0),
+                ("dropped_mass", m),
+            ):
                 rows[k].append(v)
     return rows
 
 
 def _replay_steps(steps, kl, agree):
-    return {"request": [0] * len(steps), "step": list(steps), "kl": list(kl), "top1_agree": list(agree),
-            "teacher_logprob": [-0.1] * len(steps)}
+    return {
+        "request": [0] * len(steps),
+        "step": list(steps),
+        "kl": list(kl),
+        "top1_agree": list(agree),
+        "teacher_logprob": [-0.1] * len(steps),
+    }
 
 
 def _evictions(rows):
-    cols = ("request", "step", "layer", "kv_head", "position", "score", "margin", "age", "left_recent",
-            "phase")
+    cols = ("request", "step", "layer", "kv_head", "position", "score", "margin", "age", "left_recent", "phase")
     out = {c: [] for c in cols}
     for step, pos, score, margin, left, phase in rows:
         for c, v in zip(cols, (0, step, 0, 0, pos, score, margin, step - pos, left, phase)):
@@ -39,21 +50,35 @@ def _evictions(rows):
 
 # -- the worked example (DESIGN.md §2.2): B=6, heavy=3, recent=3 ----------------------------------------
 
+
 @pytest.fixture(scope="module")
 def worked(tmp_path_factory):
     """Prompt 0..10; after prefill the cache is [1,3,5 | 8,9,10]; step 11 evicts 8 (0.38, margin 0.84)."""
     root = tmp_path_factory.mktemp("worked")
-    prefill = [(10, p, s, 1.2 - s, False, "prefill")
-               for p, s in ((0, .9), (2, .8), (4, .7), (6, .6), (7, .5))]
+    prefill = [(10, p, s, 1.2 - s, False, "prefill") for p, s in ((0, 0.9), (2, 0.8), (4, 0.7), (6, 0.6), (7, 0.5))]
     decode = [(11, 8, 0.38, 1.22 - 0.38, True, "decode"), (12, 9, 0.45, 1.22 - 0.45, True, "decode")]
-    steps = {"request": [0, 0], "step": [11, 12], "layer": [0, 0], "kv_head": [0, 0],
-             "min_heavy_score": [1.22, 1.22], "promoted": [False, False], "exiting_position": [8, 9],
-             "kept": [6, 6], "heavy_age_mean": [8.0, 9.0]}
-    write_run(root, "worked", tokens=tokens_for(14, 11, evidence={8: "id"}),
-              evictions=_evictions(prefill + decode),
-              steps=steps, replay=_replay([10, 11, 12], [0.0, 0.05, 0.6]),
-              replay_steps=_replay_steps([10, 11, 12], [0.001, 0.002, 1.5], [True, True, False]),
-              heavy=3, recent=3)
+    steps = {
+        "request": [0, 0],
+        "step": [11, 12],
+        "layer": [0, 0],
+        "kv_head": [0, 0],
+        "min_heavy_score": [1.22, 1.22],
+        "promoted": [False, False],
+        "exiting_position": [8, 9],
+        "kept": [6, 6],
+        "heavy_age_mean": [8.0, 9.0],
+    }
+    write_run(
+        root,
+        "worked",
+        tokens=tokens_for(14, 11, evidence={8: "id"}),
+        evictions=_evictions(prefill + decode),
+        steps=steps,
+        replay=_replay([10, 11, 12], [0.0, 0.05, 0.6]),
+        replay_steps=_replay_steps([10, 11, 12], [0.001, 0.002, 1.5], [True, True, False]),
+        heavy=3,
+        recent=3,
+    )
     return root, open_runs(root)
 
 
@@ -93,21 +118,41 @@ def test_worked_example_is_a_scoring_lag(worked):
 
 # -- a designed freeze ---------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def freeze(tmp_path_factory):
     """KV set 0 freezes at step 140; set 1 keeps promoting; set 2 stops promoting with a flat threshold."""
     root = tmp_path_factory.mktemp("freeze")
-    rows = {k: [] for k in ("request", "step", "layer", "kv_head", "min_heavy_score", "promoted",
-                            "exiting_position", "kept", "heavy_age_mean")}
+    rows = {
+        k: []
+        for k in (
+            "request",
+            "step",
+            "layer",
+            "kv_head",
+            "min_heavy_score",
+            "promoted",
+            "exiting_position",
+            "kept",
+            "heavy_age_mean",
+        )
+    }
     for head in range(3):
         for s in range(100, 180):
             frozen = s >= 140 and head != 1
-            thr = 1.0 + 0.01 * (s - 100) if s < 140 or head == 1 else (
-                1.4 + 0.05 * (s - 140) if head == 0 else 1.4)
+            thr = 1.0 + 0.01 * (s - 100) if s < 140 or head == 1 else (1.4 + 0.05 * (s - 140) if head == 0 else 1.4)
             age = 20.0 + (s - 139 if frozen else 0)
-            for k, v in (("request", 0), ("step", s), ("layer", 0), ("kv_head", head),
-                         ("min_heavy_score", thr), ("promoted", False if frozen else s % 2 == 0),
-                         ("exiting_position", s - 8), ("kept", 16), ("heavy_age_mean", age)):
+            for k, v in (
+                ("request", 0),
+                ("step", s),
+                ("layer", 0),
+                ("kv_head", head),
+                ("min_heavy_score", thr),
+                ("promoted", False if frozen else s % 2 == 0),
+                ("exiting_position", s - 8),
+                ("kept", 16),
+                ("heavy_age_mean", age),
+            ):
                 rows[k].append(v)
     write_run(root, "frz", tokens=tokens_for(181, 101), steps=rows, heavy=8, recent=8)
     return open_runs(root)
@@ -137,6 +182,7 @@ def test_designed_stale_holders(freeze):
 
 # -- designed failures -------------------------------------------------------------------------------------
 
+
 def _delayed_attention(n: int, p: int, evidence: int, ask: int) -> np.ndarray:
     """Two query heads, one KV head: the evidence gets no attention until step ``ask``."""
     rng = np.random.default_rng(3)
@@ -157,27 +203,43 @@ def test_designed_delayed_first_reference_is_a_scoring_lag(tmp_path):
     gone = ev[ev.position == evidence].iloc[0]
     assert gone.step == evidence + 4 and gone.left_recent  # evicted as it left the recent window
     steps = list(range(p - 1, n))
-    write_run(tmp_path, "lag", tokens=tokens_for(n, p, evidence={evidence: "code"}), **sim_tables(sim),
-              replay_steps=_replay_steps(steps, [0.9 if s >= ask else 0.01 for s in steps],
-                                         [s < ask for s in steps]), heavy=6, recent=4)
+    write_run(
+        tmp_path,
+        "lag",
+        tokens=tokens_for(n, p, evidence={evidence: "code"}),
+        **sim_tables(sim),
+        replay_steps=_replay_steps(steps, [0.9 if s >= ask else 0.01 for s in steps], [s < ask for s in steps]),
+        heavy=6,
+        recent=4,
+    )
     (a,) = analyses.attribute(open_runs(tmp_path), "lag")
     assert a.verdict == "scoring_lag" and a.decision_step == ask
     dm = next(f for f in a.facts if f.kind == "dropped_mass")
     assert dm.value > 0.1  # the teacher needs the evidence now: lag wins over budget
-    assert any(f.kind == "evidence_evicted" and f.position == evidence and f.step == evidence + 4
-               for f in a.facts)
+    assert any(f.kind == "evidence_evicted" and f.position == evidence and f.step == evidence + 4 for f in a.facts)
 
 
 def _failure_run(root, run_id, *, evicted: bool, dm: float, kl_at: float, **info):
     n, p = 30, 20
     rows = [(19, 2, 2.0, 0.1, False, "prefill"), (19, 3, 2.1, 0.05, False, "prefill")] if evicted else []
-    write_run(root, run_id, tokens=tokens_for(n, p, evidence={2: "fact", 3: "fact"}),
-              evictions=_evictions(rows) if rows else None,
-              steps={"request": [0] * 10, "step": list(range(20, 30)), "layer": [0] * 10,
-                     "kv_head": [0] * 10, "min_heavy_score": [2.2] * 10},
-              replay=_replay(range(19, 30), [dm] * 11, q_heads=2),
-              replay_steps=_replay_steps(range(19, 30), [0.01] * 5 + [kl_at] * 6, [True] * 5 + [False] * 6),
-              heavy=4, recent=4, **info)
+    write_run(
+        root,
+        run_id,
+        tokens=tokens_for(n, p, evidence={2: "fact", 3: "fact"}),
+        evictions=_evictions(rows) if rows else None,
+        steps={
+            "request": [0] * 10,
+            "step": list(range(20, 30)),
+            "layer": [0] * 10,
+            "kv_head": [0] * 10,
+            "min_heavy_score": [2.2] * 10,
+        },
+        replay=_replay(range(19, 30), [dm] * 11, q_heads=2),
+        replay_steps=_replay_steps(range(19, 30), [0.01] * 5 + [kl_at] * 6, [True] * 5 + [False] * 6),
+        heavy=4,
+        recent=4,
+        **info,
+    )
 
 
 def test_designed_budget_not_the_cache_and_implementation_error(tmp_path):
@@ -188,8 +250,11 @@ def test_designed_budget_not_the_cache_and_implementation_error(tmp_path):
     con = open_runs(tmp_path)
     verdicts = {r: analyses.attribute(con, r)[0] for r in ("budget", "held", "quiet", "impl")}
     assert {r: a.verdict for r, a in verdicts.items()} == {
-        "budget": "budget", "held": "not_the_cache", "quiet": "not_the_cache",
-        "impl": "implementation_error"}
+        "budget": "budget",
+        "held": "not_the_cache",
+        "quiet": "not_the_cache",
+        "impl": "implementation_error",
+    }
     b = verdicts["budget"]
     worst = next(f for f in b.facts if f.kind == "worst_head_dropped_mass")
     assert worst.dropped_mass == pytest.approx(0.4) and worst.layer == 0
@@ -205,19 +270,24 @@ def test_answer_checker_sources(tmp_path):
     con = open_runs(tmp_path)
     table = analyses.failed_requests(con, "chk", thresholds={"min_top1_agreement": 0.0, "kl_fail": None})
     assert table.failed_by[0] == ("answer_checker",)  # from the manifest's answer_correct
-    assert analyses.attribute(con, "chk", failed=False, thresholds={"min_top1_agreement": 0.0,
-                                                                    "kl_fail": None}) == []
+    assert analyses.attribute(con, "chk", failed=False, thresholds={"min_top1_agreement": 0.0, "kl_fail": None}) == []
     assert analyses.attribute(con, "chk", failed=[0])[0].failed_by[0] == "answer_checker"
 
 
-@pytest.mark.skipif("requests" not in TABLES or "correct" not in TABLES["requests"].names,
-                    reason="the log schema has no requests.correct column")
+@pytest.mark.skipif(
+    "requests" not in TABLES or "correct" not in TABLES["requests"].names,
+    reason="the log schema has no requests.correct column",
+)
 def test_answer_checker_from_the_requests_table(tmp_path):
     _failure_run(tmp_path, "req", evicted=False, dm=0.01, kl_at=0.0, answer_correct=True)
-    table = to_arrow("requests", {"request": [0], "prompt_len": [20], "new_tokens": [10],
-                                  "correct": [False]}, run_id="req")
-    pq.write_table(table.replace_schema_metadata({META_SCHEMA_VERSION: str(SCHEMA_VERSION)}),
-                   tmp_path / "req" / "requests-00000.parquet")
-    table = analyses.failed_requests(open_runs(tmp_path), "req",
-                                     thresholds={"min_top1_agreement": 0.0, "kl_fail": None})
+    table = to_arrow(
+        "requests", {"request": [0], "prompt_len": [20], "new_tokens": [10], "correct": [False]}, run_id="req"
+    )
+    pq.write_table(
+        table.replace_schema_metadata({META_SCHEMA_VERSION: str(SCHEMA_VERSION)}),
+        tmp_path / "req" / "requests-00000.parquet",
+    )
+    table = analyses.failed_requests(
+        open_runs(tmp_path), "req", thresholds={"min_top1_agreement": 0.0, "kl_fail": None}
+    )
     assert table.failed_by[0] == ("answer_checker",)  # the table wins over the manifest

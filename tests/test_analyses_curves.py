@@ -1,4 +1,5 @@
 """KV footprint with page granularity against a plain pandas computation."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,21 +12,45 @@ from recorders import RunWriter, open_runs
 
 
 def _run(root, run_id, evicted, last, sets, policy="h2o"):
-    with RunWriter(root, run_id, config={"policy": policy, "heavy": 2, "recent": 2, "gqa": "sum"},
-                   model="synthetic", fsync=False) as w:
-        w.append("tokens", {"request": np.zeros(last + 1, np.int32), "position": np.arange(last + 1),
-                            "token_id": np.arange(last + 1, dtype=np.int32), "is_prompt": np.arange(last + 1) < 8})
+    with RunWriter(
+        root, run_id, config={"policy": policy, "heavy": 2, "recent": 2, "gqa": "sum"}, model="synthetic", fsync=False
+    ) as w:
+        w.append(
+            "tokens",
+            {
+                "request": np.zeros(last + 1, np.int32),
+                "position": np.arange(last + 1),
+                "token_id": np.arange(last + 1, dtype=np.int32),
+                "is_prompt": np.arange(last + 1) < 8,
+            },
+        )
         if sets:
             layer, head = zip(*sets)
-            w.append("steps", {"request": np.zeros(len(sets), np.int32), "step": np.full(len(sets), 7),
-                               "layer": np.array(layer, np.int16), "kv_head": np.array(head, np.int16)})
+            w.append(
+                "steps",
+                {
+                    "request": np.zeros(len(sets), np.int32),
+                    "step": np.full(len(sets), 7),
+                    "layer": np.array(layer, np.int16),
+                    "kv_head": np.array(head, np.int16),
+                },
+            )
         if evicted:
             layer, head, pos = (np.array(x) for x in zip(*evicted))
-            w.append("evictions", {"request": np.zeros(len(pos), np.int32), "step": pos + 4,
-                                   "layer": layer.astype(np.int16), "kv_head": head.astype(np.int16),
-                                   "position": pos, "score": np.zeros(len(pos), np.float32),
-                                   "margin": np.zeros(len(pos), np.float32), "age": np.full(len(pos), 4),
-                                   "left_recent": np.ones(len(pos), bool)})
+            w.append(
+                "evictions",
+                {
+                    "request": np.zeros(len(pos), np.int32),
+                    "step": pos + 4,
+                    "layer": layer.astype(np.int16),
+                    "kv_head": head.astype(np.int16),
+                    "position": pos,
+                    "score": np.zeros(len(pos), np.float32),
+                    "margin": np.zeros(len(pos), np.float32),
+                    "age": np.full(len(pos), 4),
+                    "left_recent": np.ones(len(pos), bool),
+                },
+            )
 
 
 def test_kv_footprint_matches_pandas(tmp_path):

@@ -17,6 +17,7 @@ compares values, not signs or orderings (DESIGN.md §5, §6).
 * Dropped mass, its per-head coverage summary (mean, min, P1, P5), from the
   full attention matrices of every layer and the logged eviction steps.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,8 +35,7 @@ PROMPT, NEW, HEAVY, RECENT = 16, 12, 3, 3
 
 def _table(root, run_id, sql_table, cols):
     order = ", ".join(cols)
-    return open_runs(root).execute(
-        f"SELECT {order} FROM {sql_table} WHERE run_id = ? ORDER BY {order}", [run_id]).df()
+    return open_runs(root).execute(f"SELECT {order} FROM {sql_table} WHERE run_id = ? ORDER BY {order}", [run_id]).df()
 
 
 def _full_forward(model, ids):
@@ -59,20 +59,35 @@ def world(tmp_path_factory):
     ids = torch.randint(3, 256, (1, PROMPT), generator=torch.Generator().manual_seed(7))
     with recorders.record(model, H2OConfig(heavy=HEAVY, recent=RECENT), out=root, fsync=False) as run:
         with torch.no_grad():
-            gen = model.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
-                                 output_logits=True, return_dict_in_generate=True)
+            gen = model.generate(
+                input_ids=ids,
+                max_new_tokens=NEW,
+                do_sample=False,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
     seq = gen.sequences  # (1, P + NEW)
     run_logits = torch.cat([x.double() for x in gen.logits])  # (NEW, V): steps P-1 .. P+NEW-2
     summary = replay(root / run.run_id, model=model, progress=False, backend="torch")
     teacher, attn = _full_forward(model, seq[:, :-1])
-    return dict(root=root, run_id=run.run_id, seq=seq[0], run_logits=run_logits, teacher=teacher,
-                attn=attn, summary=summary, group=2)
+    return dict(
+        root=root,
+        run_id=run.run_id,
+        seq=seq[0],
+        run_logits=run_logits,
+        teacher=teacher,
+        attn=attn,
+        summary=summary,
+        group=2,
+    )
 
 
 # -- replay_steps: KL, top-1, teacher log-prob -------------------------------------------------
 
+
 def test_kl_is_teacher_given_run_on_asymmetric_distributions(world):
-    lt = torch.log_softmax(world["teacher"][PROMPT - 1:], -1)  # (T, V) full cache
+    lt = torch.log_softmax(world["teacher"][PROMPT - 1 :], -1)  # (T, V) full cache
     lr = torch.log_softmax(world["run_logits"], -1)  # (T, V) the compressed run
     kl = (lt.exp() * (lt - lr)).sum(-1).numpy()  # KL(teacher ‖ run)
     reverse = (lr.exp() * (lr - lt)).sum(-1).numpy()  # KL(run ‖ teacher), the wrong direction
@@ -85,7 +100,7 @@ def test_kl_is_teacher_given_run_on_asymmetric_distributions(world):
 
 
 def test_top1_and_teacher_logprob(world):
-    teacher = world["teacher"][PROMPT - 1:]
+    teacher = world["teacher"][PROMPT - 1 :]
     nxt = world["seq"][PROMPT:]
     top1 = (teacher.argmax(-1) == world["run_logits"].argmax(-1)).numpy()
     logprob = torch.log_softmax(teacher, -1).gather(-1, nxt[:, None])[:, 0].numpy()
@@ -98,11 +113,13 @@ def test_top1_and_teacher_logprob(world):
 
 # -- evictions and steps of layer 0: a brute-force H2O over the full attention ----------------
 
-def _brute_force_layer0(attn: torch.Tensor, group: int, kv_head: int, gqa: str = "sum", *,
-                        heavy: int = HEAVY, recent: int = RECENT):
+
+def _brute_force_layer0(
+    attn: torch.Tensor, group: int, kv_head: int, gqa: str = "sum", *, heavy: int = HEAVY, recent: int = RECENT
+):
     """H2O on layer 0 from its full attention ``(Hq, N, N)``; per decode step the facts the
     recorder logs. Softmax over a kept set D equals the full row renormalised over D."""
-    a = attn[kv_head * group:(kv_head + 1) * group].numpy()  # (G, N, N)
+    a = attn[kv_head * group : (kv_head + 1) * group].numpy()  # (G, N, N)
     n = a.shape[-1]
     agg = (lambda x: x.sum(0)) if gqa == "sum" else (lambda x: x.max(0))  # over the G heads
     score = {i: float(agg(a[:, i:PROMPT, i]).sum()) for i in range(PROMPT)}  # prefill column sums
@@ -122,10 +139,19 @@ def _brute_force_layer0(attn: torch.Tensor, group: int, kv_head: int, gqa: str =
         victim = min(eligible, key=lambda i: score[i])
         survivors = [score[i] for i in eligible if i != victim]
         exiting = t - recent
-        decode.append(dict(step=t, position=victim, score=score[victim],
-                           margin=min(survivors) - score[victim], age=t - victim,
-                           left_recent=victim == exiting, promoted=exiting in score and victim != exiting,
-                           exiting_position=exiting, min_heavy_score=min(survivors)))
+        decode.append(
+            dict(
+                step=t,
+                position=victim,
+                score=score[victim],
+                margin=min(survivors) - score[victim],
+                age=t - victim,
+                left_recent=victim == exiting,
+                promoted=exiting in score and victim != exiting,
+                exiting_position=exiting,
+                min_heavy_score=min(survivors),
+            )
+        )
         del score[victim]
     return prefill, decode
 
@@ -133,8 +159,12 @@ def _brute_force_layer0(attn: torch.Tensor, group: int, kv_head: int, gqa: str =
 @pytest.mark.parametrize("kv_head", [0, 1])
 def test_layer0_eviction_facts_equal_brute_force(world, kv_head):
     prefill, decode = _brute_force_layer0(world["attn"][0], world["group"], kv_head)
-    ev = _table(world["root"], world["run_id"], "evictions",
-                ["layer", "kv_head", "phase", "step", "position", "score", "margin", "age", "left_recent"])
+    ev = _table(
+        world["root"],
+        world["run_id"],
+        "evictions",
+        ["layer", "kv_head", "phase", "step", "position", "score", "margin", "age", "left_recent"],
+    )
     ev = ev[(ev.layer == 0) & (ev.kv_head == kv_head)]
     pre = ev[ev.phase == "prefill"].sort_values("position")
     assert pre.position.tolist() == [r["position"] for r in prefill]
@@ -152,17 +182,21 @@ def test_layer0_eviction_facts_equal_brute_force(world, kv_head):
     # (in this tiny model the token leaving the recent window is always the victim; the
     # promoted case is pinned by test_promoted_and_left_recent_by_hand)
 
-    steps = _table(world["root"], world["run_id"], "steps",
-                   ["layer", "kv_head", "step", "promoted", "exiting_position", "min_heavy_score"])
+    steps = _table(
+        world["root"],
+        world["run_id"],
+        "steps",
+        ["layer", "kv_head", "step", "promoted", "exiting_position", "min_heavy_score"],
+    )
     steps = steps[(steps.layer == 0) & (steps.kv_head == kv_head) & (steps.step >= PROMPT)]
     assert steps.step.tolist() == [r["step"] for r in decode]
     assert steps.promoted.astype(bool).tolist() == [r["promoted"] for r in decode]
     assert steps.exiting_position.tolist() == [r["exiting_position"] for r in decode]
-    np.testing.assert_allclose(steps.min_heavy_score, [r["min_heavy_score"] for r in decode],
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(steps.min_heavy_score, [r["min_heavy_score"] for r in decode], rtol=1e-4, atol=1e-5)
 
 
 # -- dropped mass and coverage per head ---------------------------------------------------------
+
 
 def _brute_force_dropped(world) -> dict[tuple[int, int, int], float]:
     ev = _table(world["root"], world["run_id"], "evictions", ["layer", "kv_head", "position", "step"])
@@ -206,8 +240,9 @@ def test_promoted_and_left_recent_by_hand():
     scores = before + w  # 2.40, 1.70, 1.24, 1.25, 0.20, 0.00, 0.01
     eligible = positions <= 11 - 3
     victim = torch.tensor(2)  # position 5, the lowest eligible
-    stats = policy.step_stats(scores[None], positions[None], eligible[None], victim[None],
-                              torch.tensor([True]), torch.tensor([11]), recent=3)
+    stats = policy.step_stats(
+        scores[None], positions[None], eligible[None], victim[None], torch.tensor([True]), torch.tensor([11]), recent=3
+    )
     assert stats.victim_position.item() == 5
     assert stats.victim_score.item() == pytest.approx(1.24)
     assert stats.margin.item() == pytest.approx(1.25 - 1.24)  # lowest surviving eligible: 8
@@ -216,6 +251,7 @@ def test_promoted_and_left_recent_by_hand():
 
 
 # -- evidence deletion time -----------------------------------------------------------------------
+
 
 def test_evidence_deletion_step_equals_brute_force(tmp_path):
     """Per (layer 0, KV head): the step the last token of the span left the cache, from the
@@ -259,6 +295,7 @@ def pd_isna(x) -> bool:
 
 # -- GQA overlap: Jaccard of the kept sets under sum and max on the same tokens ----------------
 
+
 def test_gqa_overlap_of_layer0_equals_brute_force(tmp_path):
     from analyses.keptsets import kept_overlap
 
@@ -269,8 +306,7 @@ def test_gqa_overlap_of_layer0_equals_brute_force(tmp_path):
     new = torch.randint(3, 256, (NEW,), generator=g).tolist()
     runs = {}
     for gqa in ("sum", "max"):
-        with recorders.record(model, H2OConfig(heavy=heavy, recent=recent, gqa=gqa), out=tmp_path,
-                             fsync=False) as run:
+        with recorders.record(model, H2OConfig(heavy=heavy, recent=recent, gqa=gqa), out=tmp_path, fsync=False) as run:
             run.force(prompt, new)
         runs[gqa] = run.run_id
     _, attn = _full_forward(model, torch.tensor([prompt + new[:-1]]))
@@ -281,8 +317,7 @@ def test_gqa_overlap_of_layer0_equals_brute_force(tmp_path):
     for kv_head in (0, 1):
         gone = {}
         for gqa in ("sum", "max"):
-            prefill, decode = _brute_force_layer0(attn[0], 2, kv_head, gqa, heavy=heavy,
-                                                   recent=recent)
+            prefill, decode = _brute_force_layer0(attn[0], 2, kv_head, gqa, heavy=heavy, recent=recent)
             gone[gqa] = {r["position"]: PROMPT - 1 for r in prefill} | {r["position"]: r["step"] for r in decode}
         rows = got[got.kv_head == kv_head]
         assert sorted(rows.step) == list(range(PROMPT - 1, n))

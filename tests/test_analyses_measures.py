@@ -1,4 +1,5 @@
 """Each analysis against a plain numpy/pandas computation (or the simulator's ground truth)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,14 +25,28 @@ def world(tmp_path_factory):
     sims = {}
     steps = list(range(P - 1, N))
     kl = [0.01 * (i % 7) + (0.9 if s in DISAGREE else 0.0) for i, s in enumerate(steps)]
-    rs = {"request": [0] * len(steps), "step": steps, "kl": kl,
-          "top1_agree": [s not in DISAGREE for s in steps], "teacher_logprob": [-0.2] * len(steps)}
+    rs = {
+        "request": [0] * len(steps),
+        "step": steps,
+        "kl": kl,
+        "top1_agree": [s not in DISAGREE for s in steps],
+        "teacher_logprob": [-0.2] * len(steps),
+    }
     for gqa in ("sum", "max", "none"):
         sims[gqa] = h2o_log_from_attention(att, prompt_len=P, heavy=HEAVY, recent=RECENT, kv_heads=HKV, gqa=gqa)
-        write_run(root, f"sim-{gqa}", tokens=tokens_for(N, P, evidence=EVIDENCE), **sim_tables(sims[gqa]),
-                  replay_steps=rs, heavy=HEAVY, recent=RECENT, gqa=gqa)
-    write_synthetic_run(root, "syn", layers=4, kv_heads=2, steps=96, prompt_len=64, heavy=16, recent=16,
-                        requests=2, fsync=False)
+        write_run(
+            root,
+            f"sim-{gqa}",
+            tokens=tokens_for(N, P, evidence=EVIDENCE),
+            **sim_tables(sims[gqa]),
+            replay_steps=rs,
+            heavy=HEAVY,
+            recent=RECENT,
+            gqa=gqa,
+        )
+    write_synthetic_run(
+        root, "syn", layers=4, kv_heads=2, steps=96, prompt_len=64, heavy=16, recent=16, requests=2, fsync=False
+    )
     free = tokens_for(N, P)
     free["token_id"] = [t if i < 30 else t + 1 for i, t in enumerate(free["token_id"])]  # from 30 on
     write_run(root, "sim-full", tokens=free, policy="full", source_run="sim-sum")
@@ -49,11 +64,13 @@ def _p(x: pd.Series, q: float) -> float:
 
 # -- coverage ------------------------------------------------------------------------------------
 
+
 def test_head_coverage_matches_pandas(world):
     rp = _table(world, "sim-sum", "replay")
     rp["coverage"] = 1.0 - rp["dropped_mass"].astype(np.float64)
     ref = rp.groupby(["layer", "q_head", "kv_head"])["coverage"].agg(
-        n="count", mean="mean", min="min", p1=lambda x: _p(x, 1), p5=lambda x: _p(x, 5), max="max")
+        n="count", mean="mean", min="min", p1=lambda x: _p(x, 1), p5=lambda x: _p(x, 5), max="max"
+    )
     got = analyses.head_coverage(world["con"], "sim-sum").df().set_index(["layer", "q_head", "kv_head"])
     pd.testing.assert_frame_equal(got[ref.columns].astype(float), ref.astype(float), rtol=1e-9)
     overall = analyses.coverage_stats(analyses.dropped_mass(world["con"], "sim-sum"), by=()).df()
@@ -72,10 +89,13 @@ def test_dropped_mass_is_the_teacher_weight_outside_the_candidate_set(world):
 
 
 def _query_spans(rp: pd.DataFrame, tok: pd.DataFrame) -> pd.DataFrame:
-    lab = pd.concat([tok.assign(span=np.where(tok.is_prompt, "prompt", "answer")),
-                     tok.dropna(subset=["evidence"]).assign(span=lambda d: "evidence:" + d.evidence)])
-    return rp.merge(lab[["request", "position", "span"]], left_on=["request", "step"],
-                    right_on=["request", "position"])
+    lab = pd.concat(
+        [
+            tok.assign(span=np.where(tok.is_prompt, "prompt", "answer")),
+            tok.dropna(subset=["evidence"]).assign(span=lambda d: "evidence:" + d.evidence),
+        ]
+    )
+    return rp.merge(lab[["request", "position", "span"]], left_on=["request", "step"], right_on=["request", "position"])
 
 
 def _key_spans(rp: pd.DataFrame, tok: pd.DataFrame, sets: dict, gqa: str) -> pd.DataFrame:
@@ -97,14 +117,12 @@ def test_coverage_by_span_matches_pandas(world, gqa):
     run = f"sim-{gqa}"
     rp = _table(world, run, "replay")
     tok = _table(world, run, "tokens")
-    j = pd.concat([_query_spans(rp, tok)[["span", "dropped_mass"]],
-                   _key_spans(rp, tok, world["sims"][gqa].sets, gqa)])
+    j = pd.concat([_query_spans(rp, tok)[["span", "dropped_mass"]], _key_spans(rp, tok, world["sims"][gqa].sets, gqa)])
     j["coverage"] = 1.0 - j["dropped_mass"].astype(np.float64)
     ref = j.groupby("span")["coverage"].agg(n="count", mean="mean", p5=lambda x: _p(x, 5))
     got = analyses.coverage_by_span(world["con"], run, by_head=False).df().set_index("span")
     # evidence sits before the replayed steps: it appears through the keys, held and dropped
-    assert {"prompt", "answer", "evidence:fact:held", "evidence:fact:dropped",
-            "evidence:key:dropped"} <= set(got.index)
+    assert {"prompt", "answer", "evidence:fact:held", "evidence:fact:dropped", "evidence:key:dropped"} <= set(got.index)
     assert set(got.index) == set(ref.index)
     pd.testing.assert_frame_equal(got[ref.columns].astype(float), ref.loc[got.index].astype(float), rtol=1e-9)
     # lost evidence costs coverage in this fixture
@@ -123,6 +141,7 @@ def test_dropped_mass_series_and_layer_buckets(world):
 
 
 # -- divergence ------------------------------------------------------------------------------------
+
 
 def test_divergence_summary_and_first_divergence(world):
     got = analyses.divergence_summary(world["con"], "sim-sum").df().iloc[0]
@@ -145,14 +164,17 @@ def test_free_generation_against_the_paired_full_run(world):
 
 # -- evidence ----------------------------------------------------------------------------------------
 
+
 def test_evidence_deletion_and_held_share_match_the_candidate_sets(world):
     sim = world["sims"]["sum"]
     ev = pd.DataFrame(sim.evictions)
     spans = {"fact": [3, 4], "key": [9]}
     got = analyses.evidence_deletion(world["con"], "sim-sum").df()
     for row in got.itertuples():
-        steps = [ev[(ev.layer == row.layer) & (ev.kv_head == row.kv_head) & (ev.position == p)].step
-                 for p in spans[row.label]]
+        steps = [
+            ev[(ev.layer == row.layer) & (ev.kv_head == row.kv_head) & (ev.position == p)].step
+            for p in spans[row.label]
+        ]
         gone = [int(s.iloc[0]) for s in steps if len(s)]
         assert row.evicted_tokens == len(gone)
         expect = max(gone) if len(gone) == len(spans[row.label]) else None
@@ -162,14 +184,17 @@ def test_evidence_deletion_and_held_share_match_the_candidate_sets(world):
         sets = [sim.sets[(0, layer, kv, -1, P)] for layer in range(LAYERS) for kv in range(HKV)]
         assert held.loc[label, "at_step"] == P
         assert held.loc[label, "held_any_share"] == pytest.approx(
-            np.mean([any(p in d for p in positions) for d in sets]))
+            np.mean([any(p in d for p in positions) for d in sets])
+        )
         assert held.loc[label, "held_all_share"] == pytest.approx(
-            np.mean([all(p in d for p in positions) for d in sets]))
+            np.mean([all(p in d for p in positions) for d in sets])
+        )
     later = analyses.evidence_held(world["con"], "sim-sum", at_step=N - 1).df().set_index("label")
     assert later.loc["fact", "at_step"] == N - 1
 
 
 # -- promotion, freezing, margins --------------------------------------------------------------------
+
 
 def _windows(st: pd.DataFrame, window: int) -> pd.DataFrame:
     st = st.copy()
@@ -180,10 +205,16 @@ def _windows(st: pd.DataFrame, window: int) -> pd.DataFrame:
         return lambda g: g.dropna(subset=[col]).sort_values("step")[col].iloc[-1]
 
     g = st.groupby(keys)
-    out = pd.DataFrame({
-        "start_step": g.step.min(), "end_step": g.step.max(), "exits": g.promoted.count(),
-        "promoted": g.promoted.sum(), "threshold": g.apply(last("min_heavy_score"), include_groups=False),
-        "heavy_age": g.apply(last("heavy_age_mean"), include_groups=False)}).reset_index()
+    out = pd.DataFrame(
+        {
+            "start_step": g.step.min(),
+            "end_step": g.step.max(),
+            "exits": g.promoted.count(),
+            "promoted": g.promoted.sum(),
+            "threshold": g.apply(last("min_heavy_score"), include_groups=False),
+            "heavy_age": g.apply(last("heavy_age_mean"), include_groups=False),
+        }
+    ).reset_index()
     out["promotion_rate"] = out.promoted / out.exits
     return out
 
@@ -203,8 +234,9 @@ def test_freeze_onset_matches_a_pandas_implementation(world):
     for key, g in w.groupby(["request", "layer", "kv_head"]):
         g = g.sort_values("win")
         age_slope = g.heavy_age.diff() / g.end_step.diff()
-        frozen = ((g.promotion_rate <= max_rate) & (g.threshold > g.threshold.shift())
-                  & (age_slope >= slope)).to_numpy()
+        frozen = (
+            (g.promotion_rate <= max_rate) & (g.threshold > g.threshold.shift()) & (age_slope >= slope)
+        ).to_numpy()
         onset = None
         for k in range(len(g) - min_windows, -1, -1):
             if frozen[k:].all():
@@ -212,10 +244,12 @@ def test_freeze_onset_matches_a_pandas_implementation(world):
             else:
                 break
         onsets[key] = onset
-    got = analyses.freeze_onset(world["con"], "syn", window=window, max_rate=max_rate,
-                                min_age_slope=slope, min_windows=min_windows).df()
-    mine = {(r.request, r.layer, r.kv_head): None if pd.isna(r.onset_step) else int(r.onset_step)
-            for r in got.itertuples()}
+    got = analyses.freeze_onset(
+        world["con"], "syn", window=window, max_rate=max_rate, min_age_slope=slope, min_windows=min_windows
+    ).df()
+    mine = {
+        (r.request, r.layer, r.kv_head): None if pd.isna(r.onset_step) else int(r.onset_step) for r in got.itertuples()
+    }
     assert mine == onsets
     assert any(v is not None for v in onsets.values()) and any(v is None for v in onsets.values())
     series = analyses.freeze_series(world["con"], "syn", window=window, max_rate=max_rate).df()
@@ -229,13 +263,15 @@ def test_margin_sensitivity_matches_pandas(world):
         ev["near"] = ev.margin <= lim
         ref = ev.groupby(["layer", "kv_head"]).near.agg(["count", "sum", "mean"])
         got = analyses.margin_sensitivity(world["con"], "sim-sum", threshold=thr, relative=relative).df()
-        np.testing.assert_allclose(got[["evictions", "near_zero", "near_zero_share"]].to_numpy(float),
-                                   ref.to_numpy(float))
+        np.testing.assert_allclose(
+            got[["evictions", "near_zero", "near_zero_share"]].to_numpy(float), ref.to_numpy(float)
+        )
     only = analyses.margin_sensitivity(world["con"], "sim-sum", phase="decode").df()
     assert only.evictions.sum() == (ev.phase == "decode").sum()
 
 
 # -- kept sets ---------------------------------------------------------------------------------------
+
 
 def test_kept_overlap_matches_the_simulated_sets(world):
     a, b = world["sims"]["sum"], world["sims"]["max"]
@@ -243,8 +279,7 @@ def test_kept_overlap_matches_the_simulated_sets(world):
     assert len(got) == LAYERS * HKV * (N - P)
     for r in got.itertuples():
         da, db = a.sets[(0, r.layer, r.kv_head, -1, r.step)], b.sets[(0, r.layer, r.kv_head, -1, r.step)]
-        assert (r.size_a, r.size_b, r.intersection, r.union_size) == (len(da), len(db), len(da & db),
-                                                                       len(da | db))
+        assert (r.size_a, r.size_b, r.intersection, r.union_size) == (len(da), len(db), len(da & db), len(da | db))
         assert r.jaccard == pytest.approx(len(da & db) / len(da | db))
     assert (got.jaccard < 1).any()  # sum and max disagree somewhere on this fixture
 
@@ -255,8 +290,9 @@ def test_union_bound_matches_the_per_query_head_union(world):
     got = analyses.union_bound(world["con"], "sim-sum", "sim-none").df()
     assert len(got) == LAYERS * HKV * (N - P)
     for r in got.itertuples():
-        union = frozenset().union(*(none.sets[(0, r.layer, r.kv_head, q, r.step)]
-                                    for q in range(r.kv_head * group, (r.kv_head + 1) * group)))
+        union = frozenset().union(
+            *(none.sets[(0, r.layer, r.kv_head, q, r.step)] for q in range(r.kv_head * group, (r.kv_head + 1) * group))
+        )
         d = s.sets[(0, r.layer, r.kv_head, -1, r.step)]
         assert (r.kept, r.union_size, r.held) == (len(d), len(union), len(d & union))
         assert r.recall == pytest.approx(len(d & union) / len(union))
@@ -268,6 +304,7 @@ def test_union_bound_matches_the_per_query_head_union(world):
 
 
 # -- stale heavy hitters ---------------------------------------------------------------------------------
+
 
 def test_stale_victims_bound_the_true_recent_gain(world):
     sim = world["sims"]["sum"]
@@ -306,6 +343,7 @@ def test_stale_holders_bound_the_lowest_heavy_slot(world):
 
 # -- oracle ------------------------------------------------------------------------------------------
 
+
 def test_oracle_agreement_needs_its_columns(world):
     assert not analyses.oracle_available(world["con"])
     with pytest.raises(MissingColumnError, match="teacher_future_mass"):
@@ -318,17 +356,24 @@ def test_oracle_agreement_matches_pandas(tmp_path, world):
     ev = pd.DataFrame(sim.evictions)
     group = HQ // HKV
     agg = att.reshape(LAYERS, HKV, group, N, N).sum(2)  # (L, Hkv, N, N) summed over the group
-    future = [float(agg[r.layer, r.kv_head, r.step + 1:, r.position].sum()) for r in ev.itertuples()]
-    past = [float(agg[r.layer, r.kv_head, r.position:r.step + 1, r.position].sum()) for r in ev.itertuples()]
+    future = [float(agg[r.layer, r.kv_head, r.step + 1 :, r.position].sum()) for r in ev.itertuples()]
+    past = [float(agg[r.layer, r.kv_head, r.position : r.step + 1, r.position].sum()) for r in ev.itertuples()]
     cols = {k: ev[k].tolist() for k in ev.columns if k != "q_head"}
     table = to_arrow("evictions", cols, run_id="orc")
-    pq.write_table(table.replace_schema_metadata({META_SCHEMA_VERSION: str(SCHEMA_VERSION)}),
-                   tmp_path / "orc" / "evictions-00000.parquet")
+    pq.write_table(
+        table.replace_schema_metadata({META_SCHEMA_VERSION: str(SCHEMA_VERSION)}),
+        tmp_path / "orc" / "evictions-00000.parquet",
+    )
     keys = ("request", "step", "layer", "kv_head", "position")
-    oracle = to_arrow("oracle", {**{k: ev[k].tolist() for k in keys}, "teacher_future_mass": future,
-                                 "teacher_score": past}, run_id="orc")
-    pq.write_table(oracle.replace_schema_metadata({META_SCHEMA_VERSION: str(SCHEMA_VERSION)}),
-                   tmp_path / "orc" / "oracle-00000.parquet")
+    oracle = to_arrow(
+        "oracle",
+        {**{k: ev[k].tolist() for k in keys}, "teacher_future_mass": future, "teacher_score": past},
+        run_id="orc",
+    )
+    pq.write_table(
+        oracle.replace_schema_metadata({META_SCHEMA_VERSION: str(SCHEMA_VERSION)}),
+        tmp_path / "orc" / "oracle-00000.parquet",
+    )
     con = open_runs(tmp_path)
     assert analyses.oracle_available(con)
     got = analyses.oracle_agreement(con, "orc", eps=0.5).df().set_index(["layer", "kv_head"])
@@ -346,6 +391,7 @@ def test_oracle_agreement_matches_pandas(tmp_path, world):
 
 # -- contracts ---------------------------------------------------------------------------------------------
 
+
 def test_relations_are_lazy_and_compose(world):
     con = world["con"]
     a = analyses.head_coverage(con, "sim-sum")
@@ -359,12 +405,14 @@ def test_parameters_and_unknown_runs_are_refused(world):
     con = world["con"]
     with pytest.raises(UnknownRunError, match="nope"):
         analyses.kept_overlap(con, "nope", "sim-max")
-    for call in (lambda: analyses.promotion_windows(con, "syn", window=0),
-                 lambda: analyses.freeze_onset(con, "syn", max_rate=2.0),
-                 lambda: analyses.margin_sensitivity(con, "syn", phase="both"),
-                 lambda: analyses.coverage_stats(analyses.dropped_mass(con, "syn"), by=("nope",)),
-                 lambda: analyses.Thresholds(dropped_mass_high=3.0),
-                 lambda: analyses.Thresholds.from_mapping({"nope": 1})):
+    for call in (
+        lambda: analyses.promotion_windows(con, "syn", window=0),
+        lambda: analyses.freeze_onset(con, "syn", max_rate=2.0),
+        lambda: analyses.margin_sensitivity(con, "syn", phase="both"),
+        lambda: analyses.coverage_stats(analyses.dropped_mass(con, "syn"), by=("nope",)),
+        lambda: analyses.Thresholds(dropped_mass_high=3.0),
+        lambda: analyses.Thresholds.from_mapping({"nope": 1}),
+    ):
         with pytest.raises(ParameterError):
             call()
 
@@ -372,7 +420,10 @@ def test_parameters_and_unknown_runs_are_refused(world):
 def test_analyses_never_import_torch():
     import subprocess
     import sys
-    code = ("import sys, analyses, analyses.bench; "
-            "bad = [m for m in ('torch', 'transformers', 'triton') if m in sys.modules]; "
-            "assert not bad, bad")
+
+    code = (
+        "import sys, analyses, analyses.bench; "
+        "bad = [m for m in ('torch', 'transformers', 'triton') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

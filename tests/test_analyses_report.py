@@ -1,4 +1,5 @@
 """Exported reports: JSON against its schema, Markdown, self-contained HTML (and a real browser)."""
+
 from __future__ import annotations
 
 import json
@@ -27,10 +28,10 @@ CHROMIUM = "/usr/bin/chromium"
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("reports")
-    write_synthetic_run(root, "syn", layers=4, kv_heads=2, steps=64, prompt_len=96, heavy=24, recent=24,
-                        requests=2, fsync=False)
-    write_synthetic_run(root, "bare", steps=16, prompt_len=32, tables=["tokens", "evictions", "steps"],
-                        fsync=False)
+    write_synthetic_run(
+        root, "syn", layers=4, kv_heads=2, steps=64, prompt_len=96, heavy=24, recent=24, requests=2, fsync=False
+    )
+    write_synthetic_run(root, "bare", steps=16, prompt_len=32, tables=["tokens", "evictions", "steps"], fsync=False)
     return root
 
 
@@ -66,8 +67,14 @@ def test_json_report_without_a_replay(root):
 
 
 def test_gate_verdict_follows_ci_thresholds(root):
-    lenient = {"gate_min_coverage_p5": 0.0, "gate_max_kl_mean": 10.0, "gate_min_top1_agreement": 0.0,
-               "gate_max_failures": None, "min_top1_agreement": 0.0, "kl_fail": None}
+    lenient = {
+        "gate_min_coverage_p5": 0.0,
+        "gate_max_kl_mean": 10.0,
+        "gate_min_top1_agreement": 0.0,
+        "gate_max_failures": None,
+        "min_top1_agreement": 0.0,
+        "kl_fail": None,
+    }
     data = report_data(root, "syn", thresholds=lenient)
     assert data["verdict"]["pass"] is True and data["verdict"]["status"] == "pass"
     strict = dict(lenient, gate_min_coverage_p5=0.999)
@@ -84,8 +91,9 @@ def test_html_is_self_contained_with_plotly_once(html):
     assert html.count("plotly.js v") == 1  # the bundle's banner
     assert html.count(get_plotlyjs()[:2000]) == 1
     assert not re.search(r"<script[^>]+src=", html) and "<link" not in html
-    figs = json.loads(re.search(r'<script type="application/json" id="h2o-figures">(.*?)</script>',
-                                html, re.S).group(1))
+    figs = json.loads(
+        re.search(r'<script type="application/json" id="h2o-figures">(.*?)</script>', html, re.S).group(1)
+    )
     assert len(figs) >= 6
     for fid in figs:
         assert f'<div class="fig" id="{fid}"></div>' in html
@@ -96,8 +104,16 @@ def test_html_is_self_contained_with_plotly_once(html):
 
 def test_markdown_reads_as_a_summary(root):
     md = build_report(root, "syn", fmt="md", failed={0: True})
-    for heading in ("# H2O Lens report: syn", "## Run", "## Summary", "## Where it goes wrong",
-                    "## Evidence", "## Cache dynamics", "## Oracle agreement", "## Failures"):
+    for heading in (
+        "# H2O Lens report: syn",
+        "## Run",
+        "## Summary",
+        "## Where it goes wrong",
+        "## Evidence",
+        "## Cache dynamics",
+        "## Oracle agreement",
+        "## Failures",
+    ):
         assert heading in md
     assert "**Verdict: FAIL**" in md and "```sql" in md
     assert "Not available" in md and "teacher\\_future\\_mass" in md  # Markdown-escaped, renders as is
@@ -116,16 +132,32 @@ def test_write_report_picks_the_format_from_the_suffix(root, tmp_path):
         build_report(open_runs(root), "missing", fmt="json")
 
 
-@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Chromium is not installed at /usr/bin/chromium "
-                    "(apt-get install -y chromium); the offline rendering check needs a real browser")
+@pytest.mark.skipif(
+    not os.path.exists(CHROMIUM),
+    reason="Chromium is not installed at /usr/bin/chromium "
+    "(apt-get install -y chromium); the offline rendering check needs a real browser",
+)
 def test_html_renders_offline_in_headless_chromium(html, tmp_path):
     page = tmp_path / "report.html"
     page.write_text(html, encoding="utf-8")
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-           "--disable-component-update", "--disable-sync", "--no-first-run",
-           f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
-           "--proxy-server=socks5://127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND",
-           "--virtual-time-budget=20000", "--dump-dom", page.as_uri()]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--proxy-server=socks5://127.0.0.1:9",
+        "--host-resolver-rules=MAP * ~NOTFOUND",
+        "--virtual-time-budget=20000",
+        "--dump-dom",
+        page.as_uri(),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     body = re.search(r"<body[^>]*>", out.stdout)
     assert body, out.stderr[-2000:]
@@ -148,8 +180,9 @@ HOSTILE_LABEL = '<img src=x onerror=alert(1)>[click](http://example.invalid/labe
 def hostile_root(tmp_path_factory):
     """A run whose name and evidence label carry HTML and Markdown, and a run missing a segment."""
     root = tmp_path_factory.mktemp("hostile")
-    run = write_synthetic_run(root, "hostile", layers=2, kv_heads=2, steps=24, prompt_len=48, heavy=12,
-                              recent=12, fsync=False)
+    run = write_synthetic_run(
+        root, "hostile", layers=2, kv_heads=2, steps=24, prompt_len=48, heavy=12, recent=12, fsync=False
+    )
     manifest = read_manifest(run)
     manifest["name"] = HOSTILE_NAME
     write_manifest(run, manifest)
@@ -157,10 +190,12 @@ def hostile_root(tmp_path_factory):
     tokens = pq.read_table(seg)
     labels = pc.if_else(tokens["evidence"].is_valid(), HOSTILE_LABEL, pa.scalar(None, pa.string()))
     tokens = tokens.set_column(tokens.schema.get_field_index("evidence"), "evidence", labels)
-    write_segment(seg, "tokens", tokens.replace_schema_metadata(None).cast(TABLES["tokens"]), run_id="hostile",
-                  fsync=False)
-    short = write_synthetic_run(root, "short", layers=2, kv_heads=2, steps=24, prompt_len=48, heavy=12,
-                                recent=12, fsync=False)
+    write_segment(
+        seg, "tokens", tokens.replace_schema_metadata(None).cast(TABLES["tokens"]), run_id="hostile", fsync=False
+    )
+    short = write_synthetic_run(
+        root, "short", layers=2, kv_heads=2, steps=24, prompt_len=48, heavy=12, recent=12, fsync=False
+    )
     (short / "evictions-00000.parquet").unlink()
     return root
 

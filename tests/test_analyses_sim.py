@@ -1,4 +1,5 @@
 """The plain-numpy H2O simulator of the analyses tests (``logsim``), checked on the worked example."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ def test_worked_example_step_11():
     kept = [1, 3, 5, 8, 9, 10]
     score = dict(zip(kept, [2.4, 1.7, 1.2, 0.3, 0.2, 0.0]))
     d = kept + [11]
-    w = np.array([.20, .05, .02, .08, .15, .30, .20])
+    w = np.array([0.20, 0.05, 0.02, 0.08, 0.15, 0.30, 0.20])
     for i, inc in zip(d, w):
         score[i] = score.get(i, 0.0) + inc
     eligible = [i for i in d if i <= 11 - 3]

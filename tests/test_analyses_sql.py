@@ -1,4 +1,5 @@
 """The sandboxed SQL console: one read-only SELECT over the runs root, capped and timed."""
+
 from __future__ import annotations
 
 import json
@@ -60,33 +61,41 @@ def test_row_cap_and_formats(root):
     assert not run_sql(root, "SELECT 1 AS x", max_rows=7).attrs["truncated"]
 
 
-@pytest.mark.parametrize("sql, why", [
-    ("COPY (SELECT 1) TO '{root}/x.csv'", "COPY"),
-    ("COPY evictions TO '{outside}/x.parquet'", "COPY"),
-    ("WITH x AS (COPY (SELECT 1 AS a) TO '{root}/y.csv') SELECT * FROM x", "COPY"),
-    ("ATTACH '{outside}/x.duckdb' AS x", "ATTACH"),
-    ("INSTALL httpfs", "INSTALL"),
-    ("LOAD httpfs", "LOAD"),
-    ("SET enable_external_access = true", "SET"),
-    ("RESET lock_configuration", "RESET"),
-    ("PRAGMA version", "PRAGMA"),
-    ("EXPORT DATABASE '{outside}/dump'", "EXPORT"),
-    ("SELECT 1; SELECT 2", "2 statements"),
-    ("SELECT 1; DROP VIEW runs", "2 statements"),
-    ("CREATE TABLE t AS SELECT 1", "CREATE"),
-    ("DROP VIEW evictions", "DROP"),
-    ("INSERT INTO runs SELECT * FROM runs", "INSERT"),
-    ("WITH x AS (DELETE FROM runs RETURNING *) SELECT * FROM x", "DELETE"),
-    ("SELECT * FROM query('SELECT 1')", "query()"),
-    ("CALL pragma_version()", "CALL"),
-    (("SELECT * FROM json_execute_serialized_sql(json_serialize_sql("
-      "'WITH x AS (COPY (SELECT 1 AS a) TO ''{root}/x.csv'') SELECT * FROM x'))"), "json_execute_serialized_sql()"),
-    ("SELECT * FROM json_execute_serialized_sql('{{}}')", "json_execute_serialized_sql()"),
-    ("SELECT json_serialize_plan('SELECT 1')", "json_serialize_plan()"),
-    ("FROM query_table('runs')", "query_table()"),
-    ("SELECT * FROM checkpoint()", "table function checkpoint()"),
-    ("SELECT * FROM enable_profiling()", "table function enable_profiling()"),
-])
+@pytest.mark.parametrize(
+    "sql, why",
+    [
+        ("COPY (SELECT 1) TO '{root}/x.csv'", "COPY"),
+        ("COPY evictions TO '{outside}/x.parquet'", "COPY"),
+        ("WITH x AS (COPY (SELECT 1 AS a) TO '{root}/y.csv') SELECT * FROM x", "COPY"),
+        ("ATTACH '{outside}/x.duckdb' AS x", "ATTACH"),
+        ("INSTALL httpfs", "INSTALL"),
+        ("LOAD httpfs", "LOAD"),
+        ("SET enable_external_access = true", "SET"),
+        ("RESET lock_configuration", "RESET"),
+        ("PRAGMA version", "PRAGMA"),
+        ("EXPORT DATABASE '{outside}/dump'", "EXPORT"),
+        ("SELECT 1; SELECT 2", "2 statements"),
+        ("SELECT 1; DROP VIEW runs", "2 statements"),
+        ("CREATE TABLE t AS SELECT 1", "CREATE"),
+        ("DROP VIEW evictions", "DROP"),
+        ("INSERT INTO runs SELECT * FROM runs", "INSERT"),
+        ("WITH x AS (DELETE FROM runs RETURNING *) SELECT * FROM x", "DELETE"),
+        ("SELECT * FROM query('SELECT 1')", "query()"),
+        ("CALL pragma_version()", "CALL"),
+        (
+            (
+                "SELECT * FROM json_execute_serialized_sql(json_serialize_sql("
+                "'WITH x AS (COPY (SELECT 1 AS a) TO ''{root}/x.csv'') SELECT * FROM x'))"
+            ),
+            "json_execute_serialized_sql()",
+        ),
+        ("SELECT * FROM json_execute_serialized_sql('{{}}')", "json_execute_serialized_sql()"),
+        ("SELECT json_serialize_plan('SELECT 1')", "json_serialize_plan()"),
+        ("FROM query_table('runs')", "query_table()"),
+        ("SELECT * FROM checkpoint()", "table function checkpoint()"),
+        ("SELECT * FROM enable_profiling()", "table function enable_profiling()"),
+    ],
+)
 def test_statements_that_escape_are_refused(root, outside, sql, why):
     sql = sql.format(root=root, outside=outside)
     with pytest.raises(SQLRefusedError, match="refused") as info:
@@ -95,10 +104,17 @@ def test_statements_that_escape_are_refused(root, outside, sql, why):
     assert not (root / "x.csv").exists() and not (root / "y.csv").exists()
 
 
-@pytest.mark.parametrize("call", ["read_csv('{outside}/secret.csv')", "read_text('{outside}/secret.csv')",
-                                  "read_parquet('{outside}/other-runs/run-x/*.parquet')",
-                                  "read_csv('{root}/../../outside0/secret.csv')", "glob('/etc/*')",
-                                  "read_blob('/etc/hostname')"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        "read_csv('{outside}/secret.csv')",
+        "read_text('{outside}/secret.csv')",
+        "read_parquet('{outside}/other-runs/run-x/*.parquet')",
+        "read_csv('{root}/../../outside0/secret.csv')",
+        "glob('/etc/*')",
+        "read_blob('/etc/hostname')",
+    ],
+)
 def test_files_outside_the_root_cannot_be_read(root, outside, call):
     with pytest.raises(SQLRefusedError, match="runs root"):
         run_sql(root, f"SELECT * FROM {call.format(root=root, outside=outside)}")
@@ -116,8 +132,11 @@ def test_configuration_is_locked_inside_a_reused_sandbox(root):
 def test_runaway_query_is_interrupted(root):
     t = time.perf_counter()
     with pytest.raises(SQLTimeoutError, match="time limit"):
-        run_sql(root, "SELECT count(*) FROM range(1000000000) a, range(1000000000) b "
-                      "WHERE a.range + b.range = 7", timeout_s=0.5)
+        run_sql(
+            root,
+            "SELECT count(*) FROM range(1000000000) a, range(1000000000) b WHERE a.range + b.range = 7",
+            timeout_s=0.5,
+        )
     assert time.perf_counter() - t < 5.0
     assert len(run_sql(root, "SELECT 1 AS x", timeout_s=5.0)) == 1  # the sandbox still works after
 
@@ -154,11 +173,21 @@ REPO = Path(__file__).resolve().parents[1]
 def _python(script: str, *, data_cap: int = 3 * 2**30, timeout: float = 180) -> subprocess.CompletedProcess:
     """Run ``script`` in a child Python with the repository importable and a 3 GiB data-segment backstop
     (so that a limit that fails cannot take the machine's memory)."""
+
     def backstop() -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (data_cap, data_cap))
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], check=False, capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=timeout, preexec_fn=backstop)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=timeout,
+        preexec_fn=backstop,
+    )
 
 
 def test_memory_limit_holds_for_single_expressions(root):
@@ -192,8 +221,10 @@ def test_memory_limit_holds_for_single_expressions(root):
 
 def test_queries_that_need_to_spill_use_the_sandbox_temp_folder(root):
     with Sandbox(root, memory_limit="256MB") as box:
-        df = box.run("SELECT count(*) AS n FROM (SELECT DISTINCT i::VARCHAR || 'abcdefghijkl' AS s "
-                     "FROM range(6000000) t(i))", timeout_s=120)
+        df = box.run(
+            "SELECT count(*) AS n FROM (SELECT DISTINCT i::VARCHAR || 'abcdefghijkl' AS s FROM range(6000000) t(i))",
+            timeout_s=120,
+        )
     assert df.n[0] == 6_000_000
 
 
@@ -219,9 +250,20 @@ def test_the_time_limit_is_final(root):
         assert box.run("SELECT 2 AS x").x[0] == 2
 
 
-@pytest.mark.parametrize("bad", [{"timeout_s": math.nan}, {"timeout_s": math.inf}, {"timeout_s": 0},
-                                 {"timeout_s": -1.0}, {"max_bytes": 0}, {"max_bytes": "lots"},
-                                 {"max_bytes": math.inf}, {"max_bytes": "-5MB"}, {"memory_limit": "nan"}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"timeout_s": math.nan},
+        {"timeout_s": math.inf},
+        {"timeout_s": 0},
+        {"timeout_s": -1.0},
+        {"max_bytes": 0},
+        {"max_bytes": "lots"},
+        {"max_bytes": math.inf},
+        {"max_bytes": "-5MB"},
+        {"memory_limit": "nan"},
+    ],
+)
 def test_limits_must_be_finite_and_positive(root, bad):
     with pytest.raises(ParameterError, match="finite|size"):
         run_sql(root, "SELECT 1 AS x", **bad)
@@ -229,8 +271,14 @@ def test_limits_must_be_finite_and_positive(root, bad):
 
 def _cli(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "commands.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env, cwd=REPO, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "commands.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+        text=True,
+    )
 
 
 def test_cli_closed_pipe_ends_quietly(root):

@@ -1,4 +1,5 @@
 """The dashboard's aggregations (analyses.views) against plain pandas/numpy on small runs."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,9 +19,17 @@ SHAPE = dict(layers=3, kv_heads=2, steps=40, prompt_len=48, heavy=12, recent=12,
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("views") / "runs"
     write_synthetic_run(root, "a", requests=2, **SHAPE)
-    write_segment(root / "a" / "requests-00000.parquet", "requests",
-                  to_arrow("requests", {"request": [0, 1], "prompt_len": [48, 48], "new_tokens": [40, 40],
-                                        "correct": [True, False]}, run_id="a"), run_id="a", fsync=False)
+    write_segment(
+        root / "a" / "requests-00000.parquet",
+        "requests",
+        to_arrow(
+            "requests",
+            {"request": [0, 1], "prompt_len": [48, 48], "new_tokens": [40, 40], "correct": [True, False]},
+            run_id="a",
+        ),
+        run_id="a",
+        fsync=False,
+    )
     write_synthetic_run(root, "b", gqa="max", seed=4, **SHAPE)
     manifest = read_manifest(root / "b")
     manifest["source_run"] = "a"
@@ -50,8 +59,10 @@ def test_runs_table_headline_numbers_match_pandas(world):
     assert got.loc["b", "source_run"] == "a" and got.loc["b", "gqa"] == "max"
     # run c: its evictions file is left out, so the file and the short row count are both problems
     assert got.loc["c", "problems"] == 2 and got.loc["c", "evictions"] == 0 and pd.isna(got.loc["c", "kl_mean"])
-    assert got.loc["c", "integrity"] == (f"evictions-00000.parquet left out (unreadable); evictions: 0 of "
-                                         f"{read_manifest(world['root'] / 'c')['rows']['evictions']} rows")
+    assert got.loc["c", "integrity"] == (
+        f"evictions-00000.parquet left out (unreadable); evictions: 0 of "
+        f"{read_manifest(world['root'] / 'c')['rows']['evictions']} rows"
+    )
     assert got.loc["a", "problems"] == 0 and got.loc["a", "integrity"] == "ok"
     names = dict(world["con"].sql("SELECT run_id, name FROM runs").fetchall())
     assert got["name"].to_dict() == names
@@ -93,14 +104,14 @@ def test_token_evictions_match_pandas(world, at_step):
     per = ev.groupby("position").agg(n=("step", "size"), first=("step", "min"))
     got = got.set_index("position")
     assert (got["sets"] == sets).all()
-    pd.testing.assert_series_equal(got["evicted_step"].dropna().astype(int), one.astype(int),
-                                   check_names=False, check_index_type=False)
+    pd.testing.assert_series_equal(
+        got["evicted_step"].dropna().astype(int), one.astype(int), check_names=False, check_index_type=False
+    )
     n = per["n"].reindex(got.index, fill_value=0)
     assert got["evicted_sets"].tolist() == n.tolist()
     assert np.allclose(got["evicted_share"], n / sets)
     assert got["first_evicted_step"].dropna().astype(int).tolist() == per["first"].tolist()
-    assert got.loc[got["evidence"].notna()].index.tolist() == \
-        sorted(tok.loc[tok.evidence.notna(), "position"])
+    assert got.loc[got["evidence"].notna()].index.tolist() == sorted(tok.loc[tok.evidence.notna(), "position"])
 
 
 def test_token_evictions_window_and_no_set(world):
@@ -114,8 +125,9 @@ def test_token_lifetime_matches_pandas(world):
     ev = _t(world, "a", "evictions")
     for position in (0, 20, 70):
         got = views.token_lifetime(world["con"], "a", position).df()
-        assert len(got) == 6 and got[["layer", "kv_head"]].values.tolist() == \
-            [[l, h] for l in range(3) for h in range(2)]
+        assert len(got) == 6 and got[["layer", "kv_head"]].values.tolist() == [
+            [l, h] for l in range(3) for h in range(2)
+        ]
         mine = ev[(ev.request == 0) & (ev.position == position)].set_index(["layer", "kv_head"])
         for row in got.itertuples():
             key = (row.layer, row.kv_head)
@@ -127,20 +139,33 @@ def test_token_lifetime_matches_pandas(world):
                 assert row.kept and pd.isna(row.evicted_step)
 
 
-@pytest.mark.parametrize("filters", [
-    {}, {"layer": 1}, {"layer": 0, "kv_head": 1, "phase": "decode"}, {"step_min": 60, "step_max": 70},
-    {"margin_max": 0.1, "request": 1}, {"phase": "prefill"},
-])
+@pytest.mark.parametrize(
+    "filters",
+    [
+        {},
+        {"layer": 1},
+        {"layer": 0, "kv_head": 1, "phase": "decode"},
+        {"step_min": 60, "step_max": 70},
+        {"margin_max": 0.1, "request": 1},
+        {"phase": "prefill"},
+    ],
+)
 def test_evictions_filtered_matches_pandas(world, filters):
     ev, tok = _t(world, "a", "evictions"), _t(world, "a", "tokens")
     ref = ev.merge(tok[["request", "position", "text", "evidence"]], on=["request", "position"], how="left")
-    for col, op in (("request", "=="), ("layer", "=="), ("kv_head", "=="), ("phase", "=="),
-                    ("step_min", ">="), ("step_max", "<="), ("margin_max", "<=")):
+    for col, op in (
+        ("request", "=="),
+        ("layer", "=="),
+        ("kv_head", "=="),
+        ("phase", "=="),
+        ("step_min", ">="),
+        ("step_max", "<="),
+        ("margin_max", "<="),
+    ):
         if col in filters:
             name = {"step_min": "step", "step_max": "step", "margin_max": "margin"}.get(col, col)
             v = filters[col]
-            ref = ref[ref[name] == v] if op == "==" else ref[ref[name] >= v] if op == ">=" else \
-                ref[ref[name] <= v]
+            ref = ref[ref[name] == v] if op == "==" else ref[ref[name] >= v] if op == ">=" else ref[ref[name] <= v]
     ref = ref.sort_values(["request", "step", "layer", "kv_head", "position"]).reset_index(drop=True)
     got = views.evictions_filtered(world["con"], "a", **filters).df()
     assert len(got) == len(ref) > 0
@@ -182,8 +207,9 @@ def test_head_dropped_mass_matches_pandas(world):
     ref = rp[(rp.layer == 2) & (rp.q_head == 5)].sort_values(["request", "step"])
     got = views.head_dropped_mass(world["con"], "a", layer=2, q_head=5).df()
     assert got["step"].tolist() == ref["step"].tolist() and got["request"].tolist() == ref["request"].tolist()
-    assert np.allclose(got["dropped_mass"], ref["dropped_mass"]) and np.allclose(got["coverage"],
-                                                                                 1 - ref["dropped_mass"])
+    assert np.allclose(got["dropped_mass"], ref["dropped_mass"]) and np.allclose(
+        got["coverage"], 1 - ref["dropped_mass"]
+    )
     one = views.head_dropped_mass(world["con"], "a", layer=2, q_head=5, request=1).df()
     assert set(one["request"]) == {1}
 

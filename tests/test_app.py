@@ -1,4 +1,5 @@
 """The dashboard under AppTest: every page on a small runs root, query parameters, bad runs."""
+
 from __future__ import annotations
 
 import ast
@@ -101,6 +102,7 @@ def test_runs_page_lists_runs_and_skipped_files(root, monkeypatch):
 
 # -- bad runs: a clear message, the rest keeps working --------------------------------------------
 
+
 def test_damaged_run_names_the_file_and_the_section(root, monkeypatch):
     at = app(root, monkeypatch, run="damaged", page="heads")
     no_exception(at)
@@ -152,6 +154,7 @@ def test_empty_or_missing_root_shows_a_friendly_message(tmp_path, monkeypatch, e
 
 # -- selections live in the URL --------------------------------------------------------------------
 
+
 def test_query_params_select_the_view(root, monkeypatch):
     at = app(root, monkeypatch, run="h2o-sum", page="heads", layer="2", head="4")
     no_exception(at)
@@ -162,15 +165,21 @@ def test_query_params_select_the_view(root, monkeypatch):
 
     at = app(root, monkeypatch, run="h2o-sum", page="overview", step="80")
     assert widget(at, "slider", "Inspect step").value == 80
-    at = app(root, monkeypatch, run="h2o-sum", page="tokens", layer="1", head="1", step="90", token="7",
-             request="1")
+    at = app(root, monkeypatch, run="h2o-sum", page="tokens", layer="1", head="1", step="90", token="7", request="1")
     no_exception(at)
     assert widget(at, "selectbox", "Request").value == 1
     assert widget(at, "slider", "Cache at step").value == 90
     assert widget(at, "number_input", "Selected token (position)").value == 7
     assert "Token 7" in [h.value.split(":")[0] for h in at.subheader]
-    assert dict(at.query_params) == {"page": "tokens", "run": "h2o-sum", "request": "1", "layer": "1",
-                                     "head": "1", "step": "90", "token": "7"}
+    assert dict(at.query_params) == {
+        "page": "tokens",
+        "run": "h2o-sum",
+        "request": "1",
+        "layer": "1",
+        "head": "1",
+        "step": "90",
+        "token": "7",
+    }
 
 
 def test_selections_follow_the_user_across_pages(root, monkeypatch):
@@ -193,6 +202,7 @@ def test_out_of_range_params_fall_back_to_defaults(root, monkeypatch):
 
 
 # -- page specifics -----------------------------------------------------------------------------------
+
 
 def test_overview_attributes_the_failed_request(root, monkeypatch):
     at = app(root, monkeypatch, run="h2o-sum", page="overview")
@@ -274,16 +284,24 @@ def test_reload_button_picks_up_new_runs(tmp_path, monkeypatch):
 
 # -- the package -------------------------------------------------------------------------------------
 
+
 def test_app_never_imports_torch_or_transformers():
     for path in (REPO / "app").rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
                 assert name.split(".")[0] not in ("torch", "transformers", "h2o_lens"), f"{path}: {name}"
-    code = ("import sys, app.launch, app.state, app.data, app.charts, app.textview, app.common, app.bench; "
-            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    code = (
+        "import sys, app.launch, app.state, app.data, app.charts, app.textview, app.common, app.bench; "
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -293,8 +311,7 @@ def test_server_command_and_default_root(tmp_path):
 
     cmd = launch.server_command(tmp_path, 8765)
     assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4] == str(MAIN)
-    for flag, value in (("--server.headless", "true"), ("--server.address", "127.0.0.1"),
-                        ("--server.port", "8765")):
+    for flag, value in (("--server.headless", "true"), ("--server.address", "127.0.0.1"), ("--server.port", "8765")):
         assert cmd[cmd.index(flag) + 1] == value
     assert cmd[-3:] == ["--", "--root", str(tmp_path.resolve())]
     assert launch.server_command(None)[-1] == str(REPO / "sample_runs")
@@ -371,11 +388,19 @@ _GFM_URL = re.compile(r"(https?://|www(?=\.))([-.\w]+)", re.I)
 _GFM_EMAIL = re.compile(r"([-.\w+]+)@([-\w]+(?:\.[-\w]+)+)")
 
 
-@pytest.mark.parametrize("text", [
-    "![pixel](http://example.com/p.png)", "[click](https://example.com)", "<img src=x onerror=alert(1)>",
-    "see www.example.com or HTTP://example.com/x", "mail a.b@example.com", ":red[red] :material/home: $x^2$",
-    "**bold** _it_ `code` # head | pipe ~strike~ \\ back", "line\nbreak",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "![pixel](http://example.com/p.png)",
+        "[click](https://example.com)",
+        "<img src=x onerror=alert(1)>",
+        "see www.example.com or HTTP://example.com/x",
+        "mail a.b@example.com",
+        ":red[red] :material/home: $x^2$",
+        "**bold** _it_ `code` # head | pipe ~strike~ \\ back",
+        "line\nbreak",
+    ],
+)
 def test_plain_markdown_shows_the_characters_and_nothing_more(text):
     rendered = MarkdownIt("commonmark").render(md(text))
     assert rendered.count("<") == 2 and rendered.startswith("<p>")  # one paragraph, no other element

@@ -3,6 +3,7 @@
 Screenshots of every page go to ``$H2O_LENS_SCREENSHOTS`` when set, else to the
 test's temporary folder.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,8 +20,11 @@ if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM} (Debian package 'chromium')", allow_module_level=True)
 if importlib.util.find_spec("streamlit") is None:
     pytest.skip("streamlit is not installed", allow_module_level=True)
-pytest.importorskip("playwright.sync_api", reason="the Python package 'playwright' is not installed "
-                    "(pip install playwright; its own browser download is not needed)")
+pytest.importorskip(
+    "playwright.sync_api",
+    reason="the Python package 'playwright' is not installed "
+    "(pip install playwright; its own browser download is not needed)",
+)
 
 pytestmark = pytest.mark.slow
 MAX_PAGE_BYTES = 5_000_000
@@ -130,8 +134,10 @@ def test_report_download_builds_the_html_report(server, chromium, tmp_path):
 def _outside(url: str) -> bool:
     """Whether the browser's request ``url`` leaves this machine's dashboard server."""
     parts = urlsplit(url)
-    return parts.scheme not in ("data", "blob", "about", "chrome", "chrome-extension") and \
-        parts.hostname not in ("127.0.0.1", "localhost")
+    return parts.scheme not in ("data", "blob", "about", "chrome", "chrome-extension") and parts.hostname not in (
+        "127.0.0.1",
+        "localhost",
+    )
 
 
 def test_pages_load_nothing_from_outside_the_machine(server, chromium):
@@ -151,10 +157,11 @@ def test_pages_load_nothing_from_outside_the_machine(server, chromium):
                 linked = page.evaluate(
                     "(host) => Array.from(document.querySelectorAll('[src], [href]'))"
                     ".map(e => e.getAttribute('src') || e.getAttribute('href'))"
-                    ".filter(v => v.includes(host))", OUTSIDE)
+                    ".filter(v => v.includes(host))",
+                    OUTSIDE,
+                )
                 assert linked == [], (run, key, linked)
-        icons = page.evaluate("() => Array.from(document.querySelectorAll(\"link[rel~='icon']\"))"
-                              ".map(e => e.href)")
+        icons = page.evaluate("() => Array.from(document.querySelectorAll(\"link[rel~='icon']\")).map(e => e.href)")
     finally:
         page.close()
     assert [u for u in requests if _outside(u)] == []

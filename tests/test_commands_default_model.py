@@ -1,4 +1,5 @@
 """End-to-end checks on the real packaged model (SmolLM2-135M-Instruct, 30 layers, GQA 9/3)."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,24 +12,32 @@ from h2o_lens import H2OConfig
 
 pytestmark = pytest.mark.model
 
-PROMPT = ("Notes: the orange cable goes to port 7. The backup server is called Heron. "
-          "The access code for the lab is 4419. Maria moved to the Lisbon office in May. "
-          "Question: what is the access code for the lab?")
+PROMPT = (
+    "Notes: the orange cable goes to port 7. The backup server is called Heron. "
+    "The access code for the lab is 4419. Maria moved to the Lisbon office in May. "
+    "Question: what is the access code for the lab?"
+)
 
 
 @pytest.fixture(scope="module")
 def smol():
     model, tok = h2o_lens.load_model(progress=False)
-    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
     enc = tok(text, return_tensors="pt", add_special_tokens=False)
     return model, tok, enc
 
 
 def _gen(model, enc, tok, new=16, **kw):
     with torch.no_grad():
-        return model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id,
-                              output_logits=True, return_dict_in_generate=True, **kw)
+        return model.generate(
+            **enc,
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kw,
+        )
 
 
 @pytest.mark.parametrize("gqa", ["sum", "max"])
@@ -64,14 +73,24 @@ def test_real_model_record_replay_and_evidence(smol, tmp_path):
     from recorders.replay import replay
 
     model, tok, enc = smol
-    with recorders.record(model, H2OConfig(heavy=16, recent=16), out=tmp_path, tokenizer=tok,
-                         evidence={"code": "4419", "city": "Lisbon"}, fsync=False) as run:
+    with recorders.record(
+        model,
+        H2OConfig(heavy=16, recent=16),
+        out=tmp_path,
+        tokenizer=tok,
+        evidence={"code": "4419", "city": "Lisbon"},
+        fsync=False,
+    ) as run:
         _gen(model, enc, tok, new=12)
     summary = replay(tmp_path / run.run_id, model=model, progress=False)
     assert summary.implementation_ok, summary
     con = open_runs(tmp_path)
-    labelled = dict(con.sql("SELECT evidence, string_agg(text, '' ORDER BY position) FROM tokens "
-                            "WHERE evidence IS NOT NULL GROUP BY evidence").fetchall())
+    labelled = dict(
+        con.sql(
+            "SELECT evidence, string_agg(text, '' ORDER BY position) FROM tokens "
+            "WHERE evidence IS NOT NULL GROUP BY evidence"
+        ).fetchall()
+    )
     assert labelled["code"].strip() == "4419" and labelled["city"].strip() == "Lisbon"
     assert con.sql("SELECT count(*) FROM replay WHERE dropped_mass > 0").fetchall()[0][0] > 0
 
@@ -79,8 +98,9 @@ def test_real_model_record_replay_and_evidence(smol, tmp_path):
 def test_cli_generate_prints_text_and_bytes(capsys):
     from commands.cli import main
 
-    assert main(["generate", "--prompt", "Name a colour.", "--heavy", "8", "--recent", "8",
-                 "--max-new-tokens", "8"]) == 0
+    assert (
+        main(["generate", "--prompt", "Name a colour.", "--heavy", "8", "--recent", "8", "--max-new-tokens", "8"]) == 0
+    )
     out, err = capsys.readouterr()
     assert out.strip()
     assert "physical KV" in err and "of full" in err

@@ -2,6 +2,7 @@
 
 Both run a cut-down plan here (one task); `make demo` runs the whole suite.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,14 +24,26 @@ def test_demo_command_records_replays_reports_and_summarises(tmp_path):
     """`h2o-lens demo --tasks 1`: full, H2O 20 % and 10 %, four baselines; replays, reports, table."""
     out = tmp_path / "demo"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([sys.executable, "-m", "commands.cli", "demo", "--tasks", "1", "--out", str(out)],
-                         capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    res = subprocess.run(
+        [sys.executable, "-m", "commands.cli", "demo", "--tasks", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=900,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "open the dashboard: h2o-lens app" in res.stdout
     summary = json.loads((out / "demo_summary.json").read_text())
     assert [(r["policy"], r["budget"]) for r in summary] == [
-        ("full", "100%"), ("h2o", "20%"), ("h2o", "10%"), ("local", "20%"), ("heavy", "20%"),
-        ("sink", "20%"), ("random", "20%")]
+        ("full", "100%"),
+        ("h2o", "20%"),
+        ("h2o", "10%"),
+        ("local", "20%"),
+        ("heavy", "20%"),
+        ("sink", "20%"),
+        ("random", "20%"),
+    ]
     by = {(r["policy"], r["budget"]): r for r in summary}
     # DESIGN.md §2.5: at the same slot count the heavy hitters keep what the recent window loses
     assert by[("h2o", "20%")]["correct"] == "yes" and by[("local", "20%")]["correct"] == "NO"
@@ -56,9 +69,12 @@ def test_demo_command_records_replays_reports_and_summarises(tmp_path):
     # every H2O failure is attributed with the evicted evidence named (span label, position, step)
     failed = [r for r in summary if r["policy"] == "h2o" and r["correct"] == "NO"]
     assert failed, "the 10 % budget is calibrated to fail on this task"
-    spans = {label for (label,) in con.execute(
-        "SELECT DISTINCT evidence FROM tokens WHERE run_id = ? AND evidence IS NOT NULL",
-        [failed[0]["run_id"]]).fetchall()}
+    spans = {
+        label
+        for (label,) in con.execute(
+            "SELECT DISTINCT evidence FROM tokens WHERE run_id = ? AND evidence IS NOT NULL", [failed[0]["run_id"]]
+        ).fetchall()
+    }
     for row in failed:
         (a,) = analyses.attribute(con, row["run_id"])
         named = [f for f in a.facts if f.kind == "evidence_evicted"]
@@ -80,8 +96,16 @@ def test_sweep_writes_the_three_curves(tmp_path):
 
     model, tok = h2o_lens.load_model(progress=False)
     out = tmp_path / "sweep"
-    table = sweep(out, tasks=suite(size="small")[:1], model=model, tokenizer=tok, ratios=(1.0, 0.2),
-                  policies=(("h2o", "sum"), ("local", "sum")), page_size=16, progress=False)
+    table = sweep(
+        out,
+        tasks=suite(size="small")[:1],
+        model=model,
+        tokenizer=tok,
+        ratios=(1.0, 0.2),
+        policies=(("h2o", "sum"), ("local", "sum")),
+        page_size=16,
+        progress=False,
+    )
     assert sorted(zip(table.policy, table.keep_ratio)) == [("full", 1.0), ("h2o-sum", 0.2), ("local", 0.2)]
     rows = table.set_index("policy")
     assert rows.loc["full", "kv_share"] == pytest.approx(1.0) and rows.loc["full", "kl_mean"] == 0.0

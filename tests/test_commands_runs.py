@@ -1,4 +1,5 @@
 """The commands layer: ``h2o-lens runs`` reads the one headline query of :mod:`analyses`."""
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,16 @@ def test_runs_prints_every_run_with_means_recomputed_from_the_segments(capsys):
     assert set(by_id) == folders
     assert list(rows[0]) == list(HEADLINE_COLUMNS)
     con = duckdb.connect()
-    kl = dict(con.sql(f"SELECT run_id, avg(kl) FROM read_parquet('{SAMPLES}/*/replay_steps-*.parquet') "
-                      "GROUP BY run_id").fetchall())
-    ev = dict(con.sql(f"SELECT run_id, count(*) FROM read_parquet('{SAMPLES}/*/evictions-*.parquet') "
-                      "GROUP BY run_id").fetchall())
+    kl = dict(
+        con.sql(
+            f"SELECT run_id, avg(kl) FROM read_parquet('{SAMPLES}/*/replay_steps-*.parquet') GROUP BY run_id"
+        ).fetchall()
+    )
+    ev = dict(
+        con.sql(
+            f"SELECT run_id, count(*) FROM read_parquet('{SAMPLES}/*/evictions-*.parquet') GROUP BY run_id"
+        ).fetchall()
+    )
     assert kl and ev
     for run_id, row in by_id.items():
         assert row["evictions"] == ev.get(run_id, 0)

@@ -9,6 +9,7 @@ names none. Inside ``docs/DESIGN.md`` a bare section number refers to the docume
 
 The section sign is written as an escape in this file so that the file checks itself cleanly.
 """
+
 from __future__ import annotations
 
 import re
@@ -44,8 +45,13 @@ class Reference:
 def repo_files(root: Path) -> list[Path]:
     """The .py and .md files of the repository: tracked or new, never ones git ignores."""
     try:
-        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-                             cwd=root, capture_output=True, check=True, text=True).stdout
+        out = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+            cwd=root,
+            capture_output=True,
+            check=True,
+            text=True,
+        ).stdout
         names = [n for n in out.split("\0") if n]
     except (OSError, subprocess.CalledProcessError):
         names = [str(p.relative_to(root)) for p in root.rglob("*")]
@@ -62,7 +68,7 @@ def references(root: Path, path: Path) -> list[Reference]:
     text = (root / path).read_text(encoding="utf-8")
     found = []
     for run in _RUN.finditer(text):
-        before = text[max(0, run.start() - 80):run.start()]
+        before = text[max(0, run.start() - 80) : run.start()]
         owner = _OWNER.search(before.rstrip(" \t\n#*`'\"(["))
         line = text.count("\n", 0, run.start()) + 1
         for number in _EACH.finditer(run.group(0)):
@@ -88,11 +94,15 @@ def problems(root: Path) -> list[str]:
             owner = ref.owner or ""
             if owner in _DOCS or (own and not _names_document(owner)):
                 if ref.section not in known:
-                    bad.append(f"{where} names a section with no heading in {DESIGN} "
-                               f"(headings: {', '.join(sorted(known, key=_key))})")
+                    bad.append(
+                        f"{where} names a section with no heading in {DESIGN} "
+                        f"(headings: {', '.join(sorted(known, key=_key))})"
+                    )
             elif _names_document(owner):
-                bad.append(f"{where} points into {owner!r}, a document outside the repository; "
-                           f"point it at a section of {DESIGN} ('DESIGN.md {SIGN}n')")
+                bad.append(
+                    f"{where} points into {owner!r}, a document outside the repository; "
+                    f"point it at a section of {DESIGN} ('DESIGN.md {SIGN}n')"
+                )
             else:
                 bad.append(f"{where} names no document; write 'DESIGN.md {SIGN}{ref.section}'")
     return bad
@@ -109,6 +119,7 @@ def _key(section: str) -> tuple[int, ...]:
 
 
 # -- the repository ---------------------------------------------------------------------------
+
 
 def test_every_section_reference_resolves_into_the_design_document():
     bad = problems(REPO)
@@ -127,8 +138,7 @@ def test_design_headings_are_unique_and_cover_the_contract():
     assert len(numbers) == len(set(numbers)), f"duplicate section numbers in {DESIGN}: {numbers}"
     top = [int(n) for n in numbers if "." not in n]
     assert top == list(range(1, len(top) + 1)), f"top-level sections are not 1..n in order: {top}"
-    for section, words in {"2.4": "Tie rules", "5.3": "Tables", "6.10": "Attribution",
-                           "9": "Out of scope"}.items():
+    for section, words in {"2.4": "Tie rules", "5.3": "Tables", "6.10": "Attribution", "9": "Out of scope"}.items():
         assert re.search(rf"^#+ {re.escape(section)}\.? {words}", text, re.M), (section, words)
 
 
@@ -139,11 +149,12 @@ def test_readme_points_to_the_design_document():
 
 # -- the checker itself, on planted references --------------------------------------------------
 
+
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "DESIGN.md").write_text(
-        "# Design\n\n## 1. Layers\n\nSee " + SIGN + "2.1.\n\n## 2. Semantics\n\n### 2.1 Decode\n",
-        encoding="utf-8")
+        "# Design\n\n## 1. Layers\n\nSee " + SIGN + "2.1.\n\n## 2. Semantics\n\n### 2.1 Decode\n", encoding="utf-8"
+    )
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text, encoding="utf-8")
@@ -151,26 +162,35 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def test_checker_accepts_references_that_resolve(tmp_path):
-    root = _tree(tmp_path, {
-        "pkg/a.py": f'"""Decode step (DESIGN.md {SIGN}2.1, {SIGN}1).\n\nSplit (DESIGN.md\n{SIGN}2)."""\n',
-        "pkg/b.py": f"# the layers (docs/DESIGN.md {SIGN}1)\n",
-        "NOTES.md": f"Semantics: DESIGN.md {SIGN}2 and {SIGN}2.1.\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "pkg/a.py": f'"""Decode step (DESIGN.md {SIGN}2.1, {SIGN}1).\n\nSplit (DESIGN.md\n{SIGN}2)."""\n',
+            "pkg/b.py": f"# the layers (docs/DESIGN.md {SIGN}1)\n",
+            "NOTES.md": f"Semantics: DESIGN.md {SIGN}2 and {SIGN}2.1.\n",
+        },
+    )
     assert problems(root) == []
     refs = references(root, Path("pkg/a.py"))
     assert [(r.owner, r.section, r.line) for r in refs] == [
-        ("DESIGN.md", "2.1", 1), ("DESIGN.md", "1", 1), ("DESIGN.md", "2", 4)]
+        ("DESIGN.md", "2.1", 1),
+        ("DESIGN.md", "1", 1),
+        ("DESIGN.md", "2", 4),
+    ]
 
 
-@pytest.mark.parametrize("text, expected", [
-    (f'"""Cases with a failure signature (seed {SIGN}5.1)."""\n', "outside the repository"),
-    (f"# The seed's {SIGN}2.2 step\n", "outside the repository"),
-    (f"# Verdicts (DESIGN {SIGN}2)\n", "outside the repository"),
-    (f"# see NOTES.txt {SIGN}3\n", "outside the repository"),
-    (f'"""Measures (DESIGN.md {SIGN}6)."""\n', "no heading"),
-    (f'"""Decode (DESIGN.md {SIGN}2.1, {SIGN}2.7)."""\n', "no heading"),
-    (f"# the worked example ({SIGN}2.1)\n", "names no document"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (f'"""Cases with a failure signature (seed {SIGN}5.1)."""\n', "outside the repository"),
+        (f"# The seed's {SIGN}2.2 step\n", "outside the repository"),
+        (f"# Verdicts (DESIGN {SIGN}2)\n", "outside the repository"),
+        (f"# see NOTES.txt {SIGN}3\n", "outside the repository"),
+        (f'"""Measures (DESIGN.md {SIGN}6)."""\n', "no heading"),
+        (f'"""Decode (DESIGN.md {SIGN}2.1, {SIGN}2.7)."""\n', "no heading"),
+        (f"# the worked example ({SIGN}2.1)\n", "names no document"),
+    ],
+)
 def test_checker_rejects_a_planted_bad_reference(tmp_path, text, expected):
     root = _tree(tmp_path, {"pkg/planted.py": text})
     bad = problems(root)
@@ -187,5 +207,4 @@ def test_checker_rejects_a_bad_reference_inside_the_design_document(tmp_path):
 
 def test_checker_needs_the_design_document(tmp_path):
     (tmp_path / "a.py").write_text(f"# DESIGN.md {SIGN}1\n", encoding="utf-8")
-    assert problems(tmp_path) == [f"{DESIGN} is missing: the design document every {SIGN} reference "
-                                  "points into"]
+    assert problems(tmp_path) == [f"{DESIGN} is missing: the design document every {SIGN} reference points into"]

@@ -5,6 +5,7 @@ own layer and the layers below it, never one above, lazily (inside a function)
 or not, and never by a module path in a string (``importlib.import_module``).
 Only ``commands`` may import from every layer.
 """
+
 from __future__ import annotations
 
 import ast
@@ -21,8 +22,9 @@ _MODULE_PATH = re.compile(r"^({})(\.[A-Za-z_][A-Za-z0-9_]*)*$".format("|".join(L
 
 
 def _modules() -> list[Path]:
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "*.py"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     return [ROOT / p for p in out if p.split("/")[0] in LAYERS]
 
 
@@ -81,13 +83,16 @@ def test_commands_is_the_only_layer_that_reaches_every_other():
     assert reached == set(LAYERS), f"commands reaches {sorted(reached)}"
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("import recorders\n", ["recorders"]),
-    ("def f():\n    from analyses import connect\n", ["analyses"]),
-    ("import importlib\nimportlib.import_module('app.launch')\n", ["app"]),
-    ("X = {'record': 'recorders.recorder'}\n", ["recorders"]),
-    ('"""Mentions recorders.recorder in prose."""\nfrom .config import H2OConfig\n', ["h2o_lens"]),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("import recorders\n", ["recorders"]),
+        ("def f():\n    from analyses import connect\n", ["analyses"]),
+        ("import importlib\nimportlib.import_module('app.launch')\n", ["app"]),
+        ("X = {'record': 'recorders.recorder'}\n", ["recorders"]),
+        ('"""Mentions recorders.recorder in prose."""\nfrom .config import H2OConfig\n', ["h2o_lens"]),
+    ],
+)
 def test_the_checker_sees_every_kind_of_import(tmp_path, source, expected):
     pkg = tmp_path / "h2o_lens"
     pkg.mkdir()

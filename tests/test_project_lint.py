@@ -1,4 +1,5 @@
 """Lint and format are part of the tests: ruff, configured in pyproject.toml, over the whole tree."""
+
 from __future__ import annotations
 
 import shutil
@@ -12,8 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _ruff(*args: str) -> subprocess.CompletedProcess:
-    if shutil.which("ruff") is None and subprocess.run([sys.executable, "-m", "ruff", "--version"],
-                                                       capture_output=True).returncode != 0:
+    if (
+        shutil.which("ruff") is None
+        and subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True).returncode != 0
+    ):
         pytest.fail("ruff is not installed: pip install -e '.[test]'")
     return subprocess.run([sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True)
 

@@ -6,6 +6,7 @@ comparison with a policy name (``policy == "full"``, ``name in ("h2o", "heavy")`
 literal list made only of policy names (a hand-kept copy of part of the registry; a list of
 column names such as ``("heavy", "recent", "sink")`` is not one).
 """
+
 from __future__ import annotations
 
 import ast
@@ -51,16 +52,21 @@ def policy_name_switches(root: Path) -> list[str]:
 
 def test_only_the_registry_switches_on_policy_names():
     found = policy_name_switches(REPO)
-    assert not found, ("policy names are switched on outside h2o_lens/policies/; read the policy's "
-                       "attributes from h2o_lens.policies.get(name) instead:\n" + "\n".join(found))
+    assert not found, (
+        "policy names are switched on outside h2o_lens/policies/; read the policy's "
+        "attributes from h2o_lens.policies.get(name) instead:\n" + "\n".join(found)
+    )
 
 
 def test_the_scan_finds_a_switch(tmp_path):
     """The scan is not blind: a hand-written switch and a copied list are both reported."""
     (tmp_path / "h2o_lens").mkdir()
     (tmp_path / "h2o_lens" / "bad.py").write_text(
-        "def f(config):\n    return config.policy == 'full'\n\nSCORED = ('h2o', 'heavy')\n")
+        "def f(config):\n    return config.policy == 'full'\n\nSCORED = ('h2o', 'heavy')\n"
+    )
     (tmp_path / "h2o_lens" / "policies").mkdir()
     (tmp_path / "h2o_lens" / "policies" / "ok.py").write_text("X = 'h2o' == 'h2o'\n")
     assert sorted(policy_name_switches(tmp_path)) == [
-        "h2o_lens/bad.py:2: config.policy == 'full'", "h2o_lens/bad.py:4: ('h2o', 'heavy')"]
+        "h2o_lens/bad.py:2: config.policy == 'full'",
+        "h2o_lens/bad.py:4: ('h2o', 'heavy')",
+    ]

@@ -1,4 +1,5 @@
 """The synthetic-run generator: deterministic, schema-valid, H2O-shaped, fast."""
+
 from __future__ import annotations
 
 import time
@@ -29,14 +30,31 @@ def test_same_seed_same_rows_other_seed_other_rows():
 
 
 @PROPS
-@given(layers=st.integers(1, 3), kv_heads=st.integers(1, 3), group=st.integers(1, 3),
-       steps=st.integers(0, 30), prompt_len=st.integers(1, 60), heavy=st.integers(1, 12),
-       recent=st.integers(1, 12), k=st.integers(1, 3), requests=st.integers(1, 2))
-def test_eviction_stream_obeys_h2o_bookkeeping(layers, kv_heads, group, steps, prompt_len, heavy,
-                                               recent, k, requests):
-    data = synthetic_tables("run-p", layers=layers, kv_heads=kv_heads, q_heads=group * kv_heads,
-                            steps=steps, prompt_len=prompt_len, heavy=heavy, recent=recent,
-                            evictions_per_step=k, requests=requests, seed=1)
+@given(
+    layers=st.integers(1, 3),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    steps=st.integers(0, 30),
+    prompt_len=st.integers(1, 60),
+    heavy=st.integers(1, 12),
+    recent=st.integers(1, 12),
+    k=st.integers(1, 3),
+    requests=st.integers(1, 2),
+)
+def test_eviction_stream_obeys_h2o_bookkeeping(layers, kv_heads, group, steps, prompt_len, heavy, recent, k, requests):
+    data = synthetic_tables(
+        "run-p",
+        layers=layers,
+        kv_heads=kv_heads,
+        q_heads=group * kv_heads,
+        steps=steps,
+        prompt_len=prompt_len,
+        heavy=heavy,
+        recent=recent,
+        evictions_per_step=k,
+        requests=requests,
+        seed=1,
+    )
     ev = _cat(data["evictions"]).to_pydict()
     budget = heavy + recent
     seen = prompt_len + steps * k
@@ -59,8 +77,7 @@ def test_eviction_stream_obeys_h2o_bookkeeping(layers, kv_heads, group, steps, p
 
 
 def test_written_run_passes_check_and_reads_back(tmp_path):
-    run_dir = write_synthetic_run(tmp_path, "run-w", requests=2, steps=16, rows_per_segment=300,
-                                  fsync=False)
+    run_dir = write_synthetic_run(tmp_path, "run-w", requests=2, steps=16, rows_per_segment=300, fsync=False)
     report = check_run(run_dir)
     assert report.status == "complete" and report.rows["evictions"] > 300
     assert len([p for p in report.files if p.name.startswith("evictions-")]) > 1
@@ -69,13 +86,13 @@ def test_written_run_passes_check_and_reads_back(tmp_path):
     con = open_runs(tmp_path)
     promo = con.execute("SELECT avg(promoted::INT) FROM steps").fetchall()[0][0]
     assert 0.05 < promo < 0.95
-    labels = con.execute("SELECT DISTINCT evidence FROM tokens WHERE evidence IS NOT NULL"
-                         ).fetchall()
+    labels = con.execute("SELECT DISTINCT evidence FROM tokens WHERE evidence IS NOT NULL").fetchall()
     assert labels == [("needle",)]
 
 
-@pytest.mark.parametrize("bad", [dict(q_heads=5, kv_heads=2), dict(layers=0), dict(steps=-1),
-                                 dict(tables=["evictionz"])])
+@pytest.mark.parametrize(
+    "bad", [dict(q_heads=5, kv_heads=2), dict(layers=0), dict(steps=-1), dict(tables=["evictionz"])]
+)
 def test_bad_arguments(bad):
     with pytest.raises(ValueError):
         synthetic_tables("run-x", **bad)
@@ -83,8 +100,9 @@ def test_bad_arguments(bad):
 
 def test_a_million_eviction_rows_are_fast(tmp_path):
     start = time.perf_counter()
-    run_dir = write_synthetic_run(tmp_path, "run-m", layers=10, kv_heads=2, steps=50_000,
-                                  prompt_len=256, tables=["evictions"], fsync=False)
+    run_dir = write_synthetic_run(
+        tmp_path, "run-m", layers=10, kv_heads=2, steps=50_000, prompt_len=256, tables=["evictions"], fsync=False
+    )
     elapsed = time.perf_counter() - start
     size = sum(p.stat().st_size for p in run_dir.glob("*.parquet"))
     rows = check_run(run_dir).rows["evictions"]

@@ -1,4 +1,5 @@
 """Budgets resolved per request, and baselines that log what drove their choice."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,14 +25,13 @@ def _left_pad(seqs):
     ids = torch.zeros(len(seqs), n, dtype=torch.long)
     mask = torch.zeros(len(seqs), n, dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, n - len(s):], mask[i, n - len(s):] = s, 1
+        ids[i, n - len(s) :], mask[i, n - len(s) :] = s, 1
     return ids, mask
 
 
 def _generate(model, ids, mask=None, new=8):
     with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                              pad_token_id=0)
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
 
 
 def _batch_and_alone(model, cfg, seqs, new=8):
@@ -61,7 +61,7 @@ def test_ratio_budget_is_per_request_alone_equals_batched_and_reference():
         one, seq, resolved = alone[r]
         heavy, recent = resolved.heavy, resolved.recent
         assert heavy + recent == max(2, round(0.4 * len(s)))
-        assert torch.equal(out[r, width - len(s):], seq), f"request {r} generated other tokens"
+        assert torch.equal(out[r, width - len(s) :], seq), f"request {r} generated other tokens"
         for layer in range(2):
             batched = [st[r] for st in rec.kept[layer]]
             assert batched == [st[0] for st in one.kept[layer]], f"request {r} layer {layer}"
@@ -87,8 +87,7 @@ def test_ratio_budgets_are_logged_per_request(tmp_path):
         total = max(2, round(0.4 * n))
         assert (heavy, recent) == (total // 2, total - total // 2), f"request {request}"
         # the slots the cache actually held: prefill steps row of the request
-        (kept,) = con.execute("SELECT max(kept) FROM steps WHERE request = ? AND step = ?",
-                              [request, n - 1]).fetchone()
+        (kept,) = con.execute("SELECT max(kept) FROM steps WHERE request = ? AND step = ?", [request, n - 1]).fetchone()
         assert kept == min(n, total)
     m = read_manifest(run.run_dir)
     assert m["heavy"] is None and m["recent"] is None and m["budget_per_request"] is True
@@ -134,8 +133,9 @@ def test_ratio_budgets_follow_beam_rows():
     seqs = [_ids(n, seed=n) for n in (10, 30)]
     ids, mask = _left_pad(seqs)
     with h2o_lens.h2o(model, ratio=0.4) as s, torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=2, do_sample=False,
-                       pad_token_id=0)
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0
+        )
     cache = s.last_cache
     b = cache.request_budgets()
     assert b["heavy"].tolist() == [2, 2, 6, 6] and b["recent"].tolist() == [2, 2, 6, 6]
@@ -188,8 +188,11 @@ def test_baseline_rows_log_the_scores_that_chose(tmp_path, policy):
     cfg = H2OConfig(policy=policy, heavy=3, recent=4, sink=2, seed=3)
     with recorders.record(model, cfg, out=tmp_path, fsync=False):
         _generate(model, ids, mask, 8)
-    ev = open_runs(tmp_path).execute(
-        "SELECT request, step, layer, kv_head, position, score, margin, phase FROM evictions").df()
+    ev = (
+        open_runs(tmp_path)
+        .execute("SELECT request, step, layer, kv_head, position, score, margin, phase FROM evictions")
+        .df()
+    )
     assert set(ev.phase) == {"prefill", "decode"}
     assert not (ev.margin < 0).any(), ev[ev.margin < 0]  # NaN: no eligible survivor
     if policy == "random":
@@ -218,18 +221,21 @@ def no_model(monkeypatch):
     monkeypatch.setattr(h2o_lens.models, "load_model", refuse)
 
 
-@pytest.mark.parametrize("case, needle", [
-    ("out_is_file", "is an existing file"),
-    ("zero_tokens", "--max-new-tokens must be at least 1, got 0"),
-    ("missing_prompt_file", "does not exist"),
-    ("unknown_task", "unknown task 'no_such_task_0'"),
-    ("empty_prompt", "--prompt is empty"),
-    ("blank_prompt_file", "is empty"),
-    ("evidence_not_in_prompt", "does not occur in the prompt"),
-    ("bad_evidence", "LABEL=TEXT"),
-    ("two_prompts", "give one of"),
-    ("bad_policy", "unknown policy"),
-])
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("out_is_file", "is an existing file"),
+        ("zero_tokens", "--max-new-tokens must be at least 1, got 0"),
+        ("missing_prompt_file", "does not exist"),
+        ("unknown_task", "unknown task 'no_such_task_0'"),
+        ("empty_prompt", "--prompt is empty"),
+        ("blank_prompt_file", "is empty"),
+        ("evidence_not_in_prompt", "does not occur in the prompt"),
+        ("bad_evidence", "LABEL=TEXT"),
+        ("two_prompts", "give one of"),
+        ("bad_policy", "unknown policy"),
+    ],
+)
 def test_record_refuses_bad_input_before_loading_the_model(tmp_path, capsys, no_model, case, needle):
     from commands.cli import main
 
@@ -275,8 +281,10 @@ def test_record_full_policy_says_the_budget_is_ignored(tmp_path, capsys, no_mode
 
 
 @pytest.mark.kernel
-@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
-                    reason="Triton needs a GPU or TRITON_INTERPRET=1 (set by `make test`)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton needs a GPU or TRITON_INTERPRET=1 (set by `make test`)",
+)
 def test_per_request_budgets_on_the_triton_backend():
     """Rows of different budgets step through the fused kernel on their own slots, like torch."""
     model = tiny_model("llama")

@@ -1,4 +1,5 @@
 """The eviction step per position that the replay and the policy-case writer rebuild (recorders.eviction_steps)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,9 +12,13 @@ from recorders.eviction_steps import NEVER, evict_steps
 def test_evict_steps_matches_a_plain_loop(gqa_none):
     rng = np.random.default_rng(3)
     layers, sets, n, rows = 2, 3, 12, 40
-    ev = {"layer": rng.integers(0, layers, rows), "kv_head": rng.integers(0, sets, rows),
-          "q_head": rng.integers(0, sets, rows), "position": rng.integers(0, n + 3, rows),
-          "step": rng.integers(0, 30, rows)}
+    ev = {
+        "layer": rng.integers(0, layers, rows),
+        "kv_head": rng.integers(0, sets, rows),
+        "q_head": rng.integers(0, sets, rows),
+        "position": rng.integers(0, n + 3, rows),
+        "step": rng.integers(0, 30, rows),
+    }
     expected = np.full((layers, sets, n), NEVER, np.int64)
     for i in range(rows):
         head = ev["q_head"][i] if gqa_none else ev["kv_head"][i]

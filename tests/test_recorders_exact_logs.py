@@ -1,4 +1,5 @@
 """The recorder logs what really happened: inferred masks, samples, EOS, beams, half precision."""
+
 from __future__ import annotations
 
 import shutil
@@ -35,7 +36,7 @@ def _left_pad(seqs, pad=0):
     ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     mask = torch.zeros(len(seqs), width, dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, width - len(s):], mask[i, width - len(s):] = s, 1
+        ids[i, width - len(s) :], mask[i, width - len(s) :] = s, 1
     return ids, mask
 
 
@@ -64,18 +65,25 @@ def test_inferred_attention_mask_keeps_padding_out_of_the_prompt(tmp_path):
     runs = []
     for given in (None, mask):
         with recorders.record(model, CFG, out=tmp_path, fsync=False) as run, torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=given, max_new_tokens=8, do_sample=False,
-                                 pad_token_id=0, eos_token_id=None)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=given,
+                max_new_tokens=8,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
         runs.append(run.run_dir)
     inferred, explicit = runs
     req = _rows(inferred, "requests").sort_values("request")
     assert req.prompt_len.tolist() == [20, 9]
     tok = _rows(inferred, "tokens")
     one = tok[tok.request == 1].sort_values("position")
-    assert one.token_id.tolist() == seqs[1].tolist() + out[1, ids.shape[1]:].tolist()
+    assert one.token_id.tolist() == seqs[1].tolist() + out[1, ids.shape[1] :].tolist()
     assert int(one.is_prompt.sum()) == 9
-    assert _rows(inferred, "evictions").drop(columns="run_id").equals(
-        _rows(explicit, "evictions").drop(columns="run_id"))
+    assert (
+        _rows(inferred, "evictions").drop(columns="run_id").equals(_rows(explicit, "evictions").drop(columns="run_id"))
+    )
     summary = replay(inferred, model=model, progress=False)
     assert summary.implementation_ok and summary.max_logit_diff < 1e-4
 
@@ -86,10 +94,23 @@ def test_num_return_sequences_logs_one_request_per_sample(tmp_path):
     ids, mask = _left_pad(seqs)
     torch.manual_seed(0)
     with recorders.record(model, CFG, out=tmp_path, fsync=False) as run, torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=True,
-                             num_return_sequences=3, pad_token_id=0, eos_token_id=None)
-        model.generate(input_ids=_ids(11, 7)[None], max_new_tokens=8, do_sample=True, num_return_sequences=2,
-                       pad_token_id=0, eos_token_id=None)  # a second call continues the numbering
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=8,
+            do_sample=True,
+            num_return_sequences=3,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+        model.generate(
+            input_ids=_ids(11, 7)[None],
+            max_new_tokens=8,
+            do_sample=True,
+            num_return_sequences=2,
+            pad_token_id=0,
+            eos_token_id=None,
+        )  # a second call continues the numbering
     assert out.shape[0] == 6
     req = _rows(run.run_dir, "requests").sort_values("request")
     assert req.request.tolist() == list(range(8))
@@ -99,8 +120,8 @@ def test_num_return_sequences_logs_one_request_per_sample(tmp_path):
     tok = _rows(run.run_dir, "tokens")
     for r in range(6):
         got = tok[tok.request == r].sort_values("position").token_id.tolist()
-        assert got == seqs[r // 3].tolist() + out[r, ids.shape[1]:].tolist()
-    assert len({tuple(out[r, ids.shape[1]:].tolist()) for r in range(3)}) > 1  # the samples differ
+        assert got == seqs[r // 3].tolist() + out[r, ids.shape[1] :].tolist()
+    assert len({tuple(out[r, ids.shape[1] :].tolist()) for r in range(3)}) > 1  # the samples differ
     assert set(_rows(run.run_dir, "evictions").request) == set(range(8))
     summary = replay(run.run_dir, model=model, progress=False)
     assert summary.implementation_ok and summary.max_logit_diff < 1e-4 and summary.requests == 8
@@ -112,17 +133,19 @@ def test_a_request_ends_at_its_eos(tmp_path):
     seqs = [_ids(12, 5), _ids(16, 6)]
     ids, mask = _left_pad(seqs)
     with h2o_lens.h2o(model, CFG), torch.no_grad():
-        free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                              pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:]
+        free = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None
+        )[:, ids.shape[1] :]
     # an EOS id that request 0 generates early and request 1 never: request 0 stops, request 1 runs on
     ends = [j for j in range(1, 8) if int(free[0, j]) not in free[0, :j].tolist() + free[1].tolist()]
     assert ends, "no token of request 0 can serve as its EOS; change the prompts' seeds"
     n0 = ends[0] + 1
     eos = int(free[0, n0 - 1])
     with recorders.record(model, CFG, out=tmp_path, fsync=False) as run, torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                             pad_token_id=0, eos_token_id=eos)
-    assert out[0, ids.shape[1] + n0:].eq(0).all() and n0 < 10  # generate padded request 0 after its EOS
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=eos
+        )
+    assert out[0, ids.shape[1] + n0 :].eq(0).all() and n0 < 10  # generate padded request 0 after its EOS
     req = _rows(run.run_dir, "requests").sort_values("request")
     assert req.new_tokens.tolist() == [n0, 10]
     tok = _rows(run.run_dir, "tokens")
@@ -135,8 +158,7 @@ def test_a_request_ends_at_its_eos(tmp_path):
     assert ev[ev.request == 1].step.max() == 16 + 8
     # the log of request 0 equals that of prompt 0 generated on its own
     with recorders.record(model, CFG, out=tmp_path, fsync=False) as alone, torch.no_grad():
-        model.generate(input_ids=seqs[0][None], max_new_tokens=10, do_sample=False, pad_token_id=0,
-                       eos_token_id=eos)
+        model.generate(input_ids=seqs[0][None], max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=eos)
     assert np.array_equal(_evictions(run.run_dir, 0), _evictions(alone.run_dir, 0))
     summary = replay(run.run_dir, model=model, progress=False)
     assert summary.implementation_ok and summary.steps == n0 + 10
@@ -144,14 +166,20 @@ def test_a_request_ends_at_its_eos(tmp_path):
     assert (steps_replayed.request == 0).sum() == n0
 
 
-@pytest.mark.parametrize("options, match", [
-    ({"num_beams": 3}, "beam search"),
-    ({"stop_strings": ["ab"]}, "stop_strings"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"num_beams": 3}, "beam search"),
+        ({"stop_strings": ["ab"]}, "stop_strings"),
+    ],
+)
 def test_inexact_generation_modes_are_refused(tmp_path, options, match):
     model = tiny_model("llama")
-    with pytest.raises(RecorderError, match=match), \
-            recorders.record(model, CFG, out=tmp_path, fsync=False) as run, torch.no_grad():
+    with (
+        pytest.raises(RecorderError, match=match),
+        recorders.record(model, CFG, out=tmp_path, fsync=False) as run,
+        torch.no_grad(),
+    ):
         model.generate(input_ids=_ids(12, 0)[None], max_new_tokens=6, do_sample=False, pad_token_id=0, **options)
     assert read_manifest(run.run_dir)["status"] == "failed"
     assert model.config._attn_implementation == "sdpa" and "generate" not in vars(model)
@@ -159,8 +187,8 @@ def test_inexact_generation_modes_are_refused(tmp_path, options, match):
 
 def test_implementation_tolerance_follows_the_dtype():
     assert implementation_tolerance(torch.float32, 40.0) == DEFAULT_TOLERANCE
-    assert implementation_tolerance("bfloat16", 40.0) == pytest.approx(TOLERANCE_ULPS * 2 ** -7 * 40)
-    assert implementation_tolerance(torch.float16, 40.0) == pytest.approx(TOLERANCE_ULPS * 2 ** -10 * 40)
+    assert implementation_tolerance("bfloat16", 40.0) == pytest.approx(TOLERANCE_ULPS * 2**-7 * 40)
+    assert implementation_tolerance(torch.float16, 40.0) == pytest.approx(TOLERANCE_ULPS * 2**-10 * 40)
     assert implementation_tolerance("float16", 0.01) == DEFAULT_TOLERANCE
     with pytest.raises(RecorderError, match="unknown dtype"):
         implementation_tolerance("int8x", 1.0)
@@ -184,16 +212,19 @@ def test_half_precision_replay_passes_a_correct_run_and_catches_a_corrupted_log(
     model = _half_model(dtype)
     ids = _ids(16, 0)[None]
     for heavy in (64, 3):  # no eviction, then evictions at every step
-        with recorders.record(model, H2OConfig(heavy=heavy, recent=3), out=tmp_path, fsync=False) as run, \
-                torch.no_grad():
+        with (
+            recorders.record(model, H2OConfig(heavy=heavy, recent=3), out=tmp_path, fsync=False) as run,
+            torch.no_grad(),
+        ):
             model.generate(input_ids=ids, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
         summary = replay(run.run_dir, model=model, progress=False)
         assert summary.max_logit_diff > DEFAULT_TOLERANCE  # the old fixed bound called this an error
         assert summary.implementation_ok and summary.max_logit_diff <= summary.tolerance
         assert summary.tolerance > DEFAULT_TOLERANCE
     con = open_runs(tmp_path)
-    assert con.execute("SELECT logit_tolerance FROM runs WHERE run_id = ?", [run.run_id]).fetchone()[0] == \
-        pytest.approx(summary.tolerance)
+    assert con.execute("SELECT logit_tolerance FROM runs WHERE run_id = ?", [run.run_id]).fetchone()[
+        0
+    ] == pytest.approx(summary.tolerance)
     # corrupt the log of the evicting run: claim the decode evictions never happened
     bad = tmp_path / "corrupted" / run.run_id
     shutil.copytree(run.run_dir, bad)

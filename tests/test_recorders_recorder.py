@@ -1,4 +1,5 @@
 """The eviction recorder and replay on tiny models: tables, crash safety, determinism, dropped mass."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,7 @@ def _ids(n, seed=0, batch=1):
 
 def _gen(model, ids, mask=None, new=10):
     with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                              pad_token_id=0)
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
 
 
 def _table(root, run_id, table, cols):
@@ -39,8 +39,17 @@ def _table(root, run_id, table, cols):
 
 
 EVICT_COLS = ["request", "step", "layer", "kv_head", "position", "score", "margin", "age", "left_recent", "phase"]
-STEP_COLS = ["request", "step", "layer", "kv_head", "min_heavy_score", "promoted", "exiting_position", "kept",
-             "heavy_age_mean"]
+STEP_COLS = [
+    "request",
+    "step",
+    "layer",
+    "kv_head",
+    "min_heavy_score",
+    "promoted",
+    "exiting_position",
+    "kept",
+    "heavy_age_mean",
+]
 
 
 def test_record_writes_every_table_and_matches_the_cache(tmp_path):
@@ -73,8 +82,11 @@ def test_record_writes_every_table_and_matches_the_cache(tmp_path):
 
 def test_evidence_spans_map_to_tokens():
     pieces = ["The", " code", " is", " 44", "19", ".", " Bye"]
-    labels = locate_evidence(pieces, {"code": "4419", "bye": (len("The code is 4419. "), len("The code is 4419. Bye"))},
-                             prompt="The code is 4419. Bye")
+    labels = locate_evidence(
+        pieces,
+        {"code": "4419", "bye": (len("The code is 4419. "), len("The code is 4419. Bye"))},
+        prompt="The code is 4419. Bye",
+    )
     assert labels == [None, None, None, "code", "code", None, "bye"]
     with pytest.raises(Exception, match="does not occur"):
         locate_evidence(pieces, {"x": "zebra"})
@@ -104,7 +116,7 @@ def test_recording_is_deterministic_and_batch_equals_single_runs(tmp_path):
     ids = torch.zeros(3, width, dtype=torch.long)
     mask = torch.zeros(3, width, dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, width - len(s):], mask[i, width - len(s):] = s, 1
+        ids[i, width - len(s) :], mask[i, width - len(s) :] = s, 1
     runs = []
     for _ in range(2):
         with recorders.record(model, cfg, out=tmp_path, fsync=False) as run:
@@ -120,8 +132,9 @@ def test_recording_is_deterministic_and_batch_equals_single_runs(tmp_path):
             _gen(model, s[None])
         one = _table(tmp_path, single.run_id, "evictions", EVICT_COLS)
         mine = batch_ev[batch_ev.request == i].assign(request=0).reset_index(drop=True)
-        assert np.array_equal(one[["step", "layer", "kv_head", "position"]].values,
-                              mine[["step", "layer", "kv_head", "position"]].values)
+        assert np.array_equal(
+            one[["step", "layer", "kv_head", "position"]].values, mine[["step", "layer", "kv_head", "position"]].values
+        )
         assert np.allclose(one.score.values, mine.score.values, atol=1e-5)
 
 
@@ -152,8 +165,14 @@ def _replay_backends() -> list:
     from h2o_lens.kernels._checks import interpret_mode
 
     ok = triton_available() and (torch.cuda.is_available() or interpret_mode())
-    return ["torch", pytest.param("triton", marks=[pytest.mark.kernel] + ([] if ok else [pytest.mark.skip(
-        reason="the Triton replay kernels need CUDA or TRITON_INTERPRET=1")]))]
+    return [
+        "torch",
+        pytest.param(
+            "triton",
+            marks=[pytest.mark.kernel]
+            + ([] if ok else [pytest.mark.skip(reason="the Triton replay kernels need CUDA or TRITON_INTERPRET=1")]),
+        ),
+    ]
 
 
 @pytest.mark.parametrize("backend", _replay_backends())
@@ -187,6 +206,7 @@ def test_replay_detects_an_implementation_error(tmp_path):
     run_dir = tmp_path / run.run_id
     # corrupt the log: claim the decode evictions never happened
     import pyarrow.parquet as pq
+
     for f in run_dir.glob("evictions-*.parquet"):
         t = pq.read_table(f)
         keep = [p != "decode" for p in t["phase"].to_pylist()]
@@ -202,15 +222,19 @@ def test_teacher_forced_rerecord(tmp_path):
     with recorders.record(model, cfg, out=tmp_path, fsync=False) as run:
         _gen(model, _ids(20), new=10)
     same = record_teacher_forced(model, tmp_path / run.run_id, cfg, out=tmp_path, fsync=False)
-    other = record_teacher_forced(model, tmp_path / run.run_id, H2OConfig(heavy=4, recent=3, gqa="max"),
-                                  out=tmp_path, fsync=False)
+    other = record_teacher_forced(
+        model, tmp_path / run.run_id, H2OConfig(heavy=4, recent=3, gqa="max"), out=tmp_path, fsync=False
+    )
     assert _table(tmp_path, run.run_id, "evictions", EVICT_COLS).equals(
-        _table(tmp_path, same.run_id, "evictions", EVICT_COLS))
+        _table(tmp_path, same.run_id, "evictions", EVICT_COLS)
+    )
     tok = ["position", "token_id"]
     assert _table(tmp_path, run.run_id, "tokens", tok).equals(_table(tmp_path, other.run_id, "tokens", tok))
     con = open_runs(tmp_path)
-    assert con.execute("SELECT source_run, gqa FROM runs WHERE run_id = ?", [other.run_id]).fetchone() == \
-        (run.run_id, "max")
+    assert con.execute("SELECT source_run, gqa FROM runs WHERE run_id = ?", [other.run_id]).fetchone() == (
+        run.run_id,
+        "max",
+    )
 
 
 KILL_SCRIPT = r"""
@@ -233,8 +257,13 @@ def test_sigkill_mid_generation_leaves_readable_logs(tmp_path):
     script.write_text(KILL_SCRIPT)
     root = tmp_path / "runs"
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    proc = subprocess.Popen([sys.executable, str(script), str(root), str(ROOT / "tests")], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(root), str(ROOT / "tests")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 120
         run_dir = root / "killed-run"
@@ -252,6 +281,7 @@ def test_sigkill_mid_generation_leaves_readable_logs(tmp_path):
         if proc.poll() is None:
             proc.kill()
     import pyarrow.parquet as pq
+
     files = list(run_dir.glob("*.parquet"))
     assert files and all(pq.read_table(f).num_rows >= 0 for f in files)  # every visible file opens
     assert [r["status"] for r in list_runs(root)] == ["interrupted"]
@@ -274,8 +304,9 @@ def test_replay_oracle_columns_equal_brute_force(tmp_path, backend):
     with recorders.record(model, H2OConfig(heavy=3, recent=3), out=tmp_path, fsync=False) as run:
         seq = _gen(model, _ids(14, seed=2), new=10)
     replay(tmp_path / run.run_id, model=model, progress=False, backend=backend)
-    got = _table(tmp_path, run.run_id, "oracle", ["step", "layer", "kv_head", "position", "teacher_score",
-                                                   "teacher_future_mass"])
+    got = _table(
+        tmp_path, run.run_id, "oracle", ["step", "layer", "kv_head", "position", "teacher_score", "teacher_future_mass"]
+    )
     assert len(got) == len(_table(tmp_path, run.run_id, "evictions", ["step"]))
     model.set_attn_implementation("eager")
     try:
@@ -284,9 +315,9 @@ def test_replay_oracle_columns_equal_brute_force(tmp_path, backend):
     finally:
         model.set_attn_implementation("sdpa")
     for row in got.itertuples():
-        a = att[row.layer][0, 2 * row.kv_head:2 * row.kv_head + 2].sum(0)  # (N, N) summed over the group
-        assert row.teacher_score == pytest.approx(float(a[row.position:row.step + 1, row.position].sum()), abs=1e-4)
-        assert row.teacher_future_mass == pytest.approx(float(a[row.step + 1:, row.position].sum()), abs=1e-4)
+        a = att[row.layer][0, 2 * row.kv_head : 2 * row.kv_head + 2].sum(0)  # (N, N) summed over the group
+        assert row.teacher_score == pytest.approx(float(a[row.position : row.step + 1, row.position].sum()), abs=1e-4)
+        assert row.teacher_future_mass == pytest.approx(float(a[row.step + 1 :, row.position].sum()), abs=1e-4)
 
 
 def test_heavy_slots_exclude_the_sink(tmp_path):

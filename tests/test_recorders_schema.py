@@ -1,4 +1,5 @@
 """Schema declaration, batch conversion, run ids and manifests (no DuckDB)."""
+
 from __future__ import annotations
 
 import json
@@ -56,9 +57,17 @@ def test_declared_types():
 
 
 def _evictions(n=4, **over):
-    cols = dict(request=0, step=np.arange(n), layer=np.arange(n) % 3, kv_head=0,
-                position=np.arange(n), score=np.linspace(0, 1, n), margin=np.zeros(n), age=0,
-                left_recent=np.zeros(n, bool))
+    cols = dict(
+        request=0,
+        step=np.arange(n),
+        layer=np.arange(n) % 3,
+        kv_head=0,
+        position=np.arange(n),
+        score=np.linspace(0, 1, n),
+        margin=np.zeros(n),
+        age=0,
+        left_recent=np.zeros(n, bool),
+    )
     cols.update(over)
     return cols
 
@@ -73,13 +82,16 @@ def test_to_arrow_broadcasts_and_fills_nulls():
     assert t["q_head"].to_pylist() == [1, None, 3, 4]
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"bogus": np.zeros(4)}, r"no column\(s\) bogus"),
-    ({"layer": np.array([1, 2, 3, 40000])}, r"evictions\.layer.*int16"),
-    ({"score": np.zeros(3)}, r"unequal lengths"),
-    ({"position": pa.array([1, None, 3, 4], pa.int64())}, r"evictions\.position holds 1 nulls"),
-    ({"step": None}, r"requires column 'step'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"bogus": np.zeros(4)}, r"no column\(s\) bogus"),
+        ({"layer": np.array([1, 2, 3, 40000])}, r"evictions\.layer.*int16"),
+        ({"score": np.zeros(3)}, r"unequal lengths"),
+        ({"position": pa.array([1, None, 3, 4], pa.int64())}, r"evictions\.position holds 1 nulls"),
+        ({"step": None}, r"requires column 'step'"),
+    ],
+)
 def test_to_arrow_rejects_bad_batches(change, message):
     with pytest.raises(SchemaError, match=message):
         to_arrow("evictions", _evictions(**change), run_id="run-a")
@@ -96,8 +108,9 @@ def test_unknown_table_and_schema_mismatch():
 
 # -- run ids ----------------------------------------------------------------------------
 
+
 @PROPS
-@given(st.integers(min_value=-10**12, max_value=10**12))
+@given(st.integers(min_value=-(10**12), max_value=10**12))
 def test_numeric_run_ids_are_rejected(number):
     for text in (str(number), f"{abs(number):08d}"):
         with pytest.raises(RunIdError, match="numeric"):
@@ -130,6 +143,7 @@ def test_new_run_id_format():
 
 
 # -- manifests and writer liveness --------------------------------------------------------
+
 
 def test_manifest_roundtrip_and_newer_version(tmp_path):
     m = mf.new_manifest("run-a", config={"policy": "h2o"}, model="m", name="x")
@@ -180,6 +194,7 @@ def test_public_api_is_explicit():
 
 def test_no_model_dependencies_imported():
     code = "import sys, recorders; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out == "[]"

@@ -1,4 +1,5 @@
 """Segment writer: encodings, metadata, atomicity, and a writer killed with SIGKILL."""
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,18 @@ CONFIG = {"policy": "h2o", "heavy": 8, "recent": 8, "gqa": "sum"}
 
 def _evictions(n: int, start: int = 0) -> dict:
     idx = np.arange(start, start + n)
-    return dict(request=0, step=idx // 6, layer=idx % 3, kv_head=(idx // 3) % 2, position=idx,
-                score=np.sin(idx).astype(np.float32) ** 2, margin=np.cos(idx) ** 2, age=idx % 17,
-                left_recent=idx % 5 == 0, phase="decode")
+    return dict(
+        request=0,
+        step=idx // 6,
+        layer=idx % 3,
+        kv_head=(idx // 3) % 2,
+        position=idx,
+        score=np.sin(idx).astype(np.float32) ** 2,
+        margin=np.cos(idx) ** 2,
+        age=idx % 17,
+        left_recent=idx % 5 == 0,
+        phase="decode",
+    )
 
 
 def test_segments_use_zstd_byte_stream_split_and_carry_metadata(tmp_path):
@@ -49,8 +59,11 @@ def test_segments_use_zstd_byte_stream_split_and_carry_metadata(tmp_path):
     kv = dict(con.execute("SELECT key, value FROM parquet_kv_metadata(?)", [str(path)]).fetchall())
     assert kv[b"h2o_lens.schema_version"] == b"1"
     assert json.loads(kv[b"h2o_lens.config"]) == CONFIG
-    enc = dict(con.execute("SELECT path_in_schema, encodings FROM parquet_metadata(?) "
-                           "WHERE row_group_id = 0", [str(path)]).fetchall())
+    enc = dict(
+        con.execute(
+            "SELECT path_in_schema, encodings FROM parquet_metadata(?) WHERE row_group_id = 0", [str(path)]
+        ).fetchall()
+    )
     assert "BYTE_STREAM_SPLIT" in enc["score"] and "BYTE_STREAM_SPLIT" in enc["margin"]
 
 
@@ -70,10 +83,8 @@ def test_threshold_counter_and_temp_cleanup(tmp_path):
         again.append("evictions", _evictions(5))
 
 
-@settings(derandomize=True, max_examples=15, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(sizes=st.lists(st.integers(0, 120), min_size=1, max_size=8),
-       threshold=st.integers(1, 150))
+@settings(derandomize=True, max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(0, 120), min_size=1, max_size=8), threshold=st.integers(1, 150))
 def test_rows_come_back_in_order_whatever_the_batching(tmp_path_factory, sizes, threshold):
     run_dir = tmp_path_factory.mktemp("runs") / "run-prop"
     run_dir.mkdir()
@@ -119,8 +130,7 @@ with RunWriter(root, run_id, config={"policy": "h2o", "heavy": 8, "recent": 8},
 def _kill_writer_mid_segment(root: Path, run_id: str, segments_before: int) -> bool:
     """Start a writer, SIGKILL it while a segment is being written; return True if a .tmp was seen."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root), run_id], env=env,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root), run_id], env=env, stderr=subprocess.PIPE)
     run_dir = root / run_id
     deadline = time.monotonic() + 30
     saw_tmp = False
@@ -161,8 +171,7 @@ def test_sigkill_mid_write_leaves_only_openable_files(tmp_path):
     assert status == {"done-run": "complete", "killed-run": "interrupted"}
     report = check_run(run_dir)
     assert report.status == "interrupted"
-    assert report.rows["evictions"] == sum(pq.read_metadata(p).num_rows for p in
-                                           run_dir.glob("evictions-*.parquet"))
+    assert report.rows["evictions"] == sum(pq.read_metadata(p).num_rows for p in run_dir.glob("evictions-*.parquet"))
     con = open_runs(root)
     rows = dict(con.execute("SELECT run_id, count(*) FROM evictions GROUP BY ALL").fetchall())
     assert rows["killed-run"] == report.rows["evictions"]
@@ -175,8 +184,8 @@ def test_sigkill_mid_write_leaves_only_openable_files(tmp_path):
     assert not list(run_dir.glob("*.tmp"))
 
 
-
 # -- a writer that fails mid-file (deterministic crash safety) ----------------------------
+
 
 def _torn_writer(calls):
     """Stands in for ``pq.write_table``: writes half a Parquet file to the path it gets, then fails."""
@@ -209,8 +218,7 @@ def test_writer_failing_mid_file_leaves_no_file_under_a_final_name(tmp_path, mon
     # the bytes went to the temporary name, never to the name readers match
     assert [p.name for p in calls] == ["evictions-00001.parquet.tmp"]
     assert not (tmp_path / "evictions-00001.parquet").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["evictions-00000.parquet",
-                                                          "evictions-00001.parquet.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["evictions-00000.parquet", "evictions-00001.parquet.tmp"]
     assert [p.name for p in list_segments(tmp_path)["evictions"]] == ["evictions-00000.parquet"]
     # readers see exactly the complete segment
     con = duckdb.connect()
@@ -237,7 +245,8 @@ def test_write_segment_renames_the_temporary_file_into_place(tmp_path, monkeypat
         real(src, dst)
 
     monkeypatch.setattr(segments.os, "replace", replace)
-    path = segments.write_segment(tmp_path / "evictions-00000.parquet", "evictions",
-                                  to_arrow("evictions", _evictions(7), run_id="r"), fsync=False)
+    path = segments.write_segment(
+        tmp_path / "evictions-00000.parquet", "evictions", to_arrow("evictions", _evictions(7), run_id="r"), fsync=False
+    )
     assert renames == [("evictions-00000.parquet.tmp", "evictions-00000.parquet", True)]
     assert path.exists() and not list(tmp_path.glob("*.tmp"))

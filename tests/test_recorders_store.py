@@ -1,4 +1,5 @@
 """DuckDB views over a runs root, damaged files, schema versions and the readers."""
+
 from __future__ import annotations
 
 import json
@@ -33,13 +34,13 @@ from recorders.manifest import read_manifest, write_manifest
 from recorders.schema import KEYS, RUNS, TABLES, duckdb_type
 from recorders.segments import file_metadata, segment_name, write_segment
 
-CONFIG = {"policy": "h2o", "heavy": 16, "recent": 8, "gqa": "max", "sink": 4, "seed": 7,
-          "backend": "torch"}
+CONFIG = {"policy": "h2o", "heavy": 16, "recent": 8, "gqa": "max", "sink": 4, "seed": 7, "backend": "torch"}
 
 
 def _write_run(root, run_id, seed=0, **kw):
-    return write_synthetic_run(root, run_id, layers=2, kv_heads=2, steps=12, prompt_len=40,
-                               seed=seed, fsync=False, **kw)
+    return write_synthetic_run(
+        root, run_id, layers=2, kv_heads=2, steps=12, prompt_len=40, seed=seed, fsync=False, **kw
+    )
 
 
 def _record_rows(run_dir, **rows):
@@ -54,18 +55,32 @@ def _sorted(table: pa.Table, name: str) -> pa.Table:
 
 
 def test_every_table_round_trips_through_writer_and_views(tmp_path):
-    data = synthetic_tables("run-rt", layers=2, kv_heads=2, q_heads=4, steps=10, prompt_len=30,
-                            heavy=8, recent=6, requests=2, seed=3)
-    with RunWriter(tmp_path, "run-rt", config=CONFIG, model={"name": "tiny-llama", "layers": 2},
-                   rows_per_segment=50, fsync=False, prompt_len=30, new_tokens=10,
-                   requests=2) as run:
+    data = synthetic_tables(
+        "run-rt", layers=2, kv_heads=2, q_heads=4, steps=10, prompt_len=30, heavy=8, recent=6, requests=2, seed=3
+    )
+    with RunWriter(
+        tmp_path,
+        "run-rt",
+        config=CONFIG,
+        model={"name": "tiny-llama", "layers": 2},
+        rows_per_segment=50,
+        fsync=False,
+        prompt_len=30,
+        new_tokens=10,
+        requests=2,
+    ) as run:
         for name, parts in data.items():
             for part in parts:  # as plain column dicts, in uneven batches
                 for start in range(0, part.num_rows, 37):
                     chunk = part.slice(start, 37)
-                    run.append(name, {c: chunk[c] if chunk[c].null_count else
-                                      chunk[c].to_numpy(zero_copy_only=False)
-                                      for c in chunk.column_names if c != "run_id"})
+                    run.append(
+                        name,
+                        {
+                            c: chunk[c] if chunk[c].null_count else chunk[c].to_numpy(zero_copy_only=False)
+                            for c in chunk.column_names
+                            if c != "run_id"
+                        },
+                    )
     con = open_runs(tmp_path)
     loaded = load_run(tmp_path / "run-rt")
     for name in TABLE_NAMES:
@@ -115,8 +130,10 @@ def test_damaged_file_is_skipped_over_the_root_but_named_by_check_run(tmp_path, 
     assert set(per_run) == {"run-good"}
     assert con.execute("SELECT count(*) FROM tokens").fetchall()[0][0] > 0  # other tables intact
     problems = con.execute("SELECT path, run_id, table_name FROM problems ORDER BY path").fetchall()
-    assert problems == [(str(bad), "run-bad", "evictions"),  # the file, and the run's short count
-                        (str(bad_run / "manifest.json"), "run-bad", "evictions")]
+    assert problems == [
+        (str(bad), "run-bad", "evictions"),  # the file, and the run's short count
+        (str(bad_run / "manifest.json"), "run-bad", "evictions"),
+    ]
     integrity = dict(con.execute("SELECT run_id, integrity FROM runs").fetchall())
     assert integrity["run-good"] == "ok"
     assert "evictions-00000.parquet left out" in integrity["run-bad"]
@@ -132,8 +149,13 @@ def test_newer_schema_version_is_an_error_naming_the_file(tmp_path):
     run_dir = _write_run(tmp_path, "run-new")
     table = pq.read_table(run_dir / segment_name("replay_steps", 0))
     newer = run_dir / segment_name("replay_steps", 1)
-    write_segment(newer, "replay_steps", table.replace_schema_metadata(None).cast(TABLES["replay_steps"]),
-                  metadata={"h2o_lens.schema_version": "2"}, fsync=False)
+    write_segment(
+        newer,
+        "replay_steps",
+        table.replace_schema_metadata(None).cast(TABLES["replay_steps"]),
+        metadata={"h2o_lens.schema_version": "2"},
+        fsync=False,
+    )
     for call in (open_runs, list_runs):
         with pytest.raises(SchemaVersionError, match=re.escape(str(newer))):
             call(tmp_path)
@@ -164,8 +186,9 @@ def test_nullable_column_missing_from_old_segments_reads_as_null(tmp_path):
     old = pq.read_table(path).drop_columns(["phase", "q_head"])
     pq.write_table(old.replace_schema_metadata(file_metadata("evictions", "run-old", "{}")), path)
     con = open_runs(tmp_path)
-    assert con.execute("SELECT count(*), count(phase), count(q_head) FROM evictions").fetchall() \
-        == [(old.num_rows, 0, 0)]
+    assert con.execute("SELECT count(*), count(phase), count(q_head) FROM evictions").fetchall() == [
+        (old.num_rows, 0, 0)
+    ]
 
 
 def test_foreign_file_and_missing_manifest_are_reported(tmp_path):
@@ -187,8 +210,16 @@ def test_foreign_file_and_missing_manifest_are_reported(tmp_path):
 def test_failed_run_carries_the_error(tmp_path):
     with pytest.raises(ZeroDivisionError):
         with RunWriter(tmp_path, "run-fail", config=CONFIG, fsync=False) as run:
-            run.append("replay_steps", {"request": 0, "step": [5, 6], "kl": [0.1, 0.2],
-                                        "top1_agree": [True, False], "teacher_logprob": [-1, -2]})
+            run.append(
+                "replay_steps",
+                {
+                    "request": 0,
+                    "step": [5, 6],
+                    "kl": [0.1, 0.2],
+                    "top1_agree": [True, False],
+                    "teacher_logprob": [-1, -2],
+                },
+            )
             raise ZeroDivisionError("division by zero")
     (row,) = list_runs(tmp_path)
     assert row["status"] == "failed" and row["error_type"] == "ZeroDivisionError"
@@ -226,11 +257,9 @@ def test_query_formats_and_limits(tmp_path):
     assert lines[0].split() == ["step", "kl"] and lines[-1] == "(3 rows, truncated)"
     csv_text = query(tmp_path, "SELECT step FROM replay_steps ORDER BY step", fmt="csv", max_rows=2)
     assert csv_text.splitlines() == ["step", "40", "41"]
-    rows = json.loads(query(tmp_path, "WITH s AS (SELECT * FROM runs) SELECT run_id, created_at "
-                                      "FROM s", fmt="json"))
+    rows = json.loads(query(tmp_path, "WITH s AS (SELECT * FROM runs) SELECT run_id, created_at FROM s", fmt="json"))
     assert rows[0]["run_id"] == "run-q" and rows[0]["created_at"].startswith("20")
-    for bad in ("COPY (SELECT 1) TO 'x.csv'", "SELECT 1; SELECT 2", "DROP VIEW runs",
-                "SELEC 1"):
+    for bad in ("COPY (SELECT 1) TO 'x.csv'", "SELECT 1; SELECT 2", "DROP VIEW runs", "SELEC 1"):
         with pytest.raises(QueryError):
             query(tmp_path, bad)
     with pytest.raises(QueryError, match="unknown format"):
@@ -238,6 +267,7 @@ def test_query_formats_and_limits(tmp_path):
 
 
 # -- one bad run never hides or falsifies the others ----------------------------------------------
+
 
 def _two_runs(tmp_path):
     good = _write_run(tmp_path, "run-good", seed=1)
@@ -251,8 +281,9 @@ def _others_still_work(tmp_path, good_rows: int | None = None):
     for view in VIEW_NAMES:
         con.execute(f"SELECT * FROM {view}").fetchall()  # every column of every file is read
     per_run = dict(con.execute("SELECT run_id, count(*) FROM evictions GROUP BY ALL").fetchall())
-    assert per_run["run-good"] == (good_rows if good_rows is not None else
-                                   check_run(tmp_path / "run-good").rows["evictions"])
+    assert per_run["run-good"] == (
+        good_rows if good_rows is not None else check_run(tmp_path / "run-good").rows["evictions"]
+    )
     assert {r["run_id"] for r in list_runs(tmp_path)} >= {"run-good"}
     assert "run-good" in query(tmp_path, "SELECT run_id FROM runs", fmt="csv")
     return con
@@ -261,12 +292,11 @@ def _others_still_work(tmp_path, good_rows: int | None = None):
 def _damage_page(path, column: str, offset: int, length: int = 24) -> None:
     """Overwrite bytes inside one column chunk's data page; the footer stays intact."""
     chunk = pq.read_metadata(path).row_group(0)
-    col = next(chunk.column(i) for i in range(chunk.num_columns)
-               if chunk.column(i).path_in_schema == column)
+    col = next(chunk.column(i) for i in range(chunk.num_columns) if chunk.column(i).path_in_schema == column)
     start = col.data_page_offset + offset
     assert start + length < col.data_page_offset + col.total_compressed_size
     raw = bytearray(path.read_bytes())
-    raw[start:start + length] = bytes(b ^ 0x5A for b in raw[start:start + length])
+    raw[start : start + length] = bytes(b ^ 0x5A for b in raw[start : start + length])
     path.write_bytes(bytes(raw))
     pq.read_metadata(path)  # the footer still reads
 
@@ -278,8 +308,7 @@ def test_damaged_data_page_behind_an_intact_footer_is_left_out(tmp_path, where):
     # the header garbles the page layout; the values only change numbers (caught by the checksum)
     _damage_page(bad, "score", 2 if where == "page header" else 200)
     con = _others_still_work(tmp_path)
-    assert set(dict(con.execute("SELECT run_id, count(*) FROM evictions GROUP BY ALL").fetchall())) \
-        == {"run-good"}
+    assert set(dict(con.execute("SELECT run_id, count(*) FROM evictions GROUP BY ALL").fetchall())) == {"run-good"}
     reasons = dict(con.execute("SELECT path, reason FROM problems WHERE run_id = 'run-bad'").fetchall())
     assert "footer is intact but the data cannot be read" in reasons[str(bad)]
     integrity = dict(con.execute("SELECT run_id, integrity FROM runs").fetchall())
@@ -294,18 +323,22 @@ def _writer(**over):
     return {"pid": 1, "hostname": "elsewhere", "boot_id": None, "start_ticks": None, **over}
 
 
-@pytest.mark.parametrize("field, value, named", [
-    ("writer", "pid 123 on host a", "writer"),
-    ("writer", _writer(pid=2**70), "writer"),
-    ("seed", 2**64, "seed"),
-    ("heavy", 2**40, "heavy"),
-    ("max_logit_diff", 10**400, "max_logit_diff"),
-    ("name", "caf\udce9 run", "name"),
-    ("config", {"policy": "h2o", "heavy": "16", "gqa": "s\ud800m"}, "config"),
-    ("rows", {"evictions": -3}, "rows"),
-    ("status", ["complete"], "status"),
-    ("created_at", "yesterday", "created_at"),
-], ids=lambda v: v if isinstance(v, str) and v.isidentifier() else "")
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("writer", "pid 123 on host a", "writer"),
+        ("writer", _writer(pid=2**70), "writer"),
+        ("seed", 2**64, "seed"),
+        ("heavy", 2**40, "heavy"),
+        ("max_logit_diff", 10**400, "max_logit_diff"),
+        ("name", "caf\udce9 run", "name"),
+        ("config", {"policy": "h2o", "heavy": "16", "gqa": "s\ud800m"}, "config"),
+        ("rows", {"evictions": -3}, "rows"),
+        ("status", ["complete"], "status"),
+        ("created_at", "yesterday", "created_at"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and v.isidentifier() else "",
+)
 def test_manifest_field_of_the_wrong_type_marks_only_its_run(tmp_path, field, value, named):
     _, bad_run = _two_runs(tmp_path)
     manifest = read_manifest(bad_run)
@@ -328,8 +361,10 @@ def test_deleted_segment_marks_the_run_wherever_its_numbers_appear(tmp_path):
     recorded = read_manifest(bad_run)["rows"]["evictions"]
     gone.unlink()
     con = _others_still_work(tmp_path)
-    assert con.execute("SELECT integrity FROM runs WHERE run_id = 'run-bad'").fetchone()[0] \
+    assert (
+        con.execute("SELECT integrity FROM runs WHERE run_id = 'run-bad'").fetchone()[0]
         == f"evictions: 0 of {recorded} rows"
+    )
     (row,) = [r for r in list_runs(tmp_path) if r["run_id"] == "run-bad"]
     assert row["integrity"] == f"evictions: 0 of {recorded} rows"
     with pytest.raises(DamagedFileError, match="manifest records"):
@@ -344,8 +379,7 @@ def test_rows_of_another_run_are_never_counted_under_it(tmp_path):
     con = _others_still_work(tmp_path, good_rows=own)
     reasons = dict(con.execute("SELECT path, reason FROM problems").fetchall())
     assert "row(s) of run 'run-good'" in reasons[str(stray)]
-    assert "rows of another run" in con.execute("SELECT integrity FROM runs WHERE run_id = 'run-bad'"
-                                                ).fetchone()[0]
+    assert "rows of another run" in con.execute("SELECT integrity FROM runs WHERE run_id = 'run-bad'").fetchone()[0]
     with pytest.raises(RecorderError, match=re.escape(str(stray))):
         load_run(bad_run)
 

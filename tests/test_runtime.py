@@ -1,4 +1,5 @@
 """The torch runtime on tiny random models of each supported family."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,15 @@ def _ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
 
 def _greedy(model, ids, new=12, **kw):
     with torch.no_grad():
-        return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0,
-                              output_logits=True, return_dict_in_generate=True, **kw)
+        return model.generate(
+            ids,
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kw,
+        )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -70,7 +78,7 @@ def _left_pad(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.zeros(len(seqs), n, dtype=torch.long)
     mask = torch.zeros(len(seqs), n, dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, n - len(s):], mask[i, n - len(s):] = s, 1
+        ids[i, n - len(s) :], mask[i, n - len(s) :] = s, 1
     return ids, mask
 
 
@@ -84,13 +92,14 @@ def test_batch_rows_are_independent(family):
     rec = KeptRecorder()
     with h2o_lens.h2o(model, cfg, listener=rec):
         with torch.no_grad():
-            batch = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12,
-                                   do_sample=False, pad_token_id=0)
+            batch = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0
+            )
     for i, s in enumerate(seqs):
         alone_rec = KeptRecorder()
         with h2o_lens.h2o(model, cfg, listener=alone_rec):
             alone = _greedy(model, s[None], 12).sequences[0]
-        assert torch.equal(batch[i, ids.shape[1] - len(s):], alone), f"request {i}"
+        assert torch.equal(batch[i, ids.shape[1] - len(s) :], alone), f"request {i}"
         for layer in alone_rec.kept:
             assert [st[i] for st in rec.kept[layer]] == [st[0] for st in alone_rec.kept[layer]]
 
@@ -107,8 +116,9 @@ def test_batch_with_padding_equals_reference():
         off = ids.shape[1] - len(s)
         for layer in range(2):
             runtime = [st[r] for st in rec.kept[layer]]
-            assert_same_sets(runtime, reference_sets(qk[layer], r, len(s), 3, 3, "sum", offset=off),
-                             f"request {r} layer {layer}")
+            assert_same_sets(
+                runtime, reference_sets(qk[layer], r, len(s), 3, 3, "sum", offset=off), f"request {r} layer {layer}"
+            )
 
 
 def test_physical_cache_holds_budget_slots():
@@ -177,8 +187,9 @@ def test_heavy_only_equals_reference():
     with h2o_lens.h2o(model, heavy=5, recent=0, listener=rec), capture_qk() as qk:
         _greedy(model, _ids(12), 14)
     for layer in range(2):
-        assert_same_sets([st[0] for st in rec.kept[layer]], reference_sets(qk[layer], 0, 12, 5, 0, "sum"),
-                         f"layer {layer}")
+        assert_same_sets(
+            [st[0] for st in rec.kept[layer]], reference_sets(qk[layer], 0, 12, 5, 0, "sum"), f"layer {layer}"
+        )
 
 
 def test_full_policy_leaves_model_untouched():
@@ -236,8 +247,16 @@ def test_bad_input_errors():
             model(_ids(5))
     # a sliding-window model past its window is refused
     import transformers as tf
-    cfg = tf.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=1, sliding_window=8)
+
+    cfg = tf.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=8,
+    )
     mistral = tf.MistralForCausalLM(cfg).eval()
     with h2o_lens.h2o(mistral, heavy=4, recent=4):
         with pytest.raises(UnsupportedModelError, match="sliding-window"):
@@ -245,8 +264,10 @@ def test_bad_input_errors():
 
 
 @pytest.mark.kernel
-@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
-                    reason="Triton needs a GPU or TRITON_INTERPRET=1 (set by `make test`)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton needs a GPU or TRITON_INTERPRET=1 (set by `make test`)",
+)
 @pytest.mark.parametrize("gqa", ["sum", "max"])
 def test_triton_backend_equals_torch_backend(gqa):
     """backend='triton' (the fused step and the prefill-score kernel) gives the same run."""

@@ -1,4 +1,5 @@
 """The attention-registration scope shared by the runtime and the replay (h2o_lens.hooks)."""
+
 from __future__ import annotations
 
 import importlib

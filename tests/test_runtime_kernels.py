@@ -6,6 +6,7 @@ relative to FP64 (flash-attention's rule). Without CUDA the kernels run in
 Triton's interpreter (TRITON_INTERPRET=1, set here before triton is imported),
 so the shapes are tiny.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,11 @@ from h2o_lens.kernels._checks import interpret_mode
 CUDA = torch.cuda.is_available()
 if not CUDA:
     if "triton" in sys.modules and not interpret_mode():
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run the kernel tests "
-                    "with TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+        pytest.skip(
+            "triton was imported before TRITON_INTERPRET=1 was set; run the kernel tests "
+            "with TRITON_INTERPRET=1 in the environment",
+            allow_module_level=True,
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
@@ -41,7 +45,7 @@ from h2o_lens.reference import simulate  # noqa: E402
 
 pytestmark = pytest.mark.kernel
 DEV = torch.device("cuda" if CUDA else "cpu")
-NEVER = 2 ** 62  # evict_step of a position that never left the cache
+NEVER = 2**62  # evict_step of a position that never left the cache
 
 
 def _assert_within(name: str, got: torch.Tensor, same: torch.Tensor, ref: torch.Tensor) -> None:
@@ -50,12 +54,12 @@ def _assert_within(name: str, got: torch.Tensor, same: torch.Tensor, ref: torch.
     err = (got.double() - ref).abs().max().item()
     base = (same.double() - ref).abs().max().item()
     floor = 4 * torch.finfo(got.dtype).eps * max(1.0, ref.abs().max().item())
-    assert err <= 2 * base + floor, \
-        f"{name}: kernel error {err:.3g} > 2 x torch error {base:.3g} + {floor:.2g}"
+    assert err <= 2 * base + floor, f"{name}: kernel error {err:.3g} > 2 x torch error {base:.3g} + {floor:.2g}"
 
 
 # ---------------------------------------------------------------------------------------------
 # decode step: multi-step runs against ops.decode_step (same dtype and FP64) and the reference
+
 
 @dataclass(frozen=True)
 class Case:
@@ -76,8 +80,7 @@ CASES = {
     "h2o-none-G1": Case(ops.PolicyArgs("h2o", 3, 2, 0, "none"), (9,), 6, hq=2, hs=2, d=16, seed=1),
     "h2o-max-G8": Case(ops.PolicyArgs("h2o", 4, 3, 0, "max"), (12,), 6, hq=8, hs=1, d=16, seed=2),
     # B = 37 over three blocks of 16 slots, head_dim 24 padded to 32
-    "h2o-sum-G4-blocks": Case(ops.PolicyArgs("h2o", 20, 17, 0, "sum"), (45,), 4, hq=8, hs=2, d=24,
-                              block_n=16, seed=3),
+    "h2o-sum-G4-blocks": Case(ops.PolicyArgs("h2o", 20, 17, 0, "sum"), (45,), 4, hq=8, hs=2, d=24, block_n=16, seed=3),
     # heavy-only: recent == 0, the new token competes and may be its own victim
     "heavy-recent0-G2": Case(ops.PolicyArgs("heavy", 7, 0, 0, "sum"), (10, 8), 6, hq=4, hs=2, d=16, seed=4),
     "local": Case(ops.PolicyArgs("local", 0, 6, 0, "sum"), (9, 4), 5, hq=2, hs=1, d=16, seed=5),
@@ -95,7 +98,7 @@ def _streams(case: Case, dtype=torch.float32):
     """
     g = torch.Generator().manual_seed(case.seed)
     b, n = len(case.lens), max(case.lens) + case.steps
-    u = torch.full((case.d,), case.d ** -0.5)  # unit vector
+    u = torch.full((case.d,), case.d**-0.5)  # unit vector
     ramp = torch.arange(n)[:, None] / n  # (N, 1)
     q = torch.randn(b, case.hq, n, case.d, generator=g) * 1.5 + 4.0 * u
     k = torch.randn(b, case.hs, n, case.d, generator=g) * 1.5 + 4.0 * ramp * u
@@ -116,8 +119,7 @@ def _prefill_state(q, k, v, lens, args, scaling):
         out = x.gather(2, idx[:, None, :, None].expand(b, x.shape[1], p, d))
         return out * valid[:, None, :, None]
 
-    _, scores = ops.prefill_attention(pad(q).to(DEV), pad(k).to(DEV), pad(v).to(DEV), valid.to(DEV),
-                                      scaling, args.gqa)
+    _, scores = ops.prefill_attention(pad(q).to(DEV), pad(k).to(DEV), pad(v).to(DEV), valid.to(DEV), scaling, args.gqa)
     pos = (valid.cumsum(-1) - 1).to(torch.int32).masked_fill(~valid, -1).to(DEV)
     positions = pos[:, None, :].expand(b, hs, p)
     keep = ops.prefill_select(scores, positions, args)
@@ -125,9 +127,12 @@ def _prefill_state(q, k, v, lens, args, scaling):
     kept_pos = torch.where(keep.gather(-1, order), positions.gather(-1, order), -1)
     n = order.shape[-1]
     kp, vp = pad(k).to(DEV), pad(v).to(DEV)
-    state = dict(keys=kp.new_zeros(b, hs, cap, d), values=vp.new_zeros(b, hs, cap, d),
-                 scores=torch.zeros(b, hs, cap, device=DEV),
-                 positions=torch.full((b, hs, cap), -1, dtype=torch.int32, device=DEV))
+    state = dict(
+        keys=kp.new_zeros(b, hs, cap, d),
+        values=vp.new_zeros(b, hs, cap, d),
+        scores=torch.zeros(b, hs, cap, device=DEV),
+        positions=torch.full((b, hs, cap), -1, dtype=torch.int32, device=DEV),
+    )
     gidx = order[..., None].expand(b, hs, n, d)
     state["keys"][:, :, :n] = kp.gather(2, gidx)
     state["values"][:, :, :n] = vp.gather(2, gidx)
@@ -153,8 +158,9 @@ def _reference(case: Case, q, k, scaling):
         n = p + case.steps
         per = []
         for h in range(case.hs):
-            logits = (q[r, h * group:(h + 1) * group, :n].double()
-                      @ k[r, h, :n].double().T * scaling).numpy()  # (G, N, N)
+            logits = (
+                q[r, h * group : (h + 1) * group, :n].double() @ k[r, h, :n].double().T * scaling
+            ).numpy()  # (G, N, N)
             per.append(simulate(logits, p, heavy, recent, gqa))
         out.append(per)
     return out
@@ -169,15 +175,14 @@ def _step_inputs(q, k, v, lens, i):
 
 
 def _clone(state, dtype=None):
-    return {n: (x.to(dtype) if dtype is not None and x.is_floating_point() else x).clone()
-            for n, x in state.items()}
+    return {n: (x.to(dtype) if dtype is not None and x.is_floating_point() else x).clone() for n, x in state.items()}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_decode_multi_step_matches_torch_and_reference(name):
     case = CASES[name]
     args, cap = case.args, case.args.capacity
-    scaling = case.d ** -0.5
+    scaling = case.d**-0.5
     q, k, v = _streams(case)
     state, fill = _prefill_state(q, k, v, case.lens, args, scaling)
     history = [_kept(state["positions"])]
@@ -185,13 +190,12 @@ def test_decode_multi_step_matches_torch_and_reference(name):
         new, step = _step_inputs(q, k, v, case.lens, i)
         same, ref = _clone(state), _clone(state, torch.float64)
         r_same = ops.decode_step(**new, **same, step=step, fill=fill, scaling=scaling, args=args)
-        r_ref = ops.decode_step(**{n: x.double() for n, x in new.items()}, **ref, step=step, fill=fill,
-                                scaling=scaling, args=args)
-        r_k = decode_step_triton(**new, **state, step=step, fill=fill, scaling=scaling, args=args,
-                                 block_n=case.block_n)
+        r_ref = ops.decode_step(
+            **{n: x.double() for n, x in new.items()}, **ref, step=step, fill=fill, scaling=scaling, args=args
+        )
+        r_k = decode_step_triton(**new, **state, step=step, fill=fill, scaling=scaling, args=args, block_n=case.block_n)
         for other in (r_same, r_ref):
-            assert torch.equal(r_k.slot, other.slot), \
-                f"step {i}: slots {r_k.slot.tolist()} vs {other.slot.tolist()}"
+            assert torch.equal(r_k.slot, other.slot), f"step {i}: slots {r_k.slot.tolist()} vs {other.slot.tolist()}"
             assert torch.equal(r_k.evicts, other.evicts), f"step {i}: evicts differ"
         for other in (same, ref):
             assert torch.equal(state["positions"], other["positions"]), f"step {i}: positions differ"
@@ -223,21 +227,24 @@ def test_decode_half_precision_long_row(dtype):
     g = torch.Generator().manual_seed(7)
     b, hq, hs, cap, d = 1, 4, 2, 150, 64
     args = ops.PolicyArgs("h2o", 100, 50, 0, "sum")
-    state = dict(keys=torch.randn(b, hs, cap, d, generator=g).to(dtype).to(DEV),
-                 values=torch.randn(b, hs, cap, d, generator=g).to(dtype).to(DEV),
-                 scores=(torch.rand(b, hs, cap, generator=g) * 40).to(DEV),
-                 positions=torch.stack([torch.randperm(cap, generator=g) for _ in range(hs)])[None]
-                 .to(torch.int32).to(DEV))
+    state = dict(
+        keys=torch.randn(b, hs, cap, d, generator=g).to(dtype).to(DEV),
+        values=torch.randn(b, hs, cap, d, generator=g).to(dtype).to(DEV),
+        scores=(torch.rand(b, hs, cap, generator=g) * 40).to(DEV),
+        positions=torch.stack([torch.randperm(cap, generator=g) for _ in range(hs)])[None].to(torch.int32).to(DEV),
+    )
     for i in range(2):
-        new = {n: torch.randn(b, h, d, generator=g).to(dtype).to(DEV)
-               for n, h in (("query", hq), ("key", hs), ("value", hs))}
+        new = {
+            n: torch.randn(b, h, d, generator=g).to(dtype).to(DEV)
+            for n, h in (("query", hq), ("key", hs), ("value", hs))
+        }
         step = torch.tensor([cap + i], dtype=torch.int32, device=DEV)
         same, ref = _clone(state), _clone(state, torch.float64)
-        r_same = ops.decode_step(**new, **same, step=step, fill=None, scaling=d ** -0.5, args=args)
-        r_ref = ops.decode_step(**{n: x.double() for n, x in new.items()}, **ref, step=step, fill=None,
-                                scaling=d ** -0.5, args=args)
-        r_k = decode_step_triton(**new, **state, step=step, fill=None, scaling=d ** -0.5, args=args,
-                                 block_n=64)
+        r_same = ops.decode_step(**new, **same, step=step, fill=None, scaling=d**-0.5, args=args)
+        r_ref = ops.decode_step(
+            **{n: x.double() for n, x in new.items()}, **ref, step=step, fill=None, scaling=d**-0.5, args=args
+        )
+        r_k = decode_step_triton(**new, **state, step=step, fill=None, scaling=d**-0.5, args=args, block_n=64)
         assert r_k.out.dtype == dtype
         _assert_within("out", r_k.out, r_same.out, r_ref.out)
         _assert_within("scores", state["scores"], same["scores"], ref["scores"])
@@ -249,16 +256,19 @@ def test_decode_4096_slots():
     g = torch.Generator().manual_seed(8)
     cap, d = 4096, 16
     args = ops.PolicyArgs("h2o", 2048, 2048, 0, "sum")
-    state = dict(keys=torch.randn(1, 1, cap, d, generator=g).to(DEV),
-                 values=torch.randn(1, 1, cap, d, generator=g).to(DEV),
-                 scores=(torch.rand(1, 1, cap, generator=g) * 100).to(DEV),
-                 positions=torch.randperm(cap, generator=g).view(1, 1, cap).to(torch.int32).to(DEV))
+    state = dict(
+        keys=torch.randn(1, 1, cap, d, generator=g).to(DEV),
+        values=torch.randn(1, 1, cap, d, generator=g).to(DEV),
+        scores=(torch.rand(1, 1, cap, generator=g) * 100).to(DEV),
+        positions=torch.randperm(cap, generator=g).view(1, 1, cap).to(torch.int32).to(DEV),
+    )
     new = {n: torch.randn(1, 1, d, generator=g).to(DEV) for n in ("query", "key", "value")}
     step = torch.tensor([cap], dtype=torch.int32, device=DEV)
     same, ref = _clone(state), _clone(state, torch.float64)
     r_same = ops.decode_step(**new, **same, step=step, fill=None, scaling=0.25, args=args)
-    r_ref = ops.decode_step(**{n: x.double() for n, x in new.items()}, **ref, step=step, fill=None,
-                            scaling=0.25, args=args)
+    r_ref = ops.decode_step(
+        **{n: x.double() for n, x in new.items()}, **ref, step=step, fill=None, scaling=0.25, args=args
+    )
     r_k = decode_step_triton(**new, **state, step=step, fill=None, scaling=0.25, args=args)
     assert torch.equal(r_k.slot, r_same.slot) and torch.equal(r_k.slot, r_ref.slot)
     assert torch.equal(state["positions"], same["positions"])
@@ -269,13 +279,16 @@ def test_decode_4096_slots():
 # ---------------------------------------------------------------------------------------------
 # designed ties: exact in binary, so every implementation sees the same tie
 
+
 def _tie_state(positions, scores, d=16):
     cap = len(positions)
     g = torch.Generator().manual_seed(cap)
-    return dict(keys=torch.randn(1, 1, cap, d, generator=g).to(DEV),
-                values=torch.randn(1, 1, cap, d, generator=g).to(DEV),
-                scores=torch.tensor(scores, dtype=torch.float32).view(1, 1, cap).to(DEV),
-                positions=torch.tensor(positions, dtype=torch.int32).view(1, 1, cap).to(DEV))
+    return dict(
+        keys=torch.randn(1, 1, cap, d, generator=g).to(DEV),
+        values=torch.randn(1, 1, cap, d, generator=g).to(DEV),
+        scores=torch.tensor(scores, dtype=torch.float32).view(1, 1, cap).to(DEV),
+        positions=torch.tensor(positions, dtype=torch.int32).view(1, 1, cap).to(DEV),
+    )
 
 
 def _tie_steps(state, args, hq, first, steps, d=16):
@@ -284,8 +297,11 @@ def _tie_steps(state, args, hq, first, steps, d=16):
     victims = []
     g = torch.Generator().manual_seed(first)
     for i in range(steps):
-        new = dict(query=torch.zeros(1, hq, d, device=DEV), key=torch.randn(1, 1, d, generator=g).to(DEV),
-                   value=torch.randn(1, 1, d, generator=g).to(DEV))
+        new = dict(
+            query=torch.zeros(1, hq, d, device=DEV),
+            key=torch.randn(1, 1, d, generator=g).to(DEV),
+            value=torch.randn(1, 1, d, generator=g).to(DEV),
+        )
         step = torch.tensor([first + i], dtype=torch.int32, device=DEV)
         before = state["positions"].clone()
         twin = _clone(state)
@@ -328,8 +344,12 @@ def test_decode_recent0_tie_and_self_eviction():
 
 def test_decode_random_policy_runs_the_torch_path():
     g = torch.Generator().manual_seed(11)
-    state = dict(keys=torch.randn(1, 1, 5, 16, generator=g), values=torch.randn(1, 1, 5, 16, generator=g),
-                 scores=torch.zeros(1, 1, 5), positions=torch.arange(5, dtype=torch.int32).view(1, 1, 5))
+    state = dict(
+        keys=torch.randn(1, 1, 5, 16, generator=g),
+        values=torch.randn(1, 1, 5, 16, generator=g),
+        scores=torch.zeros(1, 1, 5),
+        positions=torch.arange(5, dtype=torch.int32).view(1, 1, 5),
+    )
     new = {n: torch.randn(1, 1, 16, generator=g) for n in ("query", "key", "value")}
     args = ops.PolicyArgs("random", 2, 2, 0, "sum")
     twin = _clone(state)
@@ -342,13 +362,17 @@ def test_decode_random_policy_runs_the_torch_path():
 # ---------------------------------------------------------------------------------------------
 # prefill scores
 
-@pytest.mark.parametrize("b, hq, hs, p, d, gqa, pads, dtype", [
-    (2, 6, 2, 37, 64, "sum", ((0, 0), (5, 0)), torch.float32),  # G=3, odd P, left padding
-    (1, 4, 1, 21, 16, "max", None, torch.float32),  # G=4
-    (2, 2, 2, 19, 16, "none", ((3, 0), (0, 4)), torch.float32),  # G=1; right padding: pad rows see keys
-    (1, 8, 1, 33, 16, "sum", None, torch.float32),  # G=8
-    (1, 3, 1, 17, 32, "max", ((2, 1),), torch.bfloat16),
-])
+
+@pytest.mark.parametrize(
+    "b, hq, hs, p, d, gqa, pads, dtype",
+    [
+        (2, 6, 2, 37, 64, "sum", ((0, 0), (5, 0)), torch.float32),  # G=3, odd P, left padding
+        (1, 4, 1, 21, 16, "max", None, torch.float32),  # G=4
+        (2, 2, 2, 19, 16, "none", ((3, 0), (0, 4)), torch.float32),  # G=1; right padding: pad rows see keys
+        (1, 8, 1, 33, 16, "sum", None, torch.float32),  # G=8
+        (1, 3, 1, 17, 32, "max", ((2, 1),), torch.bfloat16),
+    ],
+)
 def test_prefill_scores_match_prefill_attention(b, hq, hs, p, d, gqa, pads, dtype):
     """``pads`` gives (left, right) padding columns per request."""
     g = torch.Generator().manual_seed(p)
@@ -359,7 +383,7 @@ def test_prefill_scores_match_prefill_attention(b, hq, hs, p, d, gqa, pads, dtyp
         cols = torch.arange(p)[None]
         left, right = torch.tensor(pads).T[..., None]  # (b, 1) each
         valid = ((cols >= left) & (cols < p - right)).to(DEV)
-    scaling = d ** -0.5
+    scaling = d**-0.5
     got = prefill_scores_triton(q, k, valid, scaling, gqa, block_m=16, block_n=16)
     _, same = ops.prefill_attention(q, k, k, valid, scaling, gqa)
     _, ref = ops.prefill_attention(q.double(), k.double(), k.double(), valid, scaling, gqa)
@@ -371,6 +395,7 @@ def test_prefill_scores_match_prefill_attention(b, hq, hs, p, d, gqa, pads, dtyp
 
 # ---------------------------------------------------------------------------------------------
 # replay dropped mass
+
 
 def _brute_dropped_mass(q, k, evict_step, scaling):
     """FP64 full matrix: softmax of the causal row, summed over keys evicted before step t."""
@@ -394,7 +419,7 @@ def test_replay_kernel_torch_and_brute_force_agree(b, hq, hs, n, d):
     ev = torch.where(torch.rand(b, hs, n, generator=g) < 0.3, torch.full_like(ev, NEVER), ev)
     ev[..., :3] = 10  # evicted at step 10: still visible to query 10, dropped from query 11 on
     ev = ev.to(DEV)
-    scaling = d ** -0.5
+    scaling = d**-0.5
     brute = _brute_dropped_mass(q, k, ev, scaling)
     ref = replay_dropped_mass_torch(q.double(), k.double(), ev, scaling, chunk=5)
     assert torch.allclose(ref, brute, atol=1e-12, rtol=0)
@@ -404,9 +429,15 @@ def test_replay_kernel_torch_and_brute_force_agree(b, hq, hs, n, d):
     _assert_within("dropped mass", got, same, brute)
 
 
-@pytest.mark.parametrize("b, hq, hs, n, m, agg, dtype", [
-    (2, 6, 2, 45, 45, "sum", torch.float32), (1, 6, 2, 53, 19, "max", torch.float32),
-    (2, 4, 4, 40, 23, "sum", torch.bfloat16), (1, 8, 1, 37, 37, "max", torch.float16)])
+@pytest.mark.parametrize(
+    "b, hq, hs, n, m, agg, dtype",
+    [
+        (2, 6, 2, 45, 45, "sum", torch.float32),
+        (1, 6, 2, 53, 19, "max", torch.float32),
+        (2, 4, 4, 40, 23, "sum", torch.bfloat16),
+        (1, 8, 1, 37, 37, "max", torch.float16),
+    ],
+)
 def test_replay_kernel_oracle_and_query_suffix_match_torch(b, hq, hs, n, m, agg, dtype):
     """The replay's own call: the last M positions' queries, plus the oracle's per-key weights
     split at the eviction step, aggregated like the run's gqa (sum / max)."""
@@ -415,7 +446,7 @@ def test_replay_kernel_oracle_and_query_suffix_match_torch(b, hq, hs, n, m, agg,
     k = (torch.randn(b, hs, n, 32, generator=g) * 1.5).to(DEV)
     ev = torch.arange(n) + torch.randint(0, 8, (b, hs, n), generator=g)
     ev = torch.where(torch.rand(b, hs, n, generator=g) < 0.3, torch.full_like(ev, NEVER), ev).to(DEV)
-    scaling = 32 ** -0.5
+    scaling = 32**-0.5
     ref = replay_dropped_mass_torch(q.double(), k.double(), ev, scaling, chunk=9, oracle=agg)
     same = replay_dropped_mass_torch(q.to(dtype), k.to(dtype), ev, scaling, chunk=9, oracle=agg)
     got = replay_dropped_mass_triton(q.to(dtype), k.to(dtype), ev, scaling, oracle=agg, block_m=16, block_n=16)
@@ -447,23 +478,34 @@ def test_replay_eviction_step_boundary():
 # ---------------------------------------------------------------------------------------------
 # launcher checks, backend choice, import without triton
 
+
 def _decode_inputs(cap=5, d=16, dtype=torch.float32):
-    return dict(query=torch.randn(1, 2, d, dtype=dtype), key=torch.randn(1, 1, d, dtype=dtype),
-                value=torch.randn(1, 1, d, dtype=dtype), keys=torch.randn(1, 1, cap, d, dtype=dtype),
-                values=torch.randn(1, 1, cap, d, dtype=dtype), scores=torch.zeros(1, 1, cap),
-                positions=torch.arange(cap, dtype=torch.int32).view(1, 1, cap),
-                step=torch.tensor([cap], dtype=torch.int32), fill=None, scaling=0.25,
-                args=ops.PolicyArgs("h2o", 2, 3, 0, "sum"))
+    return dict(
+        query=torch.randn(1, 2, d, dtype=dtype),
+        key=torch.randn(1, 1, d, dtype=dtype),
+        value=torch.randn(1, 1, d, dtype=dtype),
+        keys=torch.randn(1, 1, cap, d, dtype=dtype),
+        values=torch.randn(1, 1, cap, d, dtype=dtype),
+        scores=torch.zeros(1, 1, cap),
+        positions=torch.arange(cap, dtype=torch.int32).view(1, 1, cap),
+        step=torch.tensor([cap], dtype=torch.int32),
+        fill=None,
+        scaling=0.25,
+        args=ops.PolicyArgs("h2o", 2, 3, 0, "sum"),
+    )
 
 
-@pytest.mark.parametrize("change, needle", [
-    (dict(scores=torch.zeros(1, 1, 5, dtype=torch.float64)), "scores has dtype float64"),
-    (dict(keys=torch.randn(1, 1, 16, 5).transpose(-1, -2)), "keys .* not contiguous"),
-    (dict(values=torch.randn(1, 1, 4, 16)), r"values has shape \(1, 1, 4, 16\), expected \(1, 1, 5, 16\)"),
-    (dict(query=torch.randn(1, 3, 16), keys=torch.randn(1, 2, 5, 16)), "multiple of the 2 KV sets"),
-    (dict(args=ops.PolicyArgs("full", 2, 3, 0, "sum")), "policy 'full'"),
-    (dict(step=torch.tensor([5.0])), "step has dtype float32"),
-])
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (dict(scores=torch.zeros(1, 1, 5, dtype=torch.float64)), "scores has dtype float64"),
+        (dict(keys=torch.randn(1, 1, 16, 5).transpose(-1, -2)), "keys .* not contiguous"),
+        (dict(values=torch.randn(1, 1, 4, 16)), r"values has shape \(1, 1, 4, 16\), expected \(1, 1, 5, 16\)"),
+        (dict(query=torch.randn(1, 3, 16), keys=torch.randn(1, 2, 5, 16)), "multiple of the 2 KV sets"),
+        (dict(args=ops.PolicyArgs("full", 2, 3, 0, "sum")), "policy 'full'"),
+        (dict(step=torch.tensor([5.0])), "step has dtype float32"),
+    ],
+)
 def test_decode_launcher_rejects_bad_inputs(change, needle):
     kw = _decode_inputs()
     kw.update(change)
@@ -478,8 +520,9 @@ def test_launchers_reject_cpu_tensors_outside_the_interpreter(monkeypatch):
     with pytest.raises(KernelInputError, match="TRITON_INTERPRET=1"):
         prefill_scores_triton(torch.randn(1, 2, 4, 16), torch.randn(1, 1, 4, 16), None, 0.25, "sum")
     with pytest.raises(KernelInputError, match="Hq must be a multiple"):
-        replay_dropped_mass_triton(torch.randn(1, 3, 4, 16), torch.randn(1, 2, 4, 16),
-                                   torch.zeros(1, 2, 4, dtype=torch.int64), 0.25)
+        replay_dropped_mass_triton(
+            torch.randn(1, 3, 4, 16), torch.randn(1, 2, 4, 16), torch.zeros(1, 2, 4, dtype=torch.int64), 0.25
+        )
 
 
 def test_resolve_backend(monkeypatch):
@@ -520,8 +563,7 @@ print("ok")
 def test_package_imports_and_torch_replay_runs_without_triton():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("TRITON_INTERPRET", None)
-    res = subprocess.run([sys.executable, "-c", _NO_TRITON], capture_output=True, text=True, env=env,
-                         timeout=120)
+    res = subprocess.run([sys.executable, "-c", _NO_TRITON], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
 
 
@@ -544,11 +586,18 @@ def test_end_to_end_bench_runs_every_path_on_a_tiny_model(capsys):
     every path decodes, the H2O caches hold B slots per layer and KV head, and the table prints."""
     from h2o_lens.kernels.bench import bench_end_to_end
 
-    shape = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
-                 num_key_value_heads=2, vocab_size=300)
+    shape = dict(
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
     batch, context, keep = 3, 60, 0.2
-    out = bench_end_to_end(context=context, batch=batch, keep=keep, steps=3, rounds=1, device=DEV,
-                           dtype=torch.float32, shape=shape)
+    out = bench_end_to_end(
+        context=context, batch=batch, keep=keep, steps=3, rounds=1, device=DEV, dtype=torch.float32, shape=shape
+    )
     budget = round(keep * context)
     slots = shape["num_hidden_layers"] * batch * shape["num_key_value_heads"] * budget
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
@@ -564,9 +613,11 @@ def test_end_to_end_bench_runs_every_path_on_a_tiny_model(capsys):
 def test_kernels_compile_ahead_of_time_for_sm90():
     """The interpreter does not compile: the quick launch set goes through Triton's whole pipeline
     (PTX, then the wheel's ptxas to a cubin) for sm_90 in a process without TRITON_INTERPRET."""
-    code = ("from h2o_lens.kernels.aot import compile_kernels\n"
-            "done = compile_kernels([('cuda', 90, 32)], level='quick')\n"
-            "print(len(done), sorted({c.kernel for c in done}), min(c.cubin_bytes for c in done))\n")
+    code = (
+        "from h2o_lens.kernels.aot import compile_kernels\n"
+        "done = compile_kernels([('cuda', 90, 32)], level='quick')\n"
+        "print(len(done), sorted({c.kernel for c in done}), min(c.cubin_bytes for c in done))\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TRITON_DEFAULT_FP_FUSION": "1"}
     env.pop("TRITON_INTERPRET", None)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)

@@ -4,6 +4,7 @@ The module converts the real default model once, into a temporary cache: a
 first process is killed mid-conversion, a broken cache folder is planted, then
 two processes race to convert; every other test reads the resulting cache.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,10 +41,19 @@ print(json.dumps(model_info(model)))
 
 
 def _child(cache_dir: pathlib.Path) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(cache_dir)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(cache_dir)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _tmp_folders(cache_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -72,7 +82,8 @@ def converted(tmp_path_factory):
     racers = [_child(cache_dir) for _ in range(2)]
     gguf = default_gguf_path()
     reference = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True).eval()
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    ).eval()
     results = [racer.communicate(timeout=600) + (racer.returncode,) for racer in racers]
     return cache_dir, reference, results
 
@@ -139,14 +150,16 @@ def test_cache_layout(converted):
 def test_cached_load_matches_gguf_logits_and_does_not_convert(converted, capfd):
     cache_dir, reference, _ = converted
     folder = cache_dir / DEFAULT_MODEL
-    before = (folder.stat().st_ino, folder.stat().st_mtime_ns,
-              (folder / "model.safetensors").stat().st_mtime_ns)
+    before = (folder.stat().st_ino, folder.stat().st_mtime_ns, (folder / "model.safetensors").stat().st_mtime_ns)
     start = time.perf_counter()
     model, tokenizer = load_model("default", cache_dir=cache_dir)
     elapsed = time.perf_counter() - start
     assert "converting" not in capfd.readouterr().err
-    assert before == (folder.stat().st_ino, folder.stat().st_mtime_ns,
-                      (folder / "model.safetensors").stat().st_mtime_ns)
+    assert before == (
+        folder.stat().st_ino,
+        folder.stat().st_mtime_ns,
+        (folder / "model.safetensors").stat().st_mtime_ns,
+    )
     assert elapsed < 20, f"a cached load took {elapsed:.1f} s"
     assert not model.training
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
@@ -181,17 +194,19 @@ def test_batched_chat_generation_is_sensible(converted):
     model, tokenizer = load_model(cache_dir=cache_dir, progress=False)
     assert tokenizer.pad_token is not None and tokenizer.padding_side == "left"
     questions = ["What is the capital of France?", "Name one primary colour. Answer in one word."]
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                           add_generation_prompt=True) for q in questions]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=8, do_sample=False)
-    answers = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+    answers = tokenizer.batch_decode(out[:, batch.input_ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in answers[0], answers
     alone = tokenizer(texts[0], return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         single = model.generate(**alone, max_new_tokens=8, do_sample=False)
-    assert tokenizer.decode(single[0, alone.input_ids.shape[1]:], skip_special_tokens=True) == answers[0]
+    assert tokenizer.decode(single[0, alone.input_ids.shape[1] :], skip_special_tokens=True) == answers[0]
 
 
 def test_local_folder_loads_with_pad_token_and_left_padding(converted, tmp_path):

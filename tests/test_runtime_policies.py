@@ -1,4 +1,5 @@
 """The policy registry and the FP64 references of TOVA and ScissorHands (DESIGN.md §2.9, §2.10)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -31,6 +32,7 @@ def _logits(rows: dict[int, dict[int, float]], n: int) -> np.ndarray:
 
 # -- the registry -----------------------------------------------------------------------------------
 
+
 def test_registry_names_and_lookup():
     assert policies.names()[:6] == ("h2o", "full", "local", "heavy", "sink", "random")
     assert {"tova", "scissorhands"} <= set(policies.names())
@@ -57,8 +59,15 @@ def test_registry_entries_are_complete():
 
 def test_splits_at_the_same_slot_count():
     got = {p.name: p.split(5, 3, 2) for p in policies.evicting()}
-    assert got == {"h2o": (5, 3, 0), "local": (0, 8, 0), "heavy": (8, 0, 0), "sink": (0, 6, 2),
-                   "random": (5, 3, 0), "tova": (5, 3, 0), "scissorhands": (5, 3, 0)}
+    assert got == {
+        "h2o": (5, 3, 0),
+        "local": (0, 8, 0),
+        "heavy": (8, 0, 0),
+        "sink": (0, 6, 2),
+        "random": (5, 3, 0),
+        "tova": (5, 3, 0),
+        "scissorhands": (5, 3, 0),
+    }
     assert policies.get("sink").check_budget(2, 2, 4) is not None
     assert policies.get("sink").check_budget(2, 3, 4) is None
 
@@ -71,19 +80,22 @@ def test_ratio_slots_and_half_split():
 
 
 def test_registry_imports_without_torch():
-    code = ("import sys, h2o_lens.policies as p; p.get('scissorhands'); "
-            "bad = [m for m in ('torch', 'transformers', 'triton') if m in sys.modules]; "
-            "print(bad); sys.exit(bool(bad))")
+    code = (
+        "import sys, h2o_lens.policies as p; p.get('scissorhands'); "
+        "bad = [m for m in ('torch', 'transformers', 'triton') if m in sys.modules]; "
+        "print(bad); sys.exit(bool(bad))"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 # -- TOVA -------------------------------------------------------------------------------------------
 
+
 def test_tova_ranks_by_the_current_step_alone():
     """B = 2 (heavy 1, recent 1). The prompt keeps its last row's heaviest key; at step 4 the lowest
     current weight among the eligible leaves, although its cumulative score is the highest."""
-    x = _logits({3: {0: .1, 1: .5, 2: .3, 3: .1}, 4: {1: .2, 3: .5, 4: .3}}, 5)
+    x = _logits({3: {0: 0.1, 1: 0.5, 2: 0.3, 3: 0.1}, 4: {1: 0.2, 3: 0.5, 4: 0.3}}, 5)
     kept = tova.simulate(x, prefill=4, heavy=1, recent=1)
     assert kept == [[1, 3], [3, 4]]  # step 4: eligible {1, 3}, current weights .2 and .5: 1 leaves
     h2o = h2o_simulate(x, prefill=4, heavy=1, recent=1)
@@ -91,7 +103,7 @@ def test_tova_ranks_by_the_current_step_alone():
 
 
 def test_tova_ties_and_recent_zero():
-    x = _logits({2: {0: .25, 1: .5, 2: .25}, 3: {1: .4, 2: .4, 3: .2}}, 4)
+    x = _logits({2: {0: 0.25, 1: 0.5, 2: 0.25}, 3: {1: 0.4, 2: 0.4, 3: 0.2}}, 4)
     # prompt: recent {2}, top-1 of {0, 1} by the last row: 1; step 3: eligible {1, 2} tie at .4, the older 1 leaves
     assert tova.simulate(x, prefill=3, heavy=1, recent=1) == [[1, 2], [2, 3]]
     # recent = 0 (the original method): the prompt keeps 1 and, on a tie (.25/.25), the newer 2;
@@ -101,10 +113,13 @@ def test_tova_ties_and_recent_zero():
 
 # -- ScissorHands -----------------------------------------------------------------------------------
 
+
 def test_scissorhands_counts_low_steps_in_the_window():
     """window 2, B = 2 (heavy 1, recent 1), one head: the share of a step is 1/|D|."""
-    x = _logits({1: {0: .6, 1: .4}, 2: {0: .45, 1: .1, 2: .45},
-                 3: {0: .3, 2: .4, 3: .3}, 4: {2: .5, 3: .1, 4: .4}}, 5)
+    x = _logits(
+        {1: {0: 0.6, 1: 0.4}, 2: {0: 0.45, 1: 0.1, 2: 0.45}, 3: {0: 0.3, 2: 0.4, 3: 0.3}, 4: {2: 0.5, 3: 0.1, 4: 0.4}},
+        5,
+    )
     kept = scissorhands.simulate(x, prefill=3, heavy=1, recent=1, window=2)
     # prompt rows 1-2: key 1 low twice (.4 < 1/2, .1 < 1/3), key 0 never: keep 0 and the recent 2
     # step 3: key 0 low (.3 < 1/3) in the window {2, 3}, key 2 never: 0 leaves (H2O would drop 2)
@@ -115,15 +130,15 @@ def test_scissorhands_counts_low_steps_in_the_window():
 
 def test_scissorhands_window_forgets_and_share_follows_gqa():
     # window 1: only the prompt's last row counts: key 1 (.2 < 1/3) is low, key 0 (.5) is not
-    x = _logits({1: {0: .1, 1: .9}, 2: {0: .5, 1: .2, 2: .3}}, 3)
+    x = _logits({1: {0: 0.1, 1: 0.9}, 2: {0: 0.5, 1: 0.2, 2: 0.3}}, 3)
     assert scissorhands.simulate(x, prefill=3, heavy=1, recent=1, window=1) == [[0, 2]]
     # window 2 adds row 1, where key 0 (.1 < 1/2) is low: a tie of one low step each keeps the newer
     assert scissorhands.simulate(x, prefill=3, heavy=1, recent=1, window=2) == [[1, 2]]
     # two heads: the share is G/|D| for sum, 1/|D| for max. Row 2: key 0 gets .34 and .30
     # (sum .64 < 2/3: low; max .34 >= 1/3: not low), key 1 .30 and .30 (low both ways)
     two = np.zeros((2, 3, 3))
-    two[0, 2] = np.log([.34, .30, .36])
-    two[1, 2] = np.log([.30, .30, .40])
+    two[0, 2] = np.log([0.34, 0.30, 0.36])
+    two[1, 2] = np.log([0.30, 0.30, 0.40])
     assert scissorhands.simulate(two, prefill=3, heavy=1, recent=1, gqa="sum", window=2) == [[1, 2]]
     assert scissorhands.simulate(two, prefill=3, heavy=1, recent=1, gqa="max", window=2) == [[0, 2]]
     with pytest.raises(ValueError, match="window"):
@@ -132,8 +147,15 @@ def test_scissorhands_window_forgets_and_share_follows_gqa():
 
 @pytest.mark.parametrize("simulate", [tova.simulate, scissorhands.simulate], ids=["tova", "scissorhands"])
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(n=st.integers(2, 40), prefill=st.integers(1, 40), heavy=st.integers(0, 6), recent=st.integers(0, 6),
-       groups=st.integers(1, 3), gqa=st.sampled_from(["sum", "max"]), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(2, 40),
+    prefill=st.integers(1, 40),
+    heavy=st.integers(0, 6),
+    recent=st.integers(0, 6),
+    groups=st.integers(1, 3),
+    gqa=st.sampled_from(["sum", "max"]),
+    seed=st.integers(0, 2**16),
+)
 def test_reference_invariants(simulate, n, prefill, heavy, recent, groups, gqa, seed):
     if heavy + recent == 0:
         heavy = 1
@@ -166,8 +188,12 @@ def test_scissorhands_prefill_hook_equals_reference_with_padding():
         full[pad:, pad:] = agg  # left padding: zero rows and columns
         positions = torch.cat([torch.full((pad,), -1), torch.arange(p - pad)])[None, None]
         r = min(w, p)
-        rank, hist = pol.prefill_scores(None, full[None, None, -r:], positions, StepContext(
-            step=positions.amax(-1, keepdim=True), gqa=gqa, group=group))
+        rank, hist = pol.prefill_scores(
+            None,
+            full[None, None, -r:],
+            positions,
+            StepContext(step=positions.amax(-1, keepdim=True), gqa=gqa, group=group),
+        )
         # the reference's rank: window − low steps among the last `w` real rows
         share = group if gqa == "sum" else 1
         for i in range(p - pad):
@@ -190,10 +216,16 @@ def test_sweep_grid_from_the_command_line(capsys):
     from commands.cli import main, sweep_grid
     from commands.jobs import SWEEP_POLICIES
 
-    assert sweep_grid(None) == SWEEP_POLICIES == (("h2o", "sum"), ("h2o", "max"), ("local", "sum"),
-                                                   ("heavy", "sum"), ("sink", "sum"), ("random", "sum"))
+    assert (
+        sweep_grid(None)
+        == SWEEP_POLICIES
+        == (("h2o", "sum"), ("h2o", "max"), ("local", "sum"), ("heavy", "sum"), ("sink", "sum"), ("random", "sum"))
+    )
     assert sweep_grid(["h2o:max", "tova", "scissorhands:sum"]) == (
-        ("h2o", "max"), ("tova", "sum"), ("scissorhands", "sum"))
+        ("h2o", "max"),
+        ("tova", "sum"),
+        ("scissorhands", "sum"),
+    )
     assert main(["sweep", "--policies", "lru"]) == 2
     assert "unknown policy 'lru'" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="unknown gqa 'mean'"):
@@ -209,11 +241,20 @@ def test_a_new_policy_is_one_new_file(tmp_path):
     (tmp_path / "h2o_lens" / "policies" / "oldest.py").write_text(
         "from .local import Unscored\n\n"
         "OLDEST = Unscored(name='oldest', rank=50, label='oldest first', colour='#000001',\n"
-        "                  summary='evicts the oldest eligible position')\n")
-    code = ("from h2o_lens import policies; from h2o_lens.config import H2OConfig; "
-            "c = H2OConfig(policy='oldest', heavy=2, recent=3); "
-            "print(policies.names()[-1], policies.alternatives()[-1], c.split, c.spec.label)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+        "                  summary='evicts the oldest eligible position')\n"
+    )
+    code = (
+        "from h2o_lens import policies; from h2o_lens.config import H2OConfig; "
+        "c = H2OConfig(policy='oldest', heavy=2, recent=3); "
+        "print(policies.names()[-1], policies.alternatives()[-1], c.split, c.spec.label)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["oldest", "oldest", "(2,", "3,", "0)", "oldest", "first"]

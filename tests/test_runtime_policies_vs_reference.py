@@ -4,6 +4,7 @@ Like H2O's tests in test_runtime.py: a tiny random model generates under the pol
 its own post-RoPE queries and keys are captured; the reference run on those gives the kept
 sets of every layer and KV set, step by step.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -48,8 +49,11 @@ def test_runtime_equals_reference(name, gqa):
         _greedy(model, _ids(prompt), new)
     for layer in range(2):
         runtime = [step[0] for step in rec.kept[layer]]
-        assert_same_sets(runtime, reference_sets(qk[layer], 0, prompt, heavy, recent, gqa, policy=name),
-                         f"{name} gqa={gqa} layer {layer}")
+        assert_same_sets(
+            runtime,
+            reference_sets(qk[layer], 0, prompt, heavy, recent, gqa, policy=name),
+            f"{name} gqa={gqa} layer {layer}",
+        )
 
 
 @pytest.mark.parametrize("name", RANKED)
@@ -59,13 +63,14 @@ def test_runtime_equals_reference_other_family_and_no_recent_window(name):
     model = tiny_model("qwen3", layers=2, q_heads=4, kv_heads=1)
     for heavy, recent in ((5, 2), (7, 0)):
         rec = KeptRecorder()
-        with h2o_lens.h2o(model, H2OConfig(policy=name, heavy=heavy, recent=recent), listener=rec), \
-                capture_qk() as qk:
+        with h2o_lens.h2o(model, H2OConfig(policy=name, heavy=heavy, recent=recent), listener=rec), capture_qk() as qk:
             _greedy(model, _ids(20, seed=2), 24)
         for layer in range(2):
-            assert_same_sets([s[0] for s in rec.kept[layer]],
-                             reference_sets(qk[layer], 0, 20, heavy, recent, "sum", policy=name),
-                             f"{name} heavy={heavy} recent={recent} layer {layer}")
+            assert_same_sets(
+                [s[0] for s in rec.kept[layer]],
+                reference_sets(qk[layer], 0, 20, heavy, recent, "sum", policy=name),
+                f"{name} heavy={heavy} recent={recent} layer {layer}",
+            )
 
 
 @pytest.mark.parametrize("name", RANKED)
@@ -78,16 +83,19 @@ def test_batch_with_padding_equals_reference(name):
     ids = torch.zeros(2, width, dtype=torch.long)
     mask = torch.zeros(2, width, dtype=torch.long)
     for r, s in enumerate(seqs):
-        ids[r, width - len(s):] = s
-        mask[r, width - len(s):] = 1
+        ids[r, width - len(s) :] = s
+        mask[r, width - len(s) :] = 1
     rec = KeptRecorder()
     with h2o_lens.h2o(model, H2OConfig(policy=name, heavy=4, recent=3), listener=rec), capture_qk() as qk:
         _greedy(model, ids, 20, attention_mask=mask)
     for layer in range(2):
         for r, s in enumerate(seqs):
             runtime = [step[r] for step in rec.kept[layer]]
-            assert_same_sets(runtime, reference_sets(qk[layer], r, len(s), 4, 3, "sum", offset=width - len(s),
-                                                     policy=name), f"{name} layer {layer} request {r}")
+            assert_same_sets(
+                runtime,
+                reference_sets(qk[layer], r, len(s), 4, 3, "sum", offset=width - len(s), policy=name),
+                f"{name} layer {layer} request {r}",
+            )
 
 
 def test_triton_backend_falls_back_to_the_torch_step():
@@ -110,9 +118,16 @@ def test_triton_backend_falls_back_to_the_torch_step():
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
-@given(n=st.integers(3, 44), prefill=st.integers(1, 44), heavy=st.integers(0, 5), recent=st.integers(0, 5),
-       group=st.sampled_from([1, 2, 3]), gqa=st.sampled_from(["sum", "max"]), name=st.sampled_from(RANKED),
-       seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(3, 44),
+    prefill=st.integers(1, 44),
+    heavy=st.integers(0, 5),
+    recent=st.integers(0, 5),
+    group=st.sampled_from([1, 2, 3]),
+    gqa=st.sampled_from(["sum", "max"]),
+    name=st.sampled_from(RANKED),
+    seed=st.integers(0, 2**16),
+)
 def test_torch_ops_equal_reference(n, prefill, heavy, recent, group, gqa, name, seed):
     """The torch prefill (last rows' weights) and decode step, in FP64 on raw q/k, equal the reference."""
     if heavy + recent == 0:
@@ -134,7 +149,7 @@ def test_torch_ops_equal_reference(n, prefill, heavy, recent, group, gqa, name, 
     assert sorted(pos[keep].tolist()) == expected[0]
     kept_pos = pos[keep].tolist()
     slots_pos = torch.full((1, 1, cap), -1, dtype=torch.int32)
-    slots_pos[0, 0, :len(kept_pos)] = torch.tensor(kept_pos, dtype=torch.int32)
+    slots_pos[0, 0, : len(kept_pos)] = torch.tensor(kept_pos, dtype=torch.int32)
     keys = torch.zeros(1, 1, cap, d, dtype=torch.float64)
     values = torch.zeros_like(keys)
     sc = torch.zeros(1, 1, cap, dtype=torch.float64)
@@ -145,9 +160,20 @@ def test_torch_ops_equal_reference(n, prefill, heavy, recent, group, gqa, name, 
             history[0, 0, j] = hist[0, 0, p]
     fill = torch.tensor([len(kept_pos)])
     for t in range(prefill, n):
-        ops.decode_step(q[:, :, t], k[:, :, t], v[:, :, t], keys, values, sc, slots_pos,
-                        torch.tensor([t], dtype=torch.int32), fill if fill.item() < cap else None, 1.0, args,
-                        history=history)
+        ops.decode_step(
+            q[:, :, t],
+            k[:, :, t],
+            v[:, :, t],
+            keys,
+            values,
+            sc,
+            slots_pos,
+            torch.tensor([t], dtype=torch.int32),
+            fill if fill.item() < cap else None,
+            1.0,
+            args,
+            history=history,
+        )
         fill = (fill + 1).clamp(max=cap)
         got = sorted(p for p in slots_pos[0, 0].tolist() if p >= 0)
         assert got == expected[t - prefill + 1], f"{name} step {t}"

@@ -1,4 +1,5 @@
 """The eviction math: the seed's worked example, tie rules and invariants."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,7 +19,7 @@ def test_worked_example_through_policy():
     """DESIGN.md §2.2: B=6, heavy=3, recent=3; step 11 evicts position 8."""
     positions = torch.tensor([1, 3, 5, 8, 9, 10, 11])
     scores = torch.tensor([2.4, 1.7, 1.2, 0.3, 0.2, 0.0, 0.0], dtype=torch.float64)
-    weights = torch.tensor([.20, .05, .02, .08, .15, .30, .20], dtype=torch.float64)
+    weights = torch.tensor([0.20, 0.05, 0.02, 0.08, 0.15, 0.30, 0.20], dtype=torch.float64)
     scores = scores + weights
     assert torch.allclose(scores, torch.tensor([2.60, 1.75, 1.22, 0.38, 0.35, 0.30, 0.20], dtype=torch.float64))
     eligible = policy.eligible_mask(positions, 11, recent=3)
@@ -27,8 +28,9 @@ def test_worked_example_through_policy():
     assert bool(found) and positions[victim].item() == 8
     kept = sorted(set(positions.tolist()) - {8})
     assert kept == [1, 3, 5, 9, 10, 11]
-    stats = policy.step_stats(scores[None], positions[None], eligible[None], victim[None],
-                              torch.tensor([True]), torch.tensor([11]), recent=3)
+    stats = policy.step_stats(
+        scores[None], positions[None], eligible[None], victim[None], torch.tensor([True]), torch.tensor([11]), recent=3
+    )
     assert stats.victim_position.item() == 8
     assert stats.margin.item() == pytest.approx(1.22 - 0.38)
     assert stats.exiting_position.item() == 8 and not stats.promoted.item()
@@ -40,7 +42,7 @@ def test_worked_example_through_decode_step():
     q = torch.zeros(1, 1, d, dtype=torch.float64)
     keys = torch.zeros(1, 1, 6, d, dtype=torch.float64)
     # logits chosen so that softmax over the 7 candidates gives the example's weights
-    w = torch.tensor([.20, .05, .02, .08, .15, .30, .20], dtype=torch.float64)
+    w = torch.tensor([0.20, 0.05, 0.02, 0.08, 0.15, 0.30, 0.20], dtype=torch.float64)
     logit = w.log()
     q[0, 0, 0] = 1.0
     keys[0, 0, :, 0] = logit[:6]
@@ -51,8 +53,19 @@ def test_worked_example_through_decode_step():
     scores = torch.tensor([[[2.4, 1.7, 1.2, 0.3, 0.2, 0.0]]], dtype=torch.float64)
     positions = torch.tensor([[[1, 3, 5, 8, 9, 10]]], dtype=torch.int32)
     expected_out = (w[:6, None] * values[0, 0]).sum(0) + w[6] * value[0, 0]
-    res = decode_step(q, key, value, keys, values, scores, positions, torch.tensor([11], dtype=torch.int32),
-                      None, 1.0, PolicyArgs("h2o", 3, 3, 0, "sum"))
+    res = decode_step(
+        q,
+        key,
+        value,
+        keys,
+        values,
+        scores,
+        positions,
+        torch.tensor([11], dtype=torch.int32),
+        None,
+        1.0,
+        PolicyArgs("h2o", 3, 3, 0, "sum"),
+    )
     assert torch.allclose(res.out[0, 0], expected_out)  # output uses all of D, pre-eviction
     assert sorted(positions[0, 0].tolist()) == [1, 3, 5, 9, 10, 11]
     assert res.slot.item() == 3  # position 8's slot, overwritten in place
@@ -91,8 +104,15 @@ def test_gqa_aggregation():
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(n=st.integers(2, 24), prefill=st.integers(1, 24), heavy=st.integers(0, 6), recent=st.integers(0, 6),
-       groups=st.integers(1, 3), gqa=st.sampled_from(["sum", "max"]), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(2, 24),
+    prefill=st.integers(1, 24),
+    heavy=st.integers(0, 6),
+    recent=st.integers(0, 6),
+    groups=st.integers(1, 3),
+    gqa=st.sampled_from(["sum", "max"]),
+    seed=st.integers(0, 2**16),
+)
 def test_reference_invariants(n, prefill, heavy, recent, groups, gqa, seed):
     if heavy + recent == 0:
         heavy = 1
@@ -112,8 +132,15 @@ def test_reference_invariants(n, prefill, heavy, recent, groups, gqa, seed):
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(n=st.integers(3, 20), prefill=st.integers(1, 20), heavy=st.integers(0, 5), recent=st.integers(0, 5),
-       group=st.sampled_from([1, 2, 3]), gqa=st.sampled_from(["sum", "max"]), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(3, 20),
+    prefill=st.integers(1, 20),
+    heavy=st.integers(0, 5),
+    recent=st.integers(0, 5),
+    group=st.sampled_from([1, 2, 3]),
+    gqa=st.sampled_from(["sum", "max"]),
+    seed=st.integers(0, 2**16),
+)
 def test_torch_ops_equal_reference(n, prefill, heavy, recent, group, gqa, seed):
     """The runtime's prefill + decode step on raw q/k equals the FP64 reference exactly."""
     from h2o_lens.ops import prefill_attention, prefill_select
@@ -137,7 +164,7 @@ def test_torch_ops_equal_reference(n, prefill, heavy, recent, group, gqa, seed):
     # lay the kept set into slots and decode the rest
     kept_pos = pos[keep].tolist()
     slots_pos = torch.full((1, 1, cap), -1, dtype=torch.int32)
-    slots_pos[0, 0, :len(kept_pos)] = torch.tensor(kept_pos, dtype=torch.int32)
+    slots_pos[0, 0, : len(kept_pos)] = torch.tensor(kept_pos, dtype=torch.int32)
     keys = torch.zeros(1, 1, cap, d, dtype=torch.float64)
     values = torch.zeros_like(keys)
     sc = torch.zeros(1, 1, cap, dtype=torch.float64)
@@ -145,25 +172,39 @@ def test_torch_ops_equal_reference(n, prefill, heavy, recent, group, gqa, seed):
         keys[0, 0, j], values[0, 0, j], sc[0, 0, j] = k[0, 0, p], v[0, 0, p], scores[0, 0, p]
     fill = torch.tensor([len(kept_pos)])
     for t in range(prefill, n):
-        decode_step(q[:, :, t], k[:, :, t], v[:, :, t], keys, values, sc, slots_pos,
-                    torch.tensor([t], dtype=torch.int32), fill if fill.item() < cap else None, 1.0, args)
+        decode_step(
+            q[:, :, t],
+            k[:, :, t],
+            v[:, :, t],
+            keys,
+            values,
+            sc,
+            slots_pos,
+            torch.tensor([t], dtype=torch.int32),
+            fill if fill.item() < cap else None,
+            1.0,
+            args,
+        )
         fill = (fill + 1).clamp(max=cap)
         got = sorted(p for p in slots_pos[0, 0].tolist() if p >= 0)
         assert got == expected[t - prefill + 1], f"step {t}"
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    (dict(heavy=-1, recent=4), ">= 0"),
-    (dict(heavy=2.5, recent=4), "whole number"),
-    (dict(heavy=0, recent=0), "zero slots"),
-    (dict(policy="lru", heavy=1, recent=1), "unknown policy"),
-    (dict(gqa="mean", heavy=1, recent=1), "unknown gqa"),
-    (dict(heavy=4), "needs a budget"),
-    (dict(ratio=1.5), "ratio"),
-    (dict(ratio=0.2, heavy=3), "either ratio"),
-    (dict(policy="sink", sink=8, heavy=2, recent=2), "sink"),
-    (dict(backend="cuda", heavy=1, recent=1), "unknown backend"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(heavy=-1, recent=4), ">= 0"),
+        (dict(heavy=2.5, recent=4), "whole number"),
+        (dict(heavy=0, recent=0), "zero slots"),
+        (dict(policy="lru", heavy=1, recent=1), "unknown policy"),
+        (dict(gqa="mean", heavy=1, recent=1), "unknown gqa"),
+        (dict(heavy=4), "needs a budget"),
+        (dict(ratio=1.5), "ratio"),
+        (dict(ratio=0.2, heavy=3), "either ratio"),
+        (dict(policy="sink", sink=8, heavy=2, recent=2), "sink"),
+        (dict(backend="cuda", heavy=1, recent=1), "unknown backend"),
+    ],
+)
 def test_config_errors(kwargs, needle):
     with pytest.raises(ConfigError, match=needle):
         H2OConfig(**kwargs)

@@ -1,4 +1,5 @@
 """The task suite: synthetic policy cases (DESIGN.md §8.1) and the real-model tasks."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,6 +15,7 @@ from recorders import open_runs
 from recorders.policy_cases import case_kept_sets, write_policy_case
 
 # -- policy cases ----------------------------------------------------------------------------------
+
 
 def _kept_after(case, config):
     """Kept set after each step ``P-1 .. N-1`` of one (layer 0, set 0), from the runtime's cache."""
@@ -81,20 +83,32 @@ def test_delayed_reference_evicted_on_leaving_recent_with_low_score(case_runs):
     _, con = case_runs
     case = policy_case("delayed_reference")
     ev = case.marks["evidence"]
-    rows = _one(con, "SELECT step, score, margin, left_recent, phase FROM evictions "
-                "WHERE run_id = ? AND position = ?", "delayed-reference-h2o-sum-h4r4", ev)
+    rows = _one(
+        con,
+        "SELECT step, score, margin, left_recent, phase FROM evictions WHERE run_id = ? AND position = ?",
+        "delayed-reference-h2o-sum-h4r4",
+        ev,
+    )
     assert len(rows) == 1
     step, score, margin, left_recent, phase = rows[0]
     assert step == case.marks["exit_step"] and left_recent and phase == "decode"
-    heavy_min = _one(con, "SELECT min_heavy_score FROM steps WHERE run_id = ? AND step = ?",
-                     "delayed-reference-h2o-sum-h4r4", step)[0][0]
+    heavy_min = _one(
+        con, "SELECT min_heavy_score FROM steps WHERE run_id = ? AND step = ?", "delayed-reference-h2o-sum-h4r4", step
+    )[0][0]
     assert score < 0.1 and score < 0.05 * heavy_min and margin > 0
     verdicts = dict(_one(con, "SELECT run_id, correct FROM requests WHERE task = 'delayed_reference'"))
-    assert verdicts == {"delayed-reference-full-sum-h4r4": True, "delayed-reference-h2o-sum-h4r4": False,
-                        "delayed-reference-local-sum-h4r4": False}
+    assert verdicts == {
+        "delayed-reference-full-sum-h4r4": True,
+        "delayed-reference-h2o-sum-h4r4": False,
+        "delayed-reference-local-sum-h4r4": False,
+    }
     # the answer step's query needs the evicted position: most of its mass is dropped
-    dm = _one(con, "SELECT dropped_mass FROM replay WHERE run_id = ? AND step = ?",
-              "delayed-reference-h2o-sum-h4r4", case.answer_step)[0][0]
+    dm = _one(
+        con,
+        "SELECT dropped_mass FROM replay WHERE run_id = ? AND step = ?",
+        "delayed-reference-h2o-sum-h4r4",
+        case.answer_step,
+    )[0][0]
     assert dm > 0.9
 
 
@@ -110,23 +124,31 @@ def test_hotspot_switch_keeps_stale_hotspot_and_drops_the_new_one(case_runs):
     # after the switch the teacher no longer attends to the old hotspot
     t = case.n - 1
     assert case.attention(t)[0, 0, 0, old] < 0.05
-    before, after = _one(con, "SELECT avg(dropped_mass) FILTER (step < ?), avg(dropped_mass) FILTER (step > ?) "
-                         "FROM replay WHERE run_id = ?", switch, new + case.recent, run)[0]
+    before, after = _one(
+        con,
+        "SELECT avg(dropped_mass) FILTER (step < ?), avg(dropped_mass) FILTER (step > ?) FROM replay WHERE run_id = ?",
+        switch,
+        new + case.recent,
+        run,
+    )[0]
     assert after > before + 0.2
     assert _one(con, "SELECT correct FROM requests WHERE run_id = ?", run)[0][0] is False
 
 
 #: answer verdicts (full, h2o, local) at each case's own budget
-VERDICTS = {"uniform": (True, False, False), "far_hotspot": (True, True, False),
-            "hotspot_switch": (True, False, False), "delayed_reference": (True, False, False),
-            "gqa_split": (True, False, False)}
+VERDICTS = {
+    "uniform": (True, False, False),
+    "far_hotspot": (True, True, False),
+    "hotspot_switch": (True, False, False),
+    "delayed_reference": (True, False, False),
+    "gqa_split": (True, False, False),
+}
 
 
 def test_case_verdicts_and_divergence_only_at_the_answer_step(case_runs):
     _, con = case_runs
     for case in policy_cases(0):
-        runs = [f"{case.name}-{p}-sum-h{case.heavy}r{case.recent}".replace("_", "-")
-                for p in ("full", "h2o", "local")]
+        runs = [f"{case.name}-{p}-sum-h{case.heavy}r{case.recent}".replace("_", "-") for p in ("full", "h2o", "local")]
         got = tuple(_one(con, "SELECT correct FROM requests WHERE run_id = ?", r)[0][0] for r in runs)
         assert got == VERDICTS[case.name], case.name
         for run, ok in zip(runs, got):
@@ -149,8 +171,10 @@ def test_gqa_split_sum_and_max_keep_different_sets(case_runs):
     assert set(favourites) <= set(sets["max"][-1])
     assert case.marks["answer_position"] not in sets["sum"][-1]  # the answer needs what sum dropped
     # the same difference is in the written runs
-    gone = {g: {p for (p,) in _one(con, "SELECT position FROM evictions WHERE run_id = ?",
-                                   f"gqa-split-h2o-{g}-h3r4")} for g in ("sum", "max")}
+    gone = {
+        g: {p for (p,) in _one(con, "SELECT position FROM evictions WHERE run_id = ?", f"gqa-split-h2o-{g}-h3r4")}
+        for g in ("sum", "max")
+    }
     assert shared in gone["max"] and shared not in gone["sum"]
 
 
@@ -164,22 +188,37 @@ def test_written_case_runs_read_back_with_row_counts(case_runs):
         n, p = case.n, case.prompt_len
         b = case.heavy + case.recent
         run = f"{case.name}-h2o-sum-h{case.heavy}r{case.recent}".replace("_", "-")
-        counts = {t: _one(con, f"SELECT count(*) FROM {t} WHERE run_id = ?", run)[0][0]
-                  for t in ("tokens", "evictions", "steps", "replay", "replay_steps", "run_logits", "requests")}
-        assert counts == {"tokens": n + 1, "evictions": (p - b) + (n - p), "steps": n - p + 1,
-                          "replay": (n - p + 1) * case.q_heads, "replay_steps": n - p + 1,
-                          "run_logits": n - p + 1, "requests": 1}
-        labelled = _one(con, "SELECT evidence, list(position ORDER BY position) FROM tokens "
-                        "WHERE run_id = ? AND evidence IS NOT NULL GROUP BY 1", run)
+        counts = {
+            t: _one(con, f"SELECT count(*) FROM {t} WHERE run_id = ?", run)[0][0]
+            for t in ("tokens", "evictions", "steps", "replay", "replay_steps", "run_logits", "requests")
+        }
+        assert counts == {
+            "tokens": n + 1,
+            "evictions": (p - b) + (n - p),
+            "steps": n - p + 1,
+            "replay": (n - p + 1) * case.q_heads,
+            "replay_steps": n - p + 1,
+            "run_logits": n - p + 1,
+            "requests": 1,
+        }
+        labelled = _one(
+            con,
+            "SELECT evidence, list(position ORDER BY position) FROM tokens "
+            "WHERE run_id = ? AND evidence IS NOT NULL GROUP BY 1",
+            run,
+        )
         assert {k: tuple(v) for k, v in labelled} == case.evidence
         full = f"{case.name}-full-sum-h{case.heavy}r{case.recent}".replace("_", "-")
         assert _one(con, "SELECT max(dropped_mass) FROM replay WHERE run_id = ?", full)[0][0] == 0.0
-        assert _one(con, "SELECT max(kl), bool_and(top1_agree) FROM replay_steps WHERE run_id = ?", full)[0] \
-            == (0.0, True)
+        assert _one(con, "SELECT max(kl), bool_and(top1_agree) FROM replay_steps WHERE run_id = ?", full)[0] == (
+            0.0,
+            True,
+        )
         assert _one(con, "SELECT count(*) FROM evictions WHERE run_id = ?", full)[0][0] == 0
     # steps carry the recorder's facts: the exiting position and the kept count
-    rows = _one(con, "SELECT step, exiting_position, kept FROM steps WHERE run_id = 'uniform-h2o-sum-h4r4' "
-                "ORDER BY step")
+    rows = _one(
+        con, "SELECT step, exiting_position, kept FROM steps WHERE run_id = 'uniform-h2o-sum-h4r4' ORDER BY step"
+    )
     assert rows[0][1] is None and all(e == s - 4 and k == 8 for s, e, k in rows[1:])
 
 
@@ -203,6 +242,7 @@ def test_baselines_and_multi_head_stacks_write_valid_runs(tmp_path, policy):
 
 
 # -- real-model tasks ------------------------------------------------------------------------------
+
 
 def test_suite_is_deterministic_and_seeded():
     a, b = suite(0), suite(0)
@@ -289,9 +329,10 @@ def test_full_cache_answers_and_a_small_recent_window_does_not(smol):
     b = round(0.1 * p)
     answers = []
     for config in (None, H2OConfig(policy="local", heavy=b // 2, recent=b - b // 2)):
-        with torch.no_grad(), (h2o(model, config) if config else contextlib.nullcontext()):
-            ids = model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)
+        with torch.no_grad(), h2o(model, config) if config else contextlib.nullcontext():
+            ids = model.generate(
+                **enc, max_new_tokens=task.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+            )
         answers.append(tok.decode(ids[0, p:], skip_special_tokens=True))
     assert task.check(answers[0]), answers[0]
     assert not task.check(answers[1]), answers[1]
@@ -308,14 +349,23 @@ def test_case_attributions_name_the_designed_cause(case_runs):
         found = analyses.attribute(con, run)
         got[run] = found[0].verdict if found else "ok"
     assert got == {
-        "delayed-reference-full-sum-h4r4": "ok", "delayed-reference-h2o-sum-h4r4": "scoring_lag",
+        "delayed-reference-full-sum-h4r4": "ok",
+        "delayed-reference-h2o-sum-h4r4": "scoring_lag",
         "delayed-reference-local-sum-h4r4": "budget",
-        "far-hotspot-full-sum-h4r4": "ok", "far-hotspot-h2o-sum-h4r4": "ok", "far-hotspot-local-sum-h4r4": "budget",
-        "gqa-split-full-sum-h3r4": "ok", "gqa-split-h2o-max-h3r4": "ok", "gqa-split-h2o-sum-h3r4": "budget",
+        "far-hotspot-full-sum-h4r4": "ok",
+        "far-hotspot-h2o-sum-h4r4": "ok",
+        "far-hotspot-local-sum-h4r4": "budget",
+        "gqa-split-full-sum-h3r4": "ok",
+        "gqa-split-h2o-max-h3r4": "ok",
+        "gqa-split-h2o-sum-h3r4": "budget",
         "gqa-split-local-sum-h3r4": "budget",
-        "hotspot-switch-full-sum-h3r4": "ok", "hotspot-switch-h2o-sum-h3r4": "scoring_lag",
+        "hotspot-switch-full-sum-h3r4": "ok",
+        "hotspot-switch-h2o-sum-h3r4": "scoring_lag",
         "hotspot-switch-local-sum-h3r4": "budget",
-        "uniform-full-sum-h4r4": "ok", "uniform-h2o-sum-h4r4": "budget", "uniform-local-sum-h4r4": "budget"}
+        "uniform-full-sum-h4r4": "ok",
+        "uniform-h2o-sum-h4r4": "budget",
+        "uniform-local-sum-h4r4": "budget",
+    }
     # the local window's lost evidence is reported with the reason it is not a scoring lag
     (local,) = analyses.attribute(con, "delayed-reference-local-sum-h4r4")
     lag = next(f for f in local.facts if f.kind == "lag_eviction_share")
@@ -332,12 +382,18 @@ def test_shipped_sample_cases_match_the_generators(tmp_path):
     runs = [r for (r,) in con.sql("SELECT run_id FROM runs WHERE model LIKE 'synthetic/%'").fetchall()]
     assert len(runs) >= len(CASES)
     for run in runs:
-        name, policy, gqa = next((c.name, *run[len(c.name) + 1:].split("-")[:2]) for c in policy_cases(0)
-                                 if run.startswith(c.name.replace("_", "-") + "-"))
+        name, policy, gqa = next(
+            (c.name, *run[len(c.name) + 1 :].split("-")[:2])
+            for c in policy_cases(0)
+            if run.startswith(c.name.replace("_", "-") + "-")
+        )
         write_policy_case(tmp_path, policy_case(name), policy=policy, gqa=gqa, run_id=run)
     fresh = open_runs(tmp_path, warn=False)
-    for table, cols in (("evictions", "step, layer, kv_head, position"), ("replay_steps", "step, top1_agree"),
-                        ("requests", "request, correct")):
+    for table, cols in (
+        ("evictions", "step, layer, kv_head, position"),
+        ("replay_steps", "step, top1_agree"),
+        ("requests", "request, correct"),
+    ):
         for run in runs:
             sql = f"SELECT {cols} FROM {table} WHERE run_id = ? ORDER BY ALL"
             assert _one(con, sql, run) == _one(fresh, sql, run), (table, run)

@@ -13,6 +13,7 @@ case that stops exercising the tie rule fails instead of passing vacuously.
 The rows are chosen step by step with the oracle's current kept set in hand,
 so that the weights over the decode candidates stay dyadic too.
 """
+
 from __future__ import annotations
 
 import random
@@ -49,8 +50,7 @@ def _row(rng: random.Random, visible: list[int], n: int) -> tuple[np.ndarray, di
     return logits, {i: (Fraction(1, len(hot)) if i in hot else Fraction(0)) for i in visible}
 
 
-def _group_rows(rng: random.Random, logits: np.ndarray, t: int, visible: list[int],
-                gqa: str) -> dict[int, Fraction]:
+def _group_rows(rng: random.Random, logits: np.ndarray, t: int, visible: list[int], gqa: str) -> dict[int, Fraction]:
     """Fill row ``t`` of every head in place; return the aggregated exact weights.
 
     Half the time all heads share one row (heads that agree keep ties in the sums)."""
@@ -152,8 +152,16 @@ def test_reference_prefill_tie_keeps_the_newer_by_hand():
 
 # -- the torch path (the runtime without Triton) -----------------------------------------------
 
-def _torch_path(logits_per_set: np.ndarray, prefill: int, heavy: int, recent: int, gqa: str,
-                dtype: torch.dtype, kernel: bool = False) -> list[list[list[int]]]:
+
+def _torch_path(
+    logits_per_set: np.ndarray,
+    prefill: int,
+    heavy: int,
+    recent: int,
+    gqa: str,
+    dtype: torch.dtype,
+    kernel: bool = False,
+) -> list[list[list[int]]]:
     """Kept sets per step and KV set from ``ops.prefill_attention/prefill_select/decode_step``.
 
     ``logits_per_set (Hs, G, N, N)`` are realised exactly as ``q_t · k_i`` with one-hot keys
@@ -167,8 +175,7 @@ def _torch_path(logits_per_set: np.ndarray, prefill: int, heavy: int, recent: in
     k = torch.eye(n, dtype=dtype)[None, None].expand(1, hs, n, n).contiguous()
     v = torch.randn(1, hs, n, n, generator=torch.Generator().manual_seed(n), dtype=dtype)
     valid = torch.ones(1, prefill, dtype=torch.bool)  # the exact (softmax) prefill path
-    _, scores = ops.prefill_attention(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], valid,
-                                      1.0, gqa, chunk=3)
+    _, scores = ops.prefill_attention(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], valid, 1.0, gqa, chunk=3)
     pos = torch.arange(prefill, dtype=torch.int32)[None, None].expand(1, hs, prefill)
     keep = ops.prefill_select(scores, pos, args)  # (1, Hs, P)
     history = [[sorted(pos[0, s][keep[0, s]].tolist()) for s in range(hs)]]
@@ -184,13 +191,24 @@ def _torch_path(logits_per_set: np.ndarray, prefill: int, heavy: int, recent: in
     dev = torch.device("cuda" if kernel and torch.cuda.is_available() else "cpu")
     if kernel:
         from h2o_lens.kernels import decode_step_triton as step_fn
+
         q, k, v, keys, values, sc, slots, fill = (x.to(dev) for x in (q, k, v, keys, values, sc, slots, fill))
     else:
         step_fn = ops.decode_step
     for t in range(prefill, n):
-        step_fn(q[:, :, t].contiguous(), k[:, :, t].contiguous(), v[:, :, t].contiguous(), keys, values, sc,
-                slots, step=torch.tensor([t], dtype=torch.int32, device=dev),
-                fill=fill if fill.item() < cap else None, scaling=1.0, args=args)
+        step_fn(
+            q[:, :, t].contiguous(),
+            k[:, :, t].contiguous(),
+            v[:, :, t].contiguous(),
+            keys,
+            values,
+            sc,
+            slots,
+            step=torch.tensor([t], dtype=torch.int32, device=dev),
+            fill=fill if fill.item() < cap else None,
+            scaling=1.0,
+            args=args,
+        )
         fill = (fill + 1).clamp(max=cap)
         history.append([sorted(p for p in slots[0, s].tolist() if p >= 0) for s in range(hs)])
     return history
@@ -235,9 +253,19 @@ def test_torch_decode_tie_evicts_the_older_whatever_the_slot_order():
         scores = torch.tensor([[[2.0 if p >= 5 else 1.0 for p in order]]])  # 5, 6 recent anyway
         keys = torch.zeros(1, 1, 6, 4)
         values = torch.randn(1, 1, 6, 4, generator=torch.Generator().manual_seed(0))
-        res = ops.decode_step(torch.zeros(1, 2, 4), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), keys, values,
-                              scores, positions, torch.tensor([7], dtype=torch.int32), None, 1.0,
-                              ops.PolicyArgs("h2o", 4, 2, 0, "sum"))
+        res = ops.decode_step(
+            torch.zeros(1, 2, 4),
+            torch.zeros(1, 1, 4),
+            torch.zeros(1, 1, 4),
+            keys,
+            values,
+            scores,
+            positions,
+            torch.tensor([7], dtype=torch.int32),
+            None,
+            1.0,
+            ops.PolicyArgs("h2o", 4, 2, 0, "sum"),
+        )
         assert order[res.slot.item()] == 0, order  # positions 0, 1, 3, 4 tie; 0 is the oldest
         assert sorted(positions[0, 0].tolist()) == [1, 3, 4, 5, 6, 7]
 
@@ -261,6 +289,7 @@ def test_decode_kernel_tie_rules_on_discrete_logits(gqa):
 
 
 # -- the policy contract on batched inputs (leading dims), row by row against brute force ------
+
 
 def test_aggregate_heads_with_leading_dims_equals_per_group_brute_force():
     from h2o_lens import policy
@@ -304,9 +333,15 @@ def test_eligible_mask_by_hand():
 
     pos = torch.tensor([[0, 1, 5, 6, -1], [3, 0, 2, 7, 4]])
     step = torch.tensor([[7], [8]])
-    assert policy.eligible_mask(pos, step, recent=2).tolist() == [[True, True, True, False, False],
-                                                                  [True, True, True, False, True]]
-    assert policy.eligible_mask(pos, 7, recent=0, sink=2).tolist() == [[False, False, True, True, False],
-                                                                      [True, False, True, True, True]]
-    assert policy.eligible_mask(pos, 7, recent=2, sink=2).tolist() == [[False, False, True, False, False],
-                                                                      [True, False, True, False, True]]
+    assert policy.eligible_mask(pos, step, recent=2).tolist() == [
+        [True, True, True, False, False],
+        [True, True, True, False, True],
+    ]
+    assert policy.eligible_mask(pos, 7, recent=0, sink=2).tolist() == [
+        [False, False, True, True, False],
+        [True, False, True, True, True],
+    ]
+    assert policy.eligible_mask(pos, 7, recent=2, sink=2).tolist() == [
+        [False, False, True, False, False],
+        [True, False, True, False, True],
+    ]

@@ -1,4 +1,5 @@
 """Tiny random-initialised causal LMs of each supported family (no downloads)."""
+
 from __future__ import annotations
 
 import torch
@@ -6,14 +7,30 @@ import torch
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
 
-def tiny_model(family: str = "llama", *, layers: int = 2, q_heads: int = 4, kv_heads: int = 2,
-               head_dim: int = 16, vocab: int = 256, seed: int = 0, attn: str = "sdpa"):
+def tiny_model(
+    family: str = "llama",
+    *,
+    layers: int = 2,
+    q_heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    vocab: int = 256,
+    seed: int = 0,
+    attn: str = "sdpa",
+):
     """A random model of ``family`` with real GQA, RoPE and the family's attention code."""
     import transformers as tf
 
-    common = dict(vocab_size=vocab, hidden_size=q_heads * head_dim, intermediate_size=2 * q_heads * head_dim,
-                  num_hidden_layers=layers, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
-                  max_position_embeddings=1024, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=q_heads * head_dim,
+        intermediate_size=2 * q_heads * head_dim,
+        num_hidden_layers=layers,
+        num_attention_heads=q_heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
     if family == "llama":
         cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
     elif family == "qwen2":

@@ -12,4 +12,3 @@ PAGES = (
     ("report", "Report", ":material/description:", "Attribution and report downloads"),
     ("sql", "SQL", ":material/terminal:", "Read-only SQL console over the views"),
 )
-

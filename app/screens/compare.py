@@ -1,4 +1,5 @@
 """Compare: two runs on the same tokens side by side (curves, kept-set overlap, free generation)."""
+
 from __future__ import annotations
 
 import streamlit as st
@@ -7,9 +8,16 @@ from app import charts, common, data, state
 from app.plain import code, md
 
 PAGE = "compare"
-_METRICS = (("policy", "policy", None), ("heavy", "heavy", None), ("recent", "recent", None),
-            ("gqa", "GQA", None), ("kl_mean", "KL mean", ".4g"), ("top1_agreement", "top-1", ".1%"),
-            ("dropped_mass_mean", "dropped mass", ".4g"), ("evictions", "evictions", None))
+_METRICS = (
+    ("policy", "policy", None),
+    ("heavy", "heavy", None),
+    ("recent", "recent", None),
+    ("gqa", "GQA", None),
+    ("kl_mean", "KL mean", ".4g"),
+    ("top1_agreement", "top-1", ".1%"),
+    ("dropped_mass_mean", "dropped mass", ".4g"),
+    ("evictions", "evictions", None),
+)
 
 
 def _default_other(runs, row) -> str | None:
@@ -23,10 +31,16 @@ def _side_by_side(a: dict, b: dict) -> None:
     cols = st.columns(2)
     for col, r in zip(cols, (a, b)):
         with col.container(border=True):
-            st.markdown(f"**{code(r['run_id'])}** · {md(r['status'])}"
-                        + ("" if r.get("integrity") in (None, "ok") else " · :red[damaged or incomplete data]"))
-            st.markdown(" · ".join(f"{label} **{md(common.fmt(r.get(k), spec) if spec else common.fmt(r.get(k)))}**"
-                                   for k, label, spec in _METRICS))
+            st.markdown(
+                f"**{code(r['run_id'])}** · {md(r['status'])}"
+                + ("" if r.get("integrity") in (None, "ok") else " · :red[damaged or incomplete data]")
+            )
+            st.markdown(
+                " · ".join(
+                    f"{label} **{md(common.fmt(r.get(k), spec) if spec else common.fmt(r.get(k)))}**"
+                    for k, label, spec in _METRICS
+                )
+            )
 
 
 def render() -> None:
@@ -39,13 +53,21 @@ def render() -> None:
     runs = data.runs(root)
     default = _default_other(runs, row)
     if default is None:
-        st.info("Only one run under this root: record another (e.g. `--with-full` or `--teacher-force RUN`) "
-                "to compare.", icon=":material/info:")
+        st.info(
+            "Only one run under this root: record another (e.g. `--with-full` or `--teacher-force RUN`) to compare.",
+            icon=":material/info:",
+        )
         state.publish(PAGE)
         return
     options = [r for r in runs["run_id"] if r != run]
-    other = state.select("Compare with", options, "other", page=PAGE, default=default,
-                         help="Runs linked through runs.source_run come first by default")
+    other = state.select(
+        "Compare with",
+        options,
+        "other",
+        page=PAGE,
+        default=default,
+        help="Runs linked through runs.source_run come first by default",
+    )
     b = runs[runs["run_id"] == other].iloc[0].to_dict()
     _side_by_side(row, b)
     free = None
@@ -54,8 +76,11 @@ def render() -> None:
         if free is not None and len(free):
             mism = int(free["prompt_mismatches"].sum())
             if mism:
-                st.warning(f"The two runs do not share their prompt ({mism} prompt tokens differ): the curves "
-                           "and kept sets below compare different inputs.", icon=":material/warning:")
+                st.warning(
+                    f"The two runs do not share their prompt ({mism} prompt tokens differ): the curves "
+                    "and kept sets below compare different inputs.",
+                    icon=":material/warning:",
+                )
     with state.guard("the curves", run):
         frames = [(r, data.replay_series(root, r), data.dropped_mass_series(root, r)) for r in (run, other)]
         if all(s.empty and d.empty for _, s, d in frames):
@@ -70,21 +95,44 @@ def render() -> None:
         if by_step.empty:
             st.info("The runs share no logged steps, so their kept sets cannot be compared.")
         else:
-            st.caption("Jaccard of the two runs' candidate sets at each step, per layer and KV head "
-                       "(1 = the same positions kept).")
+            st.caption(
+                "Jaccard of the two runs' candidate sets at each step, per layer and KV head "
+                "(1 = the same positions kept)."
+            )
             c1, c2 = st.columns(2)
-            c1.plotly_chart(charts.lines(by_step, x="step", ys=[("mean", "mean over KV sets"),
-                                                                ("min", "worst KV set")],
-                                         title="Kept-set Jaccard over steps", y_title="Jaccard",
-                                         y_range=(0, 1.02)), key="compare_jaccard")
-            c2.plotly_chart(charts.heatmap(by_set, x="kv_head", y="layer", z="mean", x_title="KV head",
-                                           title="Mean Jaccard per KV set", colorbar="Jaccard", zmin=0.0, zmax=1.0,
-                                           colorscale="Blues"), key="compare_jaccard_map")
+            c1.plotly_chart(
+                charts.lines(
+                    by_step,
+                    x="step",
+                    ys=[("mean", "mean over KV sets"), ("min", "worst KV set")],
+                    title="Kept-set Jaccard over steps",
+                    y_title="Jaccard",
+                    y_range=(0, 1.02),
+                ),
+                key="compare_jaccard",
+            )
+            c2.plotly_chart(
+                charts.heatmap(
+                    by_set,
+                    x="kv_head",
+                    y="layer",
+                    z="mean",
+                    x_title="KV head",
+                    title="Mean Jaccard per KV set",
+                    colorbar="Jaccard",
+                    zmin=0.0,
+                    zmax=1.0,
+                    colorscale="Blues",
+                ),
+                key="compare_jaccard_map",
+            )
     with state.guard("the free generation", run):
         if free is not None and len(free):
             st.subheader("Generated tokens")
-            st.caption("Share of generated positions where both runs produced the same token, and the first "
-                       "position where they differ.")
+            st.caption(
+                "Share of generated positions where both runs produced the same token, and the first "
+                "position where they differ."
+            )
             st.dataframe(free, hide_index=True)
     state.publish(PAGE, ["other"])
 

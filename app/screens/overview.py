@@ -1,4 +1,5 @@
 """Overview: KL, top-1 agreement and dropped mass over steps, first divergence, verdicts."""
+
 from __future__ import annotations
 
 import streamlit as st
@@ -13,8 +14,9 @@ _DIVERGENCE = {
     "top1_agreement": st.column_config.NumberColumn("top-1", format="percent"),
     "first_divergence_step": st.column_config.NumberColumn("first divergence"),
     "kl_at_divergence": st.column_config.NumberColumn("KL there", format="%.4g"),
-    "teacher_nll_mean": st.column_config.NumberColumn("teacher NLL", format="%.4g",
-                                                      help="mean −log p_teacher(run's token)"),
+    "teacher_nll_mean": st.column_config.NumberColumn(
+        "teacher NLL", format="%.4g", help="mean −log p_teacher(run's token)"
+    ),
 }
 
 
@@ -22,16 +24,24 @@ def _headline(row: dict, div) -> int | None:
     first = div["first_divergence_step"].dropna()
     first_step = int(first.min()) if len(first) else None
     correct = f"{int(row['correct'])}/{int(row['checked'])}" if row.get("checked") else "–"
-    common.metric_row([
-        ("KL mean", common.fmt(row.get("kl_mean")), "mean KL(teacher ‖ run) over steps, nats"),
-        ("Top-1 agreement", common.fmt(row.get("top1_agreement"), ".1%"),
-         "share of steps where the run's most likely token is the teacher's"),
-        ("Dropped mass", common.fmt(row.get("dropped_mass_mean")),
-         "mean teacher attention on positions the cache had evicted (0 = nothing lost)"),
-        ("Evictions", common.fmt(int(row.get("evictions") or 0)), "eviction rows over all layers and heads"),
-        ("First divergence", common.fmt(first_step), "first step whose top-1 token differs from the teacher's"),
-        ("Correct", correct, "requests the answer checker accepted"),
-    ])
+    common.metric_row(
+        [
+            ("KL mean", common.fmt(row.get("kl_mean")), "mean KL(teacher ‖ run) over steps, nats"),
+            (
+                "Top-1 agreement",
+                common.fmt(row.get("top1_agreement"), ".1%"),
+                "share of steps where the run's most likely token is the teacher's",
+            ),
+            (
+                "Dropped mass",
+                common.fmt(row.get("dropped_mass_mean")),
+                "mean teacher attention on positions the cache had evicted (0 = nothing lost)",
+            ),
+            ("Evictions", common.fmt(int(row.get("evictions") or 0)), "eviction rows over all layers and heads"),
+            ("First divergence", common.fmt(first_step), "first step whose top-1 token differs from the teacher's"),
+            ("Correct", correct, "requests the answer checker accepted"),
+        ]
+    )
     return first_step
 
 
@@ -50,13 +60,23 @@ def render() -> None:
             shape = data.run_shape(root, run)
         first_step = _headline(row, div)
         if series.empty and dropped.empty:
-            common.no_data(row, "replay_steps", "This run has no teacher replay, so KL, agreement and dropped "
-                           f"mass are unknown. Replay it against a full-cache teacher: `h2o-lens replay {run}`.")
+            common.no_data(
+                row,
+                "replay_steps",
+                "This run has no teacher replay, so KL, agreement and dropped "
+                f"mass are unknown. Replay it against a full-cache teacher: `h2o-lens replay {run}`.",
+            )
         else:
             lo, hi = shape["first_step"], shape["last_step"]
-            step = state.slider("Inspect step", lo, hi, "step", page=PAGE,
-                                default=first_step if first_step is not None else hi,
-                                help="Marks a step on the curves; the Tokens page shows the cache then")
+            step = state.slider(
+                "Inspect step",
+                lo,
+                hi,
+                "step",
+                page=PAGE,
+                default=first_step if first_step is not None else hi,
+                help="Marks a step on the curves; the Tokens page shows the cache then",
+            )
             fig = charts.divergence_figure(series, dropped)
             charts.mark_step(fig, first_step, "first divergence", charts.PALETTE[1], rows=3)
             if step != first_step:
@@ -65,8 +85,10 @@ def render() -> None:
             if len(div) > 1:
                 st.dataframe(div, hide_index=True, column_config=_DIVERGENCE)
     st.subheader("Verdict and attribution")
-    st.caption("Each failed request gets one verdict (`analyses.attribute`): budget, scoring lag, "
-               "not the cache, or implementation error, with the facts that decided it.")
+    st.caption(
+        "Each failed request gets one verdict (`analyses.attribute`): budget, scoring lag, "
+        "not the cache, or implementation error, with the facts that decided it."
+    )
     with state.guard("the attribution", run):
         with st.spinner("Attributing failures…"):
             attributions = data.attributions(root, run)

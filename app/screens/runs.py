@@ -1,4 +1,5 @@
 """Runs: every run of the root with its settings and headline numbers; pick one, or two to compare."""
+
 from __future__ import annotations
 
 import streamlit as st
@@ -15,12 +16,13 @@ _COLUMNS = {
     "heavy": st.column_config.NumberColumn("heavy", help="heavy-hitter slots"),
     "recent": st.column_config.NumberColumn("recent", help="recent-window slots"),
     "gqa": st.column_config.TextColumn("GQA", help="aggregation of a query group's weights"),
-    "kl_mean": st.column_config.NumberColumn("KL mean", format="%.4f",
-                                             help="mean KL(teacher ‖ run) per step, nats"),
-    "top1_agreement": st.column_config.NumberColumn("top-1", format="percent",
-                                                    help="share of steps where run and teacher agree"),
+    "kl_mean": st.column_config.NumberColumn("KL mean", format="%.4f", help="mean KL(teacher ‖ run) per step, nats"),
+    "top1_agreement": st.column_config.NumberColumn(
+        "top-1", format="percent", help="share of steps where run and teacher agree"
+    ),
     "dropped_mass_mean": st.column_config.NumberColumn(
-        "dropped mass", format="%.4f", help="mean teacher attention on evicted positions"),
+        "dropped mass", format="%.4f", help="mean teacher attention on evicted positions"
+    ),
     "evictions": st.column_config.NumberColumn("evictions", format="localized"),
     "correct": st.column_config.TextColumn("correct", help="requests the answer checker accepted"),
     "prompt_len": st.column_config.NumberColumn("prompt", help="prompt tokens"),
@@ -29,8 +31,10 @@ _COLUMNS = {
     "source_run": st.column_config.TextColumn("paired with", help="runs.source_run"),
     "created_at": st.column_config.DatetimeColumn("started (UTC)", format="YYYY-MM-DD HH:mm"),
     "integrity": st.column_config.TextColumn(
-        "integrity", help="'ok' when every file was read in full and matches the manifest's row counts; "
-                          "otherwise what is wrong, and the run's numbers may be incomplete"),
+        "integrity",
+        help="'ok' when every file was read in full and matches the manifest's row counts; "
+        "otherwise what is wrong, and the run's numbers may be incomplete",
+    ),
 }
 
 
@@ -59,23 +63,44 @@ def render() -> None:
             state.publish(PAGE)
             return
         if len(problems):
-            st.warning(f"**{len(problems)} problem(s) with the runs' data**: unreadable files are left out, "
-                       "and the runs concerned are marked in the integrity column (the rest of each run is "
-                       f"shown):\n{common.problem_lines(problems)}", icon=":material/warning:")
-    st.caption(f"{len(runs)} run(s) under {code(root.path)}, newest first. Select a row to open that run; "
-               "select two rows to compare them.")
+            st.warning(
+                f"**{len(problems)} problem(s) with the runs' data**: unreadable files are left out, "
+                "and the runs concerned are marked in the integrity column (the rest of each run is "
+                f"shown):\n{common.problem_lines(problems)}",
+                icon=":material/warning:",
+            )
+    st.caption(
+        f"{len(runs)} run(s) under {code(root.path)}, newest first. Select a row to open that run; "
+        "select two rows to compare them."
+    )
     table = runs.copy()
-    table["correct"] = [f"{int(c)}/{int(n)}" if n else None for c, n in zip(table["correct"].fillna(0),
-                                                                           table["checked"])]
+    table["correct"] = [
+        f"{int(c)}/{int(n)}" if n else None for c, n in zip(table["correct"].fillna(0), table["checked"])
+    ]
     table = table[list(_COLUMNS)]
     run_ids = table["run_id"].tolist()
-    st.dataframe(table, column_config=_COLUMNS, hide_index=True, on_select=lambda: _pick(run_ids),
-                 selection_mode="multi-row", key="runs_table", height=min(600, 38 + 35 * len(table)))
+    st.dataframe(
+        table,
+        column_config=_COLUMNS,
+        hide_index=True,
+        on_select=lambda: _pick(run_ids),
+        selection_mode="multi-row",
+        key="runs_table",
+        height=min(600, 38 + 35 * len(table)),
+    )
     run, other = state.remembered("run"), state.remembered("other")
     st.markdown(f"**Selected run:** {code(run)}" + (f" · **compared with:** {code(other)}" if other else ""))
     cols = st.columns(5)
-    for col, (key, label) in zip(cols, (("overview", "Overview"), ("tokens", "Tokens"), ("heads", "Heads"),
-                                        ("report", "Report"), ("compare", "Compare"))):
+    for col, (key, label) in zip(
+        cols,
+        (
+            ("overview", "Overview"),
+            ("tokens", "Tokens"),
+            ("heads", "Heads"),
+            ("report", "Report"),
+            ("compare", "Compare"),
+        ),
+    ):
         col.page_link(f"screens/{key}.py", label=f"Open {label}", icon=":material/arrow_forward:")
     state.publish(PAGE)
 

@@ -1,4 +1,5 @@
 """SQL: a sandboxed, read-only console over the views, with each view's schema beside it."""
+
 from __future__ import annotations
 
 import pandas as pd
@@ -21,9 +22,14 @@ def _schemas(root: state.Root) -> None:
         for view in first + sorted(v for v in schemas if v not in _ORDER):
             cols = schemas[view]
             with st.expander(f"`{view}` ({len(cols)} columns)"):
-                st.dataframe(pd.DataFrame(cols), hide_index=True, column_config={
-                    "name": st.column_config.TextColumn("column"),
-                    "doc": st.column_config.TextColumn("meaning", width="large")})
+                st.dataframe(
+                    pd.DataFrame(cols),
+                    hide_index=True,
+                    column_config={
+                        "name": st.column_config.TextColumn("column"),
+                        "doc": st.column_config.TextColumn("meaning", width="large"),
+                    },
+                )
 
 
 def _console(root: state.Root, run: str | None) -> None:
@@ -38,14 +44,18 @@ def _console(root: state.Root, run: str | None) -> None:
         c1, c2 = st.columns([1, 3], vertical_alignment="bottom")
         max_rows = c1.number_input("Rows at most", 1, state.MAX_ROWS, 1_000, step=500, key="w_sql_rows")
         run_it = c2.form_submit_button("Run query", type="primary", icon=":material/play_arrow:")
-    st.caption(f"Read-only: one SELECT (or WITH … SELECT) over the views; files outside the runs root are "
-               f"out of reach; a query stops after {TIMEOUT_S:g} s, within 1 GB of memory and 2 threads, "
-               f"and returns at most {state.MAX_ROWS:,} rows and 64 MB (a larger result is refused, not cut).")
+    st.caption(
+        f"Read-only: one SELECT (or WITH … SELECT) over the views; files outside the runs root are "
+        f"out of reach; a query stops after {TIMEOUT_S:g} s, within 1 GB of memory and 2 threads, "
+        f"and returns at most {state.MAX_ROWS:,} rows and 64 MB (a larger result is refused, not cut)."
+    )
     if run_it:
         try:
             with st.spinner("Running…"):
-                st.session_state["_sql_result"] = (sql, analyses.run_sql(
-                    root.path, sql, max_rows=int(max_rows), timeout_s=TIMEOUT_S))
+                st.session_state["_sql_result"] = (
+                    sql,
+                    analyses.run_sql(root.path, sql, max_rows=int(max_rows), timeout_s=TIMEOUT_S),
+                )
         except (analyses.SQLSandboxError, analyses.ParameterError) as exc:
             st.session_state.pop("_sql_result", None)
             st.error(str(exc), icon=":material/block:")

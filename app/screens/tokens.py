@@ -1,4 +1,5 @@
 """Tokens: the prompt and the generation, each token coloured by when the cache evicted it."""
+
 from __future__ import annotations
 
 import streamlit as st
@@ -14,32 +15,48 @@ _MODES = {"step": "Eviction step in one KV set", "share": "Share of KV sets that
 def _controls(shape: dict) -> dict:
     top = st.columns([2, 3], gap="large")
     out: dict = {"request": 0, "layer": None, "kv_head": None, "q_head": None}
-    out["mode"] = top[0].radio("Colour by", list(_MODES), format_func=_MODES.get, key="w_tokens_mode",
-                               horizontal=True,
-                               help="One KV set: the step it evicted the token. Share: how many of the "
-                                    f"{shape['sets']} KV sets had evicted it")
+    out["mode"] = top[0].radio(
+        "Colour by",
+        list(_MODES),
+        format_func=_MODES.get,
+        key="w_tokens_mode",
+        horizontal=True,
+        help="One KV set: the step it evicted the token. Share: how many of the "
+        f"{shape['sets']} KV sets had evicted it",
+    )
     lo, hi = shape["first_step"], shape["last_step"]
     if lo is None:
         out["at_step"], out["range"] = None, (0, 0)
     else:
-        out["at_step"] = state.slider("Cache at step", lo, hi, "step", page=PAGE, default=hi, container=top[1],
-                                      help="Only evictions at or before this step count; later tokens "
-                                           "are greyed")
+        out["at_step"] = state.slider(
+            "Cache at step",
+            lo,
+            hi,
+            "step",
+            page=PAGE,
+            default=hi,
+            container=top[1],
+            help="Only evictions at or before this step count; later tokens are greyed",
+        )
         out["range"] = (lo, max(out["at_step"], lo + 1))  # colours span the steps up to the chosen one
     out["row"] = st.columns(5)
     c = iter(out["row"])
     if (shape["requests"] or 1) > 1:
-        out["request"] = state.select("Request", list(range(shape["requests"])), "request", page=PAGE,
-                                      cast=int, container=next(c))
+        out["request"] = state.select(
+            "Request", list(range(shape["requests"])), "request", page=PAGE, cast=int, container=next(c)
+        )
     if shape["layers"]:
         step_mode = out["mode"] == "step"
-        out["layer"] = state.select("Layer", shape["layers"], "layer", page=PAGE, cast=int, container=next(c),
-                                    disabled=not step_mode)
-        out["kv_head"] = state.select("KV head", shape["kv_heads"], "head", page=PAGE, cast=int,
-                                      container=next(c), disabled=not step_mode)
+        out["layer"] = state.select(
+            "Layer", shape["layers"], "layer", page=PAGE, cast=int, container=next(c), disabled=not step_mode
+        )
+        out["kv_head"] = state.select(
+            "KV head", shape["kv_heads"], "head", page=PAGE, cast=int, container=next(c), disabled=not step_mode
+        )
         if shape["q_heads"]:
-            out["q_head"] = state.select("Query head", shape["q_heads"], "q_head", page=PAGE, cast=int,
-                                         container=next(c), disabled=not step_mode)
+            out["q_head"] = state.select(
+                "Query head", shape["q_heads"], "q_head", page=PAGE, cast=int, container=next(c), disabled=not step_mode
+            )
     out["free"] = next(c, None) or st.container()
     return out
 
@@ -62,35 +79,52 @@ def render() -> None:
         n_tokens = shape["tokens"] // max(shape["requests"] or 1, 1)
         first = 0
         if n_tokens > WINDOW:
-            first = state.number(f"First position shown (of {n_tokens:,})", 0, n_tokens - 1, "from",
-                                 page=PAGE, default=0, container=st.columns(5)[0],
-                                 help=f"The text shows {WINDOW:,} tokens at a time")
+            first = state.number(
+                f"First position shown (of {n_tokens:,})",
+                0,
+                n_tokens - 1,
+                "from",
+                page=PAGE,
+                default=0,
+                container=st.columns(5)[0],
+                help=f"The text shows {WINDOW:,} tokens at a time",
+            )
             names.append("from")
         last = first + WINDOW - 1
         with st.spinner("Colouring tokens…"):
-            df = data.tokens(root, run, ctl["request"], ctl["layer"], ctl["kv_head"], ctl["q_head"],
-                             ctl["at_step"], first, last)
+            df = data.tokens(
+                root, run, ctl["request"], ctl["layer"], ctl["kv_head"], ctl["q_head"], ctl["at_step"], first, last
+            )
         if df.empty:
             st.info("No tokens in this window.")
             state.publish(PAGE, names)
             return
         positions = df["position"].tolist()
         evidence = df.loc[df["evidence"].notna(), "position"].tolist()
-        token = state.number("Selected token (position)", positions[0], positions[-1], "token", page=PAGE,
-                             default=evidence[0] if evidence else positions[0], container=ctl["free"],
-                             help="Its lifetime across layers and heads is shown below the text")
+        token = state.number(
+            "Selected token (position)",
+            positions[0],
+            positions[-1],
+            "token",
+            page=PAGE,
+            default=evidence[0] if evidence else positions[0],
+            container=ctl["free"],
+            help="Its lifetime across layers and heads is shown below the text",
+        )
         mode = ctl["mode"]
         if mode == "step":
             which = f"layer {ctl['layer']}, KV head {ctl['kv_head']}" + (
-                f", query head {ctl['q_head']}" if ctl["q_head"] is not None else "")
+                f", query head {ctl['q_head']}" if ctl["q_head"] is not None else ""
+            )
             st.markdown(f"Colour: the step **{which}** evicted the token.")
         else:
             st.markdown(f"Colour: the share of the **{shape['sets']} KV sets** that had evicted the token.")
         st.html(textview.legend_html(mode=mode, step_range=ctl["range"]))
-        st.html(textview.token_html(df, mode=mode, step_range=ctl["range"], at_step=ctl["at_step"],
-                                    selected=token))
-        st.caption(f"Positions {positions[0]}–{positions[-1]}; hover a token for its position and eviction. "
-                   "Evidence spans are underlined.")
+        st.html(textview.token_html(df, mode=mode, step_range=ctl["range"], at_step=ctl["at_step"], selected=token))
+        st.caption(
+            f"Positions {positions[0]}–{positions[-1]}; hover a token for its position and eviction. "
+            "Evidence spans are underlined."
+        )
     with state.guard("the token lifetime", run):
         life = data.lifetime(root, run, ctl["request"], token)
         text = df.loc[df["position"] == token, "text"]
@@ -100,13 +134,18 @@ def render() -> None:
             st.info("This run logged no KV sets (no `steps` or `evictions` rows).")
         else:
             kept = int(life["kept"].sum())
-            common.metric_row([
-                ("KV sets that evicted it", f"{len(life) - kept} / {len(life)}", None),
-                ("First eviction step", common.fmt(life["evicted_step"].min()), None),
-                ("Last eviction step", common.fmt(life["evicted_step"].max()), None),
-                ("Median margin at eviction", common.fmt(life["margin"].median(), ".3g"),
-                 "lowest surviving score − the token's score when it was evicted"),
-            ])
+            common.metric_row(
+                [
+                    ("KV sets that evicted it", f"{len(life) - kept} / {len(life)}", None),
+                    ("First eviction step", common.fmt(life["evicted_step"].min()), None),
+                    ("Last eviction step", common.fmt(life["evicted_step"].max()), None),
+                    (
+                        "Median margin at eviction",
+                        common.fmt(life["margin"].median(), ".3g"),
+                        "lowest surviving score − the token's score when it was evicted",
+                    ),
+                ]
+            )
             st.plotly_chart(charts.lifetime_heatmap(life, position=token, text=label), key="tokens_life")
             with st.expander("Evictions of this token, per KV set"):
                 st.dataframe(life[~life["kept"]], hide_index=True)

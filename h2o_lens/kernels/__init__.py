@@ -11,6 +11,7 @@ first access and compile their kernels on first call, so a CPU-only install
 imports this package. On CPU the kernels run under ``TRITON_INTERPRET=1``
 (slow; for tests).
 """
+
 from __future__ import annotations
 
 import functools
@@ -65,12 +66,16 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     if backend != "triton":
         raise ConfigError(f"unknown backend {backend!r}; expected auto, torch or triton")
     if not triton_available():
-        raise ConfigError("backend='triton' but triton does not import here; install it "
-                          "(pip install 'h2o-lens[gpu]') or use backend='auto' or 'torch'")
+        raise ConfigError(
+            "backend='triton' but triton does not import here; install it "
+            "(pip install 'h2o-lens[gpu]') or use backend='auto' or 'torch'"
+        )
     if device.type != "cuda" and not interpret_mode():
-        raise ConfigError(f"backend='triton' needs a CUDA device, got tensors on {device}; use "
-                          "backend='auto' or 'torch' on CPU, or set TRITON_INTERPRET=1 before triton is "
-                          "imported to run the kernels in Triton's (slow) interpreter")
+        raise ConfigError(
+            f"backend='triton' needs a CUDA device, got tensors on {device}; use "
+            "backend='auto' or 'torch' on CPU, or set TRITON_INTERPRET=1 before triton is "
+            "imported to run the kernels in Triton's (slow) interpreter"
+        )
     return "triton"
 
 

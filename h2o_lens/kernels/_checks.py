@@ -1,4 +1,5 @@
 """Input checks and small helpers shared by the kernel launchers (no triton here)."""
+
 from __future__ import annotations
 
 import os
@@ -8,8 +9,17 @@ import torch
 
 from ..errors import H2OLensError
 
-__all__ = ["KernelInputError", "interpret_mode", "check_tensor", "check_device", "next_pow2", "cdiv",
-           "dot_options", "FLOAT_DTYPES", "INT_DTYPES"]
+__all__ = [
+    "KernelInputError",
+    "interpret_mode",
+    "check_tensor",
+    "check_device",
+    "next_pow2",
+    "cdiv",
+    "dot_options",
+    "FLOAT_DTYPES",
+    "INT_DTYPES",
+]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INT_DTYPES = (torch.int32, torch.int64)
@@ -32,8 +42,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def check_tensor(fn: str, name: str, t: torch.Tensor, shape: Sequence[int | None],
-                 dtypes: Iterable[torch.dtype], contiguous: bool = True) -> None:
+def check_tensor(
+    fn: str,
+    name: str,
+    t: torch.Tensor,
+    shape: Sequence[int | None],
+    dtypes: Iterable[torch.dtype],
+    contiguous: bool = True,
+) -> None:
     """Raise :class:`KernelInputError` unless ``t`` has ``shape`` (None = any), a dtype in
     ``dtypes`` and (when ``contiguous``) a contiguous layout. ``fn`` names the caller."""
     if not isinstance(t, torch.Tensor):
@@ -44,11 +60,14 @@ def check_tensor(fn: str, name: str, t: torch.Tensor, shape: Sequence[int | None
     dtypes = tuple(dtypes)
     if t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise KernelInputError(f"{fn}: {name} has dtype {str(t.dtype).replace('torch.', '')}, "
-                               f"expected one of {names}; convert it with .to(...)")
+        raise KernelInputError(
+            f"{fn}: {name} has dtype {str(t.dtype).replace('torch.', '')}, "
+            f"expected one of {names}; convert it with .to(...)"
+        )
     if contiguous and not t.is_contiguous():
-        raise KernelInputError(f"{fn}: {name} of shape {tuple(t.shape)} is not contiguous "
-                               f"(strides {t.stride()}); pass {name}.contiguous()")
+        raise KernelInputError(
+            f"{fn}: {name} of shape {tuple(t.shape)} is not contiguous (strides {t.stride()}); pass {name}.contiguous()"
+        )
 
 
 def check_device(fn: str, **tensors: torch.Tensor | None) -> torch.device:
@@ -61,7 +80,8 @@ def check_device(fn: str, **tensors: torch.Tensor | None) -> torch.device:
     if first.type != "cuda" and not interpret_mode():
         raise KernelInputError(
             f"{fn}: tensors are on {first}, but Triton kernels need a CUDA device; on CPU set "
-            "TRITON_INTERPRET=1 before triton is imported (slow, for tests) or use backend='torch'")
+            "TRITON_INTERPRET=1 before triton is imported (slow, for tests) or use backend='torch'"
+        )
     return first
 
 

@@ -10,6 +10,7 @@ configurations the runtime uses, so those errors show up in CPU-only CI.
 Triton decides at import whether it interprets, so this must run in a process
 where ``TRITON_INTERPRET`` is unset (``python -m h2o_lens.kernels.aot``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,7 @@ __all__ = ["TARGETS", "Compiled", "launch_configs", "compile_kernels", "main"]
 #: (backend, compute capability, warp size): A100 and H100/H200.
 TARGETS = (("cuda", 80, 32), ("cuda", 90, 32))
 _PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
-_POS_MAX = 2 ** 62
+_POS_MAX = 2**62
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +47,39 @@ def _decode(dtype: torch.dtype, group: int, d: int, cap: int, gqa: str, scored: 
     from .decode import _kernels
 
     t = _PTR[dtype]
-    sig = dict(q_ptr=t, kn_ptr=t, vn_ptr=t, k_ptr=t, v_ptr=t, s_ptr="*fp32", p_ptr="*i32", step_ptr="*i32",
-               fill_ptr="*i32", out_ptr=t, logit_ptr="*fp32", slot_ptr="*i64", evict_ptr="*i1", B="i32",
-               HQ="i32", HEAD_DIM="i32", scale="fp32", recent="i32", sink="i32")
+    sig = dict(
+        q_ptr=t,
+        kn_ptr=t,
+        vn_ptr=t,
+        k_ptr=t,
+        v_ptr=t,
+        s_ptr="*fp32",
+        p_ptr="*i32",
+        step_ptr="*i32",
+        fill_ptr="*i32",
+        out_ptr=t,
+        logit_ptr="*fp32",
+        slot_ptr="*i64",
+        evict_ptr="*i1",
+        B="i32",
+        HQ="i32",
+        HEAD_DIM="i32",
+        scale="fp32",
+        recent="i32",
+        sink="i32",
+    )
     block_n = max(16, min(64 if d > 64 else 128, next_pow2(cap)))  # as decode_step_triton chooses
-    const = dict(G=group, G_PAD=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-                 SCORED=scored, AGG_MAX=gqa == "max", HAS_FILL=fill, POS_MAX=_POS_MAX, **dot_options(dtype))
+    const = dict(
+        G=group,
+        G_PAD=max(16, next_pow2(group)),
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, next_pow2(d)),
+        SCORED=scored,
+        AGG_MAX=gqa == "max",
+        HAS_FILL=fill,
+        POS_MAX=_POS_MAX,
+        **dot_options(dtype),
+    )
     return "decode_step", _kernels(), sig, const
 
 
@@ -64,8 +92,7 @@ def _prefill(dtype: torch.dtype, group: int, d: int, gqa: str, padded: bool, whi
     if which == "col_sums":
         sig["out_ptr"] = "*fp32"
     sig.update(P="i32", HQ="i32", HS="i32", HEAD_DIM="i32", scale2="fp32")
-    const = dict(G=group, BLOCK_M=64, BLOCK_N=64, BLOCK_D=max(16, next_pow2(d)), HAS_VALID=padded,
-                 **dot_options(dtype))
+    const = dict(G=group, BLOCK_M=64, BLOCK_N=64, BLOCK_D=max(16, next_pow2(d)), HAS_VALID=padded, **dot_options(dtype))
     if which == "col_sums":
         const["AGG_MAX"] = gqa == "max"
     return f"prefill_{which}", row_lse if which == "row_lse" else col_sums, sig, const
@@ -98,13 +125,21 @@ def launch_configs(level: str = "default") -> list[tuple]:
         raise ValueError(f"level must be quick, default or full, got {level!r}")
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     if level == "quick":
-        return [_decode(bf16, 3, 64, 2048, "sum", True, True), _decode(bf16, 3, 64, 2048, "max", True, False),
-                _decode(bf16, 3, 64, 300, "sum", False, True),
-                _prefill(bf16, 3, 64, "sum", True, "col_sums"), _prefill(bf16, 3, 64, "max", False, "col_sums"),
-                _prefill(bf16, 3, 64, "sum", True, "row_lse"), _replay(bf16, 3, 64), _replay(bf16, 3, 64, "sum"),
-                _decode(fp16, 1, 128, 4096, "sum", True, False), _prefill(fp16, 1, 128, "sum", False, "col_sums"),
-                _prefill(fp16, 1, 128, "sum", False, "row_lse"), _replay(fp16, 1, 128),
-                _decode(fp32, 4, 64, 512, "sum", True, True)]
+        return [
+            _decode(bf16, 3, 64, 2048, "sum", True, True),
+            _decode(bf16, 3, 64, 2048, "max", True, False),
+            _decode(bf16, 3, 64, 300, "sum", False, True),
+            _prefill(bf16, 3, 64, "sum", True, "col_sums"),
+            _prefill(bf16, 3, 64, "max", False, "col_sums"),
+            _prefill(bf16, 3, 64, "sum", True, "row_lse"),
+            _replay(bf16, 3, 64),
+            _replay(bf16, 3, 64, "sum"),
+            _decode(fp16, 1, 128, 4096, "sum", True, False),
+            _prefill(fp16, 1, 128, "sum", False, "col_sums"),
+            _prefill(fp16, 1, 128, "sum", False, "row_lse"),
+            _replay(fp16, 1, 128),
+            _decode(fp32, 4, 64, 512, "sum", True, True),
+        ]
     full = level == "full"
     groups = (1, 3, 4, 8) if full else (1, 3)
     out = []
@@ -123,15 +158,22 @@ def launch_configs(level: str = "default") -> list[tuple]:
     return out
 
 
-def compile_kernels(targets: Sequence[tuple[str, int, int]] = TARGETS, *, level: str = "default",
-                    num_warps: int = 4, progress: bool = False) -> list[Compiled]:
+def compile_kernels(
+    targets: Sequence[tuple[str, int, int]] = TARGETS,
+    *,
+    level: str = "default",
+    num_warps: int = 4,
+    progress: bool = False,
+) -> list[Compiled]:
     """Compile every configuration of :func:`launch_configs` for every target; raise on the first failure.
 
     Returns one :class:`Compiled` per (configuration, target).
     """
     if interpret_mode():
-        raise RuntimeError("TRITON_INTERPRET=1 is set: the kernels would be interpreted, not compiled; "
-                           "run the ahead-of-time check in a process without it")
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 is set: the kernels would be interpreted, not compiled; "
+            "run the ahead-of-time check in a process without it"
+        )
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -148,32 +190,54 @@ def compile_kernels(targets: Sequence[tuple[str, int, int]] = TARGETS, *, level:
             label = f"{sig[next(iter(sig))][1:]}, {label}"
             t0 = time.perf_counter()
             try:
-                cc = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const), target=target,
-                                    options=options.__dict__)
+                cc = triton.compile(
+                    ASTSource(fn=kernel, signature=sig, constexprs=const), target=target, options=options.__dict__
+                )
             except Exception as exc:
-                raise RuntimeError(f"{name} does not compile for {backend_name} sm_{arch} ({label}): "
-                                   f"{type(exc).__name__}: {exc}") from exc
-            done.append(Compiled(name, f"{backend_name}:{arch}", label, int(cc.metadata.shared),
-                                 len(cc.asm.get("cubin", b"")), time.perf_counter() - t0))
+                raise RuntimeError(
+                    f"{name} does not compile for {backend_name} sm_{arch} ({label}): {type(exc).__name__}: {exc}"
+                ) from exc
+            done.append(
+                Compiled(
+                    name,
+                    f"{backend_name}:{arch}",
+                    label,
+                    int(cc.metadata.shared),
+                    len(cc.asm.get("cubin", b"")),
+                    time.perf_counter() - t0,
+                )
+            )
             if progress:
-                print(f"  {name:<22} sm_{arch}  {done[-1].seconds:5.1f} s  shared {done[-1].shared_bytes:>6} B  "
-                      f"{label}", flush=True)
+                print(
+                    f"  {name:<22} sm_{arch}  {done[-1].seconds:5.1f} s  shared {done[-1].shared_bytes:>6} B  {label}",
+                    flush=True,
+                )
     return done
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m h2o_lens.kernels.aot", description=__doc__.split("\n")[0])
-    p.add_argument("--level", choices=["quick", "default", "full"], default="default",
-                   help="how many launch configurations (see launch_configs)")
-    p.add_argument("--target", action="append", default=None,
-                   help="compute capability to compile for, e.g. 90 (repeatable; default 80 and 90)")
+    p.add_argument(
+        "--level",
+        choices=["quick", "default", "full"],
+        default="default",
+        help="how many launch configurations (see launch_configs)",
+    )
+    p.add_argument(
+        "--target",
+        action="append",
+        default=None,
+        help="compute capability to compile for, e.g. 90 (repeatable; default 80 and 90)",
+    )
     args = p.parse_args(argv)
     targets = TARGETS if not args.target else tuple(("cuda", int(t), 32) for t in args.target)
     t0 = time.perf_counter()
     done = compile_kernels(targets, level=args.level, progress=True)
     largest = max(done, key=lambda c: c.shared_bytes)
-    print(f"{len(done)} kernel configurations compiled to cubin in {time.perf_counter() - t0:.0f} s; "
-          f"largest shared memory {largest.shared_bytes} B ({largest.kernel}, {largest.target})")
+    print(
+        f"{len(done)} kernel configurations compiled to cubin in {time.perf_counter() - t0:.0f} s; "
+        f"largest shared memory {largest.shared_bytes} B ({largest.kernel}, {largest.target})"
+    )
     return 0
 
 

@@ -14,6 +14,7 @@ alternate the paths being compared (same process, same data):
 Without a GPU it says so and prints the interpreter-mode correctness summary
 (small shapes, ``TRITON_INTERPRET=1``) instead.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -76,9 +77,12 @@ def _peak_bandwidth(device: torch.device) -> tuple[float, str]:
 def _decode_case(b: int, hq: int, hs: int, cap: int, d: int, dtype, device):
     g = torch.Generator(device=device).manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype)  # noqa: E731
-    state = dict(keys=r(b, hs, cap, d), values=r(b, hs, cap, d),
-                 scores=torch.rand(b, hs, cap, generator=g, device=device),
-                 positions=torch.arange(cap, device=device, dtype=torch.int32).repeat(b, hs, 1))
+    state = dict(
+        keys=r(b, hs, cap, d),
+        values=r(b, hs, cap, d),
+        scores=torch.rand(b, hs, cap, generator=g, device=device),
+        positions=torch.arange(cap, device=device, dtype=torch.int32).repeat(b, hs, 1),
+    )
     new = dict(query=r(b, hq, d), key=r(b, hs, d), value=r(b, hs, d))
     step = torch.full((b,), cap, dtype=torch.int32, device=device)
     return state, new, step
@@ -91,8 +95,10 @@ def _bench_decode(device, dtype, rounds: int, inner: int) -> None:
 
     peak, source = _peak_bandwidth(device)
     print(f"\ndecode step ({dtype}), ms per layer call; peak bandwidth {peak / 1e9:.0f} GB/s from {source}")
-    print(f"{'b':>3} {'Hq/Hkv/d':>10} {'B':>5} {'fused':>8} {'torch':>8} {'f/torch':>8} {'sdpa':>8} "
-          f"{'f/sdpa':>7} {'GB/s':>7} {'of peak':>8}")
+    print(
+        f"{'b':>3} {'Hq/Hkv/d':>10} {'B':>5} {'fused':>8} {'torch':>8} {'f/torch':>8} {'sdpa':>8} "
+        f"{'f/sdpa':>7} {'GB/s':>7} {'of peak':>8}"
+    )
     for hq, hs, d in _HEADS:
         for b in (1, 8):
             for cap in (512, 2048, 4096):
@@ -100,24 +106,37 @@ def _bench_decode(device, dtype, rounds: int, inner: int) -> None:
                 args = ops.PolicyArgs(policies.DEFAULT, *policies.half_split(cap), 0, "sum")
                 twin = {k: v.clone() for k, v in state.items()}
                 q4 = new["query"][:, :, None]  # (b, Hq, 1, d)
-                scaling = d ** -0.5
-                t = _alternate({
-                    "fused": lambda: decode_step_triton(**new, **state, step=step, fill=None,
-                                                        scaling=scaling, args=args),
-                    "torch": lambda: ops.decode_step(**new, **twin, step=step, fill=None,
-                                                     scaling=scaling, args=args),
-                    "sdpa": lambda: F.scaled_dot_product_attention(q4, state["keys"], state["values"],
-                                                                   scale=scaling, enable_gqa=True),
-                }, rounds, inner)
+                scaling = d**-0.5
+                t = _alternate(
+                    {
+                        "fused": lambda: decode_step_triton(
+                            **new, **state, step=step, fill=None, scaling=scaling, args=args
+                        ),
+                        "torch": lambda: ops.decode_step(
+                            **new, **twin, step=step, fill=None, scaling=scaling, args=args
+                        ),
+                        "sdpa": lambda: F.scaled_dot_product_attention(
+                            q4, state["keys"], state["values"], scale=scaling, enable_gqa=True
+                        ),
+                    },
+                    rounds,
+                    inner,
+                )
                 elt = state["keys"].element_size()
-                moved = (2 * b * hs * cap * d * elt  # keys and values read
-                         + b * hs * cap * (4 * 2 + 4 * 2)  # scores read+write, positions read twice
-                         + b * hq * cap * 4 * 2  # scratch logits written and read back
-                         + 2 * b * hq * d * elt + 2 * b * hs * d * elt)  # q, out, new k/v
+                moved = (
+                    2 * b * hs * cap * d * elt  # keys and values read
+                    + b * hs * cap * (4 * 2 + 4 * 2)  # scores read+write, positions read twice
+                    + b * hq * cap * 4 * 2  # scratch logits written and read back
+                    + 2 * b * hq * d * elt
+                    + 2 * b * hs * d * elt
+                )  # q, out, new k/v
                 bw = moved / (t["fused"] * 1e-3)
-                print(f"{b:>3} {f'{hq}/{hs}/{d}':>10} {cap:>5} {t['fused']:>8.4f} {t['torch']:>8.4f} "
-                      f"{t['fused'] / t['torch']:>8.3f} {t['sdpa']:>8.4f} {t['fused'] / t['sdpa']:>7.2f} "
-                      f"{bw / 1e9:>7.0f} {bw / peak:>8.1%}", flush=True)
+                print(
+                    f"{b:>3} {f'{hq}/{hs}/{d}':>10} {cap:>5} {t['fused']:>8.4f} {t['torch']:>8.4f} "
+                    f"{t['fused'] / t['torch']:>8.3f} {t['sdpa']:>8.4f} {t['fused'] / t['sdpa']:>7.2f} "
+                    f"{bw / 1e9:>7.0f} {bw / peak:>8.1%}",
+                    flush=True,
+                )
 
 
 def _bench_prefill_and_replay(device, dtype, rounds: int, n: int) -> None:
@@ -127,32 +146,49 @@ def _bench_prefill_and_replay(device, dtype, rounds: int, n: int) -> None:
     from .replay import replay_dropped_mass_torch, replay_dropped_mass_triton
 
     print(f"\nprefill and replay at {n} tokens ({dtype}), ms")
-    print(f"{'Hq/Hkv/d':>10} {'scores':>8} {'sdpa':>8} {'sc/sdpa':>8} {'torch pre':>10} {'tp/sdpa':>8} "
-          f"{'replay':>8} {'torch rep':>10} {'r/torch':>8}")
+    print(
+        f"{'Hq/Hkv/d':>10} {'scores':>8} {'sdpa':>8} {'sc/sdpa':>8} {'torch pre':>10} {'tp/sdpa':>8} "
+        f"{'replay':>8} {'torch rep':>10} {'r/torch':>8}"
+    )
     g = torch.Generator(device=device).manual_seed(0)
     for hq, hs, d in _HEADS:
         q = torch.randn(1, hq, n, d, generator=g, device=device, dtype=dtype)
         k = torch.randn(1, hs, n, d, generator=g, device=device, dtype=dtype)
         v = torch.randn_like(k)
         ev = torch.randint(0, 2 * n, (1, hs, n), generator=g, device=device)
-        s = d ** -0.5
-        t = _alternate({
-            "scores": lambda: prefill_scores_triton(q, k, None, s, "sum"),
-            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s, enable_gqa=True),
-            "torch_prefill": lambda: ops.prefill_attention(q, k, v, None, s, "sum"),
-            # as the replay calls them: dropped mass plus the oracle's per-key split
-            "replay": lambda: replay_dropped_mass_triton(q, k, ev, s, oracle="sum"),
-            "torch_replay": lambda: replay_dropped_mass_torch(q, k, ev, s, chunk=512, oracle="sum"),
-        }, rounds, inner=1)
-        print(f"{f'{hq}/{hs}/{d}':>10} {t['scores']:>8.2f} {t['sdpa']:>8.2f} {t['scores'] / t['sdpa']:>8.2f} "
-              f"{t['torch_prefill']:>10.2f} {t['torch_prefill'] / t['sdpa']:>8.2f} {t['replay']:>8.2f} "
-              f"{t['torch_replay']:>10.2f} {t['replay'] / t['torch_replay']:>8.3f}", flush=True)
+        s = d**-0.5
+        t = _alternate(
+            {
+                "scores": lambda: prefill_scores_triton(q, k, None, s, "sum"),
+                "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s, enable_gqa=True),
+                "torch_prefill": lambda: ops.prefill_attention(q, k, v, None, s, "sum"),
+                # as the replay calls them: dropped mass plus the oracle's per-key split
+                "replay": lambda: replay_dropped_mass_triton(q, k, ev, s, oracle="sum"),
+                "torch_replay": lambda: replay_dropped_mass_torch(q, k, ev, s, chunk=512, oracle="sum"),
+            },
+            rounds,
+            inner=1,
+        )
+        print(
+            f"{f'{hq}/{hs}/{d}':>10} {t['scores']:>8.2f} {t['sdpa']:>8.2f} {t['scores'] / t['sdpa']:>8.2f} "
+            f"{t['torch_prefill']:>10.2f} {t['torch_prefill'] / t['sdpa']:>8.2f} {t['replay']:>8.2f} "
+            f"{t['torch_replay']:>10.2f} {t['replay'] / t['torch_replay']:>8.3f}",
+            flush=True,
+        )
 
 
 #: The default model's shape (SmolLM2-135M). The end-to-end benchmark initialises it at random:
 #: decode time does not depend on the weights' values, and no weights need to be fetched.
-E2E_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                 num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0)
+E2E_SHAPE = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    rope_theta=100000.0,
+)
 
 
 def _sync(device: torch.device) -> None:
@@ -160,10 +196,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_end_to_end(*, context: int = 32768, batch: int = 8, keep: float = 0.2, steps: int = 32,
-                     rounds: int = 3, device: torch.device | str = "cuda",
-                     dtype: torch.dtype = torch.bfloat16, shape: dict | None = None,
-                     backends: tuple[str, ...] = ("triton", "torch")) -> dict[str, float]:
+def bench_end_to_end(
+    *,
+    context: int = 32768,
+    batch: int = 8,
+    keep: float = 0.2,
+    steps: int = 32,
+    rounds: int = 3,
+    device: torch.device | str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    shape: dict | None = None,
+    backends: tuple[str, ...] = ("triton", "torch"),
+) -> dict[str, float]:
     """Decode tokens/s of a whole model, H2O at ``keep`` ÷ a full-cache SDPA decode.
 
     A Llama model of ``shape`` (default :data:`E2E_SHAPE`, random weights) gets a
@@ -191,24 +235,30 @@ def bench_end_to_end(*, context: int = 32768, batch: int = 8, keep: float = 0.2,
     budget = max(2, int(round(keep * context)))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (batch, context), generator=g).to(device)
-    print(f"\nend to end: Llama {cfg.num_hidden_layers} layers, {cfg.num_attention_heads}/"
-          f"{cfg.num_key_value_heads} heads, random weights ({dtype}); batch {batch} x {context} tokens, "
-          f"H2O B={budget} ({keep:.0%}); {steps} steps x {rounds} rounds, medians", flush=True)
+    print(
+        f"\nend to end: Llama {cfg.num_hidden_layers} layers, {cfg.num_attention_heads}/"
+        f"{cfg.num_key_value_heads} heads, random weights ({dtype}); batch {batch} x {context} tokens, "
+        f"H2O B={budget} ({keep:.0%}); {steps} steps x {rounds} rounds, medians",
+        flush=True,
+    )
     decoders: dict[str, tuple[_Decoder, str]] = {}
     times: dict[str, list[float]] = {}
     with torch.no_grad(), contextlib.ExitStack() as scopes:
         scopes.callback(model.set_attn_implementation, "sdpa")
         model.set_attn_implementation("sdpa")
-        decoders["full"] = (_Decoder(model, StaticCache(config=model.config, max_cache_len=total), ids,
-                                     last_logits_only=True), "sdpa")
-        decoders["full dynamic"] = (_Decoder(model, DynamicCache(config=model.config), ids,
-                                             last_logits_only=True), "sdpa")
+        decoders["full"] = (
+            _Decoder(model, StaticCache(config=model.config, max_cache_len=total), ids, last_logits_only=True),
+            "sdpa",
+        )
+        decoders["full dynamic"] = (
+            _Decoder(model, DynamicCache(config=model.config), ids, last_logits_only=True),
+            "sdpa",
+        )
         for backend in backends:
             heavy, recent = policies.half_split(budget)
             h = H2OConfig(heavy=heavy, recent=recent, backend=backend)
             session = scopes.enter_context(h2o(model, h))
-            decoders[f"h2o {backend}"] = (_Decoder(model, session.new_cache(), ids, last_logits_only=True),
-                                          "h2o_lens")
+            decoders[f"h2o {backend}"] = (_Decoder(model, session.new_cache(), ids, last_logits_only=True), "h2o_lens")
         times = {name: [] for name in decoders}
         for r in range(rounds + 1):
             for name, (dec, impl) in decoders.items():
@@ -247,33 +297,39 @@ def _interpreter_summary() -> None:
     twin = {k: v.clone() for k, v in state.items()}
     same, err = True, 0.0
     for i in range(3):
-        new = dict(query=torch.randn(b, hq, d, generator=g), key=torch.randn(b, hs, d, generator=g),
-                   value=torch.randn(b, hs, d, generator=g))
-        r_k = decode_step_triton(**new, **state, step=step + i, fill=None, scaling=d ** -0.5, args=args)
-        r_t = ops.decode_step(**new, **twin, step=step + i, fill=None, scaling=d ** -0.5, args=args)
+        new = dict(
+            query=torch.randn(b, hq, d, generator=g),
+            key=torch.randn(b, hs, d, generator=g),
+            value=torch.randn(b, hs, d, generator=g),
+        )
+        r_k = decode_step_triton(**new, **state, step=step + i, fill=None, scaling=d**-0.5, args=args)
+        r_t = ops.decode_step(**new, **twin, step=step + i, fill=None, scaling=d**-0.5, args=args)
         same &= bool(torch.equal(r_k.slot, r_t.slot) and torch.equal(state["positions"], twin["positions"]))
-        err = max(err, (r_k.out - r_t.out).abs().max().item(),
-                  (state["scores"] - twin["scores"]).abs().max().item())
-    print(f"decode step, 3 steps b={b} Hq={hq} Hkv={hs} B={cap}: slots and positions equal torch: {same}; "
-          f"max |out, score difference| {err:.2e}")
+        err = max(err, (r_k.out - r_t.out).abs().max().item(), (state["scores"] - twin["scores"]).abs().max().item())
+    print(
+        f"decode step, 3 steps b={b} Hq={hq} Hkv={hs} B={cap}: slots and positions equal torch: {same}; "
+        f"max |out, score difference| {err:.2e}"
+    )
     p = 37
     q, k = torch.randn(b, hq, p, d, generator=g), torch.randn(b, hs, p, d, generator=g)
     valid = torch.ones(b, p, dtype=torch.bool)
     valid[1, :5] = False
-    s_k = prefill_scores_triton(q, k, valid, d ** -0.5, "sum", block_m=16, block_n=16)
-    _, s_t = ops.prefill_attention(q, k, k, valid, d ** -0.5, "sum")
-    print(f"prefill scores, P={p} with padding: max |difference| to torch "
-          f"{(s_k - s_t).abs().max().item():.2e}")
+    s_k = prefill_scores_triton(q, k, valid, d**-0.5, "sum", block_m=16, block_n=16)
+    _, s_t = ops.prefill_attention(q, k, k, valid, d**-0.5, "sum")
+    print(f"prefill scores, P={p} with padding: max |difference| to torch {(s_k - s_t).abs().max().item():.2e}")
     ev = torch.randint(0, p + 4, (b, hs, p), generator=g)
-    r_k = replay_dropped_mass_triton(q, k, ev, d ** -0.5, oracle="sum", block_m=16, block_n=16)
-    r_t = replay_dropped_mass_torch(q, k, ev, d ** -0.5, chunk=8, oracle="sum")
-    diffs = ", ".join(f"{name} {(a - c).abs().max().item():.2e}"
-                      for name, a, c in zip(("dropped mass", "oracle before", "oracle after"), r_k, r_t))
+    r_k = replay_dropped_mass_triton(q, k, ev, d**-0.5, oracle="sum", block_m=16, block_n=16)
+    r_t = replay_dropped_mass_torch(q, k, ev, d**-0.5, chunk=8, oracle="sum")
+    diffs = ", ".join(
+        f"{name} {(a - c).abs().max().item():.2e}"
+        for name, a, c in zip(("dropped mass", "oracle before", "oracle after"), r_k, r_t)
+    )
     print(f"replay, N={p}: max |difference| to torch: {diffs}")
 
 
-def bench_kernels(rounds: int = 7, inner: int = 20, prefill_tokens: int = 8192,
-                  dtype: torch.dtype = torch.bfloat16) -> int:
+def bench_kernels(
+    rounds: int = 7, inner: int = 20, prefill_tokens: int = 8192, dtype: torch.dtype = torch.bfloat16
+) -> int:
     """Print the kernel ratios on a GPU, or the interpreter correctness summary without one.
 
     Returns 0.
@@ -284,8 +340,10 @@ def bench_kernels(rounds: int = 7, inner: int = 20, prefill_tokens: int = 8192,
     if not torch.cuda.is_available():
         print("no CUDA device: kernel timings need a GPU.")
         if not interpret_mode() and "triton" in sys.modules:
-            print("triton was imported without TRITON_INTERPRET=1; rerun with TRITON_INTERPRET=1 set "
-                  "for the interpreter-mode correctness summary")
+            print(
+                "triton was imported without TRITON_INTERPRET=1; rerun with TRITON_INTERPRET=1 set "
+                "for the interpreter-mode correctness summary"
+            )
             return 0
         old = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1"  # read by triton at import and when a kernel is built
@@ -305,8 +363,7 @@ def bench_kernels(rounds: int = 7, inner: int = 20, prefill_tokens: int = 8192,
         print("triton does not import on this machine: no kernels to measure (pip install 'h2o-lens[gpu]')")
         return 0
     device = torch.device("cuda", torch.cuda.current_device())
-    print(f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}; medians of {rounds} "
-          f"alternating rounds")
+    print(f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}; medians of {rounds} alternating rounds")
     with torch.no_grad():
         _bench_decode(device, dtype, rounds, inner)
         _bench_prefill_and_replay(device, dtype, rounds, prefill_tokens)

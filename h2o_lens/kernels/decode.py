@@ -15,6 +15,7 @@ Then the chosen slot (the victim, or the first empty slot of a row that is not
 full) takes the new token's K, V, score and position. Triton is imported on
 first use, so this module imports on machines without it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,7 +27,7 @@ from ._checks import FLOAT_DTYPES, INT_DTYPES, KernelInputError, check_device, c
 
 __all__ = ["decode_step_triton"]
 
-_POS_MAX = 2 ** 62  # larger than any position: "no position" in the victim search
+_POS_MAX = 2**62  # larger than any position: "no position" in the victim search
 
 
 @functools.cache
@@ -35,12 +36,37 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def _decode_step(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, s_ptr, p_ptr, step_ptr, fill_ptr,
-                     out_ptr, logit_ptr, slot_ptr, evict_ptr,
-                     B, HQ, HEAD_DIM, scale, recent, sink,
-                     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     SCORED: tl.constexpr, AGG_MAX: tl.constexpr, HAS_FILL: tl.constexpr,
-                     PREC: tl.constexpr, DOT_F32: tl.constexpr, POS_MAX: tl.constexpr):
+    def _decode_step(
+        q_ptr,
+        kn_ptr,
+        vn_ptr,
+        k_ptr,
+        v_ptr,
+        s_ptr,
+        p_ptr,
+        step_ptr,
+        fill_ptr,
+        out_ptr,
+        logit_ptr,
+        slot_ptr,
+        evict_ptr,
+        B,
+        HQ,
+        HEAD_DIM,
+        scale,
+        recent,
+        sink,
+        G: tl.constexpr,
+        G_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        SCORED: tl.constexpr,
+        AGG_MAX: tl.constexpr,
+        HAS_FILL: tl.constexpr,
+        PREC: tl.constexpr,
+        DOT_F32: tl.constexpr,
+        POS_MAX: tl.constexpr,
+    ):
         bi = tl.program_id(0)
         hs = tl.program_id(1)
         row = bi * tl.num_programs(1) + hs  # (request, KV set)
@@ -49,8 +75,9 @@ def _kernels():
         dd = tl.arange(0, BLOCK_D)
         dmask = dd < HEAD_DIM
         heads = bi * HQ + hs * G + g  # (G_PAD,) rows of query / out
-        q = tl.load(q_ptr + heads[:, None] * HEAD_DIM + dd[None, :],
-                    mask=gmask[:, None] & dmask[None, :], other=0.0)  # (G_PAD, D)
+        q = tl.load(
+            q_ptr + heads[:, None] * HEAD_DIM + dd[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0
+        )  # (G_PAD, D)
         if DOT_F32:
             q = q.to(tl.float32)
         kn = tl.load(kn_ptr + row * HEAD_DIM + dd, mask=dmask, other=0.0)  # (D,)
@@ -75,8 +102,11 @@ def _kernels():
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # (G_PAD, BLOCK_N)
             s = tl.where(live[None, :], s, float("-inf"))
-            tl.store(logit_ptr + (row * G + g)[:, None].to(tl.int64) * B + n[None, :], s,
-                     mask=gmask[:, None] & nmask[None, :])
+            tl.store(
+                logit_ptr + (row * G + g)[:, None].to(tl.int64) * B + n[None, :],
+                s,
+                mask=gmask[:, None] & nmask[None, :],
+            )
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -87,8 +117,11 @@ def _kernels():
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         out = acc / l_i[:, None]
-        tl.store(out_ptr + heads[:, None] * HEAD_DIM + dd[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=gmask[:, None] & dmask[None, :])
+        tl.store(
+            out_ptr + heads[:, None] * HEAD_DIM + dd[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=gmask[:, None] & dmask[None, :],
+        )
         tl.debug_barrier()  # the scratch logits are read back by other threads
 
         # pass 2: weights, score update, victim search
@@ -110,8 +143,11 @@ def _kernels():
             nmask = n < B
             sc = tl.load(s_ptr + slot_base + n, mask=nmask, other=0.0)  # (BLOCK_N,)
             if SCORED:
-                lg = tl.load(logit_ptr + (row * G + g)[:, None].to(tl.int64) * B + n[None, :],
-                             mask=gmask[:, None] & nmask[None, :], other=float("-inf"))
+                lg = tl.load(
+                    logit_ptr + (row * G + g)[:, None].to(tl.int64) * B + n[None, :],
+                    mask=gmask[:, None] & nmask[None, :],
+                    other=float("-inf"),
+                )
                 w = tl.exp(lg - m_i[:, None]) / l_i[:, None]
                 w = tl.where(gmask[:, None], w, 0.0)  # (G_PAD, BLOCK_N)
                 if AGG_MAX:
@@ -160,11 +196,23 @@ def _kernels():
     return _decode_step
 
 
-def decode_step_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor,
-                       positions: torch.Tensor, step: torch.Tensor, fill: torch.Tensor | None,
-                       scaling: float, args: ops.PolicyArgs, *, layer: int = 0,
-                       block_n: int | None = None, num_warps: int = 4) -> ops.DecodeResult:
+def decode_step_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    step: torch.Tensor,
+    fill: torch.Tensor | None,
+    scaling: float,
+    args: ops.PolicyArgs,
+    *,
+    layer: int = 0,
+    block_n: int | None = None,
+    num_warps: int = 4,
+) -> ops.DecodeResult:
     """Fused H2O decode step; same contract and in-place effects as :func:`h2o_lens.ops.decode_step`.
 
     Parameters
@@ -198,26 +246,35 @@ def decode_step_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     fn = "decode_step_triton"
     spec = args.spec
     if not spec.evicts:
-        raise KernelInputError(f"{fn}: policy {args.policy!r} does not evict, so it has no decode step; "
-                               f"expected one of {', '.join(p.name for p in policies.evicting())}")
+        raise KernelInputError(
+            f"{fn}: policy {args.policy!r} does not evict, so it has no decode step; "
+            f"expected one of {', '.join(p.name for p in policies.evicting())}"
+        )
     if "decode" not in spec.kernels:
         # its scores have one implementation, the torch path's (the random draw's hash, the
         # current weights, the history); this kernel implements accumulating and unscored policies
         if spec.history:
-            raise KernelInputError(f"{fn}: policy {args.policy!r} keeps a per-slot history, which this "
-                                   "launcher does not carry; call h2o_lens.ops.decode_step with history=")
-        return ops.decode_step(query, key, value, keys, values, scores, positions, step, fill, scaling, args,
-                               layer=layer)
+            raise KernelInputError(
+                f"{fn}: policy {args.policy!r} keeps a per-slot history, which this "
+                "launcher does not carry; call h2o_lens.ops.decode_step with history="
+            )
+        return ops.decode_step(
+            query, key, value, keys, values, scores, positions, step, fill, scaling, args, layer=layer
+        )
     if spec.scored and not spec.accumulates:
-        raise KernelInputError(f"{fn}: policy {args.policy!r} is marked with a decode kernel but its scores "
-                               "do not accumulate; the kernel adds weights (SCORED) or leaves scores alone; "
-                               f"fix its entry in h2o_lens/policies (known: {', '.join(policies.names())})")
+        raise KernelInputError(
+            f"{fn}: policy {args.policy!r} is marked with a decode kernel but its scores "
+            "do not accumulate; the kernel adds weights (SCORED) or leaves scores alone; "
+            f"fix its entry in h2o_lens/policies (known: {', '.join(policies.names())})"
+        )
     if keys.dim() != 4:
         raise KernelInputError(f"{fn}: keys has shape {tuple(keys.shape)}, expected (b, Hs, B, d)")
     b, hs, cap, d = keys.shape
     if query.dim() != 3 or query.shape[0] != b or query.shape[2] != d or query.shape[1] % hs:
-        raise KernelInputError(f"{fn}: query has shape {tuple(query.shape)}, expected (b={b}, Hq, d={d}) "
-                               f"with Hq a multiple of the {hs} KV sets of keys")
+        raise KernelInputError(
+            f"{fn}: query has shape {tuple(query.shape)}, expected (b={b}, Hq, d={d}) "
+            f"with Hq a multiple of the {hs} KV sets of keys"
+        )
     hq = query.shape[1]
     dt = (keys.dtype,)
     check_tensor(fn, "keys", keys, (b, hs, cap, d), FLOAT_DTYPES)
@@ -230,8 +287,18 @@ def decode_step_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     check_tensor(fn, "step", step, (b,), INT_DTYPES)
     if fill is not None:
         check_tensor(fn, "fill", fill, (b,), INT_DTYPES)
-    check_device(fn, query=query, key=key, value=value, keys=keys, values=values, scores=scores,
-                 positions=positions, step=step, fill=fill)
+    check_device(
+        fn,
+        query=query,
+        key=key,
+        value=value,
+        keys=keys,
+        values=values,
+        scores=scores,
+        positions=positions,
+        step=step,
+        fill=fill,
+    )
     if cap < 1:
         raise KernelInputError(f"{fn}: keys has {cap} slots; the cache needs at least one")
     if block_n is None:
@@ -249,12 +316,34 @@ def decode_step_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     slot = torch.empty(b, hs, dtype=torch.int64, device=keys.device)
     evicts = torch.empty(b, hs, dtype=torch.bool, device=keys.device)
     _kernels()[(b, hs)](
-        query, key, value, keys, values, scores, positions, step, step if fill is None else fill,
-        out, logits, slot, evicts,
-        cap, hq, d, float(scaling), args.recent, args.sink,
-        G=group, G_PAD=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-        SCORED=spec.accumulates, AGG_MAX=args.gqa == "max", HAS_FILL=fill is not None,
-        POS_MAX=_POS_MAX, **dot_options(keys.dtype),
+        query,
+        key,
+        value,
+        keys,
+        values,
+        scores,
+        positions,
+        step,
+        step if fill is None else fill,
+        out,
+        logits,
+        slot,
+        evicts,
+        cap,
+        hq,
+        d,
+        float(scaling),
+        args.recent,
+        args.sink,
+        G=group,
+        G_PAD=max(16, next_pow2(group)),
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, next_pow2(d)),
+        SCORED=spec.accumulates,
+        AGG_MAX=args.gqa == "max",
+        HAS_FILL=fill is not None,
+        POS_MAX=_POS_MAX,
+        **dot_options(keys.dtype),
         num_warps=num_warps,
     )
     return ops.DecodeResult(out=out, slot=slot, evicts=evicts)

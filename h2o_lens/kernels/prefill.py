@@ -12,6 +12,7 @@
 Padding (``valid`` False) contributes nothing: a padding column is masked,
 a padding row adds 0. Triton is imported on first use.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,9 +33,24 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def _row_lse(q_ptr, k_ptr, valid_ptr, lse_ptr, P, HQ, HS, HEAD_DIM, scale2,
-                 G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 HAS_VALID: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    def _row_lse(
+        q_ptr,
+        k_ptr,
+        valid_ptr,
+        lse_ptr,
+        P,
+        HQ,
+        HS,
+        HEAD_DIM,
+        scale2,
+        G: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+        PREC: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):
         """Base-2 log-sum-exp of each causal row: ``lse (b, Hq, P)``."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)  # b * Hq + h
@@ -44,8 +60,11 @@ def _kernels():
         rmask = rows < P
         dd = tl.arange(0, BLOCK_D)
         dmask = dd < HEAD_DIM
-        q = tl.load(q_ptr + (bh.to(tl.int64) * P + rows)[:, None] * HEAD_DIM + dd[None, :],
-                    mask=rmask[:, None] & dmask[None, :], other=0.0)  # (BLOCK_M, D)
+        q = tl.load(
+            q_ptr + (bh.to(tl.int64) * P + rows)[:, None] * HEAD_DIM + dd[None, :],
+            mask=rmask[:, None] & dmask[None, :],
+            other=0.0,
+        )  # (BLOCK_M, D)
         if DOT_F32:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -54,8 +73,11 @@ def _kernels():
         for start in range(0, end, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             cmask = cols < P
-            k = tl.load(k_ptr + (kv.to(tl.int64) * P + cols)[:, None] * HEAD_DIM + dd[None, :],
-                        mask=cmask[:, None] & dmask[None, :], other=0.0)  # (BLOCK_N, D)
+            k = tl.load(
+                k_ptr + (kv.to(tl.int64) * P + cols)[:, None] * HEAD_DIM + dd[None, :],
+                mask=cmask[:, None] & dmask[None, :],
+                other=0.0,
+            )  # (BLOCK_N, D)
             if DOT_F32:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale2  # (BLOCK_M, BLOCK_N)
@@ -71,10 +93,26 @@ def _kernels():
         tl.store(lse_ptr + bh.to(tl.int64) * P + rows, m_i + tl.log2(l_i), mask=rmask)
 
     @triton.jit
-    def _col_sums(q_ptr, k_ptr, valid_ptr, lse_ptr, out_ptr, P, HQ, HS, HEAD_DIM, scale2,
-                  G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  HAS_VALID: tl.constexpr, AGG_MAX: tl.constexpr, PREC: tl.constexpr,
-                  DOT_F32: tl.constexpr):
+    def _col_sums(
+        q_ptr,
+        k_ptr,
+        valid_ptr,
+        lse_ptr,
+        out_ptr,
+        P,
+        HQ,
+        HS,
+        HEAD_DIM,
+        scale2,
+        G: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+        AGG_MAX: tl.constexpr,
+        PREC: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):
         """Column sums of the group-aggregated weights: ``out (b, Hs, P)``."""
         pid_n = tl.program_id(0)
         bs = tl.program_id(1)  # b * Hs + kv
@@ -84,8 +122,11 @@ def _kernels():
         cmask = cols < P
         dd = tl.arange(0, BLOCK_D)
         dmask = dd < HEAD_DIM
-        k = tl.load(k_ptr + (bs.to(tl.int64) * P + cols)[:, None] * HEAD_DIM + dd[None, :],
-                    mask=cmask[:, None] & dmask[None, :], other=0.0)  # (BLOCK_N, D)
+        k = tl.load(
+            k_ptr + (bs.to(tl.int64) * P + cols)[:, None] * HEAD_DIM + dd[None, :],
+            mask=cmask[:, None] & dmask[None, :],
+            other=0.0,
+        )  # (BLOCK_N, D)
         if DOT_F32:
             k = k.to(tl.float32)
         if HAS_VALID:
@@ -105,8 +146,9 @@ def _kernels():
             tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for g in range(G):
                 hrow = (h0 + g).to(tl.int64) * P + rows
-                q = tl.load(q_ptr + hrow[:, None] * HEAD_DIM + dd[None, :],
-                            mask=rmask[:, None] & dmask[None, :], other=0.0)  # (BLOCK_M, D)
+                q = tl.load(
+                    q_ptr + hrow[:, None] * HEAD_DIM + dd[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0
+                )  # (BLOCK_M, D)
                 if DOT_F32:
                     q = q.to(tl.float32)
                 lse = tl.load(lse_ptr + hrow, mask=rmask, other=0.0)
@@ -122,9 +164,17 @@ def _kernels():
     return _row_lse, _col_sums
 
 
-def prefill_scores_triton(query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | None,
-                          scaling: float, gqa: str, *, block_m: int = 64, block_n: int = 64,
-                          num_warps: int = 4) -> torch.Tensor:
+def prefill_scores_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    valid: torch.Tensor | None,
+    scaling: float,
+    gqa: str,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+) -> torch.Tensor:
     """Per-key column sums of the causal prefill attention, aggregated per KV set.
 
     Parameters
@@ -142,8 +192,9 @@ def prefill_scores_triton(query: torch.Tensor, key: torch.Tensor, valid: torch.T
     """
     fn = "prefill_scores_triton"
     if query.dim() != 4 or key.dim() != 4:
-        raise KernelInputError(f"{fn}: query {tuple(query.shape)} and key {tuple(key.shape)} must be "
-                               "(b, Hq, P, d) and (b, Hs, P, d)")
+        raise KernelInputError(
+            f"{fn}: query {tuple(query.shape)} and key {tuple(key.shape)} must be (b, Hq, P, d) and (b, Hs, P, d)"
+        )
     b, hq, p, d = query.shape
     hs = key.shape[1]
     if hs < 1 or hq % hs:
@@ -164,12 +215,19 @@ def prefill_scores_triton(query: torch.Tensor, key: torch.Tensor, valid: torch.T
         return scores
     lse = torch.empty(b, hq, p, dtype=torch.float32, device=query.device)
     row_lse, col_sums = _kernels()
-    common = dict(G=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-                  HAS_VALID=valid is not None, **dot_options(query.dtype),
-                  num_warps=num_warps)
+    common = dict(
+        G=group,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, next_pow2(d)),
+        HAS_VALID=valid is not None,
+        **dot_options(query.dtype),
+        num_warps=num_warps,
+    )
     vptr = query if valid is None else valid
     scale2 = float(scaling) * _LOG2E
     row_lse[(cdiv(p, block_m), b * hq)](query, key, vptr, lse, p, hq, hs, d, scale2, **common)
-    col_sums[(cdiv(p, block_n), b * hs)](query, key, vptr, lse, scores, p, hq, hs, d, scale2,
-                                                 AGG_MAX=gqa == "max", **common)
+    col_sums[(cdiv(p, block_n), b * hs)](
+        query, key, vptr, lse, scores, p, hq, hs, d, scale2, AGG_MAX=gqa == "max", **common
+    )
     return scores

@@ -11,6 +11,7 @@ walks the keys once per row block with an online softmax carrying two sums (all
 keys, dropped keys) rescaled by the same running max, so it never forms
 ``N x N``. Triton is imported on first use.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,10 +41,26 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def _dropped_mass(q_ptr, k_ptr, ev_ptr, out_ptr, lse_ptr, N, M, HQ, HS, HEAD_DIM, scale2,
-                      G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_D: tl.constexpr, WANT_LSE: tl.constexpr, PREC: tl.constexpr,
-                      DOT_F32: tl.constexpr):
+    def _dropped_mass(
+        q_ptr,
+        k_ptr,
+        ev_ptr,
+        out_ptr,
+        lse_ptr,
+        N,
+        M,
+        HQ,
+        HS,
+        HEAD_DIM,
+        scale2,
+        G: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        WANT_LSE: tl.constexpr,
+        PREC: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):
         """Dropped mass of the last ``M`` of ``N`` positions (query row ``j`` is position
         ``N - M + j``); with ``WANT_LSE`` also each row's base-2 log-sum-exp."""
         pid_m = tl.program_id(0)
@@ -54,8 +71,11 @@ def _kernels():
         rows = local + (N - M)  # positions
         dd = tl.arange(0, BLOCK_D)
         dmask = dd < HEAD_DIM
-        q = tl.load(q_ptr + (bh.to(tl.int64) * M + local)[:, None] * HEAD_DIM + dd[None, :],
-                    mask=rmask[:, None] & dmask[None, :], other=0.0)  # (BLOCK_M, D)
+        q = tl.load(
+            q_ptr + (bh.to(tl.int64) * M + local)[:, None] * HEAD_DIM + dd[None, :],
+            mask=rmask[:, None] & dmask[None, :],
+            other=0.0,
+        )  # (BLOCK_M, D)
         if DOT_F32:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -65,8 +85,11 @@ def _kernels():
         for start in range(0, end, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             cmask = cols < N
-            k = tl.load(k_ptr + (kv.to(tl.int64) * N + cols)[:, None] * HEAD_DIM + dd[None, :],
-                        mask=cmask[:, None] & dmask[None, :], other=0.0)  # (BLOCK_N, D)
+            k = tl.load(
+                k_ptr + (kv.to(tl.int64) * N + cols)[:, None] * HEAD_DIM + dd[None, :],
+                mask=cmask[:, None] & dmask[None, :],
+                other=0.0,
+            )  # (BLOCK_N, D)
             if DOT_F32:
                 k = k.to(tl.float32)
             ev = tl.load(ev_ptr + kv.to(tl.int64) * N + cols, mask=cmask, other=0).to(tl.int64)
@@ -85,9 +108,27 @@ def _kernels():
             tl.store(lse_ptr + bh.to(tl.int64) * M + local, m_i + tl.log2(l_all), mask=rmask)
 
     @triton.jit
-    def _oracle(q_ptr, k_ptr, ev_ptr, lse_ptr, before_ptr, after_ptr, N, M, HQ, HS, HEAD_DIM, scale2,
-                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                AGG_MAX: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    def _oracle(
+        q_ptr,
+        k_ptr,
+        ev_ptr,
+        lse_ptr,
+        before_ptr,
+        after_ptr,
+        N,
+        M,
+        HQ,
+        HS,
+        HEAD_DIM,
+        scale2,
+        G: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        AGG_MAX: tl.constexpr,
+        PREC: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):
         """Per key: the group-aggregated weight of the query rows, split at the key's eviction
         step (``before``: rows ``t <= evict_step``, ``after``: rows ``t > evict_step``)."""
         pid_n = tl.program_id(0)
@@ -97,8 +138,11 @@ def _kernels():
         cmask = cols < N
         dd = tl.arange(0, BLOCK_D)
         dmask = dd < HEAD_DIM
-        k = tl.load(k_ptr + (bs.to(tl.int64) * N + cols)[:, None] * HEAD_DIM + dd[None, :],
-                    mask=cmask[:, None] & dmask[None, :], other=0.0)  # (BLOCK_N, D)
+        k = tl.load(
+            k_ptr + (bs.to(tl.int64) * N + cols)[:, None] * HEAD_DIM + dd[None, :],
+            mask=cmask[:, None] & dmask[None, :],
+            other=0.0,
+        )  # (BLOCK_N, D)
         if DOT_F32:
             k = k.to(tl.float32)
         ev = tl.load(ev_ptr + bs.to(tl.int64) * N + cols, mask=cmask, other=0).to(tl.int64)
@@ -114,8 +158,9 @@ def _kernels():
             tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for g in range(G):
                 hrow = (h0 + g).to(tl.int64) * M + local
-                q = tl.load(q_ptr + hrow[:, None] * HEAD_DIM + dd[None, :],
-                            mask=rmask[:, None] & dmask[None, :], other=0.0)  # (BLOCK_M, D)
+                q = tl.load(
+                    q_ptr + hrow[:, None] * HEAD_DIM + dd[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0
+                )  # (BLOCK_M, D)
                 if DOT_F32:
                     q = q.to(tl.float32)
                 lse = tl.load(lse_ptr + hrow, mask=rmask, other=0.0)
@@ -139,8 +184,9 @@ def _check(fn: str, query, key, evict_step, for_triton: bool) -> tuple[int, int,
     last M positions); the kernel also needs contiguity and a dtype it computes in (the torch
     path takes float64 too). Returns ``b, Hq, Hs, M, N, d``."""
     if query.dim() != 4 or key.dim() != 4:
-        raise KernelInputError(f"{fn}: query {tuple(query.shape)} and key {tuple(key.shape)} must be "
-                               "(b, Hq, M, d) and (b, Hs, N, d)")
+        raise KernelInputError(
+            f"{fn}: query {tuple(query.shape)} and key {tuple(key.shape)} must be (b, Hq, M, d) and (b, Hs, N, d)"
+        )
     b, hq, m, d = query.shape
     hs, n = key.shape[1], key.shape[2]
     if hs < 1 or hq % hs:
@@ -154,9 +200,17 @@ def _check(fn: str, query, key, evict_step, for_triton: bool) -> tuple[int, int,
     return b, hq, hs, m, n, d
 
 
-def replay_dropped_mass_triton(query: torch.Tensor, key: torch.Tensor, evict_step: torch.Tensor,
-                               scaling: float, *, oracle: str | None = None, block_m: int = 64,
-                               block_n: int = 64, num_warps: int = 4):
+def replay_dropped_mass_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    evict_step: torch.Tensor,
+    scaling: float,
+    *,
+    oracle: str | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+):
     """Dropped mass per query position and head, flash-style; the contract of
     :func:`replay_dropped_mass_torch`.
 
@@ -195,19 +249,34 @@ def replay_dropped_mass_triton(query: torch.Tensor, key: torch.Tensor, evict_ste
     if b and m:
         dropped, oracle_cols = _kernels()
         lse = torch.empty(b, hq, m, dtype=torch.float32, device=dev) if oracle else out
-        common = dict(G=hq // hs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-                      num_warps=num_warps, **dot_options(query.dtype))
+        common = dict(
+            G=hq // hs,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=max(16, next_pow2(d)),
+            num_warps=num_warps,
+            **dot_options(query.dtype),
+        )
         scale2 = float(scaling) * _LOG2E
-        dropped[(cdiv(m, block_m), b * hq)](query, key, evict_step, out, lse, n, m, hq, hs, d, scale2,
-                                           WANT_LSE=oracle is not None, **common)
+        dropped[(cdiv(m, block_m), b * hq)](
+            query, key, evict_step, out, lse, n, m, hq, hs, d, scale2, WANT_LSE=oracle is not None, **common
+        )
         if oracle:
-            oracle_cols[(cdiv(n, block_n), b * hs)](query, key, evict_step, lse, before, after, n, m, hq, hs,
-                                                    d, scale2, AGG_MAX=oracle == "max", **common)
+            oracle_cols[(cdiv(n, block_n), b * hs)](
+                query, key, evict_step, lse, before, after, n, m, hq, hs, d, scale2, AGG_MAX=oracle == "max", **common
+            )
     return out if oracle is None else (out, before, after)
 
 
-def replay_dropped_mass_torch(query: torch.Tensor, key: torch.Tensor, evict_step: torch.Tensor,
-                              scaling: float, chunk: int = 256, *, oracle: str | None = None):
+def replay_dropped_mass_torch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    evict_step: torch.Tensor,
+    scaling: float,
+    chunk: int = 256,
+    *,
+    oracle: str | None = None,
+):
     """The same dropped mass in plain torch, ``chunk`` query rows at a time.
 
     Memory is ``O(b · Hq · chunk · N)``; works on any device. Shapes as in

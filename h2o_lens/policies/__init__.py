@@ -13,6 +13,7 @@ policy is one new file in this package declaring a :class:`Policy` object (the r
 finds it), plus its tests (DESIGN.md §2.9). Importing the registry loads neither torch
 nor transformers.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -21,9 +22,20 @@ import pkgutil
 from ..errors import ConfigError
 from .base import Policy, StepContext, half_split, ratio_slots
 
-__all__ = ["Policy", "StepContext", "get", "names", "all_policies", "evicting", "baselines", "alternatives",
-           "ratio_slots", "half_split", "DEFAULT", "FULL_CACHE"]
-
+__all__ = [
+    "Policy",
+    "StepContext",
+    "get",
+    "names",
+    "all_policies",
+    "evicting",
+    "baselines",
+    "alternatives",
+    "ratio_slots",
+    "half_split",
+    "DEFAULT",
+    "FULL_CACHE",
+]
 
 
 def _discover() -> tuple[Policy, ...]:

@@ -11,6 +11,7 @@ This module and the policy files import neither torch nor numpy at module level,
 layers that never load a model (``analyses``, through it the dashboard) can read the
 registry. Their tensor hooks import torch when they run.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -131,8 +132,9 @@ class Policy:
         """
         raise NotImplementedError(f"policy {self.name!r} has no prefill scores")
 
-    def decode_scores(self, scores: Any, history: Any, weights: Any, positions: Any,
-                      ctx: StepContext) -> tuple[Any, Any]:
+    def decode_scores(
+        self, scores: Any, history: Any, weights: Any, positions: Any, ctx: StepContext
+    ) -> tuple[Any, Any]:
         """Update the slots' ranking values for one decode step, in place.
 
         Parameters

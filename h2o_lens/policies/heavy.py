@@ -1,4 +1,5 @@
 """Heavy hitters only: H2O's scores with no recent window (DESIGN.md §2.5)."""
+
 from __future__ import annotations
 
 from ..reference import simulate
@@ -15,8 +16,15 @@ class HeavyOnly(CumulativeAttention):
 
 
 HEAVY = HeavyOnly(
-    name="heavy", rank=3, label="heavy only", colour="#ff7f0e",
-    summary="scores alone: new tokens have no observation window", baseline=True,
-    scored=True, accumulates=True, kernels=frozenset({"decode", "prefill"}), prefill="columns",
+    name="heavy",
+    rank=3,
+    label="heavy only",
+    colour="#ff7f0e",
+    summary="scores alone: new tokens have no observation window",
+    baseline=True,
+    scored=True,
+    accumulates=True,
+    kernels=frozenset({"decode", "prefill"}),
+    prefill="columns",
     reference=simulate,  # the split (B, 0) is passed to it as is
 )

@@ -1,4 +1,5 @@
 """Local: the recent window alone (DESIGN.md §2.5)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -15,8 +16,9 @@ class Unscored(Policy):
     def prefill_scores(self, columns: Any, rows: Any, positions: Any, ctx: StepContext) -> tuple[Any, Any]:
         return None, None  # the caller ranks by zeros
 
-    def decode_scores(self, scores: Any, history: Any, weights: Any, positions: Any,
-                      ctx: StepContext) -> tuple[Any, Any]:
+    def decode_scores(
+        self, scores: Any, history: Any, weights: Any, positions: Any, ctx: StepContext
+    ) -> tuple[Any, Any]:
         return scores.new_zeros(*scores.shape[:-1], 1), None
 
 
@@ -28,6 +30,11 @@ class RecentOnly(Unscored):
 
 
 LOCAL = RecentOnly(
-    name="local", rank=2, label="local window", colour="#2ca02c",
-    summary="recency alone: what far context is worth", baseline=True, kernels=frozenset({"decode"}),
+    name="local",
+    rank=2,
+    label="local window",
+    colour="#2ca02c",
+    summary="recency alone: what far context is worth",
+    baseline=True,
+    kernels=frozenset({"decode"}),
 )

@@ -3,6 +3,7 @@
 The draws are a hash of (seed, layer, KV set, position, step), so a request gets the
 same choices alone or in any batch.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,8 +21,9 @@ class RandomDraw(Policy):
 
         return random_scores(ctx.seed, ctx.layer, positions, ctx.step), None
 
-    def decode_scores(self, scores: Any, history: Any, weights: Any, positions: Any,
-                      ctx: StepContext) -> tuple[Any, Any]:
+    def decode_scores(
+        self, scores: Any, history: Any, weights: Any, positions: Any, ctx: StepContext
+    ) -> tuple[Any, Any]:
         from ..ops import random_scores
 
         scores.copy_(random_scores(ctx.seed, ctx.layer, positions, ctx.step))
@@ -29,6 +31,10 @@ class RandomDraw(Policy):
 
 
 RANDOM = RandomDraw(
-    name="random", rank=5, label="random", colour="#8c564b",
-    summary="a random victim outside the recent window: the no-information floor", baseline=True,
+    name="random",
+    rank=5,
+    label="random",
+    colour="#8c564b",
+    summary="a random victim outside the recent window: the no-information floor",
+    baseline=True,
 )

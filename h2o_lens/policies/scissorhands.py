@@ -15,6 +15,7 @@ The prompt's histories come from its last ``WINDOW`` rows: row u (|D| = u + 1 re
 sets bit ``P − 1 − u`` of every key it sees. It keeps H2O's split: the recent window is
 protected, as in the original method.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -28,8 +29,7 @@ __all__ = ["SCISSORHANDS", "LowAttentionCount", "WINDOW", "simulate"]
 WINDOW = 32
 
 
-def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum",
-             window: int = WINDOW) -> list[list[int]]:
+def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum", window: int = WINDOW) -> list[list[int]]:
     """Kept positions of the ScissorHands-style policy for one KV-head group, in FP64.
 
     Parameters
@@ -98,16 +98,18 @@ class LowAttentionCount(Policy):
 
         r = rows.shape[-2]
         row_pos = positions[..., -r:]  # (b, Hs, R) positions of the last R rows, -1 padding
-        seen = (positions[..., None, :] >= 0) & (positions[..., None, :] <= row_pos[..., None]) \
-            & (row_pos[..., None] >= 0)  # (b, Hs, R, P): key present at that row
+        seen = (
+            (positions[..., None, :] >= 0) & (positions[..., None, :] <= row_pos[..., None]) & (row_pos[..., None] >= 0)
+        )  # (b, Hs, R, P): key present at that row
         low = seen & self._low(rows, (row_pos + 1)[..., None], ctx)  # (b, Hs, R, P)
         bit = torch.arange(r - 1, -1, -1, device=rows.device, dtype=torch.int64)  # row P-R+j: bit R-1-j
         history = (low.to(torch.int64) << bit[:, None]).sum(-2)  # (b, Hs, P), disjoint bits
         scores = (self.history - popcount(history, self.history)).to(rows.dtype)
         return scores, history
 
-    def decode_scores(self, scores: Any, history: Any, weights: Any, positions: Any,
-                      ctx: StepContext) -> tuple[Any, Any]:
+    def decode_scores(
+        self, scores: Any, history: Any, weights: Any, positions: Any, ctx: StepContext
+    ) -> tuple[Any, Any]:
         import torch
 
         cap = scores.shape[-1]
@@ -121,7 +123,14 @@ class LowAttentionCount(Policy):
 
 
 SCISSORHANDS = LowAttentionCount(
-    name="scissorhands", rank=11, label="ScissorHands", colour="#e377c2",
+    name="scissorhands",
+    rank=11,
+    label="ScissorHands",
+    colour="#e377c2",
     summary="how often a slot was unimportant lately: persistence of importance",
-    scored=True, prefill="rows", prefill_rows=WINDOW, history=WINDOW, reference=simulate,
+    scored=True,
+    prefill="rows",
+    prefill_rows=WINDOW,
+    history=WINDOW,
+    reference=simulate,
 )

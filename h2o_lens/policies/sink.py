@@ -1,4 +1,5 @@
 """Sink: the first ``sink`` positions plus the recent window, StreamingLLM (DESIGN.md §2.5)."""
+
 from __future__ import annotations
 
 from .local import Unscored
@@ -14,13 +15,19 @@ class SinkAndRecent(Unscored):
 
     def check_budget(self, heavy: int, recent: int, sink: int) -> str | None:
         if sink >= heavy + recent:
-            return (f"sink={sink} leaves no recent slot in a budget of {heavy + recent}; "
-                    "use a smaller sink or a larger budget")
+            return (
+                f"sink={sink} leaves no recent slot in a budget of {heavy + recent}; "
+                "use a smaller sink or a larger budget"
+            )
         return None
 
 
 SINK = SinkAndRecent(
-    name="sink", rank=4, label="sink + recent", colour="#9467bd",
-    summary="first s positions + recent (StreamingLLM): fixed sinks against content heavy hitters", baseline=True,
+    name="sink",
+    rank=4,
+    label="sink + recent",
+    colour="#9467bd",
+    summary="first s positions + recent (StreamingLLM): fixed sinks against content heavy hitters",
+    baseline=True,
     kernels=frozenset({"decode"}),
 )

@@ -7,6 +7,7 @@ its last row's weights. It keeps H2O's split, so the recent window is protected 
 comparison with ``h2o`` isolates "current weight" against "cumulative weight"; a budget
 with ``recent=0`` is the original method, where the new token may be its own victim.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -53,15 +54,22 @@ class CurrentAttention(Policy):
     def prefill_scores(self, columns: Any, rows: Any, positions: Any, ctx: StepContext) -> tuple[Any, Any]:
         return rows[..., -1, :], None  # (b, Hs, P) the last prompt row
 
-    def decode_scores(self, scores: Any, history: Any, weights: Any, positions: Any,
-                      ctx: StepContext) -> tuple[Any, Any]:
+    def decode_scores(
+        self, scores: Any, history: Any, weights: Any, positions: Any, ctx: StepContext
+    ) -> tuple[Any, Any]:
         cap = scores.shape[-1]
         scores.copy_(weights[..., :cap])
         return weights[..., cap:], None
 
 
 TOVA = CurrentAttention(
-    name="tova", rank=10, label="TOVA", colour="#17becf",
+    name="tova",
+    rank=10,
+    label="TOVA",
+    colour="#17becf",
     summary="the current step's attention alone: what accumulation adds",
-    scored=True, prefill="rows", prefill_rows=1, reference=simulate,
+    scored=True,
+    prefill="rows",
+    prefill_rows=1,
+    reference=simulate,
 )

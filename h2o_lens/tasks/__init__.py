@@ -9,12 +9,24 @@
   expected answers and answer checkers; plain Python (``calibrate`` loads
   torch when called).
 """
+
 from __future__ import annotations
 
 from .attention_cases import CASES, PolicyCase, policy_case, policy_cases
 from .real import KINDS, SIZES, CalibrationRow, Task, budget, calibrate, check_answer, get_task, suite
 
 __all__ = [
-    "Task", "KINDS", "SIZES", "suite", "get_task", "check_answer", "budget", "calibrate", "CalibrationRow",
-    "PolicyCase", "CASES", "policy_case", "policy_cases",
+    "Task",
+    "KINDS",
+    "SIZES",
+    "suite",
+    "get_task",
+    "check_answer",
+    "budget",
+    "calibrate",
+    "CalibrationRow",
+    "PolicyCase",
+    "CASES",
+    "policy_case",
+    "policy_cases",
 ]

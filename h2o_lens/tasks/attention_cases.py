@@ -53,6 +53,7 @@ agree on every step before ``answer_step``, so the first divergence is the
 answer itself. :func:`recorders.policy_cases.write_policy_case` writes a
 case as a complete run.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -60,8 +61,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["PolicyCase", "CASES", "policy_case", "policy_cases", "uniform", "far_hotspot",
-           "hotspot_switch", "delayed_reference", "gqa_split"]
+__all__ = [
+    "PolicyCase",
+    "CASES",
+    "policy_case",
+    "policy_cases",
+    "uniform",
+    "far_hotspot",
+    "hotspot_switch",
+    "delayed_reference",
+    "gqa_split",
+]
 
 VOCAB = 32
 
@@ -123,11 +133,14 @@ class PolicyCase:
         if not 1 <= self.prompt_len <= self.n:
             raise ValueError(f"case {self.name!r}: prompt_len must be in [1, {self.n}], got {self.prompt_len}")
         if not self.prompt_len - 1 <= self.answer_step < self.n:
-            raise ValueError(f"case {self.name!r}: answer_step must be in [{self.prompt_len - 1}, {self.n - 1}], "
-                             f"got {self.answer_step}")
+            raise ValueError(
+                f"case {self.name!r}: answer_step must be in [{self.prompt_len - 1}, {self.n - 1}], "
+                f"got {self.answer_step}"
+            )
         if self.token_ids.shape != (self.n + 1,):
-            raise ValueError(f"case {self.name!r}: token_ids must have shape ({self.n + 1},), "
-                             f"got {self.token_ids.shape}")
+            raise ValueError(
+                f"case {self.name!r}: token_ids must have shape ({self.n + 1},), got {self.token_ids.shape}"
+            )
 
     # ------------------------------------------------------------------ shape
     @property
@@ -192,8 +205,10 @@ class PolicyCase:
 
 # ---------------------------------------------------------------------------- builders
 
-def _tokens(rng: np.random.Generator, n: int, evidence: dict[str, tuple[int, ...]]
-            ) -> tuple[np.ndarray, tuple[str, ...]]:
+
+def _tokens(
+    rng: np.random.Generator, n: int, evidence: dict[str, tuple[int, ...]]
+) -> tuple[np.ndarray, tuple[str, ...]]:
     """Random filler tokens, one reserved token per evidence label (the last ids); id 0 is " the"."""
     labels = list(evidence)
     filler = VOCAB - len(labels)
@@ -224,9 +239,20 @@ def uniform(seed: int = 0) -> PolicyCase:
     _ask(logits, n - 1, middle)
     evidence = {"middle": (middle,)}
     ids, vocab = _tokens(rng, n, evidence)
-    return PolicyCase("uniform", "uniform attention: cumulative scores grow with age, the oldest "
-                      "positions hold the heavy slots", logits, p, evidence, n - 1, ids, vocab,
-                      heavy=4, recent=4, seed=seed, marks={"answer_position": middle})
+    return PolicyCase(
+        "uniform",
+        "uniform attention: cumulative scores grow with age, the oldest positions hold the heavy slots",
+        logits,
+        p,
+        evidence,
+        n - 1,
+        ids,
+        vocab,
+        heavy=4,
+        recent=4,
+        seed=seed,
+        marks={"answer_position": middle},
+    )
 
 
 def far_hotspot(seed: int = 0) -> PolicyCase:
@@ -234,13 +260,24 @@ def far_hotspot(seed: int = 0) -> PolicyCase:
     rng = np.random.default_rng([seed, 2])
     n, p, hot = 56, 32, 10
     logits = _noise(rng, (1, 1, 1, n, n), 0.3)
-    logits[..., hot + 1:, hot] += 3.0
+    logits[..., hot + 1 :, hot] += 3.0
     _ask(logits, n - 1, hot)
     evidence = {"hotspot": (hot,)}
     ids, vocab = _tokens(rng, n, evidence)
-    return PolicyCase("far_hotspot", "one far position every query attends to: kept by heavy "
-                      "hitters, lost by a recent window", logits, p, evidence, n - 1, ids, vocab,
-                      heavy=4, recent=4, seed=seed, marks={"hotspot": hot, "answer_position": hot})
+    return PolicyCase(
+        "far_hotspot",
+        "one far position every query attends to: kept by heavy hitters, lost by a recent window",
+        logits,
+        p,
+        evidence,
+        n - 1,
+        ids,
+        vocab,
+        heavy=4,
+        recent=4,
+        seed=seed,
+        marks={"hotspot": hot, "answer_position": hot},
+    )
 
 
 def hotspot_switch(seed: int = 0) -> PolicyCase:
@@ -255,16 +292,26 @@ def hotspot_switch(seed: int = 0) -> PolicyCase:
     n, p, old, switch = 64, 32, 8, 40
     logits = _noise(rng, (1, 1, 1, n, n), 0.3)
     logits[..., 2:, 0:2] += 1.5  # sinks
-    logits[..., old + 1:switch, old] += 3.0  # old hotspot, until the switch
-    logits[..., switch + 1:, switch] += 3.0  # new hotspot from the switch on
+    logits[..., old + 1 : switch, old] += 3.0  # old hotspot, until the switch
+    logits[..., switch + 1 :, switch] += 3.0  # new hotspot from the switch on
     _ask(logits, n - 1, switch)
     evidence = {"old_hotspot": (old,), "new_hotspot": (switch,)}
     ids, vocab = _tokens(rng, n, evidence)
-    return PolicyCase("hotspot_switch", "attention switches from an old hotspot to a new one: the old "
-                      "stays as a stale heavy hitter, the new one is not promoted", logits, p, evidence,
-                      n - 1, ids, vocab, heavy=3, recent=4, seed=seed,
-                      marks={"old_hotspot": old, "new_hotspot": switch, "switch": switch,
-                             "answer_position": switch})
+    return PolicyCase(
+        "hotspot_switch",
+        "attention switches from an old hotspot to a new one: the old "
+        "stays as a stale heavy hitter, the new one is not promoted",
+        logits,
+        p,
+        evidence,
+        n - 1,
+        ids,
+        vocab,
+        heavy=3,
+        recent=4,
+        seed=seed,
+        marks={"old_hotspot": old, "new_hotspot": switch, "switch": switch, "answer_position": switch},
+    )
 
 
 def delayed_reference(seed: int = 0) -> PolicyCase:
@@ -273,14 +320,24 @@ def delayed_reference(seed: int = 0) -> PolicyCase:
     n, p, recent = 56, 32, 4
     ev = p - 3  # inside the recent window at the end of the prefill
     logits = _noise(rng, (1, 1, 1, n, n), 0.3)
-    logits[..., ev + 1:, ev] -= 4.0  # nobody looks at it ...
+    logits[..., ev + 1 :, ev] -= 4.0  # nobody looks at it ...
     _ask(logits, n - 1, ev, bonus=14.0)  # ... until the answer needs it
     evidence = {"evidence": (ev,)}
     ids, vocab = _tokens(rng, n, evidence)
-    return PolicyCase("delayed_reference", "evidence ignored until a late query: evicted with a low score "
-                      "right after it leaves the recent window", logits, p, evidence, n - 1, ids, vocab,
-                      heavy=4, recent=recent, seed=seed,
-                      marks={"evidence": ev, "exit_step": ev + recent, "answer_position": ev})
+    return PolicyCase(
+        "delayed_reference",
+        "evidence ignored until a late query: evicted with a low score right after it leaves the recent window",
+        logits,
+        p,
+        evidence,
+        n - 1,
+        ids,
+        vocab,
+        heavy=4,
+        recent=recent,
+        seed=seed,
+        marks={"evidence": ev, "exit_step": ev + recent, "answer_position": ev},
+    )
 
 
 def gqa_split(seed: int = 0) -> PolicyCase:
@@ -307,9 +364,20 @@ def gqa_split(seed: int = 0) -> PolicyCase:
     evidence = {f"head{h}": (f,) for h, f in enumerate(favourites)}
     evidence["shared"] = (shared,)
     ids, vocab = _tokens(rng, n, evidence)
-    return PolicyCase("gqa_split", "query heads of one group prefer different positions: sum and max "
-                      "aggregation keep different sets", logits, p, evidence, n - 1, ids, vocab,
-                      heavy=3, recent=4, seed=seed, marks={"shared": shared, "answer_position": asked})
+    return PolicyCase(
+        "gqa_split",
+        "query heads of one group prefer different positions: sum and max aggregation keep different sets",
+        logits,
+        p,
+        evidence,
+        n - 1,
+        ids,
+        vocab,
+        heavy=3,
+        recent=4,
+        seed=seed,
+        marks={"shared": shared, "answer_position": asked},
+    )
 
 
 def _column_sums(logits: np.ndarray, prefill: int) -> np.ndarray:

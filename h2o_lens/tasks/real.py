@@ -40,6 +40,7 @@ recent), seed 0::
 Other seeds use the same templates but are not individually checked: the
 model is small and some wordings it does not answer even with a full cache.
 """
+
 from __future__ import annotations
 
 import random
@@ -53,17 +54,58 @@ from typing import Any
 from ..config import H2OConfig
 from ..policies import DEFAULT, half_split, ratio_slots
 
-__all__ = ["Task", "KINDS", "SIZES", "suite", "get_task", "check_answer", "normalise", "budget",
-           "calibrate", "CalibrationRow"]
+__all__ = [
+    "Task",
+    "KINDS",
+    "SIZES",
+    "suite",
+    "get_task",
+    "check_answer",
+    "normalise",
+    "budget",
+    "calibrate",
+    "CalibrationRow",
+]
 
 # ------------------------------------------------------------------------------- word banks
 
-NAMES = ("Alice", "Bruno", "Chloe", "Daniel", "Elena", "Farid", "Grace", "Hugo", "Irene", "Jonas",
-         "Kira", "Liam", "Maya", "Nadia", "Oscar", "Paula")
-CITIES = ("Lisbon", "Oslo", "Nairobi", "Denver", "Osaka", "Dublin", "Lima", "Prague", "Cairo",
-          "Vienna", "Madrid", "Boston", "Sydney", "Berlin", "Toronto", "Athens")
-PASSWORDS = ("falcon", "orange", "river", "silver", "tiger", "maple", "violet", "thunder", "copper",
-             "meadow")
+NAMES = (
+    "Alice",
+    "Bruno",
+    "Chloe",
+    "Daniel",
+    "Elena",
+    "Farid",
+    "Grace",
+    "Hugo",
+    "Irene",
+    "Jonas",
+    "Kira",
+    "Liam",
+    "Maya",
+    "Nadia",
+    "Oscar",
+    "Paula",
+)
+CITIES = (
+    "Lisbon",
+    "Oslo",
+    "Nairobi",
+    "Denver",
+    "Osaka",
+    "Dublin",
+    "Lima",
+    "Prague",
+    "Cairo",
+    "Vienna",
+    "Madrid",
+    "Boston",
+    "Sydney",
+    "Berlin",
+    "Toronto",
+    "Athens",
+)
+PASSWORDS = ("falcon", "orange", "river", "silver", "tiger", "maple", "violet", "thunder", "copper", "meadow")
 COLOURS = ("red", "blue", "green", "yellow", "purple", "black", "white", "orange")
 PETS = ("dog", "cat", "parrot", "rabbit", "horse", "turtle")
 JOBS = ("teacher", "nurse", "pilot", "baker", "farmer", "doctor", "lawyer", "painter")
@@ -152,6 +194,7 @@ def check_answer(answer: str, required: Sequence[str], distractors: Sequence[str
 
 # -------------------------------------------------------------------------------------- tasks
 
+
 @dataclass(frozen=True)
 class Task:
     """One real-model task instance.
@@ -190,8 +233,7 @@ class Task:
     def __post_init__(self) -> None:
         for label, span in self.evidence.items():
             if not span or span not in self.prompt:
-                raise ValueError(f"task {self.name!r}: evidence {label!r} = {span!r} is not a substring "
-                                 "of the prompt")
+                raise ValueError(f"task {self.name!r}: evidence {label!r} = {span!r} is not a substring of the prompt")
 
     def check(self, answer: str) -> bool:
         """Answer checker (see :func:`check_answer`)."""
@@ -221,10 +263,11 @@ def _filler(rng: random.Random, bank: Sequence[str], count: int) -> str:
 
 
 def _code(rng: random.Random, digits: int) -> str:
-    return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+    return str(rng.randrange(10 ** (digits - 1), 10**digits))
 
 
 # one builder per kind; ``index`` picks the variant (filler length, kind of ID or question)
+
 
 def _delayed_recall(rng: random.Random, index: int) -> dict[str, Any]:
     sentences = (12, 14, 24, 8)[index % 4]
@@ -239,8 +282,7 @@ def _delayed_recall(rng: random.Random, index: int) -> dict[str, Any]:
         fact, question = f"The secret code is {answer}.", "What is the secret code?"
         evidence, distractors = {"code": f"code is {answer}"}, ()
     prompt = f"{fact}\n{_filler(rng, TOWN, sentences)}\n{question}"
-    return dict(prompt=prompt, evidence=evidence, expected=answer, required=(answer,),
-                distractors=distractors)
+    return dict(prompt=prompt, evidence=evidence, expected=answer, required=(answer,), distractors=distractors)
 
 
 def _multi_fact(rng: random.Random, index: int) -> dict[str, Any]:
@@ -260,8 +302,9 @@ def _multi_fact(rng: random.Random, index: int) -> dict[str, Any]:
         evidence = {"city": f"lives in {city}", "job": f"works as a {job}"}
         distractors = tuple(c for c in CITIES if c != city) + tuple(j for j in JOBS if j != job)
     prompt = f"{facts}\n{_filler(rng, TOWN, sentences)}\n{question}"
-    return dict(prompt=prompt, evidence=evidence, expected=" and ".join(required), required=required,
-                distractors=distractors)
+    return dict(
+        prompt=prompt, evidence=evidence, expected=" and ".join(required), required=required, distractors=distractors
+    )
 
 
 def _topic_switch(rng: random.Random, index: int) -> dict[str, Any]:
@@ -272,16 +315,23 @@ def _topic_switch(rng: random.Random, index: int) -> dict[str, Any]:
     else:
         notes = f"Trip notes: {name} is travelling to {city} next week."
     prompt = f"{notes}\n{_filler(rng, COOKING, sentences)}\nWhich city is {name} travelling to?"
-    return dict(prompt=prompt, evidence={"destination": f"travelling to {city}"}, expected=city,
-                required=(city,), distractors=tuple(c for c in CITIES if c != city))
+    return dict(
+        prompt=prompt,
+        evidence={"destination": f"travelling to {city}"},
+        expected=city,
+        required=(city,),
+        distractors=tuple(c for c in CITIES if c != city),
+    )
 
 
 def _long_passage(rng: random.Random, index: int) -> dict[str, Any]:
     people, jobs, cities = rng.sample(NAMES, 3), rng.sample(JOBS, 3), rng.sample(CITIES, 3)
     per_person = (5, 6, 4, 4)[index % 4]
     filler = _sentences(rng, TOWN, 3 * per_person)
-    passage = "\n".join(f"{p} is a {j} from {c}. " + " ".join(filler[k * per_person:(k + 1) * per_person])
-                       for k, (p, j, c) in enumerate(zip(people, jobs, cities)))
+    passage = "\n".join(
+        f"{p} is a {j} from {c}. " + " ".join(filler[k * per_person : (k + 1) * per_person])
+        for k, (p, j, c) in enumerate(zip(people, jobs, cities))
+    )
     k = 1 if index % 4 == 2 else 0  # the person asked about: the first, or the second
     who = people[k]
     if index % 4 in (0, 3):
@@ -290,8 +340,9 @@ def _long_passage(rng: random.Random, index: int) -> dict[str, Any]:
     else:
         question, answer = f"What is {who}'s job?", jobs[k]
         distractors, evidence = tuple(j for j in jobs if j != answer), {"job": f"{who} is a {answer}"}
-    return dict(prompt=f"{passage}\n{question}", evidence=evidence, expected=answer, required=(answer,),
-                distractors=distractors)
+    return dict(
+        prompt=f"{passage}\n{question}", evidence=evidence, expected=answer, required=(answer,), distractors=distractors
+    )
 
 
 _BUILDERS: dict[str, Callable[[random.Random, int], dict[str, Any]]] = {
@@ -333,12 +384,14 @@ def get_task(name: str, seed: int = 0) -> Task:
     """The task instance ``<kind>_<index>`` (e.g. ``"multi_fact_1"``) of seed ``seed``."""
     kind, _, index = name.rpartition("_")
     if kind not in _BUILDERS or not index.isdigit():
-        raise KeyError(f"unknown task {name!r}; expected <kind>_<index> with kind one of "
-                       f"{', '.join(KINDS)}, e.g. {KINDS[0]}_0")
+        raise KeyError(
+            f"unknown task {name!r}; expected <kind>_<index> with kind one of {', '.join(KINDS)}, e.g. {KINDS[0]}_0"
+        )
     return _build(kind, int(index), seed)
 
 
 # ------------------------------------------------------------------------------- calibration
+
 
 @dataclass
 class CalibrationRow:
@@ -370,15 +423,22 @@ def _answer(model: Any, tokenizer: Any, task: Task, config: H2OConfig | None) ->
 
     enc = tokenizer(task.chat_text(tokenizer), return_tensors="pt", add_special_tokens=False)
     p = enc["input_ids"].shape[1]
-    with torch.no_grad(), (h2o(model, config) if config is not None else contextlib.nullcontext()):
-        ids = model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad(), h2o(model, config) if config is not None else contextlib.nullcontext():
+        ids = model.generate(
+            **enc, max_new_tokens=task.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
     return p, tokenizer.decode(ids[0, p:], skip_special_tokens=True)
 
 
-def calibrate(tasks: Sequence[Task] | None = None, *, model: Any = None, tokenizer: Any = None,
-              ratios: Sequence[float] = (0.2, 0.1), policies: Sequence[str] = (DEFAULT, "local"),
-              out: Callable[[str], Any] = print) -> list[CalibrationRow]:
+def calibrate(
+    tasks: Sequence[Task] | None = None,
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    ratios: Sequence[float] = (0.2, 0.1),
+    policies: Sequence[str] = (DEFAULT, "local"),
+    out: Callable[[str], Any] = print,
+) -> list[CalibrationRow]:
     """Answer every task with the full cache and each policy at each keep ratio; print a table.
 
     Budgets come from :func:`budget` (same slot count for every policy);
@@ -402,15 +462,18 @@ def calibrate(tasks: Sequence[Task] | None = None, *, model: Any = None, tokeniz
     rows = []
     t0 = time.perf_counter()
     for task in tasks:
-        row = CalibrationRow(task.name, len(tokenizer(task.chat_text(tokenizer),
-                                                      add_special_tokens=False)["input_ids"]))
+        row = CalibrationRow(
+            task.name, len(tokenizer(task.chat_text(tokenizer), add_special_tokens=False)["input_ids"])
+        )
         for label, policy, ratio in columns:
             config = budget(policy, ratio, row.prompt_len) if policy else None
             _, answer = _answer(model, tokenizer, task, config)
             row.results[label] = (task.check(answer), answer)
         rows.append(row)
-        out(f"{task.name:<18} {row.prompt_len:>4}  " + "  ".join(
-            f"{'ok' if row.results[c][0] else 'FAIL':>9}" for c, _, _ in columns))
+        out(
+            f"{task.name:<18} {row.prompt_len:>4}  "
+            + "  ".join(f"{'ok' if row.results[c][0] else 'FAIL':>9}" for c, _, _ in columns)
+        )
     totals = [sum(r.results[c][0] for r in rows) for c, _, _ in columns]
     out(f"{'correct':<18} {'':>4}  " + "  ".join(f"{f'{n}/{len(rows)}':>9}" for n in totals))
     out(f"({time.perf_counter() - t0:.0f} s)")
