@@ -261,8 +261,10 @@ def _write_replay_summary(run_dir: Path, stats: dict[str, float], seconds: float
 def _rebuilt_sets(run_dir: Path, case: PolicyCase, sets: int, gqa_none: bool) -> np.ndarray:
     """``(L, Hs, N)`` eviction step of each position, read back from the written evictions."""
     ev_tab = load_run(run_dir, tables=("evictions",))["evictions"]
-    cols = ("layer", "kv_head", "position", "step") + (("q_head",) if gqa_none else ())
+    cols = ("layer", "kv_head", "position", "step")
     ev = {c: np.asarray(ev_tab[c].to_numpy(zero_copy_only=False), dtype=np.int64) for c in cols}
+    if gqa_none:  # a group of one query head logs no q_head: its set is the KV head's
+        ev["q_head"] = np.asarray(ev_tab["q_head"].fill_null(ev_tab["kv_head"]).to_pylist(), dtype=np.int64)
     return evict_steps(ev, case.layers, sets, case.n, gqa_none)
 
 

@@ -397,3 +397,19 @@ def test_shipped_sample_cases_match_the_generators(tmp_path):
         for run in runs:
             sql = f"SELECT {cols} FROM {table} WHERE run_id = ? ORDER BY ALL"
             assert _one(con, sql, run) == _one(fresh, sql, run), (table, run)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_policy_cases_write_with_one_set_per_query_head(tmp_path, name):
+    """``gqa='none'`` works for every case; with one query head per KV head its sets are the
+    KV heads' sets, so it logs exactly the evictions of ``gqa='sum'``."""
+    case = policy_case(name)
+    runs = {g: write_policy_case(tmp_path / g, case, heavy=3, recent=4, gqa=g) for g in ("none", "sum")}
+    con = open_runs(tmp_path / "none")
+    assert con.execute("SELECT status FROM runs").fetchall() == [("complete",)]
+    if case.q_heads == case.kv_heads:
+        rows = {}
+        for g in runs:
+            c = open_runs(tmp_path / g)
+            rows[g] = sorted(c.execute("SELECT step, layer, kv_head, position FROM evictions").fetchall())
+        assert rows["none"] == rows["sum"] and rows["sum"]
