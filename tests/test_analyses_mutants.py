@@ -145,6 +145,13 @@ def logs(tmp_path_factory):
     write_run(
         root, "spans", tokens=tokens_for(8, 5, evidence={1: "fact"}), evictions=_span_evictions(), replay=_span_replay()
     )
+    two = _span_replay()
+    two = {
+        k: v + [(1 if k == "request" else (x + 0.5 if k == "dropped_mass" else x)) for x in v] for k, v in two.items()
+    }
+    tokens = {k: v + v for k, v in tokens_for(8, 5).items()}
+    tokens["request"] = [0] * 8 + [1] * 8
+    write_run(root, "two-requests", tokens=tokens, replay=two)
     return {"root": root, "con": open_runs(root)}
 
 
@@ -422,6 +429,39 @@ def test_dropped_mass_by_layer_defaults_to_one_step_buckets(logs):
     assert two.step_start.tolist() == [4, 6] * 2
 
 
+def test_dropped_mass_and_head_coverage_of_one_request(logs):
+    rp = load_run(logs["root"] / "two-requests", ["replay"])["replay"].to_pandas()
+    assert sorted(set(rp.request)) == [0, 1]
+    for request in (0, 1):
+        mine = rp[rp.request == request]
+        got = analyses.dropped_mass(logs["con"], "two-requests", request=request).df()
+        assert got.request.tolist() == [request] * len(mine) == [request] * 16
+        got = got.sort_values(["step", "layer", "q_head"])
+        np.testing.assert_allclose(got.dropped_mass, mine.sort_values(["step", "layer", "q_head"]).dropped_mass)
+        np.testing.assert_allclose(got.coverage, 1.0 - got.dropped_mass.to_numpy(np.float64))
+        heads = analyses.head_coverage(logs["con"], "two-requests", request=request).df()
+        c = mine.assign(c=1.0 - mine.dropped_mass.astype(np.float64)).groupby(["layer", "q_head"]).c
+        np.testing.assert_allclose(
+            heads[["n", "mean", "min", "max"]].to_numpy(float), c.agg(["size", "mean", "min", "max"]).to_numpy(float)
+        )
+    assert len(analyses.dropped_mass(logs["con"], "two-requests").df()) == len(rp) == 32
+
+
+def test_coverage_stats_quotes_column_names(logs):
+    rel = logs["con"].sql('SELECT * FROM (VALUES (1, 0.25), (1, 0.75), (2, 0.5)) t("a""b", "v v")')
+    got = analyses.coverage_stats(rel, by=('a"b',), value="v v").df()
+    assert got['a"b'].tolist() == [1, 2] and got.n.tolist() == [2, 1]
+    np.testing.assert_allclose(got[["mean", "min", "max"]].to_numpy(float), [[0.5, 0.25, 0.75], [0.5, 0.5, 0.5]])
+
+
+def test_coverage_stats_names_the_missing_column_and_the_columns_it_has(logs):
+    rel = analyses.dropped_mass(logs["con"], "spans")
+    with pytest.raises(ParameterError) as err:
+        analyses.coverage_stats(rel, by=("layer", "nope"))
+    msg = str(err.value)
+    assert "'nope'" in msg and ", ".join(rel.columns) in msg, msg
+
+
 # -- parameter checks --------------------------------------------------------------------------------
 
 BAD = [
@@ -441,6 +481,8 @@ BAD = [
     (analyses.margin_sensitivity, "margins", "phase", "PREFILL"),
     (analyses.dropped_mass_by_layer, "spans", "bucket", 0),
     (analyses.dropped_mass_by_layer, "spans", "bucket", -3),
+    (analyses.dropped_mass, "spans", "request", -1),
+    (analyses.dropped_mass, "spans", "request", "0"),
 ]
 
 
