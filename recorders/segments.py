@@ -81,7 +81,11 @@ def write_options(schema: pa.Schema) -> dict[str, Any]:
 
     Derived from the column types: byte-stream-split for floats, delta for
     int64 (steps and positions: sorted or nearly so), dictionary for the rest
-    (small ints, flags, strings).
+    (small ints, flags, strings). Min/max statistics are written for every
+    column but the floating-point ones: Parquet statistics leave NaN out, and
+    DuckDB answers ``isnan(x)`` and range filters from them, so a column whose
+    NaN carries a meaning (``margin``: nothing eligible survived) would read as
+    having none.
     """
     encoding = {}
     for field in schema:
@@ -95,7 +99,7 @@ def write_options(schema: pa.Schema) -> dict[str, Any]:
         "use_dictionary": [f.name for f in schema if f.name not in encoding],
         "column_encoding": encoding,
         "row_group_size": ROW_GROUP_SIZE,
-        "write_statistics": True,
+        "write_statistics": [f.name for f in schema if not pa.types.is_floating(f.type)],
         "write_page_checksum": True,  # readers verify every page (recorders.catalog)
     }
 

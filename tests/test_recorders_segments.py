@@ -18,7 +18,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recorders import RunWriter, SegmentWriter, check_run, list_runs, list_segments, open_runs, query, synthetic_tables
+from recorders import (
+    RunWriter,
+    SegmentWriter,
+    check_run,
+    list_runs,
+    list_segments,
+    open_runs,
+    query,
+    segments,
+    synthetic_tables,
+)
 from recorders.schema import META_CONFIG, META_SCHEMA_VERSION, to_arrow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -250,3 +260,48 @@ def test_write_segment_renames_the_temporary_file_into_place(tmp_path, monkeypat
     )
     assert renames == [("evictions-00000.parquet.tmp", "evictions-00000.parquet", True)]
     assert path.exists() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_nan_in_float_columns_stays_visible_to_duckdb(tmp_path):
+    """Parquet min/max statistics leave NaN out, and DuckDB answers ``isnan`` and range filters from
+    them: float columns carry no statistics, so a NaN margin is read as NaN."""
+    cols = {
+        "request": [0, 0, 0],
+        "step": [3, 4, 5],
+        "layer": [0, 0, 0],
+        "kv_head": [0, 0, 0],
+        "position": [0, 1, 2],
+        "score": [0.5, 0.25, 0.125],
+        "margin": [float("nan"), 0.5, float("nan")],
+        "age": [3, 3, 3],
+        "left_recent": [False, False, False],
+        "phase": ["decode"] * 3,
+    }
+    path = tmp_path / segments.segment_name("evictions", 0)
+    segments.write_segment(path, "evictions", to_arrow("evictions", cols, run_id="r"), run_id="r", fsync=False)
+    got = (
+        duckdb.connect()
+        .sql(
+            f"SELECT count(*) FILTER (WHERE isnan(margin)), count(*) FILTER (WHERE margin <= 1) "
+            f"FROM read_parquet('{path}')"
+        )
+        .fetchall()
+    )
+    assert got == [(2, 1)]
+
+
+def test_shipped_samples_show_their_nan_margins_to_duckdb():
+    files = sorted((Path(__file__).resolve().parents[1] / "sample_runs").glob("*/evictions-*.parquet"))
+    expected = sum(
+        int(np.isnan(pq.read_table(f, columns=["margin"])["margin"].to_numpy(zero_copy_only=False)).sum())
+        for f in files
+    )
+    assert expected > 0
+    (got,) = (
+        duckdb.connect()
+        .execute(
+            "SELECT count(*) FILTER (WHERE isnan(margin)) FROM read_parquet($files)", {"files": [str(f) for f in files]}
+        )
+        .fetchall()[0]
+    )
+    assert got == expected
