@@ -304,8 +304,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from analyses import format_result, runs_headline
+    from analyses import ParameterError, format_result, runs_headline
 
+    if not os.path.isdir(args.root):
+        raise ParameterError(f"runs root {args.root} does not exist or is not a folder")
     df = runs_headline(args.root).df()
     truncated = len(df) > args.max_rows
     df = df.head(args.max_rows)

@@ -46,3 +46,12 @@ def test_runs_caps_the_rows_it_prints(capsys):
     assert main(["runs", str(SAMPLES), "--max-rows", "3"]) == 0
     out = capsys.readouterr().out
     assert "(3 rows, truncated)" in out
+
+
+def test_runs_of_a_missing_root_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["runs", str(tmp_path / "nowhere")]) == 2
+    out = capsys.readouterr()
+    assert (
+        out.out == ""
+        and out.err.strip() == f"h2o-lens: error: runs root {tmp_path / 'nowhere'} does not exist or is not a folder"
+    )
