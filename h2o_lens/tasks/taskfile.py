@@ -17,6 +17,7 @@ A line is an object with these fields::
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from typing import Any
 
 from .real import check_answer
 
-__all__ = ["FileTask", "Answer"]
+__all__ = ["FileTask", "Answer", "load_tasks", "resolve_tasks", "from_builtin"]
 
 #: an answer spec: str | tuple of str | {"regex": str} | {"all": [...], "none": [...]}
 Answer = Any
@@ -150,3 +151,44 @@ def from_builtin(task: Any) -> FileTask:
 
 def _dumps(tasks: Sequence[FileTask]) -> str:
     return "".join(json.dumps(t.to_json(), ensure_ascii=False) + "\n" for t in tasks)
+
+
+def load_tasks(path: str | os.PathLike[str]) -> list[FileTask]:
+    """The requests of a JSONL task file, in file order (blank lines skipped)."""
+    tasks = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            turns = obj.get("messages")
+            prompt = obj.get("prompt")
+            if turns is not None:
+                turns = tuple(dict(m) for m in turns)
+                prompt = [m["content"] for m in turns if m.get("role") == "user"][-1]
+            answer = obj.get("answer")
+            tasks.append(
+                FileTask(
+                    name=obj.get("name", f"line_{n}"),
+                    prompt=prompt,
+                    turns=turns,
+                    answer=tuple(answer) if isinstance(answer, list) else answer,
+                    evidence={k: v if isinstance(v, str) else tuple(v) for k, v in obj.get("evidence", {}).items()},
+                    max_new_tokens=obj.get("max_new_tokens", 32),
+                    meta=obj.get("meta", {}),
+                    kind=obj.get("meta", {}).get("kind", "file"),
+                )
+            )
+    return tasks
+
+
+def resolve_tasks(
+    spec: str, *, seed: int = 0, length: int | None = None, count: int | None = None, tokenizer: Any = None
+) -> list[FileTask]:
+    """``builtin:NAME`` (a family of :mod:`h2o_lens.tasks.builtins`) or the path of a task file."""
+    if spec.startswith("builtin:"):
+        from .builtins import family
+
+        return family(spec.removeprefix("builtin:"))(seed=seed, length=length, count=count, tokenizer=tokenizer)
+    tasks = load_tasks(spec)
+    return tasks[:count] if count is not None else tasks
