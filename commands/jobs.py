@@ -95,7 +95,11 @@ def run_task(
         return {"task": task.name, "expected": task.expected, "correct": verdict["correct"]}
 
     t0 = time.perf_counter()
-    info = {"task": task.name}
+    info = {
+        "task": task.name,
+        "task_spec": _task_spec(task),  # the checker, rebuilt by counterfactual re-runs
+        "decoding": {"do_sample": False, "max_new_tokens": task.max_new_tokens},
+    }
     with (
         torch.no_grad(),
         record(
@@ -125,6 +129,17 @@ def run_task(
         verdict.get("correct", False),
         time.perf_counter() - t0,
     )
+
+
+def _task_spec(task: Task) -> dict[str, Any] | None:
+    """The task as a task-file line (prompt, answer spec, evidence), or None when it has no such form."""
+    from h2o_lens.tasks.taskfile import from_builtin
+
+    if hasattr(task, "to_json"):
+        return task.to_json()
+    if hasattr(task, "required"):
+        return from_builtin(task).to_json()
+    return None
 
 
 def _verdicts(root: str | os.PathLike, runs: Iterable[TaskRun]) -> dict[str, str]:

@@ -255,6 +255,15 @@ RUNS = pa.schema(
             "implementation check: largest accepted |logit difference|, derived from the run's dtype",
             nullable=True,
         ),
+        _f("parent_run", pa.string(), "run a counterfactual re-run explains (null: not a counterfactual)", nullable=True),
+        _f(
+            "counterfactual_kind",
+            pa.string(),
+            "full | pinned | oracle | policy_budget | oracle_budget (DESIGN.md §6.10)",
+            nullable=True,
+        ),
+        _f("counterfactual_request", pa.int32(), "request of the parent run re-run", nullable=True),
+        _f("counterfactual_slots", pa.int32(), "slot count of the re-run (null: full cache)", nullable=True),
     ]
 )
 

@@ -2,7 +2,7 @@
 
 :func:`open_runs` returns a DuckDB connection with the views ``runs``,
 ``tokens``, ``evictions``, ``steps``, ``replay``, ``replay_steps`` (DESIGN.md
-§5) and ``problems``. The data views read an explicit list of validated
+§5), ``problems`` and ``counterfactuals`` (re-runs linked to their parent, §6.10). The data views read an explicit list of validated
 files with ``union_by_name=true``: a damaged file is left out and reported,
 never allowed to fail a query over all runs, and the run it belongs to is
 marked in ``runs.integrity``. Every view exists, with the
@@ -88,11 +88,29 @@ def _table_view(table: str, files: list[SegmentFile]) -> str:
     )
 
 
+#: counterfactual re-runs with their parent, outcome and mean KL (DESIGN.md §6.10). ``correct`` is the
+#: answer checker's verdict, for a teacher-forced run (the oracle) whether every token was its top-1.
+COUNTERFACTUALS_VIEW = """
+CREATE OR REPLACE VIEW counterfactuals AS
+SELECT r.parent_run, r.counterfactual_request AS request, r.counterfactual_kind AS kind,
+       r.counterfactual_slots AS slots, r.keep_ratio, r.run_id, r.status, r.error, q.answer,
+       coalesce(q.correct, g.all_top1) AS correct, k.kl_mean, k.top1_agreement, r.created_at
+FROM runs r
+LEFT JOIN requests q ON q.run_id = r.run_id AND q.request = 0
+LEFT JOIN (SELECT run_id, bool_and(top1_id = token_id) AS all_top1
+           FROM run_logits WHERE request = 0 GROUP BY run_id) g ON g.run_id = r.run_id
+LEFT JOIN (SELECT run_id, avg(kl) AS kl_mean, avg(top1_agree::INT) AS top1_agreement
+           FROM replay_steps WHERE request = 0 GROUP BY run_id) k ON k.run_id = r.run_id
+WHERE r.parent_run IS NOT NULL
+"""
+
+
 def create_views(con: duckdb.DuckDBPyConnection, catalog: Catalog) -> None:
     """Create or replace the views of ``catalog`` in ``con``."""
     con.execute(_values_view("runs", RUNS, (run_row(r) for r in catalog.runs)))
     for table in TABLE_NAMES:
         con.execute(_table_view(table, catalog.files(table)))
+    con.execute(COUNTERFACTUALS_VIEW)
     problem_schema = pa.schema([pa.field(c, pa.string()) for c in _PROBLEM_COLUMNS])
     con.execute(
         _values_view(

@@ -1,0 +1,360 @@
+"""Why did a request fail, decided by counterfactual re-runs (DESIGN.md §6.10).
+
+:func:`recorders.counterfactual.explain_request` re-runs a failed request
+with one thing changed and records each re-run as a run linked to its parent
+(the ``counterfactuals`` view). This module reads those runs and decides:
+
+``implementation_error``
+    the parent's masked replay does not reproduce its logits (as in
+    :mod:`.attribution`): nothing measured on it can be trusted.
+``not_the_cache``
+    the full cache fails too; or pinning the evidence does not bring the
+    answer back and the dropped mass around the decision step is low.
+``scoring``
+    pinning the evidence or the oracle at the same slot count passes: the
+    policy's scores lost what mattered. Sub-labels, from the parent's logs:
+    ``delayed_reference`` when evidence was evicted at prefill or soon after
+    leaving the recent window with a low score (:func:`.evidence_evictions`),
+    ``stale_heavy`` when the kept set provably held stale heavy hitters
+    before the decision step (:func:`.stale_holders`).
+``budget``
+    the oracle at the same slot count fails too: no attention-scoring
+    policy keeps enough with this many slots.
+``undecided``
+    a counterfactual the rules need could not run (its error is listed).
+
+Every verdict names the runs that decided it. The threshold rules of
+:mod:`.attribution` stay as the fast estimate, without re-runs; both are
+shown when they disagree. :func:`budget_distribution` turns the minimal
+passing budgets of a root's explained requests into the share of requests
+that pass at each keep ratio, per policy, with the oracle as the upper bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import duckdb
+import pandas as pd
+
+from recorders import read_manifest
+from recorders.errors import RecorderError
+
+from ._base import Source, connect, plain, relation, run_info
+from .attribution import attribute
+from .evidence import evidence_evictions
+from .stale import stale_holders
+from .thresholds import Thresholds
+
+__all__ = [
+    "CAUSAL_VERDICTS",
+    "SUB_LABELS",
+    "CausalVerdict",
+    "counterfactual_runs",
+    "explained_requests",
+    "causal_verdicts",
+    "decide",
+    "budget_distribution",
+]
+
+CAUSAL_VERDICTS = ("scoring", "budget", "not_the_cache", "implementation_error", "undecided")
+SUB_LABELS = ("delayed_reference", "stale_heavy")
+#: the variants of the counterfactual table, in display order
+VARIANTS = ("full", "pinned", "oracle", "policy_budget", "oracle_budget")
+#: threshold verdicts that say the same as a causal one
+_SAME = {"scoring_lag": "scoring"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalVerdict:
+    """The counterfactual verdict on one failed request, the runs behind it and the fast estimate.
+
+    ``passes`` maps each variant that ran to its pass test (``None``: ran,
+    no verdict); ``could_not_run`` each variant that raised to its error;
+    ``min_slots`` and ``keep_ratio`` the minimal passing budget of the
+    policy and of the oracle (``None``: not found, or the pass test was not
+    monotone: ``monotone``); ``decided_by`` the run ids the verdict rests on.
+    """
+
+    run_id: str
+    request: int
+    verdict: str
+    sub_label: str | None
+    reason: str
+    passes: dict[str, bool | None]
+    could_not_run: dict[str, str]
+    slots: int | None
+    prompt_len: int | None
+    min_slots: dict[str, int | None]
+    keep_ratio: dict[str, float | None]
+    monotone: dict[str, bool | None]
+    runs: dict[str, str]
+    decided_by: tuple[str, ...]
+    estimate: str | None
+    table: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def agrees(self) -> bool | None:
+        """Whether the threshold estimate says the same (None: no estimate)."""
+        if self.estimate is None:
+            return None
+        return _SAME.get(self.estimate, self.estimate) == self.verdict
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["decided_by"] = list(self.decided_by)
+        out["table"] = [dict(r) for r in self.table]
+        out["agrees"] = self.agrees
+        out["counterfactual_runs"] = dict(self.runs)
+        return out
+
+
+def counterfactual_runs(source: Source, run_id: str | None = None) -> duckdb.DuckDBPyRelation:
+    """Rows of the ``counterfactuals`` view (of one parent run when ``run_id`` is given), newest last."""
+    sql = """
+        SELECT c.*, r.path FROM counterfactuals c JOIN runs r USING (run_id)
+        WHERE ($run IS NULL OR c.parent_run = $run)
+        ORDER BY c.parent_run, c.request, c.kind, c.created_at
+    """
+    return relation(connect(source), sql, run=run_id)
+
+
+def explained_requests(source: Source) -> duckdb.DuckDBPyRelation:
+    """``parent_run, request, variants``: every request that has counterfactual runs."""
+    sql = """
+        SELECT parent_run, request, count(*) AS variants FROM counterfactuals
+        GROUP BY parent_run, request ORDER BY parent_run, request
+    """
+    return relation(connect(source), sql)
+
+
+def _bisection(path: str | None) -> dict[str, Any] | None:
+    if not path:
+        return None
+    try:
+        cf = read_manifest(path).get("counterfactual") or {}
+    except (RecorderError, OSError):
+        return None
+    bis = cf.get("bisection")
+    return bis if isinstance(bis, dict) else None
+
+
+def _outcomes(rows: pd.DataFrame) -> dict[str, dict[str, Any]]:
+    """The latest run of each variant: status, correct, slots, run id, bisection."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows.to_dict("records"):
+        rec = {k: plain(v) for k, v in row.items()}
+        rec["bisection"] = _bisection(rec.get("path")) if str(rec["kind"]).endswith("_budget") else None
+        out[rec["kind"]] = rec
+    return out
+
+
+def decide(
+    outcomes: Mapping[str, Mapping[str, Any]],
+    *,
+    implementation_error: bool = False,
+    dropped_mass: float | None = None,
+    dropped_mass_high: float = 0.1,
+) -> tuple[str, str, tuple[str, ...]]:
+    """The verdict from the counterfactual outcomes alone (rules in the module docstring).
+
+    ``outcomes`` maps a variant to ``{"status", "correct", "run_id", "error"}``
+    (``status`` ``complete`` when it ran). Returns (verdict, reason, run ids
+    that decided it).
+    """
+
+    def ran(kind: str) -> bool:
+        o = outcomes.get(kind)
+        return o is not None and o.get("status") == "complete" and o.get("correct") is not None
+
+    def ok(kind: str) -> bool:
+        return ran(kind) and bool(outcomes[kind]["correct"])
+
+    def rid(*kinds: str) -> tuple[str, ...]:
+        return tuple(outcomes[k]["run_id"] for k in kinds if outcomes.get(k) and outcomes[k].get("run_id"))
+
+    def missing(*kinds: str) -> str:
+        parts = []
+        for k in kinds:
+            o = outcomes.get(k)
+            parts.append(f"{k}: {(o or {}).get('error') or 'not run'}")
+        return "; ".join(parts)
+
+    if implementation_error:
+        return "implementation_error", "the masked replay does not reproduce the run's logits", ()
+    if not ran("full"):
+        return "undecided", f"the full-cache re-run could not run ({missing('full')})", rid("full")
+    if not ok("full"):
+        return "not_the_cache", "the full cache fails too: no eviction caused this", rid("full")
+    winners = [k for k in ("pinned", "oracle") if ok(k)]
+    if winners:
+        said = " and ".join("pinning the evidence" if k == "pinned" else "the oracle" for k in winners)
+        return "scoring", f"{said} at the same slot count brings the answer back", rid("full", *winners)
+    high = dropped_mass is not None and dropped_mass >= dropped_mass_high
+    if ran("pinned") and dropped_mass is not None and not high:
+        return (
+            "not_the_cache",
+            f"pinning the evidence does not help and the dropped mass is low ({dropped_mass:.3g} "
+            f"< {dropped_mass_high:g})",
+            rid("full", "pinned"),
+        )
+    if ran("oracle"):
+        return "budget", "the oracle at the same slot count fails too", rid("full", "pinned", "oracle")
+    return "undecided", f"the re-runs that decide could not run ({missing('pinned', 'oracle')})", rid("full")
+
+
+def _sub_label(con: duckdb.DuckDBPyConnection, run_id: str, request: int, d: int | None, th: Thresholds) -> str | None:
+    ev = evidence_evictions(
+        con, run_id, request=request, before_step=d, lag_steps=th.lag_steps, low_score_ratio=th.low_score_ratio
+    ).df()
+    if len(ev):
+        delayed = ev["lag_eviction"].astype(bool) | (
+            (ev["phase"] == "prefill") & (ev["score"] <= th.low_score_ratio * (ev["score"] + ev["margin"]))
+        )
+        if delayed.any():
+            return "delayed_reference"
+    stale = stale_holders(con, run_id).filter(f"request = {int(request)}")
+    if d is not None:
+        stale = stale.filter(f"step <= {int(d)}")
+    row = stale.aggregate("coalesce(bool_or(stale_holder), false)").fetchone()
+    return "stale_heavy" if row and row[0] else None
+
+
+def _table(outcomes: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any], ...]:
+    rows = []
+    for kind in VARIANTS:
+        o = outcomes.get(kind)
+        if o is None:
+            continue
+        rows.append(
+            {
+                "variant": kind,
+                "slots": o.get("slots"),
+                "keep_ratio": o.get("keep_ratio"),
+                "answer": o.get("answer"),
+                "right": o.get("correct") if o.get("status") == "complete" else None,
+                "kl_mean": 0.0 if kind == "full" and o.get("status") == "complete" else o.get("kl_mean"),
+                "run_id": o.get("run_id"),
+                "status": o.get("status"),
+                "error": o.get("error"),
+            }
+        )
+    return tuple(rows)
+
+
+def _budget(o: Mapping[str, Any] | None, prompt_len: int | None) -> tuple[int | None, float | None, bool | None]:
+    if not o or o.get("status") != "complete":
+        return None, None, None
+    bis = o.get("bisection") or {}
+    monotone = bis.get("monotone") if bis else None
+    slots = bis.get("min_slots") if bis else o.get("slots")
+    ratio = slots / prompt_len if slots is not None and prompt_len else None
+    return slots, ratio, monotone
+
+
+def causal_verdicts(
+    source: Source,
+    run_id: str,
+    *,
+    request: int | None = None,
+    thresholds: Thresholds | Mapping[str, Any] | None = None,
+) -> list[CausalVerdict]:
+    """The counterfactual verdict of every explained request of ``run_id`` (request order)."""
+    con = connect(source)
+    th = Thresholds.from_mapping(thresholds)
+    info = run_info(con, run_id)
+    rows = counterfactual_runs(con, run_id).df()
+    if request is not None:
+        rows = rows[rows["request"] == request]
+    if not len(rows):
+        return []
+    estimates = {a.request: a for a in attribute(con, run_id, thresholds=th)}
+    diff, tol = info.get("max_logit_diff"), th.logit_bound(info.get("logit_tolerance"))
+    impl = diff is not None and diff > tol
+    out = []
+    for r in sorted(int(x) for x in rows["request"].unique()):
+        outcomes = _outcomes(rows[rows["request"] == r])
+        est = estimates.get(r)
+        dm = next((f.value for f in est.facts if f.kind == "dropped_mass"), None) if est else None
+        verdict, reason, decided = decide(
+            outcomes, implementation_error=impl, dropped_mass=dm, dropped_mass_high=th.dropped_mass_high
+        )
+        d = est.decision_step if est else None
+        sub = _sub_label(con, run_id, r, d, th) if verdict == "scoring" else None
+        plen = _prompt_len(con, run_id, r)
+        slots = outcomes.get("pinned", outcomes.get("oracle", {})).get("slots")
+        mins, ratios, mono = {}, {}, {}
+        for name, kind in (("policy", "policy_budget"), ("oracle", "oracle_budget")):
+            mins[name], ratios[name], mono[name] = _budget(outcomes.get(kind), plen)
+        out.append(
+            CausalVerdict(
+                run_id,
+                r,
+                verdict,
+                sub,
+                reason,
+                {k: o.get("correct") for k, o in outcomes.items() if o.get("status") == "complete"},
+                {k: o.get("error") or o.get("status") for k, o in outcomes.items() if o.get("status") != "complete"},
+                slots,
+                plen,
+                mins,
+                ratios,
+                mono,
+                {k: o["run_id"] for k, o in outcomes.items()},
+                decided,
+                est.verdict if est else None,
+                _table(outcomes),
+            )
+        )
+    return out
+
+
+def _prompt_len(con: duckdb.DuckDBPyConnection, run_id: str, request: int) -> int | None:
+    row = relation(
+        con,
+        "SELECT count(*) FILTER (WHERE is_prompt) FROM tokens WHERE run_id = $run AND request = $r",
+        run=run_id,
+        r=request,
+    ).fetchone()
+    return int(row[0]) if row and row[0] else None
+
+
+def budget_distribution(source: Source, *, ratios: list[float] | None = None) -> pd.DataFrame:
+    """Share of explained requests that pass at each keep ratio, per policy (and the oracle).
+
+    A request passes at keep ratio ``q`` when its minimal passing budget
+    (``policy_budget`` of its parent's policy, ``oracle_budget`` for the
+    oracle curve) is at most ``q``; a request whose budget was not found
+    (not monotone, or the full cache fails) never passes.
+
+    Returns
+    -------
+    DataFrame ``curve, keep_ratio, share, requests`` (one curve per parent
+    policy, plus ``oracle``), ``keep_ratio`` on a grid of ``ratios``
+    (default: every ratio seen, and 0 and 1).
+    """
+    con = connect(source)
+    sql = """
+        SELECT c.parent_run, c.request, c.kind, c.status, c.slots, c.keep_ratio, p.policy, r.path
+        FROM counterfactuals c JOIN runs r USING (run_id) LEFT JOIN runs p ON p.run_id = c.parent_run
+        WHERE c.kind IN ('policy_budget', 'oracle_budget')
+    """
+    rows = relation(con, sql).df()
+    need: dict[str, list[float | None]] = {}
+    for row in rows.to_dict("records"):
+        bis = _bisection(row["path"]) if row["status"] == "complete" else None
+        ratio = None
+        if bis is not None and bis.get("min_slots") is not None and row["keep_ratio"] is not None:
+            ratio = float(row["keep_ratio"]) * bis["min_slots"] / row["slots"]
+        curve = "oracle" if row["kind"] == "oracle_budget" else str(row["policy"])
+        need.setdefault(curve, []).append(ratio)
+    seen = sorted({q for v in need.values() for q in v if q is not None})
+    grid = sorted(set(ratios) if ratios is not None else {0.0, 1.0, *seen})
+    out = []
+    for curve, values in sorted(need.items(), key=lambda kv: (kv[0] == "oracle", kv[0])):
+        for q in grid:
+            share = sum(1 for v in values if v is not None and v <= q + 1e-12) / len(values)
+            out.append({"curve": curve, "keep_ratio": q, "share": share, "requests": len(values)})
+    return pd.DataFrame(out, columns=["curve", "keep_ratio", "share", "requests"])

@@ -1,0 +1,773 @@
+"""Counterfactual re-runs of one failed request (DESIGN.md §6.10).
+
+A verdict from thresholds on logged measures is a correlation; an
+intervention decides. :func:`explain_request` re-runs the request of a
+recorded run with one thing changed, on the same prompt tokens, the same
+model and the same (greedy) decoding, and records each re-run as a normal
+run folder linked to its parent (manifest ``parent_run``,
+``counterfactual_kind``, ``counterfactual_request``, ``counterfactual_slots``
+and a ``counterfactual`` object; the ``counterfactuals`` view joins them):
+
+``full``
+    the full cache: does the model answer right at all?
+``pinned``
+    the run's policy and slot count, with the evidence tokens pinned
+    (:func:`h2o_lens.config.pin`): they can never be evicted.
+``oracle``
+    the future-aware oracle at the same slot count, teacher-forced on the
+    full-cache run's tokens (:class:`recorders.oracle.OracleTeacher`).
+``policy_budget`` / ``oracle_budget``
+    the smallest slot count at which the run's policy (free generation, the
+    heavy:recent split of the run kept) and the oracle pass, found by
+    :func:`bisect_budget`; the run recorded is the one at that count, its
+    ``counterfactual.bisection`` holds every probe.
+
+The pass test is the request's answer checker (rebuilt from the task spec
+the run's manifest carries: ``task_spec``, a task-file line), else
+agreement with the full-cache run's answer. A counterfactual that raises is
+recorded as a ``failed`` run folder with its error ("could not run"); the
+parent run is only ever read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from h2o_lens.config import H2OConfig
+from h2o_lens.runtime import h2o
+
+from .errors import RecorderError
+from .manifest import read_manifest, sanitize_run_id
+from .run import RunWriter
+from .store import load_run
+
+__all__ = [
+    "KINDS",
+    "Bisection",
+    "bisect_budget",
+    "Outcome",
+    "Explanation",
+    "ParentRequest",
+    "load_parent",
+    "explain_request",
+    "split_slots",
+]
+
+#: the counterfactual kinds, in the order they are run
+KINDS = ("full", "pinned", "oracle", "policy_budget", "oracle_budget")
+
+
+# ----------------------------------------------------------------------------- bisection
+
+
+@dataclasses.dataclass(frozen=True)
+class Bisection:
+    """The smallest passing slot count in ``[lo, hi]``, and whether the pass test looked monotone.
+
+    Attributes
+    ----------
+    min_slots : int or None
+        The smallest passing slot count; ``None`` when nothing in the range
+        passes or when the test is not monotone (then ``smallest_pass`` is
+        the smallest count seen passing, and ``violations`` the evidence).
+    monotone : bool
+        False when a probe passed at a count below one that failed.
+    probes : dict slots -> passed, every count tested (with the known ones)
+    violations : tuple of (passing slots, failing slots) pairs with passing < failing
+    """
+
+    lo: int
+    hi: int
+    min_slots: int | None
+    monotone: bool
+    probes: Mapping[int, bool]
+    violations: tuple[tuple[int, int], ...] = ()
+    smallest_pass: int | None = None
+    resolution: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "lo": self.lo,
+            "hi": self.hi,
+            "resolution": self.resolution,
+            "min_slots": self.min_slots,
+            "monotone": self.monotone,
+            "probes": [[int(s), bool(p)] for s, p in sorted(self.probes.items())],
+            "violations": [list(v) for v in self.violations],
+            "smallest_pass": self.smallest_pass,
+        }
+
+
+def _violations(probes: Mapping[int, bool]) -> tuple[tuple[int, int], ...]:
+    """(pass, fail) pairs with the passing count below the failing one (at most one per pass)."""
+    items = sorted(probes.items())
+    out = []
+    for i, (s, ok) in enumerate(items):
+        if ok:
+            worse = [t for t, ok2 in items[i + 1 :] if not ok2]
+            if worse:
+                out.append((s, worse[-1]))
+    return tuple(out)
+
+
+def _widest_gap(probes: Mapping[int, bool], lo: int, hi: int) -> int | None:
+    """The middle of the widest run of untested counts strictly inside ``(lo, hi)``."""
+    tested = sorted(s for s in probes if lo <= s <= hi)
+    edges = [lo, *tested, hi] if tested else [lo, hi]
+    best = None
+    for a, b in zip(edges, edges[1:]):
+        if b - a > 1 and (best is None or b - a > best[1] - best[0]):
+            best = (a, b)
+    return None if best is None else (best[0] + best[1]) // 2
+
+
+def bisect_budget(
+    pass_fn: Callable[[int], bool],
+    lo: int,
+    hi: int,
+    *,
+    known: Mapping[int, bool] | None = None,
+    checks: int = 2,
+    resolution: int = 1,
+) -> Bisection:
+    """The smallest slot count in ``[lo, hi]`` at which ``pass_fn`` passes.
+
+    Bisection assumes the pass test is monotone in the slot count. It is
+    checked, not trusted: after the search, ``checks`` more counts are
+    tested (alternately below and above the result, in the widest untested
+    gaps); together with every probe of the search, any count that passes
+    below one that fails makes the result ``monotone=False`` with
+    ``min_slots=None`` and the offending pairs, instead of a wrong number.
+
+    Parameters
+    ----------
+    pass_fn : slot count -> bool (called at most once per count)
+    lo, hi : the range searched, ``1 <= lo <= hi``
+    known : results already known (e.g. the parent run's own count), not re-tested
+    checks : extra counts tested to check monotonicity
+    resolution : stop when the failing and passing counts are this close: the
+        result is then the smallest count seen passing, at most ``resolution - 1``
+        above the true minimum (1: exact)
+    """
+    if not 1 <= lo <= hi:
+        raise RecorderError(f"bisect_budget: need 1 <= lo <= hi, got lo={lo}, hi={hi}")
+    probes: dict[int, bool] = {int(k): bool(v) for k, v in (known or {}).items()}
+
+    def test(s: int) -> bool:
+        if s not in probes:
+            probes[s] = bool(pass_fn(s))
+        return probes[s]
+
+    found: int | None = None
+    if test(hi):
+        if lo in probes and probes[lo]:
+            found = lo
+        else:
+            # a count below lo is taken to fail (0 slots attend to nothing) unless lo is tested
+            a, b = (lo if lo in probes else lo - 1), hi
+            while b - a > max(1, int(resolution)):
+                m = (a + b) // 2
+                a, b = (a, m) if test(m) else (m, b)
+            found = b
+        for k in range(checks):
+            below = k % 2 == 0
+            point = _widest_gap(probes, lo, found) if below else _widest_gap(probes, found, hi)
+            if point is None:
+                point = _widest_gap(probes, found, hi) if below else _widest_gap(probes, lo, found)
+            if point is None:
+                break
+            test(point)
+    bad = _violations({s: p for s, p in probes.items() if lo <= s <= hi})
+    passing = [s for s, p in probes.items() if p and lo <= s <= hi]
+    if found is not None and passing:
+        found = min(passing)  # a check below the search's result may have passed (still monotone)
+    return Bisection(
+        lo,
+        hi,
+        None if bad else found,
+        not bad,
+        dict(sorted(probes.items())),
+        bad,
+        min(passing) if passing else None,
+        max(1, int(resolution)),
+    )
+
+
+def split_slots(heavy: int, recent: int, slots: int) -> tuple[int, int]:
+    """``slots`` split as ``heavy:recent`` (at least one recent slot when the run had one)."""
+    total = heavy + recent
+    h = int(math.floor(slots * heavy / total + 0.5)) if total else 0
+    h = min(max(h, 0), slots)
+    r = slots - h
+    if recent and r == 0 and slots > 1:
+        h, r = h - 1, 1
+    if heavy and h == 0 and slots > 1 and recent:
+        h, r = 1, r - 1
+    return h, r
+
+
+# ----------------------------------------------------------------------------- the parent
+
+
+@dataclasses.dataclass
+class ParentRequest:
+    """What a counterfactual needs of the failed request of a recorded run."""
+
+    run_id: str
+    run_dir: Path
+    request: int
+    manifest: dict[str, Any]
+    config: H2OConfig  # the run's policy with the request's resolved slot counts
+    prompt_ids: list[int]
+    new_ids: list[int]
+    labels: list[str | None]  # evidence label of each prompt token
+    answer: str | None
+    correct: bool | None
+    task_spec: dict[str, Any] | None
+    max_new_tokens: int
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def slots(self) -> int | None:
+        return self.config.capacity
+
+    @property
+    def evidence_positions(self) -> list[int]:
+        return [i for i, label in enumerate(self.labels) if label is not None]
+
+
+def _config_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(H2OConfig)}
+    return {k: v for k, v in raw.items() if k in names}
+
+
+def load_parent(run_dir: str | Path, request: int = 0) -> ParentRequest:
+    """Read one request of a recorded run (strictly: a damaged run raises)."""
+    run_dir = Path(run_dir)
+    run = load_run(run_dir, tables=("tokens", "requests"))
+    tok = run["tokens"].to_pydict()
+    req = np.asarray(tok["request"])
+    sel = np.flatnonzero(req == request)
+    if not len(sel):
+        known = sorted(set(req.tolist()))
+        raise RecorderError(f"{run_dir}: run {run.run_id!r} has no request {request}; its requests are {known}")
+    order = sel[np.argsort(np.asarray(tok["position"])[sel])]
+    ids = np.asarray(tok["token_id"])[order]
+    prompt = np.asarray(tok["is_prompt"])[order]
+    labels = [tok["evidence"][i] for i in order[prompt]]
+    rows = [r for r in run["requests"].to_pylist() if r["request"] == request]
+    row = rows[0] if rows else {}
+    manifest = run.manifest
+    raw = manifest.get("config") or {}
+    if not isinstance(raw, dict):
+        raise RecorderError(f"{run_dir}: the manifest has no config object; cannot re-run the request")
+    config = H2OConfig(**_config_fields(raw))
+    if config.spec.evicts and row.get("heavy") is not None:
+        config = dataclasses.replace(config, ratio=None, heavy=int(row["heavy"]), recent=int(row["recent"]))
+    elif config.spec.evicts and not config.resolved:
+        config = config.resolve(int(prompt.sum()))
+    spec = manifest.get("task_spec")
+    specs = manifest.get("task_specs")
+    if isinstance(specs, list) and request < len(specs) and isinstance(specs[request], dict):
+        spec = specs[request]
+    decoding = manifest.get("decoding") if isinstance(manifest.get("decoding"), dict) else {}
+    new = ids[~prompt].tolist()
+    max_new = decoding.get("max_new_tokens") or (spec or {}).get("max_new_tokens") or max(len(new), 1)
+    return ParentRequest(
+        run.run_id,
+        run_dir,
+        request,
+        manifest,
+        config,
+        ids[prompt].tolist(),
+        new,
+        labels,
+        row.get("answer"),
+        row.get("correct"),
+        spec if isinstance(spec, dict) else None,
+        int(max_new),
+    )
+
+
+def checker_from_spec(spec: Mapping[str, Any] | None) -> Callable[[str], bool] | None:
+    """The answer checker of a task-file line (``None``: no answer spec)."""
+    if not spec or spec.get("answer") is None:
+        return None
+    from h2o_lens.tasks.taskfile import FileTask
+
+    answer = spec["answer"]
+    task = FileTask(
+        name=str(spec.get("name", "task")),
+        prompt=str(spec.get("prompt", "")),
+        answer=tuple(answer) if isinstance(answer, list) else answer,
+    )
+    return task.check
+
+
+# ----------------------------------------------------------------------------- outcomes
+
+
+@dataclasses.dataclass
+class Outcome:
+    """One counterfactual: ran or not, passed or not, and its run folder."""
+
+    kind: str
+    slots: int | None
+    run_id: str | None
+    ran: bool
+    passed: bool | None = None
+    answer: str | None = None
+    error: str | None = None
+    seconds: float = 0.0
+    bisection: Bisection | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "bisection"}
+        out["bisection"] = self.bisection.to_dict() if self.bisection else None
+        return out
+
+
+@dataclasses.dataclass
+class Explanation:
+    """Every counterfactual of one request (the verdict is :func:`analyses.causal_verdicts`)."""
+
+    parent_run: str
+    request: int
+    slots: int | None
+    prompt_len: int
+    outcomes: dict[str, Outcome]
+    seconds: float = 0.0
+    probe_seconds: list[float] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "parent_run": self.parent_run,
+            "request": self.request,
+            "slots": self.slots,
+            "prompt_len": self.prompt_len,
+            "outcomes": {k: o.to_dict() for k, o in self.outcomes.items()},
+            "seconds": self.seconds,
+        }
+
+
+def counterfactual_id(parent: str, request: int, kind: str, slots: int | None = None) -> str:
+    """The run id of a counterfactual: ``<parent>-r<request>-<kind>`` (``-b<slots>`` for budgets)."""
+    tail = f"-b{slots}" if kind.endswith("_budget") and slots is not None else ""
+    return sanitize_run_id(f"{parent}-r{request}-{kind.replace('_', '-')}{tail}")
+
+
+def _link(parent: ParentRequest, kind: str, slots: int | None, **extra: Any) -> dict[str, Any]:
+    """The manifest fields that tie a counterfactual to its parent."""
+    return {
+        "parent_run": parent.run_id,
+        "counterfactual_kind": kind,
+        "counterfactual_request": parent.request,
+        "counterfactual_slots": slots,
+        "counterfactual": {"kind": kind, "slots": slots, "request": parent.request, **extra},
+        "task": parent.manifest.get("task"),
+        "task_spec": parent.task_spec,
+        "decoding": {"do_sample": False, "max_new_tokens": parent.max_new_tokens},
+        "keep_ratio": None if slots is None else slots / parent.prompt_len,
+    }
+
+
+def _fresh(out: Path, run_id: str) -> Outcome | None:
+    """A complete earlier counterfactual of this id (reused), else None (a failed one is removed)."""
+    run_dir = out / run_id
+    if not run_dir.exists():
+        return None
+    try:
+        manifest = read_manifest(run_dir)
+    except RecorderError:
+        manifest = {}
+    if manifest.get("status") == "complete" and isinstance(manifest.get("counterfactual"), dict):
+        cf = manifest["counterfactual"]
+        bis = cf.get("bisection")
+        return Outcome(
+            cf.get("kind", ""),
+            cf.get("slots"),
+            run_id,
+            True,
+            cf.get("passed"),
+            cf.get("answer"),
+            bisection=_bisection_from(bis) if isinstance(bis, dict) else None,
+        )
+    shutil.rmtree(run_dir)
+    return None
+
+
+def _bisection_from(d: Mapping[str, Any]) -> Bisection:
+    return Bisection(
+        int(d["lo"]),
+        int(d["hi"]),
+        d.get("min_slots"),
+        bool(d.get("monotone", True)),
+        {int(s): bool(p) for s, p in d.get("probes", [])},
+        tuple(tuple(v) for v in d.get("violations", [])),
+        d.get("smallest_pass"),
+        int(d.get("resolution", 1)),
+    )
+
+
+def _failed_run(out: Path, run_id: str, parent: ParentRequest, config: Any, link: dict[str, Any], exc: Exception):
+    """A ``failed`` run folder for a counterfactual that could not even start (e.g. pins that do not fit)."""
+    writer = RunWriter(
+        out, run_id, config=config, model=parent.manifest.get("model"), fsync=False, name=run_id, **link
+    )
+    writer.start()
+    writer.close("failed", exc)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+class _Runner:
+    """Re-runs one request of a parent run under other configurations."""
+
+    def __init__(self, model: Any, tokenizer: Any, parent: ParentRequest, out: Path, *, replay: bool):
+        self.model = model
+        self.tok = tokenizer
+        self.parent = parent
+        self.out = out
+        self.replay = replay
+        self.check = checker_from_spec(parent.task_spec)
+        self.teacher_text: str | None = None  # the full-cache answer, the pass test without a checker
+        self.teacher: Any = None
+        self.probe_seconds: list[float] = []
+
+    # -- the pass test
+    def passes(self, answer: str) -> bool:
+        if self.check is not None:
+            return bool(self.check(answer))
+        if self.teacher_text is None:
+            raise RecorderError("no answer checker and no full-cache answer to compare with")
+        return answer.strip() == self.teacher_text.strip()
+
+    def _eos(self) -> list[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        return [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    def _generate(self) -> None:
+        ids = torch.tensor([self.parent.prompt_ids], dtype=torch.long)
+        pad = getattr(self.tok, "pad_token_id", None)
+        self.model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=self.parent.max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+
+    def generate_text(self, config: H2OConfig) -> str:
+        """Free generation under ``config``, nothing recorded: the decoded answer."""
+        ids = torch.tensor([self.parent.prompt_ids], dtype=torch.long)
+        t0 = time.perf_counter()
+        with torch.no_grad(), h2o(self.model, config):
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=self.parent.max_new_tokens,
+                do_sample=False,
+                pad_token_id=getattr(self.tok, "pad_token_id", None),
+            )
+        self.probe_seconds.append(time.perf_counter() - t0)
+        new = out[0, ids.shape[1] :].tolist()
+        eos = self._eos()
+        ends = [j for j, t in enumerate(new) if t in eos][:1]
+        new = new[: ends[0] + 1] if ends else new
+        return self.tok.decode(new, skip_special_tokens=True)
+
+    def record_free(self, kind: str, config_fn: Callable[[], H2OConfig], slots: int | None, **extra: Any) -> Outcome:
+        """Record a free-generation counterfactual (``config_fn`` may raise: then it could not run)."""
+        from .recorder import record
+        from .replay import replay as replay_run
+
+        run_id = counterfactual_id(self.parent.run_id, self.parent.request, kind, slots)
+        reused = _fresh(self.out, run_id)
+        if reused is not None:
+            return reused
+        link = _link(self.parent, kind, slots, **extra)
+        t0 = time.perf_counter()
+        try:
+            config = config_fn()
+        except Exception as exc:  # e.g. pins that do not fit in the slots
+            _failed_run(self.out, run_id, self.parent, self.parent.config.to_dict(), link, exc)
+            return Outcome(kind, slots, run_id, False, error=f"{type(exc).__name__}: {exc}")
+        seen: dict[str, Any] = {}
+
+        def annotate(request: int, answer: str | None) -> dict[str, Any]:
+            seen["answer"] = answer or ""
+            seen["passed"] = self.passes(answer or "") if (self.check or self.teacher_text is not None) else None
+            return {"task": self.parent.manifest.get("task"), "correct": seen["passed"]}
+
+        try:
+            with (
+                torch.no_grad(),
+                record(
+                    self.model,
+                    config,
+                    out=str(self.out),
+                    tokenizer=self.tok,
+                    name=f"{self.parent.run_id} request {self.parent.request}: {kind}",
+                    run_id=run_id,
+                    info=link,
+                    annotate=annotate,
+                    fsync=False,
+                ) as rec,
+            ):
+                rec._labels_override = self.parent.labels
+                self._generate()
+            if self.replay and kind != "full":
+                replay_run(rec.run_dir, model=self.model, progress=False)
+        except Exception as exc:
+            return Outcome(kind, slots, run_id, False, error=f"{type(exc).__name__}: {exc}")
+        _note(self.out / run_id, passed=seen.get("passed"), answer=seen.get("answer"))
+        return Outcome(
+            kind, slots, run_id, True, seen.get("passed"), seen.get("answer"), seconds=time.perf_counter() - t0
+        )
+
+    def budget_config(self, slots: int) -> H2OConfig:
+        """The run's policy at ``slots`` with its heavy:recent split."""
+        cfg = self.parent.config
+        h, r = split_slots(int(cfg.heavy), int(cfg.recent), slots)
+        return dataclasses.replace(cfg, heavy=h, recent=r, ratio=None)
+
+    def oracle_teacher(self, full_run: str) -> Any:
+        if self.teacher is None:
+            from .oracle import OracleTeacher
+
+            self.teacher = OracleTeacher(
+                self.model, self.out / full_run, gqa=self.parent.config.gqa, request=0
+            )
+        return self.teacher
+
+    def oracle_passes(self, full_run: str, slots: int) -> bool:
+        t0 = time.perf_counter()
+        try:
+            return bool(self.oracle_teacher(full_run).passes(slots))
+        finally:
+            self.probe_seconds.append(time.perf_counter() - t0)
+
+    def record_oracle(self, kind: str, full_run: str, slots: int, **extra: Any) -> Outcome:
+        from .replay import replay as replay_run
+
+        run_id = counterfactual_id(self.parent.run_id, self.parent.request, kind, slots)
+        reused = _fresh(self.out, run_id)
+        if reused is not None:
+            return reused
+        link = _link(self.parent, kind, slots, **extra)
+        t0 = time.perf_counter()
+        try:
+            teacher = self.oracle_teacher(full_run)
+            rec = teacher.record(
+                slots,
+                out=str(self.out),
+                tokenizer=self.tok,
+                name=f"{self.parent.run_id} request {self.parent.request}: {kind}",
+                run_id=run_id,
+                info=link,
+            )
+            run_dir = Path(getattr(rec, "run_dir", self.out / run_id))
+            passed = _all_top1(run_dir)
+            if passed is None:
+                passed = bool(teacher.passes(slots))
+            if self.replay:
+                replay_run(run_dir, model=self.model, progress=False)
+        except Exception as exc:
+            if not (self.out / run_id).exists():
+                _failed_run(self.out, run_id, self.parent, {"policy": "oracle"}, link, exc)
+            return Outcome(kind, slots, run_id, False, error=f"{type(exc).__name__}: {exc}")
+        _note(self.out / run_id, passed=passed, answer=self.teacher_text)
+        return Outcome(kind, slots, run_id, True, passed, self.teacher_text, seconds=time.perf_counter() - t0)
+
+
+def _all_top1(run_dir: Path) -> bool | None:
+    """Teacher-forced run: was every forced token its top-1? (None: no logits logged)."""
+    lg = load_run(run_dir, tables=("run_logits",))["run_logits"].to_pydict()
+    if not lg["step"]:
+        return None
+    return bool(np.all(np.asarray(lg["top1_id"]) == np.asarray(lg["token_id"])))
+
+
+def _existing(out: Path, parent: ParentRequest, kind: str) -> Outcome | None:
+    """A complete budget counterfactual recorded earlier for this request (its bisection reused)."""
+    prefix = counterfactual_id(parent.run_id, parent.request, kind, 0).removesuffix("0")
+    for run_dir in sorted(out.glob(prefix + "*")):
+        got = _fresh(out, run_dir.name)
+        if got is not None:
+            return got
+    return None
+
+
+def _note(run_dir: Path, **fields: Any) -> None:
+    """Add the pass result to the counterfactual's manifest (``counterfactual.passed``)."""
+    from .manifest import write_manifest
+
+    manifest = read_manifest(run_dir)
+    cf = dict(manifest.get("counterfactual") or {})
+    cf.update({k: v for k, v in fields.items() if v is not None})
+    manifest["counterfactual"] = cf
+    write_manifest(run_dir, manifest)
+
+
+def explain_request(
+    model: Any,
+    tokenizer: Any,
+    run_dir: str | Path,
+    request: int = 0,
+    *,
+    out: str | Path | None = None,
+    bisect: bool = True,
+    replay: bool = True,
+    checks: int = 2,
+    progress: Callable[[str], None] | None = None,
+) -> Explanation:
+    """Run and record the counterfactuals of one request of a recorded run.
+
+    Parameters
+    ----------
+    model, tokenizer : the run's model (same weights and dtype) and its tokenizer
+    run_dir : the parent run folder (only read)
+    request : the request to explain
+    out : runs root of the counterfactuals (default: the parent's root, so views and the
+        dashboard find them next to it)
+    bisect : also search the minimal passing budgets (policy and oracle)
+    replay : replay the recorded counterfactuals against the teacher (KL in the tables)
+    checks : extra counts tested by each bisection to check monotonicity
+    progress : called with a short label before each re-run (a progress bar)
+
+    Returns
+    -------
+    Explanation with one :class:`Outcome` per kind; counterfactuals that could
+    not run carry the error, and their kinds depend on them (pinned, oracle and
+    bisections need the full-cache run) are reported as not run.
+    """
+    t0 = time.perf_counter()
+    parent = load_parent(run_dir, request)
+    if not parent.config.spec.evicts:
+        raise RecorderError(
+            f"run {parent.run_id!r} keeps the full cache: there is no eviction to explain; "
+            "explain a run of an evicting policy"
+        )
+    out = Path(out) if out is not None else Path(run_dir).resolve().parent
+    runner = _Runner(model, tokenizer, parent, out, replay=replay)
+    say = progress or (lambda label: None)
+    slots = int(parent.slots)
+    outcomes: dict[str, Outcome] = {}
+
+    say("full cache")
+    full = runner.record_free("full", lambda: H2OConfig(policy="full", gqa=parent.config.gqa), None)
+    outcomes["full"] = full
+    if full.ran:
+        runner.teacher_text = full.answer if full.answer is not None else _answer_of(out / full.run_id)
+        if full.passed is None and runner.check is None:
+            full.passed = True  # the teacher agrees with itself
+
+    def skipped(kind: str, s: int | None, why: str) -> Outcome:
+        return Outcome(kind, s, None, False, error=why)
+
+    say("pinned evidence")
+    if not parent.evidence_positions:
+        outcomes["pinned"] = skipped("pinned", slots, "the run labels no evidence tokens to pin")
+    else:
+        outcomes["pinned"] = runner.record_free(
+            "pinned", lambda: _pinned(parent), slots, pinned=parent.evidence_positions
+        )
+
+    say("oracle, same slots")
+    if not full.ran:
+        outcomes["oracle"] = skipped("oracle", slots, f"needs the full-cache run, which could not run: {full.error}")
+    else:
+        outcomes["oracle"] = runner.record_oracle("oracle", full.run_id, slots)
+
+    if bisect:
+        hi = parent.prompt_len + parent.max_new_tokens  # nothing is ever evicted at this count
+        if not full.ran or not full.passed:
+            why = "the full cache does not pass: no budget does" if full.ran else "the full-cache run could not run"
+            outcomes["policy_budget"] = skipped("policy_budget", None, why)
+            outcomes["oracle_budget"] = skipped("oracle_budget", None, why)
+        else:
+            say("policy budget (bisection)")
+            outcomes["policy_budget"] = _policy_budget(runner, slots, hi, checks, say)
+            say("oracle budget (bisection)")
+            outcomes["oracle_budget"] = _oracle_budget(runner, full.run_id, slots, hi, outcomes["oracle"], checks)
+    return Explanation(
+        parent.run_id,
+        request,
+        slots,
+        parent.prompt_len,
+        outcomes,
+        time.perf_counter() - t0,
+        list(runner.probe_seconds),
+    )
+
+
+def _pinned(parent: ParentRequest) -> H2OConfig:
+    """The run's policy and slot count with the evidence positions pinned."""
+    from h2o_lens.config import pin
+
+    return pin(parent.config, parent.evidence_positions)
+
+
+def _answer_of(run_dir: Path) -> str | None:
+    rows = load_run(run_dir, tables=("requests",))["requests"].to_pylist()
+    return rows[0]["answer"] if rows else None
+
+
+def _policy_budget(runner: _Runner, slots: int, hi: int, checks: int, say: Callable[[str], None]) -> Outcome:
+    parent = runner.parent
+    known = {hi: True}
+    if parent.answer is not None:
+        known[slots] = runner.passes(parent.answer)
+    reused = _existing(runner.out, parent, "policy_budget")
+    if reused is not None:
+        return reused
+
+    def pass_fn(s: int) -> bool:
+        say(f"policy at {s} slots")
+        return runner.passes(runner.generate_text(runner.budget_config(s)))
+
+    try:
+        bis = bisect_budget(pass_fn, min(slots, hi), hi, known=known, checks=checks)
+    except Exception as exc:
+        return Outcome("policy_budget", None, None, False, error=f"{type(exc).__name__}: {exc}")
+    at = bis.min_slots if bis.min_slots is not None else bis.smallest_pass
+    if at is None:
+        return Outcome("policy_budget", None, None, True, False, bisection=bis)
+    got = runner.record_free(
+        "policy_budget", lambda: runner.budget_config(at), at, bisection=bis.to_dict(), min_slots=bis.min_slots
+    )
+    got.bisection = bis
+    return got
+
+
+def _oracle_budget(runner: _Runner, full_run: str, slots: int, hi: int, same: Outcome, checks: int) -> Outcome:
+    if not same.ran:
+        return Outcome("oracle_budget", None, None, False, error=f"the oracle could not run: {same.error}")
+    reused = _existing(runner.out, runner.parent, "oracle_budget")
+    if reused is not None:
+        return reused
+    lo, top = (1, slots) if same.passed else (slots, hi)
+    known = {slots: bool(same.passed), hi: True}
+    try:
+        bis = bisect_budget(lambda s: runner.oracle_passes(full_run, s), lo, top, known=known, checks=checks)
+    except Exception as exc:
+        return Outcome("oracle_budget", None, None, False, error=f"{type(exc).__name__}: {exc}")
+    at = bis.min_slots if bis.min_slots is not None else bis.smallest_pass
+    if at is None:
+        return Outcome("oracle_budget", None, None, True, False, bisection=bis)
+    got = runner.record_oracle("oracle_budget", full_run, at, bisection=bis.to_dict(), min_slots=bis.min_slots)
+    got.bisection = bis
+    return got
