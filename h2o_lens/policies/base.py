@@ -72,7 +72,7 @@ class Policy:
     prefill_rows : how many last prompt rows ``prefill="rows"`` needs
     history : bits of per-slot history kept next to the score (0: none); the cache
         stores it as an int64 per slot and moves it with K, V, score and position
-    reference : the FP64 reference ``simulate(logits, prefill, heavy, recent, gqa)``
+    reference : the FP64 reference ``simulate(logits, prefill, heavy, recent, gqa, pinned=())``
         (kept sets per step, the contract of :func:`h2o_lens.reference.simulate`), or None
     rank : registry order (names, CLI help, the demo's baselines): lower first
     """
