@@ -20,6 +20,14 @@ from __future__ import annotations
 
 from ._base import connect
 from .attribution import VERDICTS, Attribution, Fact, attribute, evidence_sql, failed_requests
+from .causal import (
+    CAUSAL_VERDICTS,
+    CausalVerdict,
+    budget_distribution,
+    causal_verdicts,
+    counterfactual_runs,
+    explained_requests,
+)
 from .coverage import (
     coverage_by_span,
     coverage_stats,
@@ -98,6 +106,13 @@ __all__ = [
     "attribute",
     "failed_requests",
     "evidence_sql",
+    # counterfactual verdicts (re-runs by recorders.counterfactual)
+    "CAUSAL_VERDICTS",
+    "CausalVerdict",
+    "causal_verdicts",
+    "counterfactual_runs",
+    "explained_requests",
+    "budget_distribution",
     "report_data",
     "build_report",
     "write_report",

@@ -41,8 +41,9 @@ import pandas as pd
 
 from recorders import read_manifest
 from recorders.errors import RecorderError
+from recorders.schema import COUNTERFACTUAL_KINDS
 
-from ._base import Source, connect, plain, relation, run_info
+from ._base import Source, connect, first_row, plain, relation, run_info
 from .attribution import attribute
 from .evidence import evidence_evictions
 from .stale import stale_holders
@@ -62,7 +63,8 @@ __all__ = [
 CAUSAL_VERDICTS = ("scoring", "budget", "not_the_cache", "implementation_error", "undecided")
 SUB_LABELS = ("delayed_reference", "stale_heavy")
 #: the variants of the counterfactual table, in display order
-VARIANTS = ("full", "pinned", "oracle", "policy_budget", "oracle_budget")
+VARIANTS = COUNTERFACTUAL_KINDS
+FULL, PINNED, ORACLE, POLICY_BUDGET, ORACLE_BUDGET = VARIANTS
 #: threshold verdicts that say the same as a causal one
 _SAME = {"scoring_lag": "scoring"}
 
@@ -205,20 +207,65 @@ def decide(
     return "undecided", f"the re-runs that decide could not run ({missing('pinned', 'oracle')})", rid("full")
 
 
+def _group(con: duckdb.DuckDBPyConnection, run_id: str) -> int:
+    """Query heads whose weights a KV set's score sums (1 for ``gqa`` max or none)."""
+    info = run_info(con, run_id)
+    if info.get("gqa") in ("max", "none"):
+        return 1
+    sql = """
+        SELECT count(DISTINCT q_head) / greatest(count(DISTINCT kv_head), 1) FROM replay
+        WHERE run_id = $run AND request = (SELECT min(request) FROM replay WHERE run_id = $run)
+    """
+    row = first_row(relation(con, sql, run=run_id))
+    return max(1, int(row[0])) if row and row[0] else 1
+
+
 def _sub_label(con: duckdb.DuckDBPyConnection, run_id: str, request: int, d: int | None, th: Thresholds) -> str | None:
+    """``delayed_reference``, ``stale_heavy`` or None, from the parent's evidence evictions.
+
+    An evidence eviction at prefill, or within ``lag_steps`` of leaving the recent
+    window, is *unreferenced* when its score is at most ``low_score_ratio`` times what
+    uniform attention would have given it over its life (``g · Σ 1/(s + 1)`` for the
+    steps ``s`` from its position to the eviction, ``g`` the query heads a score sums):
+    nothing had looked at it yet. At least ``lag_share`` of the evidence evictions
+    unreferenced: ``delayed_reference``. Otherwise evidence that lost its slot while the
+    heavy slots were held by older positions (``steps.heavy_age_mean`` above the
+    victim's age), or a kept set provably holding stale heavy hitters
+    (:func:`.stale_holders`): ``stale_heavy``.
+    """
     ev = evidence_evictions(
         con, run_id, request=request, before_step=d, lag_steps=th.lag_steps, low_score_ratio=th.low_score_ratio
     ).df()
+    info = run_info(con, run_id)
+    recent = info.get("recent")
     if len(ev):
-        delayed = ev["lag_eviction"].astype(bool) | (
-            (ev["phase"] == "prefill") & (ev["score"] <= th.low_score_ratio * (ev["score"] + ev["margin"]))
-        )
-        if delayed.any():
+        g = _group(con, run_id)
+        uniform = [
+            g * sum(1.0 / (s + 1) for s in range(int(p), int(t) + 1)) for p, t in zip(ev["position"], ev["step"])
+        ]
+        window = ev["phase"].eq("prefill") | ev["lag_eviction"].astype(bool)
+        if recent is not None:
+            window |= ev["left_recent"].astype(bool) & (ev["age"] <= int(recent) + th.lag_steps)
+        unreferenced = window & (ev["score"] <= th.low_score_ratio * pd.Series(uniform, index=ev.index))
+        if unreferenced.mean() >= th.lag_share:
             return "delayed_reference"
+        sql = """
+            SELECT count(*) FILTER (WHERE s.heavy_age_mean > e.age) AS older, count(*) AS n
+            FROM evidence_ev e JOIN steps s
+              ON s.run_id = $run AND s.request = e.request AND s.step = e.step AND s.layer = e.layer
+             AND s.kv_head = e.kv_head AND s.q_head IS NOT DISTINCT FROM e.q_head
+        """
+        con.register("evidence_ev", ev)
+        try:
+            row = first_row(relation(con, sql, run=run_id))
+        finally:
+            con.unregister("evidence_ev")
+        if row and row[1] and row[0] / row[1] >= th.lag_share:
+            return "stale_heavy"
     stale = stale_holders(con, run_id).filter(f"request = {int(request)}")
     if d is not None:
         stale = stale.filter(f"step <= {int(d)}")
-    row = stale.aggregate("coalesce(bool_or(stale_holder), false)").fetchone()
+    row = first_row(stale.aggregate("coalesce(bool_or(stale_holder), false)"))
     return "stale_heavy" if row and row[0] else None
 
 
@@ -235,7 +282,7 @@ def _table(outcomes: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any], .
                 "keep_ratio": o.get("keep_ratio"),
                 "answer": o.get("answer"),
                 "right": o.get("correct") if o.get("status") == "complete" else None,
-                "kl_mean": 0.0 if kind == "full" and o.get("status") == "complete" else o.get("kl_mean"),
+                "kl_mean": 0.0 if kind == FULL and o.get("status") == "complete" else o.get("kl_mean"),
                 "run_id": o.get("run_id"),
                 "status": o.get("status"),
                 "error": o.get("error"),
@@ -312,12 +359,14 @@ def causal_verdicts(
 
 
 def _prompt_len(con: duckdb.DuckDBPyConnection, run_id: str, request: int) -> int | None:
-    row = relation(
-        con,
-        "SELECT count(*) FILTER (WHERE is_prompt) FROM tokens WHERE run_id = $run AND request = $r",
-        run=run_id,
-        r=request,
-    ).fetchone()
+    row = first_row(
+        relation(
+            con,
+            "SELECT count(*) FILTER (WHERE is_prompt) FROM tokens WHERE run_id = $run AND request = $r",
+            run=run_id,
+            r=request,
+        )
+    )
     return int(row[0]) if row and row[0] else None
 
 
@@ -348,12 +397,12 @@ def budget_distribution(source: Source, *, ratios: list[float] | None = None) ->
         ratio = None
         if bis is not None and bis.get("min_slots") is not None and row["keep_ratio"] is not None:
             ratio = float(row["keep_ratio"]) * bis["min_slots"] / row["slots"]
-        curve = "oracle" if row["kind"] == "oracle_budget" else str(row["policy"])
+        curve = ORACLE if row["kind"] == ORACLE_BUDGET else str(row["policy"])
         need.setdefault(curve, []).append(ratio)
     seen = sorted({q for v in need.values() for q in v if q is not None})
     grid = sorted(set(ratios) if ratios is not None else {0.0, 1.0, *seen})
     out = []
-    for curve, values in sorted(need.items(), key=lambda kv: (kv[0] == "oracle", kv[0])):
+    for curve, values in sorted(need.items(), key=lambda kv: (kv[0] == ORACLE, kv[0])):
         for q in grid:
             share = sum(1 for v in values if v is not None and v <= q + 1e-12) / len(values)
             out.append({"curve": curve, "keep_ratio": q, "share": share, "requests": len(values)})

@@ -535,6 +535,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--gate", action="store_true", help="with --format json: exit 1 when the verdict fails")
     rep.set_defaults(func=cmd_report)
 
+    from .explain import add_parser as add_explain
+
+    add_explain(sub)
+
     d = sub.add_parser("demo", help="the task suite on the default model: H2O at two budgets and the baselines")
     d.add_argument("--out", default="demo_runs", help="runs root (default: ./demo_runs)")
     d.add_argument("--no-reports", action="store_true", help="skip the HTML/Markdown/JSON reports")

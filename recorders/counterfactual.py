@@ -48,6 +48,7 @@ from h2o_lens.runtime import h2o
 from .errors import RecorderError
 from .manifest import read_manifest, sanitize_run_id
 from .run import RunWriter
+from .schema import COUNTERFACTUAL_KINDS
 from .store import load_run
 
 __all__ = [
@@ -63,7 +64,8 @@ __all__ = [
 ]
 
 #: the counterfactual kinds, in the order they are run
-KINDS = ("full", "pinned", "oracle", "policy_budget", "oracle_budget")
+KINDS = COUNTERFACTUAL_KINDS
+FULL, PINNED, ORACLE, POLICY_BUDGET, ORACLE_BUDGET = KINDS
 
 
 # ----------------------------------------------------------------------------- bisection
@@ -423,9 +425,7 @@ def _bisection_from(d: Mapping[str, Any]) -> Bisection:
 
 def _failed_run(out: Path, run_id: str, parent: ParentRequest, config: Any, link: dict[str, Any], exc: Exception):
     """A ``failed`` run folder for a counterfactual that could not even start (e.g. pins that do not fit)."""
-    writer = RunWriter(
-        out, run_id, config=config, model=parent.manifest.get("model"), fsync=False, name=run_id, **link
-    )
+    writer = RunWriter(out, run_id, config=config, model=parent.manifest.get("model"), fsync=False, name=run_id, **link)
     writer.start()
     writer.close("failed", exc)
 
@@ -529,7 +529,7 @@ class _Runner:
             ):
                 rec._labels_override = self.parent.labels
                 self._generate()
-            if self.replay and kind != "full":
+            if self.replay and kind != FULL:
                 replay_run(rec.run_dir, model=self.model, progress=False)
         except Exception as exc:
             return Outcome(kind, slots, run_id, False, error=f"{type(exc).__name__}: {exc}")
@@ -548,9 +548,7 @@ class _Runner:
         if self.teacher is None:
             from .oracle import OracleTeacher
 
-            self.teacher = OracleTeacher(
-                self.model, self.out / full_run, gqa=self.parent.config.gqa, request=0
-            )
+            self.teacher = OracleTeacher(self.model, self.out / full_run, gqa=self.parent.config.gqa, request=0)
         return self.teacher
 
     def oracle_passes(self, full_run: str, slots: int) -> bool:
@@ -631,7 +629,8 @@ def explain_request(
     out: str | Path | None = None,
     bisect: bool = True,
     replay: bool = True,
-    checks: int = 2,
+    checks: int = 1,
+    resolution: float = 0.04,
     progress: Callable[[str], None] | None = None,
 ) -> Explanation:
     """Run and record the counterfactuals of one request of a recorded run.
@@ -646,6 +645,8 @@ def explain_request(
     bisect : also search the minimal passing budgets (policy and oracle)
     replay : replay the recorded counterfactuals against the teacher (KL in the tables)
     checks : extra counts tested by each bisection to check monotonicity
+    resolution : the budget searches stop within this share of the prompt
+        (``max(1, round(resolution · P))`` slots; 0: to the slot)
     progress : called with a short label before each re-run (a progress bar)
 
     Returns
@@ -700,9 +701,10 @@ def explain_request(
             outcomes["oracle_budget"] = skipped("oracle_budget", None, why)
         else:
             say("policy budget (bisection)")
-            outcomes["policy_budget"] = _policy_budget(runner, slots, hi, checks, say)
+            step = max(1, round(resolution * parent.prompt_len))
+            outcomes["policy_budget"] = _policy_budget(runner, slots, hi, checks, step, say)
             say("oracle budget (bisection)")
-            outcomes["oracle_budget"] = _oracle_budget(runner, full.run_id, slots, hi, outcomes["oracle"], checks)
+            outcomes["oracle_budget"] = _oracle_budget(runner, full.run_id, slots, hi, outcomes["oracle"], checks, step)
     return Explanation(
         parent.run_id,
         request,
@@ -726,7 +728,7 @@ def _answer_of(run_dir: Path) -> str | None:
     return rows[0]["answer"] if rows else None
 
 
-def _policy_budget(runner: _Runner, slots: int, hi: int, checks: int, say: Callable[[str], None]) -> Outcome:
+def _policy_budget(runner: _Runner, slots: int, hi: int, checks: int, step: int, say: Callable[[str], None]) -> Outcome:
     parent = runner.parent
     known = {hi: True}
     if parent.answer is not None:
@@ -740,7 +742,7 @@ def _policy_budget(runner: _Runner, slots: int, hi: int, checks: int, say: Calla
         return runner.passes(runner.generate_text(runner.budget_config(s)))
 
     try:
-        bis = bisect_budget(pass_fn, min(slots, hi), hi, known=known, checks=checks)
+        bis = bisect_budget(pass_fn, min(slots, hi), hi, known=known, checks=checks, resolution=step)
     except Exception as exc:
         return Outcome("policy_budget", None, None, False, error=f"{type(exc).__name__}: {exc}")
     at = bis.min_slots if bis.min_slots is not None else bis.smallest_pass
@@ -753,7 +755,9 @@ def _policy_budget(runner: _Runner, slots: int, hi: int, checks: int, say: Calla
     return got
 
 
-def _oracle_budget(runner: _Runner, full_run: str, slots: int, hi: int, same: Outcome, checks: int) -> Outcome:
+def _oracle_budget(
+    runner: _Runner, full_run: str, slots: int, hi: int, same: Outcome, checks: int, step: int
+) -> Outcome:
     if not same.ran:
         return Outcome("oracle_budget", None, None, False, error=f"the oracle could not run: {same.error}")
     reused = _existing(runner.out, runner.parent, "oracle_budget")
@@ -762,7 +766,9 @@ def _oracle_budget(runner: _Runner, full_run: str, slots: int, hi: int, same: Ou
     lo, top = (1, slots) if same.passed else (slots, hi)
     known = {slots: bool(same.passed), hi: True}
     try:
-        bis = bisect_budget(lambda s: runner.oracle_passes(full_run, s), lo, top, known=known, checks=checks)
+        bis = bisect_budget(
+            lambda s: runner.oracle_passes(full_run, s), lo, top, known=known, checks=checks, resolution=step
+        )
     except Exception as exc:
         return Outcome("oracle_budget", None, None, False, error=f"{type(exc).__name__}: {exc}")
     at = bis.min_slots if bis.min_slots is not None else bis.smallest_pass
@@ -771,3 +777,166 @@ def _oracle_budget(runner: _Runner, full_run: str, slots: int, hi: int, same: Ou
     got = runner.record_oracle("oracle_budget", full_run, at, bisection=bis.to_dict(), min_slots=bis.min_slots)
     got.bisection = bis
     return got
+
+
+# ----------------------------------------------------------------------------- policy cases (FP64)
+
+
+def case_teacher_table(case: Any, gqa: str = "sum") -> Any:
+    """The oracle's teacher table of a policy case: its own logits are the full-cache teacher."""
+    from h2o_lens.oracle import TeacherTable
+    from h2o_lens.policies.oracle import remaining
+
+    p, n = case.prompt_len, case.n
+    layers = []
+    for layer in range(case.layers):
+        sets = []
+        for h in range(case.kv_heads):
+            groups = (
+                [case.logits[layer, h]]
+                if gqa != "none"
+                else [case.logits[layer, h, g][None] for g in range(case.group)]
+            )
+            for x in groups:
+                sets.append(remaining(x, p, gqa if gqa != "none" else "sum")[p - 1 : n])  # (N - P + 1, N)
+        layers.append(torch.as_tensor(np.stack(sets), dtype=torch.float64))
+    return TeacherTable(tuple(layers), p, gqa)
+
+
+def case_passes(case: Any, config: H2OConfig) -> bool:
+    """Whether ``config`` gets a policy case's answer right (its top-1 equals the teacher's at the
+    answer step), on the FP64 runtime path, nothing written."""
+    from contextlib import nullcontext
+
+    from h2o_lens.oracle import teacher_scores
+
+    from .policy_cases import case_kept_sets
+
+    a = case.answer_step
+    scope = teacher_scores(case_teacher_table(case, config.gqa)) if config.spec.teacher else nullcontext()
+    with scope:
+        cand = case_kept_sets(case, config)
+    if a < case.prompt_len:
+        visible = None
+    else:
+        d = cand[a][..., : a + 1]  # (L, Hs, a + 1)
+        if config.gqa == "none":
+            visible = d.reshape(case.layers, case.kv_heads, case.group, a + 1)
+        else:
+            visible = d[:, :, None, :]
+    run = case.output_logits(case.attention(a, visible))
+    teacher = case.output_logits(case.attention(a))
+    return int(np.argmax(run)) == int(np.argmax(teacher))
+
+
+def _link_case_run(run_dir: Path, parent: ParentRequest, kind: str, slots: int | None, **extra: Any) -> None:
+    from .manifest import write_manifest
+
+    manifest = read_manifest(run_dir)
+    link = _link(parent, kind, slots, **extra)
+    link.pop("task_spec"), link.pop("decoding")
+    manifest.update(link)
+    write_manifest(run_dir, manifest)
+
+
+def explain_case(
+    root: str | Path,
+    case: Any,
+    *,
+    policy: str = "h2o",
+    gqa: str = "sum",
+    heavy: int | None = None,
+    recent: int | None = None,
+    checks: int = 1,
+) -> Explanation:
+    """The counterfactuals of a policy case, written as linked runs on the FP64 path.
+
+    The parent is the case under ``policy`` at its own budget
+    (:func:`~recorders.policy_cases.write_policy_case`); the re-runs are the
+    full cache, the evidence pinned, the oracle at the same slot count (the
+    case's logits are the teacher) and the two minimal budgets (bisection
+    to the slot, the pass test :func:`case_passes`). All are teacher-forced
+    on the case's fixed tokens, as every policy case is.
+    """
+    from h2o_lens.oracle import teacher_scores
+
+    from .policy_cases import write_policy_case
+
+    t0 = time.perf_counter()
+    root = Path(root)
+    heavy = case.heavy if heavy is None else heavy
+    recent = case.recent if recent is None else recent
+    parent_dir = write_policy_case(root, case, heavy, recent, gqa, policy)
+    parent = load_parent(parent_dir, 0)
+    slots = heavy + recent
+    cfg = H2OConfig(policy=policy, heavy=heavy, recent=recent, gqa=gqa, backend="torch")
+    outcomes: dict[str, Outcome] = {}
+
+    def write(kind: str, s: int | None, make: Callable[[str], Path], passed: bool, **extra: Any) -> Outcome:
+        run_id = counterfactual_id(parent.run_id, 0, kind, s)
+        try:
+            run_dir = make(run_id)
+        except Exception as exc:
+            _failed_run(root, run_id, parent, cfg.to_dict(), _link(parent, kind, s, **extra), exc)
+            return Outcome(kind, s, run_id, False, error=f"{type(exc).__name__}: {exc}")
+        _link_case_run(run_dir, parent, kind, s, passed=passed, **extra)
+        return Outcome(kind, s, run_id, True, passed)
+
+    full = H2OConfig(policy="full", gqa=gqa, backend="torch")
+    outcomes["full"] = write(
+        "full",
+        None,
+        lambda rid: write_policy_case(root, case, gqa=gqa, policy="full", run_id=rid),
+        case_passes(case, full),
+    )
+    pins = parent.evidence_positions
+
+    def pinned(rid: str) -> Path:
+        return write_policy_case(root, case, heavy, recent, gqa, policy, rid, pinned=pins)
+
+    try:
+        pin_ok = case_passes(case, _pinned(parent))
+    except Exception:
+        pin_ok = False
+    outcomes["pinned"] = write("pinned", slots, pinned, pin_ok, pinned=pins)
+
+    def oracle_config(s: int) -> H2OConfig:
+        return H2OConfig(policy="oracle", heavy=s, recent=0, gqa=gqa, backend="torch")
+
+    def oracle_run(s: int) -> Callable[[str], Path]:
+        def make(rid: str) -> Path:
+            with teacher_scores(case_teacher_table(case, gqa)):
+                return write_policy_case(root, case, s, 0, gqa, "oracle", rid)
+
+        return make
+
+    outcomes["oracle"] = write("oracle", slots, oracle_run(slots), case_passes(case, oracle_config(slots)))
+    hi = case.n + 1
+    for kind, make_cfg, make_run, same in (
+        (
+            "policy_budget",
+            lambda s: dataclasses.replace(cfg, **dict(zip(("heavy", "recent"), split_slots(heavy, recent, s)))),
+            lambda s: lambda rid: write_policy_case(root, case, *split_slots(heavy, recent, s), gqa, policy, rid),
+            parent.correct,
+        ),
+        ("oracle_budget", oracle_config, oracle_run, outcomes["oracle"].passed),
+    ):
+        if not outcomes["full"].passed:
+            outcomes[kind] = Outcome(kind, None, None, False, error="the full cache does not pass: no budget does")
+            continue
+        lo, top = (1, slots) if same else (slots, hi)
+        bis = bisect_budget(
+            lambda s, make_cfg=make_cfg: case_passes(case, make_cfg(s)),
+            lo,
+            top,
+            known={slots: bool(same)},
+            checks=checks,
+        )
+        at = bis.min_slots if bis.min_slots is not None else bis.smallest_pass
+        if at is None:
+            outcomes[kind] = Outcome(kind, None, None, True, False, bisection=bis)
+            continue
+        got = write(kind, at, make_run(at), True, bisection=bis.to_dict(), min_slots=bis.min_slots)
+        got.bisection = bis
+        outcomes[kind] = got
+    return Explanation(parent.run_id, 0, slots, parent.prompt_len, outcomes, time.perf_counter() - t0)

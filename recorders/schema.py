@@ -31,6 +31,7 @@ __all__ = [
     "TABLE_NAMES",
     "RUNS",
     "VIEW_NAMES",
+    "COUNTERFACTUAL_KINDS",
     "KEYS",
     "table_schema",
     "duckdb_type",
@@ -255,7 +256,12 @@ RUNS = pa.schema(
             "implementation check: largest accepted |logit difference|, derived from the run's dtype",
             nullable=True,
         ),
-        _f("parent_run", pa.string(), "run a counterfactual re-run explains (null: not a counterfactual)", nullable=True),
+        _f(
+            "parent_run",
+            pa.string(),
+            "run a counterfactual re-run explains (null: not a counterfactual)",
+            nullable=True,
+        ),
         _f(
             "counterfactual_kind",
             pa.string(),
@@ -268,6 +274,9 @@ RUNS = pa.schema(
 )
 
 VIEW_NAMES: tuple[str, ...] = ("runs",) + TABLE_NAMES
+
+#: ``runs.counterfactual_kind``: the re-runs of a failed request (DESIGN.md §6.10), in the order they run
+COUNTERFACTUAL_KINDS: tuple[str, ...] = ("full", "pinned", "oracle", "policy_budget", "oracle_budget")
 
 _DUCKDB_TYPES = {
     pa.bool_(): "BOOLEAN",

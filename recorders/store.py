@@ -2,10 +2,11 @@
 
 :func:`open_runs` returns a DuckDB connection with the views ``runs``,
 ``tokens``, ``evictions``, ``steps``, ``replay``, ``replay_steps`` (DESIGN.md
-§5), ``problems`` and ``counterfactuals`` (re-runs linked to their parent, §6.10). The data views read an explicit list of validated
-files with ``union_by_name=true``: a damaged file is left out and reported,
-never allowed to fail a query over all runs, and the run it belongs to is
-marked in ``runs.integrity``. Every view exists, with the
+§5), ``problems`` and ``counterfactuals`` (re-runs linked to their parent,
+DESIGN.md §6.10). The data views read an explicit list of validated files with
+``union_by_name=true``: a damaged file is left out and reported, never
+allowed to fail a query over all runs, and the run it belongs to is marked
+in ``runs.integrity``. Every view exists, with the
 declared columns, even when no run has written that table yet; columns added
 by later versions appear after the declared ones.
 

@@ -1,0 +1,192 @@
+"""``h2o-lens explain``: counterfactual re-runs of a run's failed requests, and their verdicts.
+
+The re-runs are :func:`recorders.counterfactual.explain_request` (model
+needed); the verdicts :func:`analyses.causal_verdicts` (logs only). With
+``--cached`` nothing is re-run: the verdicts of earlier re-runs are shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+__all__ = ["explain_run", "cmd_explain", "add_parser", "format_verdicts"]
+
+
+def _failed(root: str, run_id: str) -> list[int]:
+    from analyses import failed_requests
+
+    table = failed_requests(root, run_id)
+    if not len(table):
+        return []
+    return [int(r) for r, why in zip(table["request"], table["failed_by"]) if len(why)]
+
+
+def explain_run(
+    run_dir: str,
+    *,
+    requests: list[int] | None = None,
+    model: Any = None,
+    tokenizer: Any = None,
+    bisect: bool = True,
+    replay: bool = True,
+    rerun: bool = True,
+    resolution: float = 0.04,
+    progress: bool = True,
+) -> list[Any]:
+    """Explain the failed requests of a run (or ``requests``): re-run, then decide.
+
+    Returns the :class:`analyses.CausalVerdict` of each explained request.
+    """
+    from tqdm.auto import tqdm
+
+    from analyses import causal_verdicts, connect
+    from recorders import read_manifest
+
+    run_dir = os.path.abspath(run_dir)
+    root, run_id = os.path.dirname(run_dir), os.path.basename(os.path.normpath(run_dir))
+    todo = list(requests) if requests is not None else _failed(root, run_id)
+    if rerun and todo:
+        from recorders.counterfactual import explain_request
+
+        if model is None:
+            from h2o_lens.models import load_model
+
+            info = read_manifest(run_dir).get("model") or {}
+            name = info.get("name") if isinstance(info, dict) else info
+            model, tokenizer = load_model(name, progress=progress)
+        bar = tqdm(desc="explain", unit="re-run", disable=not progress)
+        try:
+            for r in todo:
+
+                def say(label: str, r: int = r) -> None:
+                    bar.set_description(f"request {r}: {label}")
+                    bar.update(1)
+
+                explain_request(
+                    model,
+                    tokenizer,
+                    run_dir,
+                    r,
+                    bisect=bisect,
+                    replay=replay,
+                    resolution=resolution,
+                    progress=say,
+                )
+        finally:
+            bar.close()
+    found = causal_verdicts(connect(root), run_id)
+    return [v for v in found if requests is None or v.request in requests]
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def format_verdicts(verdicts: list[Any], fmt: str = "table") -> str:
+    """The verdicts as JSON (one object per request) or as text tables."""
+    if fmt == "json":
+        return json.dumps([_json(v) for v in verdicts], indent=1)
+    if not verdicts:
+        return "no explained request (no failed request, or run `h2o-lens explain` without --cached)"
+    blocks = []
+    for v in verdicts:
+        head = f"request {v.request}: {v.verdict}" + (f" ({v.sub_label})" if v.sub_label else "")
+        lines = [head, f"  why: {v.reason}"]
+        if v.estimate is not None and not v.agrees:
+            lines.append(f"  fast estimate (thresholds, no re-run) says: {v.estimate}")
+        for kind, err in v.could_not_run.items():
+            lines.append(f"  could not run: {kind}: {err}")
+        pol, orc = v.min_slots.get("policy"), v.min_slots.get("oracle")
+        lines.append(
+            f"  minimal passing budget: policy {pol if pol is not None else '-'} slots "
+            f"({_pct(v.keep_ratio.get('policy'))}), oracle {orc if orc is not None else '-'} slots "
+            f"({_pct(v.keep_ratio.get('oracle'))}); run at {v.slots} slots of {v.prompt_len}"
+        )
+        for name, mono in v.monotone.items():
+            if mono is False:
+                lines.append(f"  {name}: the pass test is not monotone in the budget; no minimal budget stated")
+        rows = [
+            [
+                r["variant"],
+                "-" if r["slots"] is None else str(r["slots"]),
+                (r["answer"] or "").replace("\n", " ")[:40],
+                {True: "yes", False: "NO", None: "-"}[r["right"]],
+                "-" if r["kl_mean"] is None else f"{r['kl_mean']:.3f}",
+                r["run_id"] or "-",
+            ]
+            for r in v.table
+        ]
+        lines.append(_grid(rows, ["variant", "slots", "answer", "right", "KL", "run"]))
+        lines.append(f"  decided by: {', '.join(v.decided_by) or '-'}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def _grid(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    fmt = lambda cells: "  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
+
+
+def _json(v: Any) -> dict[str, Any]:
+    return {
+        "run_id": v.run_id,
+        "request": v.request,
+        "verdict": v.verdict,
+        "sub_label": v.sub_label,
+        "reason": v.reason,
+        "passes": v.passes,
+        "could_not_run": v.could_not_run,
+        "slots": v.slots,
+        "prompt_len": v.prompt_len,
+        "min_slots": v.min_slots,
+        "keep_ratio": v.keep_ratio,
+        "monotone": v.monotone,
+        "counterfactual_runs": v.runs,
+        "decided_by": list(v.decided_by),
+        "estimate": v.estimate,
+        "estimate_agrees": v.agrees,
+        "table": [dict(r) for r in v.table],
+    }
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .cli import _run_dir
+
+    run_dir = _run_dir(args.run, args.root)
+    verdicts = explain_run(
+        run_dir,
+        requests=args.request,
+        bisect=not args.no_bisect,
+        replay=not args.no_replay,
+        rerun=not args.cached,
+        resolution=args.resolution,
+        progress=not args.quiet,
+    )
+    print(format_verdicts(verdicts, args.format))
+    sys.stdout.flush()
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """The ``explain`` subcommand."""
+    ex = sub.add_parser("explain", help="re-run a run's failed requests with one thing changed: why did they fail?")
+    ex.add_argument("run", help="run folder, or run id under --root")
+    ex.add_argument("--root", default="runs")
+    ex.add_argument("--request", type=int, nargs="+", default=None, help="requests to explain (default: the failed)")
+    ex.add_argument("--format", choices=["table", "json"], default="table")
+    ex.add_argument("--no-bisect", action="store_true", help="skip the minimal-budget searches")
+    ex.add_argument("--no-replay", action="store_true", help="skip the teacher replay of the re-runs (no KL)")
+    ex.add_argument("--cached", action="store_true", help="re-run nothing: show the verdicts of earlier re-runs")
+    ex.add_argument(
+        "--resolution",
+        type=float,
+        default=0.04,
+        help="budget searches stop within this share of the prompt (default 0.04; 0: to the slot)",
+    )
+    ex.add_argument("--quiet", action="store_true", help="no progress bar")
+    ex.set_defaults(func=cmd_explain)
