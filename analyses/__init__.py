@@ -19,9 +19,11 @@ torch: logs open on machines without a model.
 from __future__ import annotations
 
 from ._base import connect
+from ._format import CAUSAL_TEXT, WHY_COLUMNS, why_budgets, why_rows
 from .attribution import VERDICTS, Attribution, Fact, attribute, evidence_sql, failed_requests
 from .causal import (
     CAUSAL_VERDICTS,
+    ORACLE_CURVE,
     CausalVerdict,
     budget_distribution,
     causal_verdicts,
@@ -108,11 +110,16 @@ __all__ = [
     "evidence_sql",
     # counterfactual verdicts (re-runs by recorders.counterfactual)
     "CAUSAL_VERDICTS",
+    "ORACLE_CURVE",
     "CausalVerdict",
     "causal_verdicts",
     "counterfactual_runs",
     "explained_requests",
     "budget_distribution",
+    "CAUSAL_TEXT",
+    "WHY_COLUMNS",
+    "why_rows",
+    "why_budgets",
     "report_data",
     "build_report",
     "write_report",

@@ -14,6 +14,10 @@ __all__ = [
     "FACT_COLUMNS",
     "EVIDENCE_COLUMNS",
     "VERDICT_TEXT",
+    "CAUSAL_TEXT",
+    "WHY_COLUMNS",
+    "why_rows",
+    "why_budgets",
 ]
 
 PROVENANCE = (
@@ -88,6 +92,46 @@ VERDICT_TEXT = {
     "not_the_cache": "not the cache: the cache does not explain the failure",
     "implementation_error": "implementation error: the replay does not reproduce the run",
 }
+
+
+#: the counterfactual verdicts (DESIGN.md §6.10)
+CAUSAL_TEXT = {
+    "scoring": "scoring: the evidence pinned, or the oracle, at the same slot count brings the answer back",
+    "budget": "budget: even the oracle fails with this many slots",
+    "not_the_cache": "not the cache: the full cache fails too, or pinning does not help and little mass was dropped",
+    "implementation_error": "implementation error: the replay does not reproduce the run",
+    "undecided": "undecided: a re-run the rules need could not run",
+}
+WHY_COLUMNS = ("variant", "slots", "answer", "right", "kl_mean", "run_id", "error")
+
+
+def why_rows(v: dict[str, Any]) -> list[dict[str, Any]]:
+    """The counterfactual table of one explained request, answers cut to one short line."""
+    rows = []
+    for r in v.get("table") or []:
+        ans = r.get("answer")
+        rows.append(
+            {
+                **r,
+                "answer": None if ans is None else " ".join(str(ans).split())[:60],
+                "right": {True: "yes", False: "no", None: "–"}[r.get("right")],
+            }
+        )
+    return rows
+
+
+def why_budgets(v: dict[str, Any]) -> str:
+    """One line: the minimal passing budget of the policy and of the oracle."""
+
+    def one(name: str) -> str:
+        slots, ratio, mono = v["min_slots"].get(name), v["keep_ratio"].get(name), v["monotone"].get(name)
+        if mono is False:
+            return f"{name}: the pass test is not monotone in the budget (no minimal budget stated)"
+        if slots is None:
+            return f"{name}: –"
+        return f"{name}: {slots} slots ({ratio:.0%} of the prompt)" if ratio is not None else f"{name}: {slots} slots"
+
+    return f"Minimal passing budget ({v['slots']} slots in the run): {one('policy')}; {one('oracle')}"
 
 
 def num(value: Any, digits: int = 4) -> str:

@@ -15,7 +15,21 @@ from typing import Any
 
 from plotly.offline import get_plotlyjs
 
-from ._format import EVIDENCE_COLUMNS, FACT_COLUMNS, PROBLEM_COLUMNS, PROVENANCE, SUMMARY, VERDICT_TEXT, num, worst
+from ._format import (
+    CAUSAL_TEXT,
+    EVIDENCE_COLUMNS,
+    FACT_COLUMNS,
+    PROBLEM_COLUMNS,
+    PROVENANCE,
+    SUMMARY,
+    VERDICT_TEXT,
+    WHY_COLUMNS,
+    num,
+    why_budgets,
+    why_rows,
+    worst,
+)
+from .causal import ORACLE_CURVE
 
 __all__ = ["render_html", "figures"]
 
@@ -190,7 +204,31 @@ def figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "Reds",
             zmin=0,
         )
+    dist = data.get("budget_distribution") or []
+    if dist:
+        figs["fig-budgets"] = budget_figure(dist)
     return figs
+
+
+def budget_figure(dist: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Share of explained requests passing at each keep ratio: one step curve per policy, the
+    oracle dashed (its upper bound)."""
+    traces = []
+    for curve in dict.fromkeys(r["curve"] for r in dist):
+        rows = [r for r in dist if r["curve"] == curve]
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "line": {"shape": "hv", "dash": "dash" if curve == ORACLE_CURVE else "solid"},
+                "name": f"{curve} ({rows[0]['requests']} requests)",
+                "x": [100 * r["keep_ratio"] for r in rows],
+                "y": [r["share"] for r in rows],
+            }
+        )
+    layout = _layout("Minimal passing budgets: share of requests that pass", "keep ratio (%)", "share of requests")
+    layout["yaxis"]["range"] = [-0.02, 1.02]
+    return {"data": traces, "layout": layout}
 
 
 # -- tables ----------------------------------------------------------------------------------------
@@ -242,6 +280,31 @@ def _failures(data: dict[str, Any]) -> str:
             + _table(f["evicted_evidence"][:20], EVIDENCE_COLUMNS)
             + f"<p>SQL that selects it (paste into the SQL console):</p><pre>{html.escape(f['sql'])}</pre></div>"
         )
+    return "".join(out)
+
+
+def _why(data: dict[str, Any], figs: dict[str, Any]) -> str:
+    why = data.get("why") or []
+    if not why:
+        return ""
+    out = ["<h2>Why: counterfactual re-runs</h2>"]
+    for v in why:
+        label = v["verdict"] + (f" ({v['sub_label']})" if v.get("sub_label") else "")
+        disagree = (
+            f"<p>The fast estimate (threshold rules, no re-run) says <b>{html.escape(v['estimate'])}</b>.</p>"
+            if v.get("estimate") is not None and v.get("agrees") is False
+            else ""
+        )
+        out.append(
+            f'<div class="failure"><h3>request {v["request"]}: <span class="verdict">{html.escape(label)}</span></h3>'
+            f"<p>{html.escape(CAUSAL_TEXT.get(v['verdict'], v['verdict']))}. {html.escape(v['reason'])}.</p>"
+            + disagree
+            + _table(why_rows(v), WHY_COLUMNS)
+            + f"<p>{html.escape(why_budgets(v))}. Decided by: "
+            f"{html.escape(', '.join(v.get('decided_by') or []) or '–')}.</p></div>"
+        )
+    if "fig-budgets" in figs:
+        out.append("<h3>Minimal passing budgets across the root</h3>" + _fig("fig-budgets", figs))
     return "".join(out)
 
 
@@ -305,6 +368,7 @@ per step and query head. A high mean can hide the one query that needed far evid
         else ''
     }
 <h2>Failures</h2>{_failures(data)}
+{_why(data, figs)}
 <h2>Evidence</h2><p>Share of KV sets still holding each span at the answer step.</p>
 {
         _table(

@@ -12,7 +12,20 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ._format import EVIDENCE_COLUMNS, FACT_COLUMNS, PROBLEM_COLUMNS, PROVENANCE, SUMMARY, VERDICT_TEXT, num, worst
+from ._format import (
+    CAUSAL_TEXT,
+    EVIDENCE_COLUMNS,
+    FACT_COLUMNS,
+    PROBLEM_COLUMNS,
+    PROVENANCE,
+    SUMMARY,
+    VERDICT_TEXT,
+    WHY_COLUMNS,
+    num,
+    why_budgets,
+    why_rows,
+    worst,
+)
 
 __all__ = ["render_markdown", "text"]
 
@@ -144,6 +157,35 @@ def _failures(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def why_section(data: dict[str, Any]) -> list[str]:
+    """The counterfactual verdicts (``h2o-lens explain``), when the run has any."""
+    why = data.get("why") or []
+    if not why:
+        return []
+    out = ["\n## Why: counterfactual re-runs\n"]
+    for v in why:
+        label = v["verdict"] + (f" ({v['sub_label']})" if v.get("sub_label") else "")
+        out += [
+            f"### request {v['request']}: **{text(label)}**\n",
+            f"{text(CAUSAL_TEXT.get(v['verdict'], v['verdict']))}. {text(v['reason'])}.\n",
+        ]
+        if v.get("estimate") is not None and v.get("agrees") is False:
+            out.append(f"The fast estimate (threshold rules, no re-run) says **{text(v['estimate'])}**.\n")
+        out += [
+            table(why_rows(v), WHY_COLUMNS),
+            "\n" + text(why_budgets(v)) + ".\n",
+            f"Decided by: {text(', '.join(v.get('decided_by') or []) or '–')}.\n",
+        ]
+    dist = data.get("budget_distribution") or []
+    if dist:
+        out += [
+            "\n### Minimal passing budgets across the root\n",
+            "Share of explained requests that pass at each keep ratio (the oracle bounds every scoring policy):\n",
+            table(dist, ("curve", "keep_ratio", "share", "requests")),
+        ]
+    return out
+
+
 def _integrity(run: dict[str, Any]) -> list[str]:
     """A warning and the problems when the run's files are damaged or incomplete."""
     if run.get("integrity") in (None, "ok") and not run.get("problems"):
@@ -192,4 +234,5 @@ def render_markdown(data: dict[str, Any]) -> str:
     ]
     out += _dynamics(data)
     out += _failures(data)
+    out += why_section(data)
     return "\n".join(out)

@@ -65,6 +65,8 @@ SUB_LABELS = ("delayed_reference", "stale_heavy")
 #: the variants of the counterfactual table, in display order
 VARIANTS = COUNTERFACTUAL_KINDS
 FULL, PINNED, ORACLE, POLICY_BUDGET, ORACLE_BUDGET = VARIANTS
+#: the curve of the oracle's minimal budgets in :func:`budget_distribution`
+ORACLE_CURVE = ORACLE
 #: threshold verdicts that say the same as a causal one
 _SAME = {"scoring_lag": "scoring"}
 
@@ -307,8 +309,12 @@ def causal_verdicts(
     *,
     request: int | None = None,
     thresholds: Thresholds | Mapping[str, Any] | None = None,
+    estimates: list[Any] | None = None,
 ) -> list[CausalVerdict]:
-    """The counterfactual verdict of every explained request of ``run_id`` (request order)."""
+    """The counterfactual verdict of every explained request of ``run_id`` (request order).
+
+    ``estimates``: the run's :func:`.attribute` result when already computed (the fast estimate).
+    """
     con = connect(source)
     th = Thresholds.from_mapping(thresholds)
     info = run_info(con, run_id)
@@ -317,13 +323,14 @@ def causal_verdicts(
         rows = rows[rows["request"] == request]
     if not len(rows):
         return []
-    estimates = {a.request: a for a in attribute(con, run_id, thresholds=th)}
+    found = estimates if estimates is not None else attribute(con, run_id, thresholds=th)
+    by_request = {a.request: a for a in found}
     diff, tol = info.get("max_logit_diff"), th.logit_bound(info.get("logit_tolerance"))
     impl = diff is not None and diff > tol
     out = []
     for r in sorted(int(x) for x in rows["request"].unique()):
         outcomes = _outcomes(rows[rows["request"] == r])
-        est = estimates.get(r)
+        est = by_request.get(r)
         dm = next((f.value for f in est.facts if f.kind == "dropped_mass"), None) if est else None
         verdict, reason, decided = decide(
             outcomes, implementation_error=impl, dropped_mass=dm, dropped_mass_high=th.dropped_mass_high
@@ -397,12 +404,12 @@ def budget_distribution(source: Source, *, ratios: list[float] | None = None) ->
         ratio = None
         if bis is not None and bis.get("min_slots") is not None and row["keep_ratio"] is not None:
             ratio = float(row["keep_ratio"]) * bis["min_slots"] / row["slots"]
-        curve = ORACLE if row["kind"] == ORACLE_BUDGET else str(row["policy"])
+        curve = ORACLE_CURVE if row["kind"] == ORACLE_BUDGET else str(row["policy"])
         need.setdefault(curve, []).append(ratio)
     seen = sorted({q for v in need.values() for q in v if q is not None})
     grid = sorted(set(ratios) if ratios is not None else {0.0, 1.0, *seen})
     out = []
-    for curve, values in sorted(need.items(), key=lambda kv: (kv[0] == ORACLE, kv[0])):
+    for curve, values in sorted(need.items(), key=lambda kv: (kv[0] == ORACLE_CURVE, kv[0])):
         for q in grid:
             share = sum(1 for v in values if v is not None and v <= q + 1e-12) / len(values)
             out.append({"curve": curve, "keep_ratio": q, "share": share, "requests": len(values)})

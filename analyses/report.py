@@ -29,6 +29,7 @@ from ._base import Source, connect, first_row, plain, records, relation, run_inf
 from ._html import render_html
 from ._markdown import render_markdown
 from .attribution import FailedArg, attribute
+from .causal import budget_distribution, causal_verdicts, explained_requests
 from .coverage import (
     coverage_by_span,
     coverage_stats,
@@ -229,6 +230,16 @@ def _oracle(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
     return {"available": True, "reason": None, "heads": records(heads)}
 
 
+def _why(con: duckdb.DuckDBPyConnection, run_id: str, th: Thresholds, attributions: list) -> dict[str, Any]:
+    """The counterfactual verdicts of the run's explained requests and, when the root has several
+    explained requests, the distribution of minimal passing budgets (DESIGN.md §6.10)."""
+    why = [plain(v.to_dict()) for v in causal_verdicts(con, run_id, thresholds=th, estimates=attributions)]
+    out: dict[str, Any] = {"why": why}
+    if why and len(explained_requests(con).df()) > 1:
+        out["budget_distribution"] = records(budget_distribution(con))
+    return out
+
+
 def _check(name: str, value: Any, threshold: Any, op: str) -> dict[str, Any]:
     value = plain(value)
     if threshold is None:
@@ -287,6 +298,7 @@ def report_data(
         "dynamics": _dynamics(con, run_id, totals, th),
         "oracle": _oracle(con, run_id),
         "failures": [{"rank": i + 1, **plain(a.to_dict())} for i, a in enumerate(attributions)],
+        **_why(con, run_id, th, attributions),
     }
     data["summary"] = {
         **{k: totals.get(k) for k in ("evictions", "replay_steps", "kl_mean", "kl_max", "top1_agreement")},

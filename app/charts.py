@@ -465,3 +465,24 @@ def compare_figure(
     fig.update_xaxes(title_text="step (query position)", row=2, col=1)
     fig.update_annotations(font_size=13)
     return _layout(fig, "", 520).update_layout(margin=dict(l=10, r=10, t=40, b=10))
+
+
+def budget_curves(dist: pd.DataFrame) -> go.Figure:
+    """Share of explained requests passing at each keep ratio, one step curve per policy (the
+    oracle dashed: the upper bound of every scoring policy)."""
+    from analyses import ORACLE_CURVE
+
+    fig = go.Figure()
+    for curve, g in dist.groupby("curve", sort=False):
+        fig.add_trace(
+            go.Scatter(
+                x=100 * g["keep_ratio"],
+                y=g["share"],
+                mode="lines+markers",
+                name=f"{curve} ({int(g['requests'].iloc[0])} requests)",
+                line={"shape": "hv", "dash": "dash" if curve == ORACLE_CURVE else "solid"},
+            )
+        )
+    fig.update_xaxes(title_text="keep ratio (%)")
+    fig.update_yaxes(title_text="share of requests that pass", range=[-0.02, 1.02])
+    return _layout(fig, "Minimal passing budgets", 360)

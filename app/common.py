@@ -26,6 +26,7 @@ __all__ = [
     "fmt",
     "metric_row",
     "show_attributions",
+    "show_why",
 ]
 
 
@@ -261,3 +262,47 @@ def show_attributions(attributions: list[dict[str, Any]], *, judged: bool = True
                 st.code(a["sql"], language="sql")
     if len(attributions) > limit:
         st.caption(f"{len(attributions) - limit} more failed request(s): see the Report page downloads.")
+
+
+_CAUSAL = {
+    "scoring": ("Scoring", "orange"),
+    "budget": ("Budget", "red"),
+    "not_the_cache": ("Not the cache", "blue"),
+    "implementation_error": ("Implementation error", "violet"),
+    "undecided": ("Undecided", "gray"),
+}
+
+
+def show_why(why: list[dict[str, Any]]) -> None:
+    """One card per explained request: the counterfactual verdict, its re-runs (linked) and budgets."""
+    from analyses import CAUSAL_TEXT, WHY_COLUMNS, why_budgets, why_rows
+
+    if not why:
+        st.caption(
+            "No counterfactual re-runs yet: `h2o-lens explain RUN --root ROOT` re-runs each failed request "
+            "with the full cache, the evidence pinned and the oracle, and finds the budget it needed."
+        )
+        return
+    for v in why:
+        name, color = _CAUSAL.get(v["verdict"], (v["verdict"], "gray"))
+        sub = f" :gray-badge[{v['sub_label']}]" if v.get("sub_label") else ""
+        with st.container(border=True):
+            st.markdown(f"#### Request {v['request']}: :{color}-badge[{name}]{sub}")
+            st.markdown(f"**Why:** {md(v['reason'])}.  \n*{md(CAUSAL_TEXT.get(v['verdict'], ''))}*")
+            if v.get("estimate") is not None and v.get("agrees") is False:
+                st.warning(
+                    f"The fast estimate (threshold rules, no re-run) says {md(v['estimate'])}.",
+                    icon=":material/compare_arrows:",
+                )
+            rows = pd.DataFrame(why_rows(v), columns=list(WHY_COLUMNS))
+            rows["open"] = [f"./overview?run={r}" if r else None for r in rows["run_id"]]
+            st.dataframe(
+                rows,
+                hide_index=True,
+                column_config={
+                    "kl_mean": st.column_config.NumberColumn("KL", format="%.4g"),
+                    "right": st.column_config.TextColumn("right?"),
+                    "open": st.column_config.LinkColumn("open", display_text="open run"),
+                },
+            )
+            st.caption(f"{md(why_budgets(v))} · decided by: {md(', '.join(v.get('decided_by') or []) or '–')}")

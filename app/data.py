@@ -199,6 +199,13 @@ def report_data(root: Root, run_id: str) -> dict[str, Any]:
 
 
 @_cache
+def budget_distribution(root: Root) -> pd.DataFrame:
+    """Minimal passing budgets of the root's explained requests (:func:`analyses.budget_distribution`)."""
+    with cursor(root) as cur:
+        return analyses.budget_distribution(cur)
+
+
+@_cache
 def schemas(root: Root) -> dict[str, list[dict[str, str]]]:
     return analyses.view_schemas(root.path)
 

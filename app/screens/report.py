@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 import analyses
-from app import common, data, state
+from app import charts, common, data, state
 from app.plain import code
 
 PAGE = "report"
@@ -79,6 +79,11 @@ def render() -> None:
         )
         st.subheader("Attribution")
         common.show_attributions(report["failures"], judged=bool(row.get("replay_steps") or row.get("checked")))
+        st.subheader("Why: counterfactual re-runs")
+        common.show_why(report.get("why") or [])
+        dist = data.budget_distribution(root)
+        if dist["curve"].nunique() and dist.groupby("curve")["requests"].max().max() > 1:
+            st.plotly_chart(charts.budget_curves(dist), key="budget_curves")
     state.publish(PAGE)
 
 

@@ -1,0 +1,100 @@
+"""Counterfactual verdicts from given outcomes, the report's and the CLI's "Why" (DESIGN.md §6.10).
+
+The rules are checked on outcomes given by hand; the report, the budget distribution and
+``h2o-lens explain --cached --format json`` on counterfactual runs of FP64 policy cases.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_recorders_counterfactual import budget_starvation
+
+from analyses import budget_distribution, build_report, connect, report_data
+from analyses.causal import decide
+from commands.cli import main
+from h2o_lens.tasks import policy_case
+from recorders.counterfactual import explain_case
+
+
+def _o(correct, status="complete", run_id=None, error=None):
+    return {"correct": correct, "status": status, "run_id": run_id, "error": error}
+
+
+def test_decide_follows_the_rules_and_names_the_deciding_runs():
+    full_ok, full_bad = _o(True, run_id="f"), _o(False, run_id="f")
+    assert decide({"full": full_bad})[0] == "not_the_cache"
+    assert decide({"full": full_bad})[2] == ("f",)
+    got = decide({"full": full_ok, "pinned": _o(True, run_id="p"), "oracle": _o(False, run_id="o")})
+    assert got[0] == "scoring" and got[2] == ("f", "p")
+    got = decide({"full": full_ok, "pinned": _o(False, run_id="p"), "oracle": _o(True, run_id="o")})
+    assert got[0] == "scoring" and got[2] == ("f", "o")
+    both_fail = {"full": full_ok, "pinned": _o(False, run_id="p"), "oracle": _o(False, run_id="o")}
+    assert decide(both_fail, dropped_mass=0.01)[0] == "not_the_cache"  # pinning does not help, little dropped
+    assert decide(both_fail, dropped_mass=0.5)[0] == "budget"
+    assert decide(both_fail, dropped_mass=0.5)[2] == ("f", "p", "o")
+    assert decide(both_fail, implementation_error=True)[0] == "implementation_error"
+    crashed = {"full": full_ok, "pinned": _o(False, run_id="p"), "oracle": _o(None, "failed", "o", "boom")}
+    verdict, reason, _ = decide(crashed, dropped_mass=0.5)
+    assert verdict == "undecided" and "oracle: boom" in reason
+    assert decide({"full": _o(None, "failed", "f", "oom")})[0] == "undecided"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("why")
+    made = {c.name: explain_case(root, c) for c in (policy_case("delayed_reference"), budget_starvation())}
+    return root, made
+
+
+def test_report_has_a_why_section_with_the_counterfactual_table(root):
+    root, made = root
+    run = made["delayed_reference"].parent_run
+    data = report_data(root, run)
+    (why,) = data["why"]
+    assert why["verdict"] == "scoring" and why["sub_label"] == "delayed_reference"
+    assert [r["variant"] for r in why["table"]] == ["full", "pinned", "oracle", "policy_budget", "oracle_budget"]
+    html = build_report(root, run, fmt="html")
+    md = build_report(root, run, fmt="md")
+    for text in (html, md):
+        assert "Why: counterfactual re-runs" in text
+        assert all(r["run_id"] in text for r in why["table"])
+        assert "Minimal passing budget" in text
+    json.loads(build_report(root, run, fmt="json"))  # still valid JSON (no NaN)
+    assert "fig-budgets" in html  # two explained requests under this root: the distribution
+
+
+def test_budget_distribution_puts_the_oracle_above_every_policy(root):
+    root, made = root
+    dist = budget_distribution(connect(root))
+    assert set(dist["curve"]) == {"h2o", "oracle"}
+    assert (dist["requests"] == 2).all()
+    wide = dist.pivot(index="keep_ratio", columns="curve", values="share")
+    assert (wide["oracle"] >= wide["h2o"]).all()  # the oracle bounds the policy
+    assert wide.iloc[0].tolist() == [0.0, 0.0] and wide.iloc[-1].tolist() == [1.0, 1.0]
+    # a request passes at q exactly when its minimal budget is at most q
+    ex = made["delayed_reference"]
+    need = ex.outcomes["policy_budget"].slots / ex.prompt_len
+    assert wide.loc[need, "h2o"] >= 0.5 and wide.loc[wide.index < need, "h2o"].max() < 1.0
+
+
+def test_explain_cli_json_has_the_fields_per_failed_request(root, capsys):
+    root, made = root
+    run = made["budget_starvation"].parent_run
+    assert main(["explain", run, "--root", str(root), "--cached", "--format", "json", "--quiet"]) == 0
+    (got,) = json.loads(capsys.readouterr().out)
+    assert got["request"] == 0 and got["verdict"] == "budget" and got["sub_label"] is None
+    assert got["passes"] == {"full": True, "oracle": False, "policy_budget": True, "oracle_budget": True}
+    assert set(got["min_slots"]) == {"policy", "oracle"} and got["min_slots"]["oracle"] > got["slots"]
+    assert set(got["counterfactual_runs"]) == {"full", "pinned", "oracle", "policy_budget", "oracle_budget"}
+    assert "pinned" in got["could_not_run"]
+    assert got["estimate"] in ("budget", "scoring_lag", "not_the_cache", "implementation_error")
+    assert main(["explain", run, "--root", str(root), "--cached", "--quiet"]) == 0
+    table = capsys.readouterr().out
+    assert "request 0: budget" in table and "could not run: pinned" in table
+
+
+def test_explain_cli_names_a_missing_run(tmp_path, capsys):
+    assert main(["explain", "nope", "--root", str(tmp_path), "--cached"]) == 2
+    assert "no run 'nope'" in capsys.readouterr().err
