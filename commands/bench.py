@@ -15,7 +15,7 @@ from h2o_lens.benchtools import Decoder as _Decoder
 from h2o_lens.benchtools import median_time as _median_time
 from h2o_lens.policies import half_split, ratio_slots
 
-__all__ = ["bench_decode"]
+__all__ = ["bench_decode", "bench_explain"]
 
 
 def _halves(budget: int) -> dict[str, int]:
@@ -176,4 +176,73 @@ def bench_record(
     )
     print(f"replay {rep:.2f} s / generation {plain:.2f} s: ratio {rep / plain:.3f}")
     print(f"evictions: {rows} rows, {size} bytes: {size / max(rows, 1):.2f} bytes per row")
+    return 0
+
+
+def bench_explain(
+    model_name: str | None = None,
+    task: str = "delayed_recall_1",
+    keep: float = 0.2,
+    resolution: float = 0.04,
+    out: str | None = None,
+) -> int:
+    """Explaining one failed demo request (every counterfactual, both bisections, the replays)
+    ÷ that request's own generation time, on this machine (DESIGN.md §6.10).
+
+    The generation time is the median of plain (unrecorded) generations of the request under
+    its run's config, timed before and after the explanation. Prints both, the ratio and the
+    oracle teacher's forward count; returns 0 (1 when the request does not fail).
+    """
+    import tempfile
+
+    from h2o_lens.config import H2OConfig
+    from h2o_lens.models import load_model
+    from h2o_lens.runtime import h2o
+    from h2o_lens.tasks import get_task
+    from recorders.counterfactual import explain_request, load_parent
+
+    from .jobs import run_task
+
+    model, tok = load_model(model_name)
+    chosen = get_task(task)
+    root = out or tempfile.mkdtemp(prefix="h2o-lens-bench-explain-")
+    parent = run_task(model, tok, chosen, H2OConfig(ratio=keep), root, ratio=keep, replay=True)
+    if parent.correct:
+        print(f"{task} at keep {keep:.0%} answers right ({parent.answer!r}): nothing to explain")
+        return 1
+    req = load_parent(parent.run_dir, 0)
+    ids = torch.tensor([req.prompt_ids])
+
+    def generate() -> None:
+        with torch.no_grad(), h2o(model, req.config):
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=req.max_new_tokens,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )
+
+    gen = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        generate()
+        gen.append(time.perf_counter() - t0)
+    ex = explain_request(model, tok, parent.run_dir, 0, resolution=resolution)
+    for _ in range(2):
+        t0 = time.perf_counter()
+        generate()
+        gen.append(time.perf_counter() - t0)
+    g = statistics.median(gen)
+    ran = {k: o.slots for k, o in ex.outcomes.items() if o.ran}
+    print(
+        f"model {type(model).__name__}, {torch.get_num_threads()} threads; task {task}, keep {keep:.0%} "
+        f"({req.slots} slots of a {req.prompt_len}-token prompt, {req.max_new_tokens} new tokens)"
+    )
+    print(f"{'own generation s':>17} {'explain s':>10} {'ratio':>7} {'probes':>7} {'oracle forwards':>16}")
+    print(
+        f"{g:>17.2f} {ex.seconds:>10.1f} {ex.seconds / g:>6.1f}x {len(ex.probe_seconds):>7} "
+        f"{ex.oracle_forwards if ex.oracle_forwards is not None else '-':>16}"
+    )
+    print(f"re-runs recorded: {ran}; generation times {[round(x, 2) for x in gen]}; runs under {root}")
     return 0

@@ -436,6 +436,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     if args.what == "record":
         return bench.bench_record(model_name=args.model, keep=args.keep, rounds=args.rounds)
+    if args.what == "explain":
+        return bench.bench_explain(model_name=args.model, keep=args.keep)
     if args.what == "sql":
         from analyses.bench import bench_sql
 
@@ -571,7 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.set_defaults(func=cmd_app)
 
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    b.add_argument("what", choices=["decode", "record", "kernels", "sql"])
+    b.add_argument("what", choices=["decode", "record", "kernels", "sql", "explain"])
     b.add_argument("--model", default=None)
     b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
     b.add_argument("--keep", type=float, default=0.2, help="B as a share of the context")

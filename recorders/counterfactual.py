@@ -352,6 +352,8 @@ class Explanation:
     outcomes: dict[str, Outcome]
     seconds: float = 0.0
     probe_seconds: list[float] = dataclasses.field(default_factory=list)
+    #: model forwards of the oracle's teacher (two for its one full-cache pass, one per check)
+    oracle_forwards: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -713,6 +715,7 @@ def explain_request(
         outcomes,
         time.perf_counter() - t0,
         list(runner.probe_seconds),
+        runner.teacher.forwards if runner.teacher is not None else None,
     )
 
 
