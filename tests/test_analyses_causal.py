@@ -7,9 +7,10 @@ The rules are checked on outcomes given by hand; the report, the budget distribu
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from test_recorders_counterfactual import budget_starvation
+from starvation import budget_starvation
 
 from analyses import budget_distribution, build_report, connect, report_data
 from analyses.causal import decide
@@ -98,3 +99,22 @@ def test_explain_cli_json_has_the_fields_per_failed_request(root, capsys):
 def test_explain_cli_names_a_missing_run(tmp_path, capsys):
     assert main(["explain", "nope", "--root", str(tmp_path), "--cached"]) == 2
     assert "no run 'nope'" in capsys.readouterr().err
+
+
+def test_dashboard_report_page_shows_why_and_the_budget_curves(root, monkeypatch):
+    testing = pytest.importorskip("streamlit.testing.v1")
+
+    root, made = root
+    run = made["delayed_reference"].parent_run
+    monkeypatch.setenv("H2O_LENS_ROOT", str(root))
+    at = testing.AppTest.from_file(str(Path(__file__).resolve().parents[1] / "app" / "main.py"), default_timeout=120)
+    at.query_params.update({"run": run, "page": "report"})
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    shown = "\n".join(str(e.value) for e in at.markdown)
+    assert "Why: counterfactual re-runs" in "\n".join(str(e.value) for e in at.subheader)
+    assert "Request 0:" in shown and "Scoring" in shown
+    tables = [d.value for d in at.dataframe if "variant" in d.value.columns]
+    assert tables and list(tables[0]["variant"]) == ["full", "pinned", "oracle", "policy_budget", "oracle_budget"]
+    assert tables[0]["open"].str.contains(f"run={made['delayed_reference'].outcomes['pinned'].run_id}").any()
+    assert any("budget" in str(c.proto.spec) for c in at.get("plotly_chart"))  # the distribution

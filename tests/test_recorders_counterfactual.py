@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import hashlib
 
-import numpy as np
 import pytest
 import torch
+from starvation import budget_starvation
 from tiny import tiny_model
 
 import recorders
 from analyses import causal_verdicts, connect, counterfactual_runs
 from h2o_lens import H2OConfig
 from h2o_lens.tasks import policy_case
-from h2o_lens.tasks.attention_cases import PolicyCase, _noise, _tokens
 from recorders.counterfactual import bisect_budget, explain_case, explain_request, split_slots
 
 # ----------------------------------------------------------------------------- bisection
@@ -70,26 +69,6 @@ def test_split_slots_keeps_the_heavy_recent_ratio():
 
 
 # ----------------------------------------------------------------------------- policy cases
-
-
-def budget_starvation(seed: int = 0) -> PolicyCase:
-    """The answer needs more evidence positions than the slots hold.
-
-    The answer query looks at 40 evidence positions (one token) and at itself with about
-    2.1 times the weight of one of them: with everything visible the evidence holds 95 % of
-    its weight, with k of them kept ``k / (k + 2.1)``, above the toy model's 0.9 only from
-    k ≈ 19 on (fewer with the noisiest, i.e. strongest, ones kept). At 8 slots no policy, not
-    even the oracle, keeps enough, and the 40 pins do not fit.
-    """
-    rng = np.random.default_rng([seed, 9])
-    n, p = 96, 64
-    spots = tuple(range(8, 48))
-    logits = _noise(rng, (1, 1, 1, n, n), 0.3)
-    logits[..., n - 1, list(spots)] += 10.0
-    logits[..., n - 1, n - 1] += 10.0 + np.log(2.1)
-    evidence = {"facts": spots}
-    ids, vocab = _tokens(rng, n, evidence)
-    return PolicyCase("budget_starvation", "needs 40 evidence positions", logits, p, evidence, n - 1, ids, vocab, 4, 4)
 
 
 @pytest.fixture(scope="module")
