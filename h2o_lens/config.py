@@ -5,9 +5,9 @@ by cumulative attention plus the ``recent`` newest positions. Baselines are
 compared at the same slot count ``B = heavy + recent`` (DESIGN.md §2).
 A keep ratio of the prompt is accepted as a convenience and resolved to
 counts once, with :meth:`H2OConfig.resolve`. Pinned prompt positions, never
-evicted, take slots inside the budget (:func:`pin`, DESIGN.md §2.11). What depends on the policy (its
-split, its budget check, whether it evicts) is read from the policy registry,
-:mod:`h2o_lens.policies` (DESIGN.md §2.9).
+evicted, take slots inside the budget (:func:`pin`, DESIGN.md §2.11). What
+depends on the policy (its split, its budget check, whether it evicts) is read
+from the policy registry, :mod:`h2o_lens.policies` (DESIGN.md §2.9).
 """
 
 from __future__ import annotations
@@ -47,17 +47,19 @@ def _positions(value: Any) -> tuple[int, ...]:
             f"pinned must be a sequence of prompt positions, got {value!r} ({type(value).__name__}); "
             "pass e.g. pinned=(12, 13, 14)"
         )
-    out = []
+    out: list[int] = []
+    seen: set[int] = set()
+    dup: set[int] = set()
     for p in value:
         if isinstance(p, bool) or not isinstance(p, numbers.Integral) or p < 0:
             raise ConfigError(
                 f"pinned positions must be whole numbers >= 0 (0-based positions of the prompt's "
                 f"real tokens, as in the tokens table), got {p!r} in {value!r}"
             )
+        (dup if int(p) in seen else seen).add(int(p))
         out.append(int(p))
-    dup = sorted({p for p in out if out.count(p) > 1})
     if dup:
-        raise ConfigError(f"pinned positions must be distinct, got {dup} more than once in {value!r}")
+        raise ConfigError(f"pinned positions must be distinct, got {sorted(dup)} more than once in {value!r}")
     return tuple(sorted(out))
 
 
@@ -233,12 +235,11 @@ class H2OConfig:
         """One line for humans, e.g. ``h2o heavy=64 recent=64 gqa=sum``."""
         if not self.spec.evicts:
             return "full cache"
+        pins = f" pinned={_show_positions(self.pinned)}" if self.pinned else ""
         if not self.resolved:
-            return f"{self.policy} ratio={self.ratio} gqa={self.gqa}"
+            return f"{self.policy} ratio={self.ratio}{pins} gqa={self.gqa}"
         h, r, s = self.split
-        extra = f" sink={s}" if s else ""
-        if self.pinned:
-            extra += f" pinned={_show_positions(self.pinned)}"
+        extra = (f" sink={s}" if s else "") + pins
         return f"{self.policy} heavy={h} recent={r}{extra} (B={self.capacity}) gqa={self.gqa}"
 
 

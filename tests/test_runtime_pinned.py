@@ -300,6 +300,32 @@ def test_batch_with_padding_pins_each_request(name):
             assert_same_sets(runtime, expected, f"{name} layer {layer} request {r}")
 
 
+def test_keep_ratio_budgets_per_request_with_pins():
+    """A keep ratio resolves per request (two budgets in one batch, each stepping on its own
+    slots); the pins come out of each request's own split and each request equals the reference."""
+    model = tiny_model("llama")
+    seqs = [_ids(30, seed=7)[0], _ids(20, seed=9)[0]]
+    pins = (3, 11)
+    width = 30
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for r, s in enumerate(seqs):
+        ids[r, width - len(s) :] = s
+        mask[r, width - len(s) :] = 1
+    rec = KeptRecorder()
+    with h2o_lens.h2o(model, H2OConfig(ratio=0.4, pinned=pins), listener=rec) as session, capture_qk() as qk:
+        _greedy(model, ids, 12, attention_mask=mask)
+    configs = session.last_cache.request_configs
+    assert [c.capacity for c in configs] == [12, 8] and [c.split for c in configs] == [(4, 6, 0), (2, 4, 0)]
+    for layer in range(2):
+        for r, s in enumerate(seqs):
+            heavy, recent, _ = configs[r].split
+            runtime = [step[r] for step in rec.kept[layer]]
+            _check_invariants(runtime, pins, configs[r].capacity, f"ratio layer {layer} request {r}")
+            expected = reference_sets(qk[layer], r, len(s), heavy, recent, "sum", width - len(s), pinned=pins)
+            assert_same_sets(runtime, expected, f"ratio layer {layer} request {r}")
+
+
 def test_triton_backend_with_pins_runs_the_torch_step():
     """The fused Triton decode step has no pins: a pinned config takes the torch step, and keeps
     the same sets as backend='torch'."""
