@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["explain_run", "cmd_explain", "add_parser", "format_verdicts"]
+__all__ = ["explain_run", "explainable_runs", "cmd_explain", "add_parser", "format_verdicts"]
 
 
 def _failed(root: str, run_id: str) -> list[int]:
@@ -154,20 +154,50 @@ def _json(v: Any) -> dict[str, Any]:
     }
 
 
+def explainable_runs(root: str) -> list[str]:
+    """Complete runs of an evicting policy under ``root`` that are not themselves re-runs."""
+    from analyses import connect
+    from h2o_lens import policies
+
+    rows = connect(root).sql("SELECT run_id, policy FROM runs WHERE parent_run IS NULL AND status = 'complete'")
+    return sorted(
+        r
+        for r, p in rows.fetchall()
+        if p in policies.names() and policies.get(p).evicts and not policies.get(p).teacher
+    )
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     from .cli import _run_dir
 
-    run_dir = _run_dir(args.run, args.root)
-    verdicts = explain_run(
-        run_dir,
-        requests=args.request,
+    if (args.run is None) == (not args.all):
+        raise SystemExit("h2o-lens explain: give a RUN, or --all to explain every failed run under --root")
+    options = dict(
         bisect=not args.no_bisect,
         replay=not args.no_replay,
         rerun=not args.cached,
         resolution=args.resolution,
         progress=not args.quiet,
     )
-    print(format_verdicts(verdicts, args.format))
+    if not args.all:
+        verdicts = explain_run(_run_dir(args.run, args.root), requests=args.request, **options)
+        print(format_verdicts(verdicts, args.format))
+        sys.stdout.flush()
+        return 0
+    from analyses import budget_distribution, connect
+
+    verdicts = []
+    for run_id in explainable_runs(args.root):
+        verdicts += explain_run(os.path.join(args.root, run_id), requests=args.request, **options)
+    dist = budget_distribution(connect(args.root))
+    if args.format == "json":
+        print(json.dumps({"requests": [_json(v) for v in verdicts], "budget_distribution": dist.to_dict("records")}))
+    else:
+        print(format_verdicts(verdicts, args.format))
+        if len(dist):
+            wide = dist.pivot(index="keep_ratio", columns="curve", values="share")
+            print("\nshare of explained requests passing at each keep ratio:")
+            print(wide.to_string(float_format=lambda v: f"{v:.2f}"))
     sys.stdout.flush()
     return 0
 
@@ -175,7 +205,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     """The ``explain`` subcommand."""
     ex = sub.add_parser("explain", help="re-run a run's failed requests with one thing changed: why did they fail?")
-    ex.add_argument("run", help="run folder, or run id under --root")
+    ex.add_argument("run", nargs="?", default=None, help="run folder, or run id under --root")
+    ex.add_argument("--all", action="store_true", help="explain every failed run under --root (e.g. a sweep)")
     ex.add_argument("--root", default="runs")
     ex.add_argument("--request", type=int, nargs="+", default=None, help="requests to explain (default: the failed)")
     ex.add_argument("--format", choices=["table", "json"], default="table")

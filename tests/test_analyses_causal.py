@@ -96,6 +96,14 @@ def test_explain_cli_json_has_the_fields_per_failed_request(root, capsys):
     assert "request 0: budget" in table and "could not run: pinned" in table
 
 
+def test_explain_all_covers_every_explained_run_of_a_root(root, capsys):
+    root, made = root
+    assert main(["explain", "--all", "--root", str(root), "--cached", "--format", "json", "--quiet"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert {r["run_id"] for r in got["requests"]} == {ex.parent_run for ex in made.values()}
+    assert {r["curve"] for r in got["budget_distribution"]} == {"h2o", "oracle"}
+
+
 def test_explain_cli_names_a_missing_run(tmp_path, capsys):
     assert main(["explain", "nope", "--root", str(tmp_path), "--cached"]) == 2
     assert "no run 'nope'" in capsys.readouterr().err
