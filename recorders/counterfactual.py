@@ -43,7 +43,6 @@ import numpy as np
 import torch
 
 from h2o_lens.config import H2OConfig
-from h2o_lens.runtime import h2o
 
 from .errors import RecorderError
 from .manifest import read_manifest, sanitize_run_id
@@ -457,10 +456,6 @@ class _Runner:
             raise RecorderError("no answer checker and no full-cache answer to compare with")
         return answer.strip() == self.teacher_text.strip()
 
-    def _eos(self) -> list[int]:
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
-        return [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
     def _generate(self) -> None:
         ids = torch.tensor([self.parent.prompt_ids], dtype=torch.long)
         pad = getattr(self.tok, "pad_token_id", None)
@@ -472,26 +467,15 @@ class _Runner:
             pad_token_id=pad,
         )
 
-    def generate_text(self, config: H2OConfig) -> str:
-        """Free generation under ``config``, nothing recorded: the decoded answer."""
-        ids = torch.tensor([self.parent.prompt_ids], dtype=torch.long)
-        t0 = time.perf_counter()
-        with torch.no_grad(), h2o(self.model, config):
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=self.parent.max_new_tokens,
-                do_sample=False,
-                pad_token_id=getattr(self.tok, "pad_token_id", None),
-            )
-        self.probe_seconds.append(time.perf_counter() - t0)
-        new = out[0, ids.shape[1] :].tolist()
-        eos = self._eos()
-        ends = [j for j, t in enumerate(new) if t in eos][:1]
-        new = new[: ends[0] + 1] if ends else new
-        return self.tok.decode(new, skip_special_tokens=True)
-
-    def record_free(self, kind: str, config_fn: Callable[[], H2OConfig], slots: int | None, **extra: Any) -> Outcome:
+    def record_free(
+        self,
+        kind: str,
+        config_fn: Callable[[], H2OConfig],
+        slots: int | None,
+        *,
+        replay: bool | None = None,
+        **extra: Any,
+    ) -> Outcome:
         """Record a free-generation counterfactual (``config_fn`` may raise: then it could not run)."""
         from .recorder import record
         from .replay import replay as replay_run
@@ -531,7 +515,7 @@ class _Runner:
             ):
                 rec._labels_override = self.parent.labels
                 self._generate()
-            if self.replay and kind != FULL:
+            if (self.replay if replay is None else replay) and kind != FULL:
                 replay_run(rec.run_dir, model=self.model, progress=False)
         except Exception as exc:
             return Outcome(kind, slots, run_id, False, error=f"{type(exc).__name__}: {exc}")
@@ -740,22 +724,41 @@ def _policy_budget(runner: _Runner, slots: int, hi: int, checks: int, step: int,
     if reused is not None:
         return reused
 
+    probes: dict[int, Outcome] = {}
+
     def pass_fn(s: int) -> bool:
+        # each probe is recorded (no replay) so that the one found needs no extra generation
         say(f"policy at {s} slots")
-        return runner.passes(runner.generate_text(runner.budget_config(s)))
+        got = runner.record_free(POLICY_BUDGET, lambda: runner.budget_config(s), s, replay=False)
+        runner.probe_seconds.append(got.seconds)
+        if not got.ran:
+            raise RecorderError(f"the policy at {s} slots could not run: {got.error}")
+        probes[s] = got
+        return bool(got.passed)
 
     try:
         bis = bisect_budget(pass_fn, min(slots, hi), hi, known=known, checks=checks, resolution=step)
     except Exception as exc:
-        return Outcome("policy_budget", None, None, False, error=f"{type(exc).__name__}: {exc}")
+        _drop(runner.out, probes.values())
+        return Outcome(POLICY_BUDGET, None, None, False, error=f"{type(exc).__name__}: {exc}")
     at = bis.min_slots if bis.min_slots is not None else bis.smallest_pass
+    _drop(runner.out, (o for s, o in probes.items() if s != at))
     if at is None:
-        return Outcome("policy_budget", None, None, True, False, bisection=bis)
-    got = runner.record_free(
-        "policy_budget", lambda: runner.budget_config(at), at, bisection=bis.to_dict(), min_slots=bis.min_slots
-    )
+        return Outcome(POLICY_BUDGET, None, None, True, False, bisection=bis)
+    got = probes.get(at)
+    if got is None:  # a known count (the search never ran it): record it now
+        got = runner.record_free(POLICY_BUDGET, lambda: runner.budget_config(at), at, replay=False)
+    if got.ran:
+        _note(runner.out / got.run_id, bisection=bis.to_dict(), min_slots=bis.min_slots)
     got.bisection = bis
     return got
+
+
+def _drop(out: Path, outcomes: Any) -> None:
+    """Remove the run folders of bisection probes other than the one kept."""
+    for o in list(outcomes):
+        if o.run_id and (out / o.run_id).exists():
+            shutil.rmtree(out / o.run_id)
 
 
 def _oracle_budget(

@@ -189,6 +189,10 @@ def test_a_crashing_counterfactual_leaves_the_parent_untouched_and_is_named(tmp_
     assert not ex.outcomes["oracle"].ran and "the oracle blew up" in ex.outcomes["oracle"].error
     assert not ex.outcomes["oracle_budget"].ran
     assert ex.outcomes["policy_budget"].ran  # the other variants still run
+    # one folder per variant that ran or crashed; the bisection's other probes are removed
+    folders = sorted(d.name for d in tmp_path.iterdir() if d.is_dir())
+    assert folders == sorted([run.run_id, *(o.run_id for k, o in ex.outcomes.items() if k != "oracle_budget")])
+    assert ex.outcomes["policy_budget"].bisection.probes  # they were run
     (v,) = causal_verdicts(connect(tmp_path), run.run_id)
     assert "oracle" in v.could_not_run and "the oracle blew up" in v.could_not_run["oracle"]
     assert "oracle" not in v.passes
