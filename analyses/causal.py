@@ -118,7 +118,7 @@ class CausalVerdict:
 def counterfactual_runs(source: Source, run_id: str | None = None) -> duckdb.DuckDBPyRelation:
     """Rows of the ``counterfactuals`` view (of one parent run when ``run_id`` is given), newest last."""
     sql = """
-        SELECT c.*, r.path FROM counterfactuals c JOIN runs r USING (run_id)
+        SELECT c.*, r.prompt_len, r.path FROM counterfactuals c JOIN runs r USING (run_id)
         WHERE ($run IS NULL OR c.parent_run = $run)
         ORDER BY c.parent_run, c.request, c.kind, c.created_at
     """
@@ -281,7 +281,7 @@ def _table(outcomes: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any], .
             {
                 "variant": kind,
                 "slots": o.get("slots"),
-                "keep_ratio": o.get("keep_ratio"),
+                "keep_ratio": o["slots"] / o["prompt_len"] if o.get("slots") and o.get("prompt_len") else None,
                 "answer": o.get("answer"),
                 "right": o.get("correct") if o.get("status") == "complete" else None,
                 "kl_mean": 0.0 if kind == FULL and o.get("status") == "complete" else o.get("kl_mean"),
@@ -393,7 +393,7 @@ def budget_distribution(source: Source, *, ratios: list[float] | None = None) ->
     """
     con = connect(source)
     sql = """
-        SELECT c.parent_run, c.request, c.kind, c.status, c.slots, c.keep_ratio, p.policy, r.path
+        SELECT c.parent_run, c.request, c.kind, c.status, c.slots, r.prompt_len, p.policy, r.path
         FROM counterfactuals c JOIN runs r USING (run_id) LEFT JOIN runs p ON p.run_id = c.parent_run
         WHERE c.kind IN ('policy_budget', 'oracle_budget')
     """
@@ -402,8 +402,8 @@ def budget_distribution(source: Source, *, ratios: list[float] | None = None) ->
     for row in rows.to_dict("records"):
         bis = _bisection(row["path"]) if row["status"] == "complete" else None
         ratio = None
-        if bis is not None and bis.get("min_slots") is not None and row["keep_ratio"] is not None:
-            ratio = float(row["keep_ratio"]) * bis["min_slots"] / row["slots"]
+        if bis is not None and bis.get("min_slots") is not None and row["prompt_len"]:
+            ratio = bis["min_slots"] / float(row["prompt_len"])
         curve = ORACLE_CURVE if row["kind"] == ORACLE_BUDGET else str(row["policy"])
         need.setdefault(curve, []).append(ratio)
     seen = sorted({q for v in need.values() for q in v if q is not None})

@@ -382,7 +382,6 @@ def _link(parent: ParentRequest, kind: str, slots: int | None, **extra: Any) -> 
         "task": parent.manifest.get("task"),
         "task_spec": parent.task_spec,
         "decoding": {"do_sample": False, "max_new_tokens": parent.max_new_tokens},
-        "keep_ratio": None if slots is None else slots / parent.prompt_len,
     }
 
 
@@ -544,7 +543,9 @@ class _Runner:
         finally:
             self.probe_seconds.append(time.perf_counter() - t0)
 
-    def record_oracle(self, kind: str, full_run: str, slots: int, **extra: Any) -> Outcome:
+    def record_oracle(
+        self, kind: str, full_run: str, slots: int, *, replay: bool | None = None, **extra: Any
+    ) -> Outcome:
         from .replay import replay as replay_run
 
         run_id = counterfactual_id(self.parent.run_id, self.parent.request, kind, slots)
@@ -567,7 +568,7 @@ class _Runner:
             passed = _all_top1(run_dir)
             if passed is None:
                 passed = bool(teacher.passes(slots))
-            if self.replay:
+            if self.replay if replay is None else replay:
                 replay_run(run_dir, model=self.model, progress=False)
         except Exception as exc:
             if not (self.out / run_id).exists():
@@ -780,7 +781,9 @@ def _oracle_budget(
     at = bis.min_slots if bis.min_slots is not None else bis.smallest_pass
     if at is None:
         return Outcome("oracle_budget", None, None, True, False, bisection=bis)
-    got = runner.record_oracle("oracle_budget", full_run, at, bisection=bis.to_dict(), min_slots=bis.min_slots)
+    got = runner.record_oracle(
+        ORACLE_BUDGET, full_run, at, replay=False, bisection=bis.to_dict(), min_slots=bis.min_slots
+    )
     got.bisection = bis
     return got
 

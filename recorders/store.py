@@ -94,7 +94,8 @@ def _table_view(table: str, files: list[SegmentFile]) -> str:
 COUNTERFACTUALS_VIEW = """
 CREATE OR REPLACE VIEW counterfactuals AS
 SELECT r.parent_run, r.counterfactual_request AS request, r.counterfactual_kind AS kind,
-       r.counterfactual_slots AS slots, r.keep_ratio, r.run_id, r.status, r.error, q.answer,
+       r.counterfactual_slots AS slots, r.counterfactual_slots / r.prompt_len AS keep_ratio,
+       r.run_id, r.status, r.error, q.answer,
        coalesce(q.correct, g.all_top1) AS correct, k.kl_mean, k.top1_agreement, r.created_at
 FROM runs r
 LEFT JOIN requests q ON q.run_id = r.run_id AND q.request = 0
