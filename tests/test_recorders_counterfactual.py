@@ -19,7 +19,7 @@ from starvation import budget_starvation
 from tiny import tiny_model
 
 import recorders
-from analyses import causal_verdicts, connect, counterfactual_runs
+from analyses import budget_distribution, causal_verdicts, connect, counterfactual_runs
 from h2o_lens import H2OConfig
 from h2o_lens.tasks import policy_case
 from recorders.counterfactual import bisect_budget, explain_case, explain_request, split_slots
@@ -193,6 +193,9 @@ def test_a_crashing_counterfactual_leaves_the_parent_untouched_and_is_named(tmp_
     folders = sorted(d.name for d in tmp_path.iterdir() if d.is_dir())
     assert folders == sorted([run.run_id, *(o.run_id for k, o in ex.outcomes.items() if k != "oracle_budget")])
     assert ex.outcomes["policy_budget"].bisection.probes  # they were run
+    # recorded re-runs carry their budget as a share of the prompt: the policy's curve reaches 1
+    dist = budget_distribution(connect(tmp_path))
+    assert dist[dist["curve"] == "h2o"]["share"].max() == 1.0
     (v,) = causal_verdicts(connect(tmp_path), run.run_id)
     assert "oracle" in v.could_not_run and "the oracle blew up" in v.could_not_run["oracle"]
     assert "oracle" not in v.passes
