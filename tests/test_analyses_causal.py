@@ -16,7 +16,7 @@ from analyses import budget_distribution, build_report, connect, report_data
 from analyses.causal import decide
 from commands.cli import main
 from h2o_lens.tasks import policy_case
-from recorders.counterfactual import explain_case
+from recorders.counterfactual_cases import explain_case
 
 
 def _o(correct, status="complete", run_id=None, error=None):

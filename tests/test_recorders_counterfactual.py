@@ -22,7 +22,8 @@ import recorders
 from analyses import budget_distribution, causal_verdicts, connect, counterfactual_runs
 from h2o_lens import H2OConfig
 from h2o_lens.tasks import policy_case
-from recorders.counterfactual import bisect_budget, explain_case, explain_request, split_slots
+from recorders.counterfactual import bisect_budget, explain_request, split_slots
+from recorders.counterfactual_cases import explain_case
 
 # ----------------------------------------------------------------------------- bisection
 
