@@ -65,6 +65,7 @@ SUB_LABELS = ("delayed_reference", "stale_heavy")
 #: the variants of the counterfactual table, in display order
 VARIANTS = COUNTERFACTUAL_KINDS
 FULL, PINNED, ORACLE, POLICY_BUDGET, ORACLE_BUDGET = VARIANTS
+BUDGET_KINDS = (POLICY_BUDGET, ORACLE_BUDGET)
 #: the curve of the oracle's minimal budgets in :func:`budget_distribution`
 ORACLE_CURVE = ORACLE
 #: threshold verdicts that say the same as a causal one
@@ -150,9 +151,15 @@ def _outcomes(rows: pd.DataFrame) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for row in rows.to_dict("records"):
         rec = {k: plain(v) for k, v in row.items()}
-        rec["bisection"] = _bisection(rec.get("path")) if str(rec["kind"]).endswith("_budget") else None
+        rec["bisection"] = _bisection(rec.get("path")) if rec["kind"] in (ORACLE, *BUDGET_KINDS) else None
         out[rec["kind"]] = rec
-    return out
+    same = out.get(ORACLE)
+    if ORACLE_BUDGET not in out and same is not None and same.get("bisection"):
+        # the oracle passed first at the run's own count: its run holds the search (no second run)
+        out[ORACLE_BUDGET] = {**same, "kind": ORACLE_BUDGET}
+    if same is not None:
+        out[ORACLE] = {**same, "bisection": None}
+    return dict(sorted(out.items(), key=lambda kv: VARIANTS.index(kv[0]) if kv[0] in VARIANTS else 99))
 
 
 def decide(
@@ -395,12 +402,19 @@ def budget_distribution(source: Source, *, ratios: list[float] | None = None) ->
     sql = """
         SELECT c.parent_run, c.request, c.kind, c.status, c.slots, r.prompt_len, p.policy, r.path
         FROM counterfactuals c JOIN runs r USING (run_id) LEFT JOIN runs p ON p.run_id = c.parent_run
-        WHERE c.kind IN ('policy_budget', 'oracle_budget')
+        WHERE c.kind IN ($policy_budget, $oracle_budget)
+           OR c.kind = $oracle AND NOT EXISTS (
+               SELECT 1 FROM counterfactuals b WHERE b.parent_run = c.parent_run AND b.request = c.request
+                 AND b.kind = $oracle_budget)
     """
-    rows = relation(con, sql).df()
+    rows = relation(con, sql, policy_budget=POLICY_BUDGET, oracle_budget=ORACLE_BUDGET, oracle=ORACLE).df()
     need: dict[str, list[float | None]] = {}
     for row in rows.to_dict("records"):
         bis = _bisection(row["path"]) if row["status"] == "complete" else None
+        if row["kind"] == ORACLE:
+            if bis is None:  # no search noted on it (none ran)
+                continue
+            row["kind"] = ORACLE_BUDGET
         ratio = None
         if bis is not None and bis.get("min_slots") is not None and row["prompt_len"]:
             ratio = bis["min_slots"] / float(row["prompt_len"])

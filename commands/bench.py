@@ -183,7 +183,7 @@ def bench_explain(
     model_name: str | None = None,
     task: str = "delayed_recall_1",
     keep: float = 0.2,
-    resolution: float = 0.04,
+    resolution: float = 0.05,
     out: str | None = None,
 ) -> int:
     """Explaining one failed demo request (every counterfactual, both bisections, the replays)

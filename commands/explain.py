@@ -34,7 +34,7 @@ def explain_run(
     bisect: bool = True,
     replay: bool = True,
     rerun: bool = True,
-    resolution: float = 0.04,
+    resolution: float = 0.05,
     progress: bool = True,
 ) -> list[Any]:
     """Explain the failed requests of a run (or ``requests``): re-run, then decide.
@@ -216,8 +216,8 @@ def add_parser(sub: Any) -> None:
     ex.add_argument(
         "--resolution",
         type=float,
-        default=0.04,
-        help="budget searches stop within this share of the prompt (default 0.04; 0: to the slot)",
+        default=0.05,
+        help="budget searches stop within this share of the prompt (default 0.05; 0: to the slot)",
     )
     ex.add_argument("--quiet", action="store_true", help="no progress bar")
     ex.set_defaults(func=cmd_explain)

@@ -617,7 +617,7 @@ def explain_request(
     bisect: bool = True,
     replay: bool = True,
     checks: int = 1,
-    resolution: float = 0.04,
+    resolution: float = 0.05,
     progress: Callable[[str], None] | None = None,
 ) -> Explanation:
     """Run and record the counterfactuals of one request of a recorded run.
@@ -762,14 +762,21 @@ def _drop(out: Path, outcomes: Any) -> None:
             shutil.rmtree(out / o.run_id)
 
 
+def _same_as_oracle(same: Outcome, bis: Bisection) -> Outcome:
+    """The oracle's minimal budget is the run's own count: the same-count oracle run stands for it."""
+    return Outcome(ORACLE_BUDGET, same.slots, same.run_id, True, True, same.answer, bisection=bis)
+
+
 def _oracle_budget(
     runner: _Runner, full_run: str, slots: int, hi: int, same: Outcome, checks: int, step: int
 ) -> Outcome:
     if not same.ran:
         return Outcome("oracle_budget", None, None, False, error=f"the oracle could not run: {same.error}")
-    reused = _existing(runner.out, runner.parent, "oracle_budget")
+    reused = _existing(runner.out, runner.parent, ORACLE_BUDGET)
     if reused is not None:
         return reused
+    if same.bisection is not None:  # found at the run's own count earlier: the oracle run holds it
+        return _same_as_oracle(same, same.bisection)
     lo, top = (1, slots) if same.passed else (slots, hi)
     known = {slots: bool(same.passed), hi: True}
     try:
@@ -781,6 +788,9 @@ def _oracle_budget(
     at = bis.min_slots if bis.min_slots is not None else bis.smallest_pass
     if at is None:
         return Outcome("oracle_budget", None, None, True, False, bisection=bis)
+    if at == slots:  # the oracle run at the same count is that run: note the search there
+        _note(runner.out / same.run_id, bisection=bis.to_dict(), min_slots=bis.min_slots)
+        return _same_as_oracle(same, bis)
     got = runner.record_oracle(
         ORACLE_BUDGET, full_run, at, replay=False, bisection=bis.to_dict(), min_slots=bis.min_slots
     )
