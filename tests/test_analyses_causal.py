@@ -126,3 +126,14 @@ def test_dashboard_report_page_shows_why_and_the_budget_curves(root, monkeypatch
     assert tables and list(tables[0]["variant"]) == ["full", "pinned", "oracle", "policy_budget", "oracle_budget"]
     assert tables[0]["open"].str.contains(f"run={made['delayed_reference'].outcomes['pinned'].run_id}").any()
     assert any("budget" in str(c.proto.spec) for c in at.get("plotly_chart"))  # the distribution
+
+
+def test_json_report_with_a_why_section_validates_against_the_schema(root):
+    import jsonschema
+
+    from analyses import report_schema
+
+    root, made = root
+    data = json.loads(build_report(root, made["budget_starvation"].parent_run, fmt="json"))
+    assert data["why"] and data["budget_distribution"]
+    jsonschema.validate(data, report_schema())
