@@ -44,6 +44,7 @@ __all__ = [
     "write_tasks",
     "resolve_tasks",
     "from_builtin",
+    "summarise_tasks",
 ]
 
 #: an answer spec: str | tuple of str | {"regex": str} | {"all": [...], "none": [...]}
@@ -647,3 +648,42 @@ def resolve_tasks(
         )
     tasks = load_tasks(spec)
     return tasks[:count] if count is not None else tasks
+
+
+def _answer_form(a: Answer) -> str:
+    if a is None:
+        return "no answer"
+    if isinstance(a, str):
+        return "answer text"
+    if isinstance(a, Mapping):
+        return "answer regex" if "regex" in a else "answer all/none"
+    return "answer any-of"
+
+
+def summarise_tasks(tasks: Sequence[FileTask]) -> list[tuple[str, str]]:
+    """One ``(kind, summary)`` per kind of ``tasks``, in order of first appearance: the number of
+    requests and the fields they carry (for ``h2o-lens tasks check``)."""
+    groups: dict[str, list[FileTask]] = {}
+    for t in tasks:
+        groups.setdefault(t.kind, []).append(t)
+    order = ("prompt", "messages", "answer text", "answer any-of", "answer regex", "answer all/none", "no answer")
+    order += ("evidence substring", "evidence range")
+    out = []
+    for kind, group in groups.items():
+        counts = dict.fromkeys(order, 0)
+        for t in group:
+            counts["messages" if t.turns is not None else "prompt"] += 1
+            counts[_answer_form(t.answer)] += 1
+            counts["evidence substring"] += sum(isinstance(v, str) for v in t.evidence.values())
+            counts["evidence range"] += sum(not isinstance(v, str) for v in t.evidence.values())
+        parts = [f"{len(group)} request{'s' * (len(group) != 1)}"]
+        parts += [f"{key} {n}" for key, n in counts.items() if n]
+        lo, hi = min(t.max_new_tokens for t in group), max(t.max_new_tokens for t in group)
+        parts.append(f"max_new_tokens {lo}" + (f"-{hi}" if hi != lo else ""))
+        lo, hi = min(len(t.prompt) for t in group), max(len(t.prompt) for t in group)
+        parts.append(f"prompt {lo}" + (f"-{hi}" if hi != lo else "") + " chars")
+        keys = sorted({k for t in group for k in t.meta})
+        if keys:
+            parts.append("meta: " + ", ".join(keys))
+        out.append((kind, " | ".join(parts)))
+    return out
