@@ -386,3 +386,16 @@ def test_a_file_with_every_field_records_labels_and_verdicts(tmp_path):
         assert dict(labelled) == spans
     # the random model gets the words wrong and the any-character regex right
     assert verdicts == [False, False, True, False, None]
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/DESIGN.md"])
+def test_the_documented_example_lines_load(tmp_path, doc):
+    import re
+
+    text = (Path(__file__).resolve().parent.parent / doc).read_text(encoding="utf-8")
+    section = text[text.index("Task files") :]
+    block = re.search(r"```json\n(.*?)```", section, re.S).group(1)
+    path = tmp_path / "example.jsonl"
+    path.write_text(block.replace("\n ", " "))  # DESIGN.md wraps its one line
+    (task,) = load_tasks(path)
+    assert task.name == "code_0" and task.check("It is 4419.") and task.evidence == {"code": "code is 4419"}

@@ -522,7 +522,7 @@ def _json_list(data: bytes, source: str) -> list[Any]:
 
 
 def load_tasks(path: str | os.PathLike[str]) -> list[FileTask]:
-    """The requests of a task file, in file order, every line checked (§10).
+    """The requests of a task file, in file order, every line checked (DESIGN.md §10).
 
     A JSONL file holds one JSON object per line (blank lines skipped); a file whose name ends
     in ``.json`` may instead hold one JSON list of such objects (errors then name the item).
