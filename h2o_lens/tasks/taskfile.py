@@ -12,8 +12,9 @@ A line is an object with these fields::
      "max_new_tokens": 16,                     # optional (default 32)
      "meta": {...}}                            # free, carried to the run's info
 
-:func:`load_tasks` checks every line (:func:`parse_task`) and raises :class:`TaskFileError`
-naming the file, the line and the field; :func:`write_tasks` writes a file that loads back
+:func:`load_tasks` checks every line (:func:`parse_task`, the field checks in
+:mod:`~h2o_lens.tasks.taskcheck`) and raises :class:`TaskFileError` naming the file, the line
+and the field; :func:`write_tasks` writes a file that loads back
 to equal :class:`FileTask` objects. :class:`FileTask` is the in-memory form; the built-in
 families produce it too.
 """
@@ -23,13 +24,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from ..errors import ConfigError, H2OLensError
-from .real import check_answer, normalise
+from .real import check_answer
+from .taskcheck import DEFAULT_MAX_NEW_TOKENS, FIELDS, ROLES, Answer, TaskFileError, check_line, json_type
 
 __all__ = [
     "FileTask",
@@ -46,33 +48,6 @@ __all__ = [
     "from_builtin",
     "summarise_tasks",
 ]
-
-#: an answer spec: str | tuple of str | {"regex": str} | {"all": [...], "none": [...]}
-Answer = Any
-
-#: the fields of a task-file line, in the order :meth:`FileTask.to_json` writes them
-FIELDS = ("name", "kind", "prompt", "messages", "answer", "evidence", "max_new_tokens", "meta")
-#: the roles a ``messages`` turn may have
-ROLES = ("system", "user", "assistant")
-DEFAULT_MAX_NEW_TOKENS = 32
-
-
-class TaskFileError(H2OLensError, ValueError):
-    """A task file (or one of its lines) is not valid.
-
-    Attributes
-    ----------
-    source : str
-        The file (or what was being written).
-    line : int or None
-        The line (1-based; the item for a ``.json`` list) at fault, ``None`` for the whole file.
-    field : str or None
-        The field at fault, ``None`` when the line as a whole is.
-    """
-
-    def __init__(self, message: str, *, source: str, line: int | None = None, field: str | None = None) -> None:
-        super().__init__(message)
-        self.source, self.line, self.field = source, line, field
 
 
 @dataclass(frozen=True)
@@ -209,164 +184,6 @@ def from_builtin(task: Any) -> FileTask:
     )
 
 
-# ------------------------------------------------------------------------------ validation
-
-
-def _show(value: Any, limit: int = 60) -> str:
-    """A value as received, in JSON, cut to ``limit`` characters."""
-    try:
-        text = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _type(value: Any) -> str:
-    """The JSON type name of ``value``."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list | tuple):
-        return "a list"
-    if isinstance(value, Mapping):
-        return "an object"
-    return type(value).__name__
-
-
-_ANSWER_FORMS = 'a string, a list of strings, {"regex": PATTERN} or {"all": [...], "none": [...]}'
-
-Fail = Callable[[str | None, str], NoReturn]
-
-
-def _answer_item(item: Any, where: str, fail: Fail) -> str:
-    if not isinstance(item, str):
-        fail("answer", f"{where} is {_type(item)} ({_show(item)}); expected a string")
-    if not normalise(item):
-        fail(
-            "answer",
-            f"{where} {_show(item)} has no letters or digits, so it can never match "
-            "(answers match as whole words after lower-casing and dropping punctuation)",
-        )
-    return item
-
-
-def _answer(value: Any, fail: Fail) -> Answer:
-    if isinstance(value, str):
-        return _answer_item(value, "the answer", fail)
-    if isinstance(value, list):
-        if not value:
-            fail("answer", "is an empty list; give at least one accepted answer, or leave the field out (no checker)")
-        return tuple(_answer_item(v, f"item {i} of the list", fail) for i, v in enumerate(value))
-    if isinstance(value, Mapping):
-        keys = set(value)
-        if "regex" in keys:
-            if keys != {"regex"}:
-                fail("answer", f"a regex answer has the one key 'regex'; got keys {sorted(keys)}")
-            pattern = value["regex"]
-            if not isinstance(pattern, str) or not pattern:
-                fail("answer", f"'regex' is {_show(pattern)}; expected a non-empty pattern string")
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                fail("answer", f"'regex' {_show(pattern)} does not compile: {exc}")
-            return {"regex": pattern}
-        if keys - {"all", "none"} or "all" not in keys:
-            fail(
-                "answer",
-                f"an answer object with keys {sorted(keys)}: expected {{\"regex\": PATTERN}} or "
-                '{"all": [every required item], "none": [items that make the answer wrong]} ("none" optional)',
-            )
-        out: dict[str, list[str]] = {}
-        for key in ("all", "none"):
-            if key not in value:
-                continue
-            items = value[key]
-            if not isinstance(items, list):
-                fail("answer", f"'{key}' is {_type(items)} ({_show(items)}); expected a list of strings")
-            if key == "all" and not items:
-                fail("answer", "'all' is an empty list; give at least one required item")
-            out[key] = [_answer_item(v, f"item {i} of '{key}'", fail) for i, v in enumerate(items)]
-        return out
-    fail("answer", f"is {_type(value)} ({_show(value)}); expected {_ANSWER_FORMS}")
-
-
-def _turns(value: Any, fail: Fail) -> tuple[dict[str, str], ...]:
-    if not isinstance(value, list) or not value:
-        fail(
-            "messages",
-            f"is {_show(value)}; expected a non-empty list of turns "
-            '[{"role": "system" | "user" | "assistant", "content": TEXT}, ...]',
-        )
-    turns = []
-    for i, turn in enumerate(value):
-        if not isinstance(turn, Mapping):
-            fail("messages", f"turn {i} is {_type(turn)} ({_show(turn)}); expected an object with role and content")
-        missing = [k for k in ("role", "content") if k not in turn]
-        extra = sorted(set(turn) - {"role", "content"})
-        if missing or extra:
-            what = f"lacks {' and '.join(missing)}" if missing else f"has unknown keys {extra}"
-            fail("messages", f'turn {i} {what} ({_show(turn)}); a turn is {{"role": ..., "content": ...}}')
-        role, content = turn["role"], turn["content"]
-        if role not in ROLES:
-            fail("messages", f"turn {i} has role {_show(role)}; expected one of {', '.join(ROLES)}")
-        if not isinstance(content, str) or not content.strip():
-            fail("messages", f"turn {i} has content {_show(content)}; expected a non-empty string")
-        turns.append({"role": role, "content": content})
-    if not any(t["role"] == "user" for t in turns):
-        fail("messages", "has no user turn; the model answers the last turn, which must be a user turn")
-    if turns[-1]["role"] != "user":
-        fail(
-            "messages",
-            f"ends with a {turns[-1]['role']!r} turn; the last turn must be the user turn the model answers",
-        )
-    return tuple(turns)
-
-
-def _evidence(value: Any, prompt: str, texts: Sequence[str], fail: Fail) -> dict[str, Any]:
-    if not isinstance(value, Mapping):
-        fail(
-            "evidence",
-            f"is {_type(value)} ({_show(value)}); expected an object {{label: substring or [start, end]}}",
-        )
-    out: dict[str, Any] = {}
-    for label, span in value.items():
-        if not label.strip():
-            fail("evidence", 'has an empty label; give each span a name, e.g. {"code": "code is 4419"}')
-        if isinstance(span, str):
-            if not span:
-                fail("evidence", f"{label!r} is an empty string; give a substring of the prompt")
-            if not any(span in t for t in texts):
-                fail(
-                    "evidence",
-                    f"{label!r} = {_show(span)} does not occur in the prompt text; give a substring of the "
-                    "prompt (exact, case and spaces included) or a [start, end] character range",
-                )
-            out[label] = span
-            continue
-        pair = isinstance(span, list) and len(span) == 2
-        if not pair or not all(isinstance(x, int) and not isinstance(x, bool) for x in span):
-            fail(
-                "evidence",
-                f"{label!r} is {_show(span)}; expected a substring of the prompt or a [start, end] "
-                "pair of integers (a character range of the prompt)",
-            )
-        start, end = span
-        if not 0 <= start < end <= len(prompt):
-            of = "the prompt's length in characters" + ("; of a messages task, its last user turn" * (len(texts) > 1))
-            fail(
-                "evidence",
-                f"{label!r} = [{start}, {end}] is not a range of the prompt: expected "
-                f"0 <= start < end <= {len(prompt)} ({of})",
-            )
-        out[label] = (start, end)
-    return out
-
-
 def parse_task(obj: Any, *, line: int, source: str = "<tasks>", unit: str = "line") -> FileTask:
     """One task-file line (a decoded JSON value) as a :class:`FileTask`, checked field by field.
 
@@ -380,66 +197,10 @@ def parse_task(obj: Any, *, line: int, source: str = "<tasks>", unit: str = "lin
     Raises
     ------
     TaskFileError
-        Naming ``source``, ``line`` and the field, what was received and what is expected.
+        Naming ``source``, ``line`` and the field, what was received and what is expected
+        (the checks: :func:`h2o_lens.tasks.taskcheck.check_line`).
     """
-    where = f"{source}, {unit} {line}"
-
-    def fail(name: str | None, problem: str) -> NoReturn:
-        at = f", field {name!r}" if name else ""
-        raise TaskFileError(f"{where}{at}: {problem}", source=source, line=line, field=name)
-
-    if not isinstance(obj, Mapping):
-        fail(None, f'expected a JSON object {{"prompt": ..., "answer": ...}}, got {_type(obj)} ({_show(obj)})')
-    for key in obj:
-        if key not in FIELDS:
-            fail(
-                key,
-                f'unknown field; the fields are {", ".join(FIELDS)}. Put free fields in "meta", '
-                f'e.g. "meta": {{{json.dumps(key)}: {_show(obj[key], 30)}}}',
-            )
-    name = obj.get("name", f"{unit}_{line}")
-    if not isinstance(name, str) or not name.strip():
-        fail("name", f"is {_show(name)}; expected a non-empty string, unique in the file")
-    kind = obj.get("kind", "file")
-    if not isinstance(kind, str) or not kind.strip():
-        fail("kind", f'is {_show(kind)}; expected a non-empty string (the family, e.g. "needle")')
-    if ("prompt" in obj) == ("messages" in obj):
-        problem = 'has "messages" too; give one of them' if "prompt" in obj else "missing"
-        fail(
-            "prompt",
-            f'{problem}: a request has either "prompt" (the user message) or "messages" '
-            "(chat turns ending with a user turn)",
-        )
-    turns = None
-    if "prompt" in obj:
-        prompt = obj["prompt"]
-        if not isinstance(prompt, str):
-            fail("prompt", f"is {_type(prompt)} ({_show(prompt)}); expected the user message as a string")
-        if not prompt.strip():
-            fail("prompt", f"is empty ({_show(prompt)}); expected the user message")
-        texts: Sequence[str] = (prompt,)
-    else:
-        turns = _turns(obj["messages"], fail)
-        prompt = turns[-1]["content"]
-        texts = [prompt] + [t["content"] for t in turns[:-1]]
-    answer = _answer(obj["answer"], fail) if "answer" in obj else None
-    evidence = _evidence(obj["evidence"], prompt, texts, fail) if "evidence" in obj else {}
-    max_new = obj.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
-        fail("max_new_tokens", f"is {_show(max_new)}; expected a positive integer, e.g. 32")
-    meta = obj.get("meta", {})
-    if not isinstance(meta, Mapping):
-        fail("meta", f'is {_type(meta)} ({_show(meta)}); expected an object of free fields, e.g. {{"source": "x"}}')
-    return FileTask(
-        name=name,
-        prompt=prompt,
-        turns=turns,
-        answer=answer,
-        evidence=evidence,
-        max_new_tokens=max_new,
-        meta=dict(meta),
-        kind=kind,
-    )
+    return FileTask(**check_line(obj, line=line, source=source, unit=unit))
 
 
 # ------------------------------------------------------------------------------ reading
@@ -514,7 +275,7 @@ def _json_list(data: bytes, source: str) -> list[Any]:
         ) from None
     if not isinstance(items, list):
         raise TaskFileError(
-            f"{source}: a .json task file holds one list of request objects, got {_type(items)}; "
+            f"{source}: a .json task file holds one list of request objects, got {json_type(items)}; "
             "or write JSONL (one object per line, in a file not named .json)",
             source=source,
         )
