@@ -58,6 +58,27 @@ def test_check_names_the_bad_line_and_field(tmp_path, capsys):
     assert code == 2 and err.startswith("h2o-lens: error: task file") and "does not exist" in err
 
 
+def test_check_summarises_every_field_per_kind(tmp_path, capsys):
+    rows = [
+        {"name": "a", "kind": "k", "prompt": "The code is 4419.", "answer": "4419", "evidence": {"c": "4419"}},
+        {"name": "b", "kind": "k", "prompt": "Oslo or Lima?", "answer": ["Oslo", "Lima"], "max_new_tokens": 8},
+        {"prompt": "Say x.", "answer": {"regex": "x"}, "evidence": {"r": [4, 5]}, "meta": {"src": "me"}},
+        {"prompt": "Oslo?", "answer": {"all": ["Oslo"], "none": ["Lima"]}, "meta": {"depth": 0.5}},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]},
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, _ = _run(capsys, "tasks", "check", str(path))
+    assert code == 0
+    assert out.splitlines() == [
+        f"{path}: 5 requests, valid",
+        "  k: 2 requests | prompt 2 | answer text 1 | answer any-of 1 | evidence substring 1 | "
+        "max_new_tokens 8-32 | prompt 13-17 chars",
+        "  file: 3 requests | prompt 2 | messages 1 | answer regex 1 | answer all/none 1 | no answer 1 | "
+        "evidence range 1 | max_new_tokens 32 | prompt 3-6 chars | meta: depth, src",
+    ]
+
+
 def test_export_errors_are_one_line(tmp_path, capsys):
     code, out, err = _run(capsys, "tasks", "export", "builtin:nope", "--length", "1000")
     assert (code, out) == (2, "")
@@ -66,6 +87,8 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     assert code == 2 and err == "h2o-lens: error: count must be at least 1, got 0\n"
     code, _, err = _run(capsys, "tasks", "export", "builtin:demo", "-o", str(tmp_path / "no" / "t.jsonl"))
     assert code == 2 and "its folder does not exist" in err and err.count("\n") == 1
+    code, _, err = _run(capsys, "tasks", "export", "builtin:demo", "-o", str(tmp_path))
+    assert code == 2 and err == f"h2o-lens: error: {tmp_path} is a folder; give the path of the task file to write\n"
     assert list(tmp_path.iterdir()) == []
 
 

@@ -399,3 +399,12 @@ def test_the_documented_example_lines_load(tmp_path, doc):
     path.write_text(block.replace("\n ", " "))  # DESIGN.md wraps its one line
     (task,) = load_tasks(path)
     assert task.name == "code_0" and task.check("It is 4419.") and task.evidence == {"code": "code is 4419"}
+
+
+def test_write_tasks_to_a_json_name_writes_a_list_that_loads_back(tmp_path):
+    tasks = resolve_tasks("builtin:demo", count=3)
+    path = write_tasks(tasks, tmp_path / "demo.json")
+    assert [row["name"] for row in json.loads(path.read_text())] == [t.name for t in tasks]
+    assert load_tasks(path) == tasks
+    with pytest.raises(TaskFileError, match="is a folder"):
+        write_tasks(tasks, tmp_path)

@@ -366,10 +366,16 @@ def dumps_tasks(tasks: Sequence[FileTask], *, source: str = "<tasks>") -> str:
 def write_tasks(tasks: Sequence[FileTask], path: str | os.PathLike[str]) -> Path:
     """Write ``tasks`` as a JSONL task file, atomically (a temporary file, then a rename).
 
+    A path ending in ``.json`` gets one JSON list instead, as :func:`load_tasks` reads it.
     :func:`load_tasks` of the file gives back equal tasks. Returns the path.
     """
     target = Path(path)
+    if target.is_dir():
+        raise TaskFileError(f"{target} is a folder; give the path of the task file to write", source=str(target))
     text = dumps_tasks(tasks, source=str(target))
+    if target.suffix == ".json":
+        rows = [json.loads(line) for line in text.splitlines()]
+        text = json.dumps(rows, ensure_ascii=False, indent=1) + "\n"
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8", newline="\n") as fh:
