@@ -90,7 +90,7 @@ def _answer(value: Any, fail: Fail) -> Answer:
     if isinstance(value, list):
         if not value:
             fail("answer", "is an empty list; give at least one accepted answer, or leave the field out (no checker)")
-        return tuple(_answer_item(v, f"item {i} of the list", fail) for i, v in enumerate(value))
+        return tuple(_answer_item(v, f"answer[{i}]", fail) for i, v in enumerate(value))
     if isinstance(value, Mapping):
         keys = set(value)
         if "regex" in keys:
@@ -119,7 +119,7 @@ def _answer(value: Any, fail: Fail) -> Answer:
                 fail("answer", f"'{key}' is {json_type(items)} ({shown(items)}); expected a list of strings")
             if key == "all" and not items:
                 fail("answer", "'all' is an empty list; give at least one required item")
-            out[key] = [_answer_item(v, f"item {i} of '{key}'", fail) for i, v in enumerate(items)]
+            out[key] = [_answer_item(v, f"answer.{key}[{i}]", fail) for i, v in enumerate(items)]
         return out
     fail("answer", f"is {json_type(value)} ({shown(value)}); expected {_ANSWER_FORMS}")
 
@@ -134,17 +134,18 @@ def _turns(value: Any, fail: Fail) -> tuple[dict[str, str], ...]:
     turns = []
     for i, turn in enumerate(value):
         if not isinstance(turn, Mapping):
-            fail("messages", f"turn {i} is {json_type(turn)} ({shown(turn)}); expected an object with role and content")
+            got = f"{json_type(turn)} ({shown(turn)})"
+            fail("messages", f"messages[{i}] is {got}; expected an object with role and content")
         missing = [k for k in ("role", "content") if k not in turn]
         extra = sorted(set(turn) - {"role", "content"})
         if missing or extra:
             what = f"lacks {' and '.join(missing)}" if missing else f"has unknown keys {extra}"
-            fail("messages", f'turn {i} {what} ({shown(turn)}); a turn is {{"role": ..., "content": ...}}')
+            fail("messages", f'messages[{i}] {what} ({shown(turn)}); a turn is {{"role": ..., "content": ...}}')
         role, content = turn["role"], turn["content"]
         if role not in ROLES:
-            fail("messages", f"turn {i} has role {shown(role)}; expected one of {', '.join(ROLES)}")
+            fail("messages", f"messages[{i}] has role {shown(role)}; expected one of {', '.join(ROLES)}")
         if not isinstance(content, str) or not content.strip():
-            fail("messages", f"turn {i} has content {shown(content)}; expected a non-empty string")
+            fail("messages", f"messages[{i}] has content {shown(content)}; expected a non-empty string")
         turns.append({"role": role, "content": content})
     if not any(t["role"] == "user" for t in turns):
         fail("messages", "has no user turn; the model answers the last turn, which must be a user turn")
@@ -156,7 +157,7 @@ def _turns(value: Any, fail: Fail) -> tuple[dict[str, str], ...]:
     return tuple(turns)
 
 
-def _evidence(value: Any, prompt: str, texts: Sequence[str], fail: Fail) -> dict[str, Any]:
+def _evidence(value: Any, prompt: str, texts: Sequence[str], chat: bool, fail: Fail) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         fail(
             "evidence",
@@ -186,7 +187,7 @@ def _evidence(value: Any, prompt: str, texts: Sequence[str], fail: Fail) -> dict
             )
         start, end = span
         if not 0 <= start < end <= len(prompt):
-            of = "the prompt's length in characters" + ("; of a messages task, its last user turn" * (len(texts) > 1))
+            of = "the prompt's length in characters" + ("; of a messages task, its last user turn" * chat)
             fail(
                 "evidence",
                 f"{label!r} = [{start}, {end}] is not a range of the prompt: expected "
@@ -253,7 +254,7 @@ def check_line(obj: Any, *, line: int, source: str = "<tasks>", unit: str = "lin
         prompt = turns[-1]["content"]
         texts = [prompt] + [t["content"] for t in turns[:-1]]
     answer = _answer(obj["answer"], fail) if "answer" in obj else None
-    evidence = _evidence(obj["evidence"], prompt, texts, fail) if "evidence" in obj else {}
+    evidence = _evidence(obj["evidence"], prompt, texts, turns is not None, fail) if "evidence" in obj else {}
     max_new = obj.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
         fail("max_new_tokens", f"is {shown(max_new)}; expected a positive integer, e.g. 32")
