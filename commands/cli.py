@@ -421,7 +421,7 @@ def cmd_tasks_export(args: argparse.Namespace) -> int:
 
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise ConfigError(f"-o {args.output!r}: its folder does not exist; create it or give another path")
-    if args.spec.startswith("builtin:"):  # an unknown family fails before any model loads
+    if args.spec.startswith("builtin:"):  # an unknown family fails before a model loads
         from h2o_lens.tasks.builtins import family
 
         try:
@@ -429,7 +429,8 @@ def cmd_tasks_export(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     tokenizer = None
-    if args.length is not None or args.model is not None:  # --length counts tokens of this tokenizer
+    builtin = args.spec.startswith("builtin:")
+    if builtin and (args.length is not None or args.model is not None):  # --length counts its tokens
         from h2o_lens.models import load_model
 
         _, tokenizer = load_model(args.model, progress=False)

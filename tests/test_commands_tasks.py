@@ -83,13 +83,17 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     code, out, err = _run(capsys, "tasks", "export", "builtin:nope", "--length", "1000")
     assert (code, out) == (2, "")
     assert err == f"h2o-lens: error: unknown built-in task family 'nope'; known: {', '.join(FAMILIES)}\n"
+    file = tmp_path / "one.jsonl"
+    file.write_text('{"prompt": "p q"}\n')
+    code, _, err = _run(capsys, "tasks", "export", str(file), "--length", "1000")  # no model is loaded for it
+    assert code == 2 and err.startswith("h2o-lens: error: length 1000 applies to the built-in families")
     code, _, err = _run(capsys, "tasks", "export", "builtin:demo", "--count", "0")
     assert code == 2 and err == "h2o-lens: error: count must be at least 1, got 0\n"
     code, _, err = _run(capsys, "tasks", "export", "builtin:demo", "-o", str(tmp_path / "no" / "t.jsonl"))
     assert code == 2 and "its folder does not exist" in err and err.count("\n") == 1
     code, _, err = _run(capsys, "tasks", "export", "builtin:demo", "-o", str(tmp_path))
     assert code == 2 and err == f"h2o-lens: error: {tmp_path} is a folder; give the path of the task file to write\n"
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [file]  # nothing written by the failed exports
 
 
 def test_list_shows_every_family_with_its_docstring(capsys):
