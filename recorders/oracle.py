@@ -205,7 +205,8 @@ class OracleTeacher:
     def _teacher_pass(self) -> None:
         """The one full-cache forward: prompt, then the generated rows with their weights kept."""
         p, n = self.prompt_len, self.positions
-        x = torch.as_tensor(np.concatenate([self.prompt, self.answer])[:n], dtype=torch.long)[None]
+        device = next(self.model.parameters()).device
+        x = torch.as_tensor(np.concatenate([self.prompt, self.answer])[:n], dtype=torch.long, device=device)[None]
         state = self._state
         self._cache = DynamicCache(config=self.model.config)
         with torch.no_grad(), self._attention():
