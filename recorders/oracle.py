@@ -185,6 +185,7 @@ class OracleTeacher:
         hkv = getattr(text, "num_key_value_heads", None) or hq
         self._state = _State(gqa, hq // hkv if gqa == "none" else 1, chunk)
         self._layers = text.num_hidden_layers
+        self._sets = hq if gqa == "none" else hkv  # KV sets of the run
         self.forwards = 0
         self._checks: dict[int, OracleCheck] = {}
         self._teacher_pass()
@@ -224,16 +225,11 @@ class OracleTeacher:
         if n > p:
             remaining = tuple(remaining_attention(state.rows[layer]) for layer in range(self._layers))
         else:  # one generated token: no decode step, nothing remains
-            shape = (self._sets(), 1, n)
+            shape = (self._sets, 1, n)
             remaining = tuple(torch.zeros(shape, device=self._first.device) for _ in range(self._layers))
         state.rows.clear()
         self.table = TeacherTable(remaining, p, self.gqa)
         self.teacher = self._judge(None, logits)
-
-    def _sets(self) -> int:
-        text = self.model.config.get_text_config(decoder=True)
-        hq = text.num_attention_heads
-        return hq if self.gqa == "none" else (getattr(text, "num_key_value_heads", None) or hq)
 
     def _judge(self, slots: int | None, logits: torch.Tensor) -> OracleCheck:
         top1 = logits.argmax(-1).cpu().numpy()
