@@ -75,7 +75,7 @@ class Policy:
     teacher : it ranks by a full-cache teacher's future attention (the oracle, DESIGN.md
         §2.12): it runs only with a teacher table installed, so it is neither a baseline nor
         an alternative the demo or a sweep could run on its own
-    reference : the FP64 reference ``simulate(logits, prefill, heavy, recent, gqa)``
+    reference : the FP64 reference ``simulate(logits, prefill, heavy, recent, gqa, pinned=())``
         (kept sets per step, the contract of :func:`h2o_lens.reference.simulate`), or None
     rank : registry order (names, CLI help, the demo's baselines): lower first
     """
