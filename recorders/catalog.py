@@ -231,7 +231,7 @@ def inspect_file(path: str | os.PathLike, table: str | None = None) -> SegmentFi
 
 # -- the root's catalog cache ---------------------------------------------------------
 
-#: File of a runs root that keeps what :func:`scan_root` learnt about each file (§13).
+#: File of a runs root that keeps what :func:`scan_root` learnt about each file (DESIGN.md §7.4).
 CACHE_NAME = ".h2o-lens-catalog.json"
 _CACHE_FORMAT = 1
 _ERRORS: dict[str, type[RecorderError]] = {e.__name__: e for e in (DamagedFileError, SchemaError, ManifestError)}
@@ -252,7 +252,7 @@ def _declared_names(table: str) -> tuple[str, ...]:
 
 
 class _RootCache:
-    """What a scan learnt per file version, kept in ``<root>/.h2o-lens-catalog.json``.
+    """What a scan learnt per file version, kept in ``<root>/.h2o-lens-catalog.json`` (DESIGN.md §7.4).
 
     Entries are keyed by ``<run_id>/<file name>`` and hold the file's :func:`_stat_key`:
     a file whose key differs is read again. A cache file that is missing, unreadable,
@@ -300,38 +300,29 @@ class _RootCache:
         key = _stat_key(st)
         hit = self._get(rel, key)
         try:
-            if isinstance(hit, dict) and hit.get("table") == table:
-                if "error" in hit:
-                    raise _ERRORS[hit["error"]](hit["message"])
-                columns = hit["columns"]
+            if isinstance(hit, dict) and hit.get("table") == table and hit.get("error") in _ERRORS:
+                raise _ERRORS[hit["error"]](hit["message"])
+            if isinstance(hit, list) and hit[0] == table:  # [table, rows, columns, version, run_ids, totals]
+                _, rows, columns, version, run_ids, totals = hit
                 return SegmentFile(
                     Path(path),
                     table,
-                    int(hit["rows"]),
+                    int(rows),
                     _declared_names(table) if columns is None else tuple(columns),
-                    int(hit["schema_version"]),
-                    tuple((rid, int(n)) for rid, n in hit["run_ids"]),
-                    tuple((c, v, int(n)) for c, v, n in hit["totals"]),
+                    int(version),
+                    tuple((rid, int(n)) for rid, n in run_ids),
+                    tuple((c, v, int(n)) for c, v, n in totals),
                 )
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, IndexError, TypeError, ValueError):
             pass  # an entry of another shape: read the file again
         try:
             seg = inspect_file(path, table)
         except (DamagedFileError, SchemaError) as exc:
             self._put(rel, key, {"table": table, "error": type(exc).__name__, "message": str(exc)})
             raise
-        self._put(
-            rel,
-            key,
-            {
-                "table": table,
-                "rows": seg.rows,
-                "columns": None if seg.columns == _declared_names(table) else list(seg.columns),
-                "schema_version": seg.schema_version,
-                "run_ids": [list(x) for x in seg.run_ids],
-                "totals": [list(x) for x in seg.totals],
-            },
-        )
+        columns = None if seg.columns == _declared_names(table) else list(seg.columns)
+        totals = [list(x) for x in seg.totals]
+        self._put(rel, key, [table, seg.rows, columns, seg.schema_version, [list(x) for x in seg.run_ids], totals])
         return seg
 
     def manifest(self, run_dir: Path) -> tuple[dict[str, Any], list[str]]:

@@ -96,32 +96,40 @@ def _readable(value: Any) -> Any:
     return value
 
 
+_NOT_FITTING = (pa.ArrowException, OverflowError, TypeError, ValueError, UnicodeError)
+
+
 def _column(values: list[Any], type_: pa.DataType) -> pa.Array:
-    if not pa.types.is_floating(type_):  # NaN is no value of a non-float column
+    """``values`` as an array of ``type_``; text made readable, a value that does not fit is null."""
+    if not pa.types.is_floating(type_) and not pa.types.is_string(type_):  # NaN is no value of these
         values = [None if isinstance(v, float) and math.isnan(v) else v for v in values]
     try:
         return pa.array(values, type=type_)
-    except (pa.ArrowException, OverflowError, TypeError, ValueError):  # one value that does not fit is null
+    except _NOT_FITTING:
         out = []
         for v in values:
+            v = _readable(v)
             try:
                 pa.array([v], type=type_)
                 out.append(v)
-            except (pa.ArrowException, OverflowError, TypeError, ValueError):
+            except _NOT_FITTING:
                 out.append(None)
         return pa.array(out, type=type_)
 
 
-def _rows_table(con: duckdb.DuckDBPyConnection, name: str, schema: pa.Schema, rows: Iterable[dict[str, Any]]) -> None:
-    """Store ``rows`` as the table ``h2o_lens_catalog.<name>`` of the database.
+def _rows_table(
+    con: duckdb.DuckDBPyConnection, name: str, schema: pa.Schema, rows: Iterable[dict[str, Any]] | dict[str, list]
+) -> None:
+    """Store ``rows`` (dicts, or lists per column) as the table ``h2o_lens_catalog.<name>``.
 
     A table in the database (not literals in a view's SQL, which DuckDB binds again on
     every query, nor a Python object) keeps thousands of runs quick and lives in a
     database file as well as in memory.
     """
-    rows = list(rows)
-    columns = [_column([_readable(r.get(f.name)) for r in rows], f.type) for f in schema]
-    data = pa.Table.from_arrays(columns, schema=schema)
+    if not isinstance(rows, dict):
+        rows = list(rows)
+        rows = {f.name: [r.get(f.name) for r in rows] for f in schema}
+    data = pa.Table.from_arrays([_column(rows[f.name], f.type) for f in schema], schema=schema)
     con.execute(f"CREATE SCHEMA IF NOT EXISTS {CATALOG_SCHEMA}")
     temp = f"_h2o_lens_rows_{id(data)}"
     con.register(temp, data)
@@ -179,17 +187,25 @@ def create_views(con: duckdb.DuckDBPyConnection, catalog: Catalog) -> None:
         con,
         "files",
         _FILES,
-        ({"run_id": rid, "table_name": f.table, "path": str(f.path), "rows": f.rows} for rid, f in files),
+        {
+            "run_id": [rid for rid, _ in files],
+            "table_name": [f.table for _, f in files],
+            "path": [str(f.path) for _, f in files],
+            "rows": [f.rows for _, f in files],
+        },
     )
+    totals = [(rid, f.table, t) for rid, f in files for t in f.totals]
     _rows_table(
         con,
         "totals",
         _TOTALS,
-        (
-            {"run_id": rid, "table_name": f.table, "column_name": c, "total": v, "n": n}
-            for rid, f in files
-            for c, v, n in f.totals
-        ),
+        {
+            "run_id": [rid for rid, _, _ in totals],
+            "table_name": [table for _, table, _ in totals],
+            "column_name": [t[0] for _, _, t in totals],
+            "total": [t[1] for _, _, t in totals],
+            "n": [t[2] for _, _, t in totals],
+        },
     )
 
 

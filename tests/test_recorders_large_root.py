@@ -1,4 +1,4 @@
-"""Large runs roots: the synthetic root generator and the per-root catalog cache (DESIGN.md §13)."""
+"""Large runs roots: the synthetic root generator and the per-root catalog cache (DESIGN.md §7.4)."""
 
 from __future__ import annotations
 
@@ -158,7 +158,8 @@ def test_a_corrupt_cache_is_ignored_and_rewritten(small_root, content):
     cache = small_root / CACHE_NAME
     if content is None:  # every entry of the right key but a value of the wrong shape
         data = json.loads(cache.read_text())
-        data["files"] = {k: [v[0], {"table": "evictions", "rows": "many"}] for k, v in data["files"].items()}
+        odd = (["evictions", "many", None, 1, [], []], [], {"table": "tokens", "error": "NoSuchError"})
+        data["files"] = {k: [v[0], odd[i % 3]] for i, (k, v) in enumerate(data["files"].items())}
         content = json.dumps(data).encode()
     cache.write_bytes(content)
     _same(_cached_table(small_root), good)
