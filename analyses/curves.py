@@ -36,8 +36,8 @@ def kv_footprint(source: Source, run_id: str, *, page_size: int = 16) -> duckdb.
 
 
 _FOOTPRINTS = """
-    WITH ids AS (SELECT DISTINCT unnest($runs) AS run_id),
-    last AS (
+    WITH ids AS MATERIALIZED (SELECT DISTINCT unnest($runs) AS run_id),
+    last AS MATERIALIZED (
         SELECT run_id, request, max(position) AS last FROM tokens
         WHERE run_id IN (SELECT run_id FROM ids) GROUP BY run_id, request
     ), sets AS (
@@ -45,7 +45,7 @@ _FOOTPRINTS = """
     ), kv AS (
         SELECT run_id, request, count(DISTINCT (layer, kv_head)) AS kv_sets, count(*) AS sets
         FROM sets GROUP BY run_id, request
-    ), ev AS (
+    ), ev AS MATERIALIZED (
         SELECT e.run_id, e.request, e.layer, e.kv_head, e.q_head, e.position // $ps AS page, count(*) AS n
         FROM evictions e JOIN last l ON l.run_id = e.run_id AND l.request = e.request
         WHERE e.position < l.last
@@ -55,10 +55,8 @@ _FOOTPRINTS = """
         FROM ev JOIN last l ON l.run_id = ev.run_id AND l.request = ev.request
         WHERE ev.n = least($ps, l.last - ev.page * $ps)
         GROUP BY ev.run_id, ev.request
-    ), gone AS (
-        SELECT e.run_id, e.request, count(*) AS n
-        FROM evictions e JOIN last l ON l.run_id = e.run_id AND l.request = e.request
-        WHERE e.position < l.last GROUP BY e.run_id, e.request
+    ), gone AS (  -- every eviction of a processed position, counted once in ev
+        SELECT run_id, request, sum(n) AS n FROM ev GROUP BY run_id, request
     )
     SELECT l.run_id, l.request,
            coalesce(kv.sets, 0) AS sets,
@@ -97,12 +95,13 @@ def run_curve_points(source: Source, run_ids: list[str], *, page_size: int = 16)
     fp.create_view("_fp_points", replace=True)
     sql = """
         WITH ids AS (SELECT unnest($runs) AS run_id, generate_subscripts($runs, 1) - 1 AS idx),
-        q AS (SELECT run_id, avg(correct::INT) AS accuracy FROM requests
-              WHERE run_id IN (SELECT run_id FROM ids) GROUP BY run_id),
-        s AS (SELECT run_id, avg(kl) AS kl_mean FROM replay_steps
-              WHERE run_id IN (SELECT run_id FROM ids) GROUP BY run_id),
-        d AS (SELECT run_id, avg(dropped_mass) AS dropped_mass FROM replay
-              WHERE run_id IN (SELECT run_id FROM ids) GROUP BY run_id)
+        t AS (  -- sums and counts the scan took per segment (recorders.create_views)
+            SELECT run_id, table_name || '.' || column_name AS col, sum(total) / nullif(sum(n), 0) AS mean
+            FROM h2o_lens_catalog.totals WHERE run_id IN (SELECT run_id FROM ids) GROUP BY ALL
+        ),
+        q AS (SELECT run_id, mean AS accuracy FROM t WHERE col = 'requests.correct'),
+        s AS (SELECT run_id, mean AS kl_mean FROM t WHERE col = 'replay_steps.kl'),
+        d AS (SELECT run_id, mean AS dropped_mass FROM t WHERE col = 'replay.dropped_mass')
         SELECT r.run_id, r.policy, r.gqa, r.heavy, r.recent, r.keep_ratio, r.task,
                q.accuracy, s.kl_mean, d.dropped_mass,
                f.kept_share, f.page_share, r.seconds_per_token
