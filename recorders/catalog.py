@@ -348,8 +348,8 @@ class _RootCache:
 
     def save(self) -> None:
         """Write the entries of this scan (files gone since are dropped), when anything changed."""
-        if not self.dirty and self.new.keys() == self.old.keys():
-            return
+        if not self.new and not self.old or not self.dirty and self.new.keys() == self.old.keys():
+            return  # nothing learnt (an empty root gets no file), or nothing changed
         data = {"format": _CACHE_FORMAT, "schema_version": SCHEMA_VERSION, "files": self.new}
         tmp = self.path.with_name(f"{CACHE_NAME}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:

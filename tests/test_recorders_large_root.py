@@ -167,6 +167,11 @@ def test_a_corrupt_cache_is_ignored_and_rewritten(small_root, content):
     assert len(json.loads(cache.read_text())["files"]) == sum(1 for _ in small_root.glob("*/*"))
 
 
+def test_an_empty_root_gets_no_cache_file(tmp_path):
+    assert scan_root(tmp_path).runs == []
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cache_entries_of_files_gone_are_dropped(small_root):
     _cached_table(small_root)
     (small_root / "syn-00005" / "steps-00000.parquet").unlink()
