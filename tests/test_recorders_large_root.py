@@ -228,3 +228,13 @@ def test_sweep_curve_points_of_many_runs_match_each_run_alone(large_root):
         kl = con.execute("SELECT avg(kl) FROM replay_steps WHERE run_id = ?", [run_id]).fetchall()[0][0]
         assert row["kl_mean"] == pytest.approx(kl)
     assert points["kept_share"].between(0, 1).all()
+
+
+def test_bench_runs_prints_its_timings_on_a_small_root(tmp_path, capsys):
+    root = tmp_path / "runs"
+    assert main(["bench", "runs", "--runs", "4", "--root", str(root), "--no-browser"]) == 0
+    out = capsys.readouterr().out
+    assert "synthetic root: 4 runs written" in out
+    assert "h2o-lens runs (4 runs), no cache" in out and "h2o-lens runs (4 runs), catalog cache warm" in out
+    assert "runs_table" in out and "for 4 rows" in out and "for 4 points" in out
+    assert (root / CACHE_NAME).is_file()
