@@ -503,8 +503,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return bench.bench_decode(
             model_name=args.model, contexts=args.contexts, keep=args.keep, steps=args.steps, rounds=args.rounds
         )
+    if args.what == "record" and (args.context or args.new_tokens):
+        return bench.bench_record_memory(
+            model_name=args.model, context=args.context or 4096, new_tokens=args.new_tokens or 256, keep=args.keep
+        )
     if args.what == "record":
         return bench.bench_record(model_name=args.model, keep=args.keep, rounds=args.rounds)
+    if args.what == "runs":
+        return bench.bench_runs(runs=args.runs, root=args.root, browser=not args.no_browser)
     if args.what == "sql":
         from analyses.bench import bench_sql
 
@@ -638,13 +644,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.set_defaults(func=cmd_app)
 
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    b.add_argument("what", choices=["decode", "record", "kernels", "sql"])
+    b.add_argument("what", choices=["decode", "record", "kernels", "sql", "runs"])
     b.add_argument("--model", default=None)
     b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
     b.add_argument("--keep", type=float, default=0.2, help="B as a share of the context")
     b.add_argument("--steps", type=int, default=16, help="decode steps timed per round")
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--memory-limit", default="512MB", help="sql: the console's memory limit")
+    b.add_argument("--context", type=int, default=None, help="record: peak RSS of one prompt of this many tokens")
+    b.add_argument("--new-tokens", type=int, default=None, help="record: new tokens of that prompt (default 256)")
+    b.add_argument("--runs", type=int, default=5000, help="runs: synthetic runs in the root")
+    b.add_argument("--root", default=None, help="runs: reuse (or write once) this synthetic root")
+    b.add_argument("--no-browser", action="store_true", help="runs: skip the dashboard timings")
     b.set_defaults(func=cmd_bench)
     return p
 
