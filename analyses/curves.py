@@ -31,72 +31,83 @@ def kv_footprint(source: Source, run_id: str, *, page_size: int = 16) -> duckdb.
         ``page_share`` = positions in held pages / the same (the physical share
         with pages of ``page_size``; a partly used last page counts whole).
     """
-    con = connect(source)
+    rel = _footprints(connect(source), [run_id], page_size)
+    return rel.project("request, sets, positions, kept_share, page_share, pages_held, pages_total").order("request")
+
+
+_FOOTPRINTS = """
+    WITH ids AS MATERIALIZED (SELECT DISTINCT unnest($runs) AS run_id),
+    last AS MATERIALIZED (
+        SELECT run_id, request, max(position) AS last FROM tokens
+        WHERE run_id IN (SELECT run_id FROM ids) GROUP BY run_id, request
+    ), sets AS (
+        SELECT DISTINCT run_id, request, layer, kv_head, q_head FROM steps WHERE run_id IN (SELECT run_id FROM ids)
+    ), kv AS (
+        SELECT run_id, request, count(DISTINCT (layer, kv_head)) AS kv_sets, count(*) AS sets
+        FROM sets GROUP BY run_id, request
+    ), ev AS MATERIALIZED (
+        SELECT e.run_id, e.request, e.layer, e.kv_head, e.q_head, e.position // $ps AS page, count(*) AS n
+        FROM evictions e JOIN last l ON l.run_id = e.run_id AND l.request = e.request
+        WHERE e.position < l.last
+        GROUP BY ALL
+    ), freed AS (  -- pages whose every processed position was evicted
+        SELECT ev.run_id, ev.request, count(*) AS pages
+        FROM ev JOIN last l ON l.run_id = ev.run_id AND l.request = ev.request
+        WHERE ev.n = least($ps, l.last - ev.page * $ps)
+        GROUP BY ev.run_id, ev.request
+    ), gone AS (  -- every eviction of a processed position, counted once in ev
+        SELECT run_id, request, sum(n) AS n FROM ev GROUP BY run_id, request
+    )
+    SELECT l.run_id, l.request,
+           coalesce(kv.sets, 0) AS sets,
+           l.last AS positions,  -- processed positions 0 .. last-1 (the last token is never fed)
+           CASE WHEN kv.sets IS NULL THEN 1.0
+                ELSE (l.last * kv.sets - coalesce(g.n, 0)) / (l.last * kv.kv_sets)::DOUBLE END AS kept_share,
+           CASE WHEN kv.sets IS NULL THEN 1.0
+                ELSE least(1.0, ((ceil(l.last / $ps) * kv.sets - coalesce(f.pages, 0)) * $ps)
+                                / (ceil(l.last / $ps) * $ps * kv.kv_sets)::DOUBLE) END AS page_share,
+           CASE WHEN kv.sets IS NULL THEN NULL
+                ELSE ceil(l.last / $ps) * kv.sets - coalesce(f.pages, 0) END AS pages_held,
+           CASE WHEN kv.sets IS NULL THEN NULL ELSE ceil(l.last / $ps) * kv.sets END AS pages_total
+    FROM last l LEFT JOIN kv ON kv.run_id = l.run_id AND kv.request = l.request
+    LEFT JOIN freed f ON f.run_id = l.run_id AND f.request = l.request
+    LEFT JOIN gone g ON g.run_id = l.run_id AND g.request = l.request
+    ORDER BY l.run_id, l.request
+"""
+
+
+def _footprints(con: duckdb.DuckDBPyConnection, run_ids: list[str], page_size: int) -> duckdb.DuckDBPyRelation:
+    """:func:`kv_footprint` of many runs in one query: ``run_id`` first, then its columns."""
     check_positive("page_size", page_size)
-    sql = """
-        WITH last AS (
-            SELECT request, max(position) AS last FROM tokens WHERE run_id = $run GROUP BY request
-        ), sets AS (
-            SELECT DISTINCT request, layer, kv_head, q_head FROM steps WHERE run_id = $run
-        ), kv AS (
-            SELECT request, count(DISTINCT (layer, kv_head)) AS kv_sets, count(*) AS sets
-            FROM sets GROUP BY request
-        ), ev AS (
-            SELECT e.request, e.layer, e.kv_head, e.q_head, e.position // $ps AS page, count(*) AS n
-            FROM evictions e JOIN last l ON l.request = e.request
-            WHERE e.run_id = $run AND e.position < l.last
-            GROUP BY ALL
-        ), freed AS (  -- pages whose every processed position was evicted
-            SELECT ev.request, count(*) AS pages
-            FROM ev JOIN last l ON l.request = ev.request
-            WHERE ev.n = least($ps, l.last - ev.page * $ps)
-            GROUP BY ev.request
-        ), gone AS (
-            SELECT e.request, count(*) AS n FROM evictions e JOIN last l ON l.request = e.request
-            WHERE e.run_id = $run AND e.position < l.last GROUP BY e.request
-        )
-        SELECT l.request,
-               coalesce(kv.sets, 0) AS sets,
-               l.last AS positions,  -- processed positions 0 .. last-1 (the last token is never fed)
-               CASE WHEN kv.sets IS NULL THEN 1.0
-                    ELSE (l.last * kv.sets - coalesce(g.n, 0)) / (l.last * kv.kv_sets)::DOUBLE END AS kept_share,
-               CASE WHEN kv.sets IS NULL THEN 1.0
-                    ELSE least(1.0, ((ceil(l.last / $ps) * kv.sets - coalesce(f.pages, 0)) * $ps)
-                                    / (ceil(l.last / $ps) * $ps * kv.kv_sets)::DOUBLE) END AS page_share,
-               CASE WHEN kv.sets IS NULL THEN NULL
-                    ELSE ceil(l.last / $ps) * kv.sets - coalesce(f.pages, 0) END AS pages_held,
-               CASE WHEN kv.sets IS NULL THEN NULL ELSE ceil(l.last / $ps) * kv.sets END AS pages_total
-        FROM last l LEFT JOIN kv ON kv.request = l.request
-        LEFT JOIN freed f ON f.request = l.request LEFT JOIN gone g ON g.request = l.request
-        ORDER BY l.request
-    """
-    return relation(con, sql, run=run_id, ps=int(page_size))
+    return relation(con, _FOOTPRINTS, runs=list(run_ids), ps=int(page_size))
 
 
 def run_curve_points(source: Source, run_ids: list[str], *, page_size: int = 16) -> duckdb.DuckDBPyRelation:
     """One row per run: policy, gqa, keep ratio, accuracy, mean KL, footprints and latency."""
     con = connect(source)
     check_positive("page_size", page_size)
-    parts = []
-    for i, run_id in enumerate(run_ids):
-        fp = kv_footprint(con, run_id, page_size=page_size)
-        parts.append(
-            fp.aggregate("avg(kept_share) AS kept_share, avg(page_share) AS page_share").project(f"*, {i} AS idx")
-        )
-    if not parts:
+    if not run_ids:
         return relation(con, "SELECT NULL::VARCHAR AS run_id WHERE false")
-    fp = parts[0]
-    for p in parts[1:]:
-        fp = fp.union(p)
+    # one query over all the runs (not one per run): a sweep's curve may span thousands
+    fp = _footprints(con, run_ids, page_size).aggregate(
+        "run_id, avg(kept_share) AS kept_share, avg(page_share) AS page_share", "run_id"
+    )
     fp.create_view("_fp_points", replace=True)
     sql = """
-        WITH ids AS (SELECT unnest($runs) AS run_id, generate_subscripts($runs, 1) - 1 AS idx)
+        WITH ids AS (SELECT unnest($runs) AS run_id, generate_subscripts($runs, 1) - 1 AS idx),
+        t AS (  -- sums and counts the scan took per segment (recorders.create_views)
+            SELECT run_id, table_name || '.' || column_name AS col, sum(total) / nullif(sum(n), 0) AS mean
+            FROM h2o_lens_catalog.totals WHERE run_id IN (SELECT run_id FROM ids) GROUP BY ALL
+        ),
+        q AS (SELECT run_id, mean AS accuracy FROM t WHERE col = 'requests.correct'),
+        s AS (SELECT run_id, mean AS kl_mean FROM t WHERE col = 'replay_steps.kl'),
+        d AS (SELECT run_id, mean AS dropped_mass FROM t WHERE col = 'replay.dropped_mass')
         SELECT r.run_id, r.policy, r.gqa, r.heavy, r.recent, r.keep_ratio, r.task,
-               (SELECT avg(correct::INT) FROM requests q WHERE q.run_id = r.run_id) AS accuracy,
-               (SELECT avg(kl) FROM replay_steps s WHERE s.run_id = r.run_id) AS kl_mean,
-               (SELECT avg(dropped_mass) FROM replay d WHERE d.run_id = r.run_id) AS dropped_mass,
+               q.accuracy, s.kl_mean, d.dropped_mass,
                f.kept_share, f.page_share, r.seconds_per_token
-        FROM ids JOIN runs r ON r.run_id = ids.run_id JOIN _fp_points f ON f.idx = ids.idx
+        FROM ids JOIN runs r ON r.run_id = ids.run_id LEFT JOIN _fp_points f ON f.run_id = ids.run_id
+        LEFT JOIN q ON q.run_id = ids.run_id LEFT JOIN s ON s.run_id = ids.run_id
+        LEFT JOIN d ON d.run_id = ids.run_id
         ORDER BY ids.idx
     """
     return relation(con, sql, runs=list(run_ids))

@@ -56,13 +56,20 @@ def runs_table(source: Source) -> duckdb.DuckDBPyRelation:
         ``integrity`` says it in words (``'ok'`` when nothing): a run whose
         integrity is not ``'ok'`` has numbers that may be incomplete.
     """
+    # counts, sums and non-null counts per segment were taken when the scan read each file
+    # (recorders.create_views): no segment is opened here, however many runs the root holds
     sql = """
-        WITH ev AS (SELECT run_id, count(*) AS evictions FROM evictions GROUP BY run_id),
-        rs AS (SELECT run_id, count(*) AS replay_steps, avg(kl) AS kl_mean,
-                      avg(top1_agree::INT) AS top1_agreement FROM replay_steps GROUP BY run_id),
-        rp AS (SELECT run_id, avg(dropped_mass) AS dropped_mass_mean FROM replay GROUP BY run_id),
-        rq AS (SELECT run_id, count(correct) AS checked, sum(correct::INT) AS correct
-               FROM requests GROUP BY run_id),
+        WITH f AS (SELECT run_id, table_name, sum(rows) AS n FROM h2o_lens_catalog.files GROUP BY ALL),
+        t AS (SELECT run_id, table_name || '.' || column_name AS col, sum(total) AS total, sum(n) AS n
+              FROM h2o_lens_catalog.totals GROUP BY ALL),
+        ev AS (SELECT run_id, n::BIGINT AS evictions FROM f WHERE table_name = 'evictions'),
+        rs AS (SELECT f.run_id, f.n::BIGINT AS replay_steps, kl.total / nullif(kl.n, 0) AS kl_mean,
+                      top1.total / nullif(top1.n, 0) AS top1_agreement
+               FROM f LEFT JOIN t kl ON kl.run_id = f.run_id AND kl.col = 'replay_steps.kl'
+               LEFT JOIN t top1 ON top1.run_id = f.run_id AND top1.col = 'replay_steps.top1_agree'
+               WHERE f.table_name = 'replay_steps'),
+        rp AS (SELECT run_id, total / nullif(n, 0) AS dropped_mass_mean FROM t WHERE col = 'replay.dropped_mass'),
+        rq AS (SELECT run_id, n::BIGINT AS checked, total::HUGEINT AS correct FROM t WHERE col = 'requests.correct'),
         pr AS (SELECT run_id, count(*) AS problems FROM problems WHERE run_id IS NOT NULL
                GROUP BY run_id)
         SELECT r.run_id, r.name, r.status, r.model, r.policy, r.heavy, r.recent, r.gqa, r.prompt_len,

@@ -179,6 +179,236 @@ def bench_record(
     return 0
 
 
+# -- peak memory of a long record and its replay ----------------------------------------------
+
+
+def _peak_rss_bytes() -> int:
+    """Peak resident set size of this process (``VmHWM``; ``ru_maxrss`` where there is no procfs)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _memory_phase(phase: str, model_name: str | None, root: str, context: int, new_tokens: int, keep: float) -> None:
+    """One phase of :func:`bench_record_memory`, in a fresh process; prints one JSON line."""
+    import json
+
+    from h2o_lens.config import H2OConfig
+    from h2o_lens.models import load_model
+
+    torch.set_grad_enabled(False)
+    model, _ = load_model(model_name)
+    loaded = _peak_rss_bytes()
+    t0 = time.perf_counter()
+    out: dict = {"phase": phase, "loaded_bytes": loaded}
+    if phase == "record":
+        from recorders.recorder import record
+
+        text = model.config.get_text_config(decoder=True)
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, text.vocab_size, (1, context), generator=gen)
+        cfg = H2OConfig(**_halves(max(2, int(round(keep * context)))))
+        with record(model, cfg, out=root, run_id="bench-memory", fsync=False) as run:
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out["run_dir"] = str(run.run_dir)
+        out["budget"] = cfg.describe()
+    else:
+        from recorders.replay import replay
+
+        out["max_logit_diff"] = replay(root, model=model, progress=False).max_logit_diff
+    out["seconds"] = time.perf_counter() - t0
+    out["peak_bytes"] = _peak_rss_bytes()
+    print(json.dumps(out, default=str), flush=True)
+
+
+def bench_record_memory(
+    model_name: str | None = None, context: int = 4096, new_tokens: int = 256, keep: float = 0.2
+) -> int:
+    """Peak RSS of recording one ``context``-token prompt with ``new_tokens`` new tokens, and of
+    replaying it, each phase in a fresh process (one phase's peak cannot hide the other's).
+
+    Prints one line per phase; returns 0 when both phases ran.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    for name, value in (("context", context), ("new_tokens", new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SystemExit(f"bench record: --{name.replace('_', '-')} must be an int >= 1, got {value!r}")
+    root = tempfile.mkdtemp(prefix="h2o-lens-bench-memory-")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    print(
+        f"peak RSS, each phase in a fresh process: prompt {context} tokens, {new_tokens} new, keep {keep:g}, "
+        f"model {model_name or 'default'}, torch {torch.__version__} on CPU"
+    )
+    target = root
+    for phase in ("record", "replay"):
+        code = (
+            "from commands.bench import _memory_phase; "
+            f"_memory_phase({phase!r}, {model_name!r}, {target!r}, {context!r}, {new_tokens!r}, {keep!r})"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode or not lines:
+            print(f"{phase}: failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            return 1
+        res = json.loads(lines[-1])
+        print(
+            f"{phase:>7}: peak RSS {res['peak_bytes'] / 2**30:.2f} GiB (model loaded: "
+            f"{res['loaded_bytes'] / 2**30:.2f} GiB), {res['seconds']:.1f} s"
+            + (f", {res['budget']}" if "budget" in res else "")
+            + (f", max |logit diff| {res['max_logit_diff']}" if "max_logit_diff" in res else "")
+        )
+        target = res.get("run_dir", target)
+    return 0
+
+
+# -- a runs root of thousands of runs ---------------------------------------------------------
+
+
+def _timed_cli(argv: list[str]) -> tuple[float, float, str]:
+    """Wall and CPU seconds of ``h2o-lens ARGV`` in a fresh process, and its last output line."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "commands.cli", *argv], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:
+        raise SystemExit(f"h2o-lens {' '.join(argv)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    lines = proc.stdout.strip().splitlines()
+    return wall, cpu, lines[-1] if lines else ""
+
+
+def _page_paint(context, url: str, title: str) -> float:
+    """Seconds from opening ``url`` in a new tab until the page's script finished with its
+    heading and, on the Runs page, its table shown."""
+    from app.bench import DONE
+
+    page = context.new_page()
+    try:
+        t0 = time.perf_counter()
+        page.goto(url, wait_until="domcontentloaded", timeout=300_000)
+        page.wait_for_selector(f"{DONE} [data-testid=stMain] h1:has-text('{title}')", timeout=300_000)
+        if title == "Runs":
+            page.wait_for_selector("[data-testid=stDataFrame]", state="visible", timeout=300_000)
+        seconds = time.perf_counter() - t0
+        errors = page.locator("[data-testid=stException]").count()
+        if errors:
+            print(f"  {url}: {errors} exception(s) shown")
+        return seconds
+    finally:
+        page.close()
+
+
+def bench_runs(runs: int = 5000, root: str | None = None, browser: bool = True) -> int:
+    """Timings over a synthetic root of ``runs`` runs (:func:`recorders.synthetic_root.make_root`).
+
+    Prints: the root's build time; ``h2o-lens runs`` in a fresh process with no catalog cache
+    (every file read in full) and with it; ``runs_table`` and the sweep curve points of every
+    run in this process; the Runs and Compare pages in Chromium (first visit to a fresh server,
+    then a new tab). Targets: ``h2o-lens runs`` and the Runs page first paint ≤ 3 s.
+    """
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from recorders.catalog import CACHE_NAME
+    from recorders.synthetic_root import make_root
+
+    temp = None
+    if root is None:
+        temp = tempfile.mkdtemp(prefix="h2o-lens-bench-runs-")
+        root = os.path.join(temp, "runs")
+    try:
+        print(
+            f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs; "
+            "wall seconds (CPU seconds of the process in brackets)",
+            flush=True,
+        )
+        if not Path(root).is_dir():
+            t0 = time.perf_counter()
+            make_root(root, runs)
+            print(f"synthetic root: {runs} runs written in {time.perf_counter() - t0:.1f} s to {root}", flush=True)
+        n = sum(1 for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+        (Path(root) / CACHE_NAME).unlink(missing_ok=True)
+        for label in ("no cache (every file read in full)", "catalog cache warm"):
+            wall, cpu, last = _timed_cli(["runs", root, "--max-rows", "20"])
+            print(f"h2o-lens runs ({n} runs), {label}: {wall:.2f} s ({cpu:.2f} s CPU)   [{last}]", flush=True)
+        wall, cpu, _ = _timed_cli(["runs", root, "--max-rows", "100000"])
+        print(f"h2o-lens runs --max-rows 100000 (every row printed): {wall:.2f} s ({cpu:.2f} s CPU)", flush=True)
+
+        from analyses import run_curve_points, runs_table
+        from recorders import open_runs
+
+        t0, c0 = time.perf_counter(), time.process_time()
+        con = open_runs(root, warn=False)
+        t1, c1 = time.perf_counter(), time.process_time()
+        table = runs_table(con).df()
+        t2, c2 = time.perf_counter(), time.process_time()
+        points = run_curve_points(con, table["run_id"].tolist()).df()
+        t3, c3 = time.perf_counter(), time.process_time()
+        print(
+            f"open_runs {t1 - t0:.2f} s ({c1 - c0:.2f}), runs_table {t2 - t1:.2f} s ({c2 - c1:.2f}) for "
+            f"{len(table)} rows, run_curve_points of every run {t3 - t2:.2f} s ({c3 - c2:.2f}) for "
+            f"{len(points)} points",
+            flush=True,
+        )
+        con.close()
+        if not browser:
+            return 0
+        from app.bench import CHROMIUM, serve
+        from app.bench import browser as open_browser
+
+        if not Path(CHROMIUM).exists():
+            print(f"dashboard: skipped, no Chromium at {CHROMIUM}")
+            return 0
+        from recorders import write_synthetic_run
+
+        other = table["run_id"].iloc[len(table) // 2]
+        added = Path(root) / "bench-added-run"
+        try:
+            with serve(root, timeout=300) as url, open_browser() as b:
+                context = b.new_context(viewport={"width": 1500, "height": 1000})
+                first = _page_paint(context, f"{url}/", "Runs")
+                again = _page_paint(context, f"{url}/", "Runs")
+                # a run appears (as during a sweep): the server scans the root again, the cache spares
+                # every file but the new run's, and the runs table is built anew
+                write_synthetic_run(root, added.name, layers=2, kv_heads=1, steps=8, prompt_len=32, fsync=False)
+                changed = _page_paint(context, f"{url}/", "Runs")
+                compare = _page_paint(context, f"{url}/compare?run={table['run_id'].iloc[0]}&other={other}", "Compare")
+                context.close()
+        finally:
+            shutil.rmtree(added, ignore_errors=True)
+        print(
+            f"Runs page: first paint {first:.2f} s on a fresh server (its imports, scan, views and table), "
+            f"{changed:.2f} s after a run was added (scan, views and table again), new tab {again:.2f} s; "
+            f"Compare page {compare:.2f} s",
+            flush=True,
+        )
+        return 0
+    finally:
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+
+
 def bench_explain(
     model_name: str | None = None,
     task: str = "delayed_recall_1",

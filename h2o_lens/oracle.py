@@ -42,7 +42,7 @@ NEVER = torch.iinfo(torch.int64).max // 2
 _ACTIVE: list[TeacherTable] = []  # installed tables, innermost last
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TeacherTable:
     """Remaining teacher attention of one request, per layer.
 
@@ -195,7 +195,7 @@ def schedule(table: TeacherTable, slots: int) -> list[torch.Tensor]:
     """
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ConfigError(f"slots must be a whole number >= 1, got {slots!r}")
-    rem = torch.stack(list(table.remaining))  # (L, Hs, T + 1, N)
+    rem = torch.stack([r.cpu() for r in table.remaining])  # (L, Hs, T + 1, N)
     layers, hs, _, n = rem.shape
     p = table.prompt_len
     pos = torch.arange(n)

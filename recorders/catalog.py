@@ -19,11 +19,13 @@ and must be upgraded.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import functools
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +35,21 @@ import pyarrow.parquet as pq
 
 from .errors import DamagedFileError, ManifestError, RecorderError, RunIdError, SchemaError, SchemaVersionError
 from .manifest import MANIFEST_NAME, check_manifest, effective_status, read_manifest, validate_run_id
-from .schema import META_SCHEMA_VERSION, RUNS, SCHEMA_VERSION, TABLE_NAMES, schema_mismatches
+from .schema import META_SCHEMA_VERSION, RUNS, SCHEMA_VERSION, TABLE_NAMES, TABLES, schema_mismatches
 from .segments import SEGMENT_RE
 
-__all__ = ["Problem", "SegmentFile", "RunEntry", "Catalog", "inspect_file", "scan_run", "scan_root", "run_row"]
+__all__ = [
+    "Problem",
+    "SegmentFile",
+    "RunEntry",
+    "Catalog",
+    "inspect_file",
+    "scan_run",
+    "scan_root",
+    "run_row",
+    "CACHE_NAME",
+    "TOTALS",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +71,12 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class SegmentFile:
-    """A validated segment: its table, row count, columns, schema version and rows per run id."""
+    """A validated segment: its table, row count, columns, schema version and rows per run id.
+
+    ``totals`` holds ``(column, sum, non-null count)`` of the columns the runs table
+    averages (:data:`TOTALS`), summed while the file is read through; the sum is
+    None when no value is set.
+    """
 
     path: Path
     table: str
@@ -66,6 +84,7 @@ class SegmentFile:
     columns: tuple[str, ...]
     schema_version: int
     run_ids: tuple[tuple[str | None, int], ...] = ()
+    totals: tuple[tuple[str, float | None, int], ...] = ()
 
 
 @dataclasses.dataclass
@@ -133,7 +152,7 @@ def _inspect_cached(path: str, size: int, mtime_ns: int, table: str) -> tuple[Se
     if mismatches:
         return None, SchemaError(f"{path}: does not match the {table!r} schema: " + "; ".join(mismatches))
     try:
-        rows, run_ids = _read_through(path)
+        rows, run_ids, totals = _read_through(path, table)
     except (OSError, pa.ArrowException, ValueError) as exc:
         return None, DamagedFileError(
             f"{path}: the footer is intact but the data cannot be read ({exc}). Damaged pages "
@@ -143,13 +162,24 @@ def _inspect_cached(path: str, size: int, mtime_ns: int, table: str) -> tuple[Se
         return None, DamagedFileError(
             f"{path}: the footer announces {md.num_rows} rows but {rows} were read; move the file away or delete it"
         )
-    return SegmentFile(Path(path), table, md.num_rows, tuple(schema.names), version, run_ids), None
+    return SegmentFile(Path(path), table, md.num_rows, tuple(schema.names), version, run_ids, totals), None
 
 
-def _read_through(path: str) -> tuple[int, tuple[tuple[str | None, int], ...]]:
+#: Columns whose sum and non-null count :func:`_read_through` keeps per file (the runs table's means).
+TOTALS: dict[str, tuple[str, ...]] = {
+    "replay_steps": ("kl", "top1_agree"),
+    "replay": ("dropped_mass",),
+    "requests": ("correct",),
+}
+
+
+def _read_through(
+    path: str, table: str | None = None
+) -> tuple[int, tuple[tuple[str | None, int], ...], tuple[tuple[str, float | None, int], ...]]:
     """Decode every page of a file (verifying page checksums where the writer stored them);
-    return its row count and its rows per ``run_id``."""
+    return its row count, its rows per ``run_id`` and the :data:`TOTALS` of ``table``."""
     counts: dict[str | None, int] = {}
+    sums: dict[str, list] = {c: [None, 0] for c in TOTALS.get(table or "", ())}
     rows = 0
     with pq.ParquetFile(path, page_checksum_verification=True) as pf:
         for batch in pf.iter_batches(batch_size=131_072, use_threads=False):
@@ -157,7 +187,15 @@ def _read_through(path: str) -> tuple[int, tuple[tuple[str | None, int], ...]]:
             ids = batch.column(batch.schema.get_field_index("run_id"))
             for item in pc.value_counts(ids).to_pylist():
                 counts[item["values"]] = counts.get(item["values"], 0) + item["counts"]
-    return rows, tuple(sorted(counts.items(), key=lambda kv: (kv[0] is None, kv[0] or "")))
+            for name, acc in sums.items():
+                col = batch.column(batch.schema.get_field_index(name))
+                n = len(col) - col.null_count
+                if n:
+                    part = pc.sum(col.cast(pa.float64())).as_py()
+                    acc[0] = part if acc[0] is None else acc[0] + part
+                    acc[1] += n
+    totals = tuple((name, acc[0], acc[1]) for name, acc in sums.items())
+    return rows, tuple(sorted(counts.items(), key=lambda kv: (kv[0] is None, kv[0] or ""))), totals
 
 
 def inspect_file(path: str | os.PathLike, table: str | None = None) -> SegmentFile:
@@ -191,10 +229,143 @@ def inspect_file(path: str | os.PathLike, table: str | None = None) -> SegmentFi
     return seg
 
 
+# -- the root's catalog cache ---------------------------------------------------------
+
+#: File of a runs root that keeps what :func:`scan_root` learnt about each file (DESIGN.md §7.4).
+CACHE_NAME = ".h2o-lens-catalog.json"
+_CACHE_FORMAT = 1
+_ERRORS: dict[str, type[RecorderError]] = {e.__name__: e for e in (DamagedFileError, SchemaError, ManifestError)}
+
+
+def _stat_key(st: os.stat_result) -> list[int]:
+    """What identifies one version of a file: size, modification and change times, inode.
+
+    Writers replace segments and manifests by renaming a new file into place (a new
+    inode); an edit in place changes the size or the change time, which no tool can set.
+    """
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+@functools.cache
+def _declared_names(table: str) -> tuple[str, ...]:
+    return tuple(TABLES[table].names)
+
+
+class _RootCache:
+    """What a scan learnt per file version, kept in ``<root>/.h2o-lens-catalog.json`` (DESIGN.md §7.4).
+
+    Entries are keyed by ``<run_id>/<file name>`` and hold the file's :func:`_stat_key`:
+    a file whose key differs is read again. A cache file that is missing, unreadable,
+    of another format or schema version is ignored (and rewritten); it is written to a
+    temporary file and renamed into place, so a reader never sees half of it, and two
+    scans at once each leave a whole one. A root that cannot be written is scanned
+    without keeping anything.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / CACHE_NAME
+        self.old: dict[str, list] = {}
+        self.new: dict[str, list] = {}
+        self.dirty = False
+        try:
+            with open(self.path, "rb") as fh:
+                data = json.loads(fh.read())
+            if (
+                isinstance(data, dict)
+                and data.get("format") == _CACHE_FORMAT
+                and data.get("schema_version") == SCHEMA_VERSION
+                and isinstance(data.get("files"), dict)
+            ):
+                self.old = data["files"]
+        except (OSError, ValueError, RecursionError):
+            pass
+
+    def _get(self, rel: str, key: list[int]) -> Any:
+        entry = self.old.get(rel)
+        if isinstance(entry, list) and len(entry) == 2 and entry[0] == key:
+            self.new[rel] = entry
+            return entry[1]
+        return None
+
+    def _put(self, rel: str, key: list[int], value: Any) -> None:
+        self.new[rel] = [key, value]
+        self.dirty = True
+
+    def segment(self, path: str, rel: str, table: str) -> SegmentFile:
+        """:func:`inspect_file` through the cache."""
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise DamagedFileError(f"{path}: cannot be read ({exc})") from None
+        key = _stat_key(st)
+        hit = self._get(rel, key)
+        try:
+            if isinstance(hit, dict) and hit.get("table") == table and hit.get("error") in _ERRORS:
+                raise _ERRORS[hit["error"]](hit["message"])
+            if isinstance(hit, list) and hit[0] == table:  # [table, rows, columns, version, run_ids, totals]
+                _, rows, columns, version, run_ids, totals = hit
+                return SegmentFile(
+                    Path(path),
+                    table,
+                    int(rows),
+                    _declared_names(table) if columns is None else tuple(columns),
+                    int(version),
+                    tuple((rid, int(n)) for rid, n in run_ids),
+                    tuple((c, v, int(n)) for c, v, n in totals),
+                )
+        except (KeyError, IndexError, TypeError, ValueError):
+            pass  # an entry of another shape: read the file again
+        try:
+            seg = inspect_file(path, table)
+        except (DamagedFileError, SchemaError) as exc:
+            self._put(rel, key, {"table": table, "error": type(exc).__name__, "message": str(exc)})
+            raise
+        columns = None if seg.columns == _declared_names(table) else list(seg.columns)
+        totals = [list(x) for x in seg.totals]
+        self._put(rel, key, [table, seg.rows, columns, seg.schema_version, [list(x) for x in seg.run_ids], totals])
+        return seg
+
+    def manifest(self, run_dir: Path) -> tuple[dict[str, Any], list[str]]:
+        """``check_manifest(read_manifest(run_dir))`` through the cache."""
+        rel = f"{run_dir.name}/{MANIFEST_NAME}"
+        try:
+            key = _stat_key(os.stat(run_dir / MANIFEST_NAME))
+        except OSError:
+            return check_manifest(read_manifest(run_dir))  # missing: read_manifest says so
+        hit = self._get(rel, key)
+        if isinstance(hit, dict):
+            if "error" in hit and hit["error"] in _ERRORS:
+                raise _ERRORS[hit["error"]](hit["message"])
+            if isinstance(hit.get("manifest"), dict) and isinstance(hit.get("issues"), list):
+                return hit["manifest"], hit["issues"]
+        try:
+            manifest, issues = check_manifest(read_manifest(run_dir))
+        except (ManifestError, DamagedFileError) as exc:
+            self._put(rel, key, {"error": type(exc).__name__, "message": str(exc)})
+            raise
+        self._put(rel, key, {"manifest": manifest, "issues": list(issues)})
+        return manifest, issues
+
+    def save(self) -> None:
+        """Write the entries of this scan (files gone since are dropped), when anything changed."""
+        if not self.new and not self.old or not self.dirty and self.new.keys() == self.old.keys():
+            return  # nothing learnt (an empty root gets no file), or nothing changed
+        data = {"format": _CACHE_FORMAT, "schema_version": SCHEMA_VERSION, "files": self.new}
+        tmp = self.path.with_name(f"{CACHE_NAME}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            tmp.write_text(json.dumps(data, separators=(",", ":")), encoding="utf-8")
+            os.replace(tmp, self.path)
+        except (OSError, ValueError):  # a read-only root, a full disk: scan without keeping
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
 # -- one run and a whole root ----------------------------------------------------------
 
 
-def scan_run(run_dir: str | os.PathLike, *, strict: bool = False) -> tuple[RunEntry, list[Problem]]:
+def scan_run(
+    run_dir: str | os.PathLike, *, strict: bool = False, _cache: _RootCache | None = None
+) -> tuple[RunEntry, list[Problem]]:
     """Read a run's manifest, validate its segments and check the run as a whole.
 
     The run id is the folder name. With ``strict=True`` the first damaged
@@ -228,7 +399,7 @@ def scan_run(run_dir: str | os.PathLike, *, strict: bool = False) -> tuple[RunEn
     manifest: dict[str, Any] | None = None
     status = "unknown"
     try:
-        manifest, issues = check_manifest(read_manifest(run_dir))
+        manifest, issues = _cache.manifest(run_dir) if _cache else check_manifest(read_manifest(run_dir))
         status = effective_status(manifest)
     except (ManifestError, DamagedFileError) as exc:
         problem(
@@ -267,7 +438,11 @@ def scan_run(run_dir: str | os.PathLike, *, strict: bool = False) -> tuple[RunEn
             )
             continue
         try:
-            seg = inspect_file(entry.path, table)
+            seg = (
+                _cache.segment(entry.path, f"{run_id}/{entry.name}", table)
+                if _cache
+                else inspect_file(entry.path, table)
+            )
         except SchemaVersionError:
             raise
         except RecorderError as exc:
@@ -315,21 +490,27 @@ def _is_run_folder(path: Path) -> bool:
         return any(SEGMENT_RE.fullmatch(e.name) for e in entries)
 
 
-def scan_root(root: str | os.PathLike) -> Catalog:
-    """Scan every run folder ``<root>/<run_id>/`` (hidden folders are skipped)."""
+def scan_root(root: str | os.PathLike, *, cache: bool = True) -> Catalog:
+    """Scan every run folder ``<root>/<run_id>/`` (hidden folders are skipped).
+
+    With ``cache`` (the default) what was learnt about each file version is kept in
+    ``<root>/.h2o-lens-catalog.json`` (:data:`CACHE_NAME`), so a file is read in full
+    once per version, not on every scan; the result is the same either way.
+    """
     root = Path(root)
     runs: list[RunEntry] = []
     problems: list[Problem] = []
     if not root.is_dir():
         problems.append(Problem(str(root), "runs root does not exist or is not a folder"))
         return Catalog(root, runs, problems)
+    disk = _RootCache(root) if cache else None
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         path = Path(entry.path)
         try:
             if entry.name.startswith((".", "_")) or not entry.is_dir() or not _is_run_folder(path):
                 continue
             validate_run_id(entry.name)
-            run, run_problems = scan_run(path)
+            run, run_problems = scan_run(path, _cache=disk)
         except RunIdError as exc:
             problems.append(Problem(str(path), f"skipped: {exc}"))
             continue
@@ -338,21 +519,40 @@ def scan_root(root: str | os.PathLike) -> Catalog:
             continue
         problems.extend(run_problems)
         runs.append(run)
+    if disk is not None:
+        disk.save()
     return Catalog(root, runs, problems)
 
 
-def _coerce(type_: pa.DataType, value: Any) -> Any:
-    """A manifest value as the declared Python type, or None when it does not fit."""
-    if value is None or isinstance(value, (dict, list)) and not pa.types.is_string(type_):
+def _kind(type_: pa.DataType) -> str:
+    for kind, test in (
+        ("timestamp", pa.types.is_timestamp),
+        ("integer", pa.types.is_integer),
+        ("floating", pa.types.is_floating),
+        ("string", pa.types.is_string),
+    ):
+        if test(type_):
+            return kind
+    return "other"
+
+
+#: ``(name, kind)`` of each ``runs`` column, kind as :func:`_coerce` reads it
+_RUN_FIELDS = tuple((field.name, _kind(field.type)) for field in RUNS)
+
+
+def _coerce(type_: pa.DataType | str, value: Any) -> Any:
+    """A manifest value as the declared Python type (or a :func:`_kind`), or None when it does not fit."""
+    kind = type_ if isinstance(type_, str) else _kind(type_)
+    if value is None or isinstance(value, (dict, list)) and kind != "string":
         return None
     try:
-        if pa.types.is_timestamp(type_):
+        if kind == "timestamp":
             return dt.datetime.fromisoformat(str(value).rstrip("Z")).replace(tzinfo=None)
-        if pa.types.is_integer(type_):
+        if kind == "integer":
             return int(value) if not isinstance(value, bool) else None
-        if pa.types.is_floating(type_):
+        if kind == "floating":
             return float(value)
-        if pa.types.is_string(type_):
+        if kind == "string":
             return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value)
     except (TypeError, ValueError, OverflowError):
         return None
@@ -365,8 +565,7 @@ def run_row(run: RunEntry) -> dict[str, Any]:
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     model = manifest.get("model")
     row: dict[str, Any] = {}
-    for field in RUNS:
-        name = field.name
+    for name, kind in _RUN_FIELDS:
         value = manifest.get(name, config.get(name))
         if name == "run_id":
             value = run.run_id
@@ -380,5 +579,5 @@ def run_row(run: RunEntry) -> dict[str, Any]:
             value = str(run.path)
         elif name == "integrity":
             value = run.integrity
-        row[name] = _coerce(field.type, value)
+        row[name] = _coerce(kind, value)
     return row

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,8 @@ class OracleTeacher:
     prompt, answer : token ids of the prompt (P) and of the full run's generated tokens (M)
     teacher : the :class:`OracleCheck` of the full cache itself (does the teacher reproduce
         the answer? it does unless the full run was sampled or tied)
-    forwards : model forwards run so far (two for the teacher pass, one per :meth:`check`)
+    forwards : model forwards run so far (two for the teacher pass, one per new slot count
+        :meth:`check` is asked about)
     """
 
     def __init__(
@@ -183,7 +185,9 @@ class OracleTeacher:
         hkv = getattr(text, "num_key_value_heads", None) or hq
         self._state = _State(gqa, hq // hkv if gqa == "none" else 1, chunk)
         self._layers = text.num_hidden_layers
+        self._sets = hq if gqa == "none" else hkv  # KV sets of the run
         self.forwards = 0
+        self._checks: dict[int, OracleCheck] = {}
         self._teacher_pass()
 
     @property
@@ -205,7 +209,8 @@ class OracleTeacher:
     def _teacher_pass(self) -> None:
         """The one full-cache forward: prompt, then the generated rows with their weights kept."""
         p, n = self.prompt_len, self.positions
-        x = torch.as_tensor(np.concatenate([self.prompt, self.answer])[:n], dtype=torch.long)[None]
+        device = next(self.model.parameters()).device
+        x = torch.as_tensor(np.concatenate([self.prompt, self.answer])[:n], dtype=torch.long, device=device)[None]
         state = self._state
         self._cache = DynamicCache(config=self.model.config)
         with torch.no_grad(), self._attention():
@@ -220,16 +225,11 @@ class OracleTeacher:
         if n > p:
             remaining = tuple(remaining_attention(state.rows[layer]) for layer in range(self._layers))
         else:  # one generated token: no decode step, nothing remains
-            shape = (self._sets(), 1, n)
+            shape = (self._sets, 1, n)
             remaining = tuple(torch.zeros(shape, device=self._first.device) for _ in range(self._layers))
         state.rows.clear()
         self.table = TeacherTable(remaining, p, self.gqa)
         self.teacher = self._judge(None, logits)
-
-    def _sets(self) -> int:
-        text = self.model.config.get_text_config(decoder=True)
-        hq = text.num_attention_heads
-        return hq if self.gqa == "none" else (getattr(text, "num_key_value_heads", None) or hq)
 
     def _judge(self, slots: int | None, logits: torch.Tensor) -> OracleCheck:
         top1 = logits.argmax(-1).cpu().numpy()
@@ -249,8 +249,14 @@ class OracleTeacher:
         return int(slots)
 
     def check(self, slots: int) -> OracleCheck:
-        """The oracle's top-1 at every step with ``slots`` slots, without writing a run."""
+        """The oracle's top-1 at every step with ``slots`` slots, without writing a run.
+
+        One forward of the generated tokens; a slot count already checked is answered from
+        memory (a bisection may ask twice).
+        """
         slots = self._check_slots(slots)
+        if slots in self._checks:
+            return self._checks[slots]
         p, n = self.prompt_len, self.positions
         logits = self._first
         if n > p:
@@ -262,7 +268,8 @@ class OracleTeacher:
                     logits = torch.cat([logits, self._forward(self._x[:, p:])])
                 finally:
                     self._cache.crop(p - n)
-        return self._judge(slots, logits)
+        self._checks[slots] = self._judge(slots, logits)
+        return self._checks[slots]
 
     def passes(self, slots: int) -> bool:
         """Whether the oracle with ``slots`` slots answers every token right (teacher-forced top-1)."""
@@ -277,13 +284,16 @@ class OracleTeacher:
         name: str | None = None,
         run_id: str | None = None,
         info: dict[str, Any] | None = None,
+        annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None,
         fsync: bool = True,
     ):
         """Record the oracle with ``slots`` slots, teacher-forced on the full run's tokens.
 
         A normal run folder under ``out`` (request 0 of it is this teacher's request), with
         ``source_run`` = the full run, ``teacher_forced`` and ``oracle`` ({request, slots}) in
-        its manifest, plus ``info``. Returns the :class:`~recorders.recorder.Recording`.
+        its manifest, plus ``info``; ``annotate`` adds columns to its ``requests`` table (an answer
+        checker, as for :func:`~recorders.recorder.record`). Returns the
+        :class:`~recorders.recorder.Recording`.
         """
         from .recorder import record
 
@@ -298,7 +308,15 @@ class OracleTeacher:
         with (
             teacher_scores(self.table),
             record(
-                self.model, config, out=str(out), tokenizer=tokenizer, name=name, run_id=run_id, info=meta, fsync=fsync
+                self.model,
+                config,
+                out=str(out),
+                tokenizer=tokenizer,
+                name=name,
+                run_id=run_id,
+                info=meta,
+                fsync=fsync,
+                annotate=annotate,
             ) as rec,
         ):
             rec.force(self.prompt.tolist(), self.answer.tolist(), evidence_labels=self.evidence)

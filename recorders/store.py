@@ -69,24 +69,98 @@ def _values_view(name: str, schema: pa.Schema, rows: Iterable[dict[str, Any]]) -
     return f"CREATE OR REPLACE VIEW {_ident(name)} AS SELECT * FROM (VALUES {values}) AS t({names})"
 
 
+#: Schema holding the tables behind the views (out of ``main``, which lists the views).
+CATALOG_SCHEMA = "h2o_lens_catalog"
+_FILES = pa.schema(
+    [
+        pa.field("run_id", pa.string()),
+        pa.field("table_name", pa.string()),
+        pa.field("path", pa.string()),
+        pa.field("rows", pa.int64()),
+    ]
+)
+_TOTALS = pa.schema(
+    [
+        pa.field("run_id", pa.string()),
+        pa.field("table_name", pa.string()),
+        pa.field("column_name", pa.string()),
+        pa.field("total", pa.float64()),
+        pa.field("n", pa.int64()),
+    ]
+)
+
+
+def _readable(value: Any) -> Any:
+    """Text that is not valid Unicode (a lone surrogate from a file name) made readable."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    return value
+
+
+_NOT_FITTING = (pa.ArrowException, OverflowError, TypeError, ValueError, UnicodeError)
+
+
+def _column(values: list[Any], type_: pa.DataType) -> pa.Array:
+    """``values`` as an array of ``type_``; text made readable, a value that does not fit is null."""
+    if not pa.types.is_floating(type_) and not pa.types.is_string(type_):  # NaN is no value of these
+        values = [None if isinstance(v, float) and math.isnan(v) else v for v in values]
+    try:
+        return pa.array(values, type=type_)
+    except _NOT_FITTING:
+        out = []
+        for v in values:
+            v = _readable(v)
+            try:
+                pa.array([v], type=type_)
+                out.append(v)
+            except _NOT_FITTING:
+                out.append(None)
+        return pa.array(out, type=type_)
+
+
+def _rows_table(
+    con: duckdb.DuckDBPyConnection, name: str, schema: pa.Schema, rows: Iterable[dict[str, Any]] | dict[str, list]
+) -> None:
+    """Store ``rows`` (dicts, or lists per column) as the table ``h2o_lens_catalog.<name>``.
+
+    A table in the database (not literals in a view's SQL, which DuckDB binds again on
+    every query, nor a Python object) keeps thousands of runs quick and lives in a
+    database file as well as in memory.
+    """
+    if not isinstance(rows, dict):
+        rows = list(rows)
+        rows = {f.name: [r.get(f.name) for r in rows] for f in schema}
+    data = pa.Table.from_arrays([_column(rows[f.name], f.type) for f in schema], schema=schema)
+    con.execute(f"CREATE SCHEMA IF NOT EXISTS {CATALOG_SCHEMA}")
+    temp = f"_h2o_lens_rows_{id(data)}"
+    con.register(temp, data)
+    try:
+        con.execute(f"CREATE OR REPLACE TABLE {CATALOG_SCHEMA}.{_ident(name)} AS SELECT * FROM {_ident(temp)}")
+    finally:
+        con.unregister(temp)
+
+
 def _table_view(table: str, files: list[SegmentFile]) -> str:
     schema = table_schema(table)
     if not files:
         return _values_view(table, schema, [])
-    present = {c for f in files for c in f.columns}
+    names = tuple(schema.names)
+    layouts = {f.columns for f in files}
+    present = {c for cols in layouts for c in cols}
     cols = [
         _ident(f.name) if f.name in present else f"CAST(NULL AS {duckdb_type(f.type)}) AS {_ident(f.name)}"
         for f in schema
     ]
     extras: list[str] = []
     for f in files:  # columns added by later versions, in order of appearance
-        extras += [c for c in f.columns if c not in schema.names and c not in extras]
+        if f.columns != names:
+            extras += [c for c in f.columns if c not in names and c not in extras]
     cols += [_ident(c) for c in extras]
     paths = ", ".join("'" + str(f.path).replace("'", "''") + "'" for f in files)
-    return (
-        f"CREATE OR REPLACE VIEW {_ident(table)} AS SELECT {', '.join(cols)} "
-        f"FROM read_parquet([{paths}], union_by_name = true)"
-    )
+    # files of exactly the declared columns line up by position: DuckDB then reads one
+    # footer to bind a query instead of every file's (the common case of a large root)
+    union = "" if layouts == {names} else ", union_by_name = true"
+    return f"CREATE OR REPLACE VIEW {_ident(table)} AS SELECT {', '.join(cols)} FROM read_parquet([{paths}]{union})"
 
 
 #: counterfactual re-runs with their parent, outcome and mean KL (DESIGN.md §6.10). ``correct`` is the
@@ -108,18 +182,50 @@ WHERE r.parent_run IS NOT NULL
 
 
 def create_views(con: duckdb.DuckDBPyConnection, catalog: Catalog) -> None:
-    """Create or replace the views of ``catalog`` in ``con``."""
-    con.execute(_values_view("runs", RUNS, (run_row(r) for r in catalog.runs)))
+    """Create or replace the views of ``catalog`` in ``con``.
+
+    Besides the views, the schema ``h2o_lens_catalog`` holds the tables behind ``runs``
+    and ``problems``, ``files`` (each readable segment: ``run_id, table_name, path,
+    rows``) and ``totals`` (per segment, the sum and non-null count of the columns the
+    runs table averages, :data:`recorders.catalog.TOTALS`), both read during the scan.
+    """
+    _rows_table(con, "runs", RUNS, (run_row(r) for r in catalog.runs))
+    con.execute(f"CREATE OR REPLACE VIEW runs AS SELECT * FROM {CATALOG_SCHEMA}.runs")
     for table in TABLE_NAMES:
         con.execute(_table_view(table, catalog.files(table)))
     con.execute(COUNTERFACTUALS_VIEW)
     problem_schema = pa.schema([pa.field(c, pa.string()) for c in _PROBLEM_COLUMNS])
-    con.execute(
-        _values_view(
-            "problems",
-            problem_schema,
-            ({"path": p.path, "run_id": p.run_id, "table_name": p.table, "reason": p.reason} for p in catalog.problems),
-        )
+    _rows_table(
+        con,
+        "problems",
+        problem_schema,
+        ({"path": p.path, "run_id": p.run_id, "table_name": p.table, "reason": p.reason} for p in catalog.problems),
+    )
+    con.execute(f"CREATE OR REPLACE VIEW problems AS SELECT * FROM {CATALOG_SCHEMA}.problems")
+    files = [(r.run_id, f) for r in catalog.runs for segs in r.files.values() for f in segs]
+    _rows_table(
+        con,
+        "files",
+        _FILES,
+        {
+            "run_id": [rid for rid, _ in files],
+            "table_name": [f.table for _, f in files],
+            "path": [str(f.path) for _, f in files],
+            "rows": [f.rows for _, f in files],
+        },
+    )
+    totals = [(rid, f.table, t) for rid, f in files for t in f.totals]
+    _rows_table(
+        con,
+        "totals",
+        _TOTALS,
+        {
+            "run_id": [rid for rid, _, _ in totals],
+            "table_name": [table for _, table, _ in totals],
+            "column_name": [t[0] for _, _, t in totals],
+            "total": [t[1] for _, _, t in totals],
+            "n": [t[2] for _, _, t in totals],
+        },
     )
 
 

@@ -15,3 +15,11 @@ from app_runs import build_runs_root
 def app_runs_root(tmp_path_factory) -> Path:
     """A runs root with every case the dashboard must handle (:func:`app_runs.build_runs_root`)."""
     return build_runs_root(tmp_path_factory.mktemp("app") / "runs")
+
+
+@pytest.fixture(scope="session")
+def large_root(tmp_path_factory) -> Path:
+    """A generated runs root of 300 runs (:func:`recorders.synthetic_root.make_root`)."""
+    from recorders.synthetic_root import make_root
+
+    return make_root(tmp_path_factory.mktemp("large") / "runs", 300, seed=1)

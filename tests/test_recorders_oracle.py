@@ -91,13 +91,21 @@ def test_recorded_oracle_equals_the_schedule_and_the_reference(tmp_path, gqa):
 def test_oracle_run_is_a_normal_replayable_run(setup, tmp_path):
     model, _, full = setup
     teacher = OracleTeacher(model, full)
-    rec = teacher.record(6, out=tmp_path, fsync=False, name="oracle at 6", info={"parent_run": "x"})
+    rec = teacher.record(
+        6,
+        out=tmp_path,
+        fsync=False,
+        name="oracle at 6",
+        info={"parent_run": "x"},
+        annotate=lambda request, answer: {"correct": request == 0},
+    )
     manifest = read_manifest(rec.run_dir)
     assert manifest["policy"] == "oracle" and manifest["heavy"] == 6 and manifest["recent"] == 0
     assert manifest["source_run"] == full.name and manifest["teacher_forced"] is True
     assert manifest["oracle"] == {"request": 0, "slots": 6} and manifest["parent_run"] == "x"
     summary = replay(rec.run_dir, model=model, progress=False)
     assert summary.implementation_ok, summary
+    assert load_run(rec.run_dir, tables=("requests",))["requests"].to_pydict()["correct"] == [True]
     tokens = load_run(rec.run_dir, tables=("tokens",))["tokens"].to_pydict()
     assert tokens["token_id"] == np.concatenate([teacher.prompt, teacher.answer]).tolist()
 
@@ -121,8 +129,9 @@ def test_check_agrees_with_the_recorded_run(setup, tmp_path):
         wrong = np.flatnonzero(~check.agree)
         assert check.first_wrong == (int(check.steps[wrong[0]]) if len(wrong) else None)
         outcomes.add(check.passed)
+        if slots >= teacher.positions:  # B >= N keeps everything
+            assert load_run(rec.run_dir, tables=("evictions",))["evictions"].num_rows == 0 and check.passed
     assert outcomes == {True, False}  # the budgets tried both pass and fail
-    assert teacher.check(teacher.positions).passed  # B >= N keeps everything
 
 
 def test_the_teacher_forward_runs_once_for_several_budgets(setup):
@@ -141,6 +150,7 @@ def test_the_teacher_forward_runs_once_for_several_budgets(setup):
         hook.remove()
     assert lengths == [PROMPT] + [NEW - 1] * 9  # the prompt was forwarded once; one forward per budget
     assert teacher.table is table and teacher.forwards == 10
+    assert teacher.check(4) is teacher.check(4) and teacher.forwards == 10  # asked again: from memory
 
 
 def test_bad_input_is_refused(setup):
