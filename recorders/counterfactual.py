@@ -353,6 +353,8 @@ class Explanation:
     probe_seconds: list[float] = dataclasses.field(default_factory=list)
     #: model forwards of the oracle's teacher (two for its one full-cache pass, one per check)
     oracle_forwards: int | None = None
+    #: seconds of each recorded free generation (full, pinned, the policy's probes), replays excluded
+    generation_seconds: list[float] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -446,6 +448,7 @@ class _Runner:
         self.teacher_text: str | None = None  # the full-cache answer, the pass test without a checker
         self.teacher: Any = None
         self.probe_seconds: list[float] = []
+        self.generation_seconds: list[float] = []
 
     # -- the pass test
     def passes(self, answer: str) -> bool:
@@ -513,7 +516,9 @@ class _Runner:
                 ) as rec,
             ):
                 rec._labels_override = self.parent.labels
+                t1 = time.perf_counter()
                 self._generate()
+                self.generation_seconds.append(time.perf_counter() - t1)
             if (self.replay if replay is None else replay) and kind != FULL:
                 replay_run(rec.run_dir, model=self.model, progress=False)
         except Exception as exc:
@@ -701,6 +706,7 @@ def explain_request(
         time.perf_counter() - t0,
         list(runner.probe_seconds),
         runner.teacher.forwards if runner.teacher is not None else None,
+        list(runner.generation_seconds),
     )
 
 
