@@ -28,7 +28,7 @@ collides with a key). Nothing is downloaded.
 ``long_generation``
     A record (ID, owner, city) stated at the start, filler, then a request for
     a long numbered log that ends by repeating the record ID; 640 new tokens.
-    The checker looks for the ID in the last quarter of the answer.
+    The checker looks for the record ID in the answer (an early field reused).
 
 Every task has evidence spans as ``(start, end)`` character ranges of the
 prompt and ``meta``: ``family, seed, index, depth, length`` (requested),
