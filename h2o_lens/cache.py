@@ -65,8 +65,12 @@ class DecodeEvent:
     cand_positions: torch.Tensor
     kept: torch.Tensor
 
-    def stats(self, recent: torch.Tensor | int, sink: torch.Tensor | int = 0) -> policy.StepStats:
-        return decode_stats(self.cand_scores, self.cand_positions, self.slot, self.evicts, self.step, recent, sink)
+    def stats(
+        self, recent: torch.Tensor | int, sink: torch.Tensor | int = 0, pinned: torch.Tensor | None = None
+    ) -> policy.StepStats:
+        return decode_stats(
+            self.cand_scores, self.cand_positions, self.slot, self.evicts, self.step, recent, sink, pinned
+        )
 
 
 def decode_stats(
@@ -77,18 +81,22 @@ def decode_stats(
     step: torch.Tensor,
     recent: torch.Tensor | int,
     sink: torch.Tensor | int = 0,
+    pinned: torch.Tensor | None = None,
 ) -> policy.StepStats:
     """:class:`~h2o_lens.policy.StepStats` of decode steps, any leading dims.
 
     ``cand_* (..., Hs, B + 1)``, ``slot, evicts (..., Hs)``, ``step (...)``;
-    ``recent`` and ``sink`` ints, or per-request tensors broadcastable to ``step``.
+    ``recent`` and ``sink`` ints, or per-request tensors broadcastable to ``step``;
+    ``pinned`` the 1-D tensor of positions never eligible (DESIGN.md §2.11), or None.
     """
 
     def col(x, n):  # an int, or a tensor with n trailing unit dims
         return x[(...,) + (None,) * n] if isinstance(x, torch.Tensor) else x
 
     step_col = step[..., None, None]
-    eligible = policy.eligible_mask(cand_positions, step_col, col(recent, 2), col(sink, 2))
+    if pinned is not None:
+        pinned = pinned.to(cand_positions.device, cand_positions.dtype)
+    eligible = policy.eligible_mask(cand_positions, step_col, col(recent, 2), col(sink, 2), pinned=pinned)
     return policy.step_stats(cand_scores, cand_positions, eligible, slot, evicts, step[..., None], col(recent, 1))
 
 
@@ -265,8 +273,9 @@ class H2OCacheLayer(CacheLayerMixin):
             )
             if history is not None:
                 history[sel] = hist
-            keep[sel] = policy.prefill_keep(drive[sel], positions[sel], args.heavy, args.recent, args.sink)
-            eligible[sel] = policy.eligible_mask(positions[sel], last[sel], args.recent, args.sink)
+            pins = args.pins(positions)
+            keep[sel] = policy.prefill_keep(drive[sel], positions[sel], args.heavy, args.recent, args.sink, pins)
+            eligible[sel] = policy.eligible_mask(positions[sel], last[sel], args.recent, args.sink, pinned=pins)
         caps = owner.row_capacity(self.budget)  # (b,)
         cap = max(args.capacity for _, args in self.groups())
         # slots hold the kept positions in ascending order, then empty slots
@@ -287,7 +296,9 @@ class H2OCacheLayer(CacheLayerMixin):
             self.history[:, :, :n] = torch.where(kept_pos >= 0, history.gather(-1, order), 0)
         self.positions[:, :, :n] = kept_pos
         self.next_pos = count.to(POS_DTYPE)
-        fill = torch.minimum(count, caps)
+        # slots used: a pinned position inside the recent window (or the sink) counts once,
+        # so a long prompt may leave free slots, which the next steps fill (DESIGN.md §2.11)
+        fill = keep[:, 0].sum(-1).to(torch.int64)  # (b,) the same for every KV set
         self.fill = None if bool((fill >= caps).all()) else fill
         self.is_initialized = True
         if owner.listener is not None:
@@ -365,8 +376,8 @@ class H2OCacheLayer(CacheLayerMixin):
         history: torch.Tensor | None = None,
     ) -> ops.DecodeResult:
         """The fused Triton step when the backend and the policy have one (``Policy.kernels``) and
-        no listener needs the candidate set; the torch step otherwise."""
-        if not want and self.owner.backend == "triton" and "decode" in args.spec.kernels:
+        no listener needs the candidate set and nothing is pinned; the torch step otherwise."""
+        if not want and self.owner.backend == "triton" and "decode" in args.spec.kernels and not args.pinned:
             from .kernels import decode_step_triton
 
             return decode_step_triton(
@@ -507,10 +518,19 @@ class H2OCache(Cache):
         indices into :attr:`budgets` (the same for every layer).
         """
         if self._rows is None:
-            cfgs = [self.config.resolve(n) for n in prompt_lens.tolist()]
+            lens = prompt_lens.tolist()
+            pinned = self.config.pinned
+            if pinned and pinned[-1] >= min(lens):
+                rows = [r for r, n in enumerate(lens) if pinned[-1] >= n]
+                raise ConfigError(
+                    f"pinned position {pinned[-1]} is beyond the prompt of request {rows[0]} "
+                    f"({lens[rows[0]]} tokens, positions 0 to {lens[rows[0]] - 1}); pinned positions "
+                    "are 0-based positions of each request's real prompt tokens (padding excluded)"
+                )
+            cfgs = [self.config.resolve(n) for n in lens]
             rows = []
             for cfg in cfgs:
-                args = ops.PolicyArgs(cfg.policy, *cfg.split, cfg.gqa, cfg.seed)
+                args = ops.PolicyArgs(cfg.policy, *cfg.split, cfg.gqa, cfg.seed, cfg.pinned)
                 if args not in self.budgets:
                     self.budgets.append(args)
                 rows.append(self.budgets.index(args))
@@ -543,6 +563,10 @@ class H2OCache(Cache):
         table = torch.tensor([[a.heavy, a.recent, a.sink] for a in self.budgets], dtype=torch.int64)
         t = table[budget.cpu()]
         return {"heavy": t[:, 0], "recent": t[:, 1], "sink": t[:, 2]}
+
+    def pinned_positions(self) -> torch.Tensor | None:
+        """The positions never evicted (DESIGN.md §2.11), an int64 CPU tensor; None if none."""
+        return torch.tensor(self.config.pinned, dtype=torch.int64) if self.config.pinned else None
 
     def resolve_backend(self, device: torch.device) -> str:
         """``auto`` → Triton on CUDA, torch elsewhere; resolved once, on the first prefill."""

@@ -4,9 +4,10 @@ A budget is a fixed slot count per layer and KV head: ``heavy`` slots chosen
 by cumulative attention plus the ``recent`` newest positions. Baselines are
 compared at the same slot count ``B = heavy + recent`` (DESIGN.md §2).
 A keep ratio of the prompt is accepted as a convenience and resolved to
-counts once, with :meth:`H2OConfig.resolve`. What depends on the policy (its
-split, its budget check, whether it evicts) is read from the policy registry,
-:mod:`h2o_lens.policies` (DESIGN.md §2.9).
+counts once, with :meth:`H2OConfig.resolve`. Pinned prompt positions, never
+evicted, take slots inside the budget (:func:`pin`, DESIGN.md §2.11). What
+depends on the policy (its split, its budget check, whether it evicts) is read
+from the policy registry, :mod:`h2o_lens.policies` (DESIGN.md §2.9).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from . import policies as registry
 from .errors import ConfigError
 
-__all__ = ["H2OConfig", "POLICIES", "GQA_MODES", "BACKENDS"]
+__all__ = ["H2OConfig", "POLICIES", "GQA_MODES", "BACKENDS", "pin"]
 
 POLICIES = registry.names()
 GQA_MODES = ("sum", "max", "none")
@@ -37,6 +38,36 @@ def _count(name: str, value: Any, *, allow_none: bool = True) -> None:
         )
     if value < 0:
         raise ConfigError(f"{name} must be >= 0, got {value}; pass a slot count such as {name}=64")
+
+
+def _positions(value: Any) -> tuple[int, ...]:
+    """``pinned`` as a sorted tuple of distinct prompt positions, or a ConfigError."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ConfigError(
+            f"pinned must be a sequence of prompt positions, got {value!r} ({type(value).__name__}); "
+            "pass e.g. pinned=(12, 13, 14)"
+        )
+    out: list[int] = []
+    seen: set[int] = set()
+    dup: set[int] = set()
+    for p in value:
+        if isinstance(p, bool) or not isinstance(p, numbers.Integral) or p < 0:
+            raise ConfigError(
+                f"pinned positions must be whole numbers >= 0 (0-based positions of the prompt's "
+                f"real tokens, as in the tokens table), got {p!r} in {value!r}"
+            )
+        (dup if int(p) in seen else seen).add(int(p))
+        out.append(int(p))
+    if dup:
+        raise ConfigError(f"pinned positions must be distinct, got {sorted(dup)} more than once in {value!r}")
+    return tuple(sorted(out))
+
+
+def unpinned_split(heavy: int, recent: int, pinned: int) -> tuple[int, int]:
+    """``(heavy, recent)`` left to a policy once ``pinned`` slots are taken out of a budget:
+    out of ``heavy`` first, then out of ``recent`` (DESIGN.md §2.11)."""
+    from_heavy = min(heavy, pinned)
+    return heavy - from_heavy, recent - (pinned - from_heavy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +98,11 @@ class H2OConfig:
         Number of first positions always kept by the ``sink`` policy.
     seed : int
         Seed of the ``random`` policy.
+    pinned : tuple of int
+        Prompt positions (0-based, real tokens, as in the ``tokens`` table) that are never
+        evicted, in every layer and KV set (DESIGN.md §2.11). They occupy slots inside the
+        budget ``B = heavy + recent``: out of ``heavy`` first, then out of ``recent``
+        (:attr:`split` is what is left to the policy). Stored sorted.
     backend : str
         ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
     """
@@ -79,6 +115,7 @@ class H2OConfig:
     sink: int = 4
     seed: int = 0
     backend: str = "auto"
+    pinned: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         registry.get(self.policy)  # ConfigError naming the known policies
@@ -90,7 +127,13 @@ class H2OConfig:
         _count("recent", self.recent)
         _count("sink", self.sink, allow_none=False)
         _count("seed", self.seed, allow_none=False)
+        object.__setattr__(self, "pinned", _positions(self.pinned))
         if not self.spec.evicts:
+            if self.pinned:
+                raise ConfigError(
+                    f"policy {self.policy!r} evicts nothing, so pinned={list(self.pinned)} means "
+                    "nothing; pin positions only with an evicting policy (h2o, local, ...)"
+                )
             return
         if self.ratio is not None:
             if self.heavy is not None or self.recent is not None:
@@ -116,9 +159,26 @@ class H2OConfig:
                 "heavy + recent is 0: a cache of zero slots cannot attend to anything; "
                 "pass a positive budget such as heavy=64, recent=64"
             )
+        if self.pinned:
+            self._check_pinned()
+            return
         problem = self.spec.check_budget(self.heavy, self.recent, self.sink)
         if problem is not None:
             raise ConfigError(problem)
+
+    def _check_pinned(self) -> None:
+        """The pinned positions fit in the budget and leave the policy the slots it needs."""
+        k, total = len(self.pinned), self.heavy + self.recent
+        need = f"the {k} pinned position{'s' if k > 1 else ''} need{'' if k > 1 else 's'} {k} of the {total} slots"
+        if k >= total:
+            raise ConfigError(
+                f"{need} and leave no slot for the {self.policy!r} policy; pass a budget of at least "
+                f"{k + 1} slots (heavy + recent) or pin fewer positions"
+            )
+        heavy, recent = unpinned_split(self.heavy, self.recent, k)
+        problem = self.spec.check_budget(heavy, recent, self.sink)
+        if problem is not None:
+            raise ConfigError(f"{need}, leaving heavy={heavy}, recent={recent} to the policy: {problem}")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -145,11 +205,14 @@ class H2OConfig:
 
         Baselines keep the slot count ``B = heavy + recent`` and re-split it
         (:meth:`h2o_lens.policies.Policy.split`): local ``(0, B, 0)``, heavy
-        ``(B, 0, 0)``, sink ``(0, B - s, s)``.
+        ``(B, 0, 0)``, sink ``(0, B - s, s)``. With ``k`` pinned positions the
+        policy splits the ``B - k`` other slots: the pins are taken out of
+        ``heavy`` first, then out of ``recent`` (DESIGN.md §2.11).
         """
         if self.capacity is None:
             raise ConfigError("the full-cache policy has no slot split")
-        return self.spec.split(int(self.heavy), int(self.recent), self.sink)
+        heavy, recent = unpinned_split(int(self.heavy), int(self.recent), len(self.pinned))
+        return self.spec.split(heavy, recent, self.sink)
 
     def resolve(self, prompt_len: int) -> H2OConfig:
         """Turn a ``ratio`` budget into slot counts for a prompt of ``prompt_len`` tokens."""
@@ -172,8 +235,53 @@ class H2OConfig:
         """One line for humans, e.g. ``h2o heavy=64 recent=64 gqa=sum``."""
         if not self.spec.evicts:
             return "full cache"
+        pins = f" pinned={_show_positions(self.pinned)}" if self.pinned else ""
         if not self.resolved:
-            return f"{self.policy} ratio={self.ratio} gqa={self.gqa}"
+            return f"{self.policy} ratio={self.ratio}{pins} gqa={self.gqa}"
         h, r, s = self.split
-        extra = f" sink={s}" if s else ""
+        extra = (f" sink={s}" if s else "") + pins
         return f"{self.policy} heavy={h} recent={r}{extra} (B={self.capacity}) gqa={self.gqa}"
+
+
+def _show_positions(positions: tuple[int, ...]) -> str:
+    """``[3, 4, 9]``, or ``12 positions [3, 4, 5, …, 40]`` for a long list."""
+    if len(positions) <= 6:
+        return "[" + ", ".join(map(str, positions)) + "]"
+    head = ", ".join(map(str, positions[:3]))
+    return f"{len(positions)} positions [{head}, …, {positions[-1]}]"
+
+
+def pin(config: H2OConfig, positions: Any) -> H2OConfig:
+    """The same policy at the same slot count, with ``positions`` never evicted (DESIGN.md §2.11).
+
+    Parameters
+    ----------
+    config : H2OConfig
+        A resolved, evicting config (explicit ``heavy`` and ``recent``, as in a run
+        manifest's ``config``); a config that already pins positions gets the new set.
+    positions : sequence of int
+        0-based positions of the prompt's real tokens (the ``tokens`` table's ``position``).
+
+    Returns
+    -------
+    H2OConfig
+        ``heavy`` and ``recent`` unchanged (the slot count ``B``), ``pinned`` sorted; its
+        :attr:`~H2OConfig.split` takes the pinned slots out of ``heavy`` first, then out
+        of ``recent``.
+
+    Raises
+    ------
+    ConfigError
+        For a full-cache or unresolved config, bad positions, or a budget the pinned set
+        leaves no room in (the message says how many slots it needs).
+    """
+    if not isinstance(config, H2OConfig):
+        raise ConfigError(f"pin needs an H2OConfig, got {type(config).__name__}")
+    if not config.spec.evicts:
+        raise ConfigError(f"policy {config.policy!r} evicts nothing: there is nothing to pin against")
+    if not config.resolved:
+        raise ConfigError(
+            f"pin needs a budget in slot counts, got ratio={config.ratio}; resolve it first "
+            "(config.resolve(prompt_len), or the config of the run's manifest)"
+        )
+    return dataclasses.replace(config, pinned=_positions(positions))

@@ -42,10 +42,26 @@ class PolicyArgs:
     sink: int
     gqa: str  # sum | max | none
     seed: int = 0  # of the random policy
+    pinned: tuple[int, ...] = ()  # positions never evicted, inside the capacity (DESIGN.md §2.11)
 
     @property
     def capacity(self) -> int:
-        return self.heavy + self.recent + self.sink
+        """Slots per KV set: the policy's split plus the pinned positions."""
+        return self.heavy + self.recent + self.sink + len(self.pinned)
+
+    def pins(self, like: torch.Tensor) -> torch.Tensor | None:
+        """The pinned positions as a 1-D tensor of ``like``'s dtype and device, None if none."""
+        if not self.pinned:
+            return None
+        key = (like.device, like.dtype)
+        cached = self._pins.get(key)
+        if cached is None:
+            cached = self._pins[key] = torch.tensor(self.pinned, dtype=like.dtype, device=like.device)
+        return cached
+
+    @functools.cached_property
+    def _pins(self) -> dict:
+        return {}
 
     @functools.cached_property
     def spec(self) -> policies.Policy:
@@ -303,7 +319,7 @@ def prefill_select(scores: torch.Tensor, positions: torch.Tensor, args: PolicyAr
             "column sums; compute them with prefill_rows and rank with prefill_scores"
         )
     drive, _ = prefill_scores(scores, None, positions, args, layer, scores.dtype)
-    return policy.prefill_keep(drive, positions, args.heavy, args.recent, args.sink)
+    return policy.prefill_keep(drive, positions, args.heavy, args.recent, args.sink, args.pins(positions))
 
 
 @dataclass
@@ -362,7 +378,7 @@ def decode_step(
     Order (DESIGN.md §2): append → softmax over D → aggregate over the group and
     update the ranking values by the policy's rule (H2O: add; the new token's own
     weight seeds its score) → output over all of D → evict the lowest eligible
-    value (tie: older position) → overwrite the victim slot with the new token's
+    value (tie: older position; pinned positions are never eligible) → overwrite the victim slot with the new token's
     K, V, score, history and position.
     """
     spec = args.spec
@@ -390,11 +406,13 @@ def decode_step(
         # heavy-only: the new token competes too and may be its own victim
         c_scores = torch.cat([scores, new_score], -1)
         c_pos = torch.cat([positions, new_pos], -1)
-        c_elig = policy.eligible_mask(c_pos, step_col, 0, args.sink)
+        c_elig = policy.eligible_mask(c_pos, step_col, 0, args.sink, pinned=args.pins(positions))
         victim, found = policy.select_victim(c_scores, c_pos, c_elig)
     else:
         c_scores = c_pos = None
-        c_elig = policy.eligible_mask(positions, step_col, args.recent, args.sink, all_live=fill is None)
+        c_elig = policy.eligible_mask(
+            positions, step_col, args.recent, args.sink, all_live=fill is None, pinned=args.pins(positions)
+        )
         victim, found = policy.select_victim(scores, positions, c_elig)
     if fill is None:
         slot, evicts = victim, found

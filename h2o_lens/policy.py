@@ -91,20 +91,24 @@ def eligible_mask(
     sink: torch.Tensor | int = 0,
     *,
     all_live: bool = False,
+    pinned: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Slots that may be evicted at query position ``step``.
 
     ``positions (..., S)``; ``step``, ``recent`` and ``sink`` ints or tensors
     broadcastable to ``(..., 1)`` (per-request budgets). A slot is eligible when
-    it holds a position outside the ``recent`` newest (``pos <= step - recent``)
-    and outside the first ``sink``. ``all_live`` says that no slot is empty
-    (a full cache), which spares the check.
+    it holds a position outside the ``recent`` newest (``pos <= step - recent``),
+    outside the first ``sink`` and not among the ``pinned`` positions (a 1-D
+    tensor, DESIGN.md §2.11). ``all_live`` says that no slot is empty (a full
+    cache), which spares the check.
     """
     ok = positions <= step - recent
     if not all_live:
         ok = (positions >= 0) & ok
     if isinstance(sink, torch.Tensor) or sink:
         ok &= positions >= sink
+    if pinned is not None and pinned.numel():
+        ok &= ~torch.isin(positions, pinned)
     return ok
 
 
@@ -133,27 +137,38 @@ def select_victim(
     return torch.where(tied, positions, torch.iinfo(positions.dtype).max).argmin(-1), eligible.any(-1)
 
 
-def prefill_keep(scores: torch.Tensor, positions: torch.Tensor, heavy: int, recent: int, sink: int = 0) -> torch.Tensor:
+def prefill_keep(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    heavy: int,
+    recent: int,
+    sink: int = 0,
+    pinned: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Slots kept after a prefill, in one shot.
 
-    Keeps the ``recent`` newest valid positions, the first ``sink`` positions
-    and the top-``heavy`` of the rest by score (a tie keeps the newer).
+    Keeps the ``recent`` newest valid positions, the first ``sink`` positions,
+    the ``pinned`` positions (DESIGN.md §2.11) and the top-``heavy`` of the rest
+    by score (a tie keeps the newer).
 
     Parameters
     ----------
     scores : Tensor ``(..., P)`` float, column sums of the prefill attention
     positions : Tensor ``(..., P)`` int64, ``-1`` for padding
     heavy, recent, sink : int
+    pinned : 1-D Tensor of positions never evicted, or None
 
     Returns
     -------
-    Tensor ``(..., P)`` bool, True for kept slots (at most heavy+recent+sink).
+    Tensor ``(..., P)`` bool, True for kept slots (at most heavy+recent+sink+len(pinned)).
     """
     valid = positions >= 0
     last = positions.amax(-1, keepdim=True)  # (..., 1) newest position
     keep = valid & (positions > last - recent)
     if sink:
         keep |= valid & (positions < sink)
+    if pinned is not None and pinned.numel():
+        keep |= valid & torch.isin(positions, pinned)
     if heavy:
         rest = valid & ~keep
         # order: score descending, then position descending (newer wins a tie)

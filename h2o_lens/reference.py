@@ -31,7 +31,7 @@ class Trace:
     victims: list[list[int]] = field(default_factory=list)
 
 
-def check(logits, prefill: int, heavy: int, recent: int, gqa: str) -> np.ndarray:
+def check(logits, prefill: int, heavy: int, recent: int, gqa: str, pinned=()) -> np.ndarray:
     """The logits as an FP64 ``(G, N, N)`` array, after checking every argument."""
     x = np.asarray(logits, dtype=np.float64)
     if x.ndim != 3 or x.shape[1] != x.shape[2]:
@@ -43,6 +43,9 @@ def check(logits, prefill: int, heavy: int, recent: int, gqa: str) -> np.ndarray
         raise ValueError(f"need heavy, recent >= 0 and heavy + recent >= 1, got {heavy}, {recent}")
     if gqa not in ("sum", "max"):
         raise ValueError(f"gqa must be 'sum' or 'max', got {gqa!r} (pass one head with 'sum' for 'none')")
+    pins = list(pinned)
+    if len(set(pins)) != len(pins) or any(not 0 <= p < prefill for p in pins):
+        raise ValueError(f"pinned must be distinct prompt positions in [0, {prefill}), got {pins}")
     return x
 
 
@@ -66,24 +69,26 @@ def uniform_share(heads: int, gqa: str) -> float:
     return float(heads) if gqa == "sum" else 1.0
 
 
-def keep_prompt(rank: dict[int, float], prefill: int, heavy: int, recent: int) -> set[int]:
-    """Prompt positions kept in one shot: the ``recent`` last and the top ``heavy`` of the rest
-    by ``rank`` (higher kept; a tie keeps the newer). Everything when the prompt fits."""
+def keep_prompt(rank: dict[int, float], prefill: int, heavy: int, recent: int, pinned=()) -> set[int]:
+    """Prompt positions kept in one shot: the ``pinned`` ones, the ``recent`` last and the top
+    ``heavy`` of the rest by ``rank`` (higher kept; a tie keeps the newer). Everything when the
+    prompt fits."""
     if prefill <= heavy + recent:
         return set(range(prefill))
-    recent_set = set(range(prefill - recent, prefill))
-    rest = sorted((i for i in range(prefill) if i not in recent_set), key=lambda i: (-rank[i], -i))
-    return recent_set | set(rest[:heavy])
+    fixed = set(range(prefill - recent, prefill)) | set(pinned)  # a pin in the window counts once
+    rest = sorted((i for i in range(prefill) if i not in fixed), key=lambda i: (-rank[i], -i))
+    return fixed | set(rest[:heavy])
 
 
-def evict(rank: dict[int, float], t: int, recent: int) -> int:
+def evict(rank: dict[int, float], t: int, recent: int, pinned=()) -> int:
     """The victim of step ``t`` among the candidates ``rank`` holds: the lowest rank among the
-    positions outside the ``recent`` newest (``i <= t - recent``); a tie evicts the older."""
-    eligible = [i for i in rank if i <= t - recent]
+    positions outside the ``recent`` newest (``i <= t - recent``) and not ``pinned``; a tie
+    evicts the older."""
+    eligible = [i for i in rank if i <= t - recent and i not in pinned]
     return min(eligible, key=lambda i: (rank[i], i))
 
 
-def trace(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum") -> Trace:
+def trace(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum", pinned=()) -> Trace:
     """Run H2O on one KV-head group and keep every intermediate.
 
     Parameters
@@ -94,12 +99,16 @@ def trace(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum") -> Tr
     prefill : int
         Prompt length P (1 <= P <= N).
     heavy, recent : int
-        Slot budget, B = heavy + recent >= 1.
+        The policy's split of the slots left by the pins, heavy + recent >= 1.
     gqa : {"sum", "max"}
+    pinned : sequence of int
+        Prompt positions never evicted (DESIGN.md §2.11); they hold slots of their own,
+        so the budget is B = heavy + recent + len(pinned).
     """
-    x = check(logits, prefill, heavy, recent, gqa)
+    x = check(logits, prefill, heavy, recent, gqa, pinned)
     n = x.shape[1]
-    budget = heavy + recent
+    pinned = frozenset(pinned)
+    budget = heavy + recent + len(pinned)
     out = Trace()
 
     # prefill: full causal attention, column sums of the aggregated weights
@@ -108,7 +117,7 @@ def trace(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum") -> Tr
         w = aggregate(softmax(x[:, u, : u + 1]), gqa)  # (u+1,)
         for i in range(u + 1):
             score[i] += w[i]
-    keep = keep_prompt(score, prefill, heavy, recent)  # the recent ones, then the top heavy (tie: newer)
+    keep = keep_prompt(score, prefill, heavy, recent, pinned)  # pins, recent, then the top heavy (tie: newer)
     victims = sorted(i for i in range(prefill) if i not in keep)
     score = {i: score[i] for i in keep}
     out.kept.append(sorted(score))
@@ -123,7 +132,7 @@ def trace(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum") -> Tr
             score[i] += wi
         victims = []
         if len(cand) > budget:
-            victim = evict(score, t, recent)  # the lowest eligible score (tie: the older)
+            victim = evict(score, t, recent, pinned)  # the lowest eligible score (tie: the older)
             del score[victim]
             victims = [victim]
         out.kept.append(sorted(score))
@@ -132,11 +141,11 @@ def trace(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum") -> Tr
     return out
 
 
-def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum") -> list[list[int]]:
+def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum", pinned=()) -> list[list[int]]:
     """Kept positions of H2O for one KV-head group, in FP64.
 
     Returns the sorted kept positions after the prefill of ``prefill`` tokens
     (index 0), then after each decode step t = prefill … N−1.
     See :func:`trace` for the parameters.
     """
-    return trace(logits, prefill, heavy, recent, gqa).kept
+    return trace(logits, prefill, heavy, recent, gqa, pinned).kept

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -160,6 +161,7 @@ def write_policy_case(
     *,
     sink: int = 4,
     seed: int = 0,
+    pinned: Sequence[int] = (),
     fsync: bool = False,
 ) -> Path:
     """Run ``policy`` on ``case`` in FP64 and write a complete, schema-valid run.
@@ -172,9 +174,11 @@ def write_policy_case(
         use ``B = heavy + recent`` slots, split as in :attr:`H2OConfig.split`.
     gqa : ``"sum"``, ``"max"`` or ``"none"``
     policy : ``"h2o"``, ``"full"``, ``"local"``, ``"heavy"``, ``"sink"`` or ``"random"``
-    run_id : folder name; default ``<case>-<policy>-<gqa>-h<heavy>r<recent>``
+    run_id : folder name; default ``<case>-<policy>-<gqa>-h<heavy>r<recent>`` (``-pinned<k>`` added
+        with ``k`` pins)
     sink : first positions kept by the ``sink`` policy
     seed : seed of the ``random`` policy
+    pinned : prompt positions never evicted, inside the budget (DESIGN.md §2.11)
     fsync : make segments durable before they become visible
 
     Returns
@@ -191,8 +195,11 @@ def write_policy_case(
     if not evicts:
         config = H2OConfig(policy=policy, gqa=gqa, backend="torch", seed=seed)
     else:
-        config = H2OConfig(policy=policy, heavy=heavy, recent=recent, gqa=gqa, sink=sink, backend="torch", seed=seed)
-    run_id = run_id or f"{case.name}-{policy}-{gqa}-h{heavy}r{recent}".replace("_", "-")
+        config = H2OConfig(
+            policy=policy, heavy=heavy, recent=recent, gqa=gqa, sink=sink, backend="torch", seed=seed, pinned=pinned
+        )
+    pins = f"-pinned{len(config.pinned)}" if config.pinned else ""
+    run_id = run_id or f"{case.name}-{policy}-{gqa}-h{heavy}r{recent}{pins}".replace("_", "-")
     t0 = time.perf_counter()
     n, p = case.n, case.prompt_len
     gqa_none = gqa == "none"

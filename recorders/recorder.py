@@ -333,12 +333,13 @@ class Recording:
         if not pend.events:
             return
         recent, sink, group = self._policy()
+        pinned = self.session.last_cache.pinned_positions()
         ev = pend.events
         stack = lambda name: torch.stack([getattr(e, name) for e in ev])  # noqa: E731
         step = stack("step").to(torch.int64)  # (K, b)
         slot, evicts = stack("slot"), stack("evicts")  # (K, b, Hs)
         c_scores, c_pos = stack("cand_scores"), stack("cand_positions")  # (K, b, Hs, B+1)
-        st = decode_stats(c_scores, c_pos, slot, evicts, step, recent.to(step.device), sink.to(step.device))
+        st = decode_stats(c_scores, c_pos, slot, evicts, step, recent.to(step.device), sink.to(step.device), pinned)
         k, b, hs = slot.shape
         layer = torch.tensor(pend.layer)[:, None, None].expand(k, b, hs)
         step3 = step[:, :, None].expand(k, b, hs)
@@ -361,7 +362,7 @@ class Recording:
             phase="decode",
         )
         # steps: kept count and mean age of the heavy slots after the step (the eligible survivors:
-        # outside the recent window and the sink)
+        # outside the recent window, the sink and the pinned positions)
         kept = (c_pos >= 0).sum(-1) - evicts.to(torch.int64)
         heavy_pos = torch.where(st.survivors, c_pos.to(torch.float32), float("nan"))
         age = step3.float() - torch.nanmean(heavy_pos, -1)

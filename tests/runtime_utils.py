@@ -51,12 +51,20 @@ def capture_qk():
 
 
 def reference_sets(
-    rec: dict, request: int, prefill: int, heavy: int, recent: int, gqa: str, offset: int = 0, policy: str = "h2o"
+    rec: dict,
+    request: int,
+    prefill: int,
+    heavy: int,
+    recent: int,
+    gqa: str,
+    offset: int = 0,
+    policy: str = "h2o",
+    pinned: tuple[int, ...] = (),
 ) -> list[list[list[int]]]:
     """Kept sets per step and KV set computed by the policy's FP64 reference from captured q/k.
 
     ``offset`` drops left-padding columns of the request; ``heavy, recent`` are the split
-    the policy uses.
+    the policy uses, ``pinned`` the positions it never evicts (DESIGN.md §2.11).
     """
     simulate = policies.get(policy).reference
     q = torch.cat(rec["q"], dim=2)[request, :, offset:]  # (Hq, N, d)
@@ -67,7 +75,7 @@ def reference_sets(
     per_set = []
     for g in range(hs):
         logits = torch.einsum("hnd,md->hnm", q[g * group : (g + 1) * group], k[g]) * scaling
-        per_set.append(simulate(logits.numpy(), prefill, heavy, recent, "sum" if gqa == "none" else gqa))
+        per_set.append(simulate(logits.numpy(), prefill, heavy, recent, "sum" if gqa == "none" else gqa, pinned=pinned))
     steps = len(per_set[0])
     return [[per_set[g][s] for g in range(hs)] for s in range(steps)]
 

@@ -67,6 +67,7 @@ def test_splits_at_the_same_slot_count():
         "random": (5, 3, 0),
         "tova": (5, 3, 0),
         "scissorhands": (5, 3, 0),
+        "oracle": (8, 0, 0),
     }
     assert policies.get("sink").check_budget(2, 2, 4) is not None
     assert policies.get("sink").check_budget(2, 3, 4) is None

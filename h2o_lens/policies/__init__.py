@@ -4,7 +4,7 @@
 >>> policies.get("h2o").scored
 True
 >>> policies.names()
-('h2o', 'full', 'local', 'heavy', 'sink', 'random', 'tova', 'scissorhands')
+('h2o', 'full', 'local', 'heavy', 'sink', 'random', 'tova', 'scissorhands', 'oracle')
 
 Everything that depends on the policy reads it here: the config (names, split, budget
 checks), the runtime (prefill and decode scores), the kernels' dispatch, the recorder,
@@ -83,8 +83,9 @@ def baselines() -> tuple[str, ...]:
 
 
 def alternatives() -> tuple[str, ...]:
-    """The other evicting methods (neither the method nor one of its baselines), e.g. TOVA."""
-    return tuple(p.name for p in _ENTRIES if p.evicts and not p.baseline and p.name != DEFAULT)
+    """The other evicting methods (neither the method nor one of its baselines), e.g. TOVA; a policy
+    that needs a teacher (the oracle, ``Policy.teacher``) is none of them."""
+    return tuple(p.name for p in _ENTRIES if p.evicts and not p.baseline and not p.teacher and p.name != DEFAULT)
 
 
 def get(name: str | Policy) -> Policy:

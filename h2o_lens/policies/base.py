@@ -72,7 +72,10 @@ class Policy:
     prefill_rows : how many last prompt rows ``prefill="rows"`` needs
     history : bits of per-slot history kept next to the score (0: none); the cache
         stores it as an int64 per slot and moves it with K, V, score and position
-    reference : the FP64 reference ``simulate(logits, prefill, heavy, recent, gqa)``
+    teacher : it ranks by a full-cache teacher's future attention (the oracle, DESIGN.md
+        §2.12): it runs only with a teacher table installed, so it is neither a baseline nor
+        an alternative the demo or a sweep could run on its own
+    reference : the FP64 reference ``simulate(logits, prefill, heavy, recent, gqa, pinned=())``
         (kept sets per step, the contract of :func:`h2o_lens.reference.simulate`), or None
     rank : registry order (names, CLI help, the demo's baselines): lower first
     """
@@ -89,6 +92,7 @@ class Policy:
     prefill: str = "none"
     prefill_rows: int = 0
     history: int = 0
+    teacher: bool = False
     reference: Callable[..., list[list[int]]] | None = None
     rank: int = 100
 

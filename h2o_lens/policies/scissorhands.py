@@ -29,7 +29,9 @@ __all__ = ["SCISSORHANDS", "LowAttentionCount", "WINDOW", "simulate"]
 WINDOW = 32
 
 
-def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum", window: int = WINDOW) -> list[list[int]]:
+def simulate(
+    logits, prefill: int, heavy: int, recent: int, gqa: str = "sum", window: int = WINDOW, pinned=()
+) -> list[list[int]]:
     """Kept positions of the ScissorHands-style policy for one KV-head group, in FP64.
 
     Parameters
@@ -39,13 +41,15 @@ def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum", wi
     heavy, recent : the split, ``heavy + recent >= 1``
     gqa : ``"sum"`` or ``"max"`` (``"none"``: one head with ``"sum"``)
     window : history window w in steps, 1 <= w <= 63
+    pinned : prompt positions never evicted, in slots of their own (DESIGN.md §2.11)
 
     Returns
     -------
     The sorted kept positions after the prefill (index 0), then after each decode
     step t = P … N−1.
     """
-    x = ref.check(logits, prefill, heavy, recent, gqa)
+    x = ref.check(logits, prefill, heavy, recent, gqa, pinned)
+    pinned = frozenset(pinned)
     if not 1 <= window <= 63:
         raise ValueError(f"window must be in [1, 63] steps, got {window}")
     n = x.shape[1]
@@ -61,7 +65,7 @@ def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum", wi
     def rank(t: int) -> dict[int, float]:  # window − count of low steps in (t − window, t]
         return {i: window - sum(1 for s in low[i] if s > t - window) for i in low}
 
-    kept = ref.keep_prompt(rank(prefill - 1), prefill, heavy, recent)
+    kept = ref.keep_prompt(rank(prefill - 1), prefill, heavy, recent, pinned)
     low = {i: low[i] for i in kept}
     out = [sorted(kept)]
     for t in range(prefill, n):
@@ -71,8 +75,8 @@ def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum", wi
         for i, wi in zip(cand, w):
             if wi * len(cand) < share:
                 low[i].add(t)
-        if len(cand) > heavy + recent:
-            del low[ref.evict(rank(t), t, recent)]
+        if len(cand) > heavy + recent + len(pinned):
+            del low[ref.evict(rank(t), t, recent, pinned)]
         out.append(sorted(low))
     return out
 

@@ -18,7 +18,7 @@ from .base import Policy, StepContext
 __all__ = ["TOVA", "CurrentAttention", "simulate"]
 
 
-def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum") -> list[list[int]]:
+def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum", pinned=()) -> list[list[int]]:
     """Kept positions of TOVA for one KV-head group, in FP64.
 
     Parameters
@@ -27,23 +27,25 @@ def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum") ->
     prefill : prompt length P (1 <= P <= N)
     heavy, recent : the split, ``heavy + recent >= 1``
     gqa : ``"sum"`` or ``"max"`` (``"none"``: one head with ``"sum"``)
+    pinned : prompt positions never evicted, in slots of their own (DESIGN.md §2.11)
 
     Returns
     -------
     The sorted kept positions after the prefill (index 0), then after each decode
     step t = P … N−1.
     """
-    x = ref.check(logits, prefill, heavy, recent, gqa)
+    x = ref.check(logits, prefill, heavy, recent, gqa, pinned)
     n = x.shape[1]
+    pinned = frozenset(pinned)
     last = ref.aggregate(ref.softmax(x[:, prefill - 1, :prefill]), gqa)  # (P,) the last prompt row
-    kept = ref.keep_prompt({i: last[i] for i in range(prefill)}, prefill, heavy, recent)
+    kept = ref.keep_prompt({i: last[i] for i in range(prefill)}, prefill, heavy, recent, pinned)
     out = [sorted(kept)]
     for t in range(prefill, n):
         cand = sorted(kept) + [t]  # D = C ∪ {t}
         w = ref.aggregate(ref.softmax(x[:, t, cand]), gqa)  # (|D|,) this step only
         kept = set(cand)
-        if len(cand) > heavy + recent:
-            kept.discard(ref.evict(dict(zip(cand, w)), t, recent))
+        if len(cand) > heavy + recent + len(pinned):
+            kept.discard(ref.evict(dict(zip(cand, w)), t, recent, pinned))
         out.append(sorted(kept))
     return out
 

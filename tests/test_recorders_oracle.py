@@ -1,0 +1,177 @@
+"""The oracle at any budget from one teacher pass (DESIGN.md §2.12), on tiny models.
+
+The recorded oracle run is a normal run: it replays with the implementation check passing,
+its evictions are the schedule of the teacher table and the FP64 reference on the teacher's
+own queries and keys; :meth:`OracleTeacher.check` (no run written) gives the recorded run's
+top-1; the teacher's full-cache forward runs once however many budgets are tried.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny import tiny_model
+
+import recorders
+from h2o_lens import H2OConfig
+from h2o_lens.hooks import attention_implementation
+from h2o_lens.oracle import schedule
+from h2o_lens.policies import oracle
+from recorders import load_run, read_manifest
+from recorders.eviction_steps import evict_steps
+from recorders.oracle import OracleTeacher
+from recorders.replay import replay
+
+PROMPT, NEW = 24, 12
+
+
+def _full_run(model, root, seed=0):
+    ids = torch.randint(3, 256, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
+    with recorders.record(model, H2OConfig(policy="full"), out=root, fsync=False) as run, torch.no_grad():
+        model.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    return root / run.run_id
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("oracle")
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
+    return model, root, _full_run(model, root)
+
+
+def _leave_steps(run_dir, layers, sets, n, gqa_none):
+    ev = load_run(run_dir, tables=("evictions",))["evictions"]
+    cols = ("layer", "kv_head", "position", "step") + (("q_head",) if gqa_none else ())
+    return evict_steps({c: np.asarray(ev[c].to_pylist(), dtype=np.int64) for c in cols}, layers, sets, n, gqa_none)
+
+
+def _teacher_qk(model, ids):
+    """Post-RoPE queries and keys of a plain full-attention forward, per layer (FP64)."""
+    seen = {}
+
+    def spy(module, query, key, value, attention_mask, scaling=None, **kw):
+        seen[module.layer_idx] = (query[0].double(), key[0].double(), scaling)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        )
+        return out.transpose(1, 2), None
+
+    with attention_implementation(model, "oracle_test_spy", spy, lambda *a, **k: None), torch.no_grad():
+        model(input_ids=ids)
+    return seen
+
+
+@pytest.mark.parametrize("gqa", ["sum", "max", "none"])
+def test_recorded_oracle_equals_the_schedule_and_the_reference(tmp_path, gqa):
+    """FP64 model: the runtime's evictions = the table's schedule = the FP64 reference on the
+    teacher's own queries and keys, in every layer and KV set."""
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2).double()
+    full = _full_run(model, tmp_path, seed=1)
+    teacher = OracleTeacher(model, full, gqa=gqa)
+    p, n = teacher.prompt_len, teacher.positions
+    assert (p, n) == (PROMPT, PROMPT + NEW - 1)
+    slots = 9
+    rec = teacher.record(slots, out=tmp_path, fsync=False)
+    sets = 4 if gqa == "none" else 2
+    got = _leave_steps(rec.run_dir, 2, sets, n, gqa == "none")
+    np.testing.assert_array_equal(got, torch.stack(schedule(teacher.table, slots)).numpy())
+    ids = torch.as_tensor(np.concatenate([teacher.prompt, teacher.answer])[:n])[None]
+    for layer, (q, k, scaling) in _teacher_qk(model, ids).items():
+        for s in range(sets):
+            heads = [s] if gqa == "none" else [2 * s, 2 * s + 1]
+            kv = s // 2 if gqa == "none" else s
+            logits = (q[heads] @ k[kv].T * scaling).numpy()  # (G, N, N)
+            kept = oracle.simulate(logits, p, slots, 0, "sum" if gqa == "none" else gqa)
+            runtime = [[i for i in range(t + 1) if got[layer, s, i] > t] for t in range(p - 1, n)]
+            assert runtime == kept, (gqa, layer, s)
+    assert (got < n).any()  # something was evicted
+
+
+def test_oracle_run_is_a_normal_replayable_run(setup, tmp_path):
+    model, _, full = setup
+    teacher = OracleTeacher(model, full)
+    rec = teacher.record(
+        6,
+        out=tmp_path,
+        fsync=False,
+        name="oracle at 6",
+        info={"parent_run": "x"},
+        annotate=lambda request, answer: {"correct": request == 0},
+    )
+    manifest = read_manifest(rec.run_dir)
+    assert manifest["policy"] == "oracle" and manifest["heavy"] == 6 and manifest["recent"] == 0
+    assert manifest["source_run"] == full.name and manifest["teacher_forced"] is True
+    assert manifest["oracle"] == {"request": 0, "slots": 6} and manifest["parent_run"] == "x"
+    summary = replay(rec.run_dir, model=model, progress=False)
+    assert summary.implementation_ok, summary
+    assert load_run(rec.run_dir, tables=("requests",))["requests"].to_pydict()["correct"] == [True]
+    tokens = load_run(rec.run_dir, tables=("tokens",))["tokens"].to_pydict()
+    assert tokens["token_id"] == np.concatenate([teacher.prompt, teacher.answer]).tolist()
+
+
+def test_check_agrees_with_the_recorded_run(setup, tmp_path):
+    """check() (one masked forward, no run) gives the recorded run's top-1 and logits."""
+    model, _, full = setup
+    teacher = OracleTeacher(model, full)
+    assert teacher.teacher.passed  # the full cache reproduces its own greedy answer
+    outcomes = set()
+    for slots in (1, 3, 6, 12, 40):
+        check = teacher.check(slots)
+        rec = teacher.record(slots, out=tmp_path, fsync=False)
+        lg = load_run(rec.run_dir, tables=("run_logits",))["run_logits"].to_pydict()
+        np.testing.assert_array_equal(np.asarray(lg["step"]), check.steps)
+        np.testing.assert_array_equal(np.asarray(lg["top1_id"]), check.top1)
+        mine = check.logits.gather(-1, torch.as_tensor(check.answer)[:, None])[:, 0].numpy()
+        np.testing.assert_allclose(mine, np.asarray(lg["token_logit"]), atol=2e-3)
+        ran = bool((np.asarray(lg["top1_id"]) == np.asarray(lg["token_id"])).all())
+        assert teacher.passes(slots) == check.passed == ran
+        wrong = np.flatnonzero(~check.agree)
+        assert check.first_wrong == (int(check.steps[wrong[0]]) if len(wrong) else None)
+        outcomes.add(check.passed)
+        if slots >= teacher.positions:  # B >= N keeps everything
+            assert load_run(rec.run_dir, tables=("evictions",))["evictions"].num_rows == 0 and check.passed
+    assert outcomes == {True, False}  # the budgets tried both pass and fail
+
+
+def test_the_teacher_forward_runs_once_for_several_budgets(setup):
+    model, _, full = setup
+    lengths = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        teacher = OracleTeacher(model, full)
+        table = teacher.table
+        assert lengths == [PROMPT, NEW - 1] and teacher.forwards == 2  # the teacher: prompt, then its rows
+        for slots in (2, 4, 8, 16, 5, 3, 7, 6):  # a bisection's worth of budgets
+            teacher.passes(slots)
+    finally:
+        hook.remove()
+    assert lengths == [PROMPT] + [NEW - 1] * 9  # the prompt was forwarded once; one forward per budget
+    assert teacher.table is table and teacher.forwards == 10
+    assert teacher.check(4) is teacher.check(4) and teacher.forwards == 10  # asked again: from memory
+
+
+def test_bad_input_is_refused(setup):
+    model, _, full = setup
+    with pytest.raises(recorders.RecorderError, match="no request 3 in the run's tokens; it has \\[0\\]"):
+        OracleTeacher(model, full, request=3)
+    with pytest.raises(recorders.RecorderError, match="unknown gqa 'mean'"):
+        OracleTeacher(model, full, gqa="mean")
+    teacher = OracleTeacher(model, full)
+    for bad in (0, 2.5, True):
+        with pytest.raises(recorders.RecorderError, match="slots must be a whole number >= 1"):
+            teacher.passes(bad)
+
+
+def test_one_generated_token_has_no_decode_step(tmp_path):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(4))
+    with recorders.record(model, H2OConfig(policy="full"), out=tmp_path, fsync=False) as run, torch.no_grad():
+        model.generate(input_ids=ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    teacher = OracleTeacher(model, tmp_path / run.run_id)
+    assert teacher.positions == teacher.prompt_len == 10
+    assert teacher.passes(3) and teacher.teacher.passed  # the prefill's last row sees the whole prompt
+    rec = teacher.record(3, out=tmp_path, fsync=False)
+    assert rec.status == "complete"
