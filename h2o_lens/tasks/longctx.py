@@ -1,4 +1,4 @@
-"""Long-context task families: prompts of 1k to 32k tokens, generated from a seed.
+"""Long-context task families: prompts of 1k to 32k tokens, generated from a seed (DESIGN.md §11).
 
 Each family is a function ``family(*, seed=0, length=None, count=None,
 tokenizer=None) -> list[FileTask]`` (the registry of
@@ -14,21 +14,24 @@ collides with a key). Nothing is downloaded.
     character position over the prompt length; ``count`` requests spread
     the depths over 0.1-0.9).
 ``multi_needle``
-    Four locker codes along the text, one asked; the others are distractors.
+    Four box codes along the text, one asked; the others are distractors.
 ``delayed_reference``
     A fact stated once at the start, asked at the end.
 ``restated_fact``
-    The same fact restated five times along the text (H2O's good case: the
-    latest statement is recent or heavily attended).
+    The same fact restated five times along the text, meant as H2O's good
+    case (a statement is never far); on the default model at 20 % it is not
+    (see the table).
 ``variable_tracking``
     A chain ``X1 = 48213 ... X2 = X1 ... X3 = X2`` spread over the text and a
     distractor chain; asks the value of the last variable.
 ``topic_switch_long``
     Trip notes, a long cooking passage, a question back on the notes.
 ``long_generation``
-    A record (ID, owner, city) stated at the start, filler, then a request for
-    a long numbered log that ends by repeating the record ID; 640 new tokens.
-    The checker looks for the record ID in the answer (an early field reused).
+    The first three entries of a warehouse log (record ID, day, count, city,
+    manager) at the start, filler, then a request to continue the log to entry
+    40; 640 new tokens. The checker wants the record ID in the last 400
+    characters of the answer: the first new entry must copy it from about
+    ``length`` tokens back, later ones from the entries before them.
 
 Every task has evidence spans as ``(start, end)`` character ranges of the
 prompt and ``meta``: ``family, seed, index, depth, length`` (requested),
@@ -37,15 +40,36 @@ text), ``full_cache_solves``.
 
 Calibration on SmolLM2-135M-Instruct (CPU, greedy; H2O at 20 % keep, half
 heavy half recent, :func:`h2o_lens.tasks.real.budget`), seed 0, three
-requests per family and length (two for ``long_generation``)::
+requests per family and length (the command runs two for ``long_generation``;
+the table has one)::
 
     python -m h2o_lens.tasks.longctx          # calibrate_families()
 
-CALIBRATION_TABLE
+    family               P   full  h2o 20%
+    needle            1024    3/3      0/3
+    needle            2048    3/3      0/3
+    multi_needle      1024    3/3      2/3
+    multi_needle      2048    1/3      2/3
+    delayed_reference 1024    3/3      3/3
+    delayed_reference 2048    2/3      1/3
+    restated_fact     1024    3/3      1/3
+    restated_fact     2048    3/3      0/3
+    variable_tracking 1024    0/3      0/3
+    variable_tracking 2048    0/3      0/3
+    topic_switch_long 1024    3/3      2/3
+    topic_switch_long 2048    0/3      2/3
+    long_generation   1024    1/1      0/1
 
-A family whose full-cache column is not solved is marked in
-:data:`FULL_CACHE_SOLVES` (and ``meta["full_cache_solves"]``): its verdicts
-are not a quality signal for H2O on this model.
+    (long_generation: one request, 1k only; the full-cache answer repeats
+    the entry format with the right ID to the end, H2O at 20 % loses the
+    format after a few lines and never writes the ID. 2k was not run.)
+
+A family counts as solved with a full cache (:data:`FULL_CACHE_SOLVES`,
+``meta["full_cache_solves"]``, the family's line in ``h2o-lens tasks list``)
+when the full cache answers at least 2 of 3 requests at every calibrated
+length: ``multi_needle`` and ``topic_switch_long`` are solved at 1k but not
+at 2k, ``variable_tracking`` never (the model answers "1" or "3"). Their
+verdicts under a policy are not a quality signal for H2O on this model.
 """
 
 from __future__ import annotations
@@ -454,21 +478,20 @@ def _topic_switch_long(rng: random.Random, index: int, count: int, depth: float 
 
 def _long_generation(rng: random.Random, index: int, count: int, depth: float | None) -> _Layout:
     code, name, city, item = _code(rng), rng.choice(NAMES), rng.choice(CITIES), rng.choice(_ITEMS)
+    counts = rng.sample(range(5, 60), 3)
+    entries = "\n".join(
+        f"{k}. Record {code}, day {k}: {n} {item} arrived in {city}, checked by {name}."
+        for k, n in enumerate(counts, 1)
+    )
     return _Layout(
-        head=(
-            f"Warehouse record. Record ID: {code}. Manager: {name}. City: {city}.\n\n"
-            "Below are notes about the town around the warehouse."
-        ),
+        head=f"Warehouse log of {name} in {city}.\n{entries}\n\nNotes about the town around the warehouse:",
         inserts=[],
-        question=(
-            f"Now write the warehouse log: a numbered list of at least 40 entries, one per day, each saying "
-            f"how many {item} arrived and who checked them. After the last entry, write the line "
-            f'"Record ID:" followed by the record ID given at the top.'
-        ),
-        answer=code,
+        question="Continue the warehouse log from entry 4 to entry 40, one line per day, in exactly the same format.",
+        # the record ID still written in the last ~5 entries of the 640 new tokens
+        answer={"regex": rf"\b{code}\b(?=[\s\S]{{0,400}}\Z)"},
         depth=0.0,
         max_new_tokens=640,
-        extra={"evidence_in_head": f"Record ID: {code}", "check": "record ID in the answer"},
+        extra={"evidence_in_head": f"Record {code}"},
     )
 
 
@@ -482,17 +505,27 @@ _LAYOUTS: dict[str, Callable[[random.Random, int, int, float | None], _Layout]] 
     "long_generation": _long_generation,
 }
 
-#: whether the default model answers the family with a full cache at 1k-2k tokens (calibration)
+#: whether the default model answers the family with a full cache (2 of 3 at 1k and at 2k; see the table)
 FULL_CACHE_SOLVES: dict[str, bool] = {
     "needle": True,
-    "multi_needle": True,
+    "multi_needle": False,
     "delayed_reference": True,
     "restated_fact": True,
     "variable_tracking": False,
-    "topic_switch_long": True,
+    "topic_switch_long": False,
     "long_generation": True,
 }
 _DEFAULT_COUNT = 3
+#: one line per family, for ``h2o-lens tasks list``
+_DESCRIPTIONS = {
+    "needle": "one secret code at a chosen depth (count spreads the depths)",
+    "multi_needle": "four box codes along the text, one asked, the others distractors",
+    "delayed_reference": "a fact stated once at the start, asked at the end",
+    "restated_fact": "the same fact restated five times along the text",
+    "variable_tracking": "multi-hop assignments X1 = value, X2 = X1, X3 = X2 and a decoy chain",
+    "topic_switch_long": "trip notes, a long cooking passage, a question back on the notes",
+    "long_generation": "a log's first entries stated early, continued for 640 new tokens, reusing the record ID",
+}
 
 
 @functools.cache
@@ -574,8 +607,8 @@ def _family(name: str) -> Callable[..., list[FileTask]]:
     ) -> list[FileTask]:
         return _build(name, seed=seed, length=length, count=count, tokenizer=tokenizer, depth=depth)
 
-    solves = "" if FULL_CACHE_SOLVES[name] else " Not solved by the default model with a full cache."
-    build.__doc__ = f"Long-context family {name!r} (h2o_lens.tasks.longctx), default {DEFAULT_LENGTH} tokens.{solves}"
+    solves = "" if FULL_CACHE_SOLVES[name] else "; NOT solved by the default model with a full cache"
+    build.__doc__ = f"Long context: {_DESCRIPTIONS[name]} (--length, default {DEFAULT_LENGTH} tokens){solves}."
     build.__name__ = name
     return build
 
