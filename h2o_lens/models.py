@@ -46,6 +46,7 @@ __all__ = [
     "default_gguf_path",
     "default_cache_dir",
     "load_model",
+    "load_tokenizer",
     "model_info",
 ]
 
@@ -160,6 +161,32 @@ def load_model(
     setattr(model, _NAME_ATTR, label)
     _prepare_for_batches(model, tokenizer)
     return model, tokenizer
+
+
+def load_tokenizer(
+    name: str | os.PathLike[str] | None = None, *, cache_dir: str | os.PathLike[str] | None = None
+) -> PreTrainedTokenizerBase:
+    """The tokenizer of :func:`load_model`'s model, without loading the weights.
+
+    For counting prompt tokens (the long-context families fit their length with
+    it). The default model's tokenizer comes from its converted cache (converting
+    it first, once, if needed); same pad token and left padding as
+    :func:`load_model`.
+    """
+    from transformers import AutoTokenizer
+
+    if name is None or str(name).lower() in _DEFAULT_ALIASES:
+        source = str(_default_model_folder(cache_dir, False))
+    else:
+        source = os.fspath(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise H2OLensError(f"cannot load the tokenizer of {_describe(source)}. (transformers said: {exc})") from exc
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    tokenizer.padding_side = "left"
+    return tokenizer
 
 
 def model_info(model: PreTrainedModel) -> dict[str, Any]:

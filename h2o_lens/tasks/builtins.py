@@ -37,6 +37,12 @@ def _suite(size: str) -> Family:
 #: name -> family; the short suites of :mod:`h2o_lens.tasks.real`, then the long-context families
 FAMILIES: dict[str, Family] = {"demo": _suite("demo"), "small": _suite("small"), "full": _suite("full")}
 
+# the long-context families (h2o_lens.tasks.longctx): needle, multi_needle, delayed_reference,
+# restated_fact, variable_tracking, topic_switch_long, long_generation
+from .longctx import LONG_FAMILIES  # noqa: E402
+
+FAMILIES.update(LONG_FAMILIES)
+
 
 def family(name: str) -> Family:
     """The family ``name`` (a ``ValueError`` listing the known names otherwise)."""
