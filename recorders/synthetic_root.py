@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from h2o_lens import policies as registry
+
 from .bench_logs import synthetic_tables
 from .manifest import read_manifest, write_manifest
 from .run import RunWriter
@@ -29,7 +31,7 @@ from .schema import table_schema
 
 __all__ = ["make_root", "POLICIES", "TASKS", "main"]
 
-POLICIES = ("h2o", "local", "sink")
+POLICIES = (registry.DEFAULT, *registry.baselines()[:2])
 TASKS = ("needle", "kv-lookup", "delayed-ref", "restated", "var-track", "topic-switch")
 _BUDGETS = ((4, 4), (8, 8), (12, 12), (16, 16))
 _GQA = ("sum", "max")
