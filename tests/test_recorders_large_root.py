@@ -19,7 +19,7 @@ from recorders import check_run, open_runs, scan_root, write_segment
 from recorders.catalog import CACHE_NAME
 from recorders.manifest import read_manifest, write_manifest
 from recorders.store import create_views
-from recorders.synthetic_root import make_root
+from recorders.synthetic_root import POLICIES, make_root
 
 
 def _cold_table(root: Path) -> pd.DataFrame:
@@ -69,7 +69,7 @@ def test_generator_writes_a_valid_root_with_the_mix_it_announces(small_root):
     assert {k for k, v in status.items() if v == "failed"} == failed
     assert all(v == "complete" for k, v in status.items() if k not in interrupted | failed)
     table = _cold_table(small_root)
-    assert set(table["policy"]) == {"h2o", "local", "sink"} and set(table["gqa"]) == {"sum", "max"}
+    assert set(table["policy"]) == set(POLICIES) and set(table["gqa"]) == {"sum", "max"}
     assert len(set(zip(table["heavy"], table["recent"]))) == 4
     assert (table["checked"] == 2).all() and table["kl_mean"].notna().all() and (table["evictions"] > 0).all()
     assert (table["integrity"] == "ok").all()
