@@ -15,7 +15,7 @@ from h2o_lens.benchtools import Decoder as _Decoder
 from h2o_lens.benchtools import median_time as _median_time
 from h2o_lens.policies import half_split, ratio_slots
 
-__all__ = ["bench_decode"]
+__all__ = ["bench_decode", "bench_record", "bench_sweep"]
 
 
 def _halves(budget: int) -> dict[str, int]:
@@ -176,4 +176,81 @@ def bench_record(
     )
     print(f"replay {rep:.2f} s / generation {plain:.2f} s: ratio {rep / plain:.3f}")
     print(f"evictions: {rows} rows, {size} bytes: {size / max(rows, 1):.2f} bytes per row")
+    return 0
+
+
+def bench_sweep(
+    model_name: str | None = None,
+    tasks: str = "builtin:full",
+    count: int = 16,
+    batch_size: int = 8,
+    keep: float = 0.2,
+    new_tokens: int = 16,
+    replay: bool = True,
+    rounds: int = 1,
+    model=None,
+    tokenizer=None,
+) -> int:
+    """Requests per minute of the same sweep grid batched and one request at a time, side by side.
+
+    The grid is ``count`` requests of ``tasks`` (each with ``new_tokens`` new
+    tokens, so that they share batches) under h2o at keep ratio ``keep``, gqa
+    sum, recorded (and replayed) into fresh roots; the two modes alternate over
+    ``rounds``. Prints the time of each, split into recording and replay, and the ratio.
+    """
+    import dataclasses
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from h2o_lens.models import load_model, model_info
+    from h2o_lens.tasks.taskfile import resolve_tasks
+
+    from .grid import plan_grid, run_grid
+
+    if model is None:
+        model, tokenizer = load_model(model_name, progress=False)
+    reqs = [dataclasses.replace(t, max_new_tokens=new_tokens) for t in resolve_tasks(tasks, count=count)]
+    lengths = [len(tokenizer(t.chat_text(tokenizer), add_special_tokens=False)["input_ids"]) for t in reqs]
+    print(
+        f"{model_info(model)['name']}: {len(reqs)} requests of {tasks} ({min(lengths)}-{max(lengths)} prompt "
+        f"tokens, {new_tokens} new), h2o at keep {keep:.0%} gqa sum, replay {'on' if replay else 'off'}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {rounds} round(s), modes alternating"
+    )
+    grids = {
+        size: plan_grid(
+            reqs,
+            tokenizer,
+            model=str(model_info(model)["name"]),
+            tasks_spec=f"bench:{tasks}",
+            policies=[("h2o", "sum")],
+            ratios=[keep],
+            batch_size=size,
+            dtype=str(model.dtype).removeprefix("torch."),
+            replay=replay,
+        )
+        for size in (batch_size, 1)
+    }
+    with torch.no_grad():  # warm-up: the first generate of a process pays one-time costs
+        enc = tokenizer([reqs[0].chat_text(tokenizer)], return_tensors="pt", add_special_tokens=False)
+        model.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    times: dict[int, list[tuple[float, float, float]]] = {size: [] for size in grids}
+    for _ in range(rounds):
+        for size, grid in grids.items():
+            root = Path(tempfile.mkdtemp(prefix="h2o-lens-bench-sweep-"))
+            try:
+                report = run_grid(root, grid, reqs, model, tokenizer, progress=False)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            if report.failed:
+                raise RuntimeError(f"bench sweep: cells failed: {report.failed}")
+            times[size].append((report.seconds, report.record_seconds, report.replay_seconds))
+    print(f"{'mode':<22} {'runs':>5} {'seconds':>8} {'record s':>9} {'replay s':>9} {'requests/min':>13}")
+    rate = {}
+    for size, grid in grids.items():
+        total, rec, rep = (statistics.median(t[i] for t in times[size]) for i in range(3))
+        rate[size] = 60 * len(reqs) / total
+        mode = f"batch {size}" if size > 1 else "one at a time"
+        print(f"{mode:<22} {len(grid.cells):>5} {total:>8.1f} {rec:>9.1f} {rep:>9.1f} {rate[size]:>13.1f}")
+    print(f"batched / one at a time: {rate[batch_size] / rate[1]:.2f}x requests per minute")
     return 0
