@@ -188,15 +188,20 @@ def bench_sweep(
     new_tokens: int = 16,
     replay: bool = True,
     rounds: int = 1,
+    budget: str = "slots",
     model=None,
     tokenizer=None,
 ) -> int:
     """Requests per minute of the same sweep grid batched and one request at a time, side by side.
 
     The grid is ``count`` requests of ``tasks`` (each with ``new_tokens`` new
-    tokens, so that they share batches) under h2o at keep ratio ``keep``, gqa
-    sum, recorded (and replayed) into fresh roots; the two modes alternate over
-    ``rounds``. Prints the time of each, split into recording and replay, and the ratio.
+    tokens, so that they share batches) under h2o gqa sum at one budget:
+    ``budget="slots"`` gives every request the slot count of ``keep`` times the
+    median prompt length (one budget: a batch decodes in one step),
+    ``budget="ratio"`` the keep ratio itself (resolved on each prompt: rows of
+    different budgets decode apart, DESIGN.md §12.2). Each mode records (and
+    replays) into a fresh root; the modes alternate over ``rounds``. Prints the
+    time of each, split into recording and replay, and the ratio.
     """
     import dataclasses
     import shutil
@@ -212,9 +217,13 @@ def bench_sweep(
         model, tokenizer = load_model(model_name, progress=False)
     reqs = [dataclasses.replace(t, max_new_tokens=new_tokens) for t in resolve_tasks(tasks, count=count)]
     lengths = [len(tokenizer(t.chat_text(tokenizer), add_special_tokens=False)["input_ids"]) for t in reqs]
+    if budget not in ("slots", "ratio"):
+        raise ValueError(f"budget must be 'slots' or 'ratio', got {budget!r}")
+    slots = ratio_slots(keep, int(statistics.median(lengths)))
+    what = f"{slots} slots ({keep:.0%} of the median prompt)" if budget == "slots" else f"keep ratio {keep:.0%}"
     print(
         f"{model_info(model)['name']}: {len(reqs)} requests of {tasks} ({min(lengths)}-{max(lengths)} prompt "
-        f"tokens, {new_tokens} new), h2o at keep {keep:.0%} gqa sum, replay {'on' if replay else 'off'}; "
+        f"tokens, {new_tokens} new), h2o at {what}, gqa sum, replay {'on' if replay else 'off'}; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; {rounds} round(s), modes alternating"
     )
     grids = {
@@ -224,7 +233,8 @@ def bench_sweep(
             model=str(model_info(model)["name"]),
             tasks_spec=f"bench:{tasks}",
             policies=[("h2o", "sum")],
-            ratios=[keep],
+            ratios=[keep] if budget == "ratio" else None,
+            slots=[slots] if budget == "slots" else None,
             batch_size=size,
             dtype=str(model.dtype).removeprefix("torch."),
             replay=replay,

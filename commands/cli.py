@@ -566,6 +566,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             keep=args.keep,
             replay=not args.no_replay,
             rounds=args.rounds,
+            budget=args.budget,
         )
     if args.what == "sql":
         from analyses.bench import bench_sql
@@ -727,6 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--count", type=int, default=16, help="sweep: requests of the grid")
     b.add_argument("--batch-size", type=int, default=8, help="sweep: batch size compared with one at a time")
     b.add_argument("--no-replay", action="store_true", help="sweep: record only")
+    b.add_argument(
+        "--budget", choices=["slots", "ratio"], default="slots", help="sweep: one slot count, or --keep per prompt"
+    )
     b.set_defaults(func=cmd_bench)
     return p
 

@@ -354,3 +354,30 @@ def test_sweep_refuses_bad_input_before_loading_a_model(argv, message, tmp_path)
     assert res.returncode == 2, res.stderr
     assert message in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_policy_lists_take_commas_repeats_and_gqa_lists():
+    from commands.cli import sweep_grid
+    from commands.jobs import SWEEP_POLICIES
+
+    assert sweep_grid(None) == SWEEP_POLICIES  # the earlier default grid stays
+    assert sweep_grid(["h2o,local", "sink"]) == (("h2o", "sum"), ("local", "sum"), ("sink", "sum"))
+    assert sweep_grid(["h2o,local:max,full"], ["sum,max"]) == (
+        ("h2o", "sum"),
+        ("h2o", "max"),
+        ("local", "max"),
+        ("full", "sum"),
+    )
+
+
+def test_tasks_option_takes_a_spec_or_the_earlier_count(task_file):
+    from commands.cli import _task_source
+    from h2o_lens.errors import ConfigError
+
+    assert _task_source(None, None, "builtin:demo") == ("builtin:demo", None)
+    assert _task_source("2", None, "builtin:small") == ("builtin:small", 2)  # `--tasks 2`, as README had it
+    assert _task_source(str(task_file), 3, "builtin:small") == (str(task_file), 3)
+    with pytest.raises(ConfigError, match="--count must be at least 1"):
+        _task_source("0", None, "builtin:demo")
+    with pytest.raises(ConfigError, match="keep one"):
+        _task_source("2", 3, "builtin:demo")
