@@ -215,7 +215,10 @@ def bench_sweep(
 
     if model is None:
         model, tokenizer = load_model(model_name, progress=False)
-    reqs = [dataclasses.replace(t, max_new_tokens=new_tokens) for t in resolve_tasks(tasks, count=count)]
+    reqs = [
+        dataclasses.replace(t, max_new_tokens=new_tokens)
+        for t in resolve_tasks(tasks, count=count, tokenizer=tokenizer)
+    ]
     lengths = [len(tokenizer(t.chat_text(tokenizer), add_special_tokens=False)["input_ids"]) for t in reqs]
     if budget not in ("slots", "ratio"):
         raise ValueError(f"budget must be 'slots' or 'ratio', got {budget!r}")

@@ -46,7 +46,9 @@ def _add_task_args(p: argparse.ArgumentParser, default: str) -> None:
     )
     g.add_argument("--count", type=int, default=None, help="take only the first N requests")
     g.add_argument("--length", type=int, default=None, help="prompt tokens of a long-context built-in family")
-    g.add_argument("--seed", type=int, default=0, help="seed of the built-in families (and of the random policy in a sweep)")
+    g.add_argument(
+        "--seed", type=int, default=0, help="seed of the built-in families (and of the random policy in a sweep)"
+    )
     g.add_argument("--model", default=None, help="HF id or local path (default: the packaged SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter dtype of the model")
 

@@ -262,6 +262,11 @@ def plan_grid(
                 }
             )
             cells.append(Cell(key, f"cell-{key[:20]}", b, members, policy, gqa, budget, kind, mnt))
+    for cell in cells[: 1 + len(budgets) * len(evicting)]:  # the cells of one batch hold every configuration
+        try:
+            cell.config(seed)
+        except ConfigError as exc:
+            raise ConfigError(f"{cell.label} at {cell.budget_text}: {exc}") from None
     grid_id = hashlib.sha256("".join(c.key for c in cells).encode()).hexdigest()[:12]
     return Grid(grid_id, model, tasks_spec, digest, names, batches, cells, dtype, seed, replay, list(command))
 

@@ -306,6 +306,7 @@ def test_a_cell_locked_by_another_sweep_is_left_to_it_and_a_failed_cell_is_redon
 
 def test_sweep_status_shows_a_failed_cell_with_its_error(tiny_dir, task_file, tmp_path):
     from commands.grid import grid_status, plan_grid, write_plan
+    from h2o_lens.errors import ConfigError
     from h2o_lens.models import load_model
     from h2o_lens.tasks.taskfile import resolve_tasks
     from recorders.manifest import write_manifest
@@ -334,6 +335,11 @@ def test_sweep_status_shows_a_failed_cell_with_its_error(tiny_dir, task_file, tm
     )
     with pytest.raises(Exception, match="no sweep_plan.json"):
         grid_status(tmp_path / "nothing")
+    # a budget a policy cannot take is refused when the grid is planned, not cell by cell
+    with pytest.raises(ConfigError, match="sink at 2 slots: sink=4 leaves no recent slot"):
+        plan_grid(
+            resolve_tasks(str(task_file)), tok, model="tiny", tasks_spec="t", policies=[("sink", "sum")], slots=[2]
+        )
 
 
 @pytest.mark.parametrize(
