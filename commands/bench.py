@@ -15,7 +15,7 @@ from h2o_lens.benchtools import Decoder as _Decoder
 from h2o_lens.benchtools import median_time as _median_time
 from h2o_lens.policies import half_split, ratio_slots
 
-__all__ = ["bench_decode", "bench_explain"]
+__all__ = ["bench_decode", "bench_record", "bench_sweep", "bench_explain"]
 
 
 def _halves(budget: int) -> dict[str, int]:
@@ -325,7 +325,30 @@ def bench_runs(runs: int = 5000, root: str | None = None, browser: bool = True) 
     run in this process; the Runs and Compare pages in Chromium (first visit to a fresh server,
     then a new tab). Targets: ``h2o-lens runs`` and the Runs page first paint ≤ 3 s.
     """
-    import os
+def bench_sweep(
+    model_name: str | None = None,
+    tasks: str = "builtin:full",
+    count: int = 16,
+    batch_size: int = 8,
+    keep: float = 0.2,
+    new_tokens: int = 16,
+    replay: bool = True,
+    rounds: int = 1,
+    budget: str = "slots",
+    model=None,
+    tokenizer=None,
+) -> int:
+    """Requests per minute of the same sweep grid batched and one request at a time, side by side.
+
+    The grid is ``count`` requests of ``tasks`` (each with ``new_tokens`` new
+    tokens, so that they share batches) under h2o gqa sum at one budget:
+    ``budget="slots"`` gives every request the slot count of ``keep`` times the
+    median prompt length (one budget: a batch decodes in one step),
+    ``budget="ratio"`` the keep ratio itself (resolved on each prompt: rows of
+    different budgets decode apart, DESIGN.md §12.2). Each mode records (and
+    replays) into a fresh root; the modes alternate over ``rounds``. Prints the
+    time of each, split into recording and replay, and the ratio.
+    """
     import shutil
     import tempfile
     from pathlib import Path
@@ -482,4 +505,62 @@ def bench_explain(
         f"{len(ex.generation_seconds)} of them, under the same load): {ex.seconds / inside:.1f}x"
     )
     print(f"re-runs recorded: {ran}; generation times {[round(x, 2) for x in gen]}; runs under {root}")
+    from h2o_lens.models import load_model, model_info
+    from h2o_lens.tasks.taskfile import resolve_tasks
+
+    from .grid import plan_grid, run_grid
+
+    if model is None:
+        model, tokenizer = load_model(model_name, progress=False)
+    reqs = [
+        dataclasses.replace(t, max_new_tokens=new_tokens)
+        for t in resolve_tasks(tasks, count=count, tokenizer=tokenizer)
+    ]
+    lengths = [len(tokenizer(t.chat_text(tokenizer), add_special_tokens=False)["input_ids"]) for t in reqs]
+    if budget not in ("slots", "ratio"):
+        raise ValueError(f"budget must be 'slots' or 'ratio', got {budget!r}")
+    slots = ratio_slots(keep, int(statistics.median(lengths)))
+    what = f"{slots} slots ({keep:.0%} of the median prompt)" if budget == "slots" else f"keep ratio {keep:.0%}"
+    print(
+        f"{model_info(model)['name']}: {len(reqs)} requests of {tasks} ({min(lengths)}-{max(lengths)} prompt "
+        f"tokens, {new_tokens} new), h2o at {what}, gqa sum, replay {'on' if replay else 'off'}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {rounds} round(s), modes alternating"
+    )
+    grids = {
+        size: plan_grid(
+            reqs,
+            tokenizer,
+            model=str(model_info(model)["name"]),
+            tasks_spec=f"bench:{tasks}",
+            policies=[("h2o", "sum")],
+            ratios=[keep] if budget == "ratio" else None,
+            slots=[slots] if budget == "slots" else None,
+            batch_size=size,
+            dtype=str(model.dtype).removeprefix("torch."),
+            replay=replay,
+        )
+        for size in (batch_size, 1)
+    }
+    with torch.no_grad():  # warm-up: the first generate of a process pays one-time costs
+        enc = tokenizer([reqs[0].chat_text(tokenizer)], return_tensors="pt", add_special_tokens=False)
+        model.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    times: dict[int, list[tuple[float, float, float]]] = {size: [] for size in grids}
+    for _ in range(rounds):
+        for size, grid in grids.items():
+            root = Path(tempfile.mkdtemp(prefix="h2o-lens-bench-sweep-"))
+            try:
+                report = run_grid(root, grid, reqs, model, tokenizer, progress=False)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            if report.failed:
+                raise RuntimeError(f"bench sweep: cells failed: {report.failed}")
+            times[size].append((report.seconds, report.record_seconds, report.replay_seconds))
+    print(f"{'mode':<22} {'runs':>5} {'seconds':>8} {'record s':>9} {'replay s':>9} {'requests/min':>13}")
+    rate = {}
+    for size, grid in grids.items():
+        total, rec, rep = (statistics.median(t[i] for t in times[size]) for i in range(3))
+        rate[size] = 60 * len(reqs) / total
+        mode = f"batch {size}" if size > 1 else "one at a time"
+        print(f"{mode:<22} {len(grid.cells):>5} {total:>8.1f} {rec:>9.1f} {rep:>9.1f} {rate[size]:>13.1f}")
+    print(f"batched / one at a time: {rate[batch_size] / rate[1]:.2f}x requests per minute")
     return 0

@@ -36,6 +36,23 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the random policy and of sampling")
 
 
+def _add_task_args(p: argparse.ArgumentParser, default: str) -> None:
+    g = p.add_argument_group("requests and model")
+    g.add_argument(
+        "--tasks",
+        default=None,
+        metavar="FILE|builtin:NAME",
+        help=f"a JSONL task file or a built-in family (default: {default}); a number N is --count N",
+    )
+    g.add_argument("--count", type=int, default=None, help="take only the first N requests")
+    g.add_argument("--length", type=int, default=None, help="prompt tokens of a long-context built-in family")
+    g.add_argument(
+        "--seed", type=int, default=0, help="seed of the built-in families (and of the random policy in a sweep)"
+    )
+    g.add_argument("--model", default=None, help="HF id or local path (default: the packaged SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter dtype of the model")
+
+
 def _config(args: argparse.Namespace):
     from h2o_lens import policies
     from h2o_lens.config import H2OConfig
@@ -359,59 +376,165 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from h2o_lens.tasks import suite
+DTYPES = ("float32", "bfloat16", "float16")
 
+
+def _task_source(value: str | None, count: int | None, default: str) -> tuple[str, int | None]:
+    """``--tasks``: a spec (``builtin:NAME`` or a task file); a bare number N is the earlier
+    spelling of ``--count N`` on the default suite."""
+    from h2o_lens.errors import ConfigError
+
+    if value is not None and value.isdigit():
+        if count is not None:
+            raise ConfigError(f"--tasks {value} is a count and --count {count} is given too; keep one")
+        value, count = None, int(value)
+    spec = value or default
+    if count is not None and count < 1:
+        raise ConfigError(f"--count must be at least 1, got {count}")
+    if not spec.startswith("builtin:"):
+        if not os.path.isfile(spec):
+            raise ConfigError(
+                f"--tasks {spec!r} is neither builtin:NAME nor an existing task file; give a JSONL "
+                "task file (see h2o_lens.tasks.taskfile) or e.g. builtin:demo"
+            )
+    else:
+        from h2o_lens.tasks.builtins import FAMILIES
+
+        if spec.removeprefix("builtin:") not in FAMILIES:
+            raise ConfigError(f"--tasks {spec!r}: unknown built-in family; known: {', '.join(FAMILIES)}")
+    return spec, count
+
+
+def _load(args: argparse.Namespace):
+    import torch
+
+    from h2o_lens.models import load_model
+
+    return load_model(args.model, dtype=getattr(torch, args.dtype))
+
+
+def _resolve(spec: str, args: argparse.Namespace, tokenizer):
+    from h2o_lens.errors import ConfigError
+    from h2o_lens.tasks.taskfile import resolve_tasks
+
+    try:
+        return resolve_tasks(spec, seed=args.seed, length=args.length, count=args.count, tokenizer=tokenizer)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise ConfigError(f"--tasks {spec!r}: {exc}") from None
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
     from .jobs import demo
 
-    tasks = suite(size="demo")
-    if args.tasks is not None:
-        if args.tasks < 1:
-            raise SystemExit("--tasks must be at least 1")
-        tasks = tasks[: args.tasks]
-    demo(args.out, tasks=tasks, reports=not args.no_reports)
+    spec, args.count = _task_source(args.tasks, args.count, "builtin:demo")
+    if args.tasks is None or args.tasks.isdigit():
+        if args.length is not None:
+            from h2o_lens.errors import ConfigError
+
+            raise ConfigError("--length needs --tasks builtin:NAME of a long-context family")
+        from h2o_lens.tasks import suite
+
+        tasks = suite(size="demo")  # the demo suite as it always was
+        tasks = tasks[: args.count] if args.count is not None else tasks
+        model = tok = None
+        if args.model is not None or args.dtype != "float32":
+            model, tok = _load(args)
+    else:
+        model, tok = _load(args)
+        tasks = _resolve(spec, args, tok)
+    demo(args.out, tasks=tasks, model=model, tokenizer=tok, reports=not args.no_reports)
     return 0
 
 
-def sweep_grid(items: Sequence[str] | None) -> tuple[tuple[str, str], ...]:
-    """``--policies NAME[:GQA] ...`` → ``((policy, gqa), ...)``; None → the suite's default grid."""
+def _split_list(items: Sequence[str] | None) -> list[str]:
+    """``a,b c`` (comma lists and/or repeated options) → ``[a, b, c]``."""
+    return [part.strip() for item in items or () for part in item.split(",") if part.strip()]
+
+
+def sweep_grid(items: Sequence[str] | None, gqa: Sequence[str] | None = None) -> tuple[tuple[str, str], ...]:
+    """``--policies NAME[:GQA],...`` and ``--gqa G,...`` → ``((policy, gqa), ...)``.
+
+    Neither given: the suite's default grid (h2o sum and max, then the baselines).
+    A name without ``:GQA`` is swept with every aggregation of ``--gqa`` (default
+    ``sum``); the full cache takes no aggregation.
+    """
     from h2o_lens import policies
     from h2o_lens.config import GQA_MODES
     from h2o_lens.errors import ConfigError
 
     from .jobs import SWEEP_POLICIES
 
-    if not items:
-        return SWEEP_POLICIES
+    names, modes = _split_list(items), _split_list(gqa)
+    for mode in modes:
+        if mode not in GQA_MODES:
+            raise ConfigError(f"--gqa {mode!r}: unknown aggregation; expected a comma list of {', '.join(GQA_MODES)}")
+    if not names:
+        if not modes:
+            return SWEEP_POLICIES
+        names = [policies.DEFAULT, *policies.baselines()]
     grid = []
-    for item in items:
-        name, _, gqa = item.partition(":")
+    for item in names:
+        name, _, mode = item.partition(":")
         policies.get(name)  # ConfigError naming the known policies
-        if gqa and gqa not in GQA_MODES:
+        if mode and mode not in GQA_MODES:
             raise ConfigError(
-                f"--policies {item!r}: unknown gqa {gqa!r}; expected NAME or NAME:GQA with GQA "
+                f"--policies {item!r}: unknown gqa {mode!r}; expected NAME or NAME:GQA with GQA "
                 f"one of {', '.join(GQA_MODES)}, e.g. h2o:max"
             )
-        grid.append((name, gqa or "sum"))
+        for m in [mode] if mode else (modes or ["sum"]) if policies.get(name).evicts else ["sum"]:
+            if (name, m) not in grid:
+                grid.append((name, m))
     return tuple(grid)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from h2o_lens.errors import ConfigError
-    from h2o_lens.tasks import suite
 
-    from .jobs import sweep
+    from .grid import grid_status
+    from .jobs import SWEEP_RATIOS, sweep
+
+    if args.status is not None:
+        print(grid_status(args.status))
+        return 0
+    grid = sweep_grid(args.policies, args.gqa)  # ConfigError: exit 2 before the model loads
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ConfigError(f"--out {args.out!r} is an existing file; give a folder for the sweep's runs")
+    spec, args.count = _task_source(args.tasks, args.count, f"builtin:{args.size}")
+    ratios = slots = None
+    if args.slots:
+        slots = [_number(v, int, "--slots") for v in _split_list(args.slots)]
+    else:
+        ratios = [_number(v, float, "--ratios") for v in _split_list(args.ratios)] or list(SWEEP_RATIOS)
+    model, tok = _load(args)
+    tasks = _resolve(spec, args, tok)
+    sweep(
+        args.out,
+        tasks=tasks,
+        tasks_spec=spec,
+        model=model,
+        tokenizer=tok,
+        ratios=ratios,
+        slots=slots,
+        policies=grid,
+        batch_size=args.batch_size,
+        replay=not args.no_replay,
+        seed=args.seed,
+        page_size=args.page_size,
+        command=["h2o-lens", *sys.argv[1:]] if sys.argv[1:2] == ["sweep"] else [],
+    )
+    return 0
+
+
+def _number(text: str, kind: type, option: str):
+    from h2o_lens.errors import ConfigError
 
     try:
-        grid = sweep_grid(args.policies)
-    except ConfigError as exc:
-        print(f"h2o-lens: error: {exc}", file=sys.stderr)
-        return 2
-    tasks = suite(size=args.size)
-    if args.tasks:
-        tasks = tasks[: args.tasks]
-    sweep(args.out, tasks=tasks, ratios=args.ratios, policies=grid, page_size=args.page_size)
-    return 0
+        return kind(text)
+    except ValueError:
+        what = "whole slot counts, e.g. --slots 64,128" if kind is int else "keep ratios, e.g. --ratios 1,0.2,0.1"
+        raise ConfigError(f"{option}: {text!r} is not a number; give {what}") from None
 
 
 def cmd_tasks_export(args: argparse.Namespace) -> int:
@@ -513,6 +636,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return bench.bench_explain(model_name=args.model, keep=args.keep)
     if args.what == "runs":
         return bench.bench_runs(runs=args.runs, root=args.root, browser=not args.no_browser)
+    if args.what == "sweep":
+        return bench.bench_sweep(
+            model_name=args.model,
+            tasks=args.tasks,
+            count=args.count,
+            batch_size=args.batch_size,
+            keep=args.keep,
+            replay=not args.no_replay,
+            rounds=args.rounds,
+            budget=args.budget,
+        )
     if args.what == "sql":
         from analyses.bench import bench_sql
 
@@ -619,22 +753,40 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the task suite on the default model: H2O at two budgets and the baselines")
     d.add_argument("--out", default="demo_runs", help="runs root (default: ./demo_runs)")
     d.add_argument("--no-reports", action="store_true", help="skip the HTML/Markdown/JSON reports")
-    d.add_argument("--tasks", type=int, default=None, help="use only the first N tasks of the demo suite")
+    _add_task_args(d, "the demo suite")
     d.set_defaults(func=cmd_demo)
 
-    sw = sub.add_parser("sweep", help="keep ratio x policy: quality, physical KV and latency curves")
-    sw.add_argument("--out", default="sweep_runs")
-    sw.add_argument("--size", default="small", help="task suite size (small | demo | full)")
-    sw.add_argument("--tasks", type=int, default=None, help="use only the first N tasks")
-    sw.add_argument("--ratios", type=float, nargs="+", default=[1.0, 0.4, 0.2, 0.1, 0.05])
-    sw.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    sw = sub.add_parser("sweep", help="keep ratio x policy over batches of requests: quality, KV and latency curves")
+    sw.add_argument("--out", default="sweep_runs", help="runs root of the grid (default: ./sweep_runs)")
+    sw.add_argument(
+        "--status", metavar="ROOT", default=None, help="print done / failed / to do per cell group of ROOT's grids"
+    )
+    sw.add_argument("--size", default="small", help="built-in suite when --tasks is not given (small | demo | full)")
+    _add_task_args(sw, "builtin:SIZE")
+    budget = sw.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--ratios",
+        action="extend",
+        nargs="+",
+        default=None,
+        help="keep ratios, comma list or repeated (default 1,0.4,0.2,0.1,0.05)",
+    )
+    budget.add_argument(
+        "--slots", action="extend", nargs="+", default=None, help="slot counts per KV set instead of ratios"
+    )
     sw.add_argument(
         "--policies",
+        action="extend",
         nargs="+",
         default=None,
         metavar="NAME[:GQA]",
-        help="policies of the grid (default: h2o:sum h2o:max and its baselines); e.g. h2o tova scissorhands",
+        help="policies of the grid, comma list or repeated (default: h2o:sum h2o:max and its baselines); "
+        "e.g. h2o,local,sink or h2o tova scissorhands",
     )
+    sw.add_argument("--gqa", action="extend", nargs="+", default=None, help="aggregations, e.g. sum,max")
+    sw.add_argument("--batch-size", type=int, default=8, help="requests per generate call and run (default 8)")
+    sw.add_argument("--no-replay", action="store_true", help="record only (no KL or dropped mass in the curves)")
+    sw.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     sw.set_defaults(func=cmd_sweep)
 
     _add_tasks_parser(sub)
@@ -650,7 +802,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.set_defaults(func=cmd_app)
 
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    b.add_argument("what", choices=["decode", "record", "kernels", "sql", "runs", "explain"])
+    b.add_argument("what", choices=["decode", "record", "kernels", "sql", "runs", "explain", "sweep"])
     b.add_argument("--model", default=None)
     b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
     b.add_argument("--keep", type=float, default=0.2, help="B as a share of the context")
@@ -662,6 +814,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--runs", type=int, default=5000, help="runs: synthetic runs in the root")
     b.add_argument("--root", default=None, help="runs: reuse (or write once) this synthetic root")
     b.add_argument("--no-browser", action="store_true", help="runs: skip the dashboard timings")
+    b.add_argument("--tasks", default="builtin:full", help="sweep: the requests (FILE or builtin:NAME)")
+    b.add_argument("--count", type=int, default=16, help="sweep: requests of the grid")
+    b.add_argument("--batch-size", type=int, default=8, help="sweep: batch size compared with one at a time")
+    b.add_argument("--no-replay", action="store_true", help="sweep: record only")
+    b.add_argument(
+        "--budget", choices=["slots", "ratio"], default="slots", help="sweep: one slot count, or --keep per prompt"
+    )
     b.set_defaults(func=cmd_bench)
     return p
 

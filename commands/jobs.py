@@ -81,11 +81,14 @@ def run_task(
     from recorders.recorder import record
     from recorders.replay import replay as replay_run
 
-    text = (
-        tok.apply_chat_template([{"role": "user", "content": task.prompt}], tokenize=False, add_generation_prompt=True)
-        if getattr(tok, "chat_template", None)
-        else task.prompt
-    )
+    if hasattr(task, "chat_text"):  # a task-file request (prompt or messages)
+        text = task.chat_text(tok)
+    elif getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": task.prompt}], tokenize=False, add_generation_prompt=True
+        )
+    else:
+        text = task.prompt
     enc = tok(text, return_tensors="pt", add_special_tokens=not getattr(tok, "chat_template", None))
     verdict: dict[str, Any] = {}
 
@@ -264,73 +267,147 @@ def demo(
 def sweep(
     out: str | os.PathLike = "sweep_runs",
     *,
-    tasks: Sequence[Task] | None = None,
+    tasks: Sequence[Any] | None = None,
+    tasks_spec: str | None = None,
     model: Any = None,
     tokenizer: Any = None,
-    ratios: Sequence[float] = SWEEP_RATIOS,
+    ratios: Sequence[float] | None = SWEEP_RATIOS,
+    slots: Sequence[int] | None = None,
     policies: Sequence[tuple[str, str]] = SWEEP_POLICIES,
+    batch_size: int = 1,
+    replay: bool = True,
+    seed: int = 0,
     page_size: int = 16,
+    command: Sequence[str] = (),
     progress: bool = True,
 ) -> Any:
-    """Keep ratio × policy over the tasks → the three curves (quality, physical KV, latency).
+    """Keep ratio (or slots) × policy over the requests → the three curves (quality, physical KV, latency).
 
-    Writes ``sweep.csv``, ``sweep.md`` and a self-contained ``sweep.html`` with
-    the three plots into ``out``; returns the per-configuration table (pandas).
+    The sweep is a grid of keyed cells (:mod:`commands.grid`, DESIGN.md §12):
+    each batch of ``batch_size`` requests is one run per (policy, budget, gqa),
+    the full cache one run per batch; cells already complete under ``out`` are
+    skipped, failed or interrupted ones redone. Writes ``sweep.csv``,
+    ``sweep.md`` and a self-contained ``sweep.html`` with the curves into
+    ``out`` and returns the per-configuration table (pandas).
+
+    ``tasks``: :class:`~h2o_lens.tasks.taskfile.FileTask` (or suite tasks) in
+    memory; default the ``builtin:small`` family. ``tasks_spec`` names them in
+    the cell keys (default: ``builtin:small``, or ``inline`` for given tasks).
     """
-    from tqdm.auto import tqdm
+    from h2o_lens.models import load_model, model_info
+    from h2o_lens.tasks.taskfile import FileTask, from_builtin, resolve_tasks
 
-    from analyses import connect, run_curve_points
-    from h2o_lens.models import load_model
-    from h2o_lens.runtime import full_kv_bytes
-    from h2o_lens.tasks import suite
+    from .grid import plan_grid, run_grid
 
     if model is None:
         model, tokenizer = load_model(progress=progress)
-    tasks = list(tasks) if tasks is not None else suite(size="small")
+    if tasks is None:
+        tasks_spec = tasks_spec or "builtin:small"
+        tasks = resolve_tasks(tasks_spec, tokenizer=tokenizer)
+    tasks = [t if isinstance(t, FileTask) else from_builtin(t) for t in tasks]
+    grid = plan_grid(
+        tasks,
+        tokenizer,
+        model=str(model_info(model)["name"]),
+        tasks_spec=tasks_spec or "inline",
+        policies=policies,
+        ratios=None if slots is not None else ratios,
+        slots=slots,
+        batch_size=batch_size,
+        dtype=str(model.dtype).removeprefix("torch."),
+        seed=seed,
+        replay=replay,
+        command=command,
+    )
     root = Path(out)
-    root.mkdir(parents=True, exist_ok=True)
-    plan = []
-    for ratio in ratios:
-        for policy, gqa in policies if ratio < 1.0 else [(registry.FULL_CACHE, "sum")]:
-            plan += [(task, policy, gqa, ratio) for task in tasks]
-    runs = []
-    for task, policy, gqa, ratio in tqdm(plan, desc="sweep", unit="run", disable=not progress):
-        runs.append(run_task(model, tokenizer, task, _config(policy, ratio, gqa), root, ratio=ratio))
+    report = run_grid(root, grid, tasks, model, tokenizer, progress=progress)
+    print(
+        f"{len(grid.cells)} cells ({len(grid.batches)} batches of up to {batch_size} requests): "
+        f"{len(report.ran)} run, {len(report.done)} already done, {len(report.failed)} failed, "
+        f"{len(report.busy)} taken by another sweep, in {report.seconds:.0f} s"
+    )
+    done = [c for c in grid.cells if c.key in set(report.ran) | set(report.done)]
+    if not done:
+        print(f"no complete cell under {root}/ yet; no curves written")
+        return None
+    table = sweep_table(root, done, model, page_size=page_size, replayed=replay)
+    write_sweep_outputs(root, table, page_size)
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    print(f"\n{len(done)} runs under {root}/; curves in {root}/sweep.html, table in {root}/sweep.csv")
+    if report.failed:
+        print(f"{len(report.failed)} cells failed; see h2o-lens sweep --status {root}, rerun the command to redo them")
+    return table
+
+
+def sweep_table(root: Path, cells: Sequence[Any], model: Any, *, page_size: int = 16, replayed: bool = True) -> Any:
+    """One row per (curve, budget): accuracy over the checked requests, mean KL, dropped mass,
+    KV and page shares, bytes per token and median latency, from the cells' runs."""
+    from analyses import connect, run_curve_points
+    from h2o_lens.runtime import full_kv_bytes
+
     con = connect(str(root))
-    points = run_curve_points(con, [r.run_id for r in runs], page_size=page_size).df()
-    points["keep_ratio"] = [r.ratio for r in runs]
-    labels = {(r.policy, r.gqa): _sweep_label(r.policy, r.gqa) for r in runs}
-    points["policy"] = [labels[(r.policy, r.gqa)] for r in runs]
-    points["correct"] = [r.correct for r in runs]
+    ids = [c.run_id for c in cells]
+    points = run_curve_points(con, ids, page_size=page_size).df()
+    verdicts = dict(
+        (run_id, (right, checked))
+        for run_id, right, checked in con.execute(
+            "SELECT run_id, sum(correct::INT), count(correct) FROM requests WHERE list_contains($ids, run_id) "
+            "GROUP BY run_id",
+            {"ids": ids},
+        ).fetchall()
+    )
+    slots = cells[0].budget_kind == "slots"
+    x = "slots" if slots else "keep_ratio"
+    points[x] = [c.budget if c.budget is not None else (None if slots else 1.0) for c in cells]
+    points["policy"] = [c.label for c in cells]
+    points["right"] = [verdicts.get(c.run_id, (0, 0))[0] or 0 for c in cells]
+    points["checked"] = [verdicts.get(c.run_id, (0, 0))[1] or 0 for c in cells]
+    points["requests"] = [len(c.requests) for c in cells]
+    points["policy_name"] = [c.policy for c in cells]
+    if slots:  # the full cache keeps every slot: drawn at the largest budget's right
+        points[x] = points[x].fillna(max(c.budget for c in cells if c.budget is not None) * 2)
+    if not replayed:
+        points["kl_mean"] = float("nan")
+        points["dropped_mass"] = float("nan")
     per_token = full_kv_bytes(model, 1)  # K and V bytes of one position in a full cache, all layers
-    table = points.groupby(["policy", "keep_ratio"], as_index=False).agg(
-        accuracy=("correct", "mean"),
+    table = points.groupby(["policy", x], as_index=False).agg(
+        right=("right", "sum"),
+        checked=("checked", "sum"),
         kl_mean=("kl_mean", "mean"),
         dropped_mass=("dropped_mass", "mean"),
         kv_share=("kept_share", "mean"),
         page_share=("page_share", "mean"),
         ms_per_token=("seconds_per_token", lambda s: 1e3 * s.median()),
         runs=("run_id", "count"),
+        requests=("requests", "sum"),
     )
+    table.insert(2, "accuracy", table["right"] / table["checked"].where(table["checked"] > 0))
+    table = table.drop(columns=["right"])
     table["kv_bytes_per_token"] = table["kv_share"] * per_token
     table["paged_bytes_per_token"] = table["page_share"] * per_token
-    table = table.sort_values(["policy", "keep_ratio"], ascending=[True, False])
-    table.to_csv(root / "sweep.csv", index=False)
-    (root / "sweep.md").write_text(
-        table.to_markdown(index=False, floatfmt=".4g") if _has_tabulate() else table.to_string(index=False)
-    )
-    _sweep_html(table, root / "sweep.html", page_size, {label: p for (p, _), label in labels.items()})
-    print(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    print(f"\n{len(runs)} runs under {root}/; curves in {root}/sweep.html, table in {root}/sweep.csv")
+    table = table.sort_values(["policy", x], ascending=[True, False]).reset_index(drop=True)
+    table.attrs["policy_of"] = dict(zip(points["policy"], points["policy_name"]))
+    table.attrs["x"] = x
     return table
 
 
+def write_sweep_outputs(root: Path, table: Any, page_size: int) -> None:
+    """``sweep.csv``, ``sweep.md`` and ``sweep.html`` of a sweep table (each rewritten atomically)."""
+    policy_of, x = table.attrs["policy_of"], table.attrs["x"]
+    for name, text in (
+        ("sweep.csv", table.to_csv(index=False)),
+        ("sweep.md", table.to_markdown(index=False, floatfmt=".4g") if _has_tabulate() else table.to_string()),
+    ):
+        tmp = root / f"{name}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, root / name)
+    _sweep_html(table, root / "sweep.html", page_size, policy_of, x=x)
+
+
 def _sweep_label(policy: str, gqa: str) -> str:
-    """The curve of a policy: its name, with the aggregation for the method (both are swept)
-    and for any other policy not run with the default ``sum``."""
-    if not registry.get(policy).evicts:
-        return policy
-    return f"{policy}-{gqa}" if policy == registry.DEFAULT or gqa != "sum" else policy
+    from .grid import sweep_label
+
+    return sweep_label(policy, gqa)
 
 
 def _has_tabulate() -> bool:
@@ -341,8 +418,10 @@ def _has_tabulate() -> bool:
     return True
 
 
-def _sweep_html(table: Any, path: Path, page_size: int, policy_of: dict[str, str]) -> None:
-    """The three curves over keep ratio in one self-contained HTML file (plotly.js inlined once).
+def _sweep_html(table: Any, path: Path, page_size: int, policy_of: dict[str, str], *, x: str = "keep_ratio") -> None:
+    """The three curves over keep ratio (or slot count, ``x="slots"``) in one self-contained HTML file.
+
+    plotly.js is inlined once.
 
     Four panels (accuracy, KL, physical KV bytes per token with and without pages,
     latency), each policy in its registry colour across all of them (a second
@@ -354,6 +433,8 @@ def _sweep_html(table: Any, path: Path, page_size: int, policy_of: dict[str, str
     from plotly.offline import get_plotlyjs
     from plotly.subplots import make_subplots
 
+    scale = 100 if x == "keep_ratio" else 1
+    axis = "keep ratio (%)" if x == "keep_ratio" else "slots per KV set (full cache: right end)"
     fig = make_subplots(
         rows=2,
         cols=2,
@@ -370,12 +451,12 @@ def _sweep_html(table: Any, path: Path, page_size: int, policy_of: dict[str, str
     full = table[is_full]
     drawn: set[str] = set()
     for label in dict.fromkeys(table["policy"][~is_full]):
-        g = pd.concat([full, table[table["policy"] == label]], ignore_index=True).sort_values("keep_ratio")
-        x = g["keep_ratio"] * 100
+        g = pd.concat([full, table[table["policy"] == label]], ignore_index=True).sort_values(x)
+        xs = g[x] * scale
         spec = registry.get(policy_of[label])
         color, dash = spec.colour, "dot" if spec.name in drawn else "solid"
         drawn.add(spec.name)
-        common = dict(x=x, legendgroup=label, line={"color": color, "dash": dash}, marker={"color": color})
+        common = dict(x=xs, legendgroup=label, line={"color": color, "dash": dash}, marker={"color": color})
         fig.add_trace(go.Scatter(y=g["accuracy"], name=label, mode="lines+markers", **common), row=1, col=1)
         kl = g["kl_mean"].where(g["kl_mean"] > 0)  # log axis: the full cache's KL of 0 is left out
         fig.add_trace(go.Scatter(y=kl, name=label, showlegend=False, mode="lines+markers", **common), row=1, col=2)
@@ -400,11 +481,11 @@ def _sweep_html(table: Any, path: Path, page_size: int, policy_of: dict[str, str
         fig.add_trace(
             go.Scatter(y=g["ms_per_token"], name=label, showlegend=False, mode="lines+markers", **common), row=2, col=2
         )
-    ticks = sorted({float(v) * 100 for v in table["keep_ratio"]})
+    ticks = sorted({float(v) * scale for v in table[x]})
     for row in (1, 2):
         for col in (1, 2):
             fig.update_xaxes(
-                title_text="keep ratio (%)",
+                title_text=axis,
                 type="log",
                 tickvals=ticks,
                 ticktext=[f"{t:g}" for t in ticks],
@@ -430,7 +511,7 @@ def _sweep_html(table: Any, path: Path, page_size: int, policy_of: dict[str, str
         f"<!doctype html><html><head><meta charset='utf-8'><title>H2O Lens sweep</title>"
         f"<style>{style}</style><script>{get_plotlyjs()}</script></head><body><div id='fig'></div>"
         f"<script>const f={body};Plotly.newPlot('fig',f.data,f.layout);</script>"
-        f"<h3>Per policy and keep ratio (means over tasks; latency: median)</h3>"
+        f"<h3>Per policy and {axis} (means over runs; accuracy over checked requests; latency: median)</h3>"
         f"{table.to_html(index=False, border=0, float_format=lambda v: f'{v:.4g}')}</body></html>"
     )
     tmp = path.with_name(path.name + ".tmp")

@@ -1,0 +1,511 @@
+"""The sweep grid: keyed cells of (batch of requests, policy, budget, gqa), resumable (DESIGN.md §12).
+
+A sweep resolves its requests (a task file or ``builtin:NAME``), groups them
+into batches of requests of the same ``max_new_tokens`` and similar prompt
+length, and crosses the batches with policy × budget × gqa. Each cell is one
+recorded run of one batched ``generate`` (left padding), each request with its
+own checker verdict in the ``requests`` table.
+
+A cell's key hashes everything its run depends on (model, tasks spec and the
+content digest of the resolved requests, the batch, policy, budget, gqa, dtype,
+seed, max_new_tokens, replay); its run folder is ``cell-<key>``, so the same
+command on the same root finds its finished cells and only runs the rest:
+
+* a folder whose manifest is ``complete`` (and replayed, when replay is on) is done;
+* a folder left ``failed``, ``running`` (its writer was killed) or damaged is
+  removed and the cell redone;
+* each cell is run under an exclusive ``fcntl`` lock on
+  ``<root>/.sweep_locks/<run_id>.lock``, so two invocations on one root never
+  write the same cell (the second skips it); the kernel drops the lock when a
+  process dies, SIGKILL included;
+* the plan, every grid run on the root with its cells, is ``<root>/sweep_plan.json``
+  (rewritten atomically under ``<root>/.sweep_locks/plan.lock``); another grid on
+  the same root adds its cells, and a cell two grids share (the full cache of a
+  batch) is run once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from h2o_lens import policies as registry
+from h2o_lens.config import H2OConfig
+from h2o_lens.errors import ConfigError
+
+__all__ = [
+    "PLAN_NAME",
+    "LOCK_DIR",
+    "Cell",
+    "Grid",
+    "GridReport",
+    "make_batches",
+    "plan_grid",
+    "run_grid",
+    "cell_state",
+    "grid_status",
+    "tasks_digest",
+]
+
+PLAN_NAME = "sweep_plan.json"
+LOCK_DIR = ".sweep_locks"
+#: bump when the meaning of a key changes (old cells are then simply not found)
+KEY_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the grid: a batch of requests under one policy, budget and gqa.
+
+    ``budget`` is a keep ratio (``budget_kind == "ratio"``) or a slot count
+    (``"slots"``); ``None`` for the full cache.
+    """
+
+    key: str
+    run_id: str
+    batch: int
+    requests: tuple[int, ...]  # indices into the resolved requests
+    policy: str
+    gqa: str
+    budget: float | int | None
+    budget_kind: str
+    max_new_tokens: int
+
+    @property
+    def label(self) -> str:
+        """The curve this cell belongs to, e.g. ``h2o-sum`` or ``local``."""
+        return sweep_label(self.policy, self.gqa)
+
+    @property
+    def budget_text(self) -> str:
+        if self.budget is None:
+            return "100%"
+        return f"{self.budget:.0%}" if self.budget_kind == "ratio" else f"{self.budget} slots"
+
+    def config(self, seed: int = 0) -> H2OConfig:
+        """The policy configuration the cell records with."""
+        if self.budget is None:
+            return H2OConfig(policy=registry.FULL_CACHE, gqa=self.gqa, seed=seed)
+        if self.budget_kind == "slots":
+            heavy, recent = registry.half_split(int(self.budget))
+            return H2OConfig(policy=self.policy, heavy=heavy, recent=recent, gqa=self.gqa, seed=seed)
+        return H2OConfig(policy=self.policy, ratio=float(self.budget), gqa=self.gqa, seed=seed)
+
+
+@dataclass
+class Grid:
+    """A planned sweep: its identity, requests and cells."""
+
+    grid_id: str
+    model: str
+    tasks_spec: str
+    digest: str
+    names: list[str]
+    batches: list[tuple[int, ...]]
+    cells: list[Cell]
+    dtype: str
+    seed: int
+    replay: bool
+    command: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "grid_id": self.grid_id,
+            "model": self.model,
+            "tasks": self.tasks_spec,
+            "digest": self.digest,
+            "requests": self.names,
+            "batches": [list(b) for b in self.batches],
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "replay": self.replay,
+            "command": self.command,
+            "cells": [asdict(c) | {"requests": list(c.requests)} for c in self.cells],
+        }
+
+
+@dataclass
+class GridReport:
+    """What one invocation did: cells run, skipped as done, failed, or left to another process."""
+
+    ran: list[str] = field(default_factory=list)
+    done: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    busy: list[str] = field(default_factory=list)
+    redone: list[str] = field(default_factory=list)  # cells found failed or interrupted, removed and redone
+    seconds: float = 0.0
+    record_seconds: float = 0.0  # recording (generate with the recorder, the run written)
+    replay_seconds: float = 0.0
+
+
+def sweep_label(policy: str, gqa: str) -> str:
+    """The curve of a policy: its name, with the aggregation for the method (both are swept)
+    and for any other policy not run with the default ``sum``."""
+    if not registry.get(policy).evicts:
+        return policy
+    return f"{policy}-{gqa}" if policy == registry.DEFAULT or gqa != "sum" else policy
+
+
+def tasks_digest(tasks: Sequence[Any]) -> str:
+    """SHA-256 of the resolved requests (their task-file lines), in order."""
+    text = json.dumps([t.to_json() for t in tasks], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def encode(tokenizer: Any, texts: Sequence[str]) -> Any:
+    """The batch ``generate`` is fed: left padding, special tokens only without a chat template."""
+    return tokenizer(
+        list(texts),
+        return_tensors="pt",
+        padding=True,
+        padding_side="left",
+        add_special_tokens=not getattr(tokenizer, "chat_template", None),
+    )
+
+
+def make_batches(tasks: Sequence[Any], tokenizer: Any, batch_size: int) -> list[tuple[int, ...]]:
+    """Request indices in batches of at most ``batch_size``, deterministically.
+
+    Requests are grouped by ``max_new_tokens`` (one generate call has one), then
+    ordered by prompt length in tokens (ties by file order) and cut in runs of
+    ``batch_size``, so that a batch pads its prompts as little as the lengths allow.
+    """
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {batch_size}")
+    lengths = [len(encode(tokenizer, [t.chat_text(tokenizer)])["input_ids"][0]) for t in tasks]
+    order = sorted(range(len(tasks)), key=lambda i: (tasks[i].max_new_tokens, lengths[i], i))
+    batches: list[tuple[int, ...]] = []
+    for _, group in itertools.groupby(order, key=lambda i: tasks[i].max_new_tokens):
+        members = list(group)
+        batches += [tuple(members[j : j + batch_size]) for j in range(0, len(members), batch_size)]
+    return batches
+
+
+def _key(payload: dict[str, Any]) -> str:
+    text = json.dumps({"v": KEY_VERSION, **payload}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def plan_grid(
+    tasks: Sequence[Any],
+    tokenizer: Any,
+    *,
+    model: str,
+    tasks_spec: str,
+    policies: Sequence[tuple[str, str]],
+    ratios: Sequence[float] | None = None,
+    slots: Sequence[int] | None = None,
+    batch_size: int = 8,
+    dtype: str = "float32",
+    seed: int = 0,
+    replay: bool = True,
+    command: Sequence[str] = (),
+) -> Grid:
+    """The cells of a sweep, in run order (batch by batch: full cache first, then policy × budget × gqa).
+
+    The full cache runs once per batch (not per policy or gqa), when a ratio of
+    1.0 or the ``full`` policy is asked for; a ratio of 1.0 gives no evicting cell.
+    """
+    if not tasks:
+        raise ConfigError(f"--tasks {tasks_spec!r} resolved to no requests; give a file with at least one line")
+    if (ratios is None) == (slots is None):
+        raise ConfigError("give the budgets either as keep ratios (--ratios) or as slot counts (--slots), not both")
+    kind = "ratio" if ratios is not None else "slots"
+    budgets: list[float | int] = []
+    for b in ratios if ratios is not None else slots:
+        if kind == "ratio" and not (isinstance(b, int | float) and 0 < b <= 1):
+            raise ConfigError(f"--ratios: {b!r} is not a keep ratio in (0, 1]; e.g. --ratios 1.0 0.2 0.1")
+        if kind == "slots" and not (isinstance(b, int) and b >= 2):
+            raise ConfigError(f"--slots: {b!r} is not a slot count of at least 2; e.g. --slots 64 128")
+        if b not in budgets:
+            budgets.append(b)
+    for name, gqa in policies:
+        H2OConfig(policy=name, gqa=gqa, heavy=32, recent=32)  # a ConfigError naming what is known
+    full = (kind == "ratio" and 1.0 in budgets) or any(not registry.get(p).evicts for p, _ in policies)
+    evicting = list(dict.fromkeys((p, g) for p, g in policies if registry.get(p).evicts))
+    names = [t.name for t in tasks]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ConfigError(f"--tasks {tasks_spec!r}: request names repeat ({', '.join(dup[:5])}); names must be unique")
+    digest = tasks_digest(tasks)
+    batches = make_batches(tasks, tokenizer, batch_size)
+    base = {"model": model, "tasks": tasks_spec, "digest": digest, "dtype": dtype, "seed": seed, "replay": replay}
+    cells = []
+    for b, members in enumerate(batches):
+        mnt = int(tasks[members[0]].max_new_tokens)
+        combos: list[tuple[str, str, float | int | None]] = [(registry.FULL_CACHE, "sum", None)] if full else []
+        combos += [(p, g, x) for x in budgets if not (kind == "ratio" and x >= 1.0) for p, g in evicting]
+        for policy, gqa, budget in combos:
+            key = _key(
+                {
+                    **base,
+                    "batch": b,
+                    "requests": [names[i] for i in members],
+                    "policy": policy,
+                    "gqa": gqa,
+                    "budget": budget,
+                    "budget_kind": kind if budget is not None else None,
+                    "max_new_tokens": mnt,
+                }
+            )
+            cells.append(Cell(key, f"cell-{key[:20]}", b, members, policy, gqa, budget, kind, mnt))
+    for cell in cells[: 1 + len(budgets) * len(evicting)]:  # the cells of one batch hold every configuration
+        try:
+            cell.config(seed)
+        except ConfigError as exc:
+            raise ConfigError(f"{cell.label} at {cell.budget_text}: {exc}") from None
+    grid_id = hashlib.sha256("".join(c.key for c in cells).encode()).hexdigest()[:12]
+    return Grid(grid_id, model, tasks_spec, digest, names, batches, cells, dtype, seed, replay, list(command))
+
+
+# -- the plan file and the locks ----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _flock(path: Path, *, wait: bool) -> Iterator[bool]:
+    """An exclusive ``fcntl`` lock on ``path`` (created if missing); yields whether it was taken."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def read_plan(root: str | os.PathLike) -> dict[str, Any]:
+    """``<root>/sweep_plan.json`` (``{"grids": {}}`` when there is none)."""
+    path = Path(root) / PLAN_NAME
+    if not path.exists():
+        return {"version": KEY_VERSION, "grids": {}}
+    try:
+        plan = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} is not a readable sweep plan ({exc}); move it away to start a new plan") from None
+    if not isinstance(plan, dict) or not isinstance(plan.get("grids"), dict):
+        raise ConfigError(f"{path} is not a sweep plan (no 'grids' object); move it away to start a new plan")
+    return plan
+
+
+def write_plan(root: str | os.PathLike, grid: Grid) -> Path:
+    """Add (or refresh) ``grid`` in the root's plan: atomic rewrite under the plan lock."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / PLAN_NAME
+    with _flock(root / LOCK_DIR / "plan.lock", wait=True):
+        plan = read_plan(root)
+        entry = grid.to_json()
+        old = plan["grids"].get(grid.grid_id)
+        entry["created"] = (old or {}).get("created") or dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        plan["grids"][grid.grid_id] = entry
+        tmp = path.with_name(f"{PLAN_NAME}.{os.getpid()}.tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(plan, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    return path
+
+
+def cell_state(root: str | os.PathLike, run_id: str, replay: bool) -> tuple[str, str | None]:
+    """``(state, error)`` of a cell's run folder: ``todo``, ``done``, ``unreplayed`` (recorded,
+    the replay missing), ``failed``, ``running`` (its writer lives) or ``interrupted``."""
+    from recorders.manifest import MANIFEST_NAME, effective_status, read_manifest
+
+    run_dir = Path(root) / run_id
+    if not run_dir.exists():
+        return "todo", None
+    if not (run_dir / MANIFEST_NAME).exists():
+        return "interrupted", "run folder without a manifest"
+    try:
+        manifest = read_manifest(run_dir)
+    except Exception as exc:  # a damaged manifest is a cell to redo
+        return "interrupted", f"unreadable manifest: {exc}"
+    status = effective_status(manifest)
+    if status == "complete":
+        return ("unreplayed", None) if replay and not manifest.get("replay") else ("done", None)
+    if status == "failed":
+        return "failed", f"{manifest.get('error_type', 'Error')}: {manifest.get('error', '')}"
+    return status if status in ("running", "interrupted") else "interrupted", None
+
+
+# -- running -----------------------------------------------------------------------------------
+
+
+def _record_cell(root: Path, cell: Cell, tasks: Sequence[Any], model: Any, tokenizer: Any, grid: Grid) -> None:
+    import torch
+
+    from recorders.recorder import record
+
+    batch = [tasks[i] for i in cell.requests]
+    enc = encode(tokenizer, [t.chat_text(tokenizer) for t in batch])
+
+    def annotate(request: int, answer: str | None) -> dict[str, Any]:
+        task = batch[request]
+        return {
+            "task": task.name,
+            "expected": task.expected,
+            "correct": bool(task.check(answer or "")) if task.checked else None,
+        }
+
+    info = {
+        "task": batch[0].name if len(batch) == 1 else f"{batch[0].name} +{len(batch) - 1}",
+        "sweep_cell": cell.key,
+        "sweep_grid": grid.grid_id,
+        "sweep_batch": cell.batch,
+        "tasks_spec": grid.tasks_spec,
+    }
+    with (
+        torch.no_grad(),
+        record(
+            model,
+            cell.config(grid.seed),
+            out=str(root),
+            tokenizer=tokenizer,
+            evidence=[dict(t.evidence) for t in batch],
+            prompts=[t.prompt for t in batch],
+            name=f"{cell.label} {cell.budget_text} batch {cell.batch}",
+            info=info,
+            annotate=annotate,
+            run_id=cell.run_id,
+        ),
+    ):
+        model.generate(**enc, max_new_tokens=cell.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+
+
+def run_grid(
+    root: str | os.PathLike,
+    grid: Grid,
+    tasks: Sequence[Any],
+    model: Any,
+    tokenizer: Any,
+    *,
+    progress: bool = True,
+) -> GridReport:
+    """Run every cell of ``grid`` not yet done under ``root`` (see the module docstring).
+
+    A cell that raises is left ``failed`` with its error (shown by ``--status``)
+    and the next cell runs; ``KeyboardInterrupt`` stops the sweep.
+    """
+    from tqdm.auto import tqdm
+
+    from recorders.replay import replay as replay_run
+
+    root = Path(root)
+    write_plan(root, grid)
+    report = GridReport()
+    t0 = time.perf_counter()
+    for cell in tqdm(grid.cells, desc="sweep", unit="cell", disable=not progress):
+        with _flock(root / LOCK_DIR / f"{cell.run_id}.lock", wait=False) as mine:
+            if not mine:
+                report.busy.append(cell.key)
+                continue
+            state, _ = cell_state(root, cell.run_id, grid.replay)
+            if state == "done":
+                report.done.append(cell.key)
+                continue
+            try:
+                if state != "unreplayed":
+                    if state != "todo":  # failed, or left by a killed writer: start the cell afresh
+                        shutil.rmtree(root / cell.run_id)
+                        report.redone.append(cell.key)
+                    t1 = time.perf_counter()
+                    _record_cell(root, cell, tasks, model, tokenizer, grid)
+                    report.record_seconds += time.perf_counter() - t1
+                if grid.replay:
+                    t1 = time.perf_counter()
+                    replay_run(root / cell.run_id, model=model, progress=False)
+                    report.replay_seconds += time.perf_counter() - t1
+            except Exception as exc:
+                report.failed[cell.key] = f"{type(exc).__name__}: {exc}"
+                print(f"h2o-lens: cell {cell.run_id} failed: {exc}", file=sys.stderr)
+                if os.environ.get("H2O_LENS_DEBUG"):
+                    traceback.print_exc()
+                _mark_failed(root / cell.run_id, exc)
+                continue
+            report.ran.append(cell.key)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _mark_failed(run_dir: Path, exc: BaseException) -> None:
+    """A run that was recorded but whose replay raised is turned ``failed`` (redone next time)."""
+    from recorders.manifest import MANIFEST_NAME, read_manifest, write_manifest
+
+    if not (run_dir / MANIFEST_NAME).exists():
+        return
+    manifest = read_manifest(run_dir)
+    if manifest.get("status") == "complete":
+        manifest["status"] = "failed"
+        manifest["error"] = f"replay: {exc}"
+        manifest["error_type"] = type(exc).__name__
+        write_manifest(run_dir, manifest)
+
+
+# -- status ------------------------------------------------------------------------------------
+
+
+def grid_status(root: str | os.PathLike) -> str:
+    """Done / failed (with the error) / to do per cell group of every grid of the root, and totals."""
+    root = Path(root)
+    if not (root / PLAN_NAME).exists():
+        raise ConfigError(
+            f"{root} has no {PLAN_NAME}: no sweep was started there; start one with h2o-lens sweep --out {root} ..."
+        )
+    plan = read_plan(root)
+    grids = plan["grids"]
+    lines = []
+    seen: dict[str, str] = {}
+    for gid, g in sorted(grids.items(), key=lambda kv: kv[1].get("created", "")):
+        lines.append(
+            f"grid {gid} ({g.get('created', '?')}): model {g['model']}, tasks {g['tasks']} "
+            f"({len(g['requests'])} requests in {len(g['batches'])} batches), dtype {g['dtype']}, "
+            f"{'replayed' if g['replay'] else 'not replayed'}"
+        )
+        groups: dict[tuple[str, str], dict[str, list[str]]] = {}
+        for c in g["cells"]:
+            cell = Cell(**{**c, "requests": tuple(c["requests"])})
+            state, error = cell_state(root, cell.run_id, g["replay"])
+            seen[cell.run_id] = state
+            state = {"unreplayed": "todo", "interrupted": "todo"}.get(state, state)
+            bucket = groups.setdefault((cell.label, cell.budget_text), {})
+            bucket.setdefault(state, []).append(f"{cell.run_id}: {error}" if error else cell.run_id)
+        header = f"  {'policy':<14} {'budget':<10} {'done':>5} {'failed':>7} {'running':>8} {'to do':>6}"
+        lines.append(header)
+        for (label, budget), bucket in groups.items():
+            n = {s: len(bucket.get(s, ())) for s in ("done", "failed", "running", "todo")}
+            lines.append(f"  {label:<14} {budget:<10} {n['done']:>5} {n['failed']:>7} {n['running']:>8} {n['todo']:>6}")
+            for failed in bucket.get("failed", ()):
+                lines.append(f"      failed {failed}")
+    counts = {s: sum(1 for v in seen.values() if v == s) for s in ("done", "failed", "running")}
+    todo = len(seen) - sum(counts.values())
+    lines.append(
+        f"total: {len(seen)} cells: {counts['done']} done, {counts['failed']} failed, "
+        f"{counts['running']} running, {todo} to do"
+    )
+    if len(grids) > 1:
+        lines.append(
+            f"{len(grids)} grids on this root: cells are keyed, so another grid adds its cells "
+            "(a cell two grids share, such as the full cache of a batch, is run and counted once)"
+        )
+    return "\n".join(lines)
