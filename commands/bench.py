@@ -325,30 +325,7 @@ def bench_runs(runs: int = 5000, root: str | None = None, browser: bool = True) 
     run in this process; the Runs and Compare pages in Chromium (first visit to a fresh server,
     then a new tab). Targets: ``h2o-lens runs`` and the Runs page first paint ≤ 3 s.
     """
-def bench_sweep(
-    model_name: str | None = None,
-    tasks: str = "builtin:full",
-    count: int = 16,
-    batch_size: int = 8,
-    keep: float = 0.2,
-    new_tokens: int = 16,
-    replay: bool = True,
-    rounds: int = 1,
-    budget: str = "slots",
-    model=None,
-    tokenizer=None,
-) -> int:
-    """Requests per minute of the same sweep grid batched and one request at a time, side by side.
-
-    The grid is ``count`` requests of ``tasks`` (each with ``new_tokens`` new
-    tokens, so that they share batches) under h2o gqa sum at one budget:
-    ``budget="slots"`` gives every request the slot count of ``keep`` times the
-    median prompt length (one budget: a batch decodes in one step),
-    ``budget="ratio"`` the keep ratio itself (resolved on each prompt: rows of
-    different budgets decode apart, DESIGN.md §12.2). Each mode records (and
-    replays) into a fresh root; the modes alternate over ``rounds``. Prints the
-    time of each, split into recording and replay, and the ratio.
-    """
+    import os
     import shutil
     import tempfile
     from pathlib import Path
@@ -505,6 +482,38 @@ def bench_explain(
         f"{len(ex.generation_seconds)} of them, under the same load): {ex.seconds / inside:.1f}x"
     )
     print(f"re-runs recorded: {ran}; generation times {[round(x, 2) for x in gen]}; runs under {root}")
+    return 0
+
+
+def bench_sweep(
+    model_name: str | None = None,
+    tasks: str = "builtin:full",
+    count: int = 16,
+    batch_size: int = 8,
+    keep: float = 0.2,
+    new_tokens: int = 16,
+    replay: bool = True,
+    rounds: int = 1,
+    budget: str = "slots",
+    model=None,
+    tokenizer=None,
+) -> int:
+    """Requests per minute of the same sweep grid batched and one request at a time, side by side.
+
+    The grid is ``count`` requests of ``tasks`` (each with ``new_tokens`` new
+    tokens, so that they share batches) under h2o gqa sum at one budget:
+    ``budget="slots"`` gives every request the slot count of ``keep`` times the
+    median prompt length (one budget: a batch decodes in one step),
+    ``budget="ratio"`` the keep ratio itself (resolved on each prompt: rows of
+    different budgets decode apart, DESIGN.md §12.2). Each mode records (and
+    replays) into a fresh root; the modes alternate over ``rounds``. Prints the
+    time of each, split into recording and replay, and the ratio.
+    """
+    import dataclasses
+    import shutil
+    import tempfile
+    from pathlib import Path
+
     from h2o_lens.models import load_model, model_info
     from h2o_lens.tasks.taskfile import resolve_tasks
 
