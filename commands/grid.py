@@ -374,6 +374,9 @@ def _record_cell(root: Path, cell: Cell, tasks: Sequence[Any], model: Any, token
         "sweep_grid": grid.grid_id,
         "sweep_batch": cell.batch,
         "tasks_spec": grid.tasks_spec,
+        # each request's task-file line and the decoding: what a counterfactual re-run needs
+        "task_specs": [t.to_json() for t in batch],
+        "decoding": {"do_sample": False, "max_new_tokens": cell.max_new_tokens},
     }
     with (
         torch.no_grad(),

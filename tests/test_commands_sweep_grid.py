@@ -167,6 +167,18 @@ def test_a_batched_sweep_equals_the_same_requests_one_at_a_time(tiny_dir, task_f
     verdicts = {(row[0], row[2], row[3]): row[5] for row in batched["verdicts"]}
     assert verdicts[("full", "full", "free")] is None  # no answer spec: no verdict
     assert all(verdicts[(p, b, t)] is not None for p, b, t in verdicts if t != "free")
+    # each request of a batched run carries its own task-file line, so a counterfactual re-run
+    # of request r checks its answer with r's checker
+    from recorders.counterfactual import load_parent
+
+    by_name = {t.name: t.to_json() for t in tasks}
+    rows = con.sql(
+        "SELECT q.run_id, q.request, q.task FROM requests q JOIN runs r USING (run_id) WHERE r.policy = 'h2o'"
+    ).fetchall()
+    assert len({run for run, _, _ in rows}) < len(rows)  # some runs hold several requests
+    for run_id, request, task in rows:
+        parent = load_parent(tmp_path / "batched" / run_id, request)
+        assert parent.task_spec == by_name[task], (run_id, request)
 
 
 def _cells_done(root: Path) -> list[str]:
