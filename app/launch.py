@@ -1,4 +1,4 @@
-"""Starting the dashboard server: ``streamlit run app/main.py -- --root ROOT``."""
+"""Starting the dashboard server: ``streamlit run app/main.py -- --root ROOT`` (through :mod:`app.serve`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def server_command(
     address: str = "127.0.0.1",
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """The ``streamlit run`` command line that serves the app over ``root``.
+    """The command line that serves the app over ``root``: ``streamlit run`` in :mod:`app.serve`.
 
     Parameters
     ----------
@@ -48,7 +48,7 @@ def server_command(
     return [
         sys.executable,
         "-m",
-        "streamlit",
+        "app.serve",  # streamlit, with the root's catalog opened while the server starts
         "run",
         str(MAIN),
         "--server.headless",

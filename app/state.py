@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -102,10 +103,31 @@ def current_root() -> Root:
     return Root(str(path), _version(path))
 
 
+#: connections opened by :func:`warm` before the first session, by root version
+_WARM: dict[Root, duckdb.DuckDBPyConnection] = {}
+_WARM_LOCK = threading.Lock()
+
+
+def warm(path: str | os.PathLike) -> Root:
+    """Open ``path``'s catalog and views, and import what the pages draw with, before any session.
+
+    The server process (:mod:`app.serve`) calls it in a thread while Streamlit starts; the
+    first :func:`connection` of the same root version takes the result (and waits for a
+    warm-up still running instead of scanning the root a second time).
+    """
+    with _WARM_LOCK:
+        root = Root(str(Path(path).expanduser().resolve()), _version(Path(path).expanduser().resolve()))
+        _WARM[root] = recorders.open_runs(root.path, warn=False)
+        from . import charts, common, data  # noqa: F401 - imported once, here, not in the first session
+    return root
+
+
 @st.cache_resource(max_entries=4, show_spinner=False)
 def connection(root: Root) -> duckdb.DuckDBPyConnection:
     """One DuckDB connection with the views of ``root`` per process (and root version)."""
-    return recorders.open_runs(root.path, warn=False)
+    with _WARM_LOCK:
+        con = _WARM.pop(root, None)
+    return con if con is not None else recorders.open_runs(root.path, warn=False)
 
 
 @contextlib.contextmanager

@@ -646,6 +646,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             replay=not args.no_replay,
             rounds=args.rounds,
             budget=args.budget,
+            new_tokens=args.new_tokens or 16,
         )
     if args.what == "sql":
         from analyses.bench import bench_sql
@@ -810,7 +811,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--memory-limit", default="512MB", help="sql: the console's memory limit")
     b.add_argument("--context", type=int, default=None, help="record: peak RSS of one prompt of this many tokens")
-    b.add_argument("--new-tokens", type=int, default=None, help="record: new tokens of that prompt (default 256)")
+    b.add_argument(
+        "--new-tokens",
+        type=int,
+        default=None,
+        help="record: new tokens of that prompt (default 256); sweep: of each request (default 16)",
+    )
     b.add_argument("--runs", type=int, default=5000, help="runs: synthetic runs in the root")
     b.add_argument("--root", default=None, help="runs: reuse (or write once) this synthetic root")
     b.add_argument("--no-browser", action="store_true", help="runs: skip the dashboard timings")

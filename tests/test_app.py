@@ -310,7 +310,7 @@ def test_server_command_and_default_root(tmp_path):
     from app import launch
 
     cmd = launch.server_command(tmp_path, 8765)
-    assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4] == str(MAIN)
+    assert cmd[1:4] == ["-m", "app.serve", "run"] and cmd[4] == str(MAIN)
     for flag, value in (("--server.headless", "true"), ("--server.address", "127.0.0.1"), ("--server.port", "8765")):
         assert cmd[cmd.index(flag) + 1] == value
     assert cmd[-3:] == ["--", "--root", str(tmp_path.resolve())]
@@ -428,3 +428,23 @@ def test_compare_colours_runs_by_their_policy():
     dropped = pd.DataFrame({"request": [0, 0], "step": [4, 5], "mean": [0.01, 0.02]})
     fig = charts.compare_figure([("a", series, dropped), ("b", series, dropped)], ["#123456", "#abcdef"])
     assert [t.line.color for t in fig.data] == ["#123456", "#123456", "#abcdef", "#abcdef"]
+
+
+def test_the_server_warm_up_opens_the_root_the_first_session_uses(app_runs_root, monkeypatch):
+    """app.serve's warm-up scans the root before any session; the first connection of the same
+    root version takes that connection instead of scanning again."""
+    from app import serve, state
+
+    state._WARM.clear()
+    serve._warm(["run", "app/main.py", "--server.port", "1", "--", "--root", str(app_runs_root)])
+    warmed = dict(state._WARM)
+    assert len(warmed) == 1
+    ((root, con),) = warmed.items()
+    assert root.path == str(Path(app_runs_root).resolve()) and root.version == state._version(Path(root.path))
+    assert con.sql("SELECT count(*) FROM runs").fetchall()[0][0] > 0
+
+    def no_scan(*args, **kwargs):
+        raise AssertionError("the warmed root was scanned again")
+
+    monkeypatch.setattr(state.recorders, "open_runs", no_scan)
+    assert state.connection.__wrapped__(root) is con and not state._WARM
