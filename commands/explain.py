@@ -58,12 +58,12 @@ def explain_run(
             info = read_manifest(run_dir).get("model") or {}
             name = info.get("name") if isinstance(info, dict) else info
             model, tokenizer = load_model(name, progress=progress)
-        bar = tqdm(desc="explain", unit="re-run", disable=not progress)
+        bar = tqdm(desc="explain", unit=" re-runs", disable=not progress)
         try:
             for r in todo:
 
                 def say(label: str, r: int = r) -> None:
-                    bar.set_description(f"request {r}: {label}")
+                    bar.set_description_str(f"request {r}, {label}")
                     bar.update(1)
 
                 explain_request(
