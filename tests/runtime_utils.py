@@ -88,3 +88,49 @@ def assert_same_sets(runtime: list, expected: list, where: str) -> None:
 
 def np_seed(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
+
+
+def slot_kept_sets(q, k, v, prefill: int, args, scores, keep, history=None) -> list[list[int]]:
+    """Lay a prefill's kept set into ``args.capacity`` slots and decode the rest with the torch step.
+
+    One request and one KV set: ``q (1, G, N, d)``, ``k, v (1, 1, N, d)``; ``scores`` and
+    ``keep (1, 1, P)`` the prefill's ranking values and kept mask, ``history`` its per-position
+    history (a policy that keeps one) or None. Returns the sorted kept positions after the
+    prefill, then after each decode step (the contract of the FP64 references).
+    """
+    from h2o_lens import ops
+
+    n, d = q.shape[2], q.shape[3]
+    cap = args.capacity
+    pos = torch.arange(prefill, dtype=torch.int32)[None, None]
+    kept_pos = pos[keep].tolist()
+    out = [sorted(kept_pos)]
+    slots_pos = torch.full((1, 1, cap), -1, dtype=torch.int32)
+    slots_pos[0, 0, : len(kept_pos)] = torch.tensor(kept_pos, dtype=torch.int32)
+    keys = torch.zeros(1, 1, cap, d, dtype=torch.float64)
+    values = torch.zeros_like(keys)
+    sc = torch.zeros(1, 1, cap, dtype=torch.float64)
+    slot_history = torch.zeros(1, 1, cap, dtype=torch.int64) if history is not None else None
+    for j, p in enumerate(kept_pos):
+        keys[0, 0, j], values[0, 0, j], sc[0, 0, j] = k[0, 0, p], v[0, 0, p], scores[0, 0, p]
+        if slot_history is not None:
+            slot_history[0, 0, j] = history[0, 0, p]
+    fill = torch.tensor([len(kept_pos)])
+    for t in range(prefill, n):
+        ops.decode_step(
+            q[:, :, t],
+            k[:, :, t],
+            v[:, :, t],
+            keys,
+            values,
+            sc,
+            slots_pos,
+            torch.tensor([t], dtype=torch.int32),
+            fill if fill.item() < cap else None,
+            1.0,
+            args,
+            history=slot_history,
+        )
+        fill = (fill + 1).clamp(max=cap)
+        out.append(sorted(p for p in slots_pos[0, 0].tolist() if p >= 0))
+    return out

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from runtime_utils import slot_kept_sets
 from tiny import tiny_model
 
 import h2o_lens
@@ -79,40 +80,12 @@ def brute_force(logits: np.ndarray, prefill: int, slots: int, gqa: str) -> list[
 
 def runtime_sets(q, k, v, prefill: int, slots: int, gqa: str, table: TeacherTable) -> list[list[int]]:
     """Kept sets of the torch prefill and decode step (one KV set, FP64) under ``table``."""
-    n, d = q.shape[2], q.shape[3]
     args = ops.PolicyArgs("oracle", *policies.get("oracle").split(slots, 0, 0), gqa)
-    cap = args.capacity
     pos = torch.arange(prefill, dtype=torch.int32)[None, None]
     with teacher_scores(table):
         scores, _ = ops.prefill_scores(None, None, pos, args, dtype=torch.float64, group=q.shape[1])
         keep = policy.prefill_keep(scores, pos, args.heavy, args.recent)
-        kept_pos = pos[keep].tolist()
-        out = [sorted(kept_pos)]
-        slots_pos = torch.full((1, 1, cap), -1, dtype=torch.int32)
-        slots_pos[0, 0, : len(kept_pos)] = torch.tensor(kept_pos, dtype=torch.int32)
-        keys = torch.zeros(1, 1, cap, d, dtype=torch.float64)
-        values = torch.zeros_like(keys)
-        sc = torch.zeros(1, 1, cap, dtype=torch.float64)
-        for j, p in enumerate(kept_pos):
-            keys[0, 0, j], values[0, 0, j], sc[0, 0, j] = k[0, 0, p], v[0, 0, p], scores[0, 0, p]
-        fill = torch.tensor([len(kept_pos)])
-        for t in range(prefill, n):
-            ops.decode_step(
-                q[:, :, t],
-                k[:, :, t],
-                v[:, :, t],
-                keys,
-                values,
-                sc,
-                slots_pos,
-                torch.tensor([t], dtype=torch.int32),
-                fill if fill.item() < cap else None,
-                1.0,
-                args,
-            )
-            fill = (fill + 1).clamp(max=cap)
-            out.append(sorted(p for p in slots_pos[0, 0].tolist() if p >= 0))
-    return out
+        return slot_kept_sets(q, k, v, prefill, args, scores, keep)
 
 
 def schedule_sets(table: TeacherTable, slots: int) -> list[list[int]]:

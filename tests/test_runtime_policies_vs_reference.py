@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from runtime_utils import KeptRecorder, assert_same_sets, capture_qk, reference_sets
+from runtime_utils import KeptRecorder, assert_same_sets, capture_qk, reference_sets, slot_kept_sets
 from tiny import tiny_model
 
 import h2o_lens
@@ -141,41 +141,14 @@ def test_torch_ops_equal_reference(n, prefill, heavy, recent, group, gqa, name, 
     v = torch.randn(1, 1, n, d, generator=g, dtype=torch.float64)
     expected = spec.reference((q[0] @ k[0, 0].T).numpy(), prefill, heavy, recent, gqa)
     args = ops.PolicyArgs(name, heavy, recent, 0, gqa)
-    cap = heavy + recent
     rows = ops.prefill_rows(q[:, :, :prefill], k[:, :, :prefill], None, 1.0, gqa, spec.prefill_rows)
     pos = torch.arange(prefill, dtype=torch.int32)[None, None]
     scores, hist = ops.prefill_scores(None, rows, pos, args, dtype=torch.float64, group=group)
     keep = policy.prefill_keep(scores, pos, heavy, recent)
-    assert sorted(pos[keep].tolist()) == expected[0]
-    kept_pos = pos[keep].tolist()
-    slots_pos = torch.full((1, 1, cap), -1, dtype=torch.int32)
-    slots_pos[0, 0, : len(kept_pos)] = torch.tensor(kept_pos, dtype=torch.int32)
-    keys = torch.zeros(1, 1, cap, d, dtype=torch.float64)
-    values = torch.zeros_like(keys)
-    sc = torch.zeros(1, 1, cap, dtype=torch.float64)
-    history = torch.zeros(1, 1, cap, dtype=torch.int64) if spec.history else None
-    for j, p in enumerate(kept_pos):
-        keys[0, 0, j], values[0, 0, j], sc[0, 0, j] = k[0, 0, p], v[0, 0, p], scores[0, 0, p]
-        if history is not None:
-            history[0, 0, j] = hist[0, 0, p]
-    fill = torch.tensor([len(kept_pos)])
+    sets = slot_kept_sets(q, k, v, prefill, args, scores, keep, hist if spec.history else None)
+    assert sets[0] == expected[0]
     for t in range(prefill, n):
-        ops.decode_step(
-            q[:, :, t],
-            k[:, :, t],
-            v[:, :, t],
-            keys,
-            values,
-            sc,
-            slots_pos,
-            torch.tensor([t], dtype=torch.int32),
-            fill if fill.item() < cap else None,
-            1.0,
-            args,
-            history=history,
-        )
-        fill = (fill + 1).clamp(max=cap)
-        got = sorted(p for p in slots_pos[0, 0].tolist() if p >= 0)
+        got = sets[t - prefill + 1]
         assert got == expected[t - prefill + 1], f"{name} step {t}"
 
 

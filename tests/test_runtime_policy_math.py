@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from runtime_utils import slot_kept_sets
 
 from h2o_lens import policy
 from h2o_lens.config import H2OConfig
@@ -156,37 +157,14 @@ def test_torch_ops_equal_reference(n, prefill, heavy, recent, group, gqa, seed):
     logits = (q[0] @ k[0, 0].T).numpy()  # (G, N, N), scaling 1
     expected = simulate(logits, prefill, heavy, recent, gqa)
     args = PolicyArgs("h2o", heavy, recent, 0, gqa)
-    cap = heavy + recent
     _, scores = prefill_attention(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], None, 1.0, gqa, chunk=3)
     pos = torch.arange(prefill, dtype=torch.int32)[None, None]
     keep = prefill_select(scores.double(), pos, args)
-    assert sorted(pos[keep].tolist()) == expected[0]
     # lay the kept set into slots and decode the rest
-    kept_pos = pos[keep].tolist()
-    slots_pos = torch.full((1, 1, cap), -1, dtype=torch.int32)
-    slots_pos[0, 0, : len(kept_pos)] = torch.tensor(kept_pos, dtype=torch.int32)
-    keys = torch.zeros(1, 1, cap, d, dtype=torch.float64)
-    values = torch.zeros_like(keys)
-    sc = torch.zeros(1, 1, cap, dtype=torch.float64)
-    for j, p in enumerate(kept_pos):
-        keys[0, 0, j], values[0, 0, j], sc[0, 0, j] = k[0, 0, p], v[0, 0, p], scores[0, 0, p]
-    fill = torch.tensor([len(kept_pos)])
+    sets = slot_kept_sets(q, k, v, prefill, args, scores.double(), keep)
+    assert sets[0] == expected[0]
     for t in range(prefill, n):
-        decode_step(
-            q[:, :, t],
-            k[:, :, t],
-            v[:, :, t],
-            keys,
-            values,
-            sc,
-            slots_pos,
-            torch.tensor([t], dtype=torch.int32),
-            fill if fill.item() < cap else None,
-            1.0,
-            args,
-        )
-        fill = (fill + 1).clamp(max=cap)
-        got = sorted(p for p in slots_pos[0, 0].tolist() if p >= 0)
+        got = sets[t - prefill + 1]
         assert got == expected[t - prefill + 1], f"step {t}"
 
 
