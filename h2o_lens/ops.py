@@ -106,19 +106,33 @@ def prefill_attention(
     out : ``(b, P, Hq, d)`` in the query dtype (the layout attention modules expect)
     scores : ``(b, Hs, P)`` float32, ``score_i = Σ_{u≥i} agg_h a_{h,u,i}``,
         padding rows and columns contribute 0; None when ``need_scores`` is False.
+
+    On CPU (float32, bfloat16, float16) the output and each row's log-sum-exp come from
+    the fused flash kernel and the column sums from one pass over L2-sized score tiles;
+    a padded row is cut to its real span and runs alone, so its bits do not depend on
+    the batch (DESIGN.md §2.3). Elsewhere, and for padding with holes, the chunked
+    softmax of :func:`_prefill_masked`, the reference the fast path is tested against.
     """
-    b, hq, p, d = query.shape
-    hs = key.shape[1]
-    if valid is None and query.device.type == "cpu" and query.dtype in _FLASH_CPU_DTYPES:
-        return _prefill_flash_cpu(query, key, value, scaling, gqa, chunk, need_scores)
+    if query.device.type == "cpu" and query.dtype in _FLASH_CPU_DTYPES:
+        spans = None if valid is None else _contiguous_spans(valid)
+        if valid is None or spans is not None:
+            return _prefill_flash_cpu(query, key, value, spans, scaling, gqa, chunk, need_scores)
     if not need_scores:  # the scores come from elsewhere (the Triton kernel): a fused attention
         return _prefill_sdpa(query, key, value, valid, scaling, SDPA_BLOCK_ROWS), None
+    return _prefill_masked(query, key, value, valid, scaling, gqa, chunk)
+
+
+def _prefill_masked(query, key, value, valid, scaling, gqa, chunk):
+    """The chunked path: each block of ``chunk`` query rows takes its softmax over all its
+    keys at once (any padding pattern, any dtype and device); the reference of the others."""
+    b, hq, p, d = query.shape
+    hs = key.shape[1]
     qg = _group_view(query, hs)  # (b, Hs, G, P, d)
     kt = key.transpose(-1, -2)[:, :, None]  # (b, Hs, 1, d, P)
     vg = value[:, :, None]  # (b, Hs, 1, P, d)
     out = torch.empty(b, hs, hq // hs, p, d, dtype=query.dtype, device=query.device)
     acc = torch.promote_types(query.dtype, torch.float32)  # FP32, or FP64 for FP64 inputs
-    scores = torch.zeros(b, hs, p, dtype=acc, device=query.device) if need_scores else None
+    scores = torch.zeros(b, hs, p, dtype=acc, device=query.device)
     pad = None if valid is None else ~valid[:, None, None, None, :]  # (b,1,1,1,P)
     for s in range(0, p, chunk):
         e = min(p, s + chunk)
@@ -133,10 +147,9 @@ def prefill_attention(
         logits = logits.masked_fill(masked, _NEG)
         w = torch.softmax(logits, dim=-1, dtype=acc)  # (b,Hs,G,c,e)
         out[..., s:e, :] = torch.matmul(w.to(value.dtype), vg[..., :e, :])
-        if need_scores:
-            if pad is not None:
-                w = w.masked_fill(pad[..., s:e].transpose(-1, -2), 0.0)
-            scores[..., :e] += policy.aggregate_group(w, gqa, 2).sum(-2)  # (b,Hs,c,e) summed over rows
+        if pad is not None:
+            w = w.masked_fill(pad[..., s:e].transpose(-1, -2), 0.0)
+        scores[..., :e] += policy.aggregate_group(w, gqa, 2).sum(-2)  # (b,Hs,c,e) summed over rows
     out = out.view(b, hq, p, d).transpose(1, 2)
     return out, scores
 
@@ -183,35 +196,97 @@ def _upper(c: int, device) -> torch.Tensor:
     return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1)
 
 
-def _prefill_flash_cpu(query, key, value, scaling, gqa, chunk, need_scores):
-    """No padding, on CPU: the fused flash kernel gives the output and each row's
-    log-sum-exp; the column sums then need only ``exp(q·k·s − lse)`` per block."""
+def _contiguous_spans(valid: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Each row's real tokens as one ``[start, end)`` span, or None when a row has holes."""
+    count = valid.sum(-1)
+    start = valid.to(torch.int8).argmax(-1)
+    spans = [(int(s), int(s) + int(c)) for s, c in zip(start.tolist(), count.tolist())]
+    for r, (s, e) in enumerate(spans):
+        if e == s or not bool(valid[r, s:e].all()):
+            return None
+    return spans
+
+
+def _prefill_flash_cpu(query, key, value, spans, scaling, gqa, chunk, need_scores):
+    """On CPU: the fused flash kernel gives the output and each row's log-sum-exp; the
+    column sums are a second pass over L2-sized score tiles, ``exp(q·k·s − lse)`` (§2.3).
+
+    ``spans`` is None (no padding) or each row's real span: padding is cut away and the
+    row runs alone, so a request's output and scores are the same bits in any batch.
+    A padding query row sees only itself (its output is its own value), as on the
+    masked path.
+    """
+    b, hq, p, d = query.shape
+    hs = key.shape[1]
+    if spans is None and b == 1:
+        spans = [(0, p)]
+    if spans is not None:
+        out = torch.empty(b, p, hq, d, dtype=query.dtype, device=query.device)
+        scores = torch.zeros(b, hs, p, dtype=torch.float32, device=query.device) if need_scores else None
+        group = hq // hs
+        for r, (s, e) in enumerate(spans):
+            o, c = _flash_cpu_rows(
+                query[r : r + 1, :, s:e],
+                key[r : r + 1, :, s:e],
+                value[r : r + 1, :, s:e],
+                scaling,
+                gqa,
+                chunk,
+                need_scores,
+            )
+            out[r, s:e] = o[0]
+            if need_scores:
+                scores[r, :, s:e] = c[0]
+            for a, z in ((0, s), (e, p)):  # padding rows: their own value
+                if z > a:
+                    out[r, a:z] = value[r, :, a:z].repeat_interleave(group, 0).transpose(0, 1)
+        return out, scores
+    return _flash_cpu_rows(query, key, value, scaling, gqa, chunk, need_scores)
+
+
+#: Query positions and keys per score tile of the CPU column pass: a tile of
+#: ``(COLUMN_ROWS · G) × KEY_BLOCK`` float32 weights per KV set stays in L2.
+COLUMN_ROWS = 128
+KEY_BLOCK = 256
+
+
+def _flash_cpu_rows(query, key, value, scaling, gqa, chunk, need_scores):
+    """:func:`_prefill_flash_cpu` on rows without padding."""
     b, hq, p, d = query.shape
     hs = key.shape[1]
     group = hq // hs
     k = key.repeat_interleave(group, dim=1) if group > 1 else key
     v = value.repeat_interleave(group, dim=1) if group > 1 else value
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, True, scale=scaling)[
-        :2
-    ]  # (b,Hq,P,d), (b,Hq,P)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query.contiguous(), k.contiguous(), v.contiguous(), 0.0, True, scale=scaling
+    )[:2]  # (b,Hq,P,d), (b,Hq,P)
     out = out.transpose(1, 2)
     if not need_scores:
         return out, None
     # rows ordered (position, head) so that a block of positions is a view
     qg = _group_view(query.float() * scaling, hs).transpose(2, 3).reshape(b * hs, p * group, d)  # (b·Hs, P·G, d)
     lse = _group_view(lse.float(), hs).transpose(2, 3).reshape(b * hs, p * group, 1)
-    kf = key.float().reshape(b * hs, p, d)
-    scores = torch.zeros(b, hs, p, dtype=torch.float32, device=query.device)
-    for s in range(0, p, chunk):
-        e = min(p, s + chunk)
+    kt = key.float().reshape(b * hs, p, d).transpose(1, 2)  # (b·Hs, d, P)
+    scores = torch.zeros(b * hs, 1, p, dtype=torch.float32, device=query.device)
+    step = max(1, min(chunk, COLUMN_ROWS))
+    ones = torch.ones(b * hs, 1, step * group, dtype=torch.float32, device=query.device)
+    for s in range(0, p, step):
+        e = min(p, s + step)
         c = e - s
-        # w = exp(q·k·scaling − lse): the softmax weights (a broadcast baddbmm is slower on CPU)
-        w = torch.bmm(qg[:, s * group : e * group], kf[:, :e].transpose(1, 2))  # (b·Hs, c·G, e)
-        w.sub_(lse[:, s * group : e * group]).exp_()
-        w = w.view(b, hs, c, group, e)
-        w[..., s:e].masked_fill_(_upper(c, query.device)[:, None, :], 0.0)  # future keys
-        scores[..., :e] += policy.aggregate_group(w, gqa, 3, rows=2)
-    return out, scores
+        qs, ls = qg[:, s * group : e * group], lse[:, s * group : e * group]
+        for j in range(0, e, KEY_BLOCK):
+            je = min(e, j + KEY_BLOCK)
+            # w = exp(q·k·scaling − lse): the softmax weights of one tile
+            w = torch.bmm(qs, kt[:, :, j:je])  # (b·Hs, c·G, je − j)
+            w.sub_(ls).exp_()
+            if je > s + 1:  # the tile reaches the diagonal: future keys weigh 0
+                rows = torch.arange(s, e, device=query.device)[:, None, None]
+                w.view(b * hs, c, group, je - j).masked_fill_(torch.arange(j, je, device=query.device) > rows, 0.0)
+            if gqa == "max" and group > 1:
+                scores[:, 0, j:je] += w.view(b * hs, c, group, je - j).amax(2).sum(1)
+            else:  # the sum over rows and heads as one matrix-vector product
+                scores[:, :, j:je] += torch.bmm(ones[:, :, : c * group], w)
+    return out, scores.view(b, hs, p)
 
 
 _MASK32 = 0xFFFFFFFF
