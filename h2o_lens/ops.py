@@ -209,7 +209,7 @@ def _contiguous_spans(valid: torch.Tensor) -> list[tuple[int, int]] | None:
 
 def _prefill_flash_cpu(query, key, value, spans, scaling, gqa, chunk, need_scores):
     """On CPU: the fused flash kernel gives the output and each row's log-sum-exp; the
-    column sums are a second pass over L2-sized score tiles, ``exp(q·k·s − lse)`` (§2.3).
+    column sums are a second pass over L2-sized score tiles, ``exp(q·k·s − lse)`` (DESIGN.md §2.3).
 
     ``spans`` is None (no padding) or each row's real span: padding is cut away and the
     row runs alone, so a request's output and scores are the same bits in any batch.
