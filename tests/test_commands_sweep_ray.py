@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 TIMINGS = {"created_at", "finished_at", "seconds_per_token", "prefill_seconds", "path"}
 #: long enough (new tokens) that a cell is still being recorded when the test finds it running
 SLOW = [
-    {"name": "slow_a", "prompt": "Count from one onwards and do not stop: one, two, three,", "max_new_tokens": 160},
-    {"name": "slow_b", "prompt": "List colours, one per line, for a long time: red, green,", "max_new_tokens": 160},
+    {"name": "slow_a", "prompt": "Count from one onwards and do not stop: one, two, three,", "max_new_tokens": 96},
+    {"name": "slow_b", "prompt": "List colours, one per line, for a long time: red, green,", "max_new_tokens": 96},
 ]
 
 
@@ -213,3 +213,19 @@ def test_ray_options_without_the_ray_executor_are_refused(capsys):
 
     assert main(["sweep", "--address", "auto", "--workers", "2"]) == 2
     assert "--address, --workers only apply to a Ray sweep; add --executor ray" in capsys.readouterr().err
+
+
+def test_bench_sweep_on_ray_prints_both_executors_the_ratio_and_the_overhead(ray_cluster, tiny_dir, tmp_path, capsys):
+    from commands.bench import bench_sweep
+    from h2o_lens.models import load_model
+
+    task_file = _task_file(tmp_path / "tasks.jsonl", REQUESTS[:4])
+    model, tok = load_model(tiny_dir, progress=False)
+    common = dict(tasks=str(task_file), count=4, batch_size=1, new_tokens=2, replay=False)
+    assert bench_sweep(str(tiny_dir), model=model, tokenizer=tok, executor="ray", workers=2, **common) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("in-process", "ray x2"))}
+    assert rows["in-process"][1] == rows["ray"][2] == "4", out  # 4 cells each way
+    ratio = float(out.split("ray / in-process: ")[1].split("x")[0])
+    assert ratio > 0
+    assert "ms (worker time outside cells)" in out and "ms (no-op round trip)" in out
