@@ -85,7 +85,8 @@ def _sweep_csv(root: Path) -> list[dict[str, str]]:
         return [{k: v for k, v in row.items() if k != "ms_per_token"} for row in csv.DictReader(fh)]
 
 
-def test_a_ray_sweep_writes_the_same_runs_as_the_in_process_one(ray_cluster, tiny_dir, tmp_path):
+def test_a_ray_sweep_writes_the_same_runs_as_the_in_process_one(ray_cluster, tiny_dir, tmp_path, capsys):
+    from commands.grid import LOCK_DIR, _flock
     from commands.jobs import sweep
     from commands.ray_sweep import RayOptions, RaySweep
     from h2o_lens.models import load_model
@@ -103,8 +104,18 @@ def test_a_ray_sweep_writes_the_same_runs_as_the_in_process_one(ray_cluster, tin
         progress=False,
     )
     sweep(tmp_path / "inprocess", model=model, **grid)
+    (plan,) = json.loads((tmp_path / "inprocess" / "sweep_plan.json").read_text())["grids"].values()
+    held = plan["cells"][4]["run_id"]
+    capsys.readouterr()
     with RaySweep(str(tiny_dir), "float64", RayOptions(workers=2)) as pool:
-        sweep(tmp_path / "ray", executor=pool, **grid)
+        # a cell whose lock another process holds is left to it by the workers, as in-process
+        with _flock(tmp_path / "ray" / LOCK_DIR / f"{held}.lock", wait=False) as mine:
+            assert mine
+            sweep(tmp_path / "ray", executor=pool, **grid)
+        assert "8 run, 0 already done, 0 failed, 1 taken by another sweep" in capsys.readouterr().out
+        assert not (tmp_path / "ray" / held).exists()
+        sweep(tmp_path / "ray", executor=pool, **grid)  # the same command again: only that cell runs
+        assert "1 run, 8 already done, 0 failed, 0 taken" in capsys.readouterr().out
         workers = [(w.info["pid"], w.cells) for w in pool.workers]
     # two worker processes (not this one), each of which ran cells: 3 batches x (full + 2 policies)
     assert len({pid for pid, _ in workers}) == 2 and os.getpid() not in {pid for pid, _ in workers}
@@ -229,3 +240,26 @@ def test_bench_sweep_on_ray_prints_both_executors_the_ratio_and_the_overhead(ray
     ratio = float(out.split("ray / in-process: ")[1].split("x")[0])
     assert ratio > 0
     assert "ms (worker time outside cells)" in out and "ms (no-op round trip)" in out
+
+
+def test_a_cell_whose_worker_was_lost_is_left_failed_with_the_error(tmp_path):
+    from commands.grid import LOCK_DIR, _flock, cell_state, fail_cell, grid_status, plan_grid, write_plan
+    from h2o_lens.tasks.taskfile import resolve_tasks
+    from recorders.manifest import process_identity, read_manifest, write_manifest
+
+    tasks = resolve_tasks(str(_task_file(tmp_path / "tasks.jsonl", REQUESTS)))
+    tok = _byte_tokenizer()
+    grid = plan_grid(tasks, tok, model="tiny", tasks_spec="t", policies=[("h2o", "sum")], ratios=[0.5], batch_size=1)
+    root = tmp_path / "root"
+    write_plan(root, grid)
+    lost, done = grid.cells[0], grid.cells[1]
+    for cell, status in ((lost, "running"), (done, "complete")):
+        (root / cell.run_id).mkdir()
+        write_manifest(root / cell.run_id, {"run_id": cell.run_id, "status": status, "writer": process_identity()})
+    with _flock(root / LOCK_DIR / f"{lost.run_id}.lock", wait=False):  # its writer still holds it
+        assert not fail_cell(root, lost, "worker lost 2 times: ActorDiedError")
+    assert fail_cell(root, lost, "worker lost 2 times: ActorDiedError")
+    assert cell_state(root, lost.run_id, False) == ("failed", "WorkerLost: worker lost 2 times: ActorDiedError")
+    assert f"failed {lost.run_id}: WorkerLost: worker lost 2 times" in grid_status(root)
+    assert not fail_cell(root, done, "late") and read_manifest(root / done.run_id)["status"] == "complete"
+    assert not fail_cell(root, grid.cells[2], "never started") and not (root / grid.cells[2].run_id).exists()
