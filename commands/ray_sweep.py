@@ -185,6 +185,13 @@ class RaySweep:
                 )
             self._owns_cluster = True
         count = opts.workers or self._fits()
+        if opts.workers and opts.workers > self._fits():
+            print(
+                f"h2o-lens: the Ray cluster holds {self._fits()} of the {opts.workers} workers asked for now "
+                f"({opts.cpus_per_worker:g} CPUs, {opts.gpus_per_worker:g} GPUs each); the others start when "
+                "resources free up",
+                file=sys.stderr,
+            )
         actor = ray.remote(
             num_cpus=opts.cpus_per_worker,
             num_gpus=opts.gpus_per_worker,
