@@ -497,8 +497,14 @@ def bench_sweep(
     budget: str = "slots",
     model=None,
     tokenizer=None,
+    executor: str = "inprocess",
+    workers: int = 2,
 ) -> int:
     """Requests per minute of the same sweep grid batched and one request at a time, side by side.
+
+    ``executor="ray"`` compares instead the in-process executor with a Ray sweep of
+    ``workers`` workers on a local cluster (:func:`_bench_sweep_ray`), on the grid of
+    ``batch_size``.
 
     The grid is ``count`` requests of ``tasks`` (each with ``new_tokens`` new
     tokens, so that they share batches) under h2o gqa sum at one budget:
@@ -553,6 +559,10 @@ def bench_sweep(
     with torch.no_grad():  # warm-up: the first generate of a process pays one-time costs
         enc = tokenizer([reqs[0].chat_text(tokenizer)], return_tensors="pt", add_special_tokens=False)
         model.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    if executor == "ray":
+        return _bench_sweep_ray(model_name, model, tokenizer, reqs, grids[batch_size], rounds, workers)
+    if executor != "inprocess":
+        raise ValueError(f"executor must be 'inprocess' or 'ray', got {executor!r}")
     times: dict[int, list[tuple[float, float, float]]] = {size: [] for size in grids}
     for _ in range(rounds):
         for size, grid in grids.items():
@@ -572,4 +582,63 @@ def bench_sweep(
         mode = f"batch {size}" if size > 1 else "one at a time"
         print(f"{mode:<22} {len(grid.cells):>5} {total:>8.1f} {rec:>9.1f} {rep:>9.1f} {rate[size]:>13.1f}")
     print(f"batched / one at a time: {rate[batch_size] / rate[1]:.2f}x requests per minute")
+    return 0
+
+
+def _bench_sweep_ray(model_name, model, tokenizer, reqs, grid, rounds: int, workers: int) -> int:
+    """Cells per minute of one grid in-process and on ``workers`` Ray workers, side by side.
+
+    The Ray workers are started (and warmed up) once, before the clock; each round
+    runs the grid into a fresh root both ways. The per-cell scheduling overhead is
+    the workers' time outside the cells, ``(wall × workers − Σ cell seconds) / cells``,
+    and the median round trip of a call that runs nothing.
+    """
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import recorders.recorder  # noqa: F401  (imported before the clock, as the workers do)
+    import recorders.replay  # noqa: F401
+
+    from .grid import run_grid
+    from .ray_sweep import RayOptions, RaySweep, scheduling_overhead_ms
+
+    dtype = str(model.dtype).removeprefix("torch.")
+    with RaySweep(model_name, dtype, RayOptions(workers=workers)) as pool:
+        t0 = time.perf_counter()
+        pool.start()
+        pool.warm_up()
+        start = time.perf_counter() - t0
+        round_trip = pool.round_trip_ms()
+        times: dict[str, list[float]] = {"in-process": [], f"ray x{workers}": []}
+        overheads = []
+        for _ in range(rounds):
+            for mode in times:
+                root = Path(tempfile.mkdtemp(prefix="h2o-lens-bench-sweep-"))
+                busy = [w.busy_seconds for w in pool.workers]
+                try:
+                    if mode == "in-process":
+                        report = run_grid(root, grid, reqs, model, tokenizer, progress=False)
+                    else:
+                        report = pool.run(root, grid, reqs, progress=False)
+                finally:
+                    shutil.rmtree(root, ignore_errors=True)
+                if report.failed or len(report.ran) != len(grid.cells):
+                    raise RuntimeError(f"bench sweep: cells not run: {report.failed or report.busy}")
+                times[mode].append(report.seconds)
+                if mode != "in-process":
+                    spent = [w.busy_seconds - b for w, b in zip(pool.workers, busy)]
+                    overheads.append(scheduling_overhead_ms(report.seconds, spent, len(grid.cells)))
+    print(f"{'executor':<14} {'cells':>6} {'seconds':>8} {'cells/min':>10} {'requests/min':>13}")
+    rate = {}
+    for mode, ts in times.items():
+        total = statistics.median(ts)
+        rate[mode] = 60 * len(grid.cells) / total
+        print(f"{mode:<14} {len(grid.cells):>6} {total:>8.1f} {rate[mode]:>10.1f} {60 * len(reqs) / total:>13.1f}")
+    ray_mode = f"ray x{workers}"
+    print(f"ray / in-process: {rate[ray_mode] / rate['in-process']:.2f}x cells per minute")
+    print(
+        f"scheduling overhead per cell: {statistics.median(overheads):.1f} ms (worker time outside cells), "
+        f"{round_trip:.2f} ms (no-op round trip); workers started and warm in {start:.1f} s (not timed above)"
+    )
     return 0

@@ -496,6 +496,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.status is not None:
         print(grid_status(args.status))
         return 0
+    executor = _sweep_executor(args)  # ConfigError (Ray missing, bad options): exit 2 before any load
     grid = sweep_grid(args.policies, args.gqa)  # ConfigError: exit 2 before the model loads
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -507,24 +508,53 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         slots = [_number(v, int, "--slots") for v in _split_list(args.slots)]
     else:
         ratios = [_number(v, float, "--ratios") for v in _split_list(args.ratios)] or list(SWEEP_RATIOS)
-    model, tok = _load(args)
+    if executor is None:
+        model, tok = _load(args)
+    else:  # the Ray workers load the model; the plan needs only the tokenizer here
+        from h2o_lens.models import load_tokenizer
+
+        model, tok = None, load_tokenizer(args.model)
     tasks = _resolve(spec, args, tok)
-    sweep(
-        args.out,
-        tasks=tasks,
-        tasks_spec=spec,
-        model=model,
-        tokenizer=tok,
-        ratios=ratios,
-        slots=slots,
-        policies=grid,
-        batch_size=args.batch_size,
-        replay=not args.no_replay,
-        seed=args.seed,
-        page_size=args.page_size,
-        command=["h2o-lens", *sys.argv[1:]] if sys.argv[1:2] == ["sweep"] else [],
-    )
+    try:
+        sweep(
+            args.out,
+            tasks=tasks,
+            tasks_spec=spec,
+            model=model,
+            tokenizer=tok,
+            ratios=ratios,
+            slots=slots,
+            policies=grid,
+            batch_size=args.batch_size,
+            replay=not args.no_replay,
+            seed=args.seed,
+            page_size=args.page_size,
+            command=["h2o-lens", *sys.argv[1:]] if sys.argv[1:2] == ["sweep"] else [],
+            executor=executor,
+        )
+    finally:
+        if executor is not None:
+            executor.close()
     return 0
+
+
+def _sweep_executor(args: argparse.Namespace):
+    """``None`` for the in-process executor, else a :class:`~commands.ray_sweep.RaySweep` (not started)."""
+    from h2o_lens.errors import ConfigError
+
+    if args.executor != "ray":
+        given = [o for o, v in (("--address", args.address), ("--workers", args.workers)) if v is not None]
+        given += ["--gpus-per-worker"] if args.gpus_per_worker else []
+        if given:
+            raise ConfigError(f"{', '.join(given)} only apply to a Ray sweep; add --executor ray")
+        return None
+    from .ray_sweep import RayOptions, RaySweep, require_ray
+
+    require_ray()
+    options = RayOptions(
+        address=args.address, workers=args.workers, gpus_per_worker=args.gpus_per_worker, retries=args.retries
+    )
+    return RaySweep(args.model, args.dtype, options)
 
 
 def _number(text: str, kind: type, option: str):
@@ -647,6 +677,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             rounds=args.rounds,
             budget=args.budget,
             new_tokens=args.new_tokens or 16,
+            executor=args.executor,
+            workers=args.workers,
         )
     if args.what == "sql":
         from analyses.bench import bench_sql
@@ -788,6 +820,27 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--batch-size", type=int, default=8, help="requests per generate call and run (default 8)")
     sw.add_argument("--no-replay", action="store_true", help="record only (no KL or dropped mass in the curves)")
     sw.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    ray = sw.add_argument_group("executor (DESIGN.md §13)")
+    ray.add_argument(
+        "--executor",
+        choices=["inprocess", "ray"],
+        default="inprocess",
+        help="where the cells run: this process (default) or the workers of a Ray cluster "
+        "(pip install 'h2o-lens[ray]'); --out must then be a folder every node sees",
+    )
+    ray.add_argument(
+        "--address", default=None, help="ray: an existing cluster (e.g. auto, HOST:6379); default a local one"
+    )
+    ray.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="ray: worker actors, each loading the model once (default: fill the cluster)",
+    )
+    ray.add_argument("--gpus-per-worker", type=float, default=0.0, help="ray: GPUs per worker (0: CPU workers)")
+    ray.add_argument(
+        "--retries", type=int, default=1, help="ray: times a cell whose worker died is run again (default 1)"
+    )
     sw.set_defaults(func=cmd_sweep)
 
     _add_tasks_parser(sub)
@@ -827,6 +880,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--budget", choices=["slots", "ratio"], default="slots", help="sweep: one slot count, or --keep per prompt"
     )
+    b.add_argument(
+        "--executor",
+        choices=["inprocess", "ray"],
+        default="inprocess",
+        help="sweep: ray compares the in-process executor with --workers Ray workers (local cluster)",
+    )
+    b.add_argument("--workers", type=int, default=2, help="sweep --executor ray: Ray workers (default 2)")
     b.set_defaults(func=cmd_bench)
     return p
 

@@ -55,6 +55,9 @@ __all__ = [
     "make_batches",
     "plan_grid",
     "run_grid",
+    "run_cell",
+    "fail_cell",
+    "CellOutcome",
     "cell_state",
     "grid_status",
     "tasks_digest",
@@ -146,9 +149,21 @@ class GridReport:
     failed: dict[str, str] = field(default_factory=dict)
     busy: list[str] = field(default_factory=list)
     redone: list[str] = field(default_factory=list)  # cells found failed or interrupted, removed and redone
+    retried: dict[str, int] = field(default_factory=dict)  # run again after their worker died (DESIGN.md §13)
     seconds: float = 0.0
     record_seconds: float = 0.0  # recording (generate with the recorder, the run written)
     replay_seconds: float = 0.0
+
+    def add(self, cell: CellOutcome) -> None:
+        """Count one cell's outcome."""
+        if cell.outcome == "failed":
+            self.failed[cell.key] = cell.error or "failed"
+        else:
+            {"ran": self.ran, "done": self.done, "busy": self.busy}[cell.outcome].append(cell.key)
+        if cell.redone:
+            self.redone.append(cell.key)
+        self.record_seconds += cell.record_seconds
+        self.replay_seconds += cell.replay_seconds
 
 
 def sweep_label(policy: str, gqa: str) -> str:
@@ -396,6 +411,62 @@ def _record_cell(root: Path, cell: Cell, tasks: Sequence[Any], model: Any, token
         model.generate(**enc, max_new_tokens=cell.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
 
 
+@dataclass
+class CellOutcome:
+    """What :func:`run_cell` did with one cell: ``ran``, ``done`` (found complete), ``busy``
+    (locked by another process) or ``failed`` (with the error); timings in seconds."""
+
+    key: str
+    outcome: str
+    error: str | None = None
+    redone: bool = False
+    record_seconds: float = 0.0
+    replay_seconds: float = 0.0
+    seconds: float = 0.0
+
+
+def run_cell(
+    root: str | os.PathLike, cell: Cell, grid: Grid, tasks: Sequence[Any], model: Any, tokenizer: Any
+) -> CellOutcome:
+    """Run one cell under its lock (DESIGN.md §12.3): skip it when done or taken, redo it when
+    failed or interrupted, replay it when only the replay is missing.
+
+    The one function every executor runs per cell, in-process or on a Ray worker
+    (DESIGN.md §13). A cell that raises is left ``failed`` with its error.
+    """
+    t0 = time.perf_counter()
+    from recorders.replay import replay as replay_run
+
+    root = Path(root)
+    out = CellOutcome(cell.key, "ran")
+    with _flock(root / LOCK_DIR / f"{cell.run_id}.lock", wait=False) as mine:
+        state = cell_state(root, cell.run_id, grid.replay)[0] if mine else "busy"
+        if state in ("busy", "done"):
+            out.outcome = state
+            out.seconds = time.perf_counter() - t0
+            return out
+        try:
+            if state != "unreplayed":
+                if state != "todo":  # failed, or left by a killed writer: start the cell afresh
+                    shutil.rmtree(root / cell.run_id)
+                    out.redone = True
+                t1 = time.perf_counter()
+                _record_cell(root, cell, tasks, model, tokenizer, grid)
+                out.record_seconds = time.perf_counter() - t1
+            if grid.replay:
+                t1 = time.perf_counter()
+                replay_run(root / cell.run_id, model=model, progress=False)
+                out.replay_seconds = time.perf_counter() - t1
+        except Exception as exc:
+            out.outcome, out.error = "failed", f"{type(exc).__name__}: {exc}"
+            print(f"h2o-lens: cell {cell.run_id} failed: {exc}", file=sys.stderr)
+            if os.environ.get("H2O_LENS_DEBUG"):
+                traceback.print_exc()
+            _mark_failed(root / cell.run_id, exc)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
 def run_grid(
     root: str | os.PathLike,
     grid: Grid,
@@ -412,41 +483,12 @@ def run_grid(
     """
     from tqdm.auto import tqdm
 
-    from recorders.replay import replay as replay_run
-
     root = Path(root)
     write_plan(root, grid)
     report = GridReport()
     t0 = time.perf_counter()
     for cell in tqdm(grid.cells, desc="sweep", unit="cell", disable=not progress):
-        with _flock(root / LOCK_DIR / f"{cell.run_id}.lock", wait=False) as mine:
-            if not mine:
-                report.busy.append(cell.key)
-                continue
-            state, _ = cell_state(root, cell.run_id, grid.replay)
-            if state == "done":
-                report.done.append(cell.key)
-                continue
-            try:
-                if state != "unreplayed":
-                    if state != "todo":  # failed, or left by a killed writer: start the cell afresh
-                        shutil.rmtree(root / cell.run_id)
-                        report.redone.append(cell.key)
-                    t1 = time.perf_counter()
-                    _record_cell(root, cell, tasks, model, tokenizer, grid)
-                    report.record_seconds += time.perf_counter() - t1
-                if grid.replay:
-                    t1 = time.perf_counter()
-                    replay_run(root / cell.run_id, model=model, progress=False)
-                    report.replay_seconds += time.perf_counter() - t1
-            except Exception as exc:
-                report.failed[cell.key] = f"{type(exc).__name__}: {exc}"
-                print(f"h2o-lens: cell {cell.run_id} failed: {exc}", file=sys.stderr)
-                if os.environ.get("H2O_LENS_DEBUG"):
-                    traceback.print_exc()
-                _mark_failed(root / cell.run_id, exc)
-                continue
-            report.ran.append(cell.key)
+        report.add(run_cell(root, cell, grid, tasks, model, tokenizer))
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -463,6 +505,30 @@ def _mark_failed(run_dir: Path, exc: BaseException) -> None:
         manifest["error"] = f"replay: {exc}"
         manifest["error_type"] = type(exc).__name__
         write_manifest(run_dir, manifest)
+
+
+def fail_cell(root: str | os.PathLike, cell: Cell, error: str, error_type: str = "WorkerLost") -> bool:
+    """Leave a cell whose writer was lost ``failed`` with ``error`` (redone by the next sweep).
+
+    Under the cell's lock: a run folder left ``running`` or ``interrupted`` gets a
+    ``failed`` manifest; a complete or missing one is left as it is. Returns
+    whether a manifest was rewritten (False also when another process holds the cell).
+    """
+    from recorders.manifest import MANIFEST_NAME, read_manifest, write_manifest
+
+    run_dir = Path(root) / cell.run_id
+    with _flock(Path(root) / LOCK_DIR / f"{cell.run_id}.lock", wait=False) as mine:
+        if not mine or not (run_dir / MANIFEST_NAME).exists():
+            return False
+        try:
+            manifest = read_manifest(run_dir)
+        except Exception:  # a damaged manifest: the next sweep redoes the cell anyway
+            return False
+        if manifest.get("status") not in ("running", "interrupted"):
+            return False
+        manifest.update(status="failed", error=error, error_type=error_type)
+        write_manifest(run_dir, manifest)
+        return True
 
 
 # -- status ------------------------------------------------------------------------------------

@@ -280,6 +280,7 @@ def sweep(
     page_size: int = 16,
     command: Sequence[str] = (),
     progress: bool = True,
+    executor: Any = None,
 ) -> Any:
     """Keep ratio (or slots) × policy over the requests → the three curves (quality, physical KV, latency).
 
@@ -293,14 +294,25 @@ def sweep(
     ``tasks``: :class:`~h2o_lens.tasks.taskfile.FileTask` (or suite tasks) in
     memory; default the ``builtin:small`` family. ``tasks_spec`` names them in
     the cell keys (default: ``builtin:small``, or ``inline`` for given tasks).
+
+    ``executor``: ``None`` runs the cells in this process; a started or new
+    :class:`~commands.ray_sweep.RaySweep` runs them on its Ray workers, which
+    hold the model (``model`` is then not needed, only the tokenizer; DESIGN.md §13).
     """
-    from h2o_lens.models import load_model, model_info
+    from h2o_lens.models import load_model, load_tokenizer, model_info
     from h2o_lens.tasks.taskfile import FileTask, from_builtin, resolve_tasks
 
     from .grid import plan_grid, run_grid
 
-    if model is None:
-        model, tokenizer = load_model(progress=progress)
+    kv_per_token = None
+    if executor is not None:  # the workers load the model; the plan needs its name and dtype
+        info = executor.info or executor.start()
+        name, dtype, kv_per_token = info["name"], info["dtype"], info["kv_bytes_per_token"]
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(executor.model)
+    else:
+        if model is None:
+            model, tokenizer = load_model(progress=progress)
+        name, dtype = str(model_info(model)["name"]), str(model.dtype).removeprefix("torch.")
     if tasks is None:
         tasks_spec = tasks_spec or "builtin:small"
         tasks = resolve_tasks(tasks_spec, tokenizer=tokenizer)
@@ -308,19 +320,23 @@ def sweep(
     grid = plan_grid(
         tasks,
         tokenizer,
-        model=str(model_info(model)["name"]),
+        model=name,
         tasks_spec=tasks_spec or "inline",
         policies=policies,
         ratios=None if slots is not None else ratios,
         slots=slots,
         batch_size=batch_size,
-        dtype=str(model.dtype).removeprefix("torch."),
+        dtype=dtype,
         seed=seed,
         replay=replay,
         command=command,
     )
     root = Path(out)
-    report = run_grid(root, grid, tasks, model, tokenizer, progress=progress)
+    if executor is not None:
+        report = executor.run(root, grid, tasks, progress=progress)
+        print(executor.summary(report))
+    else:
+        report = run_grid(root, grid, tasks, model, tokenizer, progress=progress)
     print(
         f"{len(grid.cells)} cells ({len(grid.batches)} batches of up to {batch_size} requests): "
         f"{len(report.ran)} run, {len(report.done)} already done, {len(report.failed)} failed, "
@@ -330,7 +346,7 @@ def sweep(
     if not done:
         print(f"no complete cell under {root}/ yet; no curves written")
         return None
-    table = sweep_table(root, done, model, page_size=page_size, replayed=replay)
+    table = sweep_table(root, done, model, page_size=page_size, replayed=replay, kv_bytes_per_token=kv_per_token)
     write_sweep_outputs(root, table, page_size)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"\n{len(done)} runs under {root}/; curves in {root}/sweep.html, table in {root}/sweep.csv")
@@ -339,9 +355,20 @@ def sweep(
     return table
 
 
-def sweep_table(root: Path, cells: Sequence[Any], model: Any, *, page_size: int = 16, replayed: bool = True) -> Any:
+def sweep_table(
+    root: Path,
+    cells: Sequence[Any],
+    model: Any,
+    *,
+    page_size: int = 16,
+    replayed: bool = True,
+    kv_bytes_per_token: int | None = None,
+) -> Any:
     """One row per (curve, budget): accuracy over the checked requests, mean KL, dropped mass,
-    KV and page shares, bytes per token and median latency, from the cells' runs."""
+    KV and page shares, bytes per token and median latency, from the cells' runs.
+
+    ``kv_bytes_per_token``: a full cache's K and V bytes of one position, when
+    ``model`` is not loaded here (a Ray sweep); else read from ``model``."""
     from analyses import connect, run_curve_points
     from h2o_lens.runtime import full_kv_bytes
 
@@ -369,7 +396,8 @@ def sweep_table(root: Path, cells: Sequence[Any], model: Any, *, page_size: int 
     if not replayed:
         points["kl_mean"] = float("nan")
         points["dropped_mass"] = float("nan")
-    per_token = full_kv_bytes(model, 1)  # K and V bytes of one position in a full cache, all layers
+    # K and V bytes of one position in a full cache, all layers
+    per_token = kv_bytes_per_token if kv_bytes_per_token is not None else full_kv_bytes(model, 1)
     table = points.groupby(["policy", x], as_index=False).agg(
         right=("right", "sum"),
         checked=("checked", "sum"),
