@@ -4,7 +4,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench gpu-check samples mutate clean
+.PHONY: setup demo test bench gpu-wheels gpu-check samples mutate clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,10 +28,14 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens bench record
 	HF_HUB_OFFLINE=1 $(BIN)/python -m analyses.bench
 
-# on a CUDA machine: the kernel tests natively (no interpreter), then the kernel benchmarks
-gpu-check: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m kernel tests/test_runtime_kernels.py tests/test_runtime.py
-	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens bench kernels
+# where the package registry is reachable: the wheels gpu-check installs, into .gpu-wheels/
+gpu-wheels:
+	PYTHON=$(PYTHON) bash .ci/gpu-wheels
+
+# on a CUDA machine, offline, with .gpu-wheels/ carried along: the kernel tests natively (no
+# interpreter), then the kernel benchmarks; python3 (or $$PYTHON) brings CUDA torch and triton
+gpu-check:
+	bash .ci/gpu-check
 
 # regenerate the shipped sample runs (policy cases and three real tasks, replayed)
 samples: setup

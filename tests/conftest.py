@@ -8,12 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from app_runs import build_runs_root
 
 
 @pytest.fixture(scope="module")
 def app_runs_root(tmp_path_factory) -> Path:
-    """A runs root with every case the dashboard must handle (:func:`app_runs.build_runs_root`)."""
+    """A runs root with every case the dashboard must handle (:func:`app_runs.build_runs_root`).
+
+    Imported here, not at the top: app_runs pulls the recorders and DuckDB, which the kernel tests
+    on a GPU machine (``make gpu-check``) neither need nor install."""
+    from app_runs import build_runs_root
+
     return build_runs_root(tmp_path_factory.mktemp("app") / "runs")
 
 

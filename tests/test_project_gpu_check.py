@@ -1,0 +1,99 @@
+"""`make gpu-check` runs on a bare CUDA machine without the package registry (.ci/gpu-check).
+
+The dry mode resolves the install against .gpu-wheels/ with pip's resolver and no index, for
+this interpreter and from scratch for CPython 3.10-3.12; those tests need the folder
+(`make gpu-wheels`) and are skipped without it: nothing here downloads.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / ".ci" / "gpu-check"
+WHEELS = REPO / ".gpu-wheels"
+_PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+TRANSFORMERS = next(r for r in _PROJECT["dependencies"] if r.startswith("transformers"))
+PYTEST = next(r for r in _PROJECT["optional-dependencies"]["test"] if r.startswith("pytest"))
+needs_wheels = pytest.mark.skipif(
+    not any(WHEELS.glob("transformers-*.whl")), reason="no .gpu-wheels/ here (`make gpu-wheels` fills it)"
+)
+
+
+def _gpu_check(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "GPU_CHECK_", "TRITON_"))}
+    clean.pop("OUT", None)
+    clean.update(PYTHON=sys.executable, TMPDIR=str(tmp_path), **env)
+    return subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=300)
+
+
+def test_make_gpu_check_runs_the_script_alone():
+    """No `setup` prerequisite: that creates .venv and installs from the registry."""
+    res = subprocess.run(["make", "-n", "gpu-check"], cwd=REPO, capture_output=True, text=True, check=True)
+    assert res.stdout.split("\n")[0] == "bash .ci/gpu-check", res.stdout
+
+
+def test_kernel_tests_import_no_recorders_or_duckdb():
+    """The shared conftest pulls the dashboard's runs root (recorders, pyarrow, DuckDB) only in its fixture."""
+    code = (
+        "import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import conftest; "
+        "print(sorted(m for m in ('app_runs', 'recorders', 'duckdb', 'pyarrow') if m in sys.modules))"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(REPO / "tests"), str(REPO)], capture_output=True, text=True, check=True
+    )
+    assert res.stdout.strip() == "[]"
+
+
+def test_missing_wheels_folder_says_how_to_fill_it(tmp_path):
+    res = _gpu_check(tmp_path, GPU_WHEELS=str(tmp_path / "absent"))
+    assert res.returncode == 1
+    assert "no wheels folder" in res.stderr and "make gpu-wheels" in res.stderr
+
+
+def test_without_cuda_it_stops_before_installing(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    empty = tmp_path / "wheels"
+    empty.mkdir()
+    res = _gpu_check(tmp_path, GPU_WHEELS=str(empty))
+    assert res.returncode == 1
+    assert "sees no CUDA device" in res.stderr and "GPU_CHECK_ALLOW_CPU=1" in res.stderr
+    assert "pip install" not in res.stdout
+
+
+@pytest.mark.slow
+@needs_wheels
+def test_dry_run_resolves_every_requirement_from_the_wheels_offline(tmp_path):
+    res = _gpu_check(tmp_path, GPU_CHECK_DRY="1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert f"--no-index --find-links {WHEELS} {TRANSFORMERS} {PYTEST}" in out
+    tests = "tests/test_runtime_kernels.py tests/test_runtime.py"
+    assert f"python -m pytest -q -p no:cacheprovider -m kernel {tests}" in out
+    assert "python -m commands.cli bench kernels" in out
+    for version in ("3.11", "3.12"):
+        assert f"CPython {version} from scratch: {TRANSFORMERS} {PYTEST} resolve" in out
+    assert f"CPython 3.10 from scratch: {PYTEST} resolve" in out
+
+
+@pytest.mark.slow
+@needs_wheels
+def test_dry_run_fails_when_a_needed_wheel_is_missing(tmp_path):
+    """The same check against the folder less huggingface_hub, which transformers needs from scratch."""
+    partial = tmp_path / "wheels"
+    partial.mkdir()
+    for whl in WHEELS.glob("*.whl"):
+        if not whl.name.startswith("huggingface_hub-"):
+            (partial / whl.name).symlink_to(whl)
+    res = _gpu_check(tmp_path, GPU_CHECK_DRY="1", GPU_WHEELS=str(partial))
+    assert res.returncode == 1
+    assert "do not resolve from" in res.stderr and "CPython 3.11" in res.stderr
