@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
+import os
+import pickle
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +28,11 @@ from .cache import CacheListener, H2OCache
 from .config import H2OConfig
 from .errors import ConfigError, UnsupportedModelError
 
-__all__ = ["h2o", "H2OSession", "check_model", "full_kv_bytes"]
+__all__ = ["h2o", "H2OSession", "check_model", "full_kv_bytes", "STATE_FORMAT", "STATE_VERSION", "model_identity"]
+
+#: the saved-state file: ``torch.save`` of {"format", "header" (JSON text), "tensors"} (DESIGN.md §15.2)
+STATE_FORMAT = "h2o_lens.state"
+STATE_VERSION = 1
 
 _TESTED = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
@@ -68,6 +77,28 @@ def full_kv_bytes(model: Any, tokens: int, batch: int = 1, dtype: torch.dtype | 
     return 2 * text.num_hidden_layers * hkv * d * tokens * batch * elem
 
 
+def model_identity(model: Any) -> dict[str, Any]:
+    """What a saved state must match: the model's shape, dtype and a fingerprint of its weights.
+
+    The fingerprint is a SHA-256 of the first 4096 values of the first and the last
+    parameter tensors (a restored state only makes sense with the very weights that
+    computed its keys and values).
+    """
+    from .models import model_info
+
+    info = model_info(model)
+    params = [p for p in model.parameters()]
+    digest = hashlib.sha256()
+    for p in (params[0], params[-1]):
+        digest.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
+    keys = ("architecture", "model_type", "num_layers", "num_query_heads", "num_kv_heads", "head_dim", "dtype")
+    return {
+        **{k: info.get(k) for k in keys},
+        "num_parameters": info.get("num_parameters"),
+        "weights": digest.hexdigest()[:16],
+    }
+
+
 class H2OSession:
     """Handle of an active scope: makes caches and remembers the last one."""
 
@@ -81,6 +112,88 @@ class H2OSession:
         """A fresh cache for one generation (one batch of prompts)."""
         cache = H2OCache(self.config, self.model.config, listener=listener or self.listener)
         self.last_cache = cache
+        return cache
+
+    # -- save and restore (DESIGN.md §15.2) ---------------------------------------------------------
+    def save(self, path: str | os.PathLike, cache: H2OCache | None = None) -> Path:
+        """Write the whole H2O state of ``cache`` (default: the last one) to ``path``.
+
+        The file holds K, V, scores, original positions, histories, fill counters,
+        next positions and per-request budgets of every layer, plus a JSON header with
+        the config, the model identity (:func:`model_identity`) and the format version;
+        it is written atomically (temporary name, then rename). Restore it with
+        :meth:`restore` into the same model and config.
+        """
+        import torch
+
+        cache = cache if cache is not None else self.last_cache
+        if cache is None:
+            raise ConfigError("session.save: no cache to save; generate first or pass cache=")
+        state, tensors = cache.export_state()
+        header = {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "config": self.config.to_dict(),
+            "model": model_identity(self.model),
+            "cache": state,
+        }
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"format": STATE_FORMAT, "header": json.dumps(header), "tensors": tensors}, tmp)
+        os.replace(tmp, path)
+        cache._notify(
+            {"event": "save", "path": str(path), "requests": cache.request_ids, "next_pos": state["next_pos"]}
+        )
+        return path
+
+    def restore(
+        self, path: str | os.PathLike, *, listener: CacheListener | None = None, device: Any = None
+    ) -> H2OCache:
+        """A cache holding the state saved in ``path``, ready to continue the generation.
+
+        Pass it to ``model.generate(input_ids=<the sequences so far>, cache=...)`` (or to
+        the forward): the next token fed is the last one of each sequence. Refuses a
+        file of another format or version, another model (shape, dtype or weights) or
+        another config, naming what differs.
+        """
+        import torch
+
+        try:
+            blob = torch.load(Path(path), map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+            raise ConfigError(f"cannot read the saved H2O state {os.fspath(path)!r}: {exc}") from exc
+        if not isinstance(blob, dict) or blob.get("format") != STATE_FORMAT:
+            raise ConfigError(f"{os.fspath(path)!r} is not a saved H2O state (expected format {STATE_FORMAT!r})")
+        header = json.loads(blob["header"])
+        if header.get("version") != STATE_VERSION:
+            raise ConfigError(
+                f"{os.fspath(path)!r} is a saved state of version {header.get('version')}; this H2O Lens "
+                f"reads version {STATE_VERSION}; restore it with the version that saved it"
+            )
+        mine = model_identity(self.model)
+        differ = {k: (v, mine.get(k)) for k, v in header["model"].items() if mine.get(k) != v}
+        if differ:
+            shown = ", ".join(f"{k} saved {a!r} vs here {b!r}" for k, (a, b) in differ.items())
+            raise ConfigError(f"the saved H2O state comes from another model ({shown}); restore it into that model")
+        saved_config = H2OConfig(**header["config"])
+        if saved_config != self.config:
+            saved = saved_config.describe()
+            raise ConfigError(
+                f"the saved H2O state was made with config {saved!r}, this session has {self.config.describe()!r}; "
+                "restore it inside h2o(model, <the saved config>)"
+            )
+        if device is None:
+            device = next(self.model.parameters()).device
+        cache = self.new_cache(listener=listener)
+        cache.import_state(header["cache"], blob["tensors"], device=device)
+        cache._notify(
+            {
+                "event": "restore",
+                "path": os.fspath(path),
+                "requests": cache.request_ids,
+                "next_pos": header["cache"]["next_pos"],
+            }
+        )
         return cache
 
     def _generate(self, original, *args: Any, **kwargs: Any):
