@@ -101,6 +101,16 @@ def decode_stats(
     return policy.step_stats(cand_scores, cand_positions, eligible, slot, evicts, step[..., None], col(recent, 1))
 
 
+@dataclass
+class SharedPrefix:
+    """A prompt prefix computed once (DESIGN.md §15.4): ``key, value (1, Hs, P0, d)``, ``scores (1, Hs, P0)``
+    the column sums of the prefix's own rows. Read-only: each request adds its suffix to a copy."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    scores: torch.Tensor
+
+
 class CacheListener(Protocol):
     """Receives eviction events; the recorder and the tests implement it."""
 
@@ -133,6 +143,8 @@ class H2OCacheLayer(CacheLayerMixin):
         self.budget: torch.Tensor | None = None  # (b,) int64 index into owner.budgets
         self._groups: list[tuple[torch.Tensor | None, ops.PolicyArgs]] | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: a shared prompt prefix (DESIGN.md §15.4): its K, V ``(1, Hs, P0, d)`` and column sums ``(1, Hs, P0)``
+        self.shared: SharedPrefix | None = None
 
     # -- transformers' CacheLayerMixin -------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -231,9 +243,12 @@ class H2OCacheLayer(CacheLayerMixin):
         against its own (unpadded) prompt length; the slot storage is as wide
         as the largest budget, and a request with fewer slots leaves the rest empty.
         """
-        key, value = self.take_pending()  # (b, Hs, P, d)
-        b, hs, p, d = key.shape
         owner = self.owner
+        if owner.sharing == "prefix":
+            return self._stage_prefix(query, scaling)
+        if self.shared is not None:
+            return self._prefill_suffix(query, valid, scaling)
+        key, value = self.take_pending()  # (b, Hs, P, d)
         gqa = owner.config.gqa
         spec = owner.config.spec
         scores = None  # column sums, for a policy that ranks the prompt by them
@@ -248,6 +263,19 @@ class H2OCacheLayer(CacheLayerMixin):
             if spec.prefill != "columns":
                 scores = None
         rows = ops.prefill_rows(query, key, valid, scaling, gqa, spec.prefill_rows) if spec.prefill == "rows" else None
+        self._keep_prompt(query, key, value, valid, scores, rows)
+        return out
+
+    def _keep_prompt(self, query, key, value, valid, scores, rows) -> None:
+        """Apply the policy's prefill keep rule to a whole prompt and lay the kept positions into slots.
+
+        ``key, value (b, Hs, P, d)`` the prompt's, ``scores (b, Hs, P)`` its column sums (or None),
+        ``rows`` its last rows' weights for a row-ranking policy (or None).
+        """
+        b, hs, p, d = key.shape
+        owner = self.owner
+        gqa = owner.config.gqa
+        spec = owner.config.spec
         dtype = scores.dtype if scores is not None else torch.promote_types(query.dtype, torch.float32)
         if valid is None:
             pos = torch.arange(p, device=key.device, dtype=POS_DTYPE).expand(b, p)
@@ -309,6 +337,58 @@ class H2OCacheLayer(CacheLayerMixin):
                 self.layer_idx,
                 PrefillEvent(positions=positions, scores=drive, keep=keep, eligible=eligible, step=count - 1),
             )
+
+    # -- a shared prompt prefix (DESIGN.md §15.4) -------------------------------------------------
+    def _stage_prefix(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The prefix forward: full causal attention, K, V and column sums kept whole, nothing evicted."""
+        key, value = self.take_pending()  # (1, Hs, P0, d)
+        owner = self.owner
+        owner.backend = "torch"  # the shared path is the torch path (the keep rule is the same)
+        out, scores = ops.prefill_attention(
+            query, key, value, None, scaling, owner.config.gqa, chunk=owner.prefill_chunk
+        )
+        self.shared = SharedPrefix(key=key, value=value, scores=scores)
+        return out
+
+    def _prefill_suffix(self, query: torch.Tensor, valid: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Each request's suffix against the shared prefix, then the keep rule over its whole prompt.
+
+        The suffix rows attend to the shared prefix K/V (read, never written) and to their
+        own suffix; their column sums are added to a copy of the prefix's column sums, one
+        copy per request (copy-on-write: the request's first write). The result equals the
+        prefill of ``prefix + suffix`` as one prompt, up to the summation order.
+        """
+        shared, self.shared = self.shared, None
+        key_s, value_s = self.take_pending()  # (b, Hs, S, d)
+        b, hs, s_len, d = key_s.shape
+        p0 = shared.key.shape[2]
+        gqa = self.owner.config.gqa
+        key = torch.cat([shared.key.expand(b, -1, -1, -1), key_s], 2)  # (b, Hs, P0 + S, d)
+        value = torch.cat([shared.value.expand(b, -1, -1, -1), value_s], 2)
+        ok = torch.ones(b, s_len, dtype=torch.bool, device=key.device) if valid is None else valid.bool()
+        valid_all = torch.cat([torch.ones(b, p0, dtype=torch.bool, device=key.device), ok], 1)
+        qg = ops._group_view(query, hs)  # (b, Hs, G, S, d)
+        acc = torch.promote_types(query.dtype, torch.float32)
+        logits = torch.matmul(qg, key.transpose(-1, -2)[:, :, None]) * scaling  # (b, Hs, G, S, P0 + S)
+        rows = torch.arange(p0, p0 + s_len, device=key.device)[:, None]
+        cols = torch.arange(p0 + s_len, device=key.device)[None, :]
+        masked = (cols > rows) | ~valid_all[:, None, None, None, :]
+        masked = masked & ~((cols == rows) & ~ok[:, None, None, :, None])  # a padding row sees itself
+        w = torch.softmax(logits.masked_fill(masked, ops._NEG), dim=-1, dtype=acc)
+        out = torch.matmul(w.to(value.dtype), value[:, :, None]).reshape(b, -1, s_len, d).transpose(1, 2)
+        w = w.masked_fill(~ok[:, None, None, :, None], 0.0)
+        contrib = policy.aggregate_group(w, gqa, 2).sum(-2)  # (b, Hs, P0 + S): the suffix rows' share
+        scores = torch.empty(b, hs, p0 + s_len, dtype=acc, device=key.device)
+        scores[:, :, p0:] = contrib[:, :, p0:]
+        broken = faults.active("prefix_without_copy")
+        base = shared.scores[0]  # (Hs, P0), read-only
+        for r in range(b):
+            mine = base if broken else base.clone()  # the request's own copy (the fault writes in place)
+            mine += contrib[r, :, :p0]
+            scores[r, :, :p0] = mine
+        self._keep_prompt(
+            query, key, value, valid_all, scores if self.owner.config.spec.prefill == "columns" else None, None
+        )
         return out
 
     def decode(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -493,6 +573,7 @@ class H2OCache(Cache):
         self.backend: str | None = None  # "torch" | "triton", resolved at the first prefill
         #: the recorder's request of each batch row (None until a recorder names them); moves with the rows
         self.request_ids: list[int] | None = None
+        self.sharing: str | None = None  # "prefix" while a shared prefix is being computed (DESIGN.md §15.4)
         super().__init__(layers=[H2OCacheLayer(self, i) for i in range(n_layers)])
 
     @property

@@ -196,6 +196,74 @@ class H2OSession:
         )
         return cache
 
+    # -- a shared prompt prefix (DESIGN.md §15.4) ----------------------------------------------------
+    def prefill_shared(
+        self, prefix_ids: Any, suffixes: Any, *, listener: CacheListener | None = None
+    ) -> tuple[H2OCache, Any, Any, Any]:
+        """Prefill requests that share a prompt prefix, the prefix once.
+
+        Parameters
+        ----------
+        prefix_ids : the common prefix, a sequence of token ids (or a ``(1, P0)`` tensor)
+        suffixes : one sequence of token ids per request (at least one token each)
+
+        The prefix runs through the model once; its K/V and the column sums of its own
+        rows are shared read-only by every request, whose suffix then attends to them and
+        adds its share to a copy (copy-on-write) before the policy's keep rule runs over
+        the whole prompt. Kept sets equal those of each ``prefix + suffix`` prefilled
+        alone. Returns ``(cache, input_ids, attention_mask, logits)``: the cache, the
+        prompts left-padded as ``generate`` lays them out, their mask, and the logits of
+        each prompt's last position ``(b, vocab)``. Continue with
+        ``model.generate(input_ids=cat(input_ids, next_tokens), attention_mask=..., cache=cache)``.
+        """
+        import torch
+
+        if not self.config.spec.evicts:
+            raise ConfigError(f"policy {self.config.policy!r} keeps everything; a shared prefix needs an H2O cache")
+        if self.config.spec.prefill == "rows":
+            raise ConfigError(
+                f"policy {self.config.policy!r} ranks the prompt by its last rows, which a shared prefix does "
+                "not hold per request; share prefixes with a column-sum policy (h2o, heavy) or local, sink, random"
+            )
+        device = next(self.model.parameters()).device
+        prefix = torch.as_tensor(prefix_ids, dtype=torch.long, device=device).reshape(1, -1)
+        tails = [torch.as_tensor(x, dtype=torch.long).reshape(-1).tolist() for x in suffixes]
+        if prefix.shape[1] == 0 or not tails or any(len(t) == 0 for t in tails):
+            raise ConfigError(
+                f"prefill_shared needs a non-empty prefix and at least one token per suffix, got a prefix of "
+                f"{prefix.shape[1]} tokens and suffix lengths {[len(t) for t in tails]}"
+            )
+        b, p0, width = len(tails), prefix.shape[1], max(len(t) for t in tails)
+        pad = getattr(self.model.generation_config, "pad_token_id", None) or 0
+        pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+        suffix = torch.full((b, width), int(pad), dtype=torch.long, device=device)
+        mask_s = torch.zeros(b, width, dtype=torch.long, device=device)
+        for r, t in enumerate(tails):
+            suffix[r, width - len(t) :] = torch.tensor(t, device=device)
+            mask_s[r, width - len(t) :] = 1
+        cache = self.new_cache(listener=listener)
+        prompts = [prefix[0].tolist() + t for t in tails]
+        cache._notify({"event": "prefix_share", "prefix_len": p0, "prompts": prompts})
+        with torch.no_grad():
+            cache.sharing = "prefix"
+            try:
+                self.model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+            finally:
+                cache.sharing = None
+            mask = torch.cat([torch.ones(b, p0, dtype=torch.long, device=device), mask_s], 1)
+            pos = (p0 + mask_s.cumsum(-1) - 1).clamp(min=0)
+            out = self.model(
+                input_ids=suffix, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1
+            )
+        # what generate sees: padding first, then prefix and suffix
+        ids = torch.full((b, p0 + width), int(pad), dtype=torch.long, device=device)
+        full_mask = torch.zeros_like(ids)
+        for r, t in enumerate(prompts):
+            ids[r, p0 + width - len(t) :] = torch.tensor(t, device=device)
+            full_mask[r, p0 + width - len(t) :] = 1
+        cache._notify({"event": "prefix_copy", "prefix_len": p0, "requests": cache.request_ids or list(range(b))})
+        return cache, ids, full_mask, out.logits[:, -1]
+
     def _generate(self, original, *args: Any, **kwargs: Any):
         if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
             if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):

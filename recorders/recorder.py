@@ -305,6 +305,31 @@ class Recording:
     def on_state(self, cache: Any, event: Mapping[str, Any]) -> None:
         """A state event of the cache (DESIGN.md §15): logged in the manifest's ``state_events``."""
         self.flush()  # pending decode events belong to the rows as they were
+        if event.get("event") == "prefix_share":  # new requests: name them and write their prompts
+            prompts = event["prompts"]
+            cache.request_ids = list(range(self._request_base, self._request_base + len(prompts)))
+            for r, prompt in enumerate(prompts):
+                request = self._request_base + r
+                info = self._new_request(request, list(prompt), self._prompt_base + r, 0)
+                pieces = _token_pieces(self.tokenizer, prompt) if self.tokenizer is not None else None
+                self.writer.append(
+                    "tokens",
+                    {
+                        "request": np.full(len(prompt), request, np.int32),
+                        "position": np.arange(len(prompt), dtype=np.int64),
+                        "token_id": np.asarray(prompt, dtype=np.int32),
+                        "text": pieces,
+                        "is_prompt": np.ones(len(prompt), dtype=bool),
+                        "evidence": info["labels"],
+                    },
+                )
+                self.prompt_len = max(self.prompt_len, len(prompt))
+                self.requests = max(self.requests, request + 1)
+            self._request_base += len(prompts)
+            self._prompt_base += len(prompts)
+            self.generations += 1
+            event = {k: v for k, v in event.items() if k != "prompts"}
+            event = {**event, "requests": list(cache.request_ids)}
         entry = {k: v for k, v in event.items() if k != "index"}
         if "index" in event and cache.request_ids is not None:
             entry["requests"] = list(cache.request_ids)  # the request of each row after the reorder
@@ -608,11 +633,11 @@ class Recording:
                         "restore a state inside the recording that saved it"
                     )
                 written = info["prompt"] + info["new"]
-                if so_far != written:
+                if so_far[: len(written)] != written:
                     raise RecorderError(
-                        f"request {request}: the continued generation was fed {len(so_far)} tokens that are "
-                        f"not the {len(written)} tokens recorded so far; pass the sequences the first "
-                        "generate returned (same rows, with their attention mask)"
+                        f"request {request}: the continued generation was fed {len(so_far)} tokens that do "
+                        f"not start with the {len(written)} tokens recorded so far; pass the sequences the "
+                        "first generate returned (same rows, with their attention mask)"
                     )
                 if info["ended"]:
                     continue
@@ -623,8 +648,8 @@ class Recording:
                 written = []
             n_prompt = len(info["prompt"])
             start = len(written)
-            first = len(written or so_far)  # position of the first new token
-            all_ids = (written or so_far) + new
+            first = len(so_far)  # position of the first token generated here (earlier ones came without logits)
+            all_ids = so_far + new
             pieces = _token_pieces(tok, all_ids[start:]) if tok is not None else None
             self.writer.append(
                 "tokens",

@@ -125,7 +125,7 @@ def test_a_continued_generation_must_feed_the_recorded_tokens(tmp_path):
         cache = run.session.last_cache
         other = part.clone()
         other[0, -2] = (other[0, -2] + 1) % 256
-        with pytest.raises(recorders.RecorderError, match="not the .* tokens recorded so far"):
+        with pytest.raises(recorders.RecorderError, match="do not start with the .* tokens recorded so far"):
             _generate(model, other, _extend(mask, other), 3, cache)
 
 
@@ -202,3 +202,71 @@ def test_the_lifecycle_check_catches_kv_reordered_without_scores(tmp_path, famil
     data = analyses.report_data(tmp_path / "bad", bad.run_id)
     assert data["lifecycle"]["ok"] is False
     assert {c["name"]: c["status"] for c in data["verdict"]["checks"]}["lifecycle_errors"] == "fail"
+
+
+# -- shared prefixes ------------------------------------------------------------------------------
+
+PREFIX = torch.randint(3, 256, (12,), generator=torch.Generator().manual_seed(7)).tolist()
+_G = torch.Generator().manual_seed(3)
+SUFFIXES = [torch.randint(3, 256, (n,), generator=_G).tolist() for n in (6, 9, 7, 8, 10)]
+SHARED_CFG = H2OConfig(heavy=6, recent=2)  # the prefill evicts prefix and suffix positions alike
+
+
+def _record_shared(model, cfg, out, fault: str | None, new=6):
+    with recorders.record(model, cfg, out=out, fsync=False) as run:
+        if fault:
+            with faults.inject(fault):
+                cache, ids, mask, logits = run.session.prefill_shared(PREFIX, SUFFIXES)
+        else:
+            cache, ids, mask, logits = run.session.prefill_shared(PREFIX, SUFFIXES)
+        first = logits.argmax(-1, keepdim=True)
+        seq = torch.cat([ids, first], 1)
+        out_ids = _generate(model, seq, _extend(mask, seq), new - 1, cache)
+    return run, out_ids, mask
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_shared_prefix_batch_equals_each_request_alone(tmp_path, family):
+    model = tiny_model(family)
+    cfg = SHARED_CFG
+    run, out_ids, mask = _record_shared(model, cfg, tmp_path, None)
+    alone = []
+    with h2o(model, cfg) as session:
+        for suffix in SUFFIXES:
+            prompt = torch.tensor([PREFIX + suffix])
+            alone.append(_generate(model, prompt, None, 6, session.new_cache())[0, prompt.shape[1] :].tolist())
+    assert [row[-6:] for row in out_ids.tolist()] == alone
+    result = check_lifecycle(run.run_dir, model, tolerance=0.0)
+    assert result.ok, [r.describe() for r in result.failed]
+    events = read_manifest(run.run_dir)["state_events"]
+    assert [e["event"] for e in events] == ["prefix_share", "prefix_copy"]
+    assert events[1]["requests"] == [0, 1, 2, 3, 4] and events[1]["prefix_len"] == 12
+    loaded = recorders.load_run(run.run_dir, tables=("requests",))
+    assert loaded["requests"]["prompt_len"].to_pylist() == [18, 21, 19, 20, 22]
+    assert loaded["requests"]["new_tokens"].to_pylist() == [6] * 5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_lifecycle_check_catches_a_prefix_shared_without_copy(tmp_path, family):
+    import analyses
+
+    model = tiny_model(family)
+    run, _, _ = _record_shared(model, SHARED_CFG, tmp_path, "prefix_without_copy")
+    result = check_lifecycle(run.run_dir, model)
+    # each request adds its share to the prefix's own column sums; every later one ranks with them
+    assert result.requests[0].ok and not result.ok
+    assert not result.requests[3].ok and not result.requests[4].ok
+    prompt = {r: 12 + len(x) for r, x in enumerate(SUFFIXES)}
+    assert all(r.first_bad_step == prompt[r.request] - 1 for r in result.failed)  # at their prefill
+    md = analyses.build_report(tmp_path, run.run_id, fmt="md")
+    assert "## State lifecycle" in md and f"FAIL ({len(result.failed)} request(s))" in md
+
+
+def test_a_shared_prefix_refuses_what_it_cannot_share():
+    model = tiny_model("llama")
+    with h2o(model, H2OConfig(policy="tova", heavy=4, recent=3)) as session:
+        with pytest.raises(ConfigError, match="last rows"):
+            session.prefill_shared(PREFIX, SUFFIXES)
+    with h2o(model, H2OConfig(heavy=4, recent=3)) as session:
+        with pytest.raises(ConfigError, match="at least one token per suffix"):
+            session.prefill_shared(PREFIX, [[1], []])
