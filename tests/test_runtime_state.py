@@ -200,7 +200,8 @@ def test_the_lifecycle_check_catches_kv_reordered_without_scores(tmp_path, famil
     # positions and counters, so request 0 (prompt 20) is logged from request 1's step 18 on
     assert {r.request: r.first_bad_step for r in result.failed} == {0: 18, 1: 18}
     data = analyses.report_data(tmp_path / "bad", bad.run_id)
-    assert data["lifecycle"]["ok"] is False
+    assert data["lifecycle"]["ok"] is False and data["lifecycle"]["state_events"] == {"reorder": 1}
+    assert "State events logged: reorder 1" in analyses.build_report(tmp_path / "bad", bad.run_id, fmt="md")
     assert {c["name"]: c["status"] for c in data["verdict"]["checks"]}["lifecycle_errors"] == "fail"
 
 
