@@ -124,8 +124,6 @@ class H2OSession:
         it is written atomically (temporary name, then rename). Restore it with
         :meth:`restore` into the same model and config.
         """
-        import torch
-
         cache = cache if cache is not None else self.last_cache
         if cache is None:
             raise ConfigError("session.save: no cache to save; generate first or pass cache=")
@@ -156,8 +154,6 @@ class H2OSession:
         file of another format or version, another model (shape, dtype or weights) or
         another config, naming what differs.
         """
-        import torch
-
         try:
             blob = torch.load(Path(path), map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
@@ -216,8 +212,6 @@ class H2OSession:
         each prompt's last position ``(b, vocab)``. Continue with
         ``model.generate(input_ids=cat(input_ids, next_tokens), attention_mask=..., cache=cache)``.
         """
-        import torch
-
         if not self.config.spec.evicts:
             raise ConfigError(f"policy {self.config.policy!r} keeps everything; a shared prefix needs an H2O cache")
         if self.config.spec.prefill == "rows":
