@@ -320,6 +320,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0 if summary.implementation_ok else 3
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from recorders.lifecycle import check_lifecycle
+
+    result = check_lifecycle(_run_dir(args.run, args.root), tolerance=args.tolerance, progress=True)
+    verdict = "ok" if result.ok else f"LIFECYCLE ERROR in {len(result.failed)} request(s)"
+    print(f"state lifecycle {result.run_id}: {len(result.requests)} request(s) in {result.seconds:.1f} s ({verdict})")
+    for r in result.requests:
+        if not r.ok or args.verbose:
+            print("  " + r.describe())
+    return 0 if result.ok else 3
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
     from analyses import ParameterError, format_result, runs_headline
 
@@ -752,6 +764,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="dropped mass and oracle: Triton kernels (auto: on CUDA) or chunked torch",
     )
     rp.set_defaults(func=cmd_replay)
+
+    ck = sub.add_parser(
+        "check", help="state lifecycle: the run's logged kept sets against its tokens run alone (DESIGN.md §15.1)"
+    )
+    ck.add_argument("run", help="run folder, or run id under --root")
+    ck.add_argument("--root", default="runs")
+    ck.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="relative near-tie bound on a victim's margin (default: derived from the dtype; 0: exact)",
+    )
+    ck.add_argument("-v", "--verbose", action="store_true", help="one line per request, not only the failing ones")
+    ck.set_defaults(func=cmd_check)
 
     ru = sub.add_parser("runs", help="list the runs of a runs root with headline numbers")
     ru.add_argument("root", nargs="?", default="runs")
