@@ -622,6 +622,8 @@ def cmd_app(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
+    if args.what == "decode" and args.assistant:
+        return bench.bench_assistant(model_name=args.model, draft=args.assistant, keep=args.keep, rounds=args.rounds)
     if args.what == "decode":
         return bench.bench_decode(
             model_name=args.model, contexts=args.contexts, keep=args.keep, steps=args.steps, rounds=args.rounds
@@ -826,6 +828,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-replay", action="store_true", help="sweep: record only")
     b.add_argument(
         "--budget", choices=["slots", "ratio"], default="slots", help="sweep: one slot count, or --keep per prompt"
+    )
+    b.add_argument(
+        "--assistant",
+        nargs="?",
+        const="lookup",
+        choices=["lookup", "layers"],
+        default=None,
+        help="decode: speculative decoding's speed-up under H2O vs the full cache, with prompt lookup "
+        "(default) or a draft of the model's first layers (DESIGN.md §14)",
     )
     b.set_defaults(func=cmd_bench)
     return p

@@ -44,6 +44,7 @@ from transformers import LogitsProcessorList
 from h2o_lens.cache import DecodeEvent, PrefillEvent, decode_stats
 from h2o_lens.config import H2OConfig
 from h2o_lens.runtime import H2OSession, h2o
+from h2o_lens.speculative import SegmentEvent
 
 from .errors import RecorderError
 from .run import RunWriter
@@ -157,8 +158,9 @@ class _GenerateWatch:
     fed is an EOS, or it was fed one before.
     """
 
-    def __init__(self, eos: Sequence[int]):
+    def __init__(self, eos: Sequence[int], width: int | None = None):
         self.eos = list(eos)
+        self.width = width  # prompt columns: assisted decoding's first forward adds a draft after them
         self.input_ids: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
         self.finished: torch.Tensor | None = None  # (rows,) bool
@@ -169,11 +171,15 @@ class _GenerateWatch:
         if ids is None:
             return
         if self.input_ids is None:
-            self.input_ids, self.mask = ids, kwargs.get("attention_mask")
+            mask = kwargs.get("attention_mask")
+            if self.width is not None and ids.shape[1] > self.width:
+                ids = ids[:, : self.width]
+                mask = mask[:, : self.width] if mask is not None and mask.dim() == 2 else mask
+            self.input_ids, self.mask = ids, mask
             self.finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
             self.alive = None
             return
-        fed = ids[:, -1]
+        fed = ids[:, 0]  # a verification forward's first token is confirmed, its draft may not be
         if self.eos:
             eos = torch.tensor(self.eos, dtype=fed.dtype, device=fed.device)
             self.finished = self.finished | torch.isin(fed, eos)
@@ -258,6 +264,8 @@ class Recording:
         self._watch: _GenerateWatch | None = None
         self._group = 1
         self._last_layer = 0
+        self._segments_seen = 0  # verification segments of the current generate call
+        self._segment_undone = torch.zeros(0, dtype=torch.int64)
         self._labels_override: Sequence[str | None] | None = None
         self.annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None
         self.step_times: list[float] = []  # wall-clock seconds of each decode step
@@ -323,8 +331,69 @@ class Recording:
         self._pending.layer.append(layer)
         self._pending.events.append(ev)
         self._pending.alive.append(self._watch.alive if self._watch is not None else None)
-        if layer == self._last_layer and len(self._pending.events) >= self.flush_every * (self._last_layer + 1):
+        if (
+            layer == self._last_layer
+            and len(self._pending.events) >= self.flush_every * (self._last_layer + 1)
+            and self.session.last_cache.layers[layer].segment is None  # its steps may still be taken back
+        ):
             self.flush()
+
+    def on_segment(self, layer: int, ev: SegmentEvent) -> None:
+        """A verification segment ended (DESIGN.md §14): the steps taken back leave the pending
+        events (evictions and steps hold only what stood) and go to ``spec_undone``; the last
+        layer writes the segment's ``spec_segments`` rows."""
+        if ev.mode == "rollback" and ev.undone:
+            gone = {id(e) for e in ev.undone}
+            pend = self._pending
+            keep = [i for i, e in enumerate(pend.events) if id(e) not in gone]
+            pend.layer = [pend.layer[i] for i in keep]
+            pend.events = [pend.events[i] for i in keep]
+            pend.alive = [pend.alive[i] for i in keep]
+        b = ev.step.shape[0]
+        undone = torch.zeros(b, dtype=torch.int64)
+        if ev.undone:
+            undone = self._append_undone(layer, ev.undone)
+        self._segment_undone = undone if layer == 0 else self._segment_undone + undone
+        if layer != self._last_layer:
+            return
+        base = self._segments_seen
+        self._segments_seen += 1
+        self.writer.append(
+            "spec_segments",
+            {
+                "request": np.arange(b, dtype=np.int32) + self._request_base,
+                "segment": np.full(b, base, np.int32),
+                "step": ev.step.cpu().numpy().astype(np.int64),
+                "proposed": np.full(b, ev.proposed, np.int32),
+                "accepted": np.full(b, ev.accepted, np.int32),
+                "rolled_back": np.full(b, ev.rolled_back, np.int32),
+                "undone_evictions": self._segment_undone.numpy(),
+                "mode": ev.mode,
+            },
+        )
+
+    def _append_undone(self, layer: int, events: list[DecodeEvent]) -> torch.Tensor:
+        """``spec_undone`` rows of one layer's rolled-back steps; returns ``(b,)`` counts."""
+        recent, sink, group = self._policy()
+        pinned = self.session.last_cache.pinned_positions()
+        stack = lambda name: torch.stack([getattr(e, name) for e in events]).cpu()  # noqa: E731
+        step = stack("step").to(torch.int64)  # (K, b)
+        slot, evicts = stack("slot"), stack("evicts")  # (K, b, Hs)
+        st = decode_stats(stack("cand_scores"), stack("cand_positions"), slot, evicts, step, recent, sink, pinned)
+        k, b, hs = slot.shape
+        req = torch.arange(b)[None, :, None].expand(k, b, hs)[evicts]
+        cols = {
+            "request": req.numpy().astype(np.int32) + self._request_base,
+            "segment": np.full(req.numel(), self._segments_seen, np.int32),
+            "step": step[:, :, None].expand(k, b, hs)[evicts].numpy(),
+            "layer": np.full(req.numel(), layer, np.int16),
+            **self._heads(torch.arange(hs)[None, None, :].expand(k, b, hs)[evicts], group),
+            "position": st.victim_position[evicts].to(torch.int64).numpy(),
+            "score": st.victim_score[evicts].float().numpy(),
+        }
+        if req.numel():
+            self.writer.append("spec_undone", cols)
+        return torch.bincount(req, minlength=b)
 
     # -- conversion ------------------------------------------------------------
     def flush(self) -> None:
@@ -439,13 +508,14 @@ class Recording:
             raise RecorderError("record needs model.generate(input_ids=..., ...) (token ids, not embeddings)")
         gen_config = _generation_config(self.model, kwargs)
         _refuse_inexact(gen_config, kwargs)
-        watch = _GenerateWatch(_eos_ids(gen_config))
+        watch = _GenerateWatch(_eos_ids(gen_config), input_ids.shape[-1])
         cache = None
         if self.session is not None and self.config.spec.evicts:
             cache = kwargs.get("cache") or self.session.new_cache()
             kwargs["cache"] = cache
             self._last_layer = len(cache.layers) - 1
         self._pending = _Pending()
+        self._segments_seen = 0
         timer = _StepTimer()
         kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), timer])
         timer.start()
@@ -636,6 +706,7 @@ def record(
     fsync: bool = True,
     rows_per_segment: int | None = None,
     annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None,
+    speculative: str = "rollback",
     **options: Any,
 ) -> Iterator[Recording]:
     """Record every eviction of the ``model.generate`` calls inside the block.
@@ -657,6 +728,9 @@ def record(
     rows_per_segment : rows of one table per closed Parquet segment
     annotate : ``(request, answer) -> {"task": ..., "expected": ..., "correct": ...}``, extra
         columns of the ``requests`` table (an answer checker, for the task suite)
+    speculative : how assisted or speculative decoding takes a rejected draft back,
+        ``rollback`` or ``defer``; its segments go to ``spec_segments`` and
+        ``spec_undone``, never to ``evictions`` (DESIGN.md §14)
 
     On an exception inside the block the run is marked ``failed`` with the
     error, and the model is restored; the exception propagates.
@@ -681,7 +755,7 @@ def record(
     rec.annotate = annotate
     writer.start()
     try:
-        with h2o(model, config, listener=rec) as session:
+        with h2o(model, config, listener=rec, speculative=speculative) as session:
             rec.session = session
             inner = model.generate
             model.generate = functools.wraps(inner)(functools.partial(rec._generate, inner))
