@@ -308,6 +308,24 @@ def _why(data: dict[str, Any], figs: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def _lifecycle(data: dict[str, Any]) -> str:
+    """The state lifecycle section (DESIGN.md §15.1)."""
+    lc = data.get("lifecycle") or {}
+    if not lc.get("checked"):
+        return (
+            '<h2 id="lifecycle">State lifecycle</h2><p>Not checked: run <code>h2o-lens check RUN</code> '
+            "to compare the logged kept sets with the reference.</p>"
+        )
+    status = "pass" if lc["ok"] else "fail"
+    cols = ("request", "ok", "steps", "first_bad_step", "layer", "kv_set", "logged_only", "reference_only")
+    return (
+        f'<h2 id="lifecycle">State lifecycle {_badge(status)}</h2><p>Logged kept sets against the same tokens '
+        f"run alone on the plain runtime: {lc['failed']} request(s) disagree (near-tie tolerance "
+        f"{html.escape(num(lc.get('tolerance')))}, {lc.get('tie_flips', 0)} tie flip(s) tolerated).</p>"
+        + _table(lc["requests"], cols)
+    )
+
+
 def _integrity(run: dict[str, Any]) -> str:
     """A warning box with the problems when the run's files are damaged or incomplete."""
     if run.get("integrity") in (None, "ok") and not run.get("problems"):
@@ -391,6 +409,7 @@ heavy threshold rose and heavy slots aged; windows of {dyn['freezing']['window']
 {dyn['stale']['stale_victims']} of {dyn['stale']['heavy_evictions']} heavy-slot evictions were stale.</p>
 <div class="grid">{_fig('fig-freeze', figs)}{_fig('fig-margins', figs)}</div>
 <h2>Oracle agreement</h2>{oracle_html}
+{_lifecycle(data)}
 """
 
 

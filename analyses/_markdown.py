@@ -186,6 +186,23 @@ def why_section(data: dict[str, Any]) -> list[str]:
     return out
 
 
+LIFECYCLE_COLUMNS = ("request", "ok", "steps", "first_bad_step", "layer", "kv_set", "logged_only", "reference_only")
+
+
+def lifecycle_section(data: dict[str, Any]) -> list[str]:
+    """The state lifecycle check: pass/fail and the first bad step of each request (DESIGN.md §15.1)."""
+    lc = data.get("lifecycle") or {}
+    out = ["\n## State lifecycle\n"]
+    if not lc.get("checked"):
+        return out + ["Not checked: run `h2o-lens check RUN` to compare the logged kept sets with the reference.\n"]
+    status = "PASS" if lc["ok"] else f"FAIL ({lc['failed']} request(s))"
+    out.append(
+        f"**{status}**: logged kept sets against the same tokens run alone on the plain runtime "
+        f"(near-tie tolerance {text(lc.get('tolerance'))}, {lc.get('tie_flips', 0)} tie flip(s) tolerated).\n"
+    )
+    return out + [table(lc["requests"], LIFECYCLE_COLUMNS), ""]
+
+
 def _integrity(run: dict[str, Any]) -> list[str]:
     """A warning and the problems when the run's files are damaged or incomplete."""
     if run.get("integrity") in (None, "ok") and not run.get("problems"):
@@ -235,4 +252,5 @@ def render_markdown(data: dict[str, Any]) -> str:
     out += _dynamics(data)
     out += _failures(data)
     out += why_section(data)
+    out += lifecycle_section(data)
     return "\n".join(out)

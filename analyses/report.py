@@ -240,6 +240,34 @@ def _why(con: duckdb.DuckDBPyConnection, run_id: str, th: Thresholds, attributio
     return out
 
 
+def _lifecycle(info: dict[str, Any]) -> dict[str, Any]:
+    """The state lifecycle check stored in the manifest (DESIGN.md §15.1); never recomputed here."""
+    try:
+        manifest = read_manifest(info["path"]) if info.get("path") else {}
+    except (RecorderError, OSError):
+        manifest = {}
+    stored = manifest.get("lifecycle")
+    if not isinstance(stored, dict) or not isinstance(stored.get("requests"), list):
+        return {"checked": False, "ok": None, "tolerance": None, "failed": 0, "tie_flips": 0, "requests": []}
+    keys = ("request", "ok", "steps", "first_bad_step", "layer", "kv_set", "tie_flips")
+    rows = []
+    for r in stored["requests"]:
+        if isinstance(r, dict):
+            row = {k: plain(r.get(k)) for k in keys}
+            row["logged_only"] = " ".join(map(str, r.get("logged_only") or [])) or None
+            row["reference_only"] = " ".join(map(str, r.get("reference_only") or [])) or None
+            rows.append(row)
+    failed = sum(r["ok"] is False for r in rows)
+    return {
+        "checked": True,
+        "ok": failed == 0,
+        "tolerance": plain(stored.get("tolerance")),
+        "failed": failed,
+        "tie_flips": sum(int(r["tie_flips"] or 0) for r in rows),
+        "requests": rows,
+    }
+
+
 def _check(name: str, value: Any, threshold: Any, op: str) -> dict[str, Any]:
     value = plain(value)
     if threshold is None:
@@ -271,6 +299,8 @@ def _verdict(data: dict[str, Any], th: Thresholds) -> dict[str, Any]:
             th.logit_bound(data["run"].get("logit_tolerance")),
             "<=",
         ),
+        # the logged kept sets against the single-request reference (null: the check was not run)
+        _check("lifecycle_errors", data["lifecycle"]["failed"] if data["lifecycle"]["checked"] else None, 0, "<="),
         # numbers read from a damaged or incomplete run cannot pass a gate
         _check("problems", len(data["run"]["problems"]), 0, "<="),
     ]
@@ -299,6 +329,7 @@ def report_data(
         "oracle": _oracle(con, run_id),
         "failures": [{"rank": i + 1, **plain(a.to_dict())} for i, a in enumerate(attributions)],
         **_why(con, run_id, th, attributions),
+        "lifecycle": _lifecycle(info),
     }
     data["summary"] = {
         **{k: totals.get(k) for k in ("evictions", "replay_steps", "kl_mean", "kl_max", "top1_agreement")},

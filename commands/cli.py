@@ -320,6 +320,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0 if summary.implementation_ok else 3
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from recorders.lifecycle import check_lifecycle
+
+    result = check_lifecycle(_run_dir(args.run, args.root), tolerance=args.tolerance, progress=True)
+    verdict = "ok" if result.ok else f"LIFECYCLE ERROR in {len(result.failed)} request(s)"
+    print(f"state lifecycle {result.run_id}: {len(result.requests)} request(s) in {result.seconds:.1f} s ({verdict})")
+    for r in result.requests:
+        if not r.ok or args.verbose:
+            print("  " + r.describe())
+    return 0 if result.ok else 3
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
     from analyses import ParameterError, format_result, runs_headline
 
@@ -623,7 +635,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
     if args.what == "decode" and args.assistant:
-        return bench.bench_assistant(model_name=args.model, draft=args.assistant, keep=args.keep, rounds=args.rounds)
+        return bench.bench_assistant(
+            model_name=args.model,
+            draft=args.assistant,
+            keep=args.keep,
+            rounds=args.rounds,
+            new_tokens=args.new_tokens or 96,
+        )
     if args.what == "decode":
         return bench.bench_decode(
             model_name=args.model, contexts=args.contexts, keep=args.keep, steps=args.steps, rounds=args.rounds
@@ -723,6 +741,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.set_defaults(func=cmd_replay)
 
+    ck = sub.add_parser(
+        "check", help="state lifecycle: the run's logged kept sets against its tokens run alone (DESIGN.md §15.1)"
+    )
+    ck.add_argument("run", help="run folder, or run id under --root")
+    ck.add_argument("--root", default="runs")
+    ck.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="relative near-tie bound on a victim's margin (default: derived from the dtype; 0: exact)",
+    )
+    ck.add_argument("-v", "--verbose", action="store_true", help="one line per request, not only the failing ones")
+    ck.set_defaults(func=cmd_check)
+
     ru = sub.add_parser("runs", help="list the runs of a runs root with headline numbers")
     ru.add_argument("root", nargs="?", default="runs")
     ru.add_argument("--format", choices=["table", "csv", "json"], default="table")
@@ -817,7 +849,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--new-tokens",
         type=int,
         default=None,
-        help="record: new tokens of that prompt (default 256); sweep: of each request (default 16)",
+        help="record: new tokens of that prompt (default 256); sweep: of each request (default 16); "
+        "decode --assistant: tokens generated (default 96)",
     )
     b.add_argument("--runs", type=int, default=5000, help="runs: synthetic runs in the root")
     b.add_argument("--root", default=None, help="runs: reuse (or write once) this synthetic root")

@@ -10,13 +10,14 @@ the kwargs dict that the attention modules pass on (DESIGN.md §3).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import ops, policy
+from . import faults, ops, policy
 from . import speculative as _speculative
 from .config import H2OConfig
 from .errors import ConfigError, UnsupportedModelError
@@ -101,6 +102,16 @@ def decode_stats(
     return policy.step_stats(cand_scores, cand_positions, eligible, slot, evicts, step[..., None], col(recent, 1))
 
 
+@dataclass
+class SharedPrefix:
+    """A prompt prefix computed once (DESIGN.md §15.4): ``key, value (1, Hs, P0, d)``, ``scores (1, Hs, P0)``
+    the column sums of the prefix's own rows. Read-only: each request adds its suffix to a copy."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    scores: torch.Tensor
+
+
 class CacheListener(Protocol):
     """Receives eviction events; the recorder and the tests implement it."""
 
@@ -134,6 +145,8 @@ class H2OCacheLayer(CacheLayerMixin):
         self._groups: list[tuple[torch.Tensor | None, ops.PolicyArgs]] | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.segment: _speculative.Segment | None = None  # open verification segment (DESIGN.md §14)
+        #: a shared prompt prefix (DESIGN.md §15.4): its K, V ``(1, Hs, P0, d)`` and column sums ``(1, Hs, P0)``
+        self.shared: SharedPrefix | None = None
 
     # -- transformers' CacheLayerMixin -------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -183,7 +196,9 @@ class H2OCacheLayer(CacheLayerMixin):
         self.end_segment(0)
         idx = beam_idx.to(self.keys.device)
         self._groups = None
-        for name in _ROW_STATE:
+        # the diagnosis fault moves K and V only: scores and positions stay with the old rows
+        names = ("keys", "values") if faults.active("kv_reorder_without_scores") else _ROW_STATE
+        for name in names:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
@@ -239,9 +254,12 @@ class H2OCacheLayer(CacheLayerMixin):
         against its own (unpadded) prompt length; the slot storage is as wide
         as the largest budget, and a request with fewer slots leaves the rest empty.
         """
-        key, value = self.take_pending()  # (b, Hs, P, d)
-        b, hs, p, d = key.shape
         owner = self.owner
+        if owner.sharing == "prefix":
+            return self._stage_prefix(query, scaling)
+        if self.shared is not None:
+            return self._prefill_suffix(query, valid, scaling)
+        key, value = self.take_pending()  # (b, Hs, P, d)
         gqa = owner.config.gqa
         spec = owner.config.spec
         scores = None  # column sums, for a policy that ranks the prompt by them
@@ -256,6 +274,19 @@ class H2OCacheLayer(CacheLayerMixin):
             if spec.prefill != "columns":
                 scores = None
         rows = ops.prefill_rows(query, key, valid, scaling, gqa, spec.prefill_rows) if spec.prefill == "rows" else None
+        self._keep_prompt(query, key, value, valid, scores, rows)
+        return out
+
+    def _keep_prompt(self, query, key, value, valid, scores, rows) -> None:
+        """Apply the policy's prefill keep rule to a whole prompt and lay the kept positions into slots.
+
+        ``key, value (b, Hs, P, d)`` the prompt's, ``scores (b, Hs, P)`` its column sums (or None),
+        ``rows`` its last rows' weights for a row-ranking policy (or None).
+        """
+        b, hs, p, d = key.shape
+        owner = self.owner
+        gqa = owner.config.gqa
+        spec = owner.config.spec
         dtype = scores.dtype if scores is not None else torch.promote_types(query.dtype, torch.float32)
         if valid is None:
             pos = torch.arange(p, device=key.device, dtype=POS_DTYPE).expand(b, p)
@@ -317,6 +348,58 @@ class H2OCacheLayer(CacheLayerMixin):
                 self.layer_idx,
                 PrefillEvent(positions=positions, scores=drive, keep=keep, eligible=eligible, step=count - 1),
             )
+
+    # -- a shared prompt prefix (DESIGN.md §15.4) -------------------------------------------------
+    def _stage_prefix(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The prefix forward: full causal attention, K, V and column sums kept whole, nothing evicted."""
+        key, value = self.take_pending()  # (1, Hs, P0, d)
+        owner = self.owner
+        owner.backend = "torch"  # the shared path is the torch path (the keep rule is the same)
+        out, scores = ops.prefill_attention(
+            query, key, value, None, scaling, owner.config.gqa, chunk=owner.prefill_chunk
+        )
+        self.shared = SharedPrefix(key=key, value=value, scores=scores)
+        return out
+
+    def _prefill_suffix(self, query: torch.Tensor, valid: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Each request's suffix against the shared prefix, then the keep rule over its whole prompt.
+
+        The suffix rows attend to the shared prefix K/V (read, never written) and to their
+        own suffix; their column sums are added to a copy of the prefix's column sums, one
+        copy per request (copy-on-write: the request's first write). The result equals the
+        prefill of ``prefix + suffix`` as one prompt, up to the summation order.
+        """
+        shared, self.shared = self.shared, None
+        key_s, value_s = self.take_pending()  # (b, Hs, S, d)
+        b, hs, s_len, d = key_s.shape
+        p0 = shared.key.shape[2]
+        gqa = self.owner.config.gqa
+        key = torch.cat([shared.key.expand(b, -1, -1, -1), key_s], 2)  # (b, Hs, P0 + S, d)
+        value = torch.cat([shared.value.expand(b, -1, -1, -1), value_s], 2)
+        ok = torch.ones(b, s_len, dtype=torch.bool, device=key.device) if valid is None else valid.bool()
+        valid_all = torch.cat([torch.ones(b, p0, dtype=torch.bool, device=key.device), ok], 1)
+        qg = ops._group_view(query, hs)  # (b, Hs, G, S, d)
+        acc = torch.promote_types(query.dtype, torch.float32)
+        logits = torch.matmul(qg, key.transpose(-1, -2)[:, :, None]) * scaling  # (b, Hs, G, S, P0 + S)
+        rows = torch.arange(p0, p0 + s_len, device=key.device)[:, None]
+        cols = torch.arange(p0 + s_len, device=key.device)[None, :]
+        masked = (cols > rows) | ~valid_all[:, None, None, None, :]
+        masked = masked & ~((cols == rows) & ~ok[:, None, None, :, None])  # a padding row sees itself
+        w = torch.softmax(logits.masked_fill(masked, ops._NEG), dim=-1, dtype=acc)
+        out = torch.matmul(w.to(value.dtype), value[:, :, None]).reshape(b, -1, s_len, d).transpose(1, 2)
+        w = w.masked_fill(~ok[:, None, None, :, None], 0.0)
+        contrib = policy.aggregate_group(w, gqa, 2).sum(-2)  # (b, Hs, P0 + S): the suffix rows' share
+        scores = torch.empty(b, hs, p0 + s_len, dtype=acc, device=key.device)
+        scores[:, :, p0:] = contrib[:, :, p0:]
+        broken = faults.active("prefix_without_copy")
+        base = shared.scores[0]  # (Hs, P0), read-only
+        for r in range(b):
+            mine = base if broken else base.clone()  # the request's own copy (the fault writes in place)
+            mine += contrib[r, :, :p0]
+            scores[r, :, :p0] = mine
+        self._keep_prompt(
+            query, key, value, valid_all, scores if self.owner.config.spec.prefill == "columns" else None, None
+        )
         return out
 
     def decode(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -417,7 +500,7 @@ class H2OCacheLayer(CacheLayerMixin):
 
     def end_segment(self, rolled_back: int) -> None:
         """Close the open segment, taking its last ``rolled_back`` tokens back; no-op if none."""
-        seg, self.segment = self.segment, None
+        seg = self.segment
         if seg is None:
             if rolled_back:
                 raise UnsupportedModelError(
@@ -426,7 +509,8 @@ class H2OCacheLayer(CacheLayerMixin):
                     "forward (speculative or assisted decoding, DESIGN.md §14)"
                 )
             return
-        event = _speculative.end(self, seg, rolled_back)
+        event = _speculative.end(self, seg, rolled_back)  # checks rolled_back before it changes anything
+        self.segment = None
         on_segment = getattr(self.owner.listener, "on_segment", None)
         if on_segment is not None:
             on_segment(self.layer_idx, event)
@@ -590,6 +674,9 @@ class H2OCache(Cache):
         self.request_configs: list[H2OConfig] | None = None  # resolved per prefill row
         self._rows: torch.Tensor | None = None
         self.backend: str | None = None  # "torch" | "triton", resolved at the first prefill
+        #: the recorder's request of each batch row (None until a recorder names them); moves with the rows
+        self.request_ids: list[int] | None = None
+        self.sharing: str | None = None  # "prefix" while a shared prefix is being computed (DESIGN.md §15.4)
         super().__init__(layers=[H2OCacheLayer(self, i) for i in range(n_layers)])
 
     @property
@@ -687,6 +774,116 @@ class H2OCache(Cache):
         """``crop(-r)`` on every layer: the last ``r`` tokens of the verification segment go back."""
         for layer in self.layers:
             layer.crop(tokens_to_remove)
+
+    # -- rows: reorder, selection, cancellation (DESIGN.md §15.3) ---------------------------------
+    def _move_rows(self, index: list[int]) -> None:
+        """The per-row bookkeeping outside the layers follows a row selection or reorder."""
+        if self._rows is not None:
+            self._rows = self._rows[torch.tensor(index, dtype=torch.int64)]
+        if self.request_configs is not None:
+            self.request_configs = [self.request_configs[i] for i in index]
+        if self.request_ids is not None:
+            self.request_ids = [self.request_ids[i] for i in index]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._move_rows([int(i) for i in beam_idx.tolist()])
+        self._notify({"event": "reorder", "index": [int(i) for i in beam_idx.tolist()]})
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._move_rows([int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        n = len(self.request_configs) if self.request_configs is not None else 0
+        self._move_rows([i for i in range(n) for _ in range(repeats)])
+
+    @property
+    def batch_size(self) -> int:
+        """Rows held (0 before the first prompt)."""
+        keys = self.layers[0].keys
+        return 0 if keys is None else keys.shape[0]
+
+    def cancel(self, rows: int | list[int]) -> list[int]:
+        """Remove the batch rows ``rows`` (their requests end); the other rows keep their state.
+
+        Every layer drops the rows' keys, values, scores, positions and counters (the
+        tensors are rebuilt without them, so their memory is freed) and the remaining
+        rows move up in order, untouched. Returns the rows kept (their old indices): feed
+        the next step only those rows of ``input_ids`` and the attention mask.
+        """
+        gone = sorted({int(r) for r in ([rows] if isinstance(rows, int) else rows)})
+        b = self.batch_size
+        bad = [r for r in gone if not 0 <= r < b]
+        if bad or not gone:
+            raise ConfigError(f"cancel: rows {bad or gone} are not rows of this batch of {b}; give rows 0..{b - 1}")
+        if len(gone) == b:
+            raise ConfigError(f"cancel: removing all {b} rows leaves nothing to decode; drop the cache instead")
+        keep = [r for r in range(b) if r not in gone]
+        requests = [self.request_ids[r] for r in gone] if self.request_ids is not None else gone
+        self.batch_select_indices(torch.tensor(keep, dtype=torch.int64, device=self.layers[0].keys.device))
+        self._notify({"event": "cancel", "rows": gone, "requests": requests})
+        return keep
+
+    # -- save and restore (DESIGN.md §15.2) -----------------------------------------------------
+    def export_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """``(header, tensors)``: everything a restored cache needs to continue exactly.
+
+        ``header`` is plain JSON (budgets, per-row budget choice, backend, columns seen,
+        request ids); ``tensors`` maps ``layer.<i>.<name>`` to each layer's row state
+        (:data:`_ROW_STATE`), on the CPU.
+        """
+        if self.batch_size == 0:
+            raise ConfigError("the H2O cache has not seen a prompt yet: there is no state to save")
+        self.end_segments()  # an open verification segment stands in full (DESIGN.md §14)
+        header = {
+            "budgets": [dataclasses.asdict(a) for a in self.budgets],
+            "rows": None if self._rows is None else self._rows.tolist(),
+            "request_configs": None if self.request_configs is None else [c.to_dict() for c in self.request_configs],
+            "request_ids": self.request_ids,
+            "backend": self.backend,
+            "prefill_chunk": self.prefill_chunk,
+            "seen": [layer.seen for layer in self.layers],
+            "batch": self.batch_size,
+            "next_pos": self.layers[0].next_pos.tolist(),
+        }
+        tensors = {}
+        for i, layer in enumerate(self.layers):
+            for name in _ROW_STATE:
+                t = getattr(layer, name)
+                if t is not None:
+                    tensors[f"layer.{i}.{name}"] = t.detach().cpu()
+        return header, tensors
+
+    def import_state(self, header: dict[str, Any], tensors: dict[str, torch.Tensor], device: Any = None) -> None:
+        """Load what :meth:`export_state` returned into this (fresh) cache."""
+        if len(header["seen"]) != len(self.layers):
+            raise ConfigError(
+                f"the saved state has {len(header['seen'])} layers, this model {len(self.layers)}; "
+                "restore it into the model it was saved from"
+            )
+        self.budgets = [ops.PolicyArgs(**{**a, "pinned": tuple(a["pinned"])}) for a in header["budgets"]]
+        self._rows = None if header["rows"] is None else torch.tensor(header["rows"], dtype=torch.int64)
+        cfgs = header["request_configs"]
+        self.request_configs = None if cfgs is None else [H2OConfig(**c) for c in cfgs]
+        self.request_ids = None if header["request_ids"] is None else [int(r) for r in header["request_ids"]]
+        self.backend = header["backend"]
+        self.prefill_chunk = int(header["prefill_chunk"])
+        for i, layer in enumerate(self.layers):
+            layer.reset()
+            for name in _ROW_STATE:
+                t = tensors.get(f"layer.{i}.{name}")
+                setattr(layer, name, None if t is None else t.to(device) if device is not None else t)
+            layer.seen = int(header["seen"][i])
+            layer.device, layer.dtype = layer.keys.device, layer.keys.dtype
+            layer.is_initialized = True
+
+    def _notify(self, event: dict) -> None:
+        """Tell a listener that records state events (``on_state``) what happened to the rows."""
+        on_state = getattr(self.listener, "on_state", None)
+        if on_state is not None:
+            on_state(self, event)
 
     def nbytes(self) -> dict[str, int]:
         """Physical bytes held: ``kv`` (keys + values) and ``metadata`` (scores + positions)."""

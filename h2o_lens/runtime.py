@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
+import os
+import pickle
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +29,11 @@ from .config import H2OConfig
 from .errors import ConfigError, UnsupportedModelError
 from .speculative import check_mode
 
-__all__ = ["h2o", "H2OSession", "check_model", "full_kv_bytes"]
+__all__ = ["h2o", "H2OSession", "check_model", "full_kv_bytes", "STATE_FORMAT", "STATE_VERSION", "model_identity"]
+
+#: the saved-state file: ``torch.save`` of {"format", "header" (JSON text), "tensors"} (DESIGN.md §15.2)
+STATE_FORMAT = "h2o_lens.state"
+STATE_VERSION = 1
 
 _TESTED = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
@@ -69,6 +78,28 @@ def full_kv_bytes(model: Any, tokens: int, batch: int = 1, dtype: torch.dtype | 
     return 2 * text.num_hidden_layers * hkv * d * tokens * batch * elem
 
 
+def model_identity(model: Any) -> dict[str, Any]:
+    """What a saved state must match: the model's shape, dtype and a fingerprint of its weights.
+
+    The fingerprint is a SHA-256 of the first 4096 values of the first and the last
+    parameter tensors (a restored state only makes sense with the very weights that
+    computed its keys and values).
+    """
+    from .models import model_info
+
+    info = model_info(model)
+    params = [p for p in model.parameters()]
+    digest = hashlib.sha256()
+    for p in (params[0], params[-1]):
+        digest.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
+    keys = ("architecture", "model_type", "num_layers", "num_query_heads", "num_kv_heads", "head_dim", "dtype")
+    return {
+        **{k: info.get(k) for k in keys},
+        "num_parameters": info.get("num_parameters"),
+        "weights": digest.hexdigest()[:16],
+    }
+
+
 class H2OSession:
     """Handle of an active scope: makes caches and remembers the last one."""
 
@@ -88,6 +119,156 @@ class H2OSession:
         )
         self.last_cache = cache
         return cache
+
+    # -- save and restore (DESIGN.md §15.2) ---------------------------------------------------------
+    def save(self, path: str | os.PathLike, cache: H2OCache | None = None) -> Path:
+        """Write the whole H2O state of ``cache`` (default: the last one) to ``path``.
+
+        The file holds K, V, scores, original positions, histories, fill counters,
+        next positions and per-request budgets of every layer, plus a JSON header with
+        the config, the model identity (:func:`model_identity`) and the format version;
+        it is written atomically (temporary name, then rename). Restore it with
+        :meth:`restore` into the same model and config.
+        """
+        import torch
+
+        cache = cache if cache is not None else self.last_cache
+        if cache is None:
+            raise ConfigError("session.save: no cache to save; generate first or pass cache=")
+        state, tensors = cache.export_state()
+        header = {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "config": self.config.to_dict(),
+            "model": model_identity(self.model),
+            "cache": state,
+        }
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"format": STATE_FORMAT, "header": json.dumps(header), "tensors": tensors}, tmp)
+        os.replace(tmp, path)
+        cache._notify(
+            {"event": "save", "path": str(path), "requests": cache.request_ids, "next_pos": state["next_pos"]}
+        )
+        return path
+
+    def restore(
+        self, path: str | os.PathLike, *, listener: CacheListener | None = None, device: Any = None
+    ) -> H2OCache:
+        """A cache holding the state saved in ``path``, ready to continue the generation.
+
+        Pass it to ``model.generate(input_ids=<the sequences so far>, cache=...)`` (or to
+        the forward): the next token fed is the last one of each sequence. Refuses a
+        file of another format or version, another model (shape, dtype or weights) or
+        another config, naming what differs.
+        """
+        import torch
+
+        try:
+            blob = torch.load(Path(path), map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+            raise ConfigError(f"cannot read the saved H2O state {os.fspath(path)!r}: {exc}") from exc
+        if not isinstance(blob, dict) or blob.get("format") != STATE_FORMAT:
+            raise ConfigError(f"{os.fspath(path)!r} is not a saved H2O state (expected format {STATE_FORMAT!r})")
+        header = json.loads(blob["header"])
+        if header.get("version") != STATE_VERSION:
+            raise ConfigError(
+                f"{os.fspath(path)!r} is a saved state of version {header.get('version')}; this H2O Lens "
+                f"reads version {STATE_VERSION}; restore it with the version that saved it"
+            )
+        mine = model_identity(self.model)
+        differ = {k: (v, mine.get(k)) for k, v in header["model"].items() if mine.get(k) != v}
+        if differ:
+            shown = ", ".join(f"{k} saved {a!r} vs here {b!r}" for k, (a, b) in differ.items())
+            raise ConfigError(f"the saved H2O state comes from another model ({shown}); restore it into that model")
+        saved_config = H2OConfig(**header["config"])
+        if saved_config != self.config:
+            saved = saved_config.describe()
+            raise ConfigError(
+                f"the saved H2O state was made with config {saved!r}, this session has {self.config.describe()!r}; "
+                "restore it inside h2o(model, <the saved config>)"
+            )
+        if device is None:
+            device = next(self.model.parameters()).device
+        cache = self.new_cache(listener=listener)
+        cache.import_state(header["cache"], blob["tensors"], device=device)
+        cache._notify(
+            {
+                "event": "restore",
+                "path": os.fspath(path),
+                "requests": cache.request_ids,
+                "next_pos": header["cache"]["next_pos"],
+            }
+        )
+        return cache
+
+    # -- a shared prompt prefix (DESIGN.md §15.4) ----------------------------------------------------
+    def prefill_shared(
+        self, prefix_ids: Any, suffixes: Any, *, listener: CacheListener | None = None
+    ) -> tuple[H2OCache, Any, Any, Any]:
+        """Prefill requests that share a prompt prefix, the prefix once.
+
+        Parameters
+        ----------
+        prefix_ids : the common prefix, a sequence of token ids (or a ``(1, P0)`` tensor)
+        suffixes : one sequence of token ids per request (at least one token each)
+
+        The prefix runs through the model once; its K/V and the column sums of its own
+        rows are shared read-only by every request, whose suffix then attends to them and
+        adds its share to a copy (copy-on-write) before the policy's keep rule runs over
+        the whole prompt. Kept sets equal those of each ``prefix + suffix`` prefilled
+        alone. Returns ``(cache, input_ids, attention_mask, logits)``: the cache, the
+        prompts left-padded as ``generate`` lays them out, their mask, and the logits of
+        each prompt's last position ``(b, vocab)``. Continue with
+        ``model.generate(input_ids=cat(input_ids, next_tokens), attention_mask=..., cache=cache)``.
+        """
+        import torch
+
+        if not self.config.spec.evicts:
+            raise ConfigError(f"policy {self.config.policy!r} keeps everything; a shared prefix needs an H2O cache")
+        if self.config.spec.prefill == "rows":
+            raise ConfigError(
+                f"policy {self.config.policy!r} ranks the prompt by its last rows, which a shared prefix does "
+                "not hold per request; share prefixes with a column-sum policy (h2o, heavy) or local, sink, random"
+            )
+        device = next(self.model.parameters()).device
+        prefix = torch.as_tensor(prefix_ids, dtype=torch.long, device=device).reshape(1, -1)
+        tails = [torch.as_tensor(x, dtype=torch.long).reshape(-1).tolist() for x in suffixes]
+        if prefix.shape[1] == 0 or not tails or any(len(t) == 0 for t in tails):
+            raise ConfigError(
+                f"prefill_shared needs a non-empty prefix and at least one token per suffix, got a prefix of "
+                f"{prefix.shape[1]} tokens and suffix lengths {[len(t) for t in tails]}"
+            )
+        b, p0, width = len(tails), prefix.shape[1], max(len(t) for t in tails)
+        pad = getattr(self.model.generation_config, "pad_token_id", None) or 0
+        pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+        suffix = torch.full((b, width), int(pad), dtype=torch.long, device=device)
+        mask_s = torch.zeros(b, width, dtype=torch.long, device=device)
+        for r, t in enumerate(tails):
+            suffix[r, width - len(t) :] = torch.tensor(t, device=device)
+            mask_s[r, width - len(t) :] = 1
+        cache = self.new_cache(listener=listener)
+        prompts = [prefix[0].tolist() + t for t in tails]
+        cache._notify({"event": "prefix_share", "prefix_len": p0, "prompts": prompts})
+        with torch.no_grad():
+            cache.sharing = "prefix"
+            try:
+                self.model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+            finally:
+                cache.sharing = None
+            mask = torch.cat([torch.ones(b, p0, dtype=torch.long, device=device), mask_s], 1)
+            pos = (p0 + mask_s.cumsum(-1) - 1).clamp(min=0)
+            out = self.model(
+                input_ids=suffix, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1
+            )
+        # what generate sees: padding first, then prefix and suffix
+        ids = torch.full((b, p0 + width), int(pad), dtype=torch.long, device=device)
+        full_mask = torch.zeros_like(ids)
+        for r, t in enumerate(prompts):
+            ids[r, p0 + width - len(t) :] = torch.tensor(t, device=device)
+            full_mask[r, p0 + width - len(t) :] = 1
+        cache._notify({"event": "prefix_copy", "prefix_len": p0, "requests": cache.request_ids or list(range(b))})
+        return cache, ids, full_mask, out.logits[:, -1]
 
     def _generate(self, original, *args: Any, **kwargs: Any):
         if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:

@@ -102,7 +102,12 @@ __all__ = [
 ]
 
 #: the recording and replay entry points import torch: loaded on first access
-_LAZY = {"record": ".recorder", "record_teacher_forced": ".recorder", "replay": ".replay"}
+_LAZY = {
+    "record": ".recorder",
+    "record_teacher_forced": ".recorder",
+    "replay": ".replay",
+    "check_lifecycle": ".lifecycle",
+}
 __all__ += list(_LAZY)
 
 

@@ -158,8 +158,9 @@ class _GenerateWatch:
     fed is an EOS, or it was fed one before.
     """
 
-    def __init__(self, eos: Sequence[int], width: int | None = None):
+    def __init__(self, eos: Sequence[int], ended: torch.Tensor | None = None, width: int | None = None):
         self.eos = list(eos)
+        self.ended = ended  # (rows,) bool: rows of a continued generation whose request already ended
         self.width = width  # prompt columns: assisted decoding's first forward adds a draft after them
         self.input_ids: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
@@ -178,6 +179,9 @@ class _GenerateWatch:
             self.input_ids, self.mask = ids, mask
             self.finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
             self.alive = None
+            if self.ended is not None:  # a continued generation: its first forward is a decode step
+                self.finished = self.ended.to(ids.device)
+                self.alive = ~self.finished
             return
         fed = ids[:, 0]  # a verification forward's first token is confirmed, its draft may not be
         if self.eos:
@@ -228,6 +232,7 @@ class _Pending:
     layer: list[int] = field(default_factory=list)
     events: list[DecodeEvent] = field(default_factory=list)
     alive: list[torch.Tensor | None] = field(default_factory=list)  # (b,) rows still generating
+    ids: list[int] | None = None  # the request of each row when the events were raised
 
 
 class Recording:
@@ -262,10 +267,12 @@ class Recording:
         self._request_base = 0  # requests recorded by earlier generate calls
         self._prompt_base = 0  # prompts of earlier generate calls
         self._watch: _GenerateWatch | None = None
+        self._ids: list[int] = []  # the request of each row of the events being converted
         self._group = 1
         self._last_layer = 0
-        self._segments_seen = 0  # verification segments of the current generate call
-        self._segment_undone = torch.zeros(0, dtype=torch.int64)
+        self._segments: dict[int, int] = {}  # request -> verification segments logged so far
+        self._segment_no = np.zeros(0, np.int32)  # (b,) the number of the segment ending now
+        self._segment_undone = torch.zeros(0, dtype=torch.int64)  # (b,) its undone evictions so far
         self._labels_override: Sequence[str | None] | None = None
         self.annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None
         self.step_times: list[float] = []  # wall-clock seconds of each decode step
@@ -275,6 +282,8 @@ class Recording:
         self.requests = 0
         self.generations = 0
         self.budgets: list[H2OConfig] = []  # the budget of each request, resolved on its own prompt
+        self._reqs: dict[int, dict[str, Any]] = {}  # request -> tokens written so far and its requests row
+        self.state_events: list[dict[str, Any]] = []  # saves, restores, cancels, reorders, prefix copies
 
     @property
     def run_id(self) -> str:
@@ -295,7 +304,48 @@ class Recording:
         budgets = cache.request_budgets()
         return budgets["recent"], budgets["sink"], cache.group
 
+    def _row_ids(self) -> list[int]:
+        """The request of each batch row of the current cache (named at its first prefill)."""
+        cache = self.session.last_cache
+        if cache.request_ids is None:
+            cache.request_ids = list(range(self._request_base, self._request_base + cache.batch_size))
+        return cache.request_ids
+
+    def on_state(self, cache: Any, event: Mapping[str, Any]) -> None:
+        """A state event of the cache (DESIGN.md §15): logged in the manifest's ``state_events``."""
+        self.flush()  # pending decode events belong to the rows as they were
+        if event.get("event") == "prefix_share":  # new requests: name them and write their prompts
+            prompts = event["prompts"]
+            cache.request_ids = list(range(self._request_base, self._request_base + len(prompts)))
+            for r, prompt in enumerate(prompts):
+                request = self._request_base + r
+                info = self._new_request(request, list(prompt), self._prompt_base + r, 0)
+                pieces = _token_pieces(self.tokenizer, prompt) if self.tokenizer is not None else None
+                self.writer.append(
+                    "tokens",
+                    {
+                        "request": np.full(len(prompt), request, np.int32),
+                        "position": np.arange(len(prompt), dtype=np.int64),
+                        "token_id": np.asarray(prompt, dtype=np.int32),
+                        "text": pieces,
+                        "is_prompt": np.ones(len(prompt), dtype=bool),
+                        "evidence": info["labels"],
+                    },
+                )
+                self.prompt_len = max(self.prompt_len, len(prompt))
+                self.requests = max(self.requests, request + 1)
+            self._request_base += len(prompts)
+            self._prompt_base += len(prompts)
+            self.generations += 1
+            event = {k: v for k, v in event.items() if k != "prompts"}
+            event = {**event, "requests": list(cache.request_ids)}
+        entry = {k: v for k, v in event.items() if k != "index"}
+        if "index" in event and cache.request_ids is not None:
+            entry["requests"] = list(cache.request_ids)  # the request of each row after the reorder
+        self.state_events.append({"seq": len(self.state_events), **entry})
+
     def on_prefill(self, layer: int, ev: PrefillEvent) -> None:
+        self._ids = self._row_ids()
         recent, _, group = self._policy()
         b, hs, p = ev.positions.shape
         victims = (ev.positions >= 0) & ~ev.keep  # (b, Hs, P)
@@ -328,6 +378,8 @@ class Recording:
         )
 
     def on_decode(self, layer: int, ev: DecodeEvent) -> None:
+        if self._pending.ids is None:
+            self._pending.ids = self._row_ids()
         self._pending.layer.append(layer)
         self._pending.events.append(ev)
         self._pending.alive.append(self._watch.alive if self._watch is not None else None)
@@ -350,19 +402,21 @@ class Recording:
             pend.events = [pend.events[i] for i in keep]
             pend.alive = [pend.alive[i] for i in keep]
         b = ev.step.shape[0]
-        undone = torch.zeros(b, dtype=torch.int64)
+        ids = np.asarray(self._row_ids(), np.int32)
+        if layer == 0:
+            self._segment_no = np.array([self._segments.get(int(q), 0) for q in ids], np.int32)
+            self._segment_undone = torch.zeros(b, dtype=torch.int64)
         if ev.undone:
-            undone = self._append_undone(layer, ev.undone)
-        self._segment_undone = undone if layer == 0 else self._segment_undone + undone
+            self._segment_undone = self._segment_undone + self._append_undone(layer, ev.undone, ids)
         if layer != self._last_layer:
             return
-        base = self._segments_seen
-        self._segments_seen += 1
+        for q in ids:
+            self._segments[int(q)] = self._segments.get(int(q), 0) + 1
         self.writer.append(
             "spec_segments",
             {
-                "request": np.arange(b, dtype=np.int32) + self._request_base,
-                "segment": np.full(b, base, np.int32),
+                "request": ids,
+                "segment": self._segment_no,
                 "step": ev.step.cpu().numpy().astype(np.int64),
                 "proposed": np.full(b, ev.proposed, np.int32),
                 "accepted": np.full(b, ev.accepted, np.int32),
@@ -372,7 +426,7 @@ class Recording:
             },
         )
 
-    def _append_undone(self, layer: int, events: list[DecodeEvent]) -> torch.Tensor:
+    def _append_undone(self, layer: int, events: list[DecodeEvent], ids: np.ndarray) -> torch.Tensor:
         """``spec_undone`` rows of one layer's rolled-back steps; returns ``(b,)`` counts."""
         recent, sink, group = self._policy()
         pinned = self.session.last_cache.pinned_positions()
@@ -383,8 +437,8 @@ class Recording:
         k, b, hs = slot.shape
         req = torch.arange(b)[None, :, None].expand(k, b, hs)[evicts]
         cols = {
-            "request": req.numpy().astype(np.int32) + self._request_base,
-            "segment": np.full(req.numel(), self._segments_seen, np.int32),
+            "request": ids[req.numpy()],
+            "segment": self._segment_no[req.numpy()],
             "step": step[:, :, None].expand(k, b, hs)[evicts].numpy(),
             "layer": np.full(req.numel(), layer, np.int16),
             **self._heads(torch.arange(hs)[None, None, :].expand(k, b, hs)[evicts], group),
@@ -402,6 +456,7 @@ class Recording:
         if not pend.events:
             return
         recent, sink, group = self._policy()
+        self._ids = pend.ids if pend.ids is not None else self._row_ids()
         pinned = self.session.last_cache.pinned_positions()
         ev = pend.events
         stack = lambda name: torch.stack([getattr(e, name) for e in ev])  # noqa: E731
@@ -465,7 +520,7 @@ class Recording:
         step_np = step.numpy()
         pos_np = pos.numpy()
         cols = {
-            "request": r.numpy().astype(np.int32) + self._request_base,
+            "request": np.asarray(self._ids, np.int32)[r.numpy()],
             "step": step_np,
             "layer": layer.numpy().astype(np.int16)
             if isinstance(layer, torch.Tensor)
@@ -483,7 +538,7 @@ class Recording:
     def _append_steps(self, r, h, step, min_heavy, promoted, exiting, kept, age, layer, group, has_exit=None) -> None:
         n = r.numel()
         cols = {
-            "request": r.numpy().astype(np.int32) + self._request_base,
+            "request": np.asarray(self._ids, np.int32)[r.numpy()],
             "step": step.numpy(),
             "layer": layer.numpy().astype(np.int16) if isinstance(layer, torch.Tensor) else np.full(n, layer, np.int16),
             **self._heads(h, group),
@@ -508,14 +563,25 @@ class Recording:
             raise RecorderError("record needs model.generate(input_ids=..., ...) (token ids, not embeddings)")
         gen_config = _generation_config(self.model, kwargs)
         _refuse_inexact(gen_config, kwargs)
-        watch = _GenerateWatch(_eos_ids(gen_config), input_ids.shape[-1])
         cache = None
+        continued: list[int] | None = None  # the requests a restored or reused cache continues
         if self.session is not None and self.config.spec.evicts:
             cache = kwargs.get("cache") or self.session.new_cache()
             kwargs["cache"] = cache
+            self.session.last_cache = cache
             self._last_layer = len(cache.layers) - 1
+            continued = cache.request_ids
+        ended = None
+        if continued is not None:
+            if (getattr(gen_config, "num_return_sequences", 1) or 1) > 1 or len(continued) != input_ids.shape[0]:
+                raise RecorderError(
+                    f"a continued generation must feed one row per request of its cache ({len(continued)} "
+                    f"requests {continued}), got {input_ids.shape[0]} rows; pass the sequences so far, "
+                    "in the cache's row order, without num_return_sequences"
+                )
+            ended = torch.tensor([self._reqs.get(q, {}).get("ended", False) for q in continued])
+        watch = _GenerateWatch(_eos_ids(gen_config), ended, input_ids.shape[-1])
         self._pending = _Pending()
-        self._segments_seen = 0
         timer = _StepTimer()
         kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), timer])
         timer.start()
@@ -532,6 +598,14 @@ class Recording:
             self.prefill_seconds.append(timer.prefill)
         if watch.input_ids is None:
             raise RecorderError("generate ran no forward pass, so there is nothing to record")
+        if continued is not None:
+            mask = kwargs.get("attention_mask")
+            valid = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
+            self._write_tokens(input_ids, valid, out, eos=_eos_ids(gen_config), requests=continued)
+            self.generations += 1
+            if not want_logits:
+                out.logits = None
+            return out if want_dict else out.sequences
         rows = watch.input_ids.shape[0]
         if rows % input_ids.shape[0]:
             raise RecorderError(
@@ -593,13 +667,23 @@ class Recording:
         return result
 
     def _write_tokens(
-        self, input_ids: torch.Tensor, mask: torch.Tensor | None, out: Any, *, samples: int = 1, eos: Sequence[int] = ()
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        out: Any,
+        *,
+        samples: int = 1,
+        eos: Sequence[int] = (),
+        requests: Sequence[int] | None = None,
     ) -> None:
-        """One ``tokens``/``requests``/``run_logits`` set per row of ``input_ids``.
+        """The ``tokens`` and ``run_logits`` rows of each row of ``input_ids``; its ``requests`` row later.
 
         ``input_ids (rows, width)`` are the rows generate ran (prompts repeated
         ``samples`` times), ``mask (rows, width)`` its padding mask; each row's
-        generated tokens end at its first token in ``eos`` (included).
+        generated tokens end at its first token in ``eos`` (included). With
+        ``requests`` the rows continue those requests (a restored or reused cache):
+        ``input_ids`` are their sequences so far and only the new tokens are written.
+        The ``requests`` rows are written when the recording ends (:meth:`finish`).
         """
         ids = input_ids.cpu()
         valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.cpu().bool()
@@ -608,63 +692,59 @@ class Recording:
         logits = torch.stack(out.logits, 1).float() if out.logits else None  # (rows, T, V)
         tok = self.tokenizer
         for r in range(ids.shape[0]):
-            prompt = ids[r][valid[r]].tolist()
+            so_far = ids[r][valid[r]].tolist()
             new = seq[r, width:].tolist()
             ends = [j for j, t in enumerate(new) if t in eos][:1]
             new = new[: ends[0] + 1] if ends else new  # what follows the EOS is padding
-            n_prompt = len(prompt)
-            prompt_index, sample = self._prompt_base + r // samples, r % samples
-            all_ids = prompt + new
-            pieces = _token_pieces(tok, all_ids) if tok is not None else None
-            labels: list[str | None] = [None] * len(all_ids)
-            spans = self._evidence_for(prompt_index)
-            if self._labels_override is not None:
-                labels[:n_prompt] = list(self._labels_override)[:n_prompt]
-            elif spans:
-                if pieces is None:
-                    raise RecorderError("evidence needs the tokenizer: pass record(..., tokenizer=tok)")
-                prompt_text = self.prompts[prompt_index] if self.prompts else None
-                labels[:n_prompt] = locate_evidence(pieces[:n_prompt], spans, prompt_text)
-            request = self._request_base + r
+            if requests is not None:
+                request = int(requests[r])
+                info = self._reqs.get(request)
+                if info is None:
+                    raise RecorderError(
+                        f"the cache continues request {request}, which this recording has not seen; "
+                        "restore a state inside the recording that saved it"
+                    )
+                written = info["prompt"] + info["new"]
+                if so_far[: len(written)] != written:
+                    raise RecorderError(
+                        f"request {request}: the continued generation was fed {len(so_far)} tokens that do "
+                        f"not start with the {len(written)} tokens recorded so far; pass the sequences the "
+                        "first generate returned (same rows, with their attention mask)"
+                    )
+                if info["ended"]:
+                    continue
+            else:
+                request = self._request_base + r
+                prompt_index, sample = self._prompt_base + r // samples, r % samples
+                info = self._new_request(request, so_far, prompt_index, sample)
+                written = []
+            n_prompt = len(info["prompt"])
+            start = len(written)
+            first = len(so_far)  # position of the first token generated here (earlier ones came without logits)
+            all_ids = so_far + new
+            pieces = _token_pieces(tok, all_ids[start:]) if tok is not None else None
             self.writer.append(
                 "tokens",
                 {
-                    "request": np.full(len(all_ids), request, np.int32),
-                    "position": np.arange(len(all_ids), dtype=np.int64),
-                    "token_id": np.asarray(all_ids, dtype=np.int32),
+                    "request": np.full(len(all_ids) - start, request, np.int32),
+                    "position": np.arange(start, len(all_ids), dtype=np.int64),
+                    "token_id": np.asarray(all_ids[start:], dtype=np.int32),
                     "text": pieces,
-                    "is_prompt": np.arange(len(all_ids)) < n_prompt,
-                    "evidence": labels,
+                    "is_prompt": np.arange(start, len(all_ids)) < n_prompt,
+                    "evidence": info["labels"][start:] + [None] * (len(all_ids) - max(start, n_prompt)),
                 },
             )
-            answer = tok.decode(new, skip_special_tokens=True) if tok is not None else None
-            extra = dict(self.annotate(request, answer)) if self.annotate is not None else {}
-            budget = self.config.resolve(n_prompt)  # what the cache resolved for this row
-            self.budgets.append(budget)
-            full = not budget.spec.evicts
-            self.writer.append(
-                "requests",
-                {
-                    "request": np.array([request], np.int32),
-                    "prompt_len": np.array([n_prompt]),
-                    "new_tokens": np.array([len(new)]),
-                    "answer": [answer],
-                    "heavy": [None if full else budget.heavy],
-                    "recent": [None if full else budget.recent],
-                    "prompt_index": np.array([prompt_index], np.int32),
-                    "sample_index": np.array([sample], np.int32),
-                    **{k: [v] for k, v in extra.items()},
-                },
-            )
+            info["new"] = all_ids[n_prompt:]
+            info["ended"] = bool(ends)
             if logits is not None and len(new):
-                lg = logits[r, : len(new)]  # (T, V): step j predicts token P + j from query P - 1 + j
+                lg = logits[r, : len(new)]  # (T, V): the step at position q - 1 predicts the token at q
                 chosen = torch.tensor(new)
                 top = lg.max(-1)
                 self.writer.append(
                     "run_logits",
                     {
                         "request": np.full(len(new), request, np.int32),
-                        "step": np.arange(n_prompt - 1, n_prompt - 1 + len(new), dtype=np.int64),
+                        "step": np.arange(first - 1, first - 1 + len(new), dtype=np.int64),
                         "token_id": chosen.numpy().astype(np.int32),
                         "token_logit": lg.gather(-1, chosen[:, None])[:, 0].numpy(),
                         "top1_id": top.indices.numpy().astype(np.int32),
@@ -673,8 +753,59 @@ class Recording:
                     },
                 )
             self.prompt_len = max(self.prompt_len, n_prompt)
-            self.new_tokens = max(self.new_tokens, len(new))
-            self.requests = request + 1
+            self.new_tokens = max(self.new_tokens, len(info["new"]))
+            self.requests = max(self.requests, request + 1)
+
+    def _new_request(self, request: int, prompt: list[int], prompt_index: int, sample: int) -> dict[str, Any]:
+        """Book-keeping of a request seen for the first time: its prompt, evidence labels and budget."""
+        tok = self.tokenizer
+        n_prompt = len(prompt)
+        labels: list[str | None] = [None] * n_prompt
+        spans = self._evidence_for(prompt_index)
+        if self._labels_override is not None:
+            labels[:n_prompt] = list(self._labels_override)[:n_prompt]
+        elif spans:
+            if tok is None:
+                raise RecorderError("evidence needs the tokenizer: pass record(..., tokenizer=tok)")
+            prompt_text = self.prompts[prompt_index] if self.prompts else None
+            labels = locate_evidence(_token_pieces(tok, prompt), spans, prompt_text)
+        budget = self.config.resolve(n_prompt)  # what the cache resolved for this row
+        self.budgets.append(budget)
+        info = {
+            "prompt": list(prompt),
+            "new": [],
+            "ended": False,
+            "labels": list(labels),
+            "prompt_index": prompt_index,
+            "sample": sample,
+            "budget": budget,
+        }
+        self._reqs[request] = info
+        return info
+
+    def finish(self) -> None:
+        """Write the ``requests`` row of every request (their answers are final now)."""
+        tok = self.tokenizer
+        for request in sorted(self._reqs):
+            info = self._reqs.pop(request)
+            new, budget = info["new"], info["budget"]
+            answer = tok.decode(new, skip_special_tokens=True) if tok is not None else None
+            extra = dict(self.annotate(request, answer)) if self.annotate is not None else {}
+            full = not budget.spec.evicts
+            self.writer.append(
+                "requests",
+                {
+                    "request": np.array([request], np.int32),
+                    "prompt_len": np.array([len(info["prompt"])]),
+                    "new_tokens": np.array([len(new)]),
+                    "answer": [answer],
+                    "heavy": [None if full else budget.heavy],
+                    "recent": [None if full else budget.recent],
+                    "prompt_index": np.array([info["prompt_index"]], np.int32),
+                    "sample_index": np.array([info["sample"]], np.int32),
+                    **{k: [v] for k, v in extra.items()},
+                },
+            )
 
     def _evidence_for(self, prompt_index: int) -> Mapping[str, Any] | None:
         ev = self.evidence
@@ -762,6 +893,7 @@ def record(
             try:
                 yield rec
                 rec.flush()
+                rec.finish()
             finally:
                 if not config.spec.evicts:
                     vars(model).pop("generate", None)
@@ -790,9 +922,12 @@ def record(
             seconds_per_token=float(np.median(rec.step_times)) if rec.step_times else None,
             prefill_seconds=float(np.median(rec.prefill_seconds)) if rec.prefill_seconds else None,
             keep_ratio=config.ratio,
+            state_events=rec.state_events or None,
         )
     except BaseException as exc:
         if writer.status == "running":
+            with contextlib.suppress(Exception):  # the requests seen so far, for the failed run's log
+                rec.finish()
             writer.close("failed", exc)
         raise
     writer.close("complete")

@@ -210,6 +210,9 @@ def test_crop_errors_say_what_can_be_taken_back():
     layer.decode_segment(q[:, :, 10:], 0.25)
     with pytest.raises(UnsupportedModelError, match="holds 2"):
         cache.crop(-3)
+    assert layer.segment is not None and layer.seen == 12  # a refused crop changes nothing
+    cache.crop(-2)
+    assert layer.segment is None and layer.seen == 10 and int(layer.next_pos) == 10
     with pytest.raises(ConfigError, match="unknown speculative mode"):
         _cache(H2OConfig(heavy=4, recent=2), "later")
 
@@ -311,3 +314,21 @@ def test_default_model_prompt_lookup_equals_plain_greedy():
         assert sum(a for _, a, _ in segs) >= 8 and sum(p - a for p, a, _ in segs) >= 1, segs  # hits and misses
         for layer in range(model.config.num_hidden_layers):
             assert rec.kept[layer] == plain_rec.kept[layer], f"{mode}, layer {layer}"
+
+
+@pytest.mark.parametrize("mode", ["rollback", "defer"])
+def test_lifecycle_check_passes_speculative_runs_and_catches_the_fault(tmp_path, mode):
+    """The state lifecycle check (DESIGN.md §15.1) on speculative runs: exact when the rollback is
+    right, a lifecycle error when the scores are not rolled back."""
+    from recorders.lifecycle import check_lifecycle
+
+    model = _model("llama")
+    drafter = _model("llama", seed=7)
+    good, _ = _recorded(model, tmp_path, "good", mode, assistant_model=drafter)
+    with faults.inject("scores_not_rolled_back"):
+        bad, _ = _recorded(model, tmp_path, "bad", mode, assistant_model=drafter)
+    assert check_lifecycle(tmp_path / "good", model, tolerance=0.0).ok
+    result = check_lifecycle(tmp_path / "bad", model)
+    assert not result.ok, "the lifecycle check missed scores that were not rolled back"
+    (failed,) = result.failed
+    assert failed.first_bad_step is not None and failed.first_bad_step >= PROMPT
