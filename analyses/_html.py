@@ -311,10 +311,16 @@ def _why(data: dict[str, Any], figs: dict[str, Any]) -> str:
 def _lifecycle(data: dict[str, Any]) -> str:
     """The state lifecycle section (DESIGN.md §15.1)."""
     lc = data.get("lifecycle") or {}
+    events = lc.get("state_events") or {}
+    logged = (
+        "<p>State events logged: " + html.escape(", ".join(f"{k} {v}" for k, v in events.items())) + "</p>"
+        if events
+        else ""
+    )
     if not lc.get("checked"):
         return (
             '<h2 id="lifecycle">State lifecycle</h2><p>Not checked: run <code>h2o-lens check RUN</code> '
-            "to compare the logged kept sets with the reference.</p>"
+            "to compare the logged kept sets with the reference.</p>" + logged
         )
     status = "pass" if lc["ok"] else "fail"
     cols = ("request", "ok", "steps", "first_bad_step", "layer", "kv_set", "logged_only", "reference_only")
@@ -322,6 +328,7 @@ def _lifecycle(data: dict[str, Any]) -> str:
         f'<h2 id="lifecycle">State lifecycle {_badge(status)}</h2><p>Logged kept sets against the same tokens '
         f"run alone on the plain runtime: {lc['failed']} request(s) disagree (near-tie tolerance "
         f"{html.escape(num(lc.get('tolerance')))}, {lc.get('tie_flips', 0)} tie flip(s) tolerated).</p>"
+        + logged
         + _table(lc["requests"], cols)
     )
 

@@ -193,6 +193,8 @@ def lifecycle_section(data: dict[str, Any]) -> list[str]:
     """The state lifecycle check: pass/fail and the first bad step of each request (DESIGN.md §15.1)."""
     lc = data.get("lifecycle") or {}
     out = ["\n## State lifecycle\n"]
+    if lc.get("state_events"):
+        out.append("State events logged: " + ", ".join(f"{k} {v}" for k, v in lc["state_events"].items()) + "\n")
     if not lc.get("checked"):
         return out + ["Not checked: run `h2o-lens check RUN` to compare the logged kept sets with the reference.\n"]
     status = "PASS" if lc["ok"] else f"FAIL ({lc['failed']} request(s))"

@@ -246,9 +246,21 @@ def _lifecycle(info: dict[str, Any]) -> dict[str, Any]:
         manifest = read_manifest(info["path"]) if info.get("path") else {}
     except (RecorderError, OSError):
         manifest = {}
+    events: dict[str, int] = {}  # saves, restores, cancels, reorders, prefix copies (DESIGN.md §15)
+    for e in manifest.get("state_events") or []:
+        if isinstance(e, dict) and isinstance(e.get("event"), str):
+            events[e["event"]] = events.get(e["event"], 0) + 1
     stored = manifest.get("lifecycle")
     if not isinstance(stored, dict) or not isinstance(stored.get("requests"), list):
-        return {"checked": False, "ok": None, "tolerance": None, "failed": 0, "tie_flips": 0, "requests": []}
+        return {
+            "checked": False,
+            "ok": None,
+            "tolerance": None,
+            "failed": 0,
+            "tie_flips": 0,
+            "requests": [],
+            "state_events": events,
+        }
     keys = ("request", "ok", "steps", "first_bad_step", "layer", "kv_set", "tie_flips")
     rows = []
     for r in stored["requests"]:
@@ -265,6 +277,7 @@ def _lifecycle(info: dict[str, Any]) -> dict[str, Any]:
         "failed": failed,
         "tie_flips": sum(int(r["tie_flips"] or 0) for r in rows),
         "requests": rows,
+        "state_events": events,
     }
 
 

@@ -17,6 +17,12 @@ What is logged is what each returned sequence really went through:
   while other rows continue is not generated text, and the decode steps that
   fed the EOS or padding are not logged (no eviction or steps rows), so the
   log equals that of the sequence generated on its own;
+* a ``generate`` call on a cache that already holds requests (restored with
+  ``session.restore``, reused after ``cache.cancel`` or a reorder, or prefilled by
+  ``session.prefill_shared``) continues those requests: rows map to requests by
+  the cache's ``request_ids``, only the new tokens are written, and the manifest's
+  ``state_events`` log each save, restore, cancel, reorder and prefix copy
+  (DESIGN.md §15); the ``requests`` rows are written when the recording ends;
 * beam search, ``stop_strings`` and custom ``stopping_criteria`` are refused:
   beams reorder the cache rows every step and the other criteria end rows
   at points the recorder cannot observe, so their logs would not be exact.

@@ -320,6 +320,7 @@ def test_default_model_prompt_lookup_equals_plain_greedy():
 def test_lifecycle_check_passes_speculative_runs_and_catches_the_fault(tmp_path, mode):
     """The state lifecycle check (DESIGN.md §15.1) on speculative runs: exact when the rollback is
     right, a lifecycle error when the scores are not rolled back."""
+    import analyses
     from recorders.lifecycle import check_lifecycle
 
     model = _model("llama")
@@ -332,3 +333,6 @@ def test_lifecycle_check_passes_speculative_runs_and_catches_the_fault(tmp_path,
     assert not result.ok, "the lifecycle check missed scores that were not rolled back"
     (failed,) = result.failed
     assert failed.first_bad_step is not None and failed.first_bad_step >= PROMPT
+    data = analyses.report_data(tmp_path, "bad")  # the report shows it too
+    assert data["lifecycle"]["ok"] is False
+    assert {c["name"]: c["status"] for c in data["verdict"]["checks"]}["lifecycle_errors"] == "fail"

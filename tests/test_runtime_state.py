@@ -200,7 +200,8 @@ def test_the_lifecycle_check_catches_kv_reordered_without_scores(tmp_path, famil
     # positions and counters, so request 0 (prompt 20) is logged from request 1's step 18 on
     assert {r.request: r.first_bad_step for r in result.failed} == {0: 18, 1: 18}
     data = analyses.report_data(tmp_path / "bad", bad.run_id)
-    assert data["lifecycle"]["ok"] is False
+    assert data["lifecycle"]["ok"] is False and data["lifecycle"]["state_events"] == {"reorder": 1}
+    assert "State events logged: reorder 1" in analyses.build_report(tmp_path / "bad", bad.run_id, fmt="md")
     assert {c["name"]: c["status"] for c in data["verdict"]["checks"]}["lifecycle_errors"] == "fail"
 
 
@@ -270,3 +271,28 @@ def test_a_shared_prefix_refuses_what_it_cannot_share():
     with h2o(model, H2OConfig(heavy=4, recent=3)) as session:
         with pytest.raises(ConfigError, match="at least one token per suffix"):
             session.prefill_shared(PREFIX, [[1], []])
+
+
+# -- the default model ----------------------------------------------------------------------------
+
+
+@pytest.mark.model
+def test_default_model_restored_generation_equals_uninterrupted_and_passes_the_check(tmp_path):
+    import h2o_lens
+
+    model, tok = h2o_lens.load_model(progress=False)
+    prompts = ["The capital of France is Paris. The capital of Italy is", "List three colours:"]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    cfg = H2OConfig(heavy=6, recent=4)
+    with h2o(model, cfg) as session:
+        full = _generate(model, ids, mask, 12, session.new_cache())
+    with recorders.record(model, cfg, out=tmp_path, tokenizer=tok, fsync=False) as run:
+        part = _generate(model, ids, mask, 5, None)
+        run.session.save(tmp_path / "state.pt")
+        cache = run.session.restore(tmp_path / "state.pt")
+        rest = _generate(model, part, _extend(mask, part), 7, cache)
+    assert rest.tolist() == full.tolist()
+    result = check_lifecycle(run.run_dir, model)
+    assert result.ok, [r.describe() for r in result.failed]
+    assert [e["event"] for e in read_manifest(run.run_dir)["state_events"]] == ["save", "restore"]
