@@ -6,6 +6,7 @@ that alternate the two paths being compared, on the same process and data.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -15,7 +16,7 @@ from h2o_lens.benchtools import Decoder as _Decoder
 from h2o_lens.benchtools import median_time as _median_time
 from h2o_lens.policies import half_split, ratio_slots
 
-__all__ = ["bench_decode", "bench_record", "bench_sweep", "bench_explain"]
+__all__ = ["bench_decode", "bench_record", "bench_sweep", "bench_explain", "bench_assistant"]
 
 
 def _halves(budget: int) -> dict[str, int]:
@@ -641,4 +642,101 @@ def _bench_sweep_ray(model_name, model, tokenizer, reqs, grid, rounds: int, work
         f"scheduling overhead per cell: {statistics.median(overheads):.1f} ms (worker time outside cells), "
         f"{round_trip:.2f} ms (no-op round trip); workers started and warm in {start:.1f} s (not timed above)"
     )
+    return 0
+
+
+_COPY_TEXT = (
+    "The lighthouse keeper wrote in the log every evening: the wind from the north-west, the sea "
+    "calm near the rocks, two fishing boats back before dark, the lamp cleaned and the clock wound. "
+    "On Sundays he added the letters he had received and the names of the visitors who climbed the "
+    "stairs to see the lens. "
+)
+
+
+def _draft_from_layers(model, layers: int):
+    """A draft that shares the tokenizer: the model's first ``layers`` decoder layers and its head."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:layers]
+    draft.config.num_hidden_layers = layers
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = draft.config.layer_types[:layers]
+    return draft.eval()
+
+
+def bench_assistant(
+    model_name: str | None = None,
+    draft: str = "lookup",
+    new_tokens: int = 96,
+    keep: float = 0.5,
+    rounds: int = 3,
+    lookup_tokens: int = 8,
+    draft_layers: int = 6,
+    model=None,
+    tokenizer=None,
+) -> int:
+    """Speed-up of speculative decoding with a full cache and under H2O (DESIGN.md §14).
+
+    Greedy generation of ``new_tokens`` from a prompt that asks to copy a repeated text, four
+    ways, in alternating rounds: full cache plain and speculative, H2O (``keep`` of the prompt,
+    halves heavy/recent) plain and speculative. ``draft`` is ``lookup`` (prompt-lookup decoding,
+    ``lookup_tokens`` per draft) or ``layers`` (the model's first ``draft_layers`` layers as the
+    assistant). Prints both speed-ups and their ratio (the target: at least 0.9); returns 0.
+    """
+    from h2o_lens.config import H2OConfig
+    from h2o_lens.models import load_model
+    from h2o_lens.runtime import h2o
+
+    if draft not in ("lookup", "layers"):
+        raise ValueError(f"draft must be 'lookup' or 'layers', got {draft!r}")
+    if model is None:
+        model, tokenizer = load_model(model_name)
+    text = "Copy this text exactly, twice:\n\n" + _COPY_TEXT * 3
+    messages = [{"role": "user", "content": text}]
+    chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(chat, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    cfg = H2OConfig(**_halves(ratio_slots(keep, ids.shape[1])))
+    if draft == "lookup":
+        spec = {"prompt_lookup_num_tokens": lookup_tokens}
+        what = f"prompt lookup ({lookup_tokens} tokens)"
+    else:
+        spec = {"assistant_model": _draft_from_layers(model, draft_layers)}
+        what = f"draft of the first {draft_layers} layers"
+    kw = dict(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
+
+    def run(use_h2o: bool, speculative: bool) -> tuple[float, torch.Tensor]:
+        extra = spec if speculative else {}
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            if use_h2o:
+                stack.enter_context(h2o(model, cfg))
+            t0 = time.perf_counter()
+            out = model.generate(ids, **kw, **extra)
+            return time.perf_counter() - t0, out
+
+    ways = [(False, False), (False, True), (True, False), (True, True)]
+    times: dict[tuple[bool, bool], list[float]] = {w: [] for w in ways}
+    outs = {}
+    for w in ways:  # warm-up, and the tokens each way produces
+        outs[w] = run(*w)[1]
+    for _ in range(rounds):
+        for w in ways:
+            times[w].append(run(*w)[0])
+    t = {w: statistics.median(v) for w, v in times.items()}
+    full_up = t[(False, False)] / t[(False, True)]
+    h2o_up = t[(True, False)] / t[(True, True)]
+    print(
+        f"model {type(model).__name__}, prompt {ids.shape[1]} tokens, {new_tokens} new, H2O {cfg.describe()}, "
+        f"{what}; torch {torch.__version__}, {torch.get_num_threads()} threads; medians of {rounds} rounds"
+    )
+    for name, (plain, fast) in (("full cache", ways[:2]), ("H2O", ways[2:])):
+        same = torch.equal(outs[plain], outs[fast])
+        print(
+            f"{name:>10}: plain {t[plain] * 1e3 / new_tokens:7.1f} ms/token, speculative "
+            f"{t[fast] * 1e3 / new_tokens:7.1f} ms/token, speed-up {t[plain] / t[fast]:.2f}x, "
+            f"same tokens: {'yes' if same else 'NO'}"
+        )
+    print(f"H2O keeps {h2o_up / full_up:.2f} of the full cache's speed-up (target >= 0.90)")
     return 0

@@ -664,6 +664,14 @@ def cmd_app(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
+    if args.what == "decode" and args.assistant:
+        return bench.bench_assistant(
+            model_name=args.model,
+            draft=args.assistant,
+            keep=args.keep,
+            rounds=args.rounds,
+            new_tokens=args.new_tokens or 96,
+        )
     if args.what == "decode":
         return bench.bench_decode(
             model_name=args.model, contexts=args.contexts, keep=args.keep, steps=args.steps, rounds=args.rounds
@@ -894,7 +902,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--new-tokens",
         type=int,
         default=None,
-        help="record: new tokens of that prompt (default 256); sweep: of each request (default 16)",
+        help="record: new tokens of that prompt (default 256); sweep: of each request (default 16); "
+        "decode --assistant: tokens generated (default 96)",
     )
     b.add_argument("--runs", type=int, default=5000, help="runs: synthetic runs in the root")
     b.add_argument("--root", default=None, help="runs: reuse (or write once) this synthetic root")
@@ -913,6 +922,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="sweep: ray compares the in-process executor with --workers Ray workers (local cluster)",
     )
     b.add_argument("--workers", type=int, default=2, help="sweep --executor ray: Ray workers (default 2)")
+    b.add_argument(
+        "--assistant",
+        nargs="?",
+        const="lookup",
+        choices=["lookup", "layers"],
+        default=None,
+        help="decode: speculative decoding's speed-up under H2O vs the full cache, with prompt lookup "
+        "(default) or a draft of the model's first layers (DESIGN.md §14)",
+    )
     b.set_defaults(func=cmd_bench)
     return p
 

@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import faults, ops, policy
+from . import speculative as _speculative
 from .config import H2OConfig
 from .errors import ConfigError, UnsupportedModelError
 
@@ -127,7 +128,7 @@ class H2OCacheLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # the last verification segment only (DESIGN.md §14)
     is_sliding = False
 
     def __init__(self, owner: H2OCache, layer_idx: int):
@@ -143,6 +144,7 @@ class H2OCacheLayer(CacheLayerMixin):
         self.budget: torch.Tensor | None = None  # (b,) int64 index into owner.budgets
         self._groups: list[tuple[torch.Tensor | None, ops.PolicyArgs]] | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.segment: _speculative.Segment | None = None  # open verification segment (DESIGN.md §14)
         #: a shared prompt prefix (DESIGN.md §15.4): its K, V ``(1, Hs, P0, d)`` and column sums ``(1, Hs, P0)``
         self.shared: SharedPrefix | None = None
 
@@ -183,7 +185,7 @@ class H2OCacheLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self.scores = self.history = self.positions = None
-        self.fill = self.next_pos = self.budget = self._groups = None
+        self.fill = self.next_pos = self.budget = self._groups = self.segment = None
         self.seen = 0
         self.is_initialized = False
 
@@ -191,6 +193,7 @@ class H2OCacheLayer(CacheLayerMixin):
         """Beam search: K, V, scores, positions and counters move together."""
         if self.keys is None:
             return
+        self.end_segment(0)
         idx = beam_idx.to(self.keys.device)
         self._groups = None
         # the diagnosis fault moves K and V only: scores and positions stay with the old rows
@@ -201,6 +204,7 @@ class H2OCacheLayer(CacheLayerMixin):
                 setattr(self, name, t.index_select(0, idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self.end_segment(0)
         self._groups = None
         for name in _ROW_STATE:
             t = getattr(self, name)
@@ -208,6 +212,7 @@ class H2OCacheLayer(CacheLayerMixin):
                 setattr(self, name, t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.end_segment(0)
         self._groups = None
         for name in _ROW_STATE:
             t = getattr(self, name)
@@ -215,10 +220,16 @@ class H2OCacheLayer(CacheLayerMixin):
                 setattr(self, name, t[indices])
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise UnsupportedModelError(
-            "the H2O cache cannot be cropped: an eviction is irreversible, so assisted or "
-            "speculative decoding (which rolls tokens back) is not supported; generate without it"
-        )
+        """``crop(-r)``: take back the last ``r`` tokens of the open verification segment
+        and close it (``crop(0)`` confirms it in full), as assisted decoding calls it
+        after each verification (DESIGN.md §14)."""
+        if tokens_to_remove > 0:
+            raise UnsupportedModelError(
+                f"crop({tokens_to_remove}): the H2O cache takes a negative count (tokens to remove "
+                "from the end), as transformers' assisted decoding passes it; an absolute length is "
+                "not supported"
+            )
+        self.end_segment(-tokens_to_remove)
 
     # -- H2O verbs ---------------------------------------------------------------
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,7 +406,20 @@ class H2OCacheLayer(CacheLayerMixin):
         """One decode step; returns the attention output ``(b, 1, Hq, d)``.
 
         Requests that share a budget step together; when budgets differ, each
-        budget's rows step on their own ``B_r`` slots, exactly as if alone.
+        budget's rows step on their own ``B_r`` slots, exactly as if alone. An
+        open verification segment is confirmed in full first (DESIGN.md §14).
+        """
+        self.end_segment(0)
+        return self.decode_once(query, scaling)[0]
+
+    def decode_once(
+        self, query: torch.Tensor, scaling: float, *, journal: bool = False, emit: bool = True
+    ) -> tuple[torch.Tensor, ops.DecodeResult, DecodeEvent | None]:
+        """One decode step of the staged token: ``(out (b, 1, Hq, d), result, event)``.
+
+        ``journal`` asks the step for the K/V it overwrites; ``emit`` False keeps the
+        event from the listener (a ``defer`` segment's working copy). The event is
+        None without a listener.
         """
         key, value = self.take_pending()  # (b, Hs, 1, d)
         owner = self.owner
@@ -404,6 +428,7 @@ class H2OCacheLayer(CacheLayerMixin):
         q, k, v = query[:, :, 0].contiguous(), key[:, :, 0].contiguous(), value[:, :, 0].contiguous()
         cap = self.keys.shape[2]
         groups = self.groups()
+        want = listener is not None
         if len(groups) == 1 and groups[0][0] is None and groups[0][1].capacity == cap:
             res = self._step(
                 groups[0][1],
@@ -417,30 +442,78 @@ class H2OCacheLayer(CacheLayerMixin):
                 step,
                 self.fill,
                 scaling,
-                listener is not None,
+                want,
                 self.history,
+                journal,
             )
         else:
-            res = self._step_groups(groups, q, k, v, step, scaling, listener is not None)
-        if listener is not None:
-            listener.on_decode(
-                self.layer_idx,
-                DecodeEvent(
-                    step=step,
-                    slot=res.slot,
-                    evicts=res.evicts,
-                    cand_scores=res.cand_scores,
-                    cand_positions=res.cand_positions,
-                    kept=self.positions,
-                ),
+            res = self._step_groups(groups, q, k, v, step, scaling, want, journal)
+        event = None
+        if want:
+            event = DecodeEvent(
+                step=step,
+                slot=res.slot,
+                evicts=res.evicts,
+                cand_scores=res.cand_scores,
+                cand_positions=res.cand_positions,
+                kept=self.positions,
             )
+            if emit:
+                listener.on_decode(self.layer_idx, event)
         self.next_pos = step + 1
         if self.fill is not None:
             caps = owner.row_capacity(self.budget)
             self.fill = torch.minimum(self.fill + 1, caps)
             if bool((self.fill >= caps).all()):
                 self.fill = None
-        return res.out[:, None]
+        return res.out[:, None], res, event
+
+    # -- verification segments (DESIGN.md §14) --------------------------------------
+    def decode_segment(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """A forward of ``m`` tokens after the prefill, as ``m`` plain decode steps.
+
+        ``query (b, Hq, m, d)``; returns ``(b, m, Hq, d)``. The segment stays open
+        until :meth:`crop` (or the next forward) says how many tokens stood.
+        """
+        key, value = self.take_pending()  # (b, Hs, m, d)
+        self.end_segment(0)
+        seg = _speculative.begin(self, scaling)
+        self.segment = seg
+        outs = [
+            _speculative.step(self, seg, query[:, :, i : i + 1], key[:, :, i : i + 1], value[:, :, i : i + 1])
+            for i in range(query.shape[2])
+        ]
+        return torch.cat(outs, 1)
+
+    def prefill_and_segment(
+        self, query: torch.Tensor, valid: torch.Tensor | None, scaling: float, width: int
+    ) -> torch.Tensor:
+        """The first forward of assisted decoding: the prompt's ``width`` columns and a draft.
+
+        The prompt is prefilled, the draft tokens after it form a verification segment.
+        """
+        key, value = self.take_pending()
+        self.pending = (key[:, :, :width], value[:, :, :width])
+        out = self.prefill(query[:, :, :width], None if valid is None else valid[:, :width], scaling)
+        self.pending = (key[:, :, width:], value[:, :, width:])
+        return torch.cat([out, self.decode_segment(query[:, :, width:], scaling)], 1)
+
+    def end_segment(self, rolled_back: int) -> None:
+        """Close the open segment, taking its last ``rolled_back`` tokens back; no-op if none."""
+        seg = self.segment
+        if seg is None:
+            if rolled_back:
+                raise UnsupportedModelError(
+                    f"layer {self.layer_idx}: crop of {rolled_back} tokens with no open verification "
+                    "segment; the H2O cache can take back only the tokens of the last multi-token "
+                    "forward (speculative or assisted decoding, DESIGN.md §14)"
+                )
+            return
+        event = _speculative.end(self, seg, rolled_back)  # checks rolled_back before it changes anything
+        self.segment = None
+        on_segment = getattr(self.owner.listener, "on_segment", None)
+        if on_segment is not None:
+            on_segment(self.layer_idx, event)
 
     def _step(
         self,
@@ -457,10 +530,13 @@ class H2OCacheLayer(CacheLayerMixin):
         scaling: float,
         want: bool,
         history: torch.Tensor | None = None,
+        journal: bool = False,
     ) -> ops.DecodeResult:
         """The fused Triton step when the backend and the policy have one (``Policy.kernels``) and
-        no listener needs the candidate set and nothing is pinned; the torch step otherwise."""
-        if not want and self.owner.backend == "triton" and "decode" in args.spec.kernels and not args.pinned:
+        no listener needs the candidate set, no rollback the overwritten K/V and nothing is
+        pinned; the torch step otherwise."""
+        fused = self.owner.backend == "triton" and "decode" in args.spec.kernels and not args.pinned
+        if fused and not want and not journal:
             from .kernels import decode_step_triton
 
             return decode_step_triton(
@@ -481,9 +557,10 @@ class H2OCacheLayer(CacheLayerMixin):
             layer=self.layer_idx,
             history=history,
             want_candidates=want,
+            journal=journal,
         )
 
-    def _step_groups(self, groups, q, k, v, step, scaling: float, want: bool) -> ops.DecodeResult:
+    def _step_groups(self, groups, q, k, v, step, scaling: float, want: bool, journal: bool) -> ops.DecodeResult:
         """One decode step per budget on its rows and its first ``B_r`` slots, written back."""
         b, hs, cap = self.positions.shape
         out = q.new_empty(q.shape)
@@ -493,6 +570,8 @@ class H2OCacheLayer(CacheLayerMixin):
         cand_p = (
             torch.full((b, hs, cap + 1), policy.EMPTY, dtype=self.positions.dtype, device=q.device) if want else None
         )
+        old_k = self.keys.new_zeros(b, hs, self.keys.shape[-1]) if journal else None
+        old_v = self.values.new_zeros(b, hs, self.values.shape[-1]) if journal else None
         for rows, args in groups:
             sel = torch.arange(b, device=q.device) if rows is None else rows
             c = args.capacity
@@ -514,6 +593,7 @@ class H2OCacheLayer(CacheLayerMixin):
                 scaling,
                 want,
                 state[4] if len(state) > 4 else None,
+                journal,
             )
             for t, new in zip(stored, state):
                 t[sel, :, :c] = new
@@ -523,7 +603,17 @@ class H2OCacheLayer(CacheLayerMixin):
             if want:
                 cand_s[sel, :, :c], cand_s[sel, :, cap] = res.cand_scores[..., :c], res.cand_scores[..., c]
                 cand_p[sel, :, :c], cand_p[sel, :, cap] = res.cand_positions[..., :c], res.cand_positions[..., c]
-        return ops.DecodeResult(out=out, slot=slot, evicts=evicts, cand_scores=cand_s, cand_positions=cand_p)
+            if journal:
+                old_k[sel], old_v[sel] = res.old_key, res.old_value
+        return ops.DecodeResult(
+            out=out,
+            slot=slot,
+            evicts=evicts,
+            cand_scores=cand_s,
+            cand_positions=cand_p,
+            old_key=old_k,
+            old_value=old_v,
+        )
 
     def nbytes(self) -> tuple[int, int]:
         """``(kv_bytes, metadata_bytes)`` physically held by this layer."""
@@ -546,11 +636,20 @@ class H2OCache(Cache):
     model_config : PretrainedConfig
         The model's (text) config: layer count and head counts.
     listener : CacheListener, optional
-        Receives an event per layer at prefill and at every decode step.
+        Receives an event per layer at prefill and at every decode step (and
+        ``on_segment`` when a verification segment ends, if it has one).
+    speculative : str
+        How a verification segment is taken back: ``rollback`` (default) or
+        ``defer`` (DESIGN.md §14).
     """
 
     def __init__(
-        self, config: H2OConfig, model_config: Any, listener: CacheListener | None = None, prefill_chunk: int = 512
+        self,
+        config: H2OConfig,
+        model_config: Any,
+        listener: CacheListener | None = None,
+        prefill_chunk: int = 512,
+        speculative: str = "rollback",
     ):
         if not config.spec.evicts:
             raise ConfigError(
@@ -567,6 +666,10 @@ class H2OCache(Cache):
         self.num_query_heads, self.num_kv_heads = hq, hkv
         self.listener = listener
         self.prefill_chunk = prefill_chunk
+        self.speculative = _speculative.check_mode(speculative)
+        #: prompt columns of the generate call: a longer first forward (assisted decoding's
+        #: prompt plus draft) is a prefill and a verification segment (DESIGN.md §14)
+        self.prompt_width: int | None = None
         self.budgets: list[ops.PolicyArgs] = []  # distinct budgets; layers index them per row
         self.request_configs: list[H2OConfig] | None = None  # resolved per prefill row
         self._rows: torch.Tensor | None = None
@@ -662,6 +765,16 @@ class H2OCache(Cache):
             self.backend = resolve_backend(self.config.backend, device)
         return self.backend
 
+    def end_segments(self) -> None:
+        """Confirm every layer's open verification segment in full (DESIGN.md §14)."""
+        for layer in self.layers:
+            layer.end_segment(0)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """``crop(-r)`` on every layer: the last ``r`` tokens of the verification segment go back."""
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
+
     # -- rows: reorder, selection, cancellation (DESIGN.md §15.3) ---------------------------------
     def _move_rows(self, index: list[int]) -> None:
         """The per-row bookkeeping outside the layers follows a row selection or reorder."""
@@ -723,6 +836,7 @@ class H2OCache(Cache):
         """
         if self.batch_size == 0:
             raise ConfigError("the H2O cache has not seen a prompt yet: there is no state to save")
+        self.end_segments()  # an open verification segment stands in full (DESIGN.md §14)
         header = {
             "budgets": [dataclasses.asdict(a) for a in self.budgets],
             "rows": None if self._rows is None else self._rows.tolist(),

@@ -100,12 +100,12 @@ def h2o_attention(
                     f"{tuple(attention_mask.shape)}; a model that builds its own 4-D mask is not supported"
                 )
             valid = attention_mask[:, -q_len:]
+        width = h2o_layer.owner.prompt_width
+        if width is not None and q_len > width:  # assisted decoding's first forward: prompt + draft
+            return h2o_layer.prefill_and_segment(query, valid, scaling, width), None
         return h2o_layer.prefill(query, valid, scaling), None
-    if q_len != 1:
-        raise UnsupportedModelError(
-            f"layer {h2o_layer.layer_idx}: a forward of {q_len} tokens after the prefill; the H2O "
-            "cache decodes one token per step (chunked prefill and speculative decoding are not supported)"
-        )
+    if q_len != 1:  # a verification segment: q_len plain decode steps (DESIGN.md §14)
+        return h2o_layer.decode_segment(query, scaling), None
     return h2o_layer.decode(query, scaling), None
 
 

@@ -405,7 +405,9 @@ class DecodeResult:
     itself was evicted and nothing written); ``evicts (b, Hs)`` whether a
     position left the cache; ``cand_scores``/``cand_positions`` describe the candidate set
     D = slots + new token ``(b, Hs, B + 1)`` after the score update, for the
-    recorder.
+    recorder; ``old_key``/``old_value (b, Hs, d)`` what ``slot`` held before the
+    write (asked with ``journal``; meaningless where ``slot == B``), for a rollback
+    (DESIGN.md §14).
     """
 
     out: torch.Tensor
@@ -413,6 +415,8 @@ class DecodeResult:
     evicts: torch.Tensor
     cand_scores: torch.Tensor | None = None
     cand_positions: torch.Tensor | None = None
+    old_key: torch.Tensor | None = None
+    old_value: torch.Tensor | None = None
 
 
 def decode_step(
@@ -431,6 +435,7 @@ def decode_step(
     layer: int = 0,
     history: torch.Tensor | None = None,
     want_candidates: bool = False,
+    journal: bool = False,
 ) -> DecodeResult:
     """One decode step for one layer, updating the cache in place.
 
@@ -449,6 +454,7 @@ def decode_step(
     layer : int, the layer index (keys the ``random`` policy's draw, :func:`random_scores`)
     history : ``(b, Hs, B)`` int64 per-slot history of a policy that keeps one
         (``Policy.history``), updated in place; None otherwise
+    journal : also return the K/V the write overwrites (``old_key``, ``old_value``)
 
     Order (DESIGN.md §2): append → softmax over D → aggregate over the group and
     update the ranking values by the policy's rule (H2O: add; the new token's own
@@ -502,6 +508,9 @@ def decode_step(
             c_scores = torch.cat([scores, new_score], -1)
             c_pos = torch.cat([positions, new_pos], -1)
         cands = dict(cand_scores=c_scores, cand_positions=c_pos)
+    if journal:
+        idx = slot.clamp(max=cap - 1)[..., None, None].expand(b, hs, 1, d)
+        cands.update(old_key=keys.gather(2, idx)[:, :, 0], old_value=values.gather(2, idx)[:, :, 0])
 
     _write_slot(
         keys,

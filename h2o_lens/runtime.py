@@ -27,6 +27,7 @@ from . import hooks
 from .cache import CacheListener, H2OCache
 from .config import H2OConfig
 from .errors import ConfigError, UnsupportedModelError
+from .speculative import check_mode
 
 __all__ = ["h2o", "H2OSession", "check_model", "full_kv_bytes", "STATE_FORMAT", "STATE_VERSION", "model_identity"]
 
@@ -102,15 +103,20 @@ def model_identity(model: Any) -> dict[str, Any]:
 class H2OSession:
     """Handle of an active scope: makes caches and remembers the last one."""
 
-    def __init__(self, model: Any, config: H2OConfig, listener: CacheListener | None = None):
+    def __init__(
+        self, model: Any, config: H2OConfig, listener: CacheListener | None = None, speculative: str = "rollback"
+    ):
         self.model = model
         self.config = config
         self.listener = listener
+        self.speculative = check_mode(speculative)
         self.last_cache: H2OCache | None = None
 
     def new_cache(self, listener: CacheListener | None = None) -> H2OCache:
         """A fresh cache for one generation (one batch of prompts)."""
-        cache = H2OCache(self.config, self.model.config, listener=listener or self.listener)
+        cache = H2OCache(
+            self.config, self.model.config, listener=listener or self.listener, speculative=self.speculative
+        )
         self.last_cache = cache
         return cache
 
@@ -260,18 +266,26 @@ class H2OSession:
 
     def _generate(self, original, *args: Any, **kwargs: Any):
         if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
-            if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
-                raise UnsupportedModelError(
-                    "assisted/speculative decoding rolls tokens back, which an H2O cache cannot do; "
-                    "generate without assistant_model / prompt_lookup_num_tokens"
-                )
             kwargs["cache"] = self.new_cache()
-        return original(*args, **kwargs)
+        cache = kwargs.get("cache")
+        if isinstance(cache, H2OCache):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if ids is not None:  # assisted decoding's first forward is the prompt plus a draft (DESIGN.md §14)
+                cache.prompt_width = ids.shape[-1]
+        out = original(*args, **kwargs)
+        if isinstance(cache, H2OCache):
+            cache.end_segments()  # a segment no crop closed stands in full
+        return out
 
 
 @contextlib.contextmanager
 def h2o(
-    model: Any, config: H2OConfig | None = None, *, listener: CacheListener | None = None, **options: Any
+    model: Any,
+    config: H2OConfig | None = None,
+    *,
+    listener: CacheListener | None = None,
+    speculative: str = "rollback",
+    **options: Any,
 ) -> Iterator[H2OSession]:
     """Run ``model`` with H2O eviction inside a ``with`` block.
 
@@ -283,6 +297,10 @@ def h2o(
         (``h2o(model, heavy=64, recent=64, gqa="max")``).
     listener : CacheListener, optional
         Receives eviction events (the recorder uses this).
+    speculative : str
+        ``rollback`` (default) or ``defer``: how a rejected draft of assisted or
+        speculative decoding (``assistant_model=``, ``prompt_lookup_num_tokens=``)
+        is taken back (DESIGN.md §14).
 
     The policy ``full`` leaves the model untouched (transformers' own cache),
     so a comparison runs the exact baseline.
@@ -293,7 +311,7 @@ def h2o(
         raise ConfigError(f"give either a config or keyword options, not both (got {sorted(options)})")
     if not isinstance(config, H2OConfig):
         raise ConfigError(f"config must be an H2OConfig, got {type(config).__name__}")
-    session = H2OSession(model, config, listener)
+    session = H2OSession(model, config, listener, speculative)
     if not config.spec.evicts:
         yield session
         return

@@ -50,6 +50,7 @@ from transformers import LogitsProcessorList
 from h2o_lens.cache import DecodeEvent, PrefillEvent, decode_stats
 from h2o_lens.config import H2OConfig
 from h2o_lens.runtime import H2OSession, h2o
+from h2o_lens.speculative import SegmentEvent
 
 from .errors import RecorderError
 from .run import RunWriter
@@ -163,9 +164,10 @@ class _GenerateWatch:
     fed is an EOS, or it was fed one before.
     """
 
-    def __init__(self, eos: Sequence[int], ended: torch.Tensor | None = None):
+    def __init__(self, eos: Sequence[int], ended: torch.Tensor | None = None, width: int | None = None):
         self.eos = list(eos)
         self.ended = ended  # (rows,) bool: rows of a continued generation whose request already ended
+        self.width = width  # prompt columns: assisted decoding's first forward adds a draft after them
         self.input_ids: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
         self.finished: torch.Tensor | None = None  # (rows,) bool
@@ -176,14 +178,18 @@ class _GenerateWatch:
         if ids is None:
             return
         if self.input_ids is None:
-            self.input_ids, self.mask = ids, kwargs.get("attention_mask")
+            mask = kwargs.get("attention_mask")
+            if self.width is not None and ids.shape[1] > self.width:
+                ids = ids[:, : self.width]
+                mask = mask[:, : self.width] if mask is not None and mask.dim() == 2 else mask
+            self.input_ids, self.mask = ids, mask
             self.finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
             self.alive = None
             if self.ended is not None:  # a continued generation: its first forward is a decode step
                 self.finished = self.ended.to(ids.device)
                 self.alive = ~self.finished
             return
-        fed = ids[:, -1]
+        fed = ids[:, 0]  # a verification forward's first token is confirmed, its draft may not be
         if self.eos:
             eos = torch.tensor(self.eos, dtype=fed.dtype, device=fed.device)
             self.finished = self.finished | torch.isin(fed, eos)
@@ -270,6 +276,9 @@ class Recording:
         self._ids: list[int] = []  # the request of each row of the events being converted
         self._group = 1
         self._last_layer = 0
+        self._segments: dict[int, int] = {}  # request -> verification segments logged so far
+        self._segment_no = np.zeros(0, np.int32)  # (b,) the number of the segment ending now
+        self._segment_undone = torch.zeros(0, dtype=torch.int64)  # (b,) its undone evictions so far
         self._labels_override: Sequence[str | None] | None = None
         self.annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None
         self.step_times: list[float] = []  # wall-clock seconds of each decode step
@@ -380,8 +389,71 @@ class Recording:
         self._pending.layer.append(layer)
         self._pending.events.append(ev)
         self._pending.alive.append(self._watch.alive if self._watch is not None else None)
-        if layer == self._last_layer and len(self._pending.events) >= self.flush_every * (self._last_layer + 1):
+        if (
+            layer == self._last_layer
+            and len(self._pending.events) >= self.flush_every * (self._last_layer + 1)
+            and self.session.last_cache.layers[layer].segment is None  # its steps may still be taken back
+        ):
             self.flush()
+
+    def on_segment(self, layer: int, ev: SegmentEvent) -> None:
+        """A verification segment ended (DESIGN.md §14): the steps taken back leave the pending
+        events (evictions and steps hold only what stood) and go to ``spec_undone``; the last
+        layer writes the segment's ``spec_segments`` rows."""
+        if ev.mode == "rollback" and ev.undone:
+            gone = {id(e) for e in ev.undone}
+            pend = self._pending
+            keep = [i for i, e in enumerate(pend.events) if id(e) not in gone]
+            pend.layer = [pend.layer[i] for i in keep]
+            pend.events = [pend.events[i] for i in keep]
+            pend.alive = [pend.alive[i] for i in keep]
+        b = ev.step.shape[0]
+        ids = np.asarray(self._row_ids(), np.int32)
+        if layer == 0:
+            self._segment_no = np.array([self._segments.get(int(q), 0) for q in ids], np.int32)
+            self._segment_undone = torch.zeros(b, dtype=torch.int64)
+        if ev.undone:
+            self._segment_undone = self._segment_undone + self._append_undone(layer, ev.undone, ids)
+        if layer != self._last_layer:
+            return
+        for q in ids:
+            self._segments[int(q)] = self._segments.get(int(q), 0) + 1
+        self.writer.append(
+            "spec_segments",
+            {
+                "request": ids,
+                "segment": self._segment_no,
+                "step": ev.step.cpu().numpy().astype(np.int64),
+                "proposed": np.full(b, ev.proposed, np.int32),
+                "accepted": np.full(b, ev.accepted, np.int32),
+                "rolled_back": np.full(b, ev.rolled_back, np.int32),
+                "undone_evictions": self._segment_undone.numpy(),
+                "mode": ev.mode,
+            },
+        )
+
+    def _append_undone(self, layer: int, events: list[DecodeEvent], ids: np.ndarray) -> torch.Tensor:
+        """``spec_undone`` rows of one layer's rolled-back steps; returns ``(b,)`` counts."""
+        recent, sink, group = self._policy()
+        pinned = self.session.last_cache.pinned_positions()
+        stack = lambda name: torch.stack([getattr(e, name) for e in events]).cpu()  # noqa: E731
+        step = stack("step").to(torch.int64)  # (K, b)
+        slot, evicts = stack("slot"), stack("evicts")  # (K, b, Hs)
+        st = decode_stats(stack("cand_scores"), stack("cand_positions"), slot, evicts, step, recent, sink, pinned)
+        k, b, hs = slot.shape
+        req = torch.arange(b)[None, :, None].expand(k, b, hs)[evicts]
+        cols = {
+            "request": ids[req.numpy()],
+            "segment": self._segment_no[req.numpy()],
+            "step": step[:, :, None].expand(k, b, hs)[evicts].numpy(),
+            "layer": np.full(req.numel(), layer, np.int16),
+            **self._heads(torch.arange(hs)[None, None, :].expand(k, b, hs)[evicts], group),
+            "position": st.victim_position[evicts].to(torch.int64).numpy(),
+            "score": st.victim_score[evicts].float().numpy(),
+        }
+        if req.numel():
+            self.writer.append("spec_undone", cols)
+        return torch.bincount(req, minlength=b)
 
     # -- conversion ------------------------------------------------------------
     def flush(self) -> None:
@@ -514,7 +586,7 @@ class Recording:
                     "in the cache's row order, without num_return_sequences"
                 )
             ended = torch.tensor([self._reqs.get(q, {}).get("ended", False) for q in continued])
-        watch = _GenerateWatch(_eos_ids(gen_config), ended)
+        watch = _GenerateWatch(_eos_ids(gen_config), ended, input_ids.shape[-1])
         self._pending = _Pending()
         timer = _StepTimer()
         kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), timer])
@@ -771,6 +843,7 @@ def record(
     fsync: bool = True,
     rows_per_segment: int | None = None,
     annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None,
+    speculative: str = "rollback",
     **options: Any,
 ) -> Iterator[Recording]:
     """Record every eviction of the ``model.generate`` calls inside the block.
@@ -792,6 +865,9 @@ def record(
     rows_per_segment : rows of one table per closed Parquet segment
     annotate : ``(request, answer) -> {"task": ..., "expected": ..., "correct": ...}``, extra
         columns of the ``requests`` table (an answer checker, for the task suite)
+    speculative : how assisted or speculative decoding takes a rejected draft back,
+        ``rollback`` or ``defer``; its segments go to ``spec_segments`` and
+        ``spec_undone``, never to ``evictions`` (DESIGN.md §14)
 
     On an exception inside the block the run is marked ``failed`` with the
     error, and the model is restored; the exception propagates.
@@ -816,7 +892,7 @@ def record(
     rec.annotate = annotate
     writer.start()
     try:
-        with h2o(model, config, listener=rec) as session:
+        with h2o(model, config, listener=rec, speculative=speculative) as session:
             rec.session = session
             inner = model.generate
             model.generate = functools.wraps(inner)(functools.partial(rec._generate, inner))

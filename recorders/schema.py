@@ -40,7 +40,8 @@ __all__ = [
     "schema_mismatches",
 ]
 
-SCHEMA_VERSION = 1
+#: 2 adds the speculative tables ``spec_segments`` and ``spec_undone`` (DESIGN.md §14)
+SCHEMA_VERSION = 2
 
 META_SCHEMA_VERSION = "h2o_lens.schema_version"
 META_CONFIG = "h2o_lens.config"
@@ -193,6 +194,32 @@ TABLES: dict[str, pa.Schema] = {
             ),
         ]
     ),
+    "spec_segments": pa.schema(
+        [
+            _RUN_ID,
+            _REQUEST,
+            _f("segment", pa.int32(), "verification segment of the request, numbered from 0 in order"),
+            _f("step", pa.int64(), "query position of the segment's first token"),
+            _f("proposed", pa.int32(), "tokens of the verification forward (draft, plus the last confirmed token)"),
+            _f("accepted", pa.int32(), "tokens of the segment that stood (its first ones)"),
+            _f("rolled_back", pa.int32(), "tokens taken back: proposed - accepted"),
+            _f("undone_evictions", pa.int64(), "evictions of the rolled-back tokens, all layers and KV sets"),
+            _f("mode", pa.string(), "'rollback' (applied, then undone) or 'defer' (never applied)"),
+        ]
+    ),
+    "spec_undone": pa.schema(
+        [
+            _RUN_ID,
+            _REQUEST,
+            _f("step", pa.int64(), "query position of the rolled-back token whose step evicted"),
+            _LAYER,
+            _KV_HEAD,
+            _f("position", pa.int64(), "original position of the victim that was put back (or never left)"),
+            _f("score", pa.float32(), "its score at that step, as in evictions.score"),
+            _f("segment", pa.int32(), "spec_segments.segment it belongs to"),
+            _Q_HEAD_OPT,
+        ]
+    ),
 }
 TABLE_NAMES: tuple[str, ...] = tuple(TABLES)
 
@@ -206,6 +233,8 @@ KEYS: dict[str, tuple[str, ...]] = {
     "oracle": ("run_id", "request", "step", "layer", "kv_head", "position"),
     "run_logits": ("run_id", "request", "step"),
     "requests": ("run_id", "request"),
+    "spec_segments": ("run_id", "request", "segment"),
+    "spec_undone": ("run_id", "request", "segment", "step", "layer", "kv_head", "position"),
 }
 
 #: The ``runs`` view: one row per run, built from the manifests.

@@ -51,7 +51,7 @@ def test_declared_types():
     assert ev.field("score").type == ev.field("margin").type == pa.float32()
     assert ev.field("left_recent").type == pa.bool_()
     assert TABLES["tokens"].field("evidence").nullable
-    assert SCHEMA_VERSION == 1
+    assert SCHEMA_VERSION == 2  # 2: the speculative tables (DESIGN.md §14)
     for table, keys in KEYS.items():
         assert set(keys) <= set(TABLES[table].names)
 

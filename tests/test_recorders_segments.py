@@ -29,7 +29,7 @@ from recorders import (
     segments,
     synthetic_tables,
 )
-from recorders.schema import META_CONFIG, META_SCHEMA_VERSION, to_arrow
+from recorders.schema import META_CONFIG, META_SCHEMA_VERSION, SCHEMA_VERSION, to_arrow
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = {"policy": "h2o", "heavy": 8, "recent": 8, "gqa": "sum"}
@@ -57,7 +57,7 @@ def test_segments_use_zstd_byte_stream_split_and_carry_metadata(tmp_path):
     (path,) = tmp_path.glob("*.parquet")
     assert path.name == "evictions-00000.parquet"
     md = pq.read_metadata(path)
-    assert md.metadata[META_SCHEMA_VERSION.encode()] == b"1"
+    assert md.metadata[META_SCHEMA_VERSION.encode()] == str(SCHEMA_VERSION).encode()
     assert json.loads(md.metadata[META_CONFIG.encode()]) == CONFIG
     schema = md.schema.to_arrow_schema()
     for i in range(md.num_columns):
@@ -67,7 +67,7 @@ def test_segments_use_zstd_byte_stream_split_and_carry_metadata(tmp_path):
             assert "BYTE_STREAM_SPLIT" in col.encodings, col.path_in_schema
     con = duckdb.connect()
     kv = dict(con.execute("SELECT key, value FROM parquet_kv_metadata(?)", [str(path)]).fetchall())
-    assert kv[b"h2o_lens.schema_version"] == b"1"
+    assert kv[b"h2o_lens.schema_version"] == str(SCHEMA_VERSION).encode()
     assert json.loads(kv[b"h2o_lens.config"]) == CONFIG
     enc = dict(
         con.execute(

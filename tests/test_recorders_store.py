@@ -31,7 +31,7 @@ from recorders import (
     write_synthetic_run,
 )
 from recorders.manifest import read_manifest, write_manifest
-from recorders.schema import KEYS, RUNS, TABLES, duckdb_type
+from recorders.schema import KEYS, RUNS, SCHEMA_VERSION, TABLES, duckdb_type
 from recorders.segments import file_metadata, segment_name, write_segment
 
 CONFIG = {"policy": "h2o", "heavy": 16, "recent": 8, "gqa": "max", "sink": 4, "seed": 7, "backend": "torch"}
@@ -153,7 +153,7 @@ def test_newer_schema_version_is_an_error_naming_the_file(tmp_path):
         newer,
         "replay_steps",
         table.replace_schema_metadata(None).cast(TABLES["replay_steps"]),
-        metadata={"h2o_lens.schema_version": "2"},
+        metadata={"h2o_lens.schema_version": str(SCHEMA_VERSION + 1)},
         fsync=False,
     )
     for call in (open_runs, list_runs):

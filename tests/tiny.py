@@ -52,3 +52,24 @@ def tiny_model(
             if any(k in name for k in ("q_proj", "k_proj", "qkv_proj")):
                 p.mul_(4.0)
     return model
+
+
+def local_attention(model, strength: float = 8.0, mix: float = 0.3, head_dim: int = 16):
+    """Make a tiny model's heads prefer nearby positions, so H2O's kept sets keep changing.
+
+    Random weights attend mostly to the first positions, which freezes the heavy set (every
+    decode step evicts the token leaving the recent window). This adds to every query and key
+    a constant component on the rotary pair of dims 2 and ``2 + head_dim / 2`` (frequency
+    0.1 at base 10000), whose logit is ``cos(0.1 · distance)``, and scales the content part
+    by ``mix``: attention then follows the recent tokens and evictions compete.
+    """
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj):
+                w = proj.weight.view(-1, head_dim, proj.weight.shape[-1])  # (heads, d, hidden)
+                w.mul_(mix)
+                w[:, 2, :] += strength / proj.weight.shape[-1] ** 0.5
+    return model
