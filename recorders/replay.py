@@ -56,7 +56,7 @@ import torch
 from transformers import DynamicCache
 
 from h2o_lens.hooks import attention_implementation
-from h2o_lens.kernels import replay_dropped_mass_torch, resolve_backend
+from h2o_lens.kernels import replay_masked_torch, replay_teacher_torch, resolve_backend
 from h2o_lens.ops import prefill_attention
 
 from .errors import RecorderError
@@ -146,51 +146,64 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
     """Attention of the replay forwards; queries are the last rows of the keys.
 
     ``prompt``: full causal attention over the prompt (shared by teacher and
-    masked run). ``teacher``: full attention of the generated rows, plus their
-    dropped mass. ``masked``: the generated rows see only what the run kept.
+    masked run) and its column sums. ``teacher``: full attention of the generated
+    rows, with their dropped mass and oracle columns from the same score tiles.
+    ``masked``: the generated rows see only what the run kept. Every pass works
+    ``state.chunk`` rows at a time: O(chunk · N) per layer, never N x N.
     """
-    b, hq, m, d = query.shape
-    hkv, n = key.shape[1], key.shape[2]
-    group = hq // hkv
+    d = query.shape[-1]
     scaling = scaling if scaling is not None else d**-0.5
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rep = state.sets_per_kv
+    k_sets = key.repeat_interleave(rep, dim=1) if rep > 1 else key  # (1, Hs, N, d)
+    v_sets = value.repeat_interleave(rep, dim=1) if rep > 1 else value
     if state.mode == "prompt":
-        rep = state.sets_per_kv
-        k_sets = key.repeat_interleave(rep, dim=1) if rep > 1 else key
-        v_sets = value.repeat_interleave(rep, dim=1) if rep > 1 else value
         out, cols = prefill_attention(query, k_sets, v_sets, None, scaling, state.agg)
         state.prompt_cols[module.layer_idx] = cols[0]  # (Hs, P) teacher column sums of the prompt rows
         return out, None
     layer = module.layer_idx
     ev = state.evict[layer]  # (1, Hs, N)
-    rows = torch.arange(n - m, n, device=query.device)[:, None]  # positions of the query rows
-    cols = torch.arange(n, device=query.device)[None, :]
-    if state.mode == "teacher":
-        out = sdpa(query, key, value, attn_mask=cols <= rows, scale=scaling, enable_gqa=group > 1)
-        k_sets = key.repeat_interleave(state.sets_per_kv, dim=1) if state.sets_per_kv > 1 else key
-        if state.backend not in ("torch", "triton"):
-            state.backend = "torch" if query.dtype == torch.float64 else resolve_backend(state.backend, query.device)
-        if state.backend == "triton":
+    if state.backend not in ("torch", "triton"):
+        state.backend = "torch" if query.dtype == torch.float64 else resolve_backend(state.backend, query.device)
+    if state.backend == "torch":
+        if state.mode == "teacher":
+            out, dropped, before, after = replay_teacher_torch(
+                query, k_sets, v_sets, ev, scaling, chunk=state.chunk, oracle=state.agg
+            )
+        else:
+            out = replay_masked_torch(query, k_sets, v_sets, ev, scaling, chunk=state.chunk)
+    else:
+        out = _sdpa_rows(state, query, key, value, ev, scaling)
+        if state.mode == "teacher":
             from h2o_lens.kernels import replay_dropped_mass_triton
 
             dropped, before, after = replay_dropped_mass_triton(
                 query.contiguous(), k_sets.contiguous(), ev, scaling, oracle=state.agg
             )
-        else:
-            dropped, before, after = replay_dropped_mass_torch(
-                query, k_sets, ev, scaling, chunk=state.chunk, oracle=state.agg
-            )
-        state.dropped[layer] = dropped[0]
+    if state.mode == "teacher":
+        state.dropped[layer] = dropped[0]  # (Hq, T - 1)
         state.before[layer], state.after[layer] = before[0], after[0]  # (Hs, N)
-        return out.transpose(1, 2), None
+    return out.transpose(1, 2), None
+
+
+def _sdpa_rows(state: _State, query, key, value, ev, scaling) -> torch.Tensor:
+    """SDPA of the generated rows, ``state.chunk`` at a time (the Triton backend's attention):
+    full causal for the teacher, the run's kept sets for the masked forward. ``(1, Hq, M, d)``."""
+    hq, m, n = query.shape[1], query.shape[2], key.shape[2]
+    group = hq // key.shape[1]
+    rows = torch.arange(n - m, n, device=query.device)[:, None]  # positions of the query rows
+    cols = torch.arange(n, device=query.device)[None, :]
     per_q = ev.repeat_interleave(hq // ev.shape[1], dim=1)[:, :, None, :]  # (1, Hq, 1, N)
     out = torch.empty_like(query)
     for s in range(0, m, state.chunk):
         e = min(m, s + state.chunk)
         r = rows[s:e]
-        visible = (cols <= r) & (per_q >= r)  # (1, Hq, c, N): kept at the step of each row
-        out[:, :, s:e] = sdpa(query[:, :, s:e], key, value, attn_mask=visible, scale=scaling, enable_gqa=group > 1)
-    return out.transpose(1, 2), None
+        visible = cols <= r  # (c, N)
+        if state.mode == "masked":
+            visible = visible & (per_q >= r)  # (1, Hq, c, N): kept at the step of each row
+        out[:, :, s:e] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s:e], key, value, attn_mask=visible, scale=scaling, enable_gqa=group > 1
+        )
+    return out
 
 
 def _no_mask(*args, **kwargs):
