@@ -327,12 +327,13 @@ def _load(run_dir: Path) -> _Run:
     run = load_run(run_dir, tables=("tokens", "evictions", "run_logits"))
     config = run.manifest.get("config") or {}
     tokens = run["tokens"].to_pydict()
+    evictions = run["evictions"]
     ev = {
-        k: np.asarray(run["evictions"][k].to_pylist(), dtype=np.int64)
+        k: evictions[k].to_numpy().astype(np.int64, copy=False)
         for k in ("request", "step", "layer", "kv_head", "position")
     }
     if config.get("gqa") == "none":
-        ev["q_head"] = np.asarray(run["evictions"]["q_head"].fill_null(-1).to_pylist(), dtype=np.int64)
+        ev["q_head"] = evictions["q_head"].fill_null(-1).to_numpy().astype(np.int64, copy=False)
     logits = {k: np.asarray(v) for k, v in run["run_logits"].to_pydict().items() if k != "run_id"}
     requests = sorted(set(np.asarray(tokens["request"]).tolist()))
     if not requests:
