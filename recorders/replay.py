@@ -1,16 +1,23 @@
 """Replay a recorded run against a full-cache teacher (DESIGN.md §3, §6).
 
-For each request, two parallel forwards over the run's own tokens:
+For each request, one prompt pass and two passes over the generated rows
+(DESIGN.md §6.1):
 
-* the **teacher**: full causal attention. Its attention function reduces each
-  layer's weights straight to the dropped mass per step and query head
-  (the teacher weight on positions the run no longer held), never storing
-  N×N; its logits give KL(teacher ‖ run), top-1 agreement and the teacher
-  log-probability of the run's token;
-* the **masked** forward: each query sees only the positions the run kept
-  (rebuilt from the evictions table). It must reproduce the run's own logits;
-  the largest difference goes into the manifest (``max_logit_diff``) and a
-  mismatch is reported as an implementation error.
+* the **prompt**: the run's prefill attends fully, so the prompt rows are the
+  same for teacher and run. One forward computes them, keeps their keys and
+  values in a cache for both passes below and the column sums of their
+  weights (the oracle's teacher score up to the prompt's last step);
+* the **teacher**: the generated rows with full causal attention. One pass
+  over each block of score tiles gives the attention output, the dropped
+  mass per step and query head (the teacher weight on positions the run no
+  longer held) and the oracle columns, never storing N×N; its logits give
+  KL(teacher ‖ run), top-1 agreement and the teacher log-probability of the
+  run's token;
+* the **masked** forward: the generated rows again, each query seeing only
+  the positions the run kept (rebuilt from the evictions table). It must
+  reproduce the run's own logits; the largest difference goes into the
+  manifest (``max_logit_diff``) and a mismatch is reported as an
+  implementation error.
 
 The implementation tolerance depends on the dtype. The run and the masked
 replay compute the same attention in a different order (slots against
@@ -164,46 +171,23 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
     ev = state.evict[layer]  # (1, Hs, N)
     if state.backend not in ("torch", "triton"):
         state.backend = "torch" if query.dtype == torch.float64 else resolve_backend(state.backend, query.device)
-    if state.backend == "torch":
-        if state.mode == "teacher":
-            out, dropped, before, after = replay_teacher_torch(
-                query, k_sets, v_sets, ev, scaling, chunk=state.chunk, oracle=state.agg
-            )
-        else:
-            out = replay_masked_torch(query, k_sets, v_sets, ev, scaling, chunk=state.chunk)
-    else:
-        out = _sdpa_rows(state, query, key, value, ev, scaling)
-        if state.mode == "teacher":
-            from h2o_lens.kernels import replay_dropped_mass_triton
+    if state.mode == "masked":
+        out = replay_masked_torch(query, k_sets, v_sets, ev, scaling, chunk=state.chunk)
+    elif state.backend == "torch":
+        out, dropped, before, after = replay_teacher_torch(
+            query, k_sets, v_sets, ev, scaling, chunk=state.chunk, oracle=state.agg
+        )
+    else:  # SDPA for the output (nothing evicted: full causal), the Triton kernels for the rest
+        from h2o_lens.kernels import replay_dropped_mass_triton
 
-            dropped, before, after = replay_dropped_mass_triton(
-                query.contiguous(), k_sets.contiguous(), ev, scaling, oracle=state.agg
-            )
+        out = replay_masked_torch(query, k_sets, v_sets, torch.full_like(ev, key.shape[2]), scaling, chunk=state.chunk)
+        dropped, before, after = replay_dropped_mass_triton(
+            query.contiguous(), k_sets.contiguous(), ev, scaling, oracle=state.agg
+        )
     if state.mode == "teacher":
         state.dropped[layer] = dropped[0]  # (Hq, T - 1)
         state.before[layer], state.after[layer] = before[0], after[0]  # (Hs, N)
     return out.transpose(1, 2), None
-
-
-def _sdpa_rows(state: _State, query, key, value, ev, scaling) -> torch.Tensor:
-    """SDPA of the generated rows, ``state.chunk`` at a time (the Triton backend's attention):
-    full causal for the teacher, the run's kept sets for the masked forward. ``(1, Hq, M, d)``."""
-    hq, m, n = query.shape[1], query.shape[2], key.shape[2]
-    group = hq // key.shape[1]
-    rows = torch.arange(n - m, n, device=query.device)[:, None]  # positions of the query rows
-    cols = torch.arange(n, device=query.device)[None, :]
-    per_q = ev.repeat_interleave(hq // ev.shape[1], dim=1)[:, :, None, :]  # (1, Hq, 1, N)
-    out = torch.empty_like(query)
-    for s in range(0, m, state.chunk):
-        e = min(m, s + state.chunk)
-        r = rows[s:e]
-        visible = cols <= r  # (c, N)
-        if state.mode == "masked":
-            visible = visible & (per_q >= r)  # (1, Hq, c, N): kept at the step of each row
-        out[:, :, s:e] = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s:e], key, value, attn_mask=visible, scale=scaling, enable_gqa=group > 1
-        )
-    return out
 
 
 def _no_mask(*args, **kwargs):

@@ -10,6 +10,11 @@ torch, chunked rows, CPU or GPU) and :func:`replay_dropped_mass_triton`, which
 walks the keys once per row block with an online softmax carrying two sums (all
 keys, dropped keys) rescaled by the same running max, so it never forms
 ``N x N``. Triton is imported on first use.
+
+The replay's torch passes over the generated rows (DESIGN.md §6.1) live here too:
+:func:`replay_teacher_torch` gives the teacher's attention output together with the
+same dropped mass and oracle columns from one pass over the score tiles, and
+:func:`replay_masked_torch` the attention of the rows over what the run kept.
 """
 
 from __future__ import annotations
@@ -284,9 +289,16 @@ def _teacher_pass(query, key, value, evict_step, scaling, chunk, oracle, widen):
 
     Each tile ``(b, Hs, G, c, end)`` gives the teacher's weights once; from them come the
     attention output (when ``value`` is given), the dropped mass and the oracle columns.
-    ``widen`` computes the logits in the accumulation dtype (FP32, FP64 for FP64 inputs)
-    rather than in the input dtype. Returns ``out`` (or None), ``dropped``, ``before``,
-    ``after`` (None without ``oracle``).
+    ``widen`` computes the logits in the accumulation dtype (FP32, FP64 for FP64 inputs),
+    with the scaling folded into the queries, rather than in the input dtype. Returns
+    ``out`` (or None), ``dropped``, ``before``, ``after`` (None without ``oracle``).
+
+    Per tile the keys fall in three kinds: gone for every row of the tile (evicted before
+    its first step), for none (evicted at its last step or later, or never) and the few
+    evicted within the tile's steps (at most one per step and set for a policy that evicts
+    one at a time). The first two need no per-row mask: a matrix-vector product gives the
+    dropped mass and the column sums give the oracle columns; only the third is masked row
+    by row, on the gathered columns.
     """
     b, hs, n, d = key.shape
     hq, m = query.shape[1], query.shape[2]
@@ -296,9 +308,10 @@ def _teacher_pass(query, key, value, evict_step, scaling, chunk, oracle, widen):
     acc = torch.promote_types(query.dtype, torch.float32)
     logit_dtype = acc if widen else query.dtype
     qg = query.to(logit_dtype).reshape(b, hs, g, m, d)  # (b, Hs, G, M, d)
+    if widen:
+        qg, scaling = qg * scaling, 1.0
     kt = key.to(logit_dtype).transpose(-1, -2)[:, :, None]  # (b, Hs, 1, d, N)
     vg = value.to(acc)[:, :, None] if value is not None else None  # (b, Hs, 1, N, dv)
-    ev = evict_step[:, :, None, None, :]  # (b, Hs, 1, 1, N)
     out = torch.empty(b, hs, g, m, value.shape[-1], dtype=query.dtype, device=dev) if value is not None else None
     dropped = torch.empty(b, hs, g, m, dtype=acc, device=dev)
     before = torch.zeros(b, hs, n, dtype=acc, device=dev) if oracle is not None else None
@@ -306,21 +319,34 @@ def _teacher_pass(query, key, value, evict_step, scaling, chunk, oracle, widen):
     for s in range(0, m, chunk):
         e = min(m, s + chunk)
         end = offset + e  # keys past the chunk's last position are masked anyway
-        logits = torch.matmul(qg[..., s:e, :], kt[..., :end]) * scaling  # (b, Hs, G, c, end)
+        logits = torch.matmul(qg[..., s:e, :], kt[..., :end])  # (b, Hs, G, c, end)
+        if scaling != 1.0:
+            logits *= scaling
         # future keys lie in the diagonal block only
         logits[..., offset + s :].masked_fill_(_upper(e - s, dev), float("-inf"))
         w = torch.softmax(logits, dim=-1, dtype=acc)
         del logits
         if vg is not None:
             out[..., s:e, :] = torch.matmul(w, vg[..., :end, :])
-        rows = torch.arange(offset + s, offset + e, device=dev)[:, None]  # (c, 1) positions
-        gone = ev[..., :end] < rows  # (b, Hs, 1, c, end)
-        dropped[..., s:e] = (w * gone).sum(-1)
+        ev = evict_step[..., :end]  # (b, Hs, end)
+        always = ev < offset + s  # gone for every row of the tile
+        mixed = (ev >= offset + s) & (ev < end - 1)  # gone for its later rows only
+        cols = torch.nonzero(mixed.flatten(0, 1).any(0)).flatten()  # (K,) union over b and sets
+        rows = torch.arange(offset + s, end, device=dev)[:, None]  # (c, 1) positions
+        mixed_k = mixed[..., cols][:, :, None, :]  # (b, Hs, 1, K)
+        gone_k = (ev[..., cols][:, :, None, :] < rows) & mixed_k  # (b, Hs, c, K)
+        w_k = w[..., cols]  # (b, Hs, G, c, K)
+        dropped[..., s:e] = torch.matmul(w, always.to(acc)[:, :, None, :, None])[..., 0] + (
+            w_k * gone_k[:, :, None]
+        ).sum(-1)
         if oracle is not None:
             agg = w.amax(2) if oracle == "max" else w.sum(2)  # (b, Hs, c, end)
-            gone_rows = gone[:, :, 0]  # (b, Hs, c, end)
-            after[..., :end] += (agg * gone_rows).sum(-2)
-            before[..., :end] += (agg * ~gone_rows).sum(-2)
+            col = agg.sum(-2)  # (b, Hs, end)
+            agg_k = agg[..., cols]  # (b, Hs, c, K)
+            after[..., :end] += torch.where(always, col, 0.0)
+            before[..., :end] += torch.where(always | mixed, 0.0, col)
+            after[..., cols] += (agg_k * gone_k).sum(-2)
+            before[..., cols] += (agg_k * (mixed_k & ~gone_k)).sum(-2)
     return out, dropped.reshape(b, hq, m), before, after
 
 
@@ -414,32 +440,26 @@ def replay_masked_torch(
     """Attention of the last ``M`` rows over only the positions the run still held.
 
     Row ``t`` sees key ``i`` when ``i <= t`` and ``evict_step[i] >= t`` (a position
-    evicted at step ``t`` is still seen at ``t``; row ``t`` always sees itself). Logits
-    and weights in FP32 (FP64 for FP64 inputs), ``chunk`` rows at a time: memory
-    ``O(b · Hq · chunk · N)``, never ``M x N`` at once. Shapes as in
-    :func:`replay_teacher_torch`; returns ``(b, Hq, M, dv)`` in the query dtype.
+    evicted at step ``t`` is still seen at ``t``; row ``t`` always sees itself).
+    ``scaled_dot_product_attention`` with a boolean mask, ``chunk`` rows at a time:
+    memory ``O(b · Hq · chunk · N)``, never ``M x N`` at once (its fused CPU kernel
+    accumulates 16-bit inputs in FP32). Shapes as in :func:`replay_teacher_torch`;
+    returns ``(b, Hq, M, dv)`` in the query dtype.
     """
     fn = "replay_masked_torch"
     b, hq, hs, m, n, d = _check(fn, query, key, evict_step, for_triton=False)
     _check_value(fn, value, key)
     if chunk < 1:
         raise KernelInputError(f"{fn}: chunk={chunk}; expected a positive number of rows")
-    g = hq // hs
-    offset = n - m
     dev = query.device
-    acc = torch.promote_types(query.dtype, torch.float32)
-    qg = query.to(acc).reshape(b, hs, g, m, d)  # (b, Hs, G, M, d)
-    kt = key.to(acc).transpose(-1, -2)[:, :, None]  # (b, Hs, 1, d, N)
-    vg = value.to(acc)[:, :, None]  # (b, Hs, 1, N, dv)
-    ev = evict_step[:, :, None, None, :]  # (b, Hs, 1, 1, N)
-    out = torch.empty(b, hs, g, m, value.shape[-1], dtype=query.dtype, device=dev)
+    per_q = evict_step.repeat_interleave(hq // hs, dim=1)[:, :, None, :]  # (b, Hq, 1, N)
+    cols = torch.arange(n, device=dev)[None, :]
+    out = torch.empty(*query.shape[:3], value.shape[-1], dtype=query.dtype, device=dev)
     for s in range(0, m, chunk):
         e = min(m, s + chunk)
-        end = offset + e
-        logits = torch.matmul(qg[..., s:e, :], kt[..., :end]) * scaling  # (b, Hs, G, c, end)
-        rows = torch.arange(offset + s, offset + e, device=dev)[:, None]  # (c, 1) positions
-        hidden = ev[..., :end] < rows  # (b, Hs, 1, c, end): left the cache before step t
-        hidden[..., offset + s :] |= _upper(e - s, dev)  # future keys
-        w = torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1, dtype=acc)
-        out[..., s:e, :] = torch.matmul(w, vg[..., :end, :])
-    return out.reshape(b, hq, m, value.shape[-1])
+        rows = torch.arange(n - m + s, n - m + e, device=dev)[:, None]  # (c, 1) positions
+        visible = (cols <= rows) & (per_q >= rows)  # (b, Hq, c, N): kept at the step of each row
+        out[:, :, s:e] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s:e], key, value, attn_mask=visible, scale=scaling, enable_gqa=hq > hs
+        )
+    return out
