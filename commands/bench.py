@@ -198,16 +198,20 @@ def _peak_rss_bytes() -> int:
 
 
 def _memory_phase(phase: str, model_name: str | None, root: str, context: int, new_tokens: int, keep: float) -> None:
-    """One phase of :func:`bench_record_memory`, in a fresh process; prints one JSON line."""
+    """One phase of :func:`bench_record_memory`, in a fresh process; prints one JSON line.
+
+    ``seconds``: the generation alone (record) or the whole replay (replay), each after the
+    same short warm-up forward, so neither pays the process's first-call costs.
+    """
     import json
 
     from h2o_lens.config import H2OConfig
     from h2o_lens.models import load_model
 
     torch.set_grad_enabled(False)
-    model, _ = load_model(model_name)
+    model, _ = load_model(model_name, progress=False)
     loaded = _peak_rss_bytes()
-    t0 = time.perf_counter()
+    model(input_ids=torch.zeros(1, 16, dtype=torch.long))  # warm-up
     out: dict = {"phase": phase, "loaded_bytes": loaded}
     if phase == "record":
         from recorders.recorder import record
@@ -217,14 +221,19 @@ def _memory_phase(phase: str, model_name: str | None, root: str, context: int, n
         ids = torch.randint(0, text.vocab_size, (1, context), generator=gen)
         cfg = H2OConfig(**_halves(max(2, int(round(keep * context)))))
         with record(model, cfg, out=root, run_id="bench-memory", fsync=False) as run:
+            t0 = time.perf_counter()
             model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            out["seconds"] = time.perf_counter() - t0
         out["run_dir"] = str(run.run_dir)
         out["budget"] = cfg.describe()
     else:
         from recorders.replay import replay
 
-        out["max_logit_diff"] = replay(root, model=model, progress=False).max_logit_diff
-    out["seconds"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        summary = replay(root, model=model, progress=False)
+        out["seconds"] = time.perf_counter() - t0
+        out["max_logit_diff"] = summary.max_logit_diff
+        out["implementation_ok"] = summary.implementation_ok
     out["peak_bytes"] = _peak_rss_bytes()
     print(json.dumps(out, default=str), flush=True)
 
@@ -232,10 +241,12 @@ def _memory_phase(phase: str, model_name: str | None, root: str, context: int, n
 def bench_record_memory(
     model_name: str | None = None, context: int = 4096, new_tokens: int = 256, keep: float = 0.2
 ) -> int:
-    """Peak RSS of recording one ``context``-token prompt with ``new_tokens`` new tokens, and of
-    replaying it, each phase in a fresh process (one phase's peak cannot hide the other's).
+    """Generation time, replay time and peak RSS of recording one ``context``-token prompt with
+    ``new_tokens`` new tokens and of replaying that run, each phase in a fresh process (one
+    phase's peak cannot hide the other's).
 
-    Prints one line per phase; returns 0 when both phases ran.
+    Prints one line per phase, then replay ÷ generation and both peaks side by side; returns 0
+    when both phases ran.
     """
     import json
     import os
@@ -249,10 +260,11 @@ def bench_record_memory(
     root = tempfile.mkdtemp(prefix="h2o-lens-bench-memory-")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     print(
-        f"peak RSS, each phase in a fresh process: prompt {context} tokens, {new_tokens} new, keep {keep:g}, "
-        f"model {model_name or 'default'}, torch {torch.__version__} on CPU"
+        f"record and replay, each in a fresh process: prompt {context} tokens, {new_tokens} new, keep {keep:g}, "
+        f"model {model_name or 'default'}, torch {torch.__version__} on CPU ({torch.get_num_threads()} threads)"
     )
     target = root
+    res: dict[str, dict] = {}
     for phase in ("record", "replay"):
         code = (
             "from commands.bench import _memory_phase; "
@@ -263,14 +275,22 @@ def bench_record_memory(
         if proc.returncode or not lines:
             print(f"{phase}: failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
             return 1
-        res = json.loads(lines[-1])
+        res[phase] = r = json.loads(lines[-1])
+        what = "generation (recorded)" if phase == "record" else "replay"
         print(
-            f"{phase:>7}: peak RSS {res['peak_bytes'] / 2**30:.2f} GiB (model loaded: "
-            f"{res['loaded_bytes'] / 2**30:.2f} GiB), {res['seconds']:.1f} s"
-            + (f", {res['budget']}" if "budget" in res else "")
-            + (f", max |logit diff| {res['max_logit_diff']}" if "max_logit_diff" in res else "")
+            f"{phase:>7}: {what} {r['seconds']:.2f} s, peak RSS {r['peak_bytes'] / 2**30:.2f} GiB (model loaded: "
+            f"{r['loaded_bytes'] / 2**30:.2f} GiB)"
+            + (f", {r['budget']}" if "budget" in r else "")
+            + (f", max |logit diff| {r['max_logit_diff']:.3g}" if "max_logit_diff" in r else "")
+            + ("" if r.get("implementation_ok", True) else ", IMPLEMENTATION CHECK FAILED")
         )
-        target = res.get("run_dir", target)
+        target = r.get("run_dir", target)
+    rec, rep = res["record"], res["replay"]
+    print(
+        f"replay {rep['seconds']:.2f} s / generation {rec['seconds']:.2f} s: ratio "
+        f"{rep['seconds'] / rec['seconds']:.3f}; peak RSS record {rec['peak_bytes'] / 2**30:.2f} GiB, "
+        f"replay {rep['peak_bytes'] / 2**30:.2f} GiB"
+    )
     return 0
 
 

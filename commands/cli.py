@@ -897,7 +897,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=16, help="decode steps timed per round")
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--memory-limit", default="512MB", help="sql: the console's memory limit")
-    b.add_argument("--context", type=int, default=None, help="record: peak RSS of one prompt of this many tokens")
+    b.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="record: time and peak RSS of recording, then replaying, one prompt of this many tokens",
+    )
     b.add_argument(
         "--new-tokens",
         type=int,

@@ -1,16 +1,23 @@
 """Replay a recorded run against a full-cache teacher (DESIGN.md §3, §6).
 
-For each request, two parallel forwards over the run's own tokens:
+For each request, one prompt pass and two passes over the generated rows
+(DESIGN.md §6.1):
 
-* the **teacher**: full causal attention. Its attention function reduces each
-  layer's weights straight to the dropped mass per step and query head
-  (the teacher weight on positions the run no longer held), never storing
-  N×N; its logits give KL(teacher ‖ run), top-1 agreement and the teacher
-  log-probability of the run's token;
-* the **masked** forward: each query sees only the positions the run kept
-  (rebuilt from the evictions table). It must reproduce the run's own logits;
-  the largest difference goes into the manifest (``max_logit_diff``) and a
-  mismatch is reported as an implementation error.
+* the **prompt**: the run's prefill attends fully, so the prompt rows are the
+  same for teacher and run. One forward computes them, keeps their keys and
+  values in a cache for both passes below and the column sums of their
+  weights (the oracle's teacher score up to the prompt's last step);
+* the **teacher**: the generated rows with full causal attention. One pass
+  over each block of score tiles gives the attention output, the dropped
+  mass per step and query head (the teacher weight on positions the run no
+  longer held) and the oracle columns, never storing N×N; its logits give
+  KL(teacher ‖ run), top-1 agreement and the teacher log-probability of the
+  run's token;
+* the **masked** forward: the generated rows again, each query seeing only
+  the positions the run kept (rebuilt from the evictions table). It must
+  reproduce the run's own logits; the largest difference goes into the
+  manifest (``max_logit_diff``) and a mismatch is reported as an
+  implementation error.
 
 The implementation tolerance depends on the dtype. The run and the masked
 replay compute the same attention in a different order (slots against
@@ -56,7 +63,7 @@ import torch
 from transformers import DynamicCache
 
 from h2o_lens.hooks import attention_implementation
-from h2o_lens.kernels import replay_dropped_mass_torch, resolve_backend
+from h2o_lens.kernels import replay_masked_torch, replay_teacher_torch, resolve_backend
 from h2o_lens.ops import prefill_attention
 
 from .errors import RecorderError
@@ -146,50 +153,40 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
     """Attention of the replay forwards; queries are the last rows of the keys.
 
     ``prompt``: full causal attention over the prompt (shared by teacher and
-    masked run). ``teacher``: full attention of the generated rows, plus their
-    dropped mass. ``masked``: the generated rows see only what the run kept.
+    masked run) and its column sums. ``teacher``: full attention of the generated
+    rows, with their dropped mass and oracle columns from the same score tiles.
+    ``masked``: the generated rows see only what the run kept. Every pass works
+    ``state.chunk`` rows at a time: O(chunk · N) per layer, never N x N.
     """
-    b, hq, m, d = query.shape
-    hkv, n = key.shape[1], key.shape[2]
-    group = hq // hkv
+    d = query.shape[-1]
     scaling = scaling if scaling is not None else d**-0.5
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rep = state.sets_per_kv
+    k_sets = key.repeat_interleave(rep, dim=1) if rep > 1 else key  # (1, Hs, N, d)
+    v_sets = value.repeat_interleave(rep, dim=1) if rep > 1 else value
     if state.mode == "prompt":
-        rep = state.sets_per_kv
-        k_sets = key.repeat_interleave(rep, dim=1) if rep > 1 else key
-        v_sets = value.repeat_interleave(rep, dim=1) if rep > 1 else value
         out, cols = prefill_attention(query, k_sets, v_sets, None, scaling, state.agg)
         state.prompt_cols[module.layer_idx] = cols[0]  # (Hs, P) teacher column sums of the prompt rows
         return out, None
     layer = module.layer_idx
     ev = state.evict[layer]  # (1, Hs, N)
-    rows = torch.arange(n - m, n, device=query.device)[:, None]  # positions of the query rows
-    cols = torch.arange(n, device=query.device)[None, :]
-    if state.mode == "teacher":
-        out = sdpa(query, key, value, attn_mask=cols <= rows, scale=scaling, enable_gqa=group > 1)
-        k_sets = key.repeat_interleave(state.sets_per_kv, dim=1) if state.sets_per_kv > 1 else key
-        if state.backend not in ("torch", "triton"):
-            state.backend = "torch" if query.dtype == torch.float64 else resolve_backend(state.backend, query.device)
-        if state.backend == "triton":
-            from h2o_lens.kernels import replay_dropped_mass_triton
+    if state.backend not in ("torch", "triton"):
+        state.backend = "torch" if query.dtype == torch.float64 else resolve_backend(state.backend, query.device)
+    if state.mode == "masked":
+        out = replay_masked_torch(query, k_sets, v_sets, ev, scaling, chunk=state.chunk)
+    elif state.backend == "torch":
+        out, dropped, before, after = replay_teacher_torch(
+            query, k_sets, v_sets, ev, scaling, chunk=state.chunk, oracle=state.agg
+        )
+    else:  # SDPA for the output (nothing evicted: full causal), the Triton kernels for the rest
+        from h2o_lens.kernels import replay_dropped_mass_triton
 
-            dropped, before, after = replay_dropped_mass_triton(
-                query.contiguous(), k_sets.contiguous(), ev, scaling, oracle=state.agg
-            )
-        else:
-            dropped, before, after = replay_dropped_mass_torch(
-                query, k_sets, ev, scaling, chunk=state.chunk, oracle=state.agg
-            )
-        state.dropped[layer] = dropped[0]
+        out = replay_masked_torch(query, k_sets, v_sets, torch.full_like(ev, key.shape[2]), scaling, chunk=state.chunk)
+        dropped, before, after = replay_dropped_mass_triton(
+            query.contiguous(), k_sets.contiguous(), ev, scaling, oracle=state.agg
+        )
+    if state.mode == "teacher":
+        state.dropped[layer] = dropped[0]  # (Hq, T - 1)
         state.before[layer], state.after[layer] = before[0], after[0]  # (Hs, N)
-        return out.transpose(1, 2), None
-    per_q = ev.repeat_interleave(hq // ev.shape[1], dim=1)[:, :, None, :]  # (1, Hq, 1, N)
-    out = torch.empty_like(query)
-    for s in range(0, m, state.chunk):
-        e = min(m, s + state.chunk)
-        r = rows[s:e]
-        visible = (cols <= r) & (per_q >= r)  # (1, Hq, c, N): kept at the step of each row
-        out[:, :, s:e] = sdpa(query[:, :, s:e], key, value, attn_mask=visible, scale=scaling, enable_gqa=group > 1)
     return out.transpose(1, 2), None
 
 
@@ -314,12 +311,13 @@ def _load(run_dir: Path) -> _Run:
     run = load_run(run_dir, tables=("tokens", "evictions", "run_logits"))
     config = run.manifest.get("config") or {}
     tokens = run["tokens"].to_pydict()
+    evictions = run["evictions"]
     ev = {
-        k: np.asarray(run["evictions"][k].to_pylist(), dtype=np.int64)
+        k: evictions[k].to_numpy().astype(np.int64, copy=False)
         for k in ("request", "step", "layer", "kv_head", "position")
     }
     if config.get("gqa") == "none":
-        ev["q_head"] = np.asarray(run["evictions"]["q_head"].fill_null(-1).to_pylist(), dtype=np.int64)
+        ev["q_head"] = evictions["q_head"].fill_null(-1).to_numpy().astype(np.int64, copy=False)
     logits = {k: np.asarray(v) for k, v in run["run_logits"].to_pydict().items() if k != "run_id"}
     requests = sorted(set(np.asarray(tokens["request"]).tolist()))
     if not requests:

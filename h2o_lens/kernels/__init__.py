@@ -4,7 +4,8 @@ Every kernel implements a contract that a torch function defines:
 
 * :func:`decode_step_triton` — :func:`h2o_lens.ops.decode_step` (fused step, in place);
 * :func:`prefill_scores_triton` — the scores of :func:`h2o_lens.ops.prefill_attention`;
-* :func:`replay_dropped_mass_triton` — :func:`replay_dropped_mass_torch` (DESIGN.md §6).
+* :func:`replay_dropped_mass_triton` — :func:`replay_dropped_mass_torch` (DESIGN.md §6);
+  the replay's torch passes :func:`replay_teacher_torch` and :func:`replay_masked_torch` share it.
 
 Nothing here imports triton at module level: the launchers are loaded on
 first access and compile their kernels on first call, so a CPU-only install
@@ -31,6 +32,8 @@ __all__ = [
     "prefill_scores_triton",
     "replay_dropped_mass_triton",
     "replay_dropped_mass_torch",
+    "replay_masked_torch",
+    "replay_teacher_torch",
 ]
 
 _LAUNCHERS = {
@@ -38,6 +41,8 @@ _LAUNCHERS = {
     "prefill_scores_triton": ".prefill",
     "replay_dropped_mass_triton": ".replay",
     "replay_dropped_mass_torch": ".replay",
+    "replay_masked_torch": ".replay",
+    "replay_teacher_torch": ".replay",
 }
 
 

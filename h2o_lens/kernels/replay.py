@@ -10,6 +10,11 @@ torch, chunked rows, CPU or GPU) and :func:`replay_dropped_mass_triton`, which
 walks the keys once per row block with an online softmax carrying two sums (all
 keys, dropped keys) rescaled by the same running max, so it never forms
 ``N x N``. Triton is imported on first use.
+
+The replay's torch passes over the generated rows (DESIGN.md §6.1) live here too:
+:func:`replay_teacher_torch` gives the teacher's attention output together with the
+same dropped mass and oracle columns from one pass over the score tiles, and
+:func:`replay_masked_torch` the attention of the rows over what the run kept.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from ._checks import (
     next_pow2,
 )
 
-__all__ = ["replay_dropped_mass_triton", "replay_dropped_mass_torch"]
+__all__ = ["replay_dropped_mass_triton", "replay_dropped_mass_torch", "replay_masked_torch", "replay_teacher_torch"]
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -268,6 +273,83 @@ def replay_dropped_mass_triton(
     return out if oracle is None else (out, before, after)
 
 
+def _check_value(fn: str, value: torch.Tensor, key: torch.Tensor) -> None:
+    """``value`` is ``(b, Hs, N, dv)`` like the key, in the key's dtype."""
+    b, hs, n, _ = key.shape
+    check_tensor(fn, "value", value, (b, hs, n, None), (key.dtype,), False)
+
+
+def _upper(c: int, device) -> torch.Tensor:
+    """``(c, c)`` True strictly above the diagonal: the future keys of a diagonal block."""
+    return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1)
+
+
+def _teacher_pass(query, key, value, evict_step, scaling, chunk, oracle, widen):
+    """One pass over the causal score tiles of the last ``M`` rows, ``chunk`` rows at a time.
+
+    Each tile ``(b, Hs, G, c, end)`` gives the teacher's weights once; from them come the
+    attention output (when ``value`` is given), the dropped mass and the oracle columns.
+    ``widen`` computes the logits in the accumulation dtype (FP32, FP64 for FP64 inputs),
+    with the scaling folded into the queries, rather than in the input dtype. Returns
+    ``out`` (or None), ``dropped``, ``before``, ``after`` (None without ``oracle``).
+
+    Per tile the keys fall in three kinds: gone for every row of the tile (evicted before
+    its first step), for none (evicted at its last step or later, or never) and the few
+    evicted within the tile's steps (at most one per step and set for a policy that evicts
+    one at a time). The first two need no per-row mask: a matrix-vector product gives the
+    dropped mass and the column sums give the oracle columns; only the third is masked row
+    by row, on the gathered columns.
+    """
+    b, hs, n, d = key.shape
+    hq, m = query.shape[1], query.shape[2]
+    g = hq // hs
+    offset = n - m
+    dev = query.device
+    acc = torch.promote_types(query.dtype, torch.float32)
+    logit_dtype = acc if widen else query.dtype
+    qg = query.to(logit_dtype).reshape(b, hs, g, m, d)  # (b, Hs, G, M, d)
+    if widen:
+        qg, scaling = qg * scaling, 1.0
+    kt = key.to(logit_dtype).transpose(-1, -2)[:, :, None]  # (b, Hs, 1, d, N)
+    vg = value.to(acc)[:, :, None] if value is not None else None  # (b, Hs, 1, N, dv)
+    out = torch.empty(b, hs, g, m, value.shape[-1], dtype=query.dtype, device=dev) if value is not None else None
+    dropped = torch.empty(b, hs, g, m, dtype=acc, device=dev)
+    before = torch.zeros(b, hs, n, dtype=acc, device=dev) if oracle is not None else None
+    after = torch.zeros(b, hs, n, dtype=acc, device=dev) if oracle is not None else None
+    for s in range(0, m, chunk):
+        e = min(m, s + chunk)
+        end = offset + e  # keys past the chunk's last position are masked anyway
+        logits = torch.matmul(qg[..., s:e, :], kt[..., :end])  # (b, Hs, G, c, end)
+        if scaling != 1.0:
+            logits *= scaling
+        # future keys lie in the diagonal block only
+        logits[..., offset + s :].masked_fill_(_upper(e - s, dev), float("-inf"))
+        w = torch.softmax(logits, dim=-1, dtype=acc)
+        del logits
+        if vg is not None:
+            out[..., s:e, :] = torch.matmul(w, vg[..., :end, :])
+        ev = evict_step[..., :end]  # (b, Hs, end)
+        always = ev < offset + s  # gone for every row of the tile
+        mixed = (ev >= offset + s) & (ev < end - 1)  # gone for its later rows only
+        cols = torch.nonzero(mixed.flatten(0, 1).any(0)).flatten()  # (K,) union over b and sets
+        rows = torch.arange(offset + s, end, device=dev)[:, None]  # (c, 1) positions
+        mixed_k = mixed[..., cols][:, :, None, :]  # (b, Hs, 1, K)
+        gone_k = (ev[..., cols][:, :, None, :] < rows) & mixed_k  # (b, Hs, c, K)
+        w_k = w[..., cols]  # (b, Hs, G, c, K)
+        dropped[..., s:e] = torch.matmul(w, always.to(acc)[:, :, None, :, None])[..., 0] + (
+            w_k * gone_k[:, :, None]
+        ).sum(-1)
+        if oracle is not None:
+            agg = w.amax(2) if oracle == "max" else w.sum(2)  # (b, Hs, c, end)
+            col = agg.sum(-2)  # (b, Hs, end)
+            agg_k = agg[..., cols]  # (b, Hs, c, K)
+            after[..., :end] += torch.where(always, col, 0.0)
+            before[..., :end] += torch.where(always | mixed, 0.0, col)
+            after[..., cols] += (agg_k * gone_k).sum(-2)
+            before[..., cols] += (agg_k * (mixed_k & ~gone_k)).sum(-2)
+    return out, dropped.reshape(b, hq, m), before, after
+
+
 def replay_dropped_mass_torch(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -283,7 +365,8 @@ def replay_dropped_mass_torch(
     :func:`replay_dropped_mass_triton`: ``query (b, Hq, M, d)`` may hold only
     the last ``M <= N`` positions (query row ``j`` is position ``N − M + j``),
     as when replaying the generated part after a shared prompt. Returns
-    ``(b, Hq, M)`` float32 (float64 for float64 inputs).
+    ``(b, Hq, M)`` float32 (float64 for float64 inputs). The logits are
+    computed in the input dtype (the reference of the Triton kernel's contract).
 
     With ``oracle="sum"`` or ``"max"`` it also returns, per KV set and key
     position, the teacher weight these rows put on the key (aggregated over
@@ -293,32 +376,90 @@ def replay_dropped_mass_torch(
     still have received).
     """
     fn = "replay_dropped_mass_torch"
-    b, hq, hs, m, n, d = _check(fn, query, key, evict_step, for_triton=False)
+    _check(fn, query, key, evict_step, for_triton=False)
     if chunk < 1:
         raise KernelInputError(f"{fn}: chunk={chunk}; expected a positive number of rows")
-    g = hq // hs
-    offset = n - m
-    acc = torch.promote_types(query.dtype, torch.float32)
-    qg = query.reshape(b, hs, g, m, d)  # (b, Hs, G, M, d)
-    kt = key.transpose(-1, -2)[:, :, None]  # (b, Hs, 1, d, N)
-    ev = evict_step[:, :, None, None, :]  # (b, Hs, 1, 1, N)
-    out = torch.empty(b, hs, g, m, dtype=acc, device=query.device)
-    if oracle is not None:
-        before = torch.zeros(b, hs, n, dtype=acc, device=query.device)
-        after = torch.zeros(b, hs, n, dtype=acc, device=query.device)
+    if oracle not in (None, "sum", "max"):
+        raise KernelInputError(f"{fn}: oracle={oracle!r}; expected None, 'sum' or 'max'")
+    _, dropped, before, after = _teacher_pass(query, key, None, evict_step, scaling, chunk, oracle, widen=False)
+    return dropped if oracle is None else (dropped, before, after)
+
+
+def replay_teacher_torch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    evict_step: torch.Tensor,
+    scaling: float,
+    chunk: int = 256,
+    *,
+    oracle: str | None = None,
+):
+    """The teacher's attention of the last ``M`` rows with their dropped mass, from one pass.
+
+    Each ``chunk``-row tile of the teacher's weights (full causal attention) gives
+    the attention output, the dropped mass and (with ``oracle``) the oracle columns
+    of :func:`replay_dropped_mass_torch`, so the score tiles are computed once.
+    The logits and weights are computed in FP32 (FP64 for FP64 inputs) whatever the
+    input dtype. Memory is ``O(b · Hq · chunk · N)``.
+
+    Parameters
+    ----------
+    query : ``(b, Hq, M, d)``, the queries of the last ``M <= N`` positions
+    key, value : ``(b, Hs, N, d)`` and ``(b, Hs, N, dv)``, ``Hq`` a multiple of ``Hs``
+    evict_step : ``(b, Hs, N)`` integer, the step at which each position left the cache
+    scaling : float
+    chunk : query rows per tile
+    oracle : None, "sum" or "max" (as in :func:`replay_dropped_mass_torch`)
+
+    Returns
+    -------
+    ``out (b, Hq, M, dv)`` in the query dtype, ``dropped (b, Hq, M)``; with ``oracle``
+    also ``before, after (b, Hs, N)``.
+    """
+    fn = "replay_teacher_torch"
+    _check(fn, query, key, evict_step, for_triton=False)
+    _check_value(fn, value, key)
+    if chunk < 1:
+        raise KernelInputError(f"{fn}: chunk={chunk}; expected a positive number of rows")
+    if oracle not in (None, "sum", "max"):
+        raise KernelInputError(f"{fn}: oracle={oracle!r}; expected None, 'sum' or 'max'")
+    out, dropped, before, after = _teacher_pass(query, key, value, evict_step, scaling, chunk, oracle, widen=True)
+    out = out.reshape(query.shape[0], query.shape[1], query.shape[2], value.shape[-1])
+    return (out, dropped) if oracle is None else (out, dropped, before, after)
+
+
+def replay_masked_torch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    evict_step: torch.Tensor,
+    scaling: float,
+    chunk: int = 256,
+) -> torch.Tensor:
+    """Attention of the last ``M`` rows over only the positions the run still held.
+
+    Row ``t`` sees key ``i`` when ``i <= t`` and ``evict_step[i] >= t`` (a position
+    evicted at step ``t`` is still seen at ``t``; row ``t`` always sees itself).
+    ``scaled_dot_product_attention`` with a boolean mask, ``chunk`` rows at a time:
+    memory ``O(b · Hq · chunk · N)``, never ``M x N`` at once (its fused CPU kernel
+    accumulates 16-bit inputs in FP32). Shapes as in :func:`replay_teacher_torch`;
+    returns ``(b, Hq, M, dv)`` in the query dtype.
+    """
+    fn = "replay_masked_torch"
+    b, hq, hs, m, n, d = _check(fn, query, key, evict_step, for_triton=False)
+    _check_value(fn, value, key)
+    if chunk < 1:
+        raise KernelInputError(f"{fn}: chunk={chunk}; expected a positive number of rows")
+    dev = query.device
+    per_q = evict_step.repeat_interleave(hq // hs, dim=1)[:, :, None, :]  # (b, Hq, 1, N)
+    cols = torch.arange(n, device=dev)[None, :]
+    out = torch.empty(*query.shape[:3], value.shape[-1], dtype=query.dtype, device=dev)
     for s in range(0, m, chunk):
         e = min(m, s + chunk)
-        end = offset + e  # keys past the chunk's last position are masked anyway
-        logits = torch.matmul(qg[..., s:e, :], kt[..., :end]) * scaling  # (b, Hs, G, c, end)
-        rows = torch.arange(offset + s, offset + e, device=query.device)[:, None]  # (c, 1) positions
-        cols = torch.arange(end, device=query.device)[None, :]  # (1, end)
-        w = torch.softmax(logits.masked_fill(cols > rows, float("-inf")), dim=-1, dtype=acc)
-        gone = ev[..., :end] < rows  # (b, Hs, 1, c, end)
-        out[..., s:e] = (w * gone).sum(-1)
-        if oracle is not None:
-            agg = w.amax(2) if oracle == "max" else w.sum(2)  # (b, Hs, c, end)
-            gone_rows = gone[:, :, 0]  # (b, Hs, c, end)
-            after[..., :end] += (agg * gone_rows).sum(-2)
-            before[..., :end] += (agg * ~gone_rows).sum(-2)
-    dropped = out.reshape(b, hq, m)
-    return dropped if oracle is None else (dropped, before, after)
+        rows = torch.arange(n - m + s, n - m + e, device=dev)[:, None]  # (c, 1) positions
+        visible = (cols <= rows) & (per_q >= rows)  # (b, Hq, c, N): kept at the step of each row
+        out[:, :, s:e] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s:e], key, value, attn_mask=visible, scale=scaling, enable_gqa=hq > hs
+        )
+    return out

@@ -1,0 +1,98 @@
+"""The replay's torch passes over the generated rows (DESIGN.md §6.1) against FP64 brute force.
+
+``replay_teacher_torch``: full causal attention of the last M rows, with the dropped mass and the
+oracle columns from the same tiles; ``replay_masked_torch``: the rows see only what the run kept.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h2o_lens.kernels import KernelInputError, replay_dropped_mass_torch, replay_masked_torch, replay_teacher_torch
+
+NEVER = 10**9
+
+
+def _inputs(b, hq, hs, n, m, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, m, d, generator=g, dtype=torch.float64) * 1.5
+    k = torch.randn(b, hs, n, d, generator=g, dtype=torch.float64) * 1.5
+    v = torch.randn(b, hs, n, d + 3, generator=g, dtype=torch.float64)
+    ev = torch.arange(n) + torch.randint(0, 8, (b, hs, n), generator=g)  # a position leaves at or after its step
+    ev = torch.where(torch.rand(b, hs, n, generator=g) < 0.3, torch.full_like(ev, NEVER), ev)
+    return q, k, v, ev
+
+
+def _brute(q, k, v, ev, scaling, masked: bool):
+    """Full ``(b, Hq, M, N)`` weights of the last M rows in FP64 and the attention output."""
+    b, hq, m, _ = q.shape
+    n = k.shape[2]
+    group = hq // k.shape[1]
+    kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    rows = torch.arange(n - m, n)[:, None]
+    see = torch.arange(n)[None, :] <= rows  # (M, N)
+    if masked:
+        see = see & (ev.repeat_interleave(group, 1)[:, :, None, :] >= rows)  # (b, Hq, M, N)
+    w = (q.double() @ kk.transpose(-1, -2) * scaling).masked_fill(~see, float("-inf")).softmax(-1)
+    return w, w @ vv
+
+
+@pytest.mark.parametrize("b, hq, hs, n, m, chunk", [(2, 6, 2, 41, 41, 7), (1, 4, 4, 37, 13, 5), (1, 8, 1, 30, 9, 64)])
+@pytest.mark.parametrize("agg", [None, "sum", "max"])
+def test_teacher_pass_equals_brute_force(b, hq, hs, n, m, chunk, agg):
+    q, k, v, ev = _inputs(b, hq, hs, n, m, 16, seed=n + m)
+    scaling = 16**-0.5
+    w, want = _brute(q, k, v, ev, scaling, masked=False)
+    got = replay_teacher_torch(q, k, v, ev, scaling, chunk=chunk, oracle=agg)
+    assert len(got) == (2 if agg is None else 4)
+    assert got[0].shape == (b, hq, m, 19) and torch.allclose(got[0], want, atol=1e-12, rtol=0)
+    ref = replay_dropped_mass_torch(q, k, ev, scaling, chunk=3, oracle=agg)
+    ref = (ref,) if agg is None else ref
+    for name, x, y in zip(("dropped", "before", "after"), got[1:], ref):
+        assert torch.allclose(x, y, atol=1e-12, rtol=0), name
+    # dropped mass: the full row's weight on keys gone before the row's step
+    gone = ev.repeat_interleave(hq // hs, 1)[:, :, None, :] < torch.arange(n - m, n)[:, None]
+    assert torch.allclose(got[1], (w * gone).sum(-1), atol=1e-12, rtol=0)
+    assert got[1].max() > 0.05
+
+
+@pytest.mark.parametrize("b, hq, hs, n, m, chunk", [(2, 6, 2, 41, 41, 7), (1, 4, 4, 37, 13, 5), (1, 8, 1, 30, 9, 64)])
+def test_masked_pass_equals_brute_force(b, hq, hs, n, m, chunk):
+    q, k, v, ev = _inputs(b, hq, hs, n, m, 16, seed=3 * n + m)
+    scaling = 16**-0.5
+    _, want = _brute(q, k, v, ev, scaling, masked=True)
+    _, full = _brute(q, k, v, ev, scaling, masked=False)
+    got = replay_masked_torch(q, k, v, ev, scaling, chunk=chunk)
+    assert got.shape == (b, hq, m, 19) and torch.allclose(got, want, atol=1e-12, rtol=0)
+    assert not torch.allclose(got, full, atol=1e-3)  # the mask hid something
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_passes_compute_their_weights_in_fp32(dtype):
+    """16-bit inputs: the logits are not rounded to the input dtype, so the outputs stay within
+    the output dtype's rounding of the FP64 result (bf16 logits near 10 would be off by 0.03)."""
+    q, k, v, ev = _inputs(1, 4, 2, 64, 20, 32, seed=5)
+    q = q * 3  # large logits: rounding them to bf16 would move the weights visibly
+    scaling = 32**-0.5
+    cast = [t.to(dtype) for t in (q, k, v)]
+    exact = [t.double() for t in cast]  # the same rounded inputs in FP64
+    eps = torch.finfo(dtype).eps
+    for masked, fn in ((False, replay_teacher_torch), (True, replay_masked_torch)):
+        _, want = _brute(*exact[:2], exact[2], ev, scaling, masked=masked)
+        got = fn(*cast, ev, scaling, chunk=8)
+        out = got[0] if isinstance(got, tuple) else got
+        assert out.dtype == dtype
+        assert (out.double() - want).abs().max() <= 2 * eps * want.abs().max(), fn.__name__
+
+
+def test_pass_inputs_are_checked():
+    q, k, v, ev = _inputs(1, 4, 2, 10, 4, 8, seed=0)
+    with pytest.raises(KernelInputError, match="value has shape"):
+        replay_teacher_torch(q, k, v[:, :, :9], ev, 1.0)
+    with pytest.raises(KernelInputError, match="value has dtype"):
+        replay_masked_torch(q, k, v.float(), ev, 1.0)
+    with pytest.raises(KernelInputError, match="chunk=0"):
+        replay_masked_torch(q, k, v, ev, 1.0, chunk=0)
+    with pytest.raises(KernelInputError, match="oracle='mean'"):
+        replay_teacher_torch(q, k, v, ev, 1.0, oracle="mean")
