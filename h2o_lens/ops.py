@@ -373,39 +373,56 @@ class RowBudgets:
 DECODE_BLOCK = 64
 
 
-def _blocks(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x`` with axis ``dim`` (width ``W``) split into ``(⌈W / DECODE_BLOCK⌉, DECODE_BLOCK)``,
-    zero-padded; a view when ``W`` is a multiple of the block (the tail is copied otherwise)."""
-    w = x.shape[dim]
-    n = -(-w // DECODE_BLOCK)
-    if w != n * DECODE_BLOCK:
-        pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, n * DECODE_BLOCK - w]
-        x = torch.nn.functional.pad(x, pad)
-    return x.unflatten(dim, (n, DECODE_BLOCK))
+def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The slots of ``x (b, Hs, B, ...)`` in blocks of :data:`DECODE_BLOCK`: the full blocks
+    ``(b, Hs, n, K, ...)`` (a view, nothing copied) and the last partial block zero-padded to
+    ``(b, Hs, 1, K, ...)`` (a copy of at most ``K`` slots), or None when ``B`` is a multiple of ``K``."""
+    w = x.shape[2]
+    n = w // DECODE_BLOCK
+    full = x[:, :, : n * DECODE_BLOCK].unflatten(2, (n, DECODE_BLOCK))
+    if w == n * DECODE_BLOCK:
+        return full, None
+    pad = [0, 0] * (x.dim() - 3) + [0, (n + 1) * DECODE_BLOCK - w]
+    return full, torch.nn.functional.pad(x[:, :, n * DECODE_BLOCK :], pad)[:, :, None]
+
+
+def _per_block(fn, full: torch.Tensor, tail: torch.Tensor | None) -> torch.Tensor:
+    """``fn`` on the full blocks and on the padded tail, joined on the block axis (2)."""
+    if tail is None:
+        return fn(full)
+    if full.shape[2] == 0:
+        return fn(tail)
+    return torch.cat([fn(full), fn(tail)], 2)
 
 
 def _attend(qg, keys, values, key, value, empty, acc):
     """Softmax attention of ``qg (b, Hs, G, d)`` (scaled) over the slots and the new token.
 
-    ``keys, values (b, Hs, B, d)``, ``key, value (b, Hs, d)``, ``empty (b, Hs, 1, B)`` True
+    ``keys, values (b, Hs, B, d)``, ``key, value (b, Hs, d)``, ``empty (b, Hs, B)`` True
     for slots that hold nothing (masked), or None. Returns ``out (b, Hs, G, d)`` and the
-    weights ``(b, Hs, G, B + 1)`` in ``acc`` (slots, then the new token). The sums over
-    slots run per block of :data:`DECODE_BLOCK` and the block sums add up in order (a
-    cumulative sum), so empty slots past a row's last live slot change nothing, bit for bit.
+    weights ``(b, Hs, G, B + 1)`` in ``acc`` (slots, then the new token). Every product and
+    sum over slots runs per block of :data:`DECODE_BLOCK` slots and the block sums add up in
+    order (a cumulative sum), so empty slots past a row's last live slot change nothing,
+    bit for bit, whatever the storage width.
     """
     b, hs, cap, d = keys.shape
-    kb = _blocks(keys, 2)  # (b,Hs,n,K,d)
-    logits = torch.matmul(qg[:, :, None], kb.transpose(-1, -2)).to(acc)  # (b,Hs,n,G,K)
+    q = qg[:, :, None]  # (b,Hs,1,G,d)
+    logits = _per_block(lambda k: torch.matmul(q, k.transpose(-1, -2)), *_blocks(keys)).to(acc)  # (b,Hs,n,G,K)
+    dead = torch.arange(logits.shape[2] * DECODE_BLOCK, device=keys.device) >= cap  # the tail's padding
     if empty is not None:
-        logits = logits.masked_fill(_blocks(empty, -1).transpose(2, 3), _NEG)
-    if cap % DECODE_BLOCK:
-        logits[..., cap % DECODE_BLOCK - DECODE_BLOCK :][:, :, -1] = _NEG  # the padding of the last block
+        dead = torch.nn.functional.pad(empty, (0, dead.shape[0] - cap)) | dead  # (b,Hs,n·K)
+    logits = logits.masked_fill(dead.unflatten(-1, (logits.shape[2], DECODE_BLOCK))[..., None, :], _NEG)
     new = torch.matmul(qg, key[..., None]).to(acc)  # (b,Hs,G,1)
     top = torch.maximum(logits.amax((2, 4)), new[..., 0])[..., None]  # (b,Hs,G,1)
     e = (logits - top[:, :, None]).exp_()  # (b,Hs,n,G,K)
     e_new = (new - top).exp_()  # (b,Hs,G,1)
-    vb = _blocks(values, 2)  # (b,Hs,n,K,d)
-    parts = torch.matmul(e if e.dtype == values.dtype else e.to(values.dtype), vb)  # (b,Hs,n,G,d)
+    ev = e if e.dtype == values.dtype else e.to(values.dtype)
+    full, tail = _blocks(values)
+    nf = full.shape[2]
+    parts = torch.matmul(ev[:, :, :nf], full) if nf else None  # (b,Hs,n,G,d)
+    if tail is not None:
+        last = torch.matmul(ev[:, :, nf:], tail)
+        parts = last if parts is None else torch.cat([parts, last], 2)
     parts = torch.cat([parts.to(acc), (e_new * value[:, :, None].to(acc))[:, :, None]], 2)
     sums = torch.cat([e.sum(-1), e_new.transpose(-1, -2)], 2)  # (b,Hs,n+1,G)
     total = sums.cumsum(2)[:, :, -1, :, None]  # (b,Hs,G,1) in order: block by block, then the new token
@@ -462,7 +479,7 @@ def decode_step(
     spec = args.spec
     b, hs, cap, d = keys.shape
     qg = _group_view(query, hs) * scaling  # (b, Hs, G, d)
-    empty = (positions < 0)[:, :, None] if fill is not None or rows is not None else None  # (b,Hs,1,B)
+    empty = positions < 0 if fill is not None or rows is not None else None  # (b,Hs,B)
     out, w = _attend(qg, keys, values, key, value, empty, scores.dtype)  # (b,Hs,G,d), (b,Hs,G,B+1)
 
     step_col = step[:, None, None]  # (b,1,1)

@@ -20,7 +20,7 @@ from h2o_lens.kernels import triton_available
 #: every evicting policy that runs without a teacher table (the oracle ranks by one)
 POLICIES = tuple(p.name for p in policies.evicting() if not p.teacher)
 #: (heavy, recent) of each request before the policy's own split; the storage is as wide as the largest
-BUDGETS = ((3, 2), (7, 6), (1, 2), (5, 0), (2, 3))
+BUDGETS = ((3, 2), (40, 35), (7, 6), (1, 2), (5, 0), (2, 3))
 
 
 def _args(name: str, heavy: int, recent: int, gqa: str) -> ops.PolicyArgs:
