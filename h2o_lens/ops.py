@@ -408,10 +408,12 @@ def _attend(qg, keys, values, key, value, empty, acc):
     b, hs, cap, d = keys.shape
     q = qg[:, :, None]  # (b,Hs,1,G,d)
     logits = _per_block(lambda k: torch.matmul(q, k.transpose(-1, -2)), *_blocks(keys)).to(acc)  # (b,Hs,n,G,K)
-    dead = torch.arange(logits.shape[2] * DECODE_BLOCK, device=keys.device) >= cap  # the tail's padding
-    if empty is not None:
-        dead = torch.nn.functional.pad(empty, (0, dead.shape[0] - cap)) | dead  # (b,Hs,n·K)
-    logits = logits.masked_fill(dead.unflatten(-1, (logits.shape[2], DECODE_BLOCK))[..., None, :], _NEG)
+    n = logits.shape[2]
+    if empty is not None:  # empty slots and the tail's padding
+        dead = torch.nn.functional.pad(empty, (0, n * DECODE_BLOCK - cap), value=True)  # (b,Hs,n·K)
+        logits = logits.masked_fill(dead.unflatten(-1, (n, DECODE_BLOCK))[..., None, :], _NEG)
+    elif cap % DECODE_BLOCK:  # the tail's padding
+        logits[:, :, -1, :, cap % DECODE_BLOCK :] = _NEG
     new = torch.matmul(qg, key[..., None]).to(acc)  # (b,Hs,G,1)
     top = torch.maximum(logits.amax((2, 4)), new[..., 0])[..., None]  # (b,Hs,G,1)
     e = (logits - top[:, :, None]).exp_()  # (b,Hs,n,G,K)
@@ -490,14 +492,21 @@ def decode_step(
     ctx = policies.StepContext(step=step_col, layer=layer, seed=args.seed, gqa=args.gqa, group=qg.shape[2])
     new_score, new_history = spec.decode_scores(scores, history, agg, positions, ctx)  # (b,Hs,1)
 
-    # D = slots + the new token; the new token is eligible only without a recent window
-    recent, sink = (args.recent, args.sink) if rows is None else (rows.recent, rows.sink)
-    c_scores = torch.cat([scores, new_score], -1)  # (b,Hs,B+1)
-    c_pos = torch.cat([positions, new_pos], -1)
-    c_elig = policy.eligible_mask(c_pos, step_col, recent, sink, pinned=args.pins(positions))
-    # a slot past the row's capacity never wins the tie of "nothing eligible" either
-    tie_pos = c_pos if rows is None else c_pos.masked_fill(_beyond(rows.capacity, cap), torch.iinfo(c_pos.dtype).max)
-    victim, found = policy.select_victim(c_scores, tie_pos, c_elig)
+    pins = args.pins(positions)
+    if rows is None and args.recent > 0:  # one budget with a recent window: the new token is never a victim
+        c_scores = c_pos = None
+        elig = policy.eligible_mask(positions, step_col, args.recent, args.sink, all_live=fill is None, pinned=pins)
+        victim, found = policy.select_victim(scores, positions, elig)
+    else:  # D = slots + the new token, eligible only in a row without a recent window
+        recent, sink = (args.recent, args.sink) if rows is None else (rows.recent, rows.sink)
+        c_scores = torch.cat([scores, new_score], -1)  # (b,Hs,B+1)
+        c_pos = torch.cat([positions, new_pos], -1)
+        elig = policy.eligible_mask(c_pos, step_col, recent, sink, pinned=pins)
+        # a slot past the row's capacity never wins the tie of "nothing eligible" either (the new
+        # token's position is above every slot's, so it wins it only where no slot does, as alone)
+        big = torch.iinfo(c_pos.dtype).max
+        tie_pos = c_pos if rows is None else c_pos.masked_fill(_beyond(rows.capacity, cap), big)
+        victim, found = policy.select_victim(c_scores, tie_pos, elig)
     if fill is None:
         slot, evicts = victim, found
     else:
@@ -505,7 +514,11 @@ def decode_step(
         slot = torch.where(full, victim, fill[:, None].expand(b, hs))
         evicts = full.expand(b, hs) & found
 
-    cands = dict(cand_scores=c_scores, cand_positions=c_pos) if want_candidates else {}
+    cands = {}
+    if want_candidates:
+        if c_scores is None:
+            c_scores, c_pos = torch.cat([scores, new_score], -1), torch.cat([positions, new_pos], -1)
+        cands = dict(cand_scores=c_scores, cand_positions=c_pos)
     _write_slot(
         keys,
         values,
