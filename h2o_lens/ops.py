@@ -375,8 +375,9 @@ DECODE_BLOCK = 64
 
 def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The slots of ``x (b, Hs, B, ...)`` in blocks of :data:`DECODE_BLOCK`: the full blocks
-    ``(b, Hs, n, K, ...)`` (a view, nothing copied) and the last partial block zero-padded to
-    ``(b, Hs, 1, K, ...)`` (a copy of at most ``K`` slots), or None when ``B`` is a multiple of ``K``."""
+    ``(b, Hs, n, K, ...)`` (a view of the storage; a matmul copies it unless ``B`` is a multiple
+    of ``K``) and the last partial block zero-padded to ``(b, Hs, 1, K, ...)``, or None when
+    ``B`` is a multiple of ``K``."""
     w = x.shape[2]
     n = w // DECODE_BLOCK
     full = x[:, :, : n * DECODE_BLOCK].unflatten(2, (n, DECODE_BLOCK))
