@@ -24,90 +24,193 @@ def _halves(budget: int) -> dict[str, int]:
     return dict(zip(("heavy", "recent"), half_split(budget)))
 
 
-def bench_decode(
-    model_name: str | None = None,
-    contexts=(512, 2048, 4096),
-    keep: float = 0.2,
-    steps: int = 16,
-    rounds: int = 3,
-    prefill_context: int = 2048,
-    model=None,
-) -> int:
-    """H2O decode step ÷ full-cache SDPA decode step, prefill ratio, and KV bytes.
+def _check_ints(what: str, name: str, values, low: int) -> list[int]:
+    """``values`` as a list of ints >= ``low``, or SystemExit naming the option."""
+    values = [values] if isinstance(values, int) else list(values)
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < low]
+    if not values or bad:
+        raise SystemExit(f"bench {what}: --{name} takes ints >= {low}, got {values!r}")
+    return values
 
-    Prints one table; returns 0.
-    """
+
+def _in_fresh_process(code: str) -> dict | str:
+    """Run ``python -c code`` in a fresh process; its last JSON line, or the error text."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        return f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    return json.loads(lines[-1])
+
+
+def _prefill_phase(phase: str, model_name: str, context: int, keep: float) -> None:
+    """One prefill of a ``context``-token prompt in this (fresh) process: SDPA (``phase="sdpa"``)
+    or H2O with scores (``"h2o"``); prints one JSON line with the peak RSS."""
+    import json
+
     from transformers import DynamicCache
 
     from h2o_lens.config import H2OConfig
     from h2o_lens.models import load_model
-    from h2o_lens.runtime import full_kv_bytes, h2o
+    from h2o_lens.runtime import h2o
 
-    if model is None:
-        model, _ = load_model(model_name)
+    torch.set_grad_enabled(False)
+    model, _ = load_model(model_name, progress=False)
     text = model.config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    vocab = text.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    print(
-        f"model {type(model).__name__}: {text.num_hidden_layers} layers, {text.num_attention_heads} "
-        f"query heads, {text.num_key_value_heads} KV heads, head_dim {head_dim}; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"{steps} steps x {rounds} rounds, medians"
-    )
-    print(
-        f"{'context':>8} {'B':>6} {'full ms/step':>13} {'h2o ms/step':>12} {'ratio':>7} "
-        f"{'KV bytes/full':>14} {'B/N+2/d':>8}"
-    )
-    for n in contexts:
-        budget = ratio_slots(keep, n)
-        cfg = H2OConfig(**_halves(budget))
-        ctx = torch.randint(0, vocab, (1, n), generator=gen)
+    ids = torch.randint(0, text.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    loaded = _peak_rss_bytes()
+    t0 = time.perf_counter()
+    if phase == "sdpa":
         model.set_attn_implementation("sdpa")
-        full = _Decoder(model, DynamicCache(config=model.config), ctx)
-        with h2o(model, cfg) as session:
-            fast = _Decoder(model, session.new_cache(), ctx)
-            fast.run(2)  # warm-up
-            model.set_attn_implementation("sdpa")
-            full.run(2)
-            t_full, t_h2o = [], []
-            for _ in range(rounds):
-                model.set_attn_implementation("sdpa")
-                t_full.append(_median_time(lambda: full.run(steps), 1) / steps)
-                model.set_attn_implementation("h2o_lens")
-                t_h2o.append(_median_time(lambda: fast.run(steps), 1) / steps)
-            tf, th = statistics.median(t_full), statistics.median(t_h2o)
-            tokens = n + 2 + rounds * steps + 1
-            b = fast.cache.nbytes()
-        fullb = full_kv_bytes(model, tokens)
-        ratio_b = (b["kv"] + b["metadata"]) / fullb
-        print(
-            f"{n:>8} {budget:>6} {tf * 1e3:>13.2f} {th * 1e3:>12.2f} {th / tf:>7.3f} "
-            f"{ratio_b:>14.4f} {budget / tokens + 2 / head_dim:>8.4f}",
-            flush=True,
-        )
+        model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+    else:
+        with h2o(model, H2OConfig(**_halves(ratio_slots(keep, context)))) as session:
+            model(input_ids=ids, cache=session.new_cache(), use_cache=True, logits_to_keep=1)
+    out = {"phase": phase, "seconds": time.perf_counter() - t0, "loaded_bytes": loaded, "peak_bytes": _peak_rss_bytes()}
+    print(json.dumps(out), flush=True)
 
-    # prefill with scores vs SDPA prefill
-    n = prefill_context
-    budget = ratio_slots(keep, n)
-    cfg = H2OConfig(**_halves(budget))
-    ctx = torch.randint(0, vocab, (1, n), generator=gen)
+
+def _prefill_rss(model_name: str, context: int, keep: float) -> int:
+    """Peak RSS of the SDPA prefill and of the prefill with scores, each in a fresh process; prints one line."""
+    res = {}
+    for phase in ("sdpa", "h2o"):
+        args = f"{phase!r}, {model_name!r}, {context!r}, {keep!r}"
+        code = f"from commands.bench import _prefill_phase; _prefill_phase({args})"
+        res[phase] = _in_fresh_process(code)
+        if isinstance(res[phase], str):
+            print(f"prefill {context} peak RSS: the {phase} process failed ({res[phase]})")
+            return 1
+    gib = 2**30
+    s, h = res["sdpa"], res["h2o"]
+    grow_s, grow_h = s["peak_bytes"] - s["loaded_bytes"], h["peak_bytes"] - h["loaded_bytes"]
+    print(
+        f"prefill {context} peak RSS (fresh processes): SDPA {s['peak_bytes'] / gib:.2f} GiB, with scores "
+        f"{h['peak_bytes'] / gib:.2f} GiB: ratio {h['peak_bytes'] / s['peak_bytes']:.3f} (above the loaded "
+        f"model: {grow_s / gib:.2f} vs {grow_h / gib:.2f} GiB)",
+        flush=True,
+    )
+    return 0
+
+
+def _prefill_time(model, cfg, ctx: torch.Tensor, rounds: int) -> tuple[float, float]:
+    """Median seconds of the SDPA prefill and of the H2O prefill with scores, alternating."""
+    from transformers import DynamicCache
+
+    from h2o_lens.runtime import h2o
+
     t_sdpa, t_h2o = [], []
     with torch.no_grad(), h2o(model, cfg) as session:
         for i in range(rounds + 1):
             model.set_attn_implementation("sdpa")
             t0 = time.perf_counter()
-            model(input_ids=ctx, cache=DynamicCache(config=model.config), use_cache=True)
+            model(input_ids=ctx, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
             t1 = time.perf_counter()
             model.set_attn_implementation("h2o_lens")
-            model(input_ids=ctx, cache=session.new_cache(), use_cache=True)
+            model(input_ids=ctx, cache=session.new_cache(), use_cache=True, logits_to_keep=1)
             t2 = time.perf_counter()
             if i:  # the first round warms up
                 t_sdpa.append(t1 - t0)
                 t_h2o.append(t2 - t1)
-    ts, th = statistics.median(t_sdpa), statistics.median(t_h2o)
-    print(f"prefill {n} tokens: SDPA {ts * 1e3:.0f} ms, H2O with scores {th * 1e3:.0f} ms, ratio {th / ts:.3f}")
-    return 0
+    return statistics.median(t_sdpa), statistics.median(t_h2o)
+
+
+def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int):
+    """Median seconds per decode step of the full cache and of H2O, alternating, and the H2O cache's bytes."""
+    from transformers import DynamicCache
+
+    from h2o_lens.runtime import h2o
+
+    model.set_attn_implementation("sdpa")
+    full = _Decoder(model, DynamicCache(config=model.config), ctx, last_logits_only=True)
+    with h2o(model, cfg) as session:
+        fast = _Decoder(model, session.new_cache(), ctx, last_logits_only=True)
+        fast.run(2)  # warm-up
+        model.set_attn_implementation("sdpa")
+        full.run(2)
+        t_full, t_h2o = [], []
+        for _ in range(rounds):
+            model.set_attn_implementation("sdpa")
+            t_full.append(_median_time(lambda: full.run(steps), 1) / steps)
+            model.set_attn_implementation("h2o_lens")
+            t_h2o.append(_median_time(lambda: fast.run(steps), 1) / steps)
+        nbytes = fast.cache.nbytes()
+    return statistics.median(t_full), statistics.median(t_h2o), nbytes
+
+
+def bench_decode(
+    model_name: str | None = None,
+    contexts=(512, 2048),
+    batches=(1, 8),
+    keep: float = 0.2,
+    steps: int = 8,
+    rounds: int = 3,
+    model=None,
+    memory: bool = True,
+) -> int:
+    """Decode tokens/s of H2O at ``keep`` ÷ the full cache, per context and batch size, and the
+    prefill with scores ÷ the SDPA prefill, in time and in peak RSS, side by side in one run.
+
+    For each context: a table with a row per batch size (every row of the batch the same
+    context of random tokens): full-cache and H2O ms/step and tokens/s, measured in
+    alternating rounds, their ratio and the KV bytes held; then the prefill of one prompt
+    with scores ÷ SDPA (time, in this process), and the peak RSS of each, each in a fresh
+    process that does only that prefill (``memory``; it loads ``model_name``, so it is
+    skipped when only ``model`` is given). Returns 0 (1 when a memory process failed).
+    """
+    from h2o_lens.config import H2OConfig
+    from h2o_lens.models import load_model
+    from h2o_lens.runtime import full_kv_bytes
+
+    contexts = _check_ints("decode", "contexts", contexts, 2)
+    batches = _check_ints("decode", "batch", batches, 1)
+    _check_ints("decode", "steps", steps, 1)
+    _check_ints("decode", "rounds", rounds, 1)
+    if not 0 < keep < 1:
+        raise SystemExit(f"bench decode: --keep is the kept share of the context, in (0, 1); got {keep!r}")
+    fresh = memory and (model is None or model_name is not None)
+    if model is None:
+        model, _ = load_model(model_name, progress=False)
+    text = model.config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    gen = torch.Generator().manual_seed(0)
+    print(
+        f"model {type(model).__name__}: {text.num_hidden_layers} layers, {text.num_attention_heads} "
+        f"query heads, {text.num_key_value_heads} KV heads, head_dim {head_dim}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; H2O keeps {keep:.0%}; "
+        f"{steps} steps x {rounds} rounds alternating full / H2O, medians",
+        flush=True,
+    )
+    failed = 0
+    for n in contexts:
+        budget = ratio_slots(keep, n)
+        cfg = H2OConfig(**_halves(budget))
+        print(f"\ncontext {n}, H2O B={budget} ({cfg.describe()})")
+        print(
+            f"{'batch':>6} {'full ms/step':>13} {'full tok/s':>11} {'h2o ms/step':>12} {'h2o tok/s':>10} "
+            f"{'h2o/full tok/s':>15} {'KV MiB h2o':>11} {'KV h2o/full':>12}"
+        )
+        for b in batches:
+            ctx = torch.randint(0, text.vocab_size, (b, n), generator=gen)
+            tf, th, nbytes = _decode_times(model, cfg, ctx, steps, rounds)
+            tokens = n + 2 + rounds * steps + 1
+            kv = nbytes["kv"] + nbytes["metadata"]
+            print(
+                f"{b:>6} {tf * 1e3:>13.2f} {b / tf:>11.1f} {th * 1e3:>12.2f} {b / th:>10.1f} {tf / th:>15.3f} "
+                f"{kv / 2**20:>11.3f} {kv / full_kv_bytes(model, tokens, batch=b):>12.4f}",
+                flush=True,
+            )
+        ts, th = _prefill_time(model, cfg, torch.randint(0, text.vocab_size, (1, n), generator=gen), rounds)
+        print(f"prefill {n} tokens: SDPA {ts * 1e3:.0f} ms, with scores {th * 1e3:.0f} ms: ratio {th / ts:.3f}")
+        if fresh:
+            failed |= _prefill_rss(model_name, n, keep)
+        elif memory:
+            print(f"prefill {n} peak RSS: skipped (give the model by name to load it in fresh processes)")
+    return failed
 
 
 def bench_record(
@@ -530,9 +633,9 @@ def bench_sweep(
     The grid is ``count`` requests of ``tasks`` (each with ``new_tokens`` new
     tokens, so that they share batches) under h2o gqa sum at one budget:
     ``budget="slots"`` gives every request the slot count of ``keep`` times the
-    median prompt length (one budget: a batch decodes in one step),
-    ``budget="ratio"`` the keep ratio itself (resolved on each prompt: rows of
-    different budgets decode apart, DESIGN.md §12.2). Each mode records (and
+    median prompt length (one budget), ``budget="ratio"`` the keep ratio itself
+    (resolved on each prompt: a budget per row; the batch still decodes in one
+    step, DESIGN.md §2.7). Each mode records (and
     replays) into a fresh root; the modes alternate over ``rounds``. Prints the
     time of each, split into recording and replay, and the ratio.
     """

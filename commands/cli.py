@@ -674,7 +674,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     if args.what == "decode":
         return bench.bench_decode(
-            model_name=args.model, contexts=args.contexts, keep=args.keep, steps=args.steps, rounds=args.rounds
+            model_name=args.model,
+            contexts=args.contexts,
+            batches=args.batch,
+            keep=args.keep,
+            steps=args.steps,
+            rounds=args.rounds,
         )
     if args.what == "record" and (args.context or args.new_tokens):
         return bench.bench_record_memory(
@@ -892,9 +897,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     b.add_argument("what", choices=["decode", "record", "kernels", "sql", "runs", "explain", "sweep"])
     b.add_argument("--model", default=None)
-    b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
+    b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048], help="decode: context lengths")
+    b.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode: batch sizes")
     b.add_argument("--keep", type=float, default=0.2, help="B as a share of the context")
-    b.add_argument("--steps", type=int, default=16, help="decode steps timed per round")
+    b.add_argument("--steps", type=int, default=8, help="decode steps timed per round")
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--memory-limit", default="512MB", help="sql: the console's memory limit")
     b.add_argument(

@@ -143,6 +143,7 @@ class H2OCacheLayer(CacheLayerMixin):
         self.seen = 0  # columns processed, padding included (what generate counts)
         self.budget: torch.Tensor | None = None  # (b,) int64 index into owner.budgets
         self._groups: list[tuple[torch.Tensor | None, ops.PolicyArgs]] | None = None
+        self._row_budgets: ops.RowBudgets | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.segment: _speculative.Segment | None = None  # open verification segment (DESIGN.md §14)
         #: a shared prompt prefix (DESIGN.md §15.4): its K, V ``(1, Hs, P0, d)`` and column sums ``(1, Hs, P0)``
@@ -185,7 +186,7 @@ class H2OCacheLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self.scores = self.history = self.positions = None
-        self.fill = self.next_pos = self.budget = self._groups = self.segment = None
+        self.fill = self.next_pos = self.budget = self._groups = self._row_budgets = self.segment = None
         self.seen = 0
         self.is_initialized = False
 
@@ -195,7 +196,7 @@ class H2OCacheLayer(CacheLayerMixin):
             return
         self.end_segment(0)
         idx = beam_idx.to(self.keys.device)
-        self._groups = None
+        self._groups = self._row_budgets = None
         # the diagnosis fault moves K and V only: scores and positions stay with the old rows
         names = ("keys", "values") if faults.active("kv_reorder_without_scores") else _ROW_STATE
         for name in names:
@@ -205,7 +206,7 @@ class H2OCacheLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.end_segment(0)
-        self._groups = None
+        self._groups = self._row_budgets = None
         for name in _ROW_STATE:
             t = getattr(self, name)
             if t is not None:
@@ -213,7 +214,7 @@ class H2OCacheLayer(CacheLayerMixin):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.end_segment(0)
-        self._groups = None
+        self._groups = self._row_budgets = None
         for name in _ROW_STATE:
             t = getattr(self, name)
             if t is not None:
@@ -295,7 +296,7 @@ class H2OCacheLayer(CacheLayerMixin):
         positions = pos[:, None, :].expand(b, hs, p)  # (b, Hs, P)
         count = pos.amax(-1).to(torch.int64) + 1  # (b,) real tokens
         self.budget = owner.assign_budgets(count).to(key.device)
-        self._groups = None
+        self._groups = self._row_budgets = None
         last = (count - 1)[:, None, None]  # (b,1,1)
         drive = torch.empty(b, hs, p, dtype=dtype, device=key.device)  # the scores that drive the choice
         history = torch.zeros(b, hs, p, dtype=torch.int64, device=key.device) if spec.history else None
@@ -405,9 +406,10 @@ class H2OCacheLayer(CacheLayerMixin):
     def decode(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """One decode step; returns the attention output ``(b, 1, Hq, d)``.
 
-        Requests that share a budget step together; when budgets differ, each
-        budget's rows step on their own ``B_r`` slots, exactly as if alone. An
-        open verification segment is confirmed in full first (DESIGN.md §14).
+        All rows step in one computation. When budgets differ, each row steps on its
+        first ``B_r`` slots with its own split (:class:`~h2o_lens.ops.RowBudgets`),
+        exactly as if alone (DESIGN.md §2.7). An open verification segment is
+        confirmed in full first (DESIGN.md §14).
         """
         self.end_segment(0)
         return self.decode_once(query, scaling)[0]
@@ -426,12 +428,14 @@ class H2OCacheLayer(CacheLayerMixin):
         listener = owner.listener
         step = self.next_pos  # (b,)
         q, k, v = query[:, :, 0].contiguous(), key[:, :, 0].contiguous(), value[:, :, 0].contiguous()
-        cap = self.keys.shape[2]
-        groups = self.groups()
+        args = owner.budgets[0]  # policy, gqa, seed and pins are the config's: the same for every budget
+        rows = self.row_budgets()
         want = listener is not None
-        if len(groups) == 1 and groups[0][0] is None and groups[0][1].capacity == cap:
+        if rows is not None and not journal and self._kernel_step(args, want):
+            res = self._step_groups(self.groups(), q, k, v, step, scaling)
+        else:
             res = self._step(
-                groups[0][1],
+                args,
                 q,
                 k,
                 v,
@@ -444,10 +448,9 @@ class H2OCacheLayer(CacheLayerMixin):
                 scaling,
                 want,
                 self.history,
+                rows,
                 journal,
             )
-        else:
-            res = self._step_groups(groups, q, k, v, step, scaling, want, journal)
         event = None
         if want:
             event = DecodeEvent(
@@ -462,8 +465,8 @@ class H2OCacheLayer(CacheLayerMixin):
                 listener.on_decode(self.layer_idx, event)
         self.next_pos = step + 1
         if self.fill is not None:
-            caps = owner.row_capacity(self.budget)
-            self.fill = torch.minimum(self.fill + 1, caps)
+            caps = self.keys.shape[2] if rows is None else rows.capacity.view(-1)  # (b,) B_r
+            self.fill = (self.fill + 1).clamp(max=caps) if rows is None else torch.minimum(self.fill + 1, caps)
             if bool((self.fill >= caps).all()):
                 self.fill = None
         return res.out[:, None], res, event
@@ -515,6 +518,20 @@ class H2OCacheLayer(CacheLayerMixin):
         if on_segment is not None:
             on_segment(self.layer_idx, event)
 
+    def row_budgets(self) -> ops.RowBudgets | None:
+        """Per-row capacity, recent window and sink when the requests' budgets differ; None
+        when every row uses the one budget (as wide as the storage)."""
+        if len(self.owner.budgets) == 1:
+            return None
+        if self._row_budgets is None:
+            self._row_budgets = ops.RowBudgets.of(self.owner.budgets, self.budget)
+        return self._row_budgets
+
+    def _kernel_step(self, args: ops.PolicyArgs, want: bool) -> bool:
+        """Whether the fused Triton step runs: the backend and the policy have one
+        (``Policy.kernels``), no listener needs the candidate set and nothing is pinned."""
+        return not want and self.owner.backend == "triton" and "decode" in args.spec.kernels and not args.pinned
+
     def _step(
         self,
         args: ops.PolicyArgs,
@@ -530,13 +547,12 @@ class H2OCacheLayer(CacheLayerMixin):
         scaling: float,
         want: bool,
         history: torch.Tensor | None = None,
+        rows: ops.RowBudgets | None = None,
         journal: bool = False,
     ) -> ops.DecodeResult:
-        """The fused Triton step when the backend and the policy have one (``Policy.kernels``) and
-        no listener needs the candidate set, no rollback the overwritten K/V and nothing is
-        pinned; the torch step otherwise."""
-        fused = self.owner.backend == "triton" and "decode" in args.spec.kernels and not args.pinned
-        if fused and not want and not journal:
+        """The fused Triton step when :meth:`_kernel_step` allows it (one budget, and no
+        rollback needs the overwritten K/V), the torch step otherwise (any per-row budgets)."""
+        if rows is None and not journal and self._kernel_step(args, want):
             from .kernels import decode_step_triton
 
             return decode_step_triton(
@@ -557,63 +573,33 @@ class H2OCacheLayer(CacheLayerMixin):
             layer=self.layer_idx,
             history=history,
             want_candidates=want,
+            rows=rows,
             journal=journal,
         )
 
-    def _step_groups(self, groups, q, k, v, step, scaling: float, want: bool, journal: bool) -> ops.DecodeResult:
-        """One decode step per budget on its rows and its first ``B_r`` slots, written back."""
+    def _step_groups(self, groups, q, k, v, step, scaling: float) -> ops.DecodeResult:
+        """The Triton step of a batch whose budgets differ: one launch per budget on its rows
+        and its first ``B_r`` slots, written back (the kernel takes one budget per launch;
+        the torch step takes per-row budgets in one computation)."""
         b, hs, cap = self.positions.shape
         out = q.new_empty(q.shape)
         slot = torch.empty(b, hs, dtype=torch.int64, device=q.device)
         evicts = torch.empty(b, hs, dtype=torch.bool, device=q.device)
-        cand_s = self.scores.new_zeros(b, hs, cap + 1) if want else None
-        cand_p = (
-            torch.full((b, hs, cap + 1), policy.EMPTY, dtype=self.positions.dtype, device=q.device) if want else None
-        )
-        old_k = self.keys.new_zeros(b, hs, self.keys.shape[-1]) if journal else None
-        old_v = self.values.new_zeros(b, hs, self.values.shape[-1]) if journal else None
         for rows, args in groups:
             sel = torch.arange(b, device=q.device) if rows is None else rows
             c = args.capacity
             stored = [self.keys, self.values, self.scores, self.positions]
-            if self.history is not None:
-                stored.append(self.history)
             state = [t[sel, :, :c].contiguous() for t in stored]
             fill = None if self.fill is None else self.fill[sel]
             if fill is not None and bool((fill >= c).all()):
                 fill = None
-            res = self._step(
-                args,
-                q[sel],
-                k[sel],
-                v[sel],
-                *state[:4],
-                step[sel],
-                fill,
-                scaling,
-                want,
-                state[4] if len(state) > 4 else None,
-                journal,
-            )
+            res = self._step(args, q[sel], k[sel], v[sel], *state, step[sel], fill, scaling, False)
             for t, new in zip(stored, state):
                 t[sel, :, :c] = new
             out[sel] = res.out
             slot[sel] = torch.where(res.slot >= c, cap, res.slot)  # c: the new token itself
             evicts[sel] = res.evicts
-            if want:
-                cand_s[sel, :, :c], cand_s[sel, :, cap] = res.cand_scores[..., :c], res.cand_scores[..., c]
-                cand_p[sel, :, :c], cand_p[sel, :, cap] = res.cand_positions[..., :c], res.cand_positions[..., c]
-            if journal:
-                old_k[sel], old_v[sel] = res.old_key, res.old_value
-        return ops.DecodeResult(
-            out=out,
-            slot=slot,
-            evicts=evicts,
-            cand_scores=cand_s,
-            cand_positions=cand_p,
-            old_key=old_k,
-            old_value=old_v,
-        )
+        return ops.DecodeResult(out=out, slot=slot, evicts=evicts)
 
     def nbytes(self) -> tuple[int, int]:
         """``(kv_bytes, metadata_bytes)`` physically held by this layer."""

@@ -27,6 +27,8 @@ __all__ = [
     "prefill_select",
     "decode_step",
     "DecodeResult",
+    "RowBudgets",
+    "DECODE_BLOCK",
 ]
 
 _NEG = float("-inf")
@@ -419,6 +421,98 @@ class DecodeResult:
     old_value: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class RowBudgets:
+    """Per-request slot counts of a batch whose requests' budgets differ (DESIGN.md §2.7).
+
+    ``capacity``, ``recent`` and ``sink`` are ``(b, 1, 1)`` int64 tensors, one value per
+    row: row ``r`` uses slots ``0 … capacity_r − 1`` of the storage; the slots beyond are
+    never written, never attended and never chosen, so the row steps exactly as if its
+    storage were ``capacity_r`` wide. ``self_victim`` says whether some row has no recent
+    window (its new token may be its own victim).
+    """
+
+    capacity: torch.Tensor
+    recent: torch.Tensor
+    sink: torch.Tensor
+    self_victim: bool
+
+    @classmethod
+    def of(cls, budgets: list[PolicyArgs], rows: torch.Tensor) -> RowBudgets:
+        """``budgets`` the distinct budgets, ``rows (b,)`` int64 the budget index of each row."""
+        table = torch.tensor([[a.capacity, a.recent, a.sink] for a in budgets], dtype=torch.int64)
+        t = table.to(rows.device)[rows][:, :, None, None]  # (b, 3, 1, 1)
+        used = set(rows.tolist())
+        return cls(t[:, 0], t[:, 1], t[:, 2], any(budgets[i].recent == 0 for i in used))
+
+
+#: Slots per block of the torch decode step. Every matmul and reduction over slots works on
+#: blocks of this fixed width and the block results are added in order, so a row's result does
+#: not depend on how wide the storage is (a request equals itself alone, DESIGN.md §2.7).
+DECODE_BLOCK = 64
+
+
+def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The slots of ``x (b, Hs, B, ...)`` in blocks of :data:`DECODE_BLOCK`: the full blocks
+    ``(b, Hs, n, K, ...)`` (a view of the storage; a matmul copies it unless ``B`` is a multiple
+    of ``K``) and the last partial block zero-padded to ``(b, Hs, 1, K, ...)``, or None when
+    ``B`` is a multiple of ``K``."""
+    w = x.shape[2]
+    n = w // DECODE_BLOCK
+    full = x[:, :, : n * DECODE_BLOCK].unflatten(2, (n, DECODE_BLOCK))
+    if w == n * DECODE_BLOCK:
+        return full, None
+    pad = [0, 0] * (x.dim() - 3) + [0, (n + 1) * DECODE_BLOCK - w]
+    return full, torch.nn.functional.pad(x[:, :, n * DECODE_BLOCK :], pad)[:, :, None]
+
+
+def _per_block(fn, full: torch.Tensor, tail: torch.Tensor | None) -> torch.Tensor:
+    """``fn`` on the full blocks and on the padded tail, joined on the block axis (2)."""
+    if tail is None:
+        return fn(full)
+    if full.shape[2] == 0:
+        return fn(tail)
+    return torch.cat([fn(full), fn(tail)], 2)
+
+
+def _attend(qg, keys, values, key, value, empty, acc):
+    """Softmax attention of ``qg (b, Hs, G, d)`` (scaled) over the slots and the new token.
+
+    ``keys, values (b, Hs, B, d)``, ``key, value (b, Hs, d)``, ``empty (b, Hs, B)`` True
+    for slots that hold nothing (masked), or None. Returns ``out (b, Hs, G, d)`` and the
+    weights ``(b, Hs, G, B + 1)`` in ``acc`` (slots, then the new token). Every product and
+    sum over slots runs per block of :data:`DECODE_BLOCK` slots and the block sums add up in
+    order (a cumulative sum), so empty slots past a row's last live slot change nothing,
+    bit for bit, whatever the storage width.
+    """
+    b, hs, cap, d = keys.shape
+    q = qg[:, :, None]  # (b,Hs,1,G,d)
+    logits = _per_block(lambda k: torch.matmul(q, k.transpose(-1, -2)), *_blocks(keys)).to(acc)  # (b,Hs,n,G,K)
+    n = logits.shape[2]
+    if empty is not None:  # empty slots and the tail's padding
+        dead = torch.nn.functional.pad(empty, (0, n * DECODE_BLOCK - cap), value=True)  # (b,Hs,n·K)
+        logits = logits.masked_fill(dead.unflatten(-1, (n, DECODE_BLOCK))[..., None, :], _NEG)
+    elif cap % DECODE_BLOCK:  # the tail's padding
+        logits[:, :, -1, :, cap % DECODE_BLOCK :] = _NEG
+    new = torch.matmul(qg, key[..., None]).to(acc)  # (b,Hs,G,1)
+    top = torch.maximum(logits.amax((2, 4)), new[..., 0])[..., None]  # (b,Hs,G,1)
+    e = (logits - top[:, :, None]).exp_()  # (b,Hs,n,G,K)
+    e_new = (new - top).exp_()  # (b,Hs,G,1)
+    ev = e if e.dtype == values.dtype else e.to(values.dtype)
+    full, tail = _blocks(values)
+    nf = full.shape[2]
+    parts = torch.matmul(ev[:, :, :nf], full) if nf else None  # (b,Hs,n,G,d)
+    if tail is not None:
+        last = torch.matmul(ev[:, :, nf:], tail)
+        parts = last if parts is None else torch.cat([parts, last], 2)
+    parts = torch.cat([parts.to(acc), (e_new * value[:, :, None].to(acc))[:, :, None]], 2)
+    sums = torch.cat([e.sum(-1), e_new.transpose(-1, -2)], 2)  # (b,Hs,n+1,G)
+    total = sums.cumsum(2)[:, :, -1, :, None]  # (b,Hs,G,1) in order: block by block, then the new token
+    out = parts.cumsum(2)[:, :, -1] / total  # (b,Hs,G,d)
+    w = torch.cat([e.transpose(2, 3).flatten(-2)[..., :cap], e_new], -1) / total  # (b,Hs,G,B+1)
+    return out, w
+
+
 def decode_step(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -435,6 +529,7 @@ def decode_step(
     layer: int = 0,
     history: torch.Tensor | None = None,
     want_candidates: bool = False,
+    rows: RowBudgets | None = None,
     journal: bool = False,
 ) -> DecodeResult:
     """One decode step for one layer, updating the cache in place.
@@ -454,6 +549,9 @@ def decode_step(
     layer : int, the layer index (keys the ``random`` policy's draw, :func:`random_scores`)
     history : ``(b, Hs, B)`` int64 per-slot history of a policy that keeps one
         (``Policy.history``), updated in place; None otherwise
+    rows : :class:`RowBudgets` when the rows' budgets differ: row ``r`` steps on its first
+        ``capacity_r`` slots with its own recent window and sink (``args``' split is then
+        unused), exactly as alone; None: every row uses ``args`` and all ``B`` slots
     journal : also return the K/V the write overwrites (``old_key``, ``old_value``)
 
     Order (DESIGN.md §2): append → softmax over D → aggregate over the group and
@@ -465,15 +563,8 @@ def decode_step(
     spec = args.spec
     b, hs, cap, d = keys.shape
     qg = _group_view(query, hs) * scaling  # (b, Hs, G, d)
-    cand_k = torch.cat([keys, key[:, :, None]], dim=2)  # (b,Hs,B+1,d) transient D
-    cand_v = torch.cat([values, value[:, :, None]], dim=2)
-    logits = torch.matmul(qg, cand_k.transpose(-1, -2))  # (b,Hs,G,B+1)
-    if fill is not None:
-        logits = logits.masked_fill(_empty_cols(positions), _NEG)
-    w = (
-        logits.softmax(-1) if logits.dtype == scores.dtype else torch.softmax(logits, dim=-1, dtype=scores.dtype)
-    )  # FP32 (FP64 in tests)
-    out = torch.matmul(w if w.dtype == values.dtype else w.to(values.dtype), cand_v)  # (b,Hs,G,d)
+    empty = positions < 0 if fill is not None or rows is not None else None  # (b,Hs,B)
+    out, w = _attend(qg, keys, values, key, value, empty, scores.dtype)  # (b,Hs,G,d), (b,Hs,G,B+1)
 
     step_col = step[:, None, None]  # (b,1,1)
     new_pos = step_col.expand(b, hs, 1)
@@ -483,35 +574,36 @@ def decode_step(
     ctx = policies.StepContext(step=step_col, layer=layer, seed=args.seed, gqa=args.gqa, group=qg.shape[2])
     new_score, new_history = spec.decode_scores(scores, history, agg, positions, ctx)  # (b,Hs,1)
 
-    if args.recent == 0:
-        # heavy-only: the new token competes too and may be its own victim
-        c_scores = torch.cat([scores, new_score], -1)
-        c_pos = torch.cat([positions, new_pos], -1)
-        c_elig = policy.eligible_mask(c_pos, step_col, 0, args.sink, pinned=args.pins(positions))
-        victim, found = policy.select_victim(c_scores, c_pos, c_elig)
-    else:
+    pins = args.pins(positions)
+    if rows is None and args.recent > 0:  # one budget with a recent window: the new token is never a victim
         c_scores = c_pos = None
-        c_elig = policy.eligible_mask(
-            positions, step_col, args.recent, args.sink, all_live=fill is None, pinned=args.pins(positions)
-        )
-        victim, found = policy.select_victim(scores, positions, c_elig)
+        elig = policy.eligible_mask(positions, step_col, args.recent, args.sink, all_live=fill is None, pinned=pins)
+        victim, found = policy.select_victim(scores, positions, elig)
+    else:  # D = slots + the new token, eligible only in a row without a recent window
+        recent, sink = (args.recent, args.sink) if rows is None else (rows.recent, rows.sink)
+        c_scores = torch.cat([scores, new_score], -1)  # (b,Hs,B+1)
+        c_pos = torch.cat([positions, new_pos], -1)
+        elig = policy.eligible_mask(c_pos, step_col, recent, sink, pinned=pins)
+        # a slot past the row's capacity never wins the tie of "nothing eligible" either (the new
+        # token's position is above every slot's, so it wins it only where no slot does, as alone)
+        big = torch.iinfo(c_pos.dtype).max
+        tie_pos = c_pos if rows is None else c_pos.masked_fill(_beyond(rows.capacity, cap), big)
+        victim, found = policy.select_victim(c_scores, tie_pos, elig)
     if fill is None:
         slot, evicts = victim, found
     else:
-        full = (fill >= cap)[:, None]  # (b,1)
+        full = (fill >= (cap if rows is None else rows.capacity[:, 0, 0]))[:, None]  # (b,1)
         slot = torch.where(full, victim, fill[:, None].expand(b, hs))
         evicts = full.expand(b, hs) & found
 
     cands = {}
     if want_candidates:
         if c_scores is None:
-            c_scores = torch.cat([scores, new_score], -1)
-            c_pos = torch.cat([positions, new_pos], -1)
+            c_scores, c_pos = torch.cat([scores, new_score], -1), torch.cat([positions, new_pos], -1)
         cands = dict(cand_scores=c_scores, cand_positions=c_pos)
     if journal:
         idx = slot.clamp(max=cap - 1)[..., None, None].expand(b, hs, 1, d)
         cands.update(old_key=keys.gather(2, idx)[:, :, 0], old_value=values.gather(2, idx)[:, :, 0])
-
     _write_slot(
         keys,
         values,
@@ -522,17 +614,18 @@ def decode_step(
         value,
         new_score,
         new_pos,
-        may_skip=args.recent == 0,
+        may_skip=args.recent == 0 if rows is None else rows.self_victim,
         history=history,
         new_history=new_history,
     )
-    return DecodeResult(out=out.reshape(b, hs * qg.shape[2], d), slot=slot, evicts=evicts, **cands)
+    return DecodeResult(out=out.reshape(b, hs * qg.shape[2], d).to(query.dtype), slot=slot, evicts=evicts, **cands)
 
 
-def _empty_cols(positions: torch.Tensor) -> torch.Tensor:
-    """``(b, Hs, 1, B+1)`` True for empty slots (the new token column is never empty)."""
-    empty = positions < 0
-    return torch.cat([empty, empty.new_zeros(*empty.shape[:2], 1)], -1)[:, :, None, :]
+def _beyond(capacity: torch.Tensor, cap: int) -> torch.Tensor:
+    """``(b, 1, B + 1)`` True for the slots at or past each row's ``capacity (b, 1, 1)``
+    (the new token's column ``B`` is never past)."""
+    idx = torch.arange(cap + 1, device=capacity.device)
+    return (idx >= capacity) & (idx < cap)
 
 
 def _write_slot(

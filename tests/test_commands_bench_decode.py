@@ -1,0 +1,72 @@
+"""``h2o-lens bench decode``: runs end to end on a tiny model and prints its columns (no timing asserted)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from test_commands_sweep_grid import _byte_tokenizer
+from tiny import tiny_model
+
+from commands.bench import bench_decode
+from commands.cli import main
+
+COLUMNS = ("batch", "full ms/step", "full tok/s", "h2o ms/step", "h2o tok/s", "h2o/full tok/s", "KV h2o/full")
+
+
+def _rows(out: str, context: int) -> dict[int, list[float]]:
+    """The table of ``context``: batch size -> the numbers of its row."""
+    block = out.split(f"context {context}, H2O B=")[1].split("prefill")[0]
+    rows = {}
+    for line in block.splitlines()[2:]:
+        nums = line.split()
+        if nums:
+            rows[int(nums[0])] = [float(x) for x in nums[1:]]
+    return rows
+
+
+def test_bench_decode_prints_a_table_per_context_with_a_row_per_batch(capsys):
+    model = tiny_model("llama", layers=2)
+    assert bench_decode(model=model, contexts=(40, 64), batches=(1, 3), steps=2, rounds=1) == 0
+    out = capsys.readouterr().out
+    for n in (40, 64):
+        header = out.split(f"context {n}, H2O B=")[1].splitlines()[1]
+        assert all(c in header for c in COLUMNS), header
+        rows = _rows(out, n)
+        assert sorted(rows) == [1, 3]
+        for b, (full_ms, full_tps, h2o_ms, h2o_tps, ratio, kv_mib, kv_share) in rows.items():
+            assert full_ms > 0 and h2o_ms > 0
+            assert full_tps == pytest.approx(b * 1e3 / full_ms, rel=0.02)
+            assert h2o_tps == pytest.approx(b * 1e3 / h2o_ms, rel=0.02)
+            assert ratio == pytest.approx(h2o_tps / full_tps, rel=0.05)
+            assert 0 < kv_share < 0.5 and kv_mib > 0  # 20 % of the context, plus scores and positions
+        assert re.search(rf"prefill {n} tokens: SDPA \d+ ms, with scores \d+ ms: ratio [\d.]+", out)
+        assert f"prefill {n} peak RSS: skipped" in out  # a model object cannot be loaded in a fresh process
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench_tiny")
+    tok = _byte_tokenizer()
+    tiny_model("llama", vocab=len(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_bench_decode_cli_measures_prefill_peak_rss_in_fresh_processes(tiny_dir, capsys):
+    argv = ["bench", "decode", "--model", str(tiny_dir), "--contexts", "48", "--batch", "1", "2"]
+    assert main([*argv, "--steps", "2", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert sorted(_rows(out, 48)) == [1, 2]
+    m = re.search(
+        r"prefill 48 peak RSS \(fresh processes\): SDPA ([\d.]+) GiB, with scores ([\d.]+) GiB: ratio ([\d.]+)", out
+    )
+    assert m, out
+    sdpa, scores, ratio = map(float, m.groups())
+    assert sdpa > 0 and scores > 0 and ratio == pytest.approx(scores / sdpa, rel=0.1)
+
+
+@pytest.mark.parametrize("flag", [["--batch", "0"], ["--contexts", "1"], ["--steps", "0"]])
+def test_bench_decode_refuses_bad_sizes(flag):
+    with pytest.raises(SystemExit, match=re.escape(flag[0])):
+        main(["bench", "decode", "--model", "unused", *flag])
