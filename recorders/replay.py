@@ -154,7 +154,9 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
 
     ``prompt``: full causal attention over the prompt (shared by teacher and
     masked run) and its column sums. ``teacher``: full attention of the generated
-    rows, with their dropped mass and oracle columns from the same score tiles.
+    rows (the masked pass's kernel with nothing evicted, so a row that lost nothing
+    has the masked run's bits), their dropped mass and oracle columns from one pass
+    over the score tiles.
     ``masked``: the generated rows see only what the run kept. Every pass works
     ``state.chunk`` rows at a time: O(chunk · N) per layer, never N x N.
     """
@@ -172,15 +174,17 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
     if state.backend not in ("torch", "triton"):
         state.backend = "torch" if query.dtype == torch.float64 else resolve_backend(state.backend, query.device)
     if state.mode == "masked":
-        out = replay_masked_torch(query, k_sets, v_sets, ev, scaling, chunk=state.chunk)
-    elif state.backend == "torch":
-        out, dropped, before, after = replay_teacher_torch(
+        return replay_masked_torch(query, k_sets, v_sets, ev, scaling, chunk=state.chunk).transpose(1, 2), None
+    # the teacher's output comes from the masked pass with nothing evicted: the same kernel on
+    # the same inputs, so a row that lost nothing has the same bits in both runs (KL exactly 0)
+    out = replay_masked_torch(query, k_sets, v_sets, torch.full_like(ev, key.shape[2]), scaling, chunk=state.chunk)
+    if state.backend == "torch":  # dropped mass and oracle columns from one pass over the score tiles
+        _, dropped, before, after = replay_teacher_torch(
             query, k_sets, v_sets, ev, scaling, chunk=state.chunk, oracle=state.agg
         )
-    else:  # SDPA for the output (nothing evicted: full causal), the Triton kernels for the rest
+    else:
         from h2o_lens.kernels import replay_dropped_mass_triton
 
-        out = replay_masked_torch(query, k_sets, v_sets, torch.full_like(ev, key.shape[2]), scaling, chunk=state.chunk)
         dropped, before, after = replay_dropped_mass_triton(
             query.contiguous(), k_sets.contiguous(), ev, scaling, oracle=state.agg
         )

@@ -35,7 +35,15 @@ def _gpu_check(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
 
 def test_make_gpu_check_runs_the_script_alone():
     """No `setup` prerequisite: that creates .venv and installs from the registry."""
-    res = subprocess.run(["make", "-n", "gpu-check"], cwd=REPO, capture_output=True, text=True, check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # as if run alone
+    res = subprocess.run(
+        ["make", "--no-print-directory", "-n", "gpu-check"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert res.stdout.split("\n")[0] == "bash .ci/gpu-check", res.stdout
 
 
