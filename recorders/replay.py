@@ -180,7 +180,7 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
     out = replay_masked_torch(query, k_sets, v_sets, torch.full_like(ev, key.shape[2]), scaling, chunk=state.chunk)
     if state.backend == "torch":  # dropped mass and oracle columns from one pass over the score tiles
         _, dropped, before, after = replay_teacher_torch(
-            query, k_sets, v_sets, ev, scaling, chunk=state.chunk, oracle=state.agg
+            query, k_sets, v_sets, ev, scaling, chunk=state.chunk, oracle=state.agg, output=False
         )
     else:
         from h2o_lens.kernels import replay_dropped_mass_triton

@@ -394,6 +394,7 @@ def replay_teacher_torch(
     chunk: int = 256,
     *,
     oracle: str | None = None,
+    output: bool = True,
 ):
     """The teacher's attention of the last ``M`` rows with their dropped mass, from one pass.
 
@@ -411,6 +412,8 @@ def replay_teacher_torch(
     scaling : float
     chunk : query rows per tile
     oracle : None, "sum" or "max" (as in :func:`replay_dropped_mass_torch`)
+    output : False skips the attention output (``out`` is then None): a caller that takes
+        the output from another kernel pays only for the dropped mass and the oracle columns
 
     Returns
     -------
@@ -424,8 +427,11 @@ def replay_teacher_torch(
         raise KernelInputError(f"{fn}: chunk={chunk}; expected a positive number of rows")
     if oracle not in (None, "sum", "max"):
         raise KernelInputError(f"{fn}: oracle={oracle!r}; expected None, 'sum' or 'max'")
-    out, dropped, before, after = _teacher_pass(query, key, value, evict_step, scaling, chunk, oracle, widen=True)
-    out = out.reshape(query.shape[0], query.shape[1], query.shape[2], value.shape[-1])
+    out, dropped, before, after = _teacher_pass(
+        query, key, value if output else None, evict_step, scaling, chunk, oracle, widen=True
+    )
+    if output:
+        out = out.reshape(query.shape[0], query.shape[1], query.shape[2], value.shape[-1])
     return (out, dropped) if oracle is None else (out, dropped, before, after)
 
 
