@@ -558,7 +558,8 @@ def _sweep_executor(args: argparse.Namespace):
         given = [o for o, v in (("--address", args.address), ("--workers", args.workers)) if v is not None]
         given += ["--gpus-per-worker"] if args.gpus_per_worker else []
         if given:
-            raise ConfigError(f"{', '.join(given)} only apply to a Ray sweep; add --executor ray")
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ConfigError(f"{', '.join(given)} only {verb} to a Ray sweep; add --executor ray")
         return None
     from .ray_sweep import RayOptions, RaySweep, require_ray
 
