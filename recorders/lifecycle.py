@@ -246,7 +246,8 @@ def check_lifecycle(
     Raises
     ------
     RecorderError
-        The run has no tokens, or its model does not match the checking model's shape.
+        The run has no tokens, its model does not match the checking model's shape, or
+        ``tolerance`` is negative or not finite.
     """
     from h2o_lens import faults
 
@@ -255,6 +256,11 @@ def check_lifecycle(
         raise RecorderError(
             f"the lifecycle check must run on the plain runtime, but the fault(s) {on} are switched on; "
             "run the check outside faults.inject(...)"
+        )
+    if tolerance is not None and not (0 <= tolerance < float("inf")):
+        raise RecorderError(
+            f"tolerance={tolerance!r}: the near-tie bound is a relative margin >= 0 (0: identical kept sets); "
+            "leave it out for the bound derived from the dtype"
         )
     t0 = time.perf_counter()
     run_dir = Path(run_dir)

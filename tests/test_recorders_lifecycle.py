@@ -191,3 +191,12 @@ def test_cli_check_exit_codes(tmp_path):
     bad = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert bad.returncode == 3, bad.stderr
     assert "LIFECYCLE ERROR in 1 request(s)" in bad.stdout and "request 1:" in bad.stdout
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_a_negative_or_infinite_tolerance_is_refused_before_anything_is_read(tmp_path, bad):
+    from recorders.errors import RecorderError
+    from recorders.lifecycle import check_lifecycle
+
+    with pytest.raises(RecorderError, match="near-tie bound"):
+        check_lifecycle(tmp_path / "no-such-run", tolerance=bad)
