@@ -134,3 +134,13 @@ def slot_kept_sets(q, k, v, prefill: int, args, scores, keep, history=None) -> l
         fill = (fill + 1).clamp(max=cap)
         out.append(sorted(p for p in slots_pos[0, 0].tolist() if p >= 0))
     return out
+
+
+def left_pad(seqs, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D token tensors as one left-padded batch: ``(ids, attention_mask)``, ``pad`` in the gaps."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s) :], mask[i, width - len(s) :] = s, 1
+    return ids, mask

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from runtime_utils import KeptRecorder, assert_same_sets, capture_qk, reference_sets
+from runtime_utils import left_pad as _left_pad
 from tiny import tiny_model
 
 import h2o_lens
@@ -18,15 +19,6 @@ LENS = (10, 30, 18)  # the request under test is the first; mates longer and sho
 
 def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _left_pad(seqs):
-    n = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), n, dtype=torch.long)
-    mask = torch.zeros(len(seqs), n, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, n - len(s) :], mask[i, n - len(s) :] = s, 1
-    return ids, mask
 
 
 def _generate(model, ids, mask=None, new=8):

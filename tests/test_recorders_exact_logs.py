@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from runtime_utils import left_pad as _left_pad
 from tiny import tiny_model
 
 import h2o_lens
@@ -29,15 +30,6 @@ CFG = H2OConfig(heavy=4, recent=3)
 
 def _ids(n, seed):
     return torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(seed))[0]
-
-
-def _left_pad(seqs, pad=0):
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s) :], mask[i, width - len(s) :] = s, 1
-    return ids, mask
 
 
 def _rows(run_dir, table):

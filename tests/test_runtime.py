@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from runtime_utils import KeptRecorder, assert_same_sets, capture_qk, reference_sets
+from runtime_utils import left_pad as _left_pad
 from tiny import FAMILIES, tiny_model
 
 import h2o_lens
@@ -71,15 +72,6 @@ def test_budget_covering_sequence_equals_full_cache(family, attn):
     diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, got.logits))
     assert diff < 1e-4
     assert model.config._attn_implementation == attn
-
-
-def _left_pad(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    n = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), n, dtype=torch.long)
-    mask = torch.zeros(len(seqs), n, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, n - len(s) :], mask[i, n - len(s) :] = s, 1
-    return ids, mask
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

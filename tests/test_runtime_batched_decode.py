@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from runtime_utils import KeptRecorder
+from runtime_utils import left_pad as _left_pad
 from tiny import tiny_model
 
 import h2o_lens
@@ -135,15 +136,6 @@ def test_row_budgets_mask_slots_past_each_capacity():
 
 def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _left_pad(seqs):
-    n = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), n, dtype=torch.long)
-    mask = torch.zeros(len(seqs), n, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, n - len(s) :], mask[i, n - len(s) :] = s, 1
-    return ids, mask
 
 
 def _generate(model, ids, mask, new):
