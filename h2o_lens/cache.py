@@ -480,8 +480,11 @@ class H2OCacheLayer(CacheLayerMixin):
         """
         key, value = self.take_pending()  # (b, Hs, m, d)
         self.end_segment(0)
-        seg = _speculative.begin(self, scaling)
+        at_once = _speculative.batched(self, query.shape[2])
+        seg = _speculative.begin(self, scaling, at_once)
         self.segment = seg
+        if at_once:
+            return _speculative.run_batched(self, seg, query, key, value)
         outs = [
             _speculative.step(self, seg, query[:, :, i : i + 1], key[:, :, i : i + 1], value[:, :, i : i + 1])
             for i in range(query.shape[2])

@@ -26,6 +26,7 @@ __all__ = [
     "random_scores",
     "prefill_select",
     "decode_step",
+    "attend_rows",
     "DecodeResult",
     "RowBudgets",
     "DECODE_BLOCK",
@@ -511,6 +512,15 @@ def _attend(qg, keys, values, key, value, empty, acc):
     out = parts.cumsum(2)[:, :, -1] / total  # (b,Hs,G,d)
     w = torch.cat([e.transpose(2, 3).flatten(-2)[..., :cap], e_new], -1) / total  # (b,Hs,G,B+1)
     return out, w
+
+
+def attend_rows(qg, keys, values, key, value, acc):
+    """The decode step's attention for rows that each bring their own storage: ``qg (b, R, G, d)``
+    scaled queries, ``keys, values (b, R, B, d)`` every row's slots, ``key, value (b, R, d)``
+    its own token. It is :func:`_attend` itself (the same block splits, the same matmul calls),
+    so each row has the bits of a decode step over its slots (DESIGN.md §14.1). Returns
+    ``out (b, R, G, d)`` and the weights ``(b, R, G, B + 1)`` (slots, then the row's token)."""
+    return _attend(qg, keys, values, key, value, None, acc)
 
 
 def decode_step(

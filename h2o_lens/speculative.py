@@ -26,12 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from . import faults
+from . import faults, ops, policy
 from .errors import ConfigError, UnsupportedModelError
 
-__all__ = ["MODES", "SegmentEvent", "Segment", "check_mode", "begin", "step", "end"]
+__all__ = ["MODES", "SegmentEvent", "Segment", "check_mode", "begin", "step", "end", "batched", "run_batched"]
 
 MODES = ("rollback", "defer")
 
@@ -87,20 +88,22 @@ class Segment:
     inputs: list = field(default_factory=list)  # defer: (q, k, v) per step
     events: list = field(default_factory=list)  # decode events per step (None without a listener)
     live: dict | None = None  # defer: the live state, untouched while the copy runs
+    batch: _Batch | None = None  # the whole segment verified at once (:func:`run_batched`)
 
     @property
     def steps(self) -> int:
-        return len(self.events)
+        return self.batch.steps if self.batch is not None else len(self.events)
 
 
 def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.clone()
 
 
-def begin(layer: Any, scaling: float) -> Segment:
-    """Open a segment on ``layer``; in ``defer`` mode its steps run on a working copy."""
+def begin(layer: Any, scaling: float, at_once: bool = False) -> Segment:
+    """Open a segment on ``layer``; in ``defer`` mode its steps run on a working copy (not
+    needed when the segment is verified ``at_once``, :func:`run_batched`)."""
     seg = Segment(layer.owner.speculative, layer.next_pos.clone(), scaling)
-    if seg.mode == "defer":
+    if seg.mode == "defer" and not at_once:
         seg.live = {name: getattr(layer, name) for name in _SLOTS + ("fill", "next_pos")}
         for name in _SLOTS:
             setattr(layer, name, _clone(getattr(layer, name)))
@@ -131,6 +134,8 @@ def end(layer: Any, seg: Segment, rolled_back: int) -> SegmentEvent:
             f"holds {seg.steps}; only tokens of the last multi-token forward can be taken back"
         )
     accepted = seg.steps - rolled_back
+    if seg.batch is not None:
+        return _end_batched(layer, seg, rolled_back)
     if seg.mode == "rollback":
         for entry in reversed(seg.entries[accepted:]):
             _undo(layer, entry)
@@ -145,6 +150,20 @@ def end(layer: Any, seg: Segment, rolled_back: int) -> SegmentEvent:
             layer.decode_once(query, seg.scaling, journal=False, emit=True)
     layer.seen -= rolled_back
     return SegmentEvent(seg.start, seg.steps, accepted, seg.events[accepted:], seg.mode)
+
+
+def _end_batched(layer: Any, seg: Segment, rolled_back: int) -> SegmentEvent:
+    batch = seg.batch
+    accepted = batch.steps - rolled_back
+    broken = faults.active("scores_not_rolled_back") and rolled_back  # the rejected steps' scores stay
+    if batch.applied != accepted or broken:
+        _apply(layer, batch, accepted, batch.steps if broken else None)
+    listener = layer.owner.listener
+    if seg.mode == "defer" and listener is not None:
+        for event in seg.events[:accepted]:
+            listener.on_decode(layer.layer_idx, event)
+    layer.seen -= rolled_back
+    return SegmentEvent(seg.start, batch.steps, accepted, seg.events[accepted:], seg.mode)
 
 
 def _undo(layer: Any, entry: _Entry) -> None:
@@ -165,3 +184,258 @@ def _undo(layer: Any, entry: _Entry) -> None:
             setattr(layer, name, old)
         else:
             cur.copy_(old)
+
+
+# -- the whole segment in one computation (DESIGN.md §14.1) -------------------------------------
+
+
+@dataclass
+class _Batch:
+    """A segment verified at once: what each state ``t = 0 … m`` (after its first ``t`` steps)
+    is made of. ``victims (b, Hs, m)`` the slot each step wrote (distinct: a written slot
+    holds a recent token, never eligible while the segment lasts); ``key, value (b, Hs, m, d)``
+    the segment's own; ``old_key, old_value`` what the victims held before (the journal); the
+    ranking values of every state (:meth:`scores`) and its :meth:`positions`; ``applied`` the
+    state the live storage holds."""
+
+    victims: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    old_key: torch.Tensor
+    old_value: torch.Tensor
+    totals: np.ndarray  # (b,Hs,m+1,B) each initial slot's running sum
+    runs: np.ndarray  # (b,Hs,m,B) written slots' sums after each step (:func:`_slot_runs`)
+    writer: np.ndarray  # (b,Hs,B) the step that wrote each slot, m: none
+    pos0: np.ndarray  # (b,Hs,B) int64 the positions before the segment
+    start: np.ndarray  # (b,1,1) int64 the first step's position
+    dtype: torch.dtype  # of the positions
+    applied: int
+    rounds: int = 1  # computations of the rows until the victims settled
+
+    @property
+    def steps(self) -> int:
+        return self.victims.shape[-1]
+
+    def scores(self, t: int, candidates: bool = False) -> torch.Tensor:
+        """The ranking values of state ``t`` ``(b, Hs, B)``; ``candidates``: step ``t``'s
+        after its update and before its write."""
+        if t == 0 and not candidates:
+            return torch.from_numpy(self.totals[:, :, 0])
+        i = t if candidates else t - 1
+        written = self.writer < i if candidates else self.writer <= i
+        return torch.from_numpy(np.where(written, self.runs[:, :, i], self.totals[:, :, i + 1]))
+
+    def positions(self, t: int) -> torch.Tensor:
+        """The positions of state ``t`` ``(b, Hs, B)``."""
+        return torch.from_numpy(np.where(self.writer < t, self.start + self.writer, self.pos0)).to(self.dtype)
+
+
+def batched(layer: Any, m: int) -> bool:
+    """Whether a segment of ``m`` tokens on ``layer`` can be verified at once (:func:`run_batched`):
+    on CPU, one budget, a full cache, a policy whose score is the running sum of weights
+    (``Policy.accumulates``, no history) and a recent window of at least ``m`` (so no token of
+    the segment can be a victim while it lasts). Otherwise the segment runs step by step."""
+    owner = layer.owner
+    if m < 2 or len(owner.budgets) != 1 or layer.fill is not None or layer.history is not None:
+        return False
+    args = owner.budgets[0]
+    return args.spec.accumulates and args.recent >= m and layer.keys.device.type == "cpu"
+
+
+def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The ``m`` decode steps of a segment in one computation, equal bit for bit to the steps
+    one by one (DESIGN.md §14.1). Returns the outputs ``(b, m, Hq, d)``.
+
+    Step ``i`` attends to the storage left by steps ``0 … i − 1``: the initial slots with each
+    earlier victim replaced by that step's token. Given a guess of the victims, every step's
+    storage is known, and all ``m`` rows run through the decode step's own attention
+    (:func:`~h2o_lens.ops.attend_rows`, the same block reductions). The ranking values follow
+    in order (sequential sums), and each step's victim is re-selected from them. Row ``i`` is
+    exact as soon as the guess is right before ``i``, so each round fixes at least one more
+    step; the guess is final when a round returns it unchanged (usually the first).
+    """
+    b, hs, cap, d = layer.keys.shape
+    m = query.shape[2]
+    args = layer.owner.budgets[0]
+    start = layer.next_pos  # (b,)
+    qg = query.reshape(b, hs, -1, m, d).transpose(2, 3) * seg.scaling  # (b,Hs,m,G,d)
+    sc0 = layer.scores.numpy()
+    pos0 = layer.positions
+    steps = start[:, None, None, None] + torch.arange(m)[:, None]  # (b,1,m,1)
+    pins = args.pins(pos0)
+    # (b,Hs,m,B) initial slots eligible at step i (before any write)
+    elig = policy.eligible_mask(pos0[:, :, None], steps, args.recent, args.sink, all_live=True, pinned=pins).numpy()
+    ar_m = np.arange(m)
+    pos0_np = pos0.numpy().astype(np.int64)
+    start_np = start.numpy().astype(np.int64)[:, None, None, None]
+    guess = _first_guess(sc0, elig, _rough_totals(qg, layer.keys, key, layer.scores, args.gqa))
+    out = layer.scores.new_empty(qg.shape)  # in the scores' dtype, as the step's
+    agg = layer.scores.new_empty(b, hs, m, cap + 1)
+    lo = 0  # rows before lo are exact already
+    slots = (layer.keys, layer.values)
+    rounds = 0
+    while rounds <= m:  # each round fixes one more step: m + 1 rounds always settle
+        rounds += 1
+        writer = _writers(guess, cap)  # (b,Hs,B) the step that wrote each slot, m: none
+        out[:, :, lo:], agg[:, :, lo:] = _rows(qg, slots, key, value, writer, lo, args.gqa, layer.scores.dtype)
+        agg_np = agg.numpy()  # (b,Hs,m,B+1)
+        totals = np.cumsum(np.concatenate([sc0[:, :, None], agg_np[..., :cap]], 2), axis=2, dtype=sc0.dtype)
+        before = writer[:, :, None, :] < ar_m[:, None]  # (b,Hs,m,B) written before step i
+        cand = elig & ~before
+        s = np.where(cand, totals[:, :, 1:], np.finfo(sc0.dtype).max)
+        tied = s == s.min(-1, keepdims=True)
+        # a tie among candidates (unwritten slots) goes to the older position; with no candidate
+        # at all every slot ties, written ones too, as in the step
+        pos = pos0_np[:, :, None]
+        if not cand.any(-1).all():
+            pos = np.where(before, start_np + writer[:, :, None], pos)
+        victims = np.where(tied, pos, np.iinfo(np.int64).max).argmin(-1)  # (b,Hs,m)
+        wrong = (victims != guess).reshape(-1, m).any(0)
+        if not wrong.any():
+            break
+        lo = int(wrong.argmax()) + 1  # rows up to the first wrong step used a right guess
+        guess = victims
+    else:
+        raise AssertionError(f"layer {layer.layer_idx}: the segment's victims did not settle in {m + 1} rounds")
+    out = out.transpose(1, 2).reshape(b, m, hs * qg.shape[3], d)
+    found = torch.from_numpy(cand.any(-1))  # (b,Hs,m)
+    runs = _slot_runs(agg_np, victims, writer, sc0.dtype)
+    vic = torch.from_numpy(victims)
+    idx = vic[..., None].expand(b, hs, m, d)
+    batch = _Batch(
+        vic,
+        key,
+        value,
+        layer.keys.gather(2, idx),
+        layer.values.gather(2, idx),
+        totals,
+        runs,
+        writer,
+        pos0_np,
+        start_np[..., 0],
+        pos0.dtype,
+        0,
+        rounds,
+    )
+    seg.batch = batch
+    listener = layer.owner.listener
+    if listener is not None:
+        new_pos = start[:, None, None].expand(b, hs, 1).to(pos0.dtype)
+        kept = [batch.positions(t) for t in range(m + 1)]
+        for i in range(m):
+            seg.events.append(
+                _decode_event(
+                    start + i,
+                    vic[..., i],
+                    found[..., i],
+                    torch.cat([batch.scores(i, candidates=True), agg[:, :, i, cap:]], -1),
+                    torch.cat([kept[i], new_pos + i], -1),
+                    kept[i + 1],
+                )
+            )
+    if seg.mode == "rollback":  # apply now (a later crop undoes from the journal)
+        _apply(layer, batch, m)
+        if listener is not None:
+            for event in seg.events:
+                listener.on_decode(layer.layer_idx, event)
+    return out.to(query.dtype)
+
+
+def _decode_event(step, slot, evicts, cand_scores, cand_positions, kept):
+    from .cache import DecodeEvent
+
+    return DecodeEvent(
+        step=step, slot=slot, evicts=evicts, cand_scores=cand_scores, cand_positions=cand_positions, kept=kept
+    )
+
+
+def _rough_totals(qg, keys, key, scores, gqa: str) -> np.ndarray:
+    """Approximate ranking values of the initial slots after each step ``(b, Hs, m, B)``: the
+    rows attend to all initial slots and the segment's tokens so far (no eviction), in one
+    matmul. Only a guess of the victims is drawn from them."""
+    b, hs, m, g, d = qg.shape
+    q = qg.reshape(b, hs, m * g, d)
+    logits = torch.cat([q @ keys.transpose(-1, -2), q @ key.transpose(-1, -2)], -1).view(b, hs, m, g, -1)
+    future = torch.ones(m, m, dtype=torch.bool).triu(1)  # token k is not there yet for row i < k
+    logits[..., keys.shape[2] :].masked_fill_(future[:, None], float("-inf"))
+    w = torch.softmax(logits.to(scores.dtype), -1)[..., : keys.shape[2]]
+    return (scores[:, :, None] + policy.aggregate_group(w, gqa, 3).cumsum(2)).numpy()
+
+
+def _first_guess(sc0: np.ndarray, elig: np.ndarray, rough: np.ndarray) -> np.ndarray:
+    """Victims ``(b, Hs, m)`` chosen step by step from the rough ranking values (a tie goes to
+    the lower slot: only a guess)."""
+    b, hs, m, cap = elig.shape
+    big = np.finfo(sc0.dtype).max
+    s = np.where(elig, rough, big).reshape(b * hs, m, cap)
+    guess = np.empty((b * hs, m), dtype=np.int64)
+    rows = np.arange(b * hs)
+    for i in range(m):
+        v = guess[:, i] = s[:, i].argmin(-1)
+        s[rows, i + 1 :, v] = big  # taken: not a candidate of the later steps
+    return guess.reshape(b, hs, m)
+
+
+def _writers(victims: np.ndarray, cap: int) -> np.ndarray:
+    """``(b, Hs, B)`` the first step whose victim is each slot, ``m`` for none (a guess may
+    name a slot twice; the later step then writes nothing, so the steps before it stay exact)."""
+    m = victims.shape[-1]
+    hit = victims[..., None] == np.arange(cap)  # (b,Hs,m,B)
+    return np.where(hit, np.arange(m)[:, None], m).min(2)
+
+
+def _rows(qg, slots, key, value, writer: np.ndarray, lo: int, gqa: str, acc: torch.dtype):
+    """The attention of steps ``lo … m − 1``, each over its own storage (the initial slots, a
+    slot written by an earlier step holding that step's token): ``out (b, Hs, r, G, d)`` and
+    the aggregated weights ``(b, Hs, r, B + 1)`` (slots, then the step's own token).
+    ``slots`` the initial keys and values."""
+    b, hs, m, g, d = qg.shape
+    cap = writer.shape[-1]
+    r = m - lo
+    w = torch.from_numpy(writer)
+    at = (w[:, :, None] < torch.arange(lo, m)[:, None]).nonzero(as_tuple=True)  # (b, Hs, row, slot) written
+    tok = w[at[0], at[1], at[3]]
+    rows = []
+    for init, own in zip(slots, (key, value)):
+        t = init[:, :, None].expand(b, hs, r, cap, d).clone()
+        t[at] = own[at[0], at[1], tok]
+        rows.append(t.view(b, hs * r, cap, d))
+    out, weights = ops.attend_rows(
+        qg[:, :, lo:].reshape(b, hs * r, g, d),
+        *rows,
+        key[:, :, lo:].reshape(b, hs * r, d),
+        value[:, :, lo:].reshape(b, hs * r, d),
+        acc,
+    )
+    return out.view(b, hs, r, g, d), policy.aggregate_group(weights, gqa, 2).view(b, hs, r, cap + 1)
+
+
+def _slot_runs(agg: np.ndarray, victims: np.ndarray, writer: np.ndarray, dtype) -> np.ndarray:
+    """``(b, Hs, m, B)``: after step ``i``'s update, the ranking value of a slot written at an
+    earlier (or the same) step, as the steps one by one compute it: the sum restarts from the
+    weight its token gave itself (garbage for the other slots)."""
+    b, hs, m, width = agg.shape
+    cap = width - 1
+    after = np.take_along_axis(agg[..., :cap], victims[:, :, None, :], axis=3)  # (b,Hs,i,k) agg[i, v_k]
+    ar = np.arange(m)
+    k, i = ar[:, None], ar[None, :]
+    seq = np.where(i > k, after.transpose(0, 1, 3, 2), 0)  # (b,Hs,k,i)
+    seq = np.where(i == k, agg[..., cap][..., None], seq)
+    runs = np.cumsum(seq, axis=3, dtype=dtype)  # (b,Hs,k,i) slot v_k after step i's update
+    by_slot = np.take_along_axis(runs, np.broadcast_to(np.minimum(writer, m - 1)[..., None], (b, hs, cap, m)), axis=2)
+    return by_slot.transpose(0, 1, 3, 2)
+
+
+def _apply(layer: Any, batch: _Batch, t: int, scores_of: int | None = None) -> None:
+    """Make the live storage state ``t`` of ``batch``: the victims of steps before ``t`` hold
+    their tokens, the others their old K/V (a copy, DESIGN.md §14.1)."""
+    m = batch.steps
+    b, hs, _, d = batch.key.shape
+    done = (torch.arange(m) < t)[:, None]  # (m,1)
+    idx = batch.victims[..., None].expand(b, hs, m, d)
+    layer.keys.scatter_(2, idx, torch.where(done, batch.key, batch.old_key))
+    layer.values.scatter_(2, idx, torch.where(done, batch.value, batch.old_value))
+    layer.scores.copy_(batch.scores(t if scores_of is None else scores_of))
+    layer.positions.copy_(batch.positions(t))
+    layer.next_pos = layer.next_pos + (t - batch.applied)
+    batch.applied = t

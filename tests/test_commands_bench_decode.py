@@ -70,3 +70,25 @@ def test_bench_decode_cli_measures_prefill_peak_rss_in_fresh_processes(tiny_dir,
 def test_bench_decode_refuses_bad_sizes(flag):
     with pytest.raises(SystemExit, match=re.escape(flag[0])):
         main(["bench", "decode", "--model", "unused", *flag])
+
+
+def test_bench_assistant_prints_both_speed_ups_and_the_acceptance(capsys):
+    """``bench decode --assistant`` on a tiny model: four ways, the forwards each speculative way
+    needed, whether H2O's tokens are the full cache's, and the ratio (no timing asserted)."""
+    from commands.bench import bench_assistant
+
+    tok = _byte_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    model = tiny_model("llama", layers=2, vocab=len(tok))
+    model.generation_config.eos_token_id = None
+    new = 20
+    assert bench_assistant(model=model, tokenizer=tok, new_tokens=new, rounds=1, keep=0.5, lookup_tokens=4) == 0
+    out = capsys.readouterr().out
+    for name in ("full cache", "H2O"):
+        line = next(x for x in out.splitlines() if x.strip().startswith(f"{name}:"))
+        m = re.search(r"speed-up ([\d.]+)x, same tokens: yes; (\d+) verification forwards, ([\d.]+) tokens each", line)
+        assert m, line
+        forwards, per = int(m.group(2)), float(m.group(3))
+        assert 1 < forwards <= new and per == pytest.approx((new - 1) / (forwards - 1), abs=0.01)
+    assert re.search(r"H2O's tokens (are the full cache's|differ from the full cache's from new token \d+)", out)
+    assert re.search(r"H2O keeps [\d.]+ of the full cache's speed-up \(target >= 0.90\)", out)

@@ -220,13 +220,13 @@ def test_crop_errors_say_what_can_be_taken_back():
 # -- recorded: only what stood in evictions, the rest in the segments log -------------------------
 
 
-def _recorded(model, root, run_id, mode="rollback", **kw):
+def _recorded(model, root, run_id, mode="rollback", recent=RECENT, **kw):
     from recorders import record
 
     widths = []
     hook = model.register_forward_pre_hook(lambda m, a, k: widths.append(k["input_ids"].shape[1]), with_kwargs=True)
     try:
-        with record(model, heavy=HEAVY, recent=RECENT, out=str(root), run_id=run_id, speculative=mode, fsync=False):
+        with record(model, heavy=HEAVY, recent=recent, out=str(root), run_id=run_id, speculative=mode, fsync=False):
             out = _generate(model, _prompt(), **kw)
     finally:
         hook.remove()
@@ -237,16 +237,29 @@ def _rows(con, sql, run_id):
     return con.execute(sql, [run_id]).fetchall()
 
 
-def test_recorder_logs_only_what_stood_and_the_segments(tmp_path):
+@pytest.mark.parametrize("recent", [RECENT, 4], ids=["step-by-step", "at-once"])
+def test_recorder_logs_only_what_stood_and_the_segments(tmp_path, recent, monkeypatch):
+    """With a recent window of 4 the segments of 4 tokens are verified at once (DESIGN.md §14.1),
+    with 2 step by step; either way the log is plain greedy's."""
     from recorders import open_runs
     from recorders.replay import replay
 
+    at_once = []
+    run_batched = h2o_lens.speculative.run_batched
+    monkeypatch.setattr(
+        h2o_lens.speculative, "run_batched", lambda *a: at_once.append(a[2].shape[2]) or run_batched(*a)
+    )
     model = _model("llama")
     drafter = _model("llama", seed=7)
     drafter.generation_config.num_assistant_tokens = 3
     drafter.generation_config.num_assistant_tokens_schedule = "constant"
-    plain, _ = _recorded(model, tmp_path, "plain")
-    runs = {mode: _recorded(model, tmp_path, mode, mode, assistant_model=drafter) for mode in ("rollback", "defer")}
+    drafter.generation_config.assistant_confidence_threshold = 0.0  # always the 3 tokens
+    plain, _ = _recorded(model, tmp_path, "plain", recent=recent)
+    runs = {
+        mode: _recorded(model, tmp_path, mode, mode, recent=recent, assistant_model=drafter)
+        for mode in ("rollback", "defer")
+    }
+    assert max(at_once, default=0) <= recent and (recent < 4 or 4 in at_once), at_once  # those that fit the window
     con = open_runs(tmp_path)
     for table, cols in (
         ("evictions", "step, layer, kv_head, position, score, margin, phase"),
