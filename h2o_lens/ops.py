@@ -486,9 +486,21 @@ def _attend(qg, keys, values, key, value, empty, acc):
     order (a cumulative sum), so empty slots past a row's last live slot change nothing,
     bit for bit, whatever the storage width.
     """
-    b, hs, cap, d = keys.shape
+    return _attend_logits(block_logits(qg, keys, acc), qg, values, key, value, empty, acc)
+
+
+def block_logits(qg: torch.Tensor, keys: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``(b, Hs, n, G, K)`` the logits of ``qg (b, Hs, G, d)`` against ``keys (b, Hs, B, d)`` as
+    :func:`_attend` computes them: one matmul per block of :data:`DECODE_BLOCK` slots (the last
+    one zero-padded), in ``acc``."""
     q = qg[:, :, None]  # (b,Hs,1,G,d)
-    logits = _per_block(lambda k: torch.matmul(q, k.transpose(-1, -2)), *_blocks(keys)).to(acc)  # (b,Hs,n,G,K)
+    return _per_block(lambda k: torch.matmul(q, k.transpose(-1, -2)), *_blocks(keys)).to(acc)
+
+
+def _attend_logits(logits, qg, values, key, value, empty, acc):
+    """:func:`_attend` from its block logits ``(b, Hs, n, G, K)`` (contiguous; the padding of
+    the last block is overwritten)."""
+    b, hs, cap, d = values.shape
     n = logits.shape[2]
     if empty is not None:  # empty slots and the tail's padding
         dead = torch.nn.functional.pad(empty, (0, n * DECODE_BLOCK - cap), value=True)  # (b,Hs,n·K)
@@ -514,13 +526,16 @@ def _attend(qg, keys, values, key, value, empty, acc):
     return out, w
 
 
-def attend_rows(qg, keys, values, key, value, acc):
+def attend_rows(qg, keys, values, key, value, acc, logits=None):
     """The decode step's attention for rows that each bring their own storage: ``qg (b, R, G, d)``
     scaled queries, ``keys, values (b, R, B, d)`` every row's slots, ``key, value (b, R, d)``
     its own token. It is :func:`_attend` itself (the same block splits, the same matmul calls),
-    so each row has the bits of a decode step over its slots (DESIGN.md §14.1). Returns
+    so each row has the bits of a decode step over its slots (DESIGN.md §14.1). ``logits``: the
+    rows' :func:`block_logits`, when the caller has them (``keys`` is then unused). Returns
     ``out (b, R, G, d)`` and the weights ``(b, R, G, B + 1)`` (slots, then the row's token)."""
-    return _attend(qg, keys, values, key, value, None, acc)
+    if logits is None:
+        return _attend(qg, keys, values, key, value, None, acc)
+    return _attend_logits(logits, qg, values, key, value, None, acc)
 
 
 def decode_step(

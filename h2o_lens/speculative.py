@@ -268,7 +268,9 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
     ar_m = np.arange(m)
     pos0_np = pos0.numpy().astype(np.int64)
     start_np = start.numpy().astype(np.int64)[:, None, None, None]
-    guess = _first_guess(sc0, elig, _rough_totals(qg, layer.keys, key, layer.scores, args.gqa))
+    logits = _all_logits(qg, layer.keys, key)  # (b,Hs,m,G,B+m): every row against every key
+    guess = _first_guess(sc0, elig, _rough_totals(logits, cap, layer.scores, args.gqa))
+    acc = layer.scores.dtype
     out = layer.scores.new_empty(qg.shape)  # in the scores' dtype, as the step's
     agg = layer.scores.new_empty(b, hs, m, cap + 1)
     lo = 0  # rows before lo are exact already
@@ -277,7 +279,8 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
     while rounds <= m:  # each round fixes one more step: m + 1 rounds always settle
         rounds += 1
         writer = _writers(guess, cap)  # (b,Hs,B) the step that wrote each slot, m: none
-        out[:, :, lo:], agg[:, :, lo:] = _rows(qg, slots, key, value, writer, lo, args.gqa, layer.scores.dtype)
+        if lo < m:  # (lo == m: every row was exact, the last victim alone was re-selected)
+            out[:, :, lo:], agg[:, :, lo:] = _rows(qg, slots, key, value, writer, lo, args.gqa, acc, logits)
         agg_np = agg.numpy()  # (b,Hs,m,B+1)
         totals = np.cumsum(np.concatenate([sc0[:, :, None], agg_np[..., :cap]], 2), axis=2, dtype=sc0.dtype)
         before = writer[:, :, None, :] < ar_m[:, None]  # (b,Hs,m,B) written before step i
@@ -349,17 +352,28 @@ def _decode_event(step, slot, evicts, cand_scores, cand_positions, kept):
     )
 
 
-def _rough_totals(qg, keys, key, scores, gqa: str) -> np.ndarray:
-    """Approximate ranking values of the initial slots after each step ``(b, Hs, m, B)``: the
-    rows attend to all initial slots and the segment's tokens so far (no eviction), in one
-    matmul. Only a guess of the victims is drawn from them."""
+def _all_logits(qg, keys, key) -> torch.Tensor:
+    """``(b, Hs, m, G, B + m)`` the logits of every row against the initial slots and the
+    segment's tokens, in one matmul per KV set."""
     b, hs, m, g, d = qg.shape
     q = qg.reshape(b, hs, m * g, d)
-    logits = torch.cat([q @ keys.transpose(-1, -2), q @ key.transpose(-1, -2)], -1).view(b, hs, m, g, -1)
+    return torch.matmul(q, torch.cat([keys, key], 2).transpose(-1, -2)).view(b, hs, m, g, -1)
+
+
+def _rough_totals(logits, cap: int, scores, gqa: str) -> np.ndarray:
+    """Approximate ranking values of the initial slots after each step ``(b, Hs, m, B)``: the
+    rows attend to all initial slots and the segment's tokens so far (no eviction). Only a guess
+    of the victims is drawn from them."""
+    m = logits.shape[2]
     future = torch.ones(m, m, dtype=torch.bool).triu(1)  # token k is not there yet for row i < k
-    logits[..., keys.shape[2] :].masked_fill_(future[:, None], float("-inf"))
-    w = torch.softmax(logits.to(scores.dtype), -1)[..., : keys.shape[2]]
+    masked = torch.cat([logits[..., :cap], logits[..., cap:].masked_fill(future[:, None], float("-inf"))], -1)
+    w = torch.softmax(masked.to(scores.dtype), -1)[..., :cap]
     return (scores[:, :, None] + policy.aggregate_group(w, gqa, 3).cumsum(2)).numpy()
+
+
+#: per (dtype, device, G, d, m, B): whether :func:`_all_logits` gives each logit the bits of the
+#: decode step's block matmul (:func:`~h2o_lens.ops.block_logits`), checked on the first segment
+_SAME_LOGITS: dict[tuple, bool] = {}
 
 
 def _first_guess(sc0: np.ndarray, elig: np.ndarray, rough: np.ndarray) -> np.ndarray:
@@ -384,28 +398,48 @@ def _writers(victims: np.ndarray, cap: int) -> np.ndarray:
     return np.where(hit, np.arange(m)[:, None], m).min(2)
 
 
-def _rows(qg, slots, key, value, writer: np.ndarray, lo: int, gqa: str, acc: torch.dtype):
+def _rows(qg, slots, key, value, writer: np.ndarray, lo: int, gqa: str, acc: torch.dtype, logits=None):
     """The attention of steps ``lo … m − 1``, each over its own storage (the initial slots, a
     slot written by an earlier step holding that step's token): ``out (b, Hs, r, G, d)`` and
     the aggregated weights ``(b, Hs, r, B + 1)`` (slots, then the step's own token).
-    ``slots`` the initial keys and values."""
+    ``slots`` the initial keys and values; ``logits`` :func:`_all_logits`, from which each
+    row's block logits are gathered where that gives the step's bits (DESIGN.md §14.1)."""
     b, hs, m, g, d = qg.shape
     cap = writer.shape[-1]
     r = m - lo
     w = torch.from_numpy(writer)
-    at = (w[:, :, None] < torch.arange(lo, m)[:, None]).nonzero(as_tuple=True)  # (b, Hs, row, slot) written
+    written = w[:, :, None] < torch.arange(lo, m)[:, None]  # (b,Hs,r,B)
+    at = written.nonzero(as_tuple=True)  # (b, Hs, row, slot) written
     tok = w[at[0], at[1], at[3]]
-    rows = []
-    for init, own in zip(slots, (key, value)):
+    q = qg[:, :, lo:].reshape(b, hs * r, g, d)
+
+    def storage(init, own):
         t = init[:, :, None].expand(b, hs, r, cap, d).clone()
         t[at] = own[at[0], at[1], tok]
-        rows.append(t.view(b, hs * r, cap, d))
+        return t.view(b, hs * r, cap, d)
+
+    values = storage(slots[1], value)
+    block = None
+    key_id = (qg.dtype, qg.device, g, d, m, cap)
+    if logits is not None and _SAME_LOGITS.get(key_id, True):
+        n = -(-cap // ops.DECODE_BLOCK)
+        idx = torch.where(written, cap + w[:, :, None], torch.arange(cap))  # (b,Hs,r,B) key of each slot
+        block = logits[:, :, lo:].gather(-1, idx[:, :, :, None].expand(b, hs, r, g, cap))
+        block = torch.nn.functional.pad(block, (0, n * ops.DECODE_BLOCK - cap)).view(b, hs, r, g, n, -1)
+        block = block.permute(0, 1, 2, 4, 3, 5).reshape(b, hs * r, n, g, ops.DECODE_BLOCK).to(acc)
+        if key_id not in _SAME_LOGITS:
+            exact = ops.block_logits(q, storage(slots[0], key), acc)
+            _SAME_LOGITS[key_id] = torch.equal(exact, block)  # the padding is 0 both ways
+            block = block if _SAME_LOGITS[key_id] else exact
+    keys = storage(slots[0], key) if block is None else None
     out, weights = ops.attend_rows(
-        qg[:, :, lo:].reshape(b, hs * r, g, d),
-        *rows,
+        q,
+        keys,
+        values,
         key[:, :, lo:].reshape(b, hs * r, d),
         value[:, :, lo:].reshape(b, hs * r, d),
         acc,
+        logits=block,
     )
     return out.view(b, hs, r, g, d), policy.aggregate_group(weights, gqa, 2).view(b, hs, r, cap + 1)
 

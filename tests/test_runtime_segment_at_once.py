@@ -116,6 +116,49 @@ def test_segment_at_once_equals_plain_steps(name, mode, dtype, flat, guess, monk
         assert min(rounds) >= 2, rounds
 
 
+class _Never(dict):
+    """A verdict table that says the one-matmul logits never have the step's bits."""
+
+    def __contains__(self, key):
+        return True
+
+    def get(self, key, default=None):
+        return False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("name", ["h2o", "three-blocks"])
+@pytest.mark.parametrize("logits", ["checked", "blocks", "perturbed"])
+def test_row_logits_come_from_one_matmul_only_where_it_gives_the_step_bits(name, dtype, logits, monkeypatch):
+    """``checked``: the first segment of a shape compares the gathered logits with the block
+    matmuls and remembers the verdict; ``blocks``: the verdict is no, every row's block matmuls
+    run; ``perturbed``: the one matmul is made one ulp-ish wrong, the check says no and the
+    result is still exact."""
+    verdicts = _Never() if logits == "blocks" else {}
+    monkeypatch.setattr(speculative, "_SAME_LOGITS", verdicts)
+    if logits == "perturbed":
+        one = speculative._all_logits
+        monkeypatch.setattr(speculative, "_all_logits", lambda *a: one(*a) * (1 + 1e-6))
+    config, hq, hkv = CONFIGS[name]
+    b, m = 1, 6
+    p = max(16, config.heavy + config.recent + 8)
+    q, k, v = _inputs(4, b, p, m, dtype, hq, hkv)
+    spec, layer, heard = _prefilled(config, "rollback", q, k, v, p, None, False)
+    plain, ref_layer, ref_heard = _prefilled(config, "rollback", q, k, v, p, None, False)
+    layer.update(k[:, :, p:], v[:, :, p:], kwargs={})
+    out = layer.decode_segment(q[:, :, p:], 0.25)
+    spec.crop(-2)
+    for t in range(p, p + m - 2):
+        ref_layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1], kwargs={})
+        assert torch.equal(out[:, t - p : t - p + 1], ref_layer.decode(q[:, :, t : t + 1], 0.25)), t
+    for attr in ("keys", "values", "scores", "positions"):
+        assert torch.equal(getattr(layer, attr), getattr(ref_layer, attr)), attr
+    if logits != "blocks":
+        assert verdicts, "no verdict was recorded"
+    if logits == "perturbed":
+        assert not any(verdicts.values()), verdicts
+
+
 def test_segment_at_once_equals_step_by_step_segment(monkeypatch):
     """The same segment through both implementations: the same state after each crop."""
     config, hq, hkv = CONFIGS["h2o"]
