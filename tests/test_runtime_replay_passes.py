@@ -96,3 +96,46 @@ def test_pass_inputs_are_checked():
         replay_masked_torch(q, k, v, ev, 1.0, chunk=0)
     with pytest.raises(KernelInputError, match="oracle='mean'"):
         replay_teacher_torch(q, k, v, ev, 1.0, oracle="mean")
+
+
+def _largest_allocation(fn):
+    """``fn()`` and the largest CPU allocation made while it ran, in bytes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    return result, max(e.cpu_memory_usage for e in prof.events())
+
+
+def test_masked_pass_builds_one_additive_mask_per_kv_set():
+    """The G query heads of a KV set share its mask: no mask per query head is built, not even a
+    boolean one (SDPA turns a boolean mask into a float mask of the same shape first)."""
+    hq, hs, n, m, chunk = 8, 2, 4000, 64, 64
+    q, k, v, ev = (t.float() if t.is_floating_point() else t for t in _inputs(1, hq, hs, n, m, 16, seed=7))
+    v = v[..., :16].contiguous()  # the fused kernel wants the value width of the keys (else SDPA's math path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the fused kernel's scratch grows with the thread count
+    try:
+        got, largest = _largest_allocation(lambda: replay_masked_torch(q, k, v, ev, 0.25, chunk=chunk))
+    finally:
+        torch.set_num_threads(threads)
+    _, want = _brute(q, k, v, ev, 0.25, masked=True)
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=0)
+    assert largest >= chunk * n * 4  # the profiler saw one set's float mask
+    assert largest < hq * chunk * n, f"an allocation of {largest} bytes; a bool mask per query head is {hq * chunk * n}"
+
+
+def test_teacher_tiles_hold_as_many_kv_sets_as_fit(monkeypatch):
+    """Above ``TILE_BYTES`` the score tiles are split by KV set: the same bits as one tile of all
+    the sets (the mixed columns are gathered per row block, not per tile), and no tile of two sets."""
+    from h2o_lens.kernels import replay as kernels
+
+    b, hq, hs, n, m, chunk = 1, 6, 3, 300, 50, 40
+    q, k, v, ev = (t.float() if t.is_floating_point() else t for t in _inputs(b, hq, hs, n, m, 16, seed=11))
+    whole = replay_teacher_torch(q, k, v, ev, 0.25, chunk=chunk, oracle="sum")  # one tile holds every set
+    tile = b * (hq // hs) * chunk * n * 4  # one set's float32 tile
+    monkeypatch.setattr(kernels, "TILE_BYTES", tile)
+    split, largest = _largest_allocation(lambda: replay_teacher_torch(q, k, v, ev, 0.25, chunk=chunk, oracle="sum"))
+    for name, x, y in zip(("out", "dropped", "before", "after"), whole, split):
+        assert torch.equal(x, y), name
+    assert largest < 2 * tile, f"an allocation of {largest} bytes; one set's tile is {tile}"

@@ -284,21 +284,29 @@ def _upper(c: int, device) -> torch.Tensor:
     return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1)
 
 
+#: Largest score tile of the teacher's torch pass, in bytes: a tile holds as many KV sets as
+#: fit (at least one). glibc serves a block above 32 MiB with a fresh ``mmap`` each time, so a
+#: larger tile would fault in every page again at every layer and row block.
+TILE_BYTES = 16 << 20
+
+
 def _teacher_pass(query, key, value, evict_step, scaling, chunk, oracle, widen):
     """One pass over the causal score tiles of the last ``M`` rows, ``chunk`` rows at a time.
 
-    Each tile ``(b, Hs, G, c, end)`` gives the teacher's weights once; from them come the
-    attention output (when ``value`` is given), the dropped mass and the oracle columns.
-    ``widen`` computes the logits in the accumulation dtype (FP32, FP64 for FP64 inputs),
-    with the scaling folded into the queries, rather than in the input dtype. Returns
-    ``out`` (or None), ``dropped``, ``before``, ``after`` (None without ``oracle``).
+    Each tile ``(b, S, G, c, end)`` (``S`` KV sets, at most :data:`TILE_BYTES`) gives the
+    teacher's weights once; from them come the attention output (when ``value`` is given),
+    the dropped mass and the oracle columns. ``widen`` computes the logits in the
+    accumulation dtype (FP32, FP64 for FP64 inputs), with the scaling folded into the
+    queries, rather than in the input dtype. Returns ``out`` (or None), ``dropped``,
+    ``before``, ``after`` (None without ``oracle``).
 
-    Per tile the keys fall in three kinds: gone for every row of the tile (evicted before
-    its first step), for none (evicted at its last step or later, or never) and the few
-    evicted within the tile's steps (at most one per step and set for a policy that evicts
-    one at a time). The first two need no per-row mask: a matrix-vector product gives the
-    dropped mass and the column sums give the oracle columns; only the third is masked row
-    by row, on the gathered columns.
+    Per row block the keys fall in three kinds: gone for every row of the block (evicted
+    before its first step), for none (evicted at its last step or later, or never) and the
+    few evicted within the block's steps (at most one per step and set for a policy that
+    evicts one at a time). The first two need no per-row mask: a matrix-vector product gives
+    the dropped mass and the column sums give the oracle columns; only the third is masked
+    row by row, on the gathered columns (their union over the sets, the same for every tile
+    of the block, so a set's figures do not depend on how the sets are split into tiles).
     """
     b, hs, n, d = key.shape
     hq, m = query.shape[1], query.shape[2]
@@ -319,34 +327,37 @@ def _teacher_pass(query, key, value, evict_step, scaling, chunk, oracle, widen):
     for s in range(0, m, chunk):
         e = min(m, s + chunk)
         end = offset + e  # keys past the chunk's last position are masked anyway
-        logits = torch.matmul(qg[..., s:e, :], kt[..., :end])  # (b, Hs, G, c, end)
-        if scaling != 1.0:
-            logits *= scaling
-        # future keys lie in the diagonal block only
-        logits[..., offset + s :].masked_fill_(_upper(e - s, dev), float("-inf"))
-        w = torch.softmax(logits, dim=-1, dtype=acc)
-        del logits
-        if vg is not None:
-            out[..., s:e, :] = torch.matmul(w, vg[..., :end, :])
         ev = evict_step[..., :end]  # (b, Hs, end)
-        always = ev < offset + s  # gone for every row of the tile
+        always = ev < offset + s  # gone for every row of the block
         mixed = (ev >= offset + s) & (ev < end - 1)  # gone for its later rows only
         cols = torch.nonzero(mixed.flatten(0, 1).any(0)).flatten()  # (K,) union over b and sets
         rows = torch.arange(offset + s, end, device=dev)[:, None]  # (c, 1) positions
         mixed_k = mixed[..., cols][:, :, None, :]  # (b, Hs, 1, K)
         gone_k = (ev[..., cols][:, :, None, :] < rows) & mixed_k  # (b, Hs, c, K)
-        w_k = w[..., cols]  # (b, Hs, G, c, K)
-        dropped[..., s:e] = torch.matmul(w, always.to(acc)[:, :, None, :, None])[..., 0] + (
-            w_k * gone_k[:, :, None]
-        ).sum(-1)
-        if oracle is not None:
-            agg = w.amax(2) if oracle == "max" else w.sum(2)  # (b, Hs, c, end)
-            col = agg.sum(-2)  # (b, Hs, end)
-            agg_k = agg[..., cols]  # (b, Hs, c, K)
-            after[..., :end] += torch.where(always, col, 0.0)
-            before[..., :end] += torch.where(always | mixed, 0.0, col)
-            after[..., cols] += (agg_k * gone_k).sum(-2)
-            before[..., cols] += (agg_k * (mixed_k & ~gone_k)).sum(-2)
+        step = max(1, TILE_BYTES // max(1, b * g * (e - s) * end * acc.itemsize))  # KV sets per tile
+        for h0 in range(0, hs, step):
+            h = slice(h0, min(hs, h0 + step))
+            logits = torch.matmul(qg[:, h, :, s:e, :], kt[:, h, ..., :end])  # (b, S, G, c, end)
+            if scaling != 1.0:
+                logits *= scaling
+            # future keys lie in the diagonal block only
+            logits[..., offset + s :].masked_fill_(_upper(e - s, dev), float("-inf"))
+            w = torch.softmax(logits, dim=-1, dtype=acc)
+            del logits
+            if vg is not None:
+                out[:, h, :, s:e, :] = torch.matmul(w, vg[:, h, :, :end, :])
+            w_k = w[..., cols]  # (b, S, G, c, K)
+            dropped[:, h, :, s:e] = torch.matmul(w, always[:, h].to(acc)[:, :, None, :, None])[..., 0] + (
+                w_k * gone_k[:, h, None]
+            ).sum(-1)
+            if oracle is not None:
+                agg = w.amax(2) if oracle == "max" else w.sum(2)  # (b, S, c, end)
+                col = agg.sum(-2)  # (b, S, end)
+                agg_k = agg[..., cols]  # (b, S, c, K)
+                after[:, h, :end] += torch.where(always[:, h], col, 0.0)
+                before[:, h, :end] += torch.where(always[:, h] | mixed[:, h], 0.0, col)
+                after[:, h, cols] += (agg_k * gone_k[:, h]).sum(-2)
+                before[:, h, cols] += (agg_k * (mixed_k[:, h] & ~gone_k[:, h])).sum(-2)
     return out, dropped.reshape(b, hq, m), before, after
 
 
@@ -447,10 +458,13 @@ def replay_masked_torch(
 
     Row ``t`` sees key ``i`` when ``i <= t`` and ``evict_step[i] >= t`` (a position
     evicted at step ``t`` is still seen at ``t``; row ``t`` always sees itself).
-    ``scaled_dot_product_attention`` with a boolean mask, ``chunk`` rows at a time:
-    memory ``O(b · Hq · chunk · N)``, never ``M x N`` at once (its fused CPU kernel
-    accumulates 16-bit inputs in FP32). Shapes as in :func:`replay_teacher_torch`;
-    returns ``(b, Hq, M, dv)`` in the query dtype.
+    ``scaled_dot_product_attention`` with an additive mask (0 where seen, −inf where
+    not, in the query dtype: what SDPA makes of a boolean mask), ``chunk`` rows and
+    one KV set at a time: the set's ``G`` query heads share its mask, so the mask is
+    ``(b, 1, chunk, N)`` rather than one per query head, and memory is
+    ``O(b · G · chunk · N)``, never ``M x N`` at once (the fused CPU kernel accumulates
+    16-bit inputs in FP32). Shapes as in :func:`replay_teacher_torch`; returns
+    ``(b, Hq, M, dv)`` in the query dtype.
     """
     fn = "replay_masked_torch"
     b, hq, hs, m, n, d = _check(fn, query, key, evict_step, for_triton=False)
@@ -458,14 +472,28 @@ def replay_masked_torch(
     if chunk < 1:
         raise KernelInputError(f"{fn}: chunk={chunk}; expected a positive number of rows")
     dev = query.device
-    per_q = evict_step.repeat_interleave(hq // hs, dim=1)[:, :, None, :]  # (b, Hq, 1, N)
-    cols = torch.arange(n, device=dev)[None, :]
+    g = hq // hs
+    ninf = torch.tensor(float("-inf"), dtype=query.dtype, device=dev)
+    zero = torch.tensor(0.0, dtype=query.dtype, device=dev)
     out = torch.empty(*query.shape[:3], value.shape[-1], dtype=query.dtype, device=dev)
     for s in range(0, m, chunk):
         e = min(m, s + chunk)
         rows = torch.arange(n - m + s, n - m + e, device=dev)[:, None]  # (c, 1) positions
-        visible = (cols <= rows) & (per_q >= rows)  # (b, Hq, c, N): kept at the step of each row
-        out[:, :, s:e] = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s:e], key, value, attn_mask=visible, scale=scaling, enable_gqa=hq > hs
-        )
+        upper = _upper(e - s, dev)  # the future keys of the block's own positions
+        bias = None
+        for h in range(hs):
+            ev = evict_step[:, h : h + 1, None, :]  # (b, 1, 1, N)
+            if bias is None or not torch.equal(ev, evict_step[:, h - 1 : h, None, :]):  # else the same mask
+                hidden = ev < rows  # (b, 1, c, N): gone before the row's step
+                hidden[..., n - m + s : n - m + e] |= upper
+                hidden[..., n - m + e :] = True  # positions after the block's last row
+                bias = torch.where(hidden, ninf, zero)
+            out[:, h * g : (h + 1) * g, s:e] = torch.nn.functional.scaled_dot_product_attention(
+                query[:, h * g : (h + 1) * g, s:e],
+                key[:, h : h + 1],
+                value[:, h : h + 1],
+                attn_mask=bias,
+                scale=scaling,
+                enable_gqa=g > 1,
+            )
     return out
