@@ -107,22 +107,72 @@ def _largest_allocation(fn):
     return result, max(e.cpu_memory_usage for e in prof.events())
 
 
+def _single_thread_largest_allocation(fn):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the fused kernel's scratch grows with the thread count
+    try:
+        return _largest_allocation(fn)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _float_inputs(hq, hs, n, m, seed):
+    """Float32 inputs whose value width is the key width (SDPA's fused CPU kernel, not its math path)."""
+    q, k, v, _ = _inputs(1, hq, hs, n, m, 16, seed=seed)
+    return q.float(), k.float(), v[..., :16].float().contiguous()
+
+
 def test_masked_pass_builds_one_additive_mask_per_kv_set():
     """The G query heads of a KV set share its mask: no mask per query head is built, not even a
     boolean one (SDPA turns a boolean mask into a float mask of the same shape first)."""
     hq, hs, n, m, chunk = 8, 2, 4000, 64, 64
-    q, k, v, ev = (t.float() if t.is_floating_point() else t for t in _inputs(1, hq, hs, n, m, 16, seed=7))
-    v = v[..., :16].contiguous()  # the fused kernel wants the value width of the keys (else SDPA's math path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the fused kernel's scratch grows with the thread count
-    try:
-        got, largest = _largest_allocation(lambda: replay_masked_torch(q, k, v, ev, 0.25, chunk=chunk))
-    finally:
-        torch.set_num_threads(threads)
+    q, k, v = _float_inputs(hq, hs, n, m, seed=7)
+    g = torch.Generator().manual_seed(7)
+    # every key is still held at the block's first row: all N keys take part
+    ev = torch.randint(n - m, n, (1, hs, n), generator=g).maximum(torch.arange(n))
+    ev = torch.where(torch.rand(1, hs, n, generator=g) < 0.5, torch.full_like(ev, NEVER), ev)
+    got, largest = _single_thread_largest_allocation(lambda: replay_masked_torch(q, k, v, ev, 0.25, chunk=chunk))
     _, want = _brute(q, k, v, ev, 0.25, masked=True)
     assert torch.allclose(got.double(), want, atol=1e-5, rtol=0)
-    assert largest >= chunk * n * 4  # the profiler saw one set's float mask
+    assert largest >= chunk * n * 4  # the profiler saw one set's float mask over the N keys
     assert largest < hq * chunk * n, f"an allocation of {largest} bytes; a bool mask per query head is {hq * chunk * n}"
+
+
+def test_masked_pass_leaves_out_the_keys_gone_for_the_whole_block():
+    """Keys evicted before a block's first row take no part in its attention: with nine in ten of
+    the prompt's keys gone, no mask over all N keys is built, and the output is the brute force's."""
+    hq, hs, n, m, chunk = 8, 2, 4000, 64, 64
+    q, k, v = _float_inputs(hq, hs, n, m, seed=9)
+    g = torch.Generator().manual_seed(9)
+    ev = torch.where(torch.rand(1, hs, n, generator=g) < 0.9, torch.arange(n), torch.full((1, hs, n), NEVER))
+    ev[..., n - m :] = NEVER  # the generated rows are never evicted here
+    got, largest = _single_thread_largest_allocation(lambda: replay_masked_torch(q, k, v, ev, 0.25, chunk=chunk))
+    _, want = _brute(q, k, v, ev, 0.25, masked=True)
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=0)
+    over_all = chunk * n * 4  # one set's float mask over all N keys
+    assert largest < over_all / 2, f"an allocation of {largest} bytes; a float mask over all keys is {over_all}"
+    # in FP64 the same answer as the brute force, to rounding
+    q, k, v = (t.double() for t in (q, k, v))
+    _, want = _brute(q, k, v, ev, 0.25, masked=True)
+    assert torch.allclose(replay_masked_torch(q, k, v, ev, 0.25, chunk=chunk), want, atol=1e-12, rtol=0)
+
+
+def test_a_row_that_lost_nothing_has_the_teachers_bits():
+    """The teacher's output is the masked pass with nothing evicted: a row that lost nothing has the
+    same bits in both (its block leaves no key out), whatever later rows of its block lost."""
+    hq, hs, n, m, chunk = 6, 3, 300, 90, 40
+    q, k, v = _float_inputs(hq, hs, n, m, seed=13)
+    first_loss = n - m + 50  # rows up to this step lose nothing; later rows lose most of the prompt
+    ev = torch.full((1, hs, n), NEVER)
+    ev[..., : n - m - 10] = first_loss
+    ev[:, 1, 5:40] = first_loss + 7  # another set loses its keys later
+    full = replay_masked_torch(q, k, v, torch.full_like(ev, NEVER), 0.25, chunk=chunk)
+    got = replay_masked_torch(q, k, v, ev, 0.25, chunk=chunk)
+    lossless = first_loss - (n - m) + 1  # rows t <= first_loss
+    assert torch.equal(got[:, :, :lossless], full[:, :, :lossless])
+    assert not torch.allclose(got[:, :, lossless:], full[:, :, lossless:], atol=1e-3)
+    _, want = _brute(q, k, v, ev, 0.25, masked=True)
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=0)
 
 
 def test_teacher_tiles_hold_as_many_kv_sets_as_fit(monkeypatch):

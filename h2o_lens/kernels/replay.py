@@ -458,13 +458,15 @@ def replay_masked_torch(
 
     Row ``t`` sees key ``i`` when ``i <= t`` and ``evict_step[i] >= t`` (a position
     evicted at step ``t`` is still seen at ``t``; row ``t`` always sees itself).
-    ``scaled_dot_product_attention`` with an additive mask (0 where seen, −inf where
-    not, in the query dtype: what SDPA makes of a boolean mask), ``chunk`` rows and
-    one KV set at a time: the set's ``G`` query heads share its mask, so the mask is
-    ``(b, 1, chunk, N)`` rather than one per query head, and memory is
-    ``O(b · G · chunk · N)``, never ``M x N`` at once (the fused CPU kernel accumulates
-    16-bit inputs in FP32). Shapes as in :func:`replay_teacher_torch`; returns
-    ``(b, Hq, M, dv)`` in the query dtype.
+    ``scaled_dot_product_attention``, ``chunk`` rows and one KV set at a time, over the
+    keys some row of the block still sees: a key evicted before the block's first row
+    takes no part. The set's ``G`` query heads share one additive mask ``(b, 1, chunk, K)``
+    (0 where seen, −inf where not, in the query dtype: what SDPA makes of a boolean
+    mask), never one per query head; memory is ``O(b · G · chunk · N)``, never ``M x N``
+    at once (the fused CPU kernel accumulates 16-bit inputs in FP32). A block whose first
+    row lost nothing leaves no key out, so a row that lost nothing has the bits of the
+    call with nothing evicted (the teacher's). Shapes as in :func:`replay_teacher_torch`;
+    returns ``(b, Hq, M, dv)`` in the query dtype.
     """
     fn = "replay_masked_torch"
     b, hq, hs, m, n, d = _check(fn, query, key, evict_step, for_triton=False)
@@ -478,22 +480,26 @@ def replay_masked_torch(
     out = torch.empty(*query.shape[:3], value.shape[-1], dtype=query.dtype, device=dev)
     for s in range(0, m, chunk):
         e = min(m, s + chunk)
-        rows = torch.arange(n - m + s, n - m + e, device=dev)[:, None]  # (c, 1) positions
-        upper = _upper(e - s, dev)  # the future keys of the block's own positions
+        first, c = n - m + s, e - s  # the block's rows are positions first .. first + c - 1
+        rows = torch.arange(first, first + c, device=dev)[:, None]  # (c, 1) positions
+        upper = _upper(c, dev)  # the future keys of the block's own positions
         bias = None
         for h in range(hs):
-            ev = evict_step[:, h : h + 1, None, :]  # (b, 1, 1, N)
-            if bias is None or not torch.equal(ev, evict_step[:, h - 1 : h, None, :]):  # else the same mask
-                hidden = ev < rows  # (b, 1, c, N): gone before the row's step
-                hidden[..., n - m + s : n - m + e] |= upper
-                hidden[..., n - m + e :] = True  # positions after the block's last row
+            ev = evict_step[:, h]  # (b, N)
+            if bias is None or not torch.equal(ev, evict_step[:, h - 1]):  # else the same keys and mask
+                # keys gone for every row of the block take no part; positions >= first always do
+                seen = (ev >= first).any(0)  # (N,) over b
+                idx = None if bool(seen.all()) else torch.nonzero(seen).flatten()  # (K,)
+                ev_k = ev[:, None, None, :] if idx is None else ev[:, idx][:, None, None, :]  # (b, 1, 1, K)
+                hidden = ev_k < rows  # (b, 1, c, K): gone before the row's step
+                tail = ev_k.shape[-1] - (n - first)  # where position first lies among the keys
+                hidden[..., tail : tail + c] |= upper
+                hidden[..., tail + c :] = True  # positions after the block's last row
                 bias = torch.where(hidden, ninf, zero)
+            k_h, v_h = key[:, h : h + 1], value[:, h : h + 1]  # (b, 1, N, d)
+            if idx is not None:
+                k_h, v_h = k_h.index_select(2, idx), v_h.index_select(2, idx)
             out[:, h * g : (h + 1) * g, s:e] = torch.nn.functional.scaled_dot_product_attention(
-                query[:, h * g : (h + 1) * g, s:e],
-                key[:, h : h + 1],
-                value[:, h : h + 1],
-                attn_mask=bias,
-                scale=scaling,
-                enable_gqa=g > 1,
+                query[:, h * g : (h + 1) * g, s:e], k_h, v_h, attn_mask=bias, scale=scaling, enable_gqa=g > 1
             )
     return out
