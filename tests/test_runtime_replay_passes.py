@@ -189,3 +189,43 @@ def test_teacher_tiles_hold_as_many_kv_sets_as_fit(monkeypatch):
     for name, x, y in zip(("out", "dropped", "before", "after"), whole, split):
         assert torch.equal(x, y), name
     assert largest < 2 * tile, f"an allocation of {largest} bytes; one set's tile is {tile}"
+
+
+def test_masked_pass_gives_each_rows_log_sum_exp_on_cpu_float32():
+    """``lse=True``: each row's log-sum-exp over the keys it saw, from the fused kernel that gave the
+    output (the output's bits do not change); None where that kernel does not run."""
+    hq, hs, n, m, chunk = 6, 3, 120, 40, 16
+    q, k, v = _float_inputs(hq, hs, n, m, seed=17)
+    ev = _inputs(1, hq, hs, n, m, 16, seed=17)[3]
+    out, lse = replay_masked_torch(q, k, v, ev, 0.25, chunk=chunk, lse=True)
+    assert torch.equal(out, replay_masked_torch(q, k, v, ev, 0.25, chunk=chunk))
+    rows = torch.arange(n - m, n)[:, None]
+    see = (torch.arange(n)[None, :] <= rows) & (ev.repeat_interleave(hq // hs, 1)[:, :, None, :] >= rows)
+    logits = q.double() @ k.double().repeat_interleave(hq // hs, 1).transpose(-1, -2) * 0.25
+    want = logits.masked_fill(~see, float("-inf")).logsumexp(-1)  # (1, Hq, M)
+    assert lse.dtype == torch.float32 and torch.allclose(lse.double(), want, atol=1e-5, rtol=0)
+    assert replay_masked_torch(q.double(), k.double(), v.double(), ev, 0.25, chunk=chunk, lse=True)[1] is None
+
+
+@pytest.mark.parametrize("agg", ["sum", "max"])
+def test_teacher_pass_with_the_rows_log_sum_exp(agg):
+    """Given each row's log-sum-exp the tile pass takes its weights as exp(logit − lse): the same
+    dropped mass and oracle columns as with a softmax, exactly so in FP64 and to rounding in FP32."""
+    hq, hs, n, m, chunk = 6, 3, 90, 30, 8
+    q, k, v, ev = _inputs(1, hq, hs, n, m, 16, seed=19)
+    v = v[..., :16].contiguous()
+    rows = torch.arange(n - m, n)[:, None]
+    logits = q @ k.repeat_interleave(hq // hs, 1).transpose(-1, -2) * 0.25
+    lse = logits.masked_fill(torch.arange(n)[None, :] > rows, float("-inf")).logsumexp(-1)  # (1, Hq, M)
+    want = replay_teacher_torch(q, k, v, ev, 0.25, chunk=chunk, oracle=agg)
+    got = replay_teacher_torch(q, k, v, ev, 0.25, chunk=chunk, oracle=agg, lse=lse)
+    for name, x, y in zip(("out", "dropped", "before", "after"), got, want):
+        assert torch.allclose(x, y, atol=1e-12, rtol=0), name
+    # float32: the lse of the fused kernel that gives the teacher's output
+    qf, kf, vf = q.float(), k.float(), v.float()
+    _, lse32 = replay_masked_torch(qf, kf, vf, torch.full_like(ev, n), 0.25, chunk=chunk, lse=True)
+    got = replay_teacher_torch(qf, kf, vf, ev, 0.25, chunk=chunk, oracle=agg, output=False, lse=lse32)
+    for name, x, y in zip(("dropped", "before", "after"), got[1:], want[1:]):
+        assert torch.allclose(x.double(), y, atol=2e-6 * max(1.0, float(y.abs().max())), rtol=0), name
+    with pytest.raises(KernelInputError, match="lse has shape"):
+        replay_teacher_torch(q, k, v, ev, 0.25, lse=lse[:, :, 1:])

@@ -290,14 +290,16 @@ def _upper(c: int, device) -> torch.Tensor:
 TILE_BYTES = 16 << 20
 
 
-def _teacher_pass(query, key, value, evict_step, scaling, chunk, oracle, widen):
+def _teacher_pass(query, key, value, evict_step, scaling, chunk, oracle, widen, lse=None):
     """One pass over the causal score tiles of the last ``M`` rows, ``chunk`` rows at a time.
 
     Each tile ``(b, S, G, c, end)`` (``S`` KV sets, at most :data:`TILE_BYTES`) gives the
     teacher's weights once; from them come the attention output (when ``value`` is given),
     the dropped mass and the oracle columns. ``widen`` computes the logits in the
     accumulation dtype (FP32, FP64 for FP64 inputs), with the scaling folded into the
-    queries, rather than in the input dtype. Returns ``out`` (or None), ``dropped``,
+    queries, rather than in the input dtype. With ``lse`` (each row's log-sum-exp over its
+    keys, ``(b, Hq, M)``) a weight is ``exp(logit − lse)``: no softmax, whose maximum and
+    normaliser cost two more passes over the tile. Returns ``out`` (or None), ``dropped``,
     ``before``, ``after`` (None without ``oracle``).
 
     Per row block the keys fall in three kinds: gone for every row of the block (evicted
@@ -324,6 +326,7 @@ def _teacher_pass(query, key, value, evict_step, scaling, chunk, oracle, widen):
     dropped = torch.empty(b, hs, g, m, dtype=acc, device=dev)
     before = torch.zeros(b, hs, n, dtype=acc, device=dev) if oracle is not None else None
     after = torch.zeros(b, hs, n, dtype=acc, device=dev) if oracle is not None else None
+    lse = lse.to(acc).reshape(b, hs, g, m, 1) if lse is not None else None  # (b, Hs, G, M, 1)
     for s in range(0, m, chunk):
         e = min(m, s + chunk)
         end = offset + e  # keys past the chunk's last position are masked anyway
@@ -342,7 +345,10 @@ def _teacher_pass(query, key, value, evict_step, scaling, chunk, oracle, widen):
                 logits *= scaling
             # future keys lie in the diagonal block only
             logits[..., offset + s :].masked_fill_(_upper(e - s, dev), float("-inf"))
-            w = torch.softmax(logits, dim=-1, dtype=acc)
+            if lse is None:
+                w = torch.softmax(logits, dim=-1, dtype=acc)
+            else:  # the weights from the rows' log-sum-exp, in place
+                w = logits.sub_(lse[:, h, :, s:e]).exp_()
             del logits
             if vg is not None:
                 out[:, h, :, s:e, :] = torch.matmul(w, vg[:, h, :, :end, :])
@@ -406,6 +412,7 @@ def replay_teacher_torch(
     *,
     oracle: str | None = None,
     output: bool = True,
+    lse: torch.Tensor | None = None,
 ):
     """The teacher's attention of the last ``M`` rows with their dropped mass, from one pass.
 
@@ -425,6 +432,10 @@ def replay_teacher_torch(
     oracle : None, "sum" or "max" (as in :func:`replay_dropped_mass_torch`)
     output : False skips the attention output (``out`` is then None): a caller that takes
         the output from another kernel pays only for the dropped mass and the oracle columns
+    lse : ``(b, Hq, M)`` float32, each row's natural log-sum-exp over its keys (full causal
+        attention), as :func:`replay_masked_torch` gives it with nothing evicted: the weights
+        are then ``exp(logit − lse)`` instead of a softmax over each tile row (equal to
+        rounding: the kernel that gave ``lse`` summed in another order)
 
     Returns
     -------
@@ -438,8 +449,10 @@ def replay_teacher_torch(
         raise KernelInputError(f"{fn}: chunk={chunk}; expected a positive number of rows")
     if oracle not in (None, "sum", "max"):
         raise KernelInputError(f"{fn}: oracle={oracle!r}; expected None, 'sum' or 'max'")
+    if lse is not None:
+        check_tensor(fn, "lse", lse, tuple(query.shape[:3]), (torch.float32, torch.float64), False)
     out, dropped, before, after = _teacher_pass(
-        query, key, value if output else None, evict_step, scaling, chunk, oracle, widen=True
+        query, key, value if output else None, evict_step, scaling, chunk, oracle, widen=True, lse=lse
     )
     if output:
         out = out.reshape(query.shape[0], query.shape[1], query.shape[2], value.shape[-1])
@@ -453,7 +466,9 @@ def replay_masked_torch(
     evict_step: torch.Tensor,
     scaling: float,
     chunk: int = 256,
-) -> torch.Tensor:
+    *,
+    lse: bool = False,
+):
     """Attention of the last ``M`` rows over only the positions the run still held.
 
     Row ``t`` sees key ``i`` when ``i <= t`` and ``evict_step[i] >= t`` (a position
@@ -467,6 +482,11 @@ def replay_masked_torch(
     row lost nothing leaves no key out, so a row that lost nothing has the bits of the
     call with nothing evicted (the teacher's). Shapes as in :func:`replay_teacher_torch`;
     returns ``(b, Hq, M, dv)`` in the query dtype.
+
+    With ``lse=True`` it returns ``(out, lse)``: ``lse (b, Hq, M)`` float32 is each row's
+    natural log-sum-exp over the keys it saw, from the fused CPU kernel (float32 inputs
+    on CPU, the value width equal to the key width; the same kernel SDPA runs there, the
+    same bits), else None.
     """
     fn = "replay_masked_torch"
     b, hq, hs, m, n, d = _check(fn, query, key, evict_step, for_triton=False)
@@ -475,9 +495,12 @@ def replay_masked_torch(
         raise KernelInputError(f"{fn}: chunk={chunk}; expected a positive number of rows")
     dev = query.device
     g = hq // hs
+    dv = value.shape[-1]
+    fused = dev.type == "cpu" and query.dtype == torch.float32 and dv == d  # the kernel that gives the lse
     ninf = torch.tensor(float("-inf"), dtype=query.dtype, device=dev)
     zero = torch.tensor(0.0, dtype=query.dtype, device=dev)
-    out = torch.empty(*query.shape[:3], value.shape[-1], dtype=query.dtype, device=dev)
+    out = torch.empty(b, hq, m, dv, dtype=query.dtype, device=dev)
+    rows_lse = torch.empty(b, hq, m, dtype=torch.float32, device=dev) if lse and fused else None
     for s in range(0, m, chunk):
         e = min(m, s + chunk)
         first, c = n - m + s, e - s  # the block's rows are positions first .. first + c - 1
@@ -499,7 +522,17 @@ def replay_masked_torch(
             k_h, v_h = key[:, h : h + 1], value[:, h : h + 1]  # (b, 1, N, d)
             if idx is not None:
                 k_h, v_h = k_h.index_select(2, idx), v_h.index_select(2, idx)
-            out[:, h * g : (h + 1) * g, s:e] = torch.nn.functional.scaled_dot_product_attention(
-                query[:, h * g : (h + 1) * g, s:e], k_h, v_h, attn_mask=bias, scale=scaling, enable_gqa=g > 1
-            )
-    return out
+            heads = slice(h * g, (h + 1) * g)
+            if fused:
+                k_h, v_h = k_h.expand(b, g, -1, -1), v_h.expand(b, g, -1, -1)
+                o, row_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    query[:, heads, s:e], k_h, v_h, attn_mask=bias, scale=scaling
+                )[:2]
+                if rows_lse is not None:
+                    rows_lse[:, heads, s:e] = row_lse
+            else:
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    query[:, heads, s:e], k_h, v_h, attn_mask=bias, scale=scaling, enable_gqa=g > 1
+                )
+            out[:, heads, s:e] = o
+    return (out, rows_lse) if lse else out
