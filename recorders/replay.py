@@ -177,10 +177,13 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
         return replay_masked_torch(query, k_sets, v_sets, ev, scaling, chunk=state.chunk).transpose(1, 2), None
     # the teacher's output comes from the masked pass with nothing evicted: the same kernel on
     # the same inputs, so a row that lost nothing has the same bits in both runs (KL exactly 0)
-    out = replay_masked_torch(query, k_sets, v_sets, torch.full_like(ev, key.shape[2]), scaling, chunk=state.chunk)
+    # (each row's log-sum-exp comes with it on CPU: the tile pass then needs no softmax)
+    out, lse = replay_masked_torch(
+        query, k_sets, v_sets, torch.full_like(ev, key.shape[2]), scaling, chunk=state.chunk, lse=True
+    )
     if state.backend == "torch":  # dropped mass and oracle columns from one pass over the score tiles
         _, dropped, before, after = replay_teacher_torch(
-            query, k_sets, v_sets, ev, scaling, chunk=state.chunk, oracle=state.agg, output=False
+            query, k_sets, v_sets, ev, scaling, chunk=state.chunk, oracle=state.agg, output=False, lse=lse
         )
     else:
         from h2o_lens.kernels import replay_dropped_mass_triton

@@ -160,3 +160,30 @@ def test_replay_memory_stays_within_row_blocks(tmp_path):
     largest = max(e.cpu_memory_usage for e in prof.events())
     assert largest >= m * 128 * 4  # the profiler saw the logits
     assert largest < m * n * 4 / 2, f"an allocation of {largest} bytes; an {m} x {n} float matrix is {m * n * 4}"
+
+
+def test_replay_of_a_float32_run_takes_the_teacher_weights_from_the_rows_log_sum_exp(tmp_path):
+    """On CPU in float32 the kernel that gives the teacher's output also gives each row's
+    log-sum-exp, so the tile pass runs no softmax; the tables still match the FP64 replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(3))
+    with recorders.record(model, H2OConfig(heavy=6, recent=6), out=tmp_path, fsync=False) as run:
+        with torch.no_grad():
+            model.generate(input_ids=ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        summary = replay(tmp_path / run.run_id, model=model, progress=False)
+    assert summary.implementation_ok and summary.steps == 24
+    softmax = [e.name for e in prof.events() if e.name in ("aten::softmax", "aten::_softmax")]
+    assert not softmax, f"the replay ran {len(softmax)} softmax calls"
+    cols = ["request", "step", "layer", "q_head", "dropped_mass"]
+    got = _df(tmp_path, run.run_id, "replay", cols)
+    oracle_cols = ["request", "step", "layer", "kv_head", "position", "teacher_score", "teacher_future_mass"]
+    oracle = _df(tmp_path, run.run_id, "oracle", oracle_cols)
+    replay(tmp_path / run.run_id, model=model.double(), progress=False)  # the same run in FP64: softmax weights
+    np.testing.assert_allclose(got.dropped_mass, _df(tmp_path, run.run_id, "replay", cols).dropped_mass, atol=1e-6)
+    want = _df(tmp_path, run.run_id, "oracle", oracle_cols)
+    np.testing.assert_allclose(oracle.teacher_score, want.teacher_score, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(oracle.teacher_future_mass, want.teacher_future_mass, rtol=1e-5, atol=1e-6)
+    assert got.dropped_mass.max() > 0.05

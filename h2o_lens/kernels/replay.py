@@ -284,21 +284,31 @@ def _upper(c: int, device) -> torch.Tensor:
     return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1)
 
 
-def _teacher_pass(query, key, value, evict_step, scaling, chunk, oracle, widen):
+#: Largest score tile of the teacher's torch pass, in bytes: a tile holds as many KV sets as
+#: fit (at least one). glibc serves a block above 32 MiB with a fresh ``mmap`` each time, so a
+#: larger tile would fault in every page again at every layer and row block.
+TILE_BYTES = 16 << 20
+
+
+def _teacher_pass(query, key, value, evict_step, scaling, chunk, oracle, widen, lse=None):
     """One pass over the causal score tiles of the last ``M`` rows, ``chunk`` rows at a time.
 
-    Each tile ``(b, Hs, G, c, end)`` gives the teacher's weights once; from them come the
-    attention output (when ``value`` is given), the dropped mass and the oracle columns.
-    ``widen`` computes the logits in the accumulation dtype (FP32, FP64 for FP64 inputs),
-    with the scaling folded into the queries, rather than in the input dtype. Returns
-    ``out`` (or None), ``dropped``, ``before``, ``after`` (None without ``oracle``).
+    Each tile ``(b, S, G, c, end)`` (``S`` KV sets, at most :data:`TILE_BYTES`) gives the
+    teacher's weights once; from them come the attention output (when ``value`` is given),
+    the dropped mass and the oracle columns. ``widen`` computes the logits in the
+    accumulation dtype (FP32, FP64 for FP64 inputs), with the scaling folded into the
+    queries, rather than in the input dtype. With ``lse`` (each row's log-sum-exp over its
+    keys, ``(b, Hq, M)``) a weight is ``exp(logit − lse)``: no softmax, whose maximum and
+    normaliser cost two more passes over the tile. Returns ``out`` (or None), ``dropped``,
+    ``before``, ``after`` (None without ``oracle``).
 
-    Per tile the keys fall in three kinds: gone for every row of the tile (evicted before
-    its first step), for none (evicted at its last step or later, or never) and the few
-    evicted within the tile's steps (at most one per step and set for a policy that evicts
-    one at a time). The first two need no per-row mask: a matrix-vector product gives the
-    dropped mass and the column sums give the oracle columns; only the third is masked row
-    by row, on the gathered columns.
+    Per row block the keys fall in three kinds: gone for every row of the block (evicted
+    before its first step), for none (evicted at its last step or later, or never) and the
+    few evicted within the block's steps (at most one per step and set for a policy that
+    evicts one at a time). The first two need no per-row mask: a matrix-vector product gives
+    the dropped mass and the column sums give the oracle columns; only the third is masked
+    row by row, on the gathered columns (their union over the sets, the same for every tile
+    of the block, so a set's figures do not depend on how the sets are split into tiles).
     """
     b, hs, n, d = key.shape
     hq, m = query.shape[1], query.shape[2]
@@ -316,37 +326,44 @@ def _teacher_pass(query, key, value, evict_step, scaling, chunk, oracle, widen):
     dropped = torch.empty(b, hs, g, m, dtype=acc, device=dev)
     before = torch.zeros(b, hs, n, dtype=acc, device=dev) if oracle is not None else None
     after = torch.zeros(b, hs, n, dtype=acc, device=dev) if oracle is not None else None
+    lse = lse.to(acc).reshape(b, hs, g, m, 1) if lse is not None else None  # (b, Hs, G, M, 1)
     for s in range(0, m, chunk):
         e = min(m, s + chunk)
         end = offset + e  # keys past the chunk's last position are masked anyway
-        logits = torch.matmul(qg[..., s:e, :], kt[..., :end])  # (b, Hs, G, c, end)
-        if scaling != 1.0:
-            logits *= scaling
-        # future keys lie in the diagonal block only
-        logits[..., offset + s :].masked_fill_(_upper(e - s, dev), float("-inf"))
-        w = torch.softmax(logits, dim=-1, dtype=acc)
-        del logits
-        if vg is not None:
-            out[..., s:e, :] = torch.matmul(w, vg[..., :end, :])
         ev = evict_step[..., :end]  # (b, Hs, end)
-        always = ev < offset + s  # gone for every row of the tile
+        always = ev < offset + s  # gone for every row of the block
         mixed = (ev >= offset + s) & (ev < end - 1)  # gone for its later rows only
         cols = torch.nonzero(mixed.flatten(0, 1).any(0)).flatten()  # (K,) union over b and sets
         rows = torch.arange(offset + s, end, device=dev)[:, None]  # (c, 1) positions
         mixed_k = mixed[..., cols][:, :, None, :]  # (b, Hs, 1, K)
         gone_k = (ev[..., cols][:, :, None, :] < rows) & mixed_k  # (b, Hs, c, K)
-        w_k = w[..., cols]  # (b, Hs, G, c, K)
-        dropped[..., s:e] = torch.matmul(w, always.to(acc)[:, :, None, :, None])[..., 0] + (
-            w_k * gone_k[:, :, None]
-        ).sum(-1)
-        if oracle is not None:
-            agg = w.amax(2) if oracle == "max" else w.sum(2)  # (b, Hs, c, end)
-            col = agg.sum(-2)  # (b, Hs, end)
-            agg_k = agg[..., cols]  # (b, Hs, c, K)
-            after[..., :end] += torch.where(always, col, 0.0)
-            before[..., :end] += torch.where(always | mixed, 0.0, col)
-            after[..., cols] += (agg_k * gone_k).sum(-2)
-            before[..., cols] += (agg_k * (mixed_k & ~gone_k)).sum(-2)
+        step = max(1, TILE_BYTES // max(1, b * g * (e - s) * end * acc.itemsize))  # KV sets per tile
+        for h0 in range(0, hs, step):
+            h = slice(h0, min(hs, h0 + step))
+            logits = torch.matmul(qg[:, h, :, s:e, :], kt[:, h, ..., :end])  # (b, S, G, c, end)
+            if scaling != 1.0:
+                logits *= scaling
+            # future keys lie in the diagonal block only
+            logits[..., offset + s :].masked_fill_(_upper(e - s, dev), float("-inf"))
+            if lse is None:
+                w = torch.softmax(logits, dim=-1, dtype=acc)
+            else:  # the weights from the rows' log-sum-exp, in place
+                w = logits.sub_(lse[:, h, :, s:e]).exp_()
+            del logits
+            if vg is not None:
+                out[:, h, :, s:e, :] = torch.matmul(w, vg[:, h, :, :end, :])
+            w_k = w[..., cols]  # (b, S, G, c, K)
+            dropped[:, h, :, s:e] = torch.matmul(w, always[:, h].to(acc)[:, :, None, :, None])[..., 0] + (
+                w_k * gone_k[:, h, None]
+            ).sum(-1)
+            if oracle is not None:
+                agg = w.amax(2) if oracle == "max" else w.sum(2)  # (b, S, c, end)
+                col = agg.sum(-2)  # (b, S, end)
+                agg_k = agg[..., cols]  # (b, S, c, K)
+                after[:, h, :end] += torch.where(always[:, h], col, 0.0)
+                before[:, h, :end] += torch.where(always[:, h] | mixed[:, h], 0.0, col)
+                after[:, h, cols] += (agg_k * gone_k[:, h]).sum(-2)
+                before[:, h, cols] += (agg_k * (mixed_k[:, h] & ~gone_k[:, h])).sum(-2)
     return out, dropped.reshape(b, hq, m), before, after
 
 
@@ -395,6 +412,7 @@ def replay_teacher_torch(
     *,
     oracle: str | None = None,
     output: bool = True,
+    lse: torch.Tensor | None = None,
 ):
     """The teacher's attention of the last ``M`` rows with their dropped mass, from one pass.
 
@@ -414,6 +432,10 @@ def replay_teacher_torch(
     oracle : None, "sum" or "max" (as in :func:`replay_dropped_mass_torch`)
     output : False skips the attention output (``out`` is then None): a caller that takes
         the output from another kernel pays only for the dropped mass and the oracle columns
+    lse : ``(b, Hq, M)`` float32, each row's natural log-sum-exp over its keys (full causal
+        attention), as :func:`replay_masked_torch` gives it with nothing evicted: the weights
+        are then ``exp(logit − lse)`` instead of a softmax over each tile row (equal to
+        rounding: the kernel that gave ``lse`` summed in another order)
 
     Returns
     -------
@@ -427,8 +449,10 @@ def replay_teacher_torch(
         raise KernelInputError(f"{fn}: chunk={chunk}; expected a positive number of rows")
     if oracle not in (None, "sum", "max"):
         raise KernelInputError(f"{fn}: oracle={oracle!r}; expected None, 'sum' or 'max'")
+    if lse is not None:
+        check_tensor(fn, "lse", lse, tuple(query.shape[:3]), (torch.float32, torch.float64), False)
     out, dropped, before, after = _teacher_pass(
-        query, key, value if output else None, evict_step, scaling, chunk, oracle, widen=True
+        query, key, value if output else None, evict_step, scaling, chunk, oracle, widen=True, lse=lse
     )
     if output:
         out = out.reshape(query.shape[0], query.shape[1], query.shape[2], value.shape[-1])
@@ -442,15 +466,27 @@ def replay_masked_torch(
     evict_step: torch.Tensor,
     scaling: float,
     chunk: int = 256,
-) -> torch.Tensor:
+    *,
+    lse: bool = False,
+):
     """Attention of the last ``M`` rows over only the positions the run still held.
 
     Row ``t`` sees key ``i`` when ``i <= t`` and ``evict_step[i] >= t`` (a position
     evicted at step ``t`` is still seen at ``t``; row ``t`` always sees itself).
-    ``scaled_dot_product_attention`` with a boolean mask, ``chunk`` rows at a time:
-    memory ``O(b · Hq · chunk · N)``, never ``M x N`` at once (its fused CPU kernel
-    accumulates 16-bit inputs in FP32). Shapes as in :func:`replay_teacher_torch`;
+    ``scaled_dot_product_attention``, ``chunk`` rows and one KV set at a time, over the
+    keys some row of the block still sees: a key evicted before the block's first row
+    takes no part. The set's ``G`` query heads share one additive mask ``(b, 1, chunk, K)``
+    (0 where seen, −inf where not, in the query dtype: what SDPA makes of a boolean
+    mask), never one per query head; memory is ``O(b · G · chunk · N)``, never ``M x N``
+    at once (the fused CPU kernel accumulates 16-bit inputs in FP32). A block whose first
+    row lost nothing leaves no key out, so a row that lost nothing has the bits of the
+    call with nothing evicted (the teacher's). Shapes as in :func:`replay_teacher_torch`;
     returns ``(b, Hq, M, dv)`` in the query dtype.
+
+    With ``lse=True`` it returns ``(out, lse)``: ``lse (b, Hq, M)`` float32 is each row's
+    natural log-sum-exp over the keys it saw, from the fused CPU kernel (float32 inputs
+    on CPU, the value width equal to the key width; the same kernel SDPA runs there, the
+    same bits), else None.
     """
     fn = "replay_masked_torch"
     b, hq, hs, m, n, d = _check(fn, query, key, evict_step, for_triton=False)
@@ -458,14 +494,45 @@ def replay_masked_torch(
     if chunk < 1:
         raise KernelInputError(f"{fn}: chunk={chunk}; expected a positive number of rows")
     dev = query.device
-    per_q = evict_step.repeat_interleave(hq // hs, dim=1)[:, :, None, :]  # (b, Hq, 1, N)
-    cols = torch.arange(n, device=dev)[None, :]
-    out = torch.empty(*query.shape[:3], value.shape[-1], dtype=query.dtype, device=dev)
+    g = hq // hs
+    dv = value.shape[-1]
+    fused = dev.type == "cpu" and query.dtype == torch.float32 and dv == d  # the kernel that gives the lse
+    ninf = torch.tensor(float("-inf"), dtype=query.dtype, device=dev)
+    zero = torch.tensor(0.0, dtype=query.dtype, device=dev)
+    out = torch.empty(b, hq, m, dv, dtype=query.dtype, device=dev)
+    rows_lse = torch.empty(b, hq, m, dtype=torch.float32, device=dev) if lse and fused else None
     for s in range(0, m, chunk):
         e = min(m, s + chunk)
-        rows = torch.arange(n - m + s, n - m + e, device=dev)[:, None]  # (c, 1) positions
-        visible = (cols <= rows) & (per_q >= rows)  # (b, Hq, c, N): kept at the step of each row
-        out[:, :, s:e] = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s:e], key, value, attn_mask=visible, scale=scaling, enable_gqa=hq > hs
-        )
-    return out
+        first, c = n - m + s, e - s  # the block's rows are positions first .. first + c - 1
+        rows = torch.arange(first, first + c, device=dev)[:, None]  # (c, 1) positions
+        upper = _upper(c, dev)  # the future keys of the block's own positions
+        bias = None
+        for h in range(hs):
+            ev = evict_step[:, h]  # (b, N)
+            if bias is None or not torch.equal(ev, evict_step[:, h - 1]):  # else the same keys and mask
+                # keys gone for every row of the block take no part; positions >= first always do
+                seen = (ev >= first).any(0)  # (N,) over b
+                idx = None if bool(seen.all()) else torch.nonzero(seen).flatten()  # (K,)
+                ev_k = ev[:, None, None, :] if idx is None else ev[:, idx][:, None, None, :]  # (b, 1, 1, K)
+                hidden = ev_k < rows  # (b, 1, c, K): gone before the row's step
+                tail = ev_k.shape[-1] - (n - first)  # where position first lies among the keys
+                hidden[..., tail : tail + c] |= upper
+                hidden[..., tail + c :] = True  # positions after the block's last row
+                bias = torch.where(hidden, ninf, zero)
+            k_h, v_h = key[:, h : h + 1], value[:, h : h + 1]  # (b, 1, N, d)
+            if idx is not None:
+                k_h, v_h = k_h.index_select(2, idx), v_h.index_select(2, idx)
+            heads = slice(h * g, (h + 1) * g)
+            if fused:
+                k_h, v_h = k_h.expand(b, g, -1, -1), v_h.expand(b, g, -1, -1)
+                o, row_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    query[:, heads, s:e], k_h, v_h, attn_mask=bias, scale=scaling
+                )[:2]
+                if rows_lse is not None:
+                    rows_lse[:, heads, s:e] = row_lse
+            else:
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    query[:, heads, s:e], k_h, v_h, attn_mask=bias, scale=scaling, enable_gqa=g > 1
+                )
+            out[:, heads, s:e] = o
+    return (out, rows_lse) if lse else out
