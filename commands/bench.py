@@ -24,6 +24,12 @@ def _halves(budget: int) -> dict[str, int]:
     return dict(zip(("heavy", "recent"), half_split(budget)))
 
 
+def _check_keep(what: str, keep: float) -> None:
+    """``keep`` a share of the context in (0, 1), or SystemExit naming the option."""
+    if not 0 < keep < 1:
+        raise SystemExit(f"bench {what}: --keep is the kept share of the context, in (0, 1); got {keep!r}")
+
+
 def _check_ints(what: str, name: str, values, low: int) -> list[int]:
     """``values`` as a list of ints >= ``low``, or SystemExit naming the option."""
     values = [values] if isinstance(values, int) else list(values)
@@ -170,8 +176,7 @@ def bench_decode(
     batches = _check_ints("decode", "batch", batches, 1)
     _check_ints("decode", "steps", steps, 1)
     _check_ints("decode", "rounds", rounds, 1)
-    if not 0 < keep < 1:
-        raise SystemExit(f"bench decode: --keep is the kept share of the context, in (0, 1); got {keep!r}")
+    _check_keep("decode", keep)
     fresh = memory and (model is None or model_name is not None)
     if model is None:
         model, _ = load_model(model_name, progress=False)
@@ -813,6 +818,9 @@ def bench_assistant(
 
     if draft not in ("lookup", "layers"):
         raise ValueError(f"draft must be 'lookup' or 'layers', got {draft!r}")
+    _check_keep("decode --assistant", keep)
+    _check_ints("decode --assistant", "rounds", rounds, 1)
+    _check_ints("decode --assistant", "new-tokens", new_tokens, 2)
     if model is None:
         model, tokenizer = load_model(model_name)
     text = "Copy this text exactly, twice:\n\n" + _COPY_TEXT * 3

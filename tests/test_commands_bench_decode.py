@@ -72,6 +72,12 @@ def test_bench_decode_refuses_bad_sizes(flag):
         main(["bench", "decode", "--model", "unused", *flag])
 
 
+@pytest.mark.parametrize("flag", [["--keep", "-1"], ["--keep", "1.5"], ["--rounds", "0"], ["--new-tokens", "1"]])
+def test_bench_assistant_refuses_bad_input_before_loading_a_model(flag):
+    with pytest.raises(SystemExit, match=re.escape(flag[0])):
+        main(["bench", "decode", "--assistant", "--model", "unused", *flag])
+
+
 def test_bench_assistant_prints_both_speed_ups_and_the_acceptance(capsys):
     """``bench decode --assistant`` on a tiny model: four ways, the forwards each speculative way
     needed, whether H2O's tokens are the full cache's, and the ratio (no timing asserted)."""
