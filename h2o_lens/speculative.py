@@ -204,11 +204,13 @@ class _Batch:
     old_key: torch.Tensor
     old_value: torch.Tensor
     totals: np.ndarray  # (b,Hs,m+1,B) each initial slot's running sum
-    runs: np.ndarray  # (b,Hs,m,B) written slots' sums after each step (:func:`_slot_runs`)
+    runs: np.ndarray  # (b,Hs,m,m) [k, i] step k's slot's sum after step i (:func:`_slot_runs`)
     writer: np.ndarray  # (b,Hs,B) the step that wrote each slot, m: none
     pos0: np.ndarray  # (b,Hs,B) int64 the positions before the segment
     start: np.ndarray  # (b,1,1) int64 the first step's position
     dtype: torch.dtype  # of the positions
+    old_pos: torch.Tensor  # (b,Hs,m) the victims' positions before the segment
+    new_pos: torch.Tensor  # (b,Hs,m) each step's position
     applied: int
     rounds: int = 1  # computations of the rows until the victims settled
 
@@ -223,7 +225,8 @@ class _Batch:
             return torch.from_numpy(self.totals[:, :, 0])
         i = t if candidates else t - 1
         written = self.writer < i if candidates else self.writer <= i
-        return torch.from_numpy(np.where(written, self.runs[:, :, i], self.totals[:, :, i + 1]))
+        run = np.take_along_axis(self.runs[..., i], np.minimum(self.writer, self.steps - 1), axis=2)
+        return torch.from_numpy(np.where(written, run, self.totals[:, :, i + 1]))
 
     def positions(self, t: int) -> torch.Tensor:
         """The positions of state ``t`` ``(b, Hs, B)``."""
@@ -261,13 +264,13 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
     qg = query.reshape(b, hs, -1, m, d).transpose(2, 3) * seg.scaling  # (b,Hs,m,G,d)
     sc0 = layer.scores.numpy()
     pos0 = layer.positions
-    steps = start[:, None, None, None] + torch.arange(m)[:, None]  # (b,1,m,1)
-    pins = args.pins(pos0)
-    # (b,Hs,m,B) initial slots eligible at step i (before any write)
-    elig = policy.eligible_mask(pos0[:, :, None], steps, args.recent, args.sink, all_live=True, pinned=pins).numpy()
     ar_m = np.arange(m)
     pos0_np = pos0.numpy().astype(np.int64)
     start_np = start.numpy().astype(np.int64)[:, None, None, None]
+    steps = torch.from_numpy(start_np + ar_m[:, None])  # (b,1,m,1)
+    pins = args.pins(pos0)
+    # (b,Hs,m,B) initial slots eligible at step i (before any write)
+    elig = policy.eligible_mask(pos0[:, :, None], steps, args.recent, args.sink, all_live=True, pinned=pins).numpy()
     logits = _all_logits(qg, layer.keys, key)  # (b,Hs,m,G,B+m): every row against every key
     guess = _first_guess(sc0, elig, _rough_totals(logits, cap, layer.scores, args.gqa))
     acc = layer.scores.dtype
@@ -290,7 +293,8 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
         # a tie among candidates (unwritten slots) goes to the older position; with no candidate
         # at all every slot ties, written ones too, as in the step
         pos = pos0_np[:, :, None]
-        if not cand.any(-1).all():
+        found = cand.any(-1)  # (b,Hs,m) step i had a candidate
+        if not found.all():
             pos = np.where(before, start_np + writer[:, :, None], pos)
         victims = np.where(tied, pos, np.iinfo(np.int64).max).argmin(-1)  # (b,Hs,m)
         wrong = (victims != guess).reshape(-1, m).any(0)
@@ -301,8 +305,7 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
     else:
         raise AssertionError(f"layer {layer.layer_idx}: the segment's victims did not settle in {m + 1} rounds")
     out = out.transpose(1, 2).reshape(b, m, hs * qg.shape[3], d)
-    found = torch.from_numpy(cand.any(-1))  # (b,Hs,m)
-    runs = _slot_runs(agg_np, victims, writer, sc0.dtype)
+    runs = _slot_runs(agg_np, victims, sc0.dtype)
     vic = torch.from_numpy(victims)
     idx = vic[..., None].expand(b, hs, m, d)
     batch = _Batch(
@@ -317,6 +320,8 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
         pos0_np,
         start_np[..., 0],
         pos0.dtype,
+        pos0.gather(2, vic),
+        torch.from_numpy(np.broadcast_to(steps.numpy()[..., 0], (b, hs, m)).astype(pos0_np.dtype)).to(pos0.dtype),
         0,
         rounds,
     )
@@ -330,7 +335,7 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
                 _decode_event(
                     start + i,
                     vic[..., i],
-                    found[..., i],
+                    torch.from_numpy(found[..., i]),
                     torch.cat([batch.scores(i, candidates=True), agg[:, :, i, cap:]], -1),
                     torch.cat([kept[i], new_pos + i], -1),
                     kept[i + 1],
@@ -363,12 +368,18 @@ def _all_logits(qg, keys, key) -> torch.Tensor:
 def _rough_totals(logits, cap: int, scores, gqa: str) -> np.ndarray:
     """Approximate ranking values of the initial slots after each step ``(b, Hs, m, B)``: the
     rows attend to all initial slots and the segment's tokens so far (no eviction). Only a guess
-    of the victims is drawn from them."""
+    of the victims is drawn from them. Sets the logits of each row against the segment's later
+    tokens to −inf in place (no row's storage reads them, :func:`_rows`)."""
     m = logits.shape[2]
-    future = torch.ones(m, m, dtype=torch.bool).triu(1)  # token k is not there yet for row i < k
-    masked = torch.cat([logits[..., :cap], logits[..., cap:].masked_fill(future[:, None], float("-inf"))], -1)
-    w = torch.softmax(masked.to(scores.dtype), -1)[..., :cap]
+    future = _FUTURE.get(m)
+    if future is None:  # token k is not there yet for row i < k
+        future = _FUTURE[m] = torch.ones(m, m, dtype=torch.bool).triu(1)[:, None]
+    logits[..., cap:].masked_fill_(future, float("-inf"))
+    w = torch.softmax(logits.to(scores.dtype), -1)[..., :cap]
     return (scores[:, :, None] + policy.aggregate_group(w, gqa, 3).cumsum(2)).numpy()
+
+
+_FUTURE: dict[int, torch.Tensor] = {}  # per m: the (m, 1, m) mask of the later tokens
 
 
 #: per (dtype, device, G, d, m, B): whether :func:`_all_logits` gives each logit the bits of the
@@ -407,29 +418,38 @@ def _rows(qg, slots, key, value, writer: np.ndarray, lo: int, gqa: str, acc: tor
     b, hs, m, g, d = qg.shape
     cap = writer.shape[-1]
     r = m - lo
-    w = torch.from_numpy(writer)
-    written = w[:, :, None] < torch.arange(lo, m)[:, None]  # (b,Hs,r,B)
-    at = written.nonzero(as_tuple=True)  # (b, Hs, row, slot) written
-    tok = w[at[0], at[1], at[3]]
+    n, K = -(-cap // ops.DECODE_BLOCK), ops.DECODE_BLOCK
+    # (b,Hs,r,n·K) where each row finds each slot's key among the initial slots and the segment's
+    # tokens (a slot written before the row: cap + its step); the last block's padding points
+    # anywhere (the attention overwrites its logits)
+    idx = np.zeros((b, hs, r, n * K), np.int64)
+    written = writer[:, :, None, :] < np.arange(lo, m)[:, None]
+    idx[..., :cap] = np.where(written, cap + writer[:, :, None, :], np.arange(cap))
+    idx = torch.from_numpy(idx)
     q = qg[:, :, lo:].reshape(b, hs * r, g, d)
+
+    # the written (row, slot) pairs: where in the rows' storage, and which token of the segment
+    kv, row, slot = np.nonzero(written.reshape(b * hs, r, cap))
+    dst = torch.from_numpy((kv * r + row) * cap + slot)
+    tok = torch.from_numpy(kv * m + writer.reshape(b * hs, cap)[kv, slot])
 
     def storage(init, own):
         t = init[:, :, None].expand(b, hs, r, cap, d).clone()
-        t[at] = own[at[0], at[1], tok]
+        t.view(-1, d).index_copy_(0, dst, own.reshape(-1, d).index_select(0, tok))
         return t.view(b, hs * r, cap, d)
 
     values = storage(slots[1], value)
     block = None
     key_id = (qg.dtype, qg.device, g, d, m, cap)
     if logits is not None and _SAME_LOGITS.get(key_id, True):
-        n = -(-cap // ops.DECODE_BLOCK)
-        idx = torch.where(written, cap + w[:, :, None], torch.arange(cap))  # (b,Hs,r,B) key of each slot
-        block = logits[:, :, lo:].gather(-1, idx[:, :, :, None].expand(b, hs, r, g, cap))
-        block = torch.nn.functional.pad(block, (0, n * ops.DECODE_BLOCK - cap)).view(b, hs, r, g, n, -1)
-        block = block.permute(0, 1, 2, 4, 3, 5).reshape(b, hs * r, n, g, ops.DECODE_BLOCK).to(acc)
+        src = logits[:, :, lo:, None].expand(b, hs, r, n, g, cap + m)
+        block = src.gather(5, idx.view(b, hs, r, n, 1, K).expand(b, hs, r, n, g, K))
+        block = block.view(b, hs * r, n, g, K).to(acc)
         if key_id not in _SAME_LOGITS:
             exact = ops.block_logits(q, storage(slots[0], key), acc)
-            _SAME_LOGITS[key_id] = torch.equal(exact, block)  # the padding is 0 both ways
+            padded = block.clone()
+            padded[:, :, -1, :, cap - (n - 1) * K :] = 0  # the padding is 0 in the block matmul's
+            _SAME_LOGITS[key_id] = torch.equal(exact, padded)
             block = block if _SAME_LOGITS[key_id] else exact
     keys = storage(slots[0], key) if block is None else None
     out, weights = ops.attend_rows(
@@ -444,32 +464,32 @@ def _rows(qg, slots, key, value, writer: np.ndarray, lo: int, gqa: str, acc: tor
     return out.view(b, hs, r, g, d), policy.aggregate_group(weights, gqa, 2).view(b, hs, r, cap + 1)
 
 
-def _slot_runs(agg: np.ndarray, victims: np.ndarray, writer: np.ndarray, dtype) -> np.ndarray:
-    """``(b, Hs, m, B)``: after step ``i``'s update, the ranking value of a slot written at an
-    earlier (or the same) step, as the steps one by one compute it: the sum restarts from the
-    weight its token gave itself (garbage for the other slots)."""
-    b, hs, m, width = agg.shape
-    cap = width - 1
+def _slot_runs(agg: np.ndarray, victims: np.ndarray, dtype) -> np.ndarray:
+    """``(b, Hs, m, m)`` ``[k, i]``: after step ``i``'s update (``i ≥ k``), the ranking value of
+    the slot step ``k`` wrote, as the steps one by one compute it: the sum restarts from the
+    weight its token gave itself (garbage for ``i < k``)."""
+    m, cap = agg.shape[2], agg.shape[3] - 1
     after = np.take_along_axis(agg[..., :cap], victims[:, :, None, :], axis=3)  # (b,Hs,i,k) agg[i, v_k]
     ar = np.arange(m)
     k, i = ar[:, None], ar[None, :]
     seq = np.where(i > k, after.transpose(0, 1, 3, 2), 0)  # (b,Hs,k,i)
     seq = np.where(i == k, agg[..., cap][..., None], seq)
-    runs = np.cumsum(seq, axis=3, dtype=dtype)  # (b,Hs,k,i) slot v_k after step i's update
-    by_slot = np.take_along_axis(runs, np.broadcast_to(np.minimum(writer, m - 1)[..., None], (b, hs, cap, m)), axis=2)
-    return by_slot.transpose(0, 1, 3, 2)
+    return np.cumsum(seq, axis=3, dtype=dtype)
 
 
 def _apply(layer: Any, batch: _Batch, t: int, scores_of: int | None = None) -> None:
     """Make the live storage state ``t`` of ``batch``: the victims of steps before ``t`` hold
-    their tokens, the others their old K/V (a copy, DESIGN.md §14.1)."""
-    m = batch.steps
-    b, hs, _, d = batch.key.shape
-    done = (torch.arange(m) < t)[:, None]  # (m,1)
-    idx = batch.victims[..., None].expand(b, hs, m, d)
-    layer.keys.scatter_(2, idx, torch.where(done, batch.key, batch.old_key))
-    layer.values.scatter_(2, idx, torch.where(done, batch.value, batch.old_value))
+    their tokens, the others their old K/V (a copy, DESIGN.md §14.1). Only the slots of the
+    steps between the applied state and ``t`` are written (the victims are distinct)."""
+    a = batch.applied
+    lo, hi = min(a, t), max(a, t)
+    if hi > lo:
+        vic = batch.victims[..., lo:hi]
+        idx = vic[..., None].expand(*vic.shape, batch.key.shape[-1])
+        forward = t > a
+        layer.keys.scatter_(2, idx, (batch.key if forward else batch.old_key)[:, :, lo:hi])
+        layer.values.scatter_(2, idx, (batch.value if forward else batch.old_value)[:, :, lo:hi])
+        layer.positions.scatter_(2, vic, (batch.new_pos if forward else batch.old_pos)[:, :, lo:hi])
     layer.scores.copy_(batch.scores(t if scores_of is None else scores_of))
-    layer.positions.copy_(batch.positions(t))
-    layer.next_pos = layer.next_pos + (t - batch.applied)
+    layer.next_pos = layer.next_pos + (t - a)
     batch.applied = t
