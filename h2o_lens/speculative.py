@@ -321,7 +321,7 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
         start_np[..., 0],
         pos0.dtype,
         pos0.gather(2, vic),
-        torch.from_numpy(np.broadcast_to(steps.numpy()[..., 0], (b, hs, m)).astype(pos0_np.dtype)).to(pos0.dtype),
+        steps[..., 0].expand(b, hs, m).to(pos0.dtype),
         0,
         rounds,
     )
@@ -365,6 +365,9 @@ def _all_logits(qg, keys, key) -> torch.Tensor:
     return torch.matmul(q, torch.cat([keys, key], 2).transpose(-1, -2)).view(b, hs, m, g, -1)
 
 
+_FUTURE: dict[int, torch.Tensor] = {}  # per m: the (m, 1, m) mask of the later tokens
+
+
 def _rough_totals(logits, cap: int, scores, gqa: str) -> np.ndarray:
     """Approximate ranking values of the initial slots after each step ``(b, Hs, m, B)``: the
     rows attend to all initial slots and the segment's tokens so far (no eviction). Only a guess
@@ -377,9 +380,6 @@ def _rough_totals(logits, cap: int, scores, gqa: str) -> np.ndarray:
     logits[..., cap:].masked_fill_(future, float("-inf"))
     w = torch.softmax(logits.to(scores.dtype), -1)[..., :cap]
     return (scores[:, :, None] + policy.aggregate_group(w, gqa, 3).cumsum(2)).numpy()
-
-
-_FUTURE: dict[int, torch.Tensor] = {}  # per m: the (m, 1, m) mask of the later tokens
 
 
 #: per (dtype, device, G, d, m, B): whether :func:`_all_logits` gives each logit the bits of the
