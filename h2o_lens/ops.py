@@ -497,10 +497,12 @@ def block_logits(qg: torch.Tensor, keys: torch.Tensor, acc: torch.dtype) -> torc
     return _per_block(lambda k: torch.matmul(q, k.transpose(-1, -2)), *_blocks(keys)).to(acc)
 
 
-def _attend_logits(logits, qg, values, key, value, empty, acc):
+def _attend_logits(logits, qg, values, key, value, empty, acc, cap=None):
     """:func:`_attend` from its block logits ``(b, Hs, n, G, K)`` (contiguous; the padding of
-    the last block is overwritten)."""
-    b, hs, cap, d = values.shape
+    the last block is overwritten). ``values (b, Hs, B, d)``, or already in zero-padded blocks
+    ``(b, Hs, n, K, d)`` (contiguous; then ``cap`` is ``B``): one matmul for all blocks."""
+    if cap is None:
+        cap = values.shape[2]
     n = logits.shape[2]
     if empty is not None:  # empty slots and the tail's padding
         dead = torch.nn.functional.pad(empty, (0, n * DECODE_BLOCK - cap), value=True)  # (b,Hs,n·K)
@@ -512,12 +514,15 @@ def _attend_logits(logits, qg, values, key, value, empty, acc):
     e = (logits - top[:, :, None]).exp_()  # (b,Hs,n,G,K)
     e_new = (new - top).exp_()  # (b,Hs,G,1)
     ev = e if e.dtype == values.dtype else e.to(values.dtype)
-    full, tail = _blocks(values)
-    nf = full.shape[2]
-    parts = torch.matmul(ev[:, :, :nf], full) if nf else None  # (b,Hs,n,G,d)
-    if tail is not None:
-        last = torch.matmul(ev[:, :, nf:], tail)
-        parts = last if parts is None else torch.cat([parts, last], 2)
+    if values.dim() == 5:
+        parts = torch.matmul(ev, values)  # (b,Hs,n,G,d)
+    else:
+        full, tail = _blocks(values)
+        nf = full.shape[2]
+        parts = torch.matmul(ev[:, :, :nf], full) if nf else None
+        if tail is not None:
+            last = torch.matmul(ev[:, :, nf:], tail)
+            parts = last if parts is None else torch.cat([parts, last], 2)
     parts = torch.cat([parts.to(acc), (e_new * value[:, :, None].to(acc))[:, :, None]], 2)
     sums = torch.cat([e.sum(-1), e_new.transpose(-1, -2)], 2)  # (b,Hs,n+1,G)
     total = sums.cumsum(2)[:, :, -1, :, None]  # (b,Hs,G,1) in order: block by block, then the new token
@@ -526,16 +531,18 @@ def _attend_logits(logits, qg, values, key, value, empty, acc):
     return out, w
 
 
-def attend_rows(qg, keys, values, key, value, acc, logits=None):
+def attend_rows(qg, keys, values, key, value, acc, logits=None, cap=None):
     """The decode step's attention for rows that each bring their own storage: ``qg (b, R, G, d)``
     scaled queries, ``keys, values (b, R, B, d)`` every row's slots, ``key, value (b, R, d)``
     its own token. It is :func:`_attend` itself (the same block splits, the same matmul calls),
     so each row has the bits of a decode step over its slots (DESIGN.md §14.1). ``logits``: the
-    rows' :func:`block_logits`, when the caller has them (``keys`` is then unused). Returns
-    ``out (b, R, G, d)`` and the weights ``(b, R, G, B + 1)`` (slots, then the row's token)."""
+    rows' :func:`block_logits`, when the caller has them (``keys`` is then unused); ``values``
+    may then come in zero-padded blocks ``(b, R, n, K, d)`` with ``cap`` = ``B`` (one matmul
+    for all blocks: the caller checks it gives the same bits). Returns ``out (b, R, G, d)`` and
+    the weights ``(b, R, G, B + 1)`` (slots, then the row's token)."""
     if logits is None:
         return _attend(qg, keys, values, key, value, None, acc)
-    return _attend_logits(logits, qg, values, key, value, None, acc)
+    return _attend_logits(logits, qg, values, key, value, None, acc, cap)
 
 
 def decode_step(

@@ -203,16 +203,19 @@ class _Batch:
     value: torch.Tensor
     old_key: torch.Tensor
     old_value: torch.Tensor
-    totals: np.ndarray  # (b,Hs,m+1,B) each initial slot's running sum
-    runs: np.ndarray  # (b,Hs,m,m) [k, i] step k's slot's sum after step i (:func:`_slot_runs`)
-    writer: np.ndarray  # (b,Hs,B) the step that wrote each slot, m: none
-    pos0: np.ndarray  # (b,Hs,B) int64 the positions before the segment
-    start: np.ndarray  # (b,1,1) int64 the first step's position
+    totals: torch.Tensor  # (b,Hs,m+1,B) each initial slot's running sum
+    runs: torch.Tensor  # (b,Hs,m,m) [k, i] step k's slot's sum after step i (:func:`_slot_runs`)
+    writer: torch.Tensor  # (b,Hs,B) int64 the step that wrote each slot, m: none
+    pos0: torch.Tensor  # (b,Hs,B) int64 the positions before the segment
+    start: torch.Tensor  # (b,1,1) int64 the first step's position
     dtype: torch.dtype  # of the positions
     old_pos: torch.Tensor  # (b,Hs,m) the victims' positions before the segment
     new_pos: torch.Tensor  # (b,Hs,m) each step's position
     applied: int
     rounds: int = 1  # computations of the rows until the victims settled
+
+    def __post_init__(self):
+        self._run_of = self.writer.clamp(max=self.steps - 1)  # (b,Hs,B) the row of runs per slot
 
     @property
     def steps(self) -> int:
@@ -222,15 +225,14 @@ class _Batch:
         """The ranking values of state ``t`` ``(b, Hs, B)``; ``candidates``: step ``t``'s
         after its update and before its write."""
         if t == 0 and not candidates:
-            return torch.from_numpy(self.totals[:, :, 0])
+            return self.totals[:, :, 0]
         i = t if candidates else t - 1
         written = self.writer < i if candidates else self.writer <= i
-        run = np.take_along_axis(self.runs[..., i], np.minimum(self.writer, self.steps - 1), axis=2)
-        return torch.from_numpy(np.where(written, run, self.totals[:, :, i + 1]))
+        return torch.where(written, self.runs[..., i].gather(2, self._run_of), self.totals[:, :, i + 1])
 
     def positions(self, t: int) -> torch.Tensor:
         """The positions of state ``t`` ``(b, Hs, B)``."""
-        return torch.from_numpy(np.where(self.writer < t, self.start + self.writer, self.pos0)).to(self.dtype)
+        return torch.where(self.writer < t, self.start + self.writer, self.pos0).to(self.dtype)
 
 
 def batched(layer: Any, m: int) -> bool:
@@ -276,6 +278,8 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
     acc = layer.scores.dtype
     out = layer.scores.new_empty(qg.shape)  # in the scores' dtype, as the step's
     agg = layer.scores.new_empty(b, hs, m, cap + 1)
+    totals = np.empty((b, hs, m + 1, cap), sc0.dtype)  # (b,Hs,m+1,B) each slot's running sum per state
+    totals[:, :, 0] = sc0
     lo = 0  # rows before lo are exact already
     slots = (layer.keys, layer.values)
     rounds = 0
@@ -285,7 +289,8 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
         if lo < m:  # (lo == m: every row was exact, the last victim alone was re-selected)
             out[:, :, lo:], agg[:, :, lo:] = _rows(qg, slots, key, value, writer, lo, args.gqa, acc, logits)
         agg_np = agg.numpy()  # (b,Hs,m,B+1)
-        totals = np.cumsum(np.concatenate([sc0[:, :, None], agg_np[..., :cap]], 2), axis=2, dtype=sc0.dtype)
+        totals[:, :, 1:] = agg_np[..., :cap]
+        np.cumsum(totals, axis=2, out=totals)  # in place, in order: the steps' sums
         before = writer[:, :, None, :] < ar_m[:, None]  # (b,Hs,m,B) written before step i
         cand = elig & ~before
         s = np.where(cand, totals[:, :, 1:], np.finfo(sc0.dtype).max)
@@ -314,11 +319,11 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
         value,
         layer.keys.gather(2, idx),
         layer.values.gather(2, idx),
-        totals,
-        runs,
-        writer,
-        pos0_np,
-        start_np[..., 0],
+        torch.from_numpy(totals),
+        torch.from_numpy(runs),
+        torch.from_numpy(writer),
+        torch.from_numpy(pos0_np),
+        torch.from_numpy(start_np[..., 0]),
         pos0.dtype,
         pos0.gather(2, vic),
         steps[..., 0].expand(b, hs, m).to(pos0.dtype),
@@ -382,9 +387,10 @@ def _rough_totals(logits, cap: int, scores, gqa: str) -> np.ndarray:
     return (scores[:, :, None] + policy.aggregate_group(w, gqa, 3).cumsum(2)).numpy()
 
 
-#: per (dtype, device, G, d, m, B): whether :func:`_all_logits` gives each logit the bits of the
-#: decode step's block matmul (:func:`~h2o_lens.ops.block_logits`), checked on the first segment
-_SAME_LOGITS: dict[tuple, bool] = {}
+#: per (dtype, device, G, d, m, B): whether the rows' fast path (block logits gathered from
+#: :func:`_all_logits`, values in padded blocks for one matmul) gives the decode step's bits
+#: (:func:`~h2o_lens.ops.block_logits`, a matmul per block), checked on the first segment
+_FAST_ROWS: dict[tuple, bool] = {}
 
 
 def _first_guess(sc0: np.ndarray, elig: np.ndarray, rough: np.ndarray) -> np.ndarray:
@@ -404,9 +410,10 @@ def _first_guess(sc0: np.ndarray, elig: np.ndarray, rough: np.ndarray) -> np.nda
 def _writers(victims: np.ndarray, cap: int) -> np.ndarray:
     """``(b, Hs, B)`` the first step whose victim is each slot, ``m`` for none (a guess may
     name a slot twice; the later step then writes nothing, so the steps before it stay exact)."""
-    m = victims.shape[-1]
-    hit = victims[..., None] == np.arange(cap)  # (b,Hs,m,B)
-    return np.where(hit, np.arange(m)[:, None], m).min(2)
+    b, hs, m = victims.shape
+    first = np.full((b, hs, cap), m, np.int64)
+    np.minimum.at(first, (np.arange(b)[:, None, None], np.arange(hs)[:, None], victims), np.arange(m))
+    return first
 
 
 def _rows(qg, slots, key, value, writer: np.ndarray, lo: int, gqa: str, acc: torch.dtype, logits=None):
@@ -430,37 +437,30 @@ def _rows(qg, slots, key, value, writer: np.ndarray, lo: int, gqa: str, acc: tor
 
     # the written (row, slot) pairs: where in the rows' storage, and which token of the segment
     kv, row, slot = np.nonzero(written.reshape(b * hs, r, cap))
-    dst = torch.from_numpy((kv * r + row) * cap + slot)
+    at = kv * r + row
     tok = torch.from_numpy(kv * m + writer.reshape(b * hs, cap)[kv, slot])
 
-    def storage(init, own):
-        t = init[:, :, None].expand(b, hs, r, cap, d).clone()
-        t.view(-1, d).index_copy_(0, dst, own.reshape(-1, d).index_select(0, tok))
-        return t.view(b, hs * r, cap, d)
+    def storage(init, own, width):  # (b, Hs·r, width, d): the padding past cap is zero
+        t = init.new_empty(b, hs, r, width, d)
+        t[:, :, :, :cap] = init[:, :, None]
+        t[:, :, :, cap:] = 0
+        t.view(-1, d).index_copy_(0, torch.from_numpy(at * width + slot), own.reshape(-1, d).index_select(0, tok))
+        return t.view(b, hs * r, width, d)
 
-    values = storage(slots[1], value)
-    block = None
+    own = (key[:, :, lo:].reshape(b, hs * r, d), value[:, :, lo:].reshape(b, hs * r, d))
     key_id = (qg.dtype, qg.device, g, d, m, cap)
-    if logits is not None and _SAME_LOGITS.get(key_id, True):
+    if logits is None or not _FAST_ROWS.get(key_id, True):
+        res = ops.attend_rows(q, storage(slots[0], key, cap), storage(slots[1], value, cap), *own, acc)
+    else:  # the block logits by one gather, the values in padded blocks for one matmul
         src = logits[:, :, lo:, None].expand(b, hs, r, n, g, cap + m)
         block = src.gather(5, idx.view(b, hs, r, n, 1, K).expand(b, hs, r, n, g, K))
-        block = block.view(b, hs * r, n, g, K).to(acc)
-        if key_id not in _SAME_LOGITS:
-            exact = ops.block_logits(q, storage(slots[0], key), acc)
-            padded = block.clone()
-            padded[:, :, -1, :, cap - (n - 1) * K :] = 0  # the padding is 0 in the block matmul's
-            _SAME_LOGITS[key_id] = torch.equal(exact, padded)
-            block = block if _SAME_LOGITS[key_id] else exact
-    keys = storage(slots[0], key) if block is None else None
-    out, weights = ops.attend_rows(
-        q,
-        keys,
-        values,
-        key[:, :, lo:].reshape(b, hs * r, d),
-        value[:, :, lo:].reshape(b, hs * r, d),
-        acc,
-        logits=block,
-    )
+        values = storage(slots[1], value, n * K).view(b, hs * r, n, K, d)
+        res = ops.attend_rows(q, None, values, *own, acc, logits=block.view(b, hs * r, n, g, K).to(acc), cap=cap)
+        if key_id not in _FAST_ROWS:
+            exact = ops.attend_rows(q, storage(slots[0], key, cap), storage(slots[1], value, cap), *own, acc)
+            _FAST_ROWS[key_id] = all(torch.equal(x, y) for x, y in zip(res, exact))
+            res = res if _FAST_ROWS[key_id] else exact
+    out, weights = res
     return out.view(b, hs, r, g, d), policy.aggregate_group(weights, gqa, 2).view(b, hs, r, cap + 1)
 
 
@@ -468,8 +468,9 @@ def _slot_runs(agg: np.ndarray, victims: np.ndarray, dtype) -> np.ndarray:
     """``(b, Hs, m, m)`` ``[k, i]``: after step ``i``'s update (``i ≥ k``), the ranking value of
     the slot step ``k`` wrote, as the steps one by one compute it: the sum restarts from the
     weight its token gave itself (garbage for ``i < k``)."""
-    m, cap = agg.shape[2], agg.shape[3] - 1
-    after = np.take_along_axis(agg[..., :cap], victims[:, :, None, :], axis=3)  # (b,Hs,i,k) agg[i, v_k]
+    b, hs, m, cap = agg.shape[0], agg.shape[1], agg.shape[2], agg.shape[3] - 1
+    vic = torch.from_numpy(victims)[:, :, None, :].expand(b, hs, m, m)
+    after = torch.from_numpy(agg).gather(3, vic).numpy()  # (b,Hs,i,k) agg[i, v_k]
     ar = np.arange(m)
     k, i = ar[:, None], ar[None, :]
     seq = np.where(i > k, after.transpose(0, 1, 3, 2), 0)  # (b,Hs,k,i)

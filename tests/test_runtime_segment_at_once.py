@@ -135,7 +135,7 @@ def test_row_logits_come_from_one_matmul_only_where_it_gives_the_step_bits(name,
     run; ``perturbed``: the one matmul is made slightly wrong, the check says no and the result
     is still exact."""
     verdicts = _Never() if logits == "blocks" else {}
-    monkeypatch.setattr(speculative, "_SAME_LOGITS", verdicts)
+    monkeypatch.setattr(speculative, "_FAST_ROWS", verdicts)
     if logits == "perturbed":
         one = speculative._all_logits
         monkeypatch.setattr(speculative, "_all_logits", lambda *a: one(*a) * (1 + 1e-2))
