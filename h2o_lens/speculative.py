@@ -426,26 +426,18 @@ def _rows(qg, slots, key, value, writer: np.ndarray, lo: int, gqa: str, acc: tor
     cap = writer.shape[-1]
     r = m - lo
     n, K = -(-cap // ops.DECODE_BLOCK), ops.DECODE_BLOCK
-    # (b,Hs,r,n·K) where each row finds each slot's key among the initial slots and the segment's
-    # tokens (a slot written before the row: cap + its step); the last block's padding points
-    # anywhere (the attention overwrites its logits)
-    idx = np.zeros((b, hs, r, n * K), np.int64)
+    # (b,Hs,r,n·K) where each row finds each slot among the initial slots, the segment's tokens
+    # (a slot written before the row: cap + its step) and a zero row (the last block's padding)
+    idx = np.full((b, hs, r, n * K), cap + m, np.int64)
     written = writer[:, :, None, :] < np.arange(lo, m)[:, None]
     idx[..., :cap] = np.where(written, cap + writer[:, :, None, :], np.arange(cap))
-    idx = torch.from_numpy(idx)
+    base = (np.arange(b * hs) * (cap + m + 1)).reshape(b, hs, 1, 1)
     q = qg[:, :, lo:].reshape(b, hs * r, g, d)
 
-    # the written (row, slot) pairs: where in the rows' storage, and which token of the segment
-    kv, row, slot = np.nonzero(written.reshape(b * hs, r, cap))
-    at = kv * r + row
-    tok = torch.from_numpy(kv * m + writer.reshape(b * hs, cap)[kv, slot])
-
-    def storage(init, own, width):  # (b, Hs·r, width, d): the padding past cap is zero
-        t = init.new_empty(b, hs, r, width, d)
-        t[:, :, :, :cap] = init[:, :, None]
-        t[:, :, :, cap:] = 0
-        t.view(-1, d).index_copy_(0, torch.from_numpy(at * width + slot), own.reshape(-1, d).index_select(0, tok))
-        return t.view(b, hs * r, width, d)
+    def storage(init, own, width):  # (b, Hs·r, width, d): each row's slots, then zeros up to width
+        src = torch.cat([init, own, init.new_zeros(b, hs, 1, d)], 2).view(-1, d)
+        at = torch.from_numpy((idx[..., :width] + base).reshape(-1))
+        return src.index_select(0, at).view(b, hs * r, width, d)
 
     own = (key[:, :, lo:].reshape(b, hs * r, d), value[:, :, lo:].reshape(b, hs * r, d))
     key_id = (qg.dtype, qg.device, g, d, m, cap)
@@ -453,7 +445,8 @@ def _rows(qg, slots, key, value, writer: np.ndarray, lo: int, gqa: str, acc: tor
         res = ops.attend_rows(q, storage(slots[0], key, cap), storage(slots[1], value, cap), *own, acc)
     else:  # the block logits by one gather, the values in padded blocks for one matmul
         src = logits[:, :, lo:, None].expand(b, hs, r, n, g, cap + m)
-        block = src.gather(5, idx.view(b, hs, r, n, 1, K).expand(b, hs, r, n, g, K))
+        at = torch.from_numpy(np.minimum(idx, cap + m - 1))  # the padding: any column (overwritten)
+        block = src.gather(5, at.view(b, hs, r, n, 1, K).expand(b, hs, r, n, g, K))
         values = storage(slots[1], value, n * K).view(b, hs * r, n, K, d)
         res = ops.attend_rows(q, None, values, *own, acc, logits=block.view(b, hs * r, n, g, K).to(acc), cap=cap)
         if key_id not in _FAST_ROWS:
