@@ -221,14 +221,15 @@ class _Batch:
     def steps(self) -> int:
         return self.victims.shape[-1]
 
-    def scores(self, t: int, candidates: bool = False) -> torch.Tensor:
-        """The ranking values of state ``t`` ``(b, Hs, B)``; ``candidates``: step ``t``'s
-        after its update and before its write."""
+    def scores(self, t: int, candidates: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ranking values of state ``t`` ``(b, Hs, B)`` (written into ``out`` if given);
+        ``candidates``: step ``t``'s after its update and before its write."""
         if t == 0 and not candidates:
-            return self.totals[:, :, 0]
+            return self.totals[:, :, 0] if out is None else out.copy_(self.totals[:, :, 0])
         i = t if candidates else t - 1
         written = self.writer < i if candidates else self.writer <= i
-        return torch.where(written, self.runs[..., i].gather(2, self._run_of), self.totals[:, :, i + 1])
+        run = self.runs[..., i].gather(2, self._run_of)
+        return torch.where(written, run, self.totals[:, :, i + 1], out=out)
 
     def positions(self, t: int) -> torch.Tensor:
         """The positions of state ``t`` ``(b, Hs, B)``."""
@@ -484,6 +485,6 @@ def _apply(layer: Any, batch: _Batch, t: int, scores_of: int | None = None) -> N
         layer.keys.scatter_(2, idx, (batch.key if forward else batch.old_key)[:, :, lo:hi])
         layer.values.scatter_(2, idx, (batch.value if forward else batch.old_value)[:, :, lo:hi])
         layer.positions.scatter_(2, vic, (batch.new_pos if forward else batch.old_pos)[:, :, lo:hi])
-    layer.scores.copy_(batch.scores(t if scores_of is None else scores_of))
+    batch.scores(t if scores_of is None else scores_of, out=layer.scores)
     layer.next_pos = layer.next_pos + (t - a)
     batch.applied = t
