@@ -889,5 +889,5 @@ def bench_assistant(
             f"differently ({calls[ways[3]]} against {calls[ways[1]]} forwards): the ratio mixes H2O's answer with "
             "the runtime (DESIGN.md §14.1); a larger --keep gives both the same tokens"
         )
-    print(f"H2O keeps {h2o_up / full_up:.2f} of the full cache's speed-up (target >= 0.90)")
+    print(f"H2O keeps {h2o_up / full_up:.3f} of the full cache's speed-up (target >= 0.90)")
     return 0
