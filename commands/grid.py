@@ -367,7 +367,9 @@ def cell_state(root: str | os.PathLike, run_id: str, replay: bool) -> tuple[str,
 # -- running -----------------------------------------------------------------------------------
 
 
-def _record_cell(root: Path, cell: Cell, tasks: Sequence[Any], model: Any, tokenizer: Any, grid: Grid) -> None:
+def _record_cell(root: Path, cell: Cell, tasks: Sequence[Any], model: Any, tokenizer: Any, grid: Grid) -> dict:
+    """Record one cell's batch; returns its requests' prompt passes when the grid replays
+    (handed to the replay so that it does not forward the prompts again, DESIGN.md §6.1)."""
     import torch
 
     from recorders.recorder import record
@@ -406,9 +408,11 @@ def _record_cell(root: Path, cell: Cell, tasks: Sequence[Any], model: Any, token
             info=info,
             annotate=annotate,
             run_id=cell.run_id,
-        ),
+            keep_prompt_pass=grid.replay,
+        ) as rec,
     ):
         model.generate(**enc, max_new_tokens=cell.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return rec.prompt_passes or {}
 
 
 @dataclass
@@ -446,16 +450,17 @@ def run_cell(
             out.seconds = time.perf_counter() - t0
             return out
         try:
+            passes = None
             if state != "unreplayed":
                 if state != "todo":  # failed, or left by a killed writer: start the cell afresh
                     shutil.rmtree(root / cell.run_id)
                     out.redone = True
                 t1 = time.perf_counter()
-                _record_cell(root, cell, tasks, model, tokenizer, grid)
+                passes = _record_cell(root, cell, tasks, model, tokenizer, grid)
                 out.record_seconds = time.perf_counter() - t1
             if grid.replay:
                 t1 = time.perf_counter()
-                replay_run(root / cell.run_id, model=model, progress=False)
+                replay_run(root / cell.run_id, model=model, progress=False, prompt_passes=passes)
                 out.replay_seconds = time.perf_counter() - t1
         except Exception as exc:
             out.outcome, out.error = "failed", f"{type(exc).__name__}: {exc}"

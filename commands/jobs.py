@@ -116,11 +116,12 @@ def run_task(
             info=info,
             annotate=annotate,
             run_id=run_id,
+            keep_prompt_pass=replay,
         ) as run,
     ):
         model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     if replay:
-        replay_run(run.run_dir, model=model, progress=False)
+        replay_run(run.run_dir, model=model, progress=False, prompt_passes=run.prompt_passes)
     return TaskRun(
         task.name,
         config.policy,

@@ -11,6 +11,7 @@ the kwargs dict that the attention modules pass on (DESIGN.md §3).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -272,11 +273,21 @@ class H2OCacheLayer(CacheLayerMixin):
                 scores = prefill_scores_triton(query.contiguous(), key.contiguous(), valid, scaling, gqa)
         else:
             out, scores = ops.prefill_attention(query, key, value, valid, scaling, gqa, chunk=owner.prefill_chunk)
+            if owner.prompt_sink is not None:
+                self._hand_on_prompt(query, key, value, scores, valid)
             if spec.prefill != "columns":
                 scores = None
         rows = ops.prefill_rows(query, key, valid, scaling, gqa, spec.prefill_rows) if spec.prefill == "rows" else None
         self._keep_prompt(query, key, value, valid, scores, rows)
         return out
+
+    def _hand_on_prompt(self, query, key, value, scores, valid) -> None:
+        """Give the prompt sink this layer's prompt K/V and column sums when they have the bits
+        of a replay's prompt forward: the row-by-row CPU path with the replay's row blocks."""
+        owner = self.owner
+        if owner.prefill_chunk >= ops.COLUMN_ROWS and ops.prefill_rowwise(query, valid):
+            step = owner.group if owner.config.gqa == "none" else 1  # the K/V were repeated per query head
+            owner.prompt_sink(self.layer_idx, key[:, ::step], value[:, ::step], scores, valid)
 
     def _keep_prompt(self, query, key, value, valid, scores, rows) -> None:
         """Apply the policy's prefill keep rule to a whole prompt and lay the kept positions into slots.
@@ -666,6 +677,10 @@ class H2OCache(Cache):
         #: the recorder's request of each batch row (None until a recorder names them); moves with the rows
         self.request_ids: list[int] | None = None
         self.sharing: str | None = None  # "prefix" while a shared prefix is being computed (DESIGN.md §15.4)
+        #: called per layer by a plain prefill on the CPU row-by-row path with ``(layer, key, value,
+        #: scores, valid)``: the prompt's K/V (one set per KV head) and column sums, the bits a
+        #: replay's prompt pass computes (DESIGN.md §6.1); None: nothing is handed on
+        self.prompt_sink: Callable[..., None] | None = None
         super().__init__(layers=[H2OCacheLayer(self, i) for i in range(n_layers)])
 
     @property

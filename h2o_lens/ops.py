@@ -21,6 +21,7 @@ from .errors import ConfigError
 __all__ = [
     "PolicyArgs",
     "prefill_attention",
+    "prefill_rowwise",
     "prefill_rows",
     "prefill_scores",
     "random_scores",
@@ -123,6 +124,13 @@ def prefill_attention(
     if not need_scores:  # the scores come from elsewhere (the Triton kernel): a fused attention
         return _prefill_sdpa(query, key, value, valid, scaling, SDPA_BLOCK_ROWS), None
     return _prefill_masked(query, key, value, valid, scaling, gqa, chunk)
+
+
+def prefill_rowwise(query: torch.Tensor, valid: torch.Tensor | None) -> bool:
+    """Whether :func:`prefill_attention` runs each row alone on the CPU flash path, so that a
+    request's output and column sums have the bits of its prompt forwarded alone, unpadded."""
+    cpu = query.device.type == "cpu" and query.dtype in _FLASH_CPU_DTYPES
+    return cpu and (valid is None or _contiguous_spans(valid) is not None)
 
 
 def _prefill_masked(query, key, value, valid, scaling, gqa, chunk):

@@ -53,6 +53,7 @@ from h2o_lens.runtime import H2OSession, h2o
 from h2o_lens.speculative import SegmentEvent
 
 from .errors import RecorderError
+from .prompt_pass import PromptPass, PromptSink
 from .run import RunWriter
 
 __all__ = ["record", "record_teacher_forced", "Recording", "EvidenceSpec", "locate_evidence"]
@@ -290,6 +291,9 @@ class Recording:
         self.budgets: list[H2OConfig] = []  # the budget of each request, resolved on its own prompt
         self._reqs: dict[int, dict[str, Any]] = {}  # request -> tokens written so far and its requests row
         self.state_events: list[dict[str, Any]] = []  # saves, restores, cancels, reorders, prefix copies
+        #: request -> its prompt pass, for the replay (``record(..., keep_prompt_pass=True)``, DESIGN.md §6.1)
+        self.prompt_passes: dict[int, PromptPass] | None = None
+        self._prompt_sink: PromptSink | None = None
 
     @property
     def run_id(self) -> str:
@@ -593,12 +597,20 @@ class Recording:
         timer.start()
         hook = self.model.register_forward_pre_hook(watch, with_kwargs=True)
         self._watch = watch
+        head_hook = None
+        if self.prompt_passes is not None and cache is not None and continued is None:
+            self._prompt_sink = cache.prompt_sink = PromptSink()
+            head_hook = self.model.get_output_embeddings().register_forward_hook(self._prompt_sink.on_head)
         try:
             out = original(*args, **kwargs)
             self.flush()
         finally:
             hook.remove()
             self._watch = None
+            if cache is not None:
+                cache.prompt_sink = None
+            if head_hook is not None:
+                head_hook.remove()
         self.step_times.extend(timer.decode_steps())
         if timer.prefill is not None:
             self.prefill_seconds.append(timer.prefill)
@@ -621,12 +633,26 @@ class Recording:
         self._write_tokens(
             watch.input_ids, watch.prompt_mask(), out, samples=rows // input_ids.shape[0], eos=_eos_ids(gen_config)
         )
+        if self._prompt_sink is not None:
+            self._keep_prompt_passes(watch.input_ids, watch.prompt_mask(), out)
         self._request_base += rows
         self._prompt_base += input_ids.shape[0]
         self.generations += 1
         if not want_logits:
             out.logits = None
         return out if want_dict else out.sequences
+
+    def _keep_prompt_passes(self, input_ids: torch.Tensor, mask: torch.Tensor | None, out: Any) -> None:
+        """Cut the prefill the sink heard into one :class:`PromptPass` per new request."""
+        sink, self._prompt_sink = self._prompt_sink, None
+        ids = input_ids.cpu()
+        valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.cpu().bool()
+        rows = {r: ids[r][valid[r]].tolist() for r in range(ids.shape[0])}
+        first = out.logits[0] if out.logits else None  # (rows, vocab): the prefill's last position
+        layers = len(self.session.last_cache.layers)
+        head = self.model.get_output_embeddings()
+        for r, prompt_pass in sink.passes(rows, first, head, layers).items():
+            self.prompt_passes[self._request_base + r] = prompt_pass
 
     def force(
         self, prompt_ids: Sequence[int], new_ids: Sequence[int], evidence_labels: Sequence[str | None] | None = None
@@ -844,6 +870,7 @@ def record(
     rows_per_segment: int | None = None,
     annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None,
     speculative: str = "rollback",
+    keep_prompt_pass: bool = False,
     **options: Any,
 ) -> Iterator[Recording]:
     """Record every eviction of the ``model.generate`` calls inside the block.
@@ -868,6 +895,10 @@ def record(
     speculative : how assisted or speculative decoding takes a rejected draft back,
         ``rollback`` or ``defer``; its segments go to ``spec_segments`` and
         ``spec_undone``, never to ``evictions`` (DESIGN.md §14)
+    keep_prompt_pass : keep each request's prompt pass (its K/V per layer, column sums and
+        first logits, as a replay computes them) in ``Recording.prompt_passes`` for
+        ``replay(..., prompt_passes=...)``, which then skips the prompt forward (DESIGN.md §6.1);
+        held in memory, about 2 × layers × KV heads × head dim × prompt length values a request
 
     On an exception inside the block the run is marked ``failed`` with the
     error, and the model is restored; the exception propagates.
@@ -890,6 +921,7 @@ def record(
     )
     rec = Recording(writer, config, tokenizer, evidence, prompts, flush_every, model)
     rec.annotate = annotate
+    rec.prompt_passes = {} if keep_prompt_pass else None
     writer.start()
     try:
         with h2o(model, config, listener=rec, speculative=speculative) as session:

@@ -54,6 +54,7 @@ import contextlib
 import functools
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ from h2o_lens.ops import prefill_attention
 from .errors import RecorderError
 from .eviction_steps import evict_steps
 from .manifest import read_manifest, write_manifest
+from .prompt_pass import PromptPass
 from .segments import SegmentWriter, list_segments
 from .store import load_run
 
@@ -366,13 +368,22 @@ def _request_tokens(run: _Run, request: int) -> tuple[np.ndarray, int, int]:
     return ids, p, len(ids) - 1  # the last generated token was never fed to the model
 
 
-def _forward(model, state: _State, ids: np.ndarray, p: int, n: int, bar) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher and masked logits ``(T, vocab)`` of rows ``P-1 .. N-1``; the prompt is forwarded once."""
+def _forward(
+    model, state: _State, ids: np.ndarray, p: int, n: int, bar, prompt_pass: PromptPass | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher and masked logits ``(T, vocab)`` of rows ``P-1 .. N-1``; the prompt is forwarded
+    once, or not at all when the recording handed its ``prompt_pass`` on (DESIGN.md §6.1)."""
     x = torch.as_tensor(ids[:n], dtype=torch.long)[None]
     # the prompt rows are identical in both runs (full attention): forward them once
-    state.mode = "prompt"
     cache = DynamicCache(config=model.config)
-    first = model(input_ids=x[:, :p], cache=cache, use_cache=True, logits_to_keep=1).logits[0].float()
+    if prompt_pass is not None:
+        for layer, (key, value) in enumerate(zip(prompt_pass.keys, prompt_pass.values)):
+            cache.update(key, value, layer)
+        state.prompt_cols.update(enumerate(prompt_pass.cols))
+        first = prompt_pass.first
+    else:
+        state.mode = "prompt"
+        first = model(input_ids=x[:, :p], cache=cache, use_cache=True, logits_to_keep=1).logits[0].float()
     teacher, masked = first, first
     if n > p:
         state.mode = "teacher"
@@ -445,7 +456,9 @@ def _replay_rows(rows: _Rows, request: int, steps: np.ndarray, state: _State, sh
         rows.replay["dropped_mass"].append(dm.reshape(-1))
 
 
-def _replay_request(model, run: _Run, shape: _Shape, state: _State, rows: _Rows, request: int, bar) -> None:
+def _replay_request(
+    model, run: _Run, shape: _Shape, state: _State, rows: _Rows, request: int, bar, prompt_pass=None
+) -> None:
     """Both forwards of one request and its rows."""
     ids, p, n = _request_tokens(run, request)
     if n < p:
@@ -453,7 +466,9 @@ def _replay_request(model, run: _Run, shape: _Shape, state: _State, rows: _Rows,
     for per_layer in (state.dropped, state.prompt_cols, state.before, state.after):
         per_layer.clear()
     state.evict = _request_evict_steps(run.ev, request, shape.layers, shape.sets, n, shape.gqa_none)
-    teacher, masked = _forward(model, state, ids, p, n, bar)
+    if prompt_pass is not None and not prompt_pass.fits(tuple(ids[:p].tolist()), shape.layers, shape.hkv, model.dtype):
+        prompt_pass = None  # not this request's prompt: forward it
+    teacher, masked = _forward(model, state, ids, p, n, bar, prompt_pass)
     steps = _step_rows(rows, request, ids, p, teacher, masked)
     # implementation check against the logits the run itself produced
     _check_implementation(rows, run.logits, request, p, masked)
@@ -525,6 +540,7 @@ def replay(
     chunk: int = 512,
     progress: bool = True,
     backend: str = "auto",
+    prompt_passes: Mapping[int, PromptPass] | None = None,
 ) -> ReplaySummary:
     """Replay one recorded run (see the module docstring) and write its replay tables.
 
@@ -537,6 +553,8 @@ def replay(
     chunk : query rows per block of the torch path (memory is O(chunk · N) per layer)
     backend : "auto" (the Triton replay kernels on CUDA, else torch), "torch" or "triton"
         for the dropped mass and the oracle columns; the one used goes into the manifest
+    prompt_passes : request -> its prompt pass from the recording (``record(...,
+        keep_prompt_pass=True)``, DESIGN.md §6.1): that request's prompt is not forwarded again
     """
     from tqdm.auto import tqdm
 
@@ -549,7 +567,8 @@ def replay(
     bar = tqdm(total=2 * len(run.requests), desc=f"replay {run.run_id}", disable=not progress, unit="forward")
     with torch.no_grad(), _replay_attention(model, state):
         for request in run.requests:
-            _replay_request(model, run, shape, state, rows, request, bar)
+            passed = (prompt_passes or {}).get(request)
+            _replay_request(model, run, shape, state, rows, request, bar, passed)
     bar.close()
     _write_tables(run_dir, run, rows, shape.gqa_none)
     summary = _summarize(run, model, rows, tolerance, time.perf_counter() - t0)

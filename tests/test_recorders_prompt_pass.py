@@ -1,0 +1,99 @@
+"""A replay started from the recording's prompt pass equals one that forwards the prompt (DESIGN.md §6.1).
+
+The recording keeps each request's prompt K/V, column sums and first logits; the replay then
+skips its prompt forward. Every replay table and the implementation check must come out with the
+same bits either way, for a single request and for a left-padded batch of unequal prompts.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from tiny import tiny_model
+
+import recorders
+from h2o_lens import H2OConfig
+from recorders.prompt_pass import PromptPass
+from recorders.replay import replay
+from recorders.store import load_run
+
+TABLES = ("replay", "replay_steps", "oracle")
+
+
+def _prompts(batch: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    lengths = [21] if batch == "single" else [21, 13, 17]
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for r, n in enumerate(lengths):  # left padding
+        ids[r, width - n :] = torch.randint(3, 250, (n,), generator=g)
+        mask[r, width - n :] = 1
+    return ids, mask
+
+
+def _replayed(run_dir, model, passes) -> tuple[dict[str, pd.DataFrame], int, float]:
+    """The replay tables, the model forwards the replay ran and its largest logit difference."""
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        summary = replay(run_dir, model=model, progress=False, prompt_passes=passes)
+    finally:
+        hook.remove()
+    run = load_run(run_dir, tables=TABLES)
+    tables = {t: run[t].to_pandas().sort_values(list(run[t].column_names)).reset_index(drop=True) for t in TABLES}
+    return tables, len(calls), summary.max_logit_diff
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gqa", ["sum", "max", "none"])
+@pytest.mark.parametrize("batch", ["single", "padded"])
+def test_replay_from_the_prompt_pass_has_the_bits_of_the_forwarded_prompt(tmp_path, batch, gqa, dtype):
+    model = tiny_model("llama", layers=3).to(dtype)
+    ids, mask = _prompts(batch)
+    cfg = H2OConfig(heavy=4, recent=4, gqa=gqa)
+    with recorders.record(model, cfg, out=tmp_path, fsync=False, keep_prompt_pass=True) as rec:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    passes = rec.prompt_passes
+    assert sorted(passes) == list(range(len(ids)))
+    for r, prompt_pass in passes.items():
+        assert prompt_pass.ids == tuple(ids[r][mask[r].bool()].tolist())
+        assert prompt_pass.keys[0].shape == (1, 2, int(mask[r].sum()), 16)
+
+    forwarded, calls_forwarded, diff_forwarded = _replayed(rec.run_dir, model, None)
+    handed, calls_handed, diff_handed = _replayed(rec.run_dir, model, passes)
+    assert calls_forwarded == 3 * len(ids) and calls_handed == 2 * len(ids)  # no prompt forward
+    assert diff_handed == diff_forwarded
+    for t in TABLES:
+        assert len(forwarded[t]), t
+        pd.testing.assert_frame_equal(handed[t], forwarded[t], check_exact=True, obj=t)
+
+
+def test_a_prompt_pass_of_another_prompt_is_not_used(tmp_path):
+    """A pass whose tokens, layers or dtype do not match its request is ignored (the prompt is forwarded)."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = _prompts("single")
+    with recorders.record(model, H2OConfig(heavy=4, recent=4), out=tmp_path, fsync=False, keep_prompt_pass=True) as rec:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    good = rec.prompt_passes[0]
+    forwarded, _, _ = _replayed(rec.run_dir, model, None)
+    wrong = {
+        "tokens": PromptPass((7, *good.ids[1:]), good.keys, good.values, good.cols, good.first),
+        "layers": PromptPass(good.ids, good.keys[:1], good.values[:1], good.cols[:1], good.first),
+        "dtype": PromptPass(good.ids, [k.double() for k in good.keys], good.values, good.cols, good.first),
+    }
+    for name, bad in wrong.items():
+        tables, calls, _ = _replayed(rec.run_dir, model, {0: bad})
+        assert calls == 3, name
+        for t in TABLES:
+            pd.testing.assert_frame_equal(tables[t], forwarded[t], check_exact=True, obj=f"{name}: {t}")
+
+
+def test_no_prompt_pass_is_kept_unless_asked(tmp_path):
+    model = tiny_model("llama", layers=2)
+    ids, mask = _prompts("single")
+    with recorders.record(model, H2OConfig(heavy=4, recent=4), out=tmp_path, fsync=False) as rec:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert rec.prompt_passes is None
+    assert rec.session.last_cache.prompt_sink is None
