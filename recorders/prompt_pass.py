@@ -3,12 +3,13 @@
 The replay starts each request with a full-attention forward of its prompt: the keys and
 values of every layer, the column sums of the prompt rows' weights and the logits of the
 last prompt row. The recording's prefill has just computed the same things: H2O's prefill
-attends fully, and on the CPU row-by-row path (:func:`h2o_lens.ops.prefill_rowwise`) a
-request's prompt has the bits of its prompt forwarded alone. ``record(...,
-keep_prompt_pass=True)`` keeps them per request, and ``replay(..., prompt_passes=...)``
-starts from them instead of forwarding the prompt again. A pass that does not match the
-request (other prompt tokens, layer count, KV heads or dtype) is ignored: the replay then
-forwards the prompt itself.
+attends fully, with the replay's attention function on the CPU row-by-row path
+(:func:`h2o_lens.ops.prefill_rowwise`). ``record(..., keep_prompt_pass=True)`` keeps them per
+request, and ``replay(..., prompt_passes=...)`` starts from them instead of forwarding the
+prompt again: the same bits for a request recorded alone; in a padded batch, the prompt states
+the run itself attended to (see DESIGN.md §6.1 for when they differ from the prompt alone). A
+pass that does not match the request (other prompt tokens, layer count, KV heads or dtype) is
+ignored: the replay then forwards the prompt itself.
 """
 
 from __future__ import annotations

@@ -133,6 +133,7 @@ class ReplaySummary:
     mean_dropped_mass: float
     seconds: float
     tolerance: float = DEFAULT_TOLERANCE
+    prompts_from_run: int = 0  # requests started from the recording's prompt pass (DESIGN.md §6.1)
 
 
 class _State:
@@ -309,6 +310,7 @@ class _Rows:
             k: [] for k in ("request", "step", "kl", "top1_agree", "teacher_logprob")
         }
         self.max_diff, self.n_steps, self.logit_scale = 0.0, 0, 0.0
+        self.prompts_from_run = 0
 
 
 def _cat(rows: dict[str, list[np.ndarray]]) -> dict[str, np.ndarray]:
@@ -468,6 +470,7 @@ def _replay_request(
     state.evict = _request_evict_steps(run.ev, request, shape.layers, shape.sets, n, shape.gqa_none)
     if prompt_pass is not None and not prompt_pass.fits(tuple(ids[:p].tolist()), shape.layers, shape.hkv, model.dtype):
         prompt_pass = None  # not this request's prompt: forward it
+    rows.prompts_from_run += prompt_pass is not None
     teacher, masked = _forward(model, state, ids, p, n, bar, prompt_pass)
     steps = _step_rows(rows, request, ids, p, teacher, masked)
     # implementation check against the logits the run itself produced
@@ -513,6 +516,7 @@ def _summarize(run: _Run, model, rows: _Rows, tolerance: float | None, seconds: 
         else 0.0,
         seconds=seconds,
         tolerance=tolerance,
+        prompts_from_run=rows.prompts_from_run,
     )
 
 
@@ -528,6 +532,7 @@ def _update_manifest(run_dir: Path, summary: ReplaySummary, backend: str) -> Non
         "mean_dropped_mass": summary.mean_dropped_mass,
         "seconds": summary.seconds,
         "backend": backend,
+        "prompts_from_run": summary.prompts_from_run,
     }
     write_manifest(run_dir, manifest)
 

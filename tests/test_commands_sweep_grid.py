@@ -399,3 +399,33 @@ def test_tasks_option_takes_a_spec_or_the_earlier_count(task_file):
         _task_source("0", None, "builtin:demo")
     with pytest.raises(ConfigError, match="keep one"):
         _task_source("2", 3, "builtin:demo")
+
+
+def test_a_sweeps_replay_starts_each_request_from_its_recordings_prompt_pass(tiny_dir, task_file, tmp_path):
+    """Every request of an evicting cell is replayed from the prompt pass its recording handed on
+    (DESIGN.md §6.1); the full-cache cell has no H2O prefill to take it from and forwards its prompts."""
+    from commands.jobs import sweep
+    from h2o_lens.models import load_model
+    from h2o_lens.tasks.taskfile import resolve_tasks
+
+    model, tok = load_model(tiny_dir, dtype=torch.float32, progress=False)
+    tasks = resolve_tasks(str(task_file))
+    sweep(
+        tmp_path,
+        batch_size=4,
+        tasks=tasks,
+        tasks_spec=str(task_file),
+        model=model,
+        tokenizer=tok,
+        ratios=(1.0, 0.5),
+        policies=(("h2o", "sum"),),
+        replay=True,
+        progress=False,
+    )
+    seen = {}
+    for manifest_path in tmp_path.glob("cell-*/manifest.json"):
+        manifest = json.loads(manifest_path.read_text())
+        seen.setdefault(manifest["policy"], []).append((manifest["replay"]["prompts_from_run"], manifest["requests"]))
+    assert sorted(seen) == ["full", "h2o"] and len(seen["h2o"]) == 2
+    assert all(handed == requests for handed, requests in seen["h2o"]), seen
+    assert all(handed == 0 for handed, _ in seen["full"]), seen
