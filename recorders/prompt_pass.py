@@ -6,10 +6,10 @@ last prompt row. The recording's prefill has just computed the same things: H2O'
 attends fully, with the replay's attention function on the CPU row-by-row path
 (:func:`h2o_lens.ops.prefill_rowwise`). ``record(..., keep_prompt_pass=True)`` keeps them per
 request, and ``replay(..., prompt_passes=...)`` starts from them instead of forwarding the
-prompt again: the same bits for a request recorded alone; in a padded batch, the prompt states
-the run itself attended to (see DESIGN.md §6.1 for when they differ from the prompt alone). A
-pass that does not match the request (other prompt tokens, layer count, KV heads or dtype) is
-ignored: the replay then forwards the prompt itself.
+prompt again. A replay from the run folder alone computes the same bits: it forwards a request
+recorded alone alone, and the prompts of a batch again as the same padded batch (the manifest's
+``prefill_batches``, which :class:`PromptSink` tells the recorder about). A pass that does not
+match the request (other prompt tokens, layer count, KV heads or dtype) is ignored.
 """
 
 from __future__ import annotations
@@ -53,47 +53,47 @@ class PromptPass:
 
 
 class PromptSink:
-    """Receives the prefill's per-layer K/V and column sums (``H2OCache.prompt_sink``) and the
-    output head's first call, and cuts them into one :class:`PromptPass` per batch row."""
+    """Hears a generate call's prefill: per layer the prompt K/V and column sums when the layer
+    ran on the row-by-row path (``H2OCache.prompt_sink``), and the output head's first call.
+    Tells whether a replay can compute the same prompt states (:meth:`complete`) and, when asked
+    to ``keep`` them, cuts them into one :class:`PromptPass` per batch row."""
 
-    def __init__(self):
+    def __init__(self, keep: bool):
+        self.keep = keep
         #: layer -> per batch row (key, value, cols) of the row's own positions, copied out of the
         #: batch at once, so the batch's prompt K/V are not held through the generation
         self.layers: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        self.head_in: torch.Tensor | None = None  # (rows, 1, hidden) the last prompt positions
-        self.head_out: torch.Tensor | None = None
-        self.head_calls = 0
+        self.masked = False  # the prefill had a padding mask (each row cut to its span)
+        self.head_width: int | None = None  # positions the output head computed at the prefill
 
     def __call__(self, layer: int, key, value, scores, valid) -> None:
+        self.masked = valid is not None
         rows = []
-        for r in range(key.shape[0]):
+        for r in range(key.shape[0] if self.keep else 0):
             span = slice(None) if valid is None else valid[r].nonzero()[:, 0]
             own = key[r : r + 1, :, span], value[r : r + 1, :, span], scores[r][:, span]
             rows.append(tuple(t.clone() for t in own))
         self.layers[layer] = rows
 
     def on_head(self, module, args, output) -> None:
-        """Forward hook of the output head: its input and logits at the prefill."""
-        self.head_calls += 1
-        if self.head_calls == 1:
-            self.head_in, self.head_out = args[0], output
+        """Forward hook of the output head: how many positions the prefill put through it."""
+        if self.head_width is None:
+            self.head_width = args[0].shape[1]
 
-    def passes(self, rows: Mapping[int, list[int]], logits: torch.Tensor | None, head, layers: int):
+    def complete(self, layers: int) -> bool:
+        """Every layer's prefill ran row by row, and the first forward computed the logits of the
+        last prompt positions only (no draft tokens after the prompt, as assisted decoding adds)."""
+        return sorted(self.layers) == list(range(layers)) and self.head_width == 1
+
+    def passes(self, rows: Mapping[int, list[int]], logits: torch.Tensor | None, layers: int) -> dict[int, PromptPass]:
         """``rows``: batch row -> its prompt ids; ``logits (rows, vocab)`` generate's logits of the
-        first new token; ``head`` the model's output embedding. Returns ``{row: PromptPass}``,
-        empty unless every layer reported and the prefill's logits are the head's own output on
-        the last prompt positions (no draft tokens, no processing after the head)."""
-        whole = sorted(self.layers) == list(range(layers))
-        out_ok = self.head_out is not None and self.head_in.shape[1] == 1 and logits is not None
-        if not (whole and out_ok and torch.equal(self.head_out[:, -1].float(), logits.float())):
+        first new token (the prefill's last positions). Returns ``{row: PromptPass}``, empty
+        unless the sink keeps passes and the prefill was :meth:`complete`."""
+        if not (self.keep and logits is not None and self.complete(layers)):
             return {}
         passes = {}
         for r, ids in rows.items():
             keys, values, cols = (list(t) for t in zip(*(self.layers[layer][r] for layer in range(layers))))
-            if keys[0].shape[2] != len(ids):
-                continue
-            # the replay's prompt forward computes the head on this one row: so does the pass
-            with torch.no_grad():
-                first = head(self.head_in[r : r + 1])[:, -1].float()
-            passes[r] = PromptPass(tuple(ids), keys, values, cols, first)
+            if keys[0].shape[2] == len(ids):
+                passes[r] = PromptPass(tuple(ids), keys, values, cols, logits[r : r + 1].float().clone())
         return passes

@@ -294,6 +294,8 @@ class Recording:
         #: request -> its prompt pass, for the replay (``record(..., keep_prompt_pass=True)``, DESIGN.md §6.1)
         self.prompt_passes: dict[int, PromptPass] | None = None
         self._prompt_sink: PromptSink | None = None
+        #: each multi-row prefill a replay can forward again as one batch (DESIGN.md §6.1)
+        self.prefill_batches: list[dict[str, Any]] = []
 
     @property
     def run_id(self) -> str:
@@ -598,8 +600,8 @@ class Recording:
         hook = self.model.register_forward_pre_hook(watch, with_kwargs=True)
         self._watch = watch
         head_hook = None
-        if self.prompt_passes is not None and cache is not None and continued is None:
-            self._prompt_sink = cache.prompt_sink = PromptSink()
+        if cache is not None and continued is None:  # what a replay needs to compute this prefill again
+            self._prompt_sink = cache.prompt_sink = PromptSink(keep=self.prompt_passes is not None)
             head_hook = self.model.get_output_embeddings().register_forward_hook(self._prompt_sink.on_head)
         try:
             out = original(*args, **kwargs)
@@ -634,7 +636,7 @@ class Recording:
             watch.input_ids, watch.prompt_mask(), out, samples=rows // input_ids.shape[0], eos=_eos_ids(gen_config)
         )
         if self._prompt_sink is not None:
-            self._keep_prompt_passes(watch.input_ids, watch.prompt_mask(), out)
+            self._hear_prefill(watch.input_ids, watch.prompt_mask(), out)
         self._request_base += rows
         self._prompt_base += input_ids.shape[0]
         self.generations += 1
@@ -642,16 +644,29 @@ class Recording:
             out.logits = None
         return out if want_dict else out.sequences
 
-    def _keep_prompt_passes(self, input_ids: torch.Tensor, mask: torch.Tensor | None, out: Any) -> None:
-        """Cut the prefill the sink heard into one :class:`PromptPass` per new request."""
+    def _hear_prefill(self, input_ids: torch.Tensor, mask: torch.Tensor | None, out: Any) -> None:
+        """What the sink heard of the prefill of the requests just written: the batch a replay can
+        forward again with the same bits (``prefill_batches`` in the manifest), and with
+        ``keep_prompt_pass`` one :class:`PromptPass` per request (DESIGN.md §6.1)."""
         sink, self._prompt_sink = self._prompt_sink, None
+        cache = self.session.last_cache
+        layers = len(cache.layers)
         ids = input_ids.cpu()
+        if ids.shape[0] > 1 and sink.complete(layers):
+            self.prefill_batches.append(
+                {
+                    "requests": list(range(self._request_base, self._request_base + ids.shape[0])),
+                    "width": ids.shape[1],
+                    "masked": sink.masked,
+                    "chunk": cache.prefill_chunk,
+                }
+            )
+        if self.prompt_passes is None:
+            return
         valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.cpu().bool()
         rows = {r: ids[r][valid[r]].tolist() for r in range(ids.shape[0])}
-        first = out.logits[0] if out.logits else None  # (rows, vocab): the prefill's last position
-        layers = len(self.session.last_cache.layers)
-        head = self.model.get_output_embeddings()
-        for r, prompt_pass in sink.passes(rows, first, head, layers).items():
+        first = out.logits[0] if out.logits else None  # (rows, vocab): the prefill's last positions
+        for r, prompt_pass in sink.passes(rows, first, layers).items():
             self.prompt_passes[self._request_base + r] = prompt_pass
 
     def force(
@@ -961,6 +976,7 @@ def record(
             prefill_seconds=float(np.median(rec.prefill_seconds)) if rec.prefill_seconds else None,
             keep_ratio=config.ratio,
             state_events=rec.state_events or None,
+            prefill_batches=rec.prefill_batches or None,
         )
     except BaseException as exc:
         if writer.status == "running":

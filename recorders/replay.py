@@ -55,7 +55,7 @@ import functools
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,7 @@ class ReplaySummary:
     seconds: float
     tolerance: float = DEFAULT_TOLERANCE
     prompts_from_run: int = 0  # requests started from the recording's prompt pass (DESIGN.md §6.1)
+    prompts_as_batch: int = 0  # requests whose prompt was forwarded again in its prefill batch
 
 
 class _State:
@@ -150,6 +151,9 @@ class _State:
         self.after: dict[int, torch.Tensor] = {}  # layer -> (Hs, N) generated rows after it
         self.chunk = 512
         self.backend = "auto"  # dropped mass and oracle: "torch", or the Triton kernels ("auto" on CUDA)
+        #: a prompt pass of several requests at once (:func:`_batch_passes`): the padding mask
+        #: (or None) and the row blocks of the recording's prefill; None: one request alone
+        self.batch: tuple[torch.Tensor | None, int] | None = None
 
 
 def _attention(state: _State, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -169,6 +173,11 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
     k_sets = key.repeat_interleave(rep, dim=1) if rep > 1 else key  # (1, Hs, N, d)
     v_sets = value.repeat_interleave(rep, dim=1) if rep > 1 else value
     if state.mode == "prompt":
+        if state.batch is not None:  # as the recording's prefill called it (DESIGN.md §6.1)
+            valid, chunk = state.batch
+            out, cols = prefill_attention(query, k_sets, v_sets, valid, scaling, state.agg, chunk=chunk)
+            state.prompt_cols[module.layer_idx] = cols  # (b, Hs, P)
+            return out, None
         out, cols = prefill_attention(query, k_sets, v_sets, None, scaling, state.agg)
         state.prompt_cols[module.layer_idx] = cols[0]  # (Hs, P) teacher column sums of the prompt rows
         return out, None
@@ -266,6 +275,7 @@ class _Run:
     ev: dict[str, np.ndarray]  # request, step, layer, kv_head, position (+ q_head with gqa='none')
     logits: dict[str, np.ndarray]  # the run_logits table without run_id
     requests: list[int]
+    batches: list[dict] = field(default_factory=list)  # the manifest's prefill_batches
 
 
 @dataclass
@@ -310,7 +320,8 @@ class _Rows:
             k: [] for k in ("request", "step", "kl", "top1_agree", "teacher_logprob")
         }
         self.max_diff, self.n_steps, self.logit_scale = 0.0, 0, 0.0
-        self.prompts_from_run = 0
+        self.prompts_from_run = 0  # requests started from the recording's prompt pass
+        self.prompts_as_batch = 0  # ... from their prefill batch forwarded again
 
 
 def _cat(rows: dict[str, list[np.ndarray]]) -> dict[str, np.ndarray]:
@@ -333,7 +344,8 @@ def _load(run_dir: Path) -> _Run:
     requests = sorted(set(np.asarray(tokens["request"]).tolist()))
     if not requests:
         raise RecorderError(f"{run_dir}: the run has no tokens table; nothing to replay")
-    return _Run(run.run_id, run.manifest, config, tokens, ev, logits, requests)
+    batches = run.manifest.get("prefill_batches") or []
+    return _Run(run.run_id, run.manifest, config, tokens, ev, logits, requests, batches)
 
 
 def _model_for(run: _Run, model: Any, progress: bool) -> tuple[Any, _Shape]:
@@ -458,25 +470,62 @@ def _replay_rows(rows: _Rows, request: int, steps: np.ndarray, state: _State, sh
         rows.replay["dropped_mass"].append(dm.reshape(-1))
 
 
+def _batch_passes(model, run: _Run, state: _State, entry: dict) -> dict[int, PromptPass]:
+    """The prompt passes of a batch the recording prefilled at once, from one forward of the same
+    rows, padded to the same width, with the prefill's own attention calls: the bits the run's
+    prefill computed (DESIGN.md §6.1). Empty when a request of the batch is not in the run."""
+    requests = [int(q) for q in entry["requests"]]
+    if not set(requests) <= set(run.requests):
+        return {}
+    prompts = []
+    for q in requests:
+        ids, p, _ = _request_tokens(run, q)
+        prompts.append(ids[:p].tolist())
+    width = int(entry["width"])
+    if any(len(p) > width for p in prompts):
+        return {}
+    x = torch.zeros(len(requests), width, dtype=torch.long)
+    valid = torch.zeros(len(requests), width, dtype=torch.bool)
+    for r, p in enumerate(prompts):  # left padding, as the prefill saw it
+        x[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        valid[r, width - len(p) :] = True
+    pos = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
+    cache = DynamicCache(config=model.config)
+    state.mode, state.batch = "prompt", (valid if entry.get("masked", True) else None, int(entry.get("chunk", 512)))
+    try:
+        logits = model(input_ids=x, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits
+    finally:
+        state.batch = None
+    passes = {}
+    for r, (q, p) in enumerate(zip(requests, prompts)):
+        span = valid[r].nonzero()[:, 0]
+        keys = [layer.keys[r : r + 1, :, span] for layer in cache.layers]
+        values = [layer.values[r : r + 1, :, span] for layer in cache.layers]
+        cols = [state.prompt_cols[layer][r][:, span] for layer in range(len(cache.layers))]
+        passes[q] = PromptPass(tuple(p), keys, values, cols, logits[r : r + 1, -1].float())
+    state.prompt_cols.clear()
+    return passes
+
+
 def _replay_request(
     model, run: _Run, shape: _Shape, state: _State, rows: _Rows, request: int, bar, prompt_pass=None
-) -> None:
-    """Both forwards of one request and its rows."""
+) -> bool:
+    """Both forwards of one request and its rows; whether it started from ``prompt_pass``."""
     ids, p, n = _request_tokens(run, request)
     if n < p:
-        return
+        return False
     for per_layer in (state.dropped, state.prompt_cols, state.before, state.after):
         per_layer.clear()
     state.evict = _request_evict_steps(run.ev, request, shape.layers, shape.sets, n, shape.gqa_none)
     if prompt_pass is not None and not prompt_pass.fits(tuple(ids[:p].tolist()), shape.layers, shape.hkv, model.dtype):
         prompt_pass = None  # not this request's prompt: forward it
-    rows.prompts_from_run += prompt_pass is not None
     teacher, masked = _forward(model, state, ids, p, n, bar, prompt_pass)
     steps = _step_rows(rows, request, ids, p, teacher, masked)
     # implementation check against the logits the run itself produced
     _check_implementation(rows, run.logits, request, p, masked)
     _oracle_rows(rows.oracle, run.ev, request, p, n, shape.layers, state, shape.gqa_none, shape.group)
     _replay_rows(rows, request, steps, state, shape)
+    return prompt_pass is not None
 
 
 def _write_tables(run_dir: Path, run: _Run, rows: _Rows, gqa_none: bool) -> None:
@@ -517,6 +566,7 @@ def _summarize(run: _Run, model, rows: _Rows, tolerance: float | None, seconds: 
         seconds=seconds,
         tolerance=tolerance,
         prompts_from_run=rows.prompts_from_run,
+        prompts_as_batch=rows.prompts_as_batch,
     )
 
 
@@ -533,6 +583,7 @@ def _update_manifest(run_dir: Path, summary: ReplaySummary, backend: str) -> Non
         "seconds": summary.seconds,
         "backend": backend,
         "prompts_from_run": summary.prompts_from_run,
+        "prompts_as_batch": summary.prompts_as_batch,
     }
     write_manifest(run_dir, manifest)
 
@@ -570,10 +621,23 @@ def replay(
     state = _new_state(run, shape, chunk, backend)
     rows = _Rows()
     bar = tqdm(total=2 * len(run.requests), desc=f"replay {run.run_id}", disable=not progress, unit="forward")
+    handed = dict(prompt_passes or {})
+    # a request the recording prefilled in a batch: its prompt pass from the same batch (DESIGN.md §6.1)
+    batch_of = {int(q): entry for entry in run.batches for q in entry["requests"] if len(entry["requests"]) > 1}
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    batched: dict[int, PromptPass] = {}
+    forwarded: set[int] = set()  # the batches forwarded again (by first request)
     with torch.no_grad(), _replay_attention(model, state):
         for request in run.requests:
-            passed = (prompt_passes or {}).get(request)
-            _replay_request(model, run, shape, state, rows, request, bar, passed)
+            passed, source = handed.pop(request, None), "prompts_from_run"
+            entry = batch_of.get(request)
+            if passed is None and entry is not None and on_cpu:
+                if int(entry["requests"][0]) not in forwarded:
+                    forwarded.add(int(entry["requests"][0]))
+                    batched = _batch_passes(model, run, state, entry)
+                passed, source = batched.pop(request, None), "prompts_as_batch"
+            if _replay_request(model, run, shape, state, rows, request, bar, passed):
+                setattr(rows, source, getattr(rows, source) + 1)
     bar.close()
     _write_tables(run_dir, run, rows, shape.gqa_none)
     summary = _summarize(run, model, rows, tolerance, time.perf_counter() - t0)

@@ -95,6 +95,34 @@ def test_real_model_record_replay_and_evidence(smol, tmp_path):
     assert con.sql("SELECT count(*) FROM replay WHERE dropped_mass > 0").fetchall()[0][0] > 0
 
 
+def test_real_model_padded_batch_replays_alike_from_its_prompt_pass_and_from_the_folder(smol, tmp_path):
+    """A left-padded batch of a short and a long prompt (the short row's prompt states may differ
+    in the last places from the prompt alone): the replay from the recording's prompt passes and
+    the replay from the run folder alone, which forwards the prompts again as the same batch,
+    write the same bits (DESIGN.md §6.1)."""
+    from recorders.replay import replay
+    from recorders.store import load_run
+
+    model, tok, _ = smol
+    side, tok.padding_side = tok.padding_side, "left"
+    try:
+        enc = tok(["Say hello.", PROMPT], return_tensors="pt", padding=True)
+    finally:
+        tok.padding_side = side
+    with recorders.record(model, H2OConfig(heavy=8, recent=8), out=tmp_path, fsync=False, keep_prompt_pass=True) as run:
+        _gen(model, enc, tok, new=12)
+    assert sorted(run.prompt_passes) == [0, 1]
+    tables = []
+    for passes in (None, run.prompt_passes):
+        summary = replay(run.run_dir, model=model, progress=False, prompt_passes=passes)
+        assert summary.implementation_ok, summary
+        assert (summary.prompts_from_run, summary.prompts_as_batch) == ((0, 2) if passes is None else (2, 0))
+        data = load_run(run.run_dir, tables=("replay", "replay_steps", "oracle"))
+        tables.append({t: data[t].to_pandas().sort_values(list(data[t].column_names)) for t in data.tables})
+    for name in tables[0]:
+        assert tables[0][name].reset_index(drop=True).equals(tables[1][name].reset_index(drop=True)), name
+
+
 def test_cli_generate_prints_text_and_bytes(capsys):
     from commands.cli import main
 

@@ -46,7 +46,11 @@ def _replayed(run_dir, model, passes) -> tuple[dict[str, pd.DataFrame], int, obj
         hook.remove()
     run = load_run(run_dir, tables=TABLES)
     tables = {t: run[t].to_pandas().sort_values(list(run[t].column_names)).reset_index(drop=True) for t in TABLES}
-    assert read_manifest(run_dir)["replay"]["prompts_from_run"] == summary.prompts_from_run
+    written = read_manifest(run_dir)["replay"]
+    assert (written["prompts_from_run"], written["prompts_as_batch"]) == (
+        summary.prompts_from_run,
+        summary.prompts_as_batch,
+    )
     return tables, len(calls), summary
 
 
@@ -65,10 +69,14 @@ def test_replay_from_the_prompt_pass_has_the_bits_of_the_forwarded_prompt(tmp_pa
         assert prompt_pass.ids == tuple(ids[r][mask[r].bool()].tolist())
         assert prompt_pass.keys[0].shape == (1, 2, int(mask[r].sum()), 16)
 
+    # from the folder alone: a request recorded alone forwards its prompt alone, a batch forwards
+    # its prompts again as the same padded batch (one forward), then two per request
     forwarded, calls_forwarded, alone = _replayed(rec.run_dir, model, None)
     handed, calls_handed, from_run = _replayed(rec.run_dir, model, passes)
-    assert calls_forwarded == 3 * len(ids) and calls_handed == 2 * len(ids)  # no prompt forward
-    assert (alone.prompts_from_run, from_run.prompts_from_run) == (0, len(ids))
+    n = len(ids)
+    assert calls_forwarded == (3 * n if n == 1 else 1 + 2 * n) and calls_handed == 2 * n
+    assert (alone.prompts_from_run, alone.prompts_as_batch) == (0, 0 if n == 1 else n)
+    assert (from_run.prompts_from_run, from_run.prompts_as_batch) == (n, 0)
     assert from_run.max_logit_diff == alone.max_logit_diff and from_run.implementation_ok
     for t in TABLES:
         assert len(forwarded[t]), t
