@@ -652,18 +652,19 @@ class Recording:
         cache = self.session.last_cache
         layers = len(cache.layers)
         ids = input_ids.cpu()
+        valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.cpu().bool()
         if ids.shape[0] > 1 and sink.complete(layers):
             self.prefill_batches.append(
                 {
                     "requests": list(range(self._request_base, self._request_base + ids.shape[0])),
                     "width": ids.shape[1],
+                    "starts": valid.int().argmax(-1).tolist(),  # each row's first prompt column
                     "masked": sink.masked,
                     "chunk": cache.prefill_chunk,
                 }
             )
         if self.prompt_passes is None:
             return
-        valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.cpu().bool()
         rows = {r: ids[r][valid[r]].tolist() for r in range(ids.shape[0])}
         first = out.logits[0] if out.logits else None  # (rows, vocab): the prefill's last positions
         for r, prompt_pass in sink.passes(rows, first, layers).items():

@@ -472,8 +472,9 @@ def _replay_rows(rows: _Rows, request: int, steps: np.ndarray, state: _State, sh
 
 def _batch_passes(model, run: _Run, state: _State, entry: dict) -> dict[int, PromptPass]:
     """The prompt passes of a batch the recording prefilled at once, from one forward of the same
-    rows, padded to the same width, with the prefill's own attention calls: the bits the run's
-    prefill computed (DESIGN.md §6.1). Empty when a request of the batch is not in the run."""
+    rows at the same columns of the same width, with the prefill's own attention calls: the bits
+    the run's prefill computed (DESIGN.md §6.1). Empty when a request of the batch is not in the
+    run or does not fit where the manifest puts it."""
     requests = [int(q) for q in entry["requests"]]
     if not set(requests) <= set(run.requests):
         return {}
@@ -482,13 +483,14 @@ def _batch_passes(model, run: _Run, state: _State, entry: dict) -> dict[int, Pro
         ids, p, _ = _request_tokens(run, q)
         prompts.append(ids[:p].tolist())
     width = int(entry["width"])
-    if any(len(p) > width for p in prompts):
+    starts = [int(a) for a in entry.get("starts") or [width - len(p) for p in prompts]]  # default: left padding
+    if any(a < 0 or a + len(p) > width for a, p in zip(starts, prompts)):
         return {}
     x = torch.zeros(len(requests), width, dtype=torch.long)
     valid = torch.zeros(len(requests), width, dtype=torch.bool)
-    for r, p in enumerate(prompts):  # left padding, as the prefill saw it
-        x[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        valid[r, width - len(p) :] = True
+    for r, (a, p) in enumerate(zip(starts, prompts)):  # each row where the prefill had it
+        x[r, a : a + len(p)] = torch.tensor(p, dtype=torch.long)
+        valid[r, a : a + len(p)] = True
     pos = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
     cache = DynamicCache(config=model.config)
     state.mode, state.batch = "prompt", (valid if entry.get("masked", True) else None, int(entry.get("chunk", 512)))
