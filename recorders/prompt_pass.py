@@ -38,11 +38,6 @@ class PromptPass:
     cols: list[torch.Tensor]
     first: torch.Tensor
 
-    @property
-    def nbytes(self) -> int:
-        tensors = [*self.keys, *self.values, *self.cols, self.first]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
     def fits(self, ids: tuple[int, ...], layers: int, kv_heads: int, dtype: torch.dtype) -> bool:
         """Whether the pass is the prompt ``ids`` of a model with this shape and dtype."""
         return (

@@ -70,7 +70,7 @@ from h2o_lens.ops import prefill_attention
 from .errors import RecorderError
 from .eviction_steps import evict_steps
 from .manifest import read_manifest, write_manifest
-from .prompt_pass import PromptPass
+from .prompt_pass import PromptPass, PromptSink
 from .segments import SegmentWriter, list_segments
 from .store import load_run
 
@@ -498,15 +498,13 @@ def _batch_passes(model, run: _Run, state: _State, entry: dict) -> dict[int, Pro
         logits = model(input_ids=x, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits
     finally:
         state.batch = None
-    passes = {}
-    for r, (q, p) in enumerate(zip(requests, prompts)):
-        span = valid[r].nonzero()[:, 0]
-        keys = [layer.keys[r : r + 1, :, span] for layer in cache.layers]
-        values = [layer.values[r : r + 1, :, span] for layer in cache.layers]
-        cols = [state.prompt_cols[layer][r][:, span] for layer in range(len(cache.layers))]
-        passes[q] = PromptPass(tuple(p), keys, values, cols, logits[r : r + 1, -1].float())
+    sink = PromptSink(keep=True)  # cut into rows as the recorder's sink cuts the prefill
+    for i, layer in enumerate(cache.layers):
+        sink(i, layer.keys, layer.values, state.prompt_cols[i], valid)
+    sink.head_width = 1  # logits_to_keep=1: the last positions only
     state.prompt_cols.clear()
-    return passes
+    cut = sink.passes(dict(enumerate(prompts)), logits[:, -1], len(cache.layers))
+    return {requests[r]: prompt_pass for r, prompt_pass in cut.items()}
 
 
 def _replay_request(
