@@ -65,6 +65,7 @@ from transformers import DynamicCache
 
 from h2o_lens.hooks import attention_implementation
 from h2o_lens.kernels import replay_masked_torch, replay_teacher_torch, resolve_backend
+from h2o_lens.kernels.replay import TEACHER_TILE_ROWS
 from h2o_lens.ops import prefill_attention
 
 from .errors import RecorderError
@@ -195,7 +196,15 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
     )
     if state.backend == "torch":  # dropped mass and oracle columns from one pass over the score tiles
         _, dropped, before, after = replay_teacher_torch(
-            query, k_sets, v_sets, ev, scaling, chunk=state.chunk, oracle=state.agg, output=False, lse=lse
+            query,
+            k_sets,
+            v_sets,
+            ev,
+            scaling,
+            chunk=min(state.chunk, TEACHER_TILE_ROWS),
+            oracle=state.agg,
+            output=False,
+            lse=lse,
         )
     else:
         from h2o_lens.kernels import replay_dropped_mass_triton
@@ -422,7 +431,8 @@ def _step_rows(
     rows.steps["request"].append(np.full(t, request, np.int32))
     rows.steps["step"].append(steps)
     rows.steps["kl"].append(kl.clamp(min=0).numpy())
-    rows.steps["top1_agree"].append((teacher.argmax(-1) == masked.argmax(-1)).numpy())
+    # max(-1) gives argmax's index (the first of tied maxima) at half its cost over a vocabulary
+    rows.steps["top1_agree"].append((teacher.max(-1).indices == masked.max(-1).indices).numpy())
     rows.steps["teacher_logprob"].append(lt.gather(-1, nxt[:, None])[:, 0].numpy())
     rows.n_steps += t
     return steps
