@@ -711,6 +711,14 @@ def bench_sweep(
         mode = f"batch {size}" if size > 1 else "one at a time"
         print(f"{mode:<22} {len(grid.cells):>5} {total:>8.1f} {rec:>9.1f} {rep:>9.1f} {rate[size]:>13.1f}")
     print(f"batched / one at a time: {rate[batch_size] / rate[1]:.2f}x requests per minute")
+    if replay:  # the two stages side by side: only the generation has rows to batch
+        rec = {size: statistics.median(t[1] for t in times[size]) for size in grids}
+        rep = {size: statistics.median(t[2] for t in times[size]) for size in grids}
+        print(
+            f"  recording alone (generation, eviction logs, verdicts: what `sweep --no-replay` runs): "
+            f"{rec[1] / rec[batch_size]:.2f}x; the replay (teacher-forced forwards, one request at a "
+            f"time in both modes): {rep[1] / rep[batch_size]:.2f}x"
+        )
     return 0
 
 

@@ -392,10 +392,19 @@ def _request_tokens(run: _Run, request: int) -> tuple[np.ndarray, int, int]:
 
 
 def _forward(
-    model, state: _State, ids: np.ndarray, p: int, n: int, bar, prompt_pass: PromptPass | None = None
+    model,
+    state: _State,
+    ids: np.ndarray,
+    p: int,
+    n: int,
+    bar,
+    prompt_pass: PromptPass | None = None,
+    lost_nothing: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher and masked logits ``(T, vocab)`` of rows ``P-1 .. N-1``; the prompt is forwarded
-    once, or not at all when the recording handed its ``prompt_pass`` on (DESIGN.md §6.1)."""
+    once, or not at all when the recording handed its ``prompt_pass`` on (DESIGN.md §6.1).
+    ``lost_nothing``: no row lost a key (a full-cache run, or a budget the request never
+    filled), so the masked forward is the teacher's, call for call: it is not run again."""
     x = torch.as_tensor(ids[:n], dtype=torch.long)[None]
     # the prompt rows are identical in both runs (full attention): forward them once
     cache = DynamicCache(config=model.config)
@@ -412,9 +421,12 @@ def _forward(
         state.mode = "teacher"
         teacher = torch.cat([first, model(input_ids=x[:, p:], cache=cache, use_cache=True).logits[0].float()])
         bar.update()
-        cache.crop(p - n)
-        state.mode = "masked"
-        masked = torch.cat([first, model(input_ids=x[:, p:], cache=cache, use_cache=True).logits[0].float()])
+        if lost_nothing:
+            masked = teacher
+        else:
+            cache.crop(p - n)
+            state.mode = "masked"
+            masked = torch.cat([first, model(input_ids=x[:, p:], cache=cache, use_cache=True).logits[0].float()])
     bar.update()
     return teacher, masked
 
@@ -529,7 +541,9 @@ def _replay_request(
     state.evict = _request_evict_steps(run.ev, request, shape.layers, shape.sets, n, shape.gqa_none)
     if prompt_pass is not None and not prompt_pass.fits(tuple(ids[:p].tolist()), shape.layers, shape.hkv, model.dtype):
         prompt_pass = None  # not this request's prompt: forward it
-    teacher, masked = _forward(model, state, ids, p, n, bar, prompt_pass)
+    # a key evicted at step t is hidden from rows after t only; the last row fed is step n - 1
+    lost_nothing = all(bool((ev >= n - 1).all()) for ev in state.evict.values())
+    teacher, masked = _forward(model, state, ids, p, n, bar, prompt_pass, lost_nothing)
     steps = _step_rows(rows, request, ids, p, teacher, masked)
     # implementation check against the logits the run itself produced
     _check_implementation(rows, run.logits, request, p, masked)

@@ -187,3 +187,67 @@ def test_replay_of_a_float32_run_takes_the_teacher_weights_from_the_rows_log_sum
     np.testing.assert_allclose(oracle.teacher_score, want.teacher_score, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(oracle.teacher_future_mass, want.teacher_future_mass, rtol=1e-5, atol=1e-6)
     assert got.dropped_mass.max() > 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_request_that_lost_nothing_is_forwarded_once(tmp_path, monkeypatch, dtype):
+    """With nothing evicted the masked forward would make the teacher's calls on the teacher's
+    inputs, so the replay takes the teacher's logits for it: one forward over the answer, and
+    the same tables, bit for bit, as with both forwards. A request that lost keys runs both."""
+    import recorders.replay as replay_mod
+
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2).to(dtype)
+    ids = torch.randint(3, 256, (2, 14), generator=torch.Generator().manual_seed(5))
+    gen = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    runs = {}
+    for name, config in (
+        ("full", H2OConfig(policy="full")),
+        ("roomy", H2OConfig(heavy=16, recent=16)),  # 32 slots: the 24 positions never fill them
+        ("tight", H2OConfig(heavy=3, recent=3)),
+    ):
+        with recorders.record(model, config, out=tmp_path / name, fsync=False) as run:
+            with torch.no_grad():
+                model.generate(input_ids=ids, **gen)
+        runs[name] = tmp_path / name / run.run_id
+
+    forwards = []  # forwards over an answer's rows (9 fed: the last new token is never fed)
+
+    def count(module, args, kwargs):
+        if kwargs["input_ids"].shape == (1, 9):
+            forwards.append(1)
+
+    hook = model.model.register_forward_pre_hook(count, with_kwargs=True)
+    cols = {
+        "replay_steps": ["request", "step", "kl", "top1_agree", "teacher_logprob"],
+        "replay": ["request", "step", "layer", "q_head", "dropped_mass"],
+    }
+
+    def tables(run_dir):
+        return {t: _df(run_dir.parent, run_dir.name, t, c) for t, c in cols.items()}
+
+    try:
+        got = {}
+        for name, run_dir in runs.items():
+            forwards.clear()
+            summary = replay(run_dir, model=model, progress=False)
+            assert summary.implementation_ok and summary.steps == 2 * 10
+            # per request the teacher, and the masked forward only where a key was lost
+            assert len(forwards) == 2 * (2 if name == "tight" else 1), name
+            got[name] = tables(run_dir)
+        assert got["tight"]["replay_steps"].kl.max() > 0
+        for name in ("full", "roomy"):
+            steps = got[name]["replay_steps"]
+            assert (steps.kl == 0).all() and steps.top1_agree.all(), name
+            assert (got[name]["replay"].dropped_mass == 0).all(), name
+
+        original = replay_mod._forward
+        monkeypatch.setattr(replay_mod, "_forward", lambda *a: original(*a[:7], lost_nothing=False))
+        for name in ("full", "roomy"):  # both forwards, as before: the same tables, bit for bit
+            forwards.clear()
+            replay(runs[name], model=model, progress=False)
+            assert len(forwards) == 2 * 2
+            both = tables(runs[name])
+            for t in cols:
+                assert both[t].equals(got[name][t]), (name, t)
+    finally:
+        hook.remove()
