@@ -367,11 +367,15 @@ def cell_state(root: str | os.PathLike, run_id: str, replay: bool) -> tuple[str,
 # -- running -----------------------------------------------------------------------------------
 
 
-def _record_cell(root: Path, cell: Cell, tasks: Sequence[Any], model: Any, tokenizer: Any, grid: Grid) -> dict:
+def _record_cell(
+    root: Path, cell: Cell, tasks: Sequence[Any], model: Any, tokenizer: Any, grid: Grid, progress: bool = False
+) -> dict:
     """Record one cell's batch; returns its requests' prompt passes when the grid replays
-    (handed to the replay so that it does not forward the prompts again, DESIGN.md §6.1)."""
+    (handed to the replay so that it does not forward the prompts again, DESIGN.md §6.1).
+    ``progress``: a bar of the batch's new tokens while it generates (gone when done)."""
     import torch
 
+    from h2o_lens.progress import GenerationProgress
     from recorders.recorder import record
 
     batch = [tasks[i] for i in cell.requests]
@@ -411,7 +415,15 @@ def _record_cell(root: Path, cell: Cell, tasks: Sequence[Any], model: Any, token
             keep_prompt_pass=grid.replay,
         ) as rec,
     ):
-        model.generate(**enc, max_new_tokens=cell.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        model.generate(
+            **enc,
+            max_new_tokens=cell.max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            streamer=GenerationProgress(
+                cell.max_new_tokens, f"{cell.label} {cell.budget_text} batch {cell.batch}", disable=not progress
+            ),
+        )
     return rec.prompt_passes or {}
 
 
@@ -430,10 +442,17 @@ class CellOutcome:
 
 
 def run_cell(
-    root: str | os.PathLike, cell: Cell, grid: Grid, tasks: Sequence[Any], model: Any, tokenizer: Any
+    root: str | os.PathLike,
+    cell: Cell,
+    grid: Grid,
+    tasks: Sequence[Any],
+    model: Any,
+    tokenizer: Any,
+    progress: bool = False,
 ) -> CellOutcome:
     """Run one cell under its lock (DESIGN.md §12.3): skip it when done or taken, redo it when
-    failed or interrupted, replay it when only the replay is missing.
+    failed or interrupted, replay it when only the replay is missing. ``progress``: bars of the
+    cell's new tokens and replay forwards (a long-context cell takes minutes).
 
     The one function every executor runs per cell, in-process or on a Ray worker
     (DESIGN.md §13). A cell that raises is left ``failed`` with its error.
@@ -456,11 +475,11 @@ def run_cell(
                     shutil.rmtree(root / cell.run_id)
                     out.redone = True
                 t1 = time.perf_counter()
-                passes = _record_cell(root, cell, tasks, model, tokenizer, grid)
+                passes = _record_cell(root, cell, tasks, model, tokenizer, grid, progress)
                 out.record_seconds = time.perf_counter() - t1
             if grid.replay:
                 t1 = time.perf_counter()
-                replay_run(root / cell.run_id, model=model, progress=False, prompt_passes=passes)
+                replay_run(root / cell.run_id, model=model, progress=progress, prompt_passes=passes)
                 out.replay_seconds = time.perf_counter() - t1
         except Exception as exc:
             out.outcome, out.error = "failed", f"{type(exc).__name__}: {exc}"
@@ -493,7 +512,7 @@ def run_grid(
     report = GridReport()
     t0 = time.perf_counter()
     for cell in tqdm(grid.cells, desc="sweep", unit="cell", disable=not progress):
-        report.add(run_cell(root, cell, grid, tasks, model, tokenizer))
+        report.add(run_cell(root, cell, grid, tasks, model, tokenizer, progress))
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -644,7 +644,9 @@ def replay(
     model, shape = _model_for(run, model, progress)
     state = _new_state(run, shape, chunk, backend)
     rows = _Rows()
-    bar = tqdm(total=2 * len(run.requests), desc=f"replay {run.run_id}", disable=not progress, unit="forward")
+    bar = tqdm(
+        total=2 * len(run.requests), desc=f"replay {run.run_id}", disable=not progress, unit="forward", leave=False
+    )
     handed = dict(prompt_passes or {})
     # a request the recording prefilled in a batch: its prompt pass from the same batch (DESIGN.md §6.1)
     batch_of = {int(q): entry for entry in run.batches for q in entry["requests"] if len(entry["requests"]) > 1}

@@ -429,3 +429,26 @@ def test_a_sweeps_replay_starts_each_request_from_its_recordings_prompt_pass(tin
     assert sorted(seen) == ["full", "h2o"] and len(seen["h2o"]) == 2
     assert all(handed == requests for handed, requests in seen["h2o"]), seen
     assert all(handed == 0 for handed, _ in seen["full"]), seen
+
+
+def test_a_sweep_shows_each_cells_tokens_and_replay_and_leaves_no_bar(tiny_dir, task_file, tmp_path, capfd):
+    """A long-context cell takes minutes: the sweep shows its new tokens and its replay forwards
+    as they go, then clears both bars; the runs are those of a sweep without bars."""
+    from commands.grid import plan_grid, run_grid
+    from h2o_lens.models import load_model
+    from h2o_lens.tasks.taskfile import resolve_tasks
+
+    model, tok = load_model(tiny_dir, dtype=torch.float64, progress=False)
+    tasks = resolve_tasks(str(task_file))
+    kw = dict(model="tiny", tasks_spec=str(task_file), policies=[("h2o", "sum")], ratios=[0.5], slots=None)
+    grid = plan_grid(tasks, tok, batch_size=4, dtype="float64", replay=True, **kw)
+    capfd.readouterr()
+    report = run_grid(tmp_path / "shown", grid, tasks, model, tok, progress=True)
+    err = capfd.readouterr().err
+    assert not report.failed and len(report.ran) == len(grid.cells) == 2
+    cell = grid.cells[0]
+    assert f"{cell.label} {cell.budget_text} batch {cell.batch}" in err and f"/{cell.max_new_tokens} [" in err  # the token bar
+    assert f"replay {cell.run_id}" in err and "forward" in err  # the replay's bar
+    run_grid(tmp_path / "quiet", grid, tasks, model, tok, progress=False)
+    assert capfd.readouterr().err == ""
+    assert _per_request(tmp_path / "shown") == _per_request(tmp_path / "quiet")
