@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 from h2o_lens import policies as registry
 from h2o_lens.config import H2OConfig
+from h2o_lens.models import ContextWarning, context_message, context_window
 
 __all__ = ["Task", "run_task", "demo", "sweep", "DEMO_BUDGETS", "BASELINES", "SWEEP_RATIOS", "SWEEP_POLICIES"]
 
@@ -337,7 +339,10 @@ def sweep(
         report = executor.run(root, grid, tasks, progress=progress)
         print(executor.summary(report))
     else:
-        report = run_grid(root, grid, tasks, model, tokenizer, progress=progress)
+        _warn_past_context(model, tokenizer, tasks)
+        with warnings.catch_warnings():  # said once above, not once per cell
+            warnings.simplefilter("ignore", ContextWarning)
+            report = run_grid(root, grid, tasks, model, tokenizer, progress=progress)
     print(
         f"{len(grid.cells)} cells ({len(grid.batches)} batches of up to {batch_size} requests): "
         f"{len(report.ran)} run, {len(report.done)} already done, {len(report.failed)} failed, "
@@ -354,6 +359,23 @@ def sweep(
     if report.failed:
         print(f"{len(report.failed)} cells failed; see h2o-lens sweep --status {root}, rerun the command to redo them")
     return table
+
+
+def _warn_past_context(model: Any, tokenizer: Any, tasks: Sequence[Any]) -> None:
+    """One line on stderr when requests reach past the model's context window."""
+    from .grid import encode
+
+    window = context_window(model)
+    if window is None:
+        return
+    ends = [len(encode(tokenizer, [t.chat_text(tokenizer)])["input_ids"][0]) + t.max_new_tokens for t in tasks]
+    past = [e for e in ends if e > window]
+    if past:
+        print(
+            f"h2o-lens: warning: {len(past)} of {len(ends)} requests go past the context window; "
+            f"{context_message(window, max(past), 'the longest')}",
+            file=sys.stderr,
+        )
 
 
 def sweep_table(

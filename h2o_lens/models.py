@@ -48,6 +48,9 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "model_info",
+    "ContextWarning",
+    "context_window",
+    "warn_past_context",
 ]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -225,6 +228,51 @@ def model_info(model: PreTrainedModel) -> dict[str, Any]:
         "dtype": str(model.dtype).removeprefix("torch."),
         "num_parameters": int(sum(p.numel() for p in model.parameters())),
     }
+
+
+class ContextWarning(UserWarning):
+    """A generation reaches positions past the model's context window."""
+
+
+def context_window(model: Any) -> int | None:
+    """The positions ``model`` was trained on (``config.max_position_embeddings``), or None."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n = getattr(text, "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def context_message(window: int, positions: int, what: str = "the generation") -> str:
+    """Why running ``positions`` positions on a model of ``window`` says little about it."""
+    return (
+        f"{what} spans {positions:,} positions (prompt and new tokens), more than the model's context "
+        f"window of {window:,} (config.max_position_embeddings): the model was never trained past it, "
+        "so what it does there, with or without eviction, says little about the model"
+    )
+
+
+def warn_past_context(model: Any, positions: int, stacklevel: int = 3) -> bool:
+    """Warn (:class:`ContextWarning`) when ``positions`` exceed :func:`context_window`;
+    returns whether it did."""
+    import warnings
+
+    window = context_window(model)
+    if window is None or positions <= window:
+        return False
+    warnings.warn(context_message(window, positions), ContextWarning, stacklevel=stacklevel)
+    return True
+
+
+def planned_positions(model: Any, width: int, kwargs: dict[str, Any]) -> int:
+    """The last position a ``generate(**kwargs)`` call on prompts ``width`` wide may reach."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    new = kwargs.get("max_new_tokens")
+    if new is None and kwargs.get("max_length") is None:
+        new = getattr(config, "max_new_tokens", None)
+    if new is not None:
+        return width + int(new)
+    limit = kwargs.get("max_length") or getattr(config, "max_length", None)
+    return max(width, int(limit)) if limit else width
 
 
 # --------------------------------------------------------------------------- loading

@@ -27,6 +27,7 @@ from . import hooks
 from .cache import CacheListener, H2OCache
 from .config import H2OConfig
 from .errors import ConfigError, UnsupportedModelError
+from .models import planned_positions, warn_past_context
 from .speculative import check_mode
 
 __all__ = ["h2o", "H2OSession", "check_model", "full_kv_bytes", "STATE_FORMAT", "STATE_VERSION", "model_identity"]
@@ -268,10 +269,12 @@ class H2OSession:
         if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
             kwargs["cache"] = self.new_cache()
         cache = kwargs.get("cache")
-        if isinstance(cache, H2OCache):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            if ids is not None:  # assisted decoding's first forward is the prompt plus a draft (DESIGN.md §14)
-                cache.prompt_width = ids.shape[-1]
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(cache, H2OCache) and ids is not None:
+            # assisted decoding's first forward is the prompt plus a draft (DESIGN.md §14)
+            cache.prompt_width = ids.shape[-1]
+        if ids is not None:
+            warn_past_context(self.model, planned_positions(self.model, ids.shape[-1], kwargs), stacklevel=4)
         out = original(*args, **kwargs)
         if isinstance(cache, H2OCache):
             cache.end_segments()  # a segment no crop closed stands in full

@@ -49,6 +49,7 @@ from transformers import LogitsProcessorList
 
 from h2o_lens.cache import DecodeEvent, PrefillEvent, decode_stats
 from h2o_lens.config import H2OConfig
+from h2o_lens.models import planned_positions, warn_past_context
 from h2o_lens.runtime import H2OSession, h2o
 from h2o_lens.speculative import SegmentEvent
 
@@ -575,6 +576,8 @@ class Recording:
             raise RecorderError("record needs model.generate(input_ids=..., ...) (token ids, not embeddings)")
         gen_config = _generation_config(self.model, kwargs)
         _refuse_inexact(gen_config, kwargs)
+        if self.session is None or not self.config.spec.evicts:  # else the H2O session warns
+            warn_past_context(self.model, planned_positions(self.model, input_ids.shape[-1], kwargs), stacklevel=4)
         cache = None
         continued: list[int] | None = None  # the requests a restored or reused cache continues
         if self.session is not None and self.config.spec.evicts:

@@ -447,8 +447,35 @@ def test_a_sweep_shows_each_cells_tokens_and_replay_and_leaves_no_bar(tiny_dir, 
     err = capfd.readouterr().err
     assert not report.failed and len(report.ran) == len(grid.cells) == 2
     cell = grid.cells[0]
-    assert f"{cell.label} {cell.budget_text} batch {cell.batch}" in err and f"/{cell.max_new_tokens} [" in err  # the token bar
-    assert f"replay {cell.run_id}" in err and "forward" in err  # the replay's bar
+    # the token bar, then the replay's
+    assert f"{cell.label} {cell.budget_text} batch {cell.batch}" in err and f"/{cell.max_new_tokens} [" in err
+    assert f"replay {cell.run_id}" in err and "forward" in err
     run_grid(tmp_path / "quiet", grid, tasks, model, tok, progress=False)
     assert capfd.readouterr().err == ""
     assert _per_request(tmp_path / "shown") == _per_request(tmp_path / "quiet")
+
+
+def test_a_sweep_past_the_context_window_says_so_once(tiny_dir, task_file, tmp_path, capsys):
+    import warnings
+
+    from commands.grid import encode
+    from commands.jobs import sweep
+    from h2o_lens.models import ContextWarning, load_model
+    from h2o_lens.tasks.taskfile import resolve_tasks
+
+    model, tok = load_model(tiny_dir, dtype=torch.float64, progress=False)
+    tasks = resolve_tasks(str(task_file))
+    ends = sorted(len(encode(tok, [t.chat_text(tok)])["input_ids"][0]) + t.max_new_tokens for t in tasks)
+    model.config.max_position_embeddings = ends[2]  # the two longest requests go past it
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        sweep(tmp_path, tasks=tasks, model=model, tokenizer=tok, ratios=(0.5,), policies=(("h2o", "sum"),),
+              batch_size=2, replay=False, progress=False)  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.count("go past the context window") == 1, err
+    assert f"2 of {len(tasks)} requests" in err and f"spans {ends[-1]:,} positions" in err
+    assert not [w for w in seen if issubclass(w.category, ContextWarning)]  # not once more per cell
+    model.config.max_position_embeddings = ends[-1]
+    sweep(tmp_path / "fits", tasks=tasks, model=model, tokenizer=tok, ratios=(0.5,), policies=(("h2o", "sum"),),
+          batch_size=2, replay=False, progress=False)  # fmt: skip
+    assert "context window" not in capsys.readouterr().err
