@@ -50,7 +50,9 @@ __all__ = [
     "model_info",
     "ContextWarning",
     "context_window",
+    "context_message",
     "warn_past_context",
+    "planned_positions",
 ]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -264,7 +266,8 @@ def warn_past_context(model: Any, positions: int, stacklevel: int = 3) -> bool:
 
 
 def planned_positions(model: Any, width: int, kwargs: dict[str, Any]) -> int:
-    """The last position a ``generate(**kwargs)`` call on prompts ``width`` wide may reach."""
+    """How many positions a ``generate(**kwargs)`` call on prompts ``width`` wide may span
+    (``max_new_tokens`` from the call or the generation config, else ``max_length``)."""
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     new = kwargs.get("max_new_tokens")
     if new is None and kwargs.get("max_length") is None:
