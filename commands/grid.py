@@ -191,16 +191,25 @@ def encode(tokenizer: Any, texts: Sequence[str]) -> Any:
     )
 
 
-def make_batches(tasks: Sequence[Any], tokenizer: Any, batch_size: int) -> list[tuple[int, ...]]:
+def prompt_lengths(tasks: Sequence[Any], tokenizer: Any) -> list[int]:
+    """Each request's prompt length in tokens, as :func:`encode` feeds it to ``generate``."""
+    return [len(encode(tokenizer, [t.chat_text(tokenizer)])["input_ids"][0]) for t in tasks]
+
+
+def make_batches(
+    tasks: Sequence[Any], tokenizer: Any, batch_size: int, lengths: Sequence[int] | None = None
+) -> list[tuple[int, ...]]:
     """Request indices in batches of at most ``batch_size``, deterministically.
 
     Requests are grouped by ``max_new_tokens`` (one generate call has one), then
     ordered by prompt length in tokens (ties by file order) and cut in runs of
     ``batch_size``, so that a batch pads its prompts as little as the lengths allow.
+    ``lengths``: the :func:`prompt_lengths`, when the caller has them.
     """
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {batch_size}")
-    lengths = [len(encode(tokenizer, [t.chat_text(tokenizer)])["input_ids"][0]) for t in tasks]
+    if lengths is None:
+        lengths = prompt_lengths(tasks, tokenizer)
     order = sorted(range(len(tasks)), key=lambda i: (tasks[i].max_new_tokens, lengths[i], i))
     batches: list[tuple[int, ...]] = []
     for _, group in itertools.groupby(order, key=lambda i: tasks[i].max_new_tokens):
@@ -228,11 +237,13 @@ def plan_grid(
     seed: int = 0,
     replay: bool = True,
     command: Sequence[str] = (),
+    lengths: Sequence[int] | None = None,
 ) -> Grid:
     """The cells of a sweep, in run order (batch by batch: full cache first, then policy × budget × gqa).
 
     The full cache runs once per batch (not per policy or gqa), when a ratio of
     1.0 or the ``full`` policy is asked for; a ratio of 1.0 gives no evicting cell.
+    ``lengths``: the requests' :func:`prompt_lengths`, when the caller has them.
     """
     if not tasks:
         raise ConfigError(f"--tasks {tasks_spec!r} resolved to no requests; give a file with at least one line")
@@ -256,7 +267,7 @@ def plan_grid(
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ConfigError(f"--tasks {tasks_spec!r}: request names repeat ({', '.join(dup[:5])}); names must be unique")
     digest = tasks_digest(tasks)
-    batches = make_batches(tasks, tokenizer, batch_size)
+    batches = make_batches(tasks, tokenizer, batch_size, lengths)
     base = {"model": model, "tasks": tasks_spec, "digest": digest, "dtype": dtype, "seed": seed, "replay": replay}
     cells = []
     for b, members in enumerate(batches):

@@ -305,7 +305,7 @@ def sweep(
     from h2o_lens.models import load_model, load_tokenizer, model_info
     from h2o_lens.tasks.taskfile import FileTask, from_builtin, resolve_tasks
 
-    from .grid import plan_grid, run_grid
+    from .grid import plan_grid, prompt_lengths, run_grid
 
     kv_per_token = None
     if executor is not None:  # the workers load the model; the plan needs its name and dtype
@@ -320,6 +320,7 @@ def sweep(
         tasks_spec = tasks_spec or "builtin:small"
         tasks = resolve_tasks(tasks_spec, tokenizer=tokenizer)
     tasks = [t if isinstance(t, FileTask) else from_builtin(t) for t in tasks]
+    lengths = prompt_lengths(tasks, tokenizer)  # tokenized once: the batches and the context check
     grid = plan_grid(
         tasks,
         tokenizer,
@@ -333,13 +334,14 @@ def sweep(
         seed=seed,
         replay=replay,
         command=command,
+        lengths=lengths,
     )
     root = Path(out)
     if executor is not None:
         report = executor.run(root, grid, tasks, progress=progress)
         print(executor.summary(report))
     else:
-        _warn_past_context(model, tokenizer, tasks)
+        _warn_past_context(model, tasks, lengths)
         with warnings.catch_warnings():  # said once above, not once per cell
             warnings.simplefilter("ignore", ContextWarning)
             report = run_grid(root, grid, tasks, model, tokenizer, progress=progress)
@@ -361,14 +363,13 @@ def sweep(
     return table
 
 
-def _warn_past_context(model: Any, tokenizer: Any, tasks: Sequence[Any]) -> None:
-    """One line on stderr when requests reach past the model's context window."""
-    from .grid import encode
-
+def _warn_past_context(model: Any, tasks: Sequence[Any], lengths: Sequence[int]) -> None:
+    """One line on stderr when requests (prompts of ``lengths`` tokens) reach past the model's
+    context window."""
     window = context_window(model)
     if window is None:
         return
-    ends = [len(encode(tokenizer, [t.chat_text(tokenizer)])["input_ids"][0]) + t.max_new_tokens for t in tasks]
+    ends = [n + t.max_new_tokens for n, t in zip(lengths, tasks)]
     past = [e for e in ends if e > window]
     if past:
         print(

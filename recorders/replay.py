@@ -438,13 +438,15 @@ def _step_rows(
     t = teacher.shape[0]
     steps = np.arange(p - 1, p - 1 + t, dtype=np.int64)
     nxt = torch.as_tensor(ids[p : p + t], dtype=torch.long)
-    lt, lm = torch.log_softmax(teacher, -1), torch.log_softmax(masked, -1)
+    lt = torch.log_softmax(teacher, -1)
+    lm = lt if masked is teacher else torch.log_softmax(masked, -1)  # a request that lost nothing
     kl = (lt.exp() * (lt - lm)).sum(-1)
     rows.steps["request"].append(np.full(t, request, np.int32))
     rows.steps["step"].append(steps)
     rows.steps["kl"].append(kl.clamp(min=0).numpy())
     # max(-1) gives argmax's index (the first of tied maxima) at half its cost over a vocabulary
-    rows.steps["top1_agree"].append((teacher.max(-1).indices == masked.max(-1).indices).numpy())
+    top1 = teacher.max(-1).indices
+    rows.steps["top1_agree"].append((top1 == (top1 if masked is teacher else masked.max(-1).indices)).numpy())
     rows.steps["teacher_logprob"].append(lt.gather(-1, nxt[:, None])[:, 0].numpy())
     rows.n_steps += t
     return steps
