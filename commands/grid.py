@@ -153,6 +153,7 @@ class GridReport:
     seconds: float = 0.0
     record_seconds: float = 0.0  # recording (generate with the recorder, the run written)
     replay_seconds: float = 0.0
+    prompts_reused: int = 0  # cells that started from another cell's prompt forward (DESIGN.md §12.5)
 
     def add(self, cell: CellOutcome) -> None:
         """Count one cell's outcome."""
@@ -510,20 +511,34 @@ def run_grid(
     tokenizer: Any,
     *,
     progress: bool = True,
+    share_prompts: bool = True,
 ) -> GridReport:
     """Run every cell of ``grid`` not yet done under ``root`` (see the module docstring).
 
     A cell that raises is left ``failed`` with its error (shown by ``--status``)
-    and the next cell runs; ``KeyboardInterrupt`` stops the sweep.
+    and the next cell runs; ``KeyboardInterrupt`` stops the sweep. ``share_prompts``: the
+    cells of a batch start from one prompt forward per aggregation (DESIGN.md §12.5); False
+    forwards the prompts in every cell (the same runs, bit for bit, in more time).
     """
     from tqdm.auto import tqdm
+
+    from h2o_lens.prompt_reuse import reuse_prompts
 
     root = Path(root)
     write_plan(root, grid)
     report = GridReport()
     t0 = time.perf_counter()
-    for cell in tqdm(grid.cells, desc="sweep", unit="cell", disable=not progress):
-        report.add(run_cell(root, cell, grid, tasks, model, tokenizer, progress))
+    # the configurations of a batch run one after another: one prompt forward per batch and
+    # aggregation serves them all (DESIGN.md §12.5); a new batch drops the last one's
+    keep = max(1, len({c.gqa for c in grid.cells}))
+    with reuse_prompts(model, keep) if share_prompts else contextlib.nullcontext() as reuse:
+        batch = None
+        for cell in tqdm(grid.cells, desc="sweep", unit="cell", disable=not progress):
+            if cell.batch != batch and reuse is not None:
+                reuse.clear()
+                batch = cell.batch
+            report.add(run_cell(root, cell, grid, tasks, model, tokenizer, progress))
+        report.prompts_reused = reuse.hits if reuse is not None else 0
     report.seconds = time.perf_counter() - t0
     return report
 

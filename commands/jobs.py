@@ -349,6 +349,7 @@ def sweep(
         f"{len(grid.cells)} cells ({len(grid.batches)} batches of up to {batch_size} requests): "
         f"{len(report.ran)} run, {len(report.done)} already done, {len(report.failed)} failed, "
         f"{len(report.busy)} taken by another sweep, in {report.seconds:.0f} s"
+        + (f"; {report.prompts_reused} started from another cell's prompt forward" if report.prompts_reused else "")
     )
     done = [c for c in grid.cells if c.key in set(report.ran) | set(report.done)]
     if not done:

@@ -273,6 +273,8 @@ class H2OCacheLayer(CacheLayerMixin):
                 scores = prefill_scores_triton(query.contiguous(), key.contiguous(), valid, scaling, gqa)
         else:
             out, scores = ops.prefill_attention(query, key, value, valid, scaling, gqa, chunk=owner.prefill_chunk)
+            if owner.prompt_capture is not None:  # kept for the next configuration of this prompt (§12.5)
+                owner.prompt_capture(self.layer_idx, query, key, value, scores, valid, scaling)
             if owner.prompt_sink is not None:
                 self._hand_on_prompt(query, key, value, scores, valid)
             if spec.prefill != "columns":
@@ -280,6 +282,23 @@ class H2OCacheLayer(CacheLayerMixin):
         rows = ops.prefill_rows(query, key, valid, scaling, gqa, spec.prefill_rows) if spec.prefill == "rows" else None
         self._keep_prompt(query, key, value, valid, scores, rows)
         return out
+
+    def adopt_prompt(self, query, key, value, scores, valid, scaling: float) -> None:
+        """:meth:`prefill` from a prompt forward computed for another configuration of the same
+        prompt (DESIGN.md §12.5): ``key, value (b, Hs, P, d)`` and ``scores (b, Hs, P)`` as this
+        layer's torch prefill computed them, ``query (b, Hq, R, d)`` the last ``R`` prompt rows'
+        queries (what a policy that ranks by the last rows reads). The keep rule, the listener's
+        event and the prompt sink see what a prefill of their own would give them."""
+        self.lazy_initialization(key, value)
+        self.seen = key.shape[2]
+        self.pending = None
+        spec = self.owner.config.spec
+        if self.owner.prompt_sink is not None:
+            self._hand_on_prompt(query, key, value, scores, valid)
+        rows = None
+        if spec.prefill == "rows":
+            rows = ops.prefill_rows(query, key, valid, scaling, self.owner.config.gqa, spec.prefill_rows)
+        self._keep_prompt(query, key, value, valid, scores if spec.prefill == "columns" else None, rows)
 
     def _hand_on_prompt(self, query, key, value, scores, valid) -> None:
         """Give the prompt sink this layer's prompt K/V and column sums when they have the bits
@@ -681,6 +700,10 @@ class H2OCache(Cache):
         #: scores, valid)``: the prompt's K/V (one set per KV head) and column sums, the bits a
         #: replay's prompt pass computes (DESIGN.md §6.1); None: nothing is handed on
         self.prompt_sink: Callable[..., None] | None = None
+        #: called per layer by a plain torch prefill with ``(layer, query, key, value, scores, valid,
+        #: scaling)``, so that another configuration can start from this prompt forward
+        #: (:mod:`h2o_lens.prompt_reuse`, DESIGN.md §12.5); None: nothing is kept
+        self.prompt_capture: Callable[..., None] | None = None
         super().__init__(layers=[H2OCacheLayer(self, i) for i in range(n_layers)])
 
     @property

@@ -346,15 +346,18 @@ def prefill_rows(
 ) -> torch.Tensor:
     """Aggregated attention weights of the last ``rows`` prompt rows, ``(b, Hs, R, P)``.
 
+    ``query (b, Hq, Q, d)`` the queries of the prompt's last ``Q`` positions (all ``P`` of
+    them, or at least ``R``), ``key (b, Hs, P, d)``.
     ``R = min(rows, P)``; row ``r`` is the query at column ``P - R + r``. The softmax
     is in FP32 (FP64 for FP64 inputs) over the row's real keys; future keys, padding
     keys and padding rows weigh 0. Memory is ``O(R · P)``.
     """
-    b, hq, p, d = query.shape
-    hs = key.shape[1]
+    b, hs, p, d = key.shape
     r = min(rows, p)
+    if query.shape[2] < r:
+        raise ValueError(f"prefill_rows: {query.shape[2]} query rows for the last {r} rows of the prompt")
     acc = torch.promote_types(query.dtype, torch.float32)
-    qg = _group_view(query[:, :, p - r :], hs)  # (b, Hs, G, R, d)
+    qg = _group_view(query[:, :, query.shape[2] - r :], hs)  # (b, Hs, G, R, d)
     logits = torch.matmul(qg.to(acc), key.to(acc).transpose(-1, -2)[:, :, None]) * scaling  # (b,Hs,G,R,P)
     row = torch.arange(p - r, p, device=query.device)[:, None]
     masked = torch.arange(p, device=query.device)[None, :] > row  # (R, P) future keys

@@ -75,6 +75,12 @@ class PromptSink:
         if self.head_width is None:
             self.head_width = args[0].shape[1]
 
+    def on_reused_head(self, width: int) -> None:
+        """The prefill was a reused prompt forward (:mod:`h2o_lens.prompt_reuse`): its logits
+        came from ``width`` positions through the output head, which did not run again."""
+        if self.head_width is None:
+            self.head_width = width
+
     def complete(self, layers: int) -> bool:
         """Every layer's prefill ran row by row, and the first forward computed the logits of the
         last prompt positions only (no draft tokens after the prompt, as assisted decoding adds)."""

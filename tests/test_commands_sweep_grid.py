@@ -479,3 +479,36 @@ def test_a_sweep_past_the_context_window_says_so_once(tiny_dir, task_file, tmp_p
     sweep(tmp_path / "fits", tasks=tasks, model=model, tokenizer=tok, ratios=(0.5,), policies=(("h2o", "sum"),),
           batch_size=2, replay=False, progress=False)  # fmt: skip
     assert "context window" not in capsys.readouterr().err
+
+
+def test_the_cells_of_a_batch_share_one_prompt_forward_and_record_what_they_would_alone(tiny_dir, task_file, tmp_path):
+    """One prompt forward per batch and aggregation serves every configuration (DESIGN.md §12.5):
+    every table of every cell, replay included, is the same as when each cell forwards its prompts."""
+    import pandas as pd
+
+    from commands.grid import plan_grid, run_grid
+    from h2o_lens.models import load_model
+    from h2o_lens.tasks.taskfile import resolve_tasks
+    from recorders.segments import list_segments
+
+    model, tok = load_model(tiny_dir, dtype=torch.float32, progress=False)
+    tasks = resolve_tasks(str(task_file))
+    policies = [("h2o", "sum"), ("tova", "sum"), ("h2o", "max"), ("local", "sum")]
+    kw = dict(model="tiny", tasks_spec=str(task_file), policies=policies, ratios=[1.0, 0.5, 0.3], slots=None)
+    grid = plan_grid(tasks, tok, batch_size=4, dtype="float32", replay=True, **kw)
+    shared = run_grid(tmp_path / "shared", grid, tasks, model, tok, progress=False)
+    alone = run_grid(tmp_path / "alone", grid, tasks, model, tok, progress=False, share_prompts=False)
+    assert not shared.failed and not alone.failed and len(shared.ran) == len(grid.cells)
+    # per batch: the full cache (its own forward), then 4 combos x 2 budgets over two aggregations
+    assert shared.prompts_reused == len(grid.batches) * (4 * 2 - 2) and alone.prompts_reused == 0
+    for cell in grid.cells:
+        a, b = list_segments(tmp_path / "shared" / cell.run_id), list_segments(tmp_path / "alone" / cell.run_id)
+        assert sorted(a) == sorted(b) and {"tokens", "replay_steps"} <= set(a), cell.run_id
+        for table in a:
+            fa = pd.concat([pd.read_parquet(f) for f in a[table]]).reset_index(drop=True)
+            fb = pd.concat([pd.read_parquet(f) for f in b[table]]).reset_index(drop=True)
+            timing = [c for c in fa.columns if "second" in c]
+            pd.testing.assert_frame_equal(fa.drop(columns=timing), fb.drop(columns=timing), check_exact=True)
+        manifest = json.loads((tmp_path / "shared" / cell.run_id / "manifest.json").read_text())
+        if cell.policy != "full":  # every request replayed from the prompt pass its recording handed on
+            assert manifest["replay"]["prompts_from_run"] == len(cell.requests), cell.label

@@ -1,0 +1,210 @@
+"""One prompt forward serves every H2O configuration of a batch (DESIGN.md §12.5).
+
+Inside ``reuse_prompts`` a generate of a prompt batch already prefilled under another
+configuration skips the model's forward over the prompt. Each configuration must still get
+exactly what its own prefill gives it: the same tokens, logits and final cache state, bit
+for bit, and a forward that differs in anything the prefill reads must not be reused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import tiny_model
+
+import h2o_lens
+import recorders
+from h2o_lens import H2OConfig, faults
+from h2o_lens.prompt_reuse import PromptReuse, reuse_prompts
+
+STATE = ("keys", "values", "scores", "positions", "history", "fill", "next_pos", "budget")
+
+
+def _prompts(lengths=(19, 11, 15), seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for r, n in enumerate(lengths):  # left padding
+        ids[r, width - n :] = torch.randint(3, 250, (n,), generator=g)
+        mask[r, width - n :] = 1
+    return ids, mask
+
+
+def _generate(model, cfg, ids, mask, new: int = 9):
+    """Tokens, per-step logits, the final cache and how many forwards reached the first layer."""
+    calls = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        with torch.no_grad(), h2o_lens.h2o(model, cfg) as session:
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+    finally:
+        hook.remove()
+    return out, session.last_cache, len(calls)
+
+
+def _assert_same(a, b, what: str) -> None:
+    (out_a, cache_a, _), (out_b, cache_b, _) = a, b
+    assert torch.equal(out_a.sequences, out_b.sequences), what
+    assert all(torch.equal(x, y) for x, y in zip(out_a.logits, out_b.logits, strict=True)), what
+    for i, (la, lb) in enumerate(zip(cache_a.layers, cache_b.layers, strict=True)):
+        for name in STATE:
+            x, y = getattr(la, name), getattr(lb, name)
+            assert (x is None and y is None) or torch.equal(x, y), f"{what}: layer {i} {name}"
+
+
+CONFIGS = {
+    "h2o sum": H2OConfig(heavy=4, recent=4),
+    "h2o max": H2OConfig(heavy=4, recent=4, gqa="max"),
+    "h2o none": H2OConfig(heavy=5, recent=3, gqa="none"),
+    "tova": H2OConfig(policy="tova", heavy=4, recent=4),
+    "scissorhands": H2OConfig(policy="scissorhands", heavy=4, recent=4),
+    "local": H2OConfig(policy="local", heavy=0, recent=8),
+    "random": H2OConfig(policy="random", heavy=4, recent=4, seed=3),
+    "ratio per row": H2OConfig(ratio=0.5),
+    "pinned": H2OConfig(heavy=4, recent=4, pinned=(0, 2)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_reused_prompt_forward_gives_each_configuration_the_bits_of_its_own_prefill(name, dtype):
+    model = tiny_model("llama", layers=3).to(dtype)
+    ids, mask = _prompts()
+    cfg = CONFIGS[name]
+    own = _generate(model, cfg, ids, mask)
+    # another policy and budget, the same aggregation: its prompt forward is the one to reuse
+    primer = H2OConfig(heavy=3, recent=2, gqa=cfg.gqa) if cfg.policy != "h2o" or cfg.heavy != 3 else CONFIGS["local"]
+    with reuse_prompts(model) as scope:
+        first = _generate(model, primer, ids, mask)
+        reused = _generate(model, cfg, ids, mask)
+    assert (scope.hits, scope.misses) == (1, 1)
+    # the prompt forward ran once: one forward over the prompt, then one per new token after the first
+    assert first[2] == 9 and reused[2] == 8 and own[2] == 9
+    _assert_same(own, reused, name)
+    _assert_same(_generate(model, primer, ids, mask), first, "primer")
+    assert "forward" not in vars(model)  # the scope put the model back
+
+
+def test_a_prompt_forward_is_reused_only_for_the_same_inputs_and_aggregation():
+    model = tiny_model("llama", layers=2)
+    ids, mask = _prompts()
+    cfg = H2OConfig(heavy=4, recent=4)
+    other_ids = ids.clone()
+    other_ids[0, -1] = (other_ids[0, -1] + 1) % 250 + 3
+    shorter = _prompts((19, 11, 14))
+    cases = {
+        "another token": (cfg, other_ids, mask),
+        "another padding": (cfg, *shorter),
+        "another aggregation": (H2OConfig(heavy=4, recent=4, gqa="max"), ids, mask),
+        "one row fewer": (cfg, ids[:2], mask[:2]),
+    }
+    own = {what: _generate(model, *args) for what, args in cases.items()}
+    with reuse_prompts(model, keep=8) as scope:
+        _generate(model, cfg, ids, mask)
+        for what, args in cases.items():
+            before = scope.misses
+            got = _generate(model, *args)
+            assert scope.misses == before + 1 and scope.hits == 0 and got[2] == 9, what
+            _assert_same(own[what], got, what)
+        with faults.inject("prefix_without_copy"):  # a diagnosis fault: nothing is reused
+            _generate(model, H2OConfig(policy="local", heavy=0, recent=8), ids, mask)
+        assert scope.hits == 0
+        reused = _generate(model, H2OConfig(policy="local", heavy=0, recent=8), ids, mask)
+        assert scope.hits == 1 and reused[2] == 8
+    assert "forward" not in vars(model)
+
+
+def test_a_different_dtype_is_a_different_prompt_forward():
+    model = tiny_model("llama", layers=2)
+    ids, mask = _prompts()
+    with reuse_prompts(model) as scope:
+        _generate(model, H2OConfig(heavy=4, recent=4), ids, mask)
+        model.to(torch.bfloat16)
+        got = _generate(model, H2OConfig(policy="local", heavy=0, recent=8), ids, mask)
+        assert (scope.hits, scope.misses) == (0, 2)
+    _assert_same(_generate(model, H2OConfig(policy="local", heavy=0, recent=8), ids, mask), got, "bf16")
+
+
+def test_the_oldest_prompt_forward_goes_first_and_the_scope_restores_the_model():
+    model = tiny_model("llama", layers=2)
+    a, b = _prompts(seed=1), _prompts(seed=2)
+    cfg = H2OConfig(heavy=4, recent=4)
+    with reuse_prompts(model, keep=1) as scope:
+        _generate(model, cfg, *a)
+        _generate(model, cfg, *b)  # a goes
+        _generate(model, cfg, *a)
+        assert (scope.hits, scope.misses) == (0, 3)
+        _generate(model, cfg, *a)
+        assert scope.hits == 1
+        scope.clear()
+        _generate(model, cfg, *a)
+        assert scope.hits == 1
+    assert "forward" not in vars(model)
+    with pytest.raises(RuntimeError, match="boom"), reuse_prompts(model):
+        raise RuntimeError("boom")
+    assert "forward" not in vars(model)
+    with pytest.raises(ValueError, match="keep=0"):
+        PromptReuse(model, keep=0)
+
+
+def test_a_recording_from_a_reused_prompt_forward_is_the_recording_of_its_own(tmp_path):
+    """The recorder hears the same prefill (events, prompt pass for the replay, the batch a replay
+    forwards again) and the replay tables are the same."""
+    import pandas as pd
+
+    from recorders.manifest import read_manifest
+    from recorders.replay import replay
+    from recorders.store import load_run
+
+    model = tiny_model("llama", layers=3)
+    ids, mask = _prompts()
+    cfg = H2OConfig(policy="tova", heavy=4, recent=4)
+
+    def record(out, reuse: bool):
+        scope = PromptReuse(model) if reuse else None
+        if scope is not None:
+            scope.__enter__()
+            with recorders.record(model, H2OConfig(heavy=3, recent=3), out=out / "primer", fsync=False):
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        try:
+            with recorders.record(model, cfg, out=out, fsync=False, keep_prompt_pass=True) as rec:
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        finally:
+            if scope is not None:
+                assert (scope.hits, scope.misses) == (1, 1)
+                scope.__exit__(None, None, None)
+        return rec
+
+    own, reused = record(tmp_path / "own", False), record(tmp_path / "reused", True)
+    assert sorted(reused.prompt_passes) == sorted(own.prompt_passes) == [0, 1, 2]
+    for r, p in own.prompt_passes.items():
+        q = reused.prompt_passes[r]
+        assert p.ids == q.ids and torch.equal(p.first, q.first)
+        assert all(torch.equal(x, y) for x, y in zip(p.keys + p.values + p.cols, q.keys + q.values + q.cols))
+    assert read_manifest(own.run_dir)["prefill_batches"] == read_manifest(reused.run_dir)["prefill_batches"]
+    tables = ("evictions", "tokens", "steps", "run_logits", "requests")
+    a, b = load_run(own.run_dir, tables=tables), load_run(reused.run_dir, tables=tables)
+    for t in tables:
+        fa, fb = a[t].to_pandas(), b[t].to_pandas()
+        drop = [c for c in fa.columns if c in ("run_id", "seconds", "step_seconds")]
+        pd.testing.assert_frame_equal(fa.drop(columns=drop), fb.drop(columns=drop), check_exact=True, obj=t)
+    for run in (own, reused):
+        replay(run.run_dir, model=model, progress=False, prompt_passes=run.prompt_passes)
+    replayed = [load_run(r.run_dir, tables=("replay", "replay_steps", "oracle")) for r in (own, reused)]
+    for t in ("replay", "replay_steps", "oracle"):
+        pd.testing.assert_frame_equal(
+            replayed[0][t].to_pandas().drop(columns=["run_id"], errors="ignore"),
+            replayed[1][t].to_pandas().drop(columns=["run_id"], errors="ignore"),
+            check_exact=True,
+            obj=t,
+        )
