@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -628,15 +629,22 @@ def bench_sweep(
     tokenizer=None,
     executor: str = "inprocess",
     workers: int = 2,
+    policies: Sequence[tuple[str, str]] = (("h2o", "sum"),),
+    sharing: bool = False,
+    length: int | None = None,
 ) -> int:
     """Requests per minute of the same sweep grid batched and one request at a time, side by side.
 
     ``executor="ray"`` compares instead the in-process executor with a Ray sweep of
     ``workers`` workers on a local cluster (:func:`_bench_sweep_ray`), on the grid of
-    ``batch_size``.
+    ``batch_size``. ``sharing`` compares instead the batched grid with its cells sharing one
+    prompt forward per batch and aggregation (DESIGN.md §12.5) and with every cell forwarding
+    its prompts.
 
     The grid is ``count`` requests of ``tasks`` (each with ``new_tokens`` new
-    tokens, so that they share batches) under h2o gqa sum at one budget:
+    tokens, so that they share batches; ``length``: prompt tokens of a long-context built-in
+    family) under ``policies`` (``(name, gqa)`` pairs; default
+    h2o gqa sum) at one budget:
     ``budget="slots"`` gives every request the slot count of ``keep`` times the
     median prompt length (one budget), ``budget="ratio"`` the keep ratio itself
     (resolved on each prompt: a budget per row; the batch still decodes in one
@@ -658,16 +666,17 @@ def bench_sweep(
         model, tokenizer = load_model(model_name, progress=False)
     reqs = [
         dataclasses.replace(t, max_new_tokens=new_tokens)
-        for t in resolve_tasks(tasks, count=count, tokenizer=tokenizer)
+        for t in resolve_tasks(tasks, count=count, tokenizer=tokenizer, length=length)
     ]
     lengths = [len(tokenizer(t.chat_text(tokenizer), add_special_tokens=False)["input_ids"]) for t in reqs]
     if budget not in ("slots", "ratio"):
         raise ValueError(f"budget must be 'slots' or 'ratio', got {budget!r}")
     slots = ratio_slots(keep, int(statistics.median(lengths)))
     what = f"{slots} slots ({keep:.0%} of the median prompt)" if budget == "slots" else f"keep ratio {keep:.0%}"
+    names = ", ".join(f"{p} gqa {g}" for p, g in policies)
     print(
         f"{model_info(model)['name']}: {len(reqs)} requests of {tasks} ({min(lengths)}-{max(lengths)} prompt "
-        f"tokens, {new_tokens} new), h2o at {what}, gqa sum, replay {'on' if replay else 'off'}; "
+        f"tokens, {new_tokens} new), {names} at {what}, replay {'on' if replay else 'off'}; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; {rounds} round(s), modes alternating"
     )
     grids = {
@@ -676,7 +685,7 @@ def bench_sweep(
             tokenizer,
             model=str(model_info(model)["name"]),
             tasks_spec=f"bench:{tasks}",
-            policies=[("h2o", "sum")],
+            policies=list(policies),
             ratios=[keep] if budget == "ratio" else None,
             slots=[slots] if budget == "slots" else None,
             batch_size=size,
@@ -692,32 +701,44 @@ def bench_sweep(
         return _bench_sweep_ray(model_name, model, tokenizer, reqs, grids[batch_size], rounds, workers)
     if executor != "inprocess":
         raise ValueError(f"executor must be 'inprocess' or 'ray', got {executor!r}")
-    times: dict[int, list[tuple[float, float, float]]] = {size: [] for size in grids}
+    # (label, grid, whether the cells of a batch share its prompt forward)
+    if sharing:
+        modes = [(f"batch {batch_size}, shared", grids[batch_size], True)]
+        modes.append((f"batch {batch_size}, each cell", grids[batch_size], False))
+    else:
+        modes = [(f"batch {batch_size}" if batch_size > 1 else "batch 1", grids[batch_size], True)]
+        modes.append(("one at a time", grids[1], True))
+    times: dict[str, list[tuple[float, float, float]]] = {label: [] for label, _, _ in modes}
+    shared: dict[str, int] = {}
     for _ in range(rounds):
-        for size, grid in grids.items():
+        for label, grid, share in modes:
             root = Path(tempfile.mkdtemp(prefix="h2o-lens-bench-sweep-"))
             try:
-                report = run_grid(root, grid, reqs, model, tokenizer, progress=False)
+                report = run_grid(root, grid, reqs, model, tokenizer, progress=False, share_prompts=share)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             if report.failed:
                 raise RuntimeError(f"bench sweep: cells failed: {report.failed}")
-            times[size].append((report.seconds, report.record_seconds, report.replay_seconds))
-    print(f"{'mode':<22} {'runs':>5} {'seconds':>8} {'record s':>9} {'replay s':>9} {'requests/min':>13}")
-    rate = {}
-    for size, grid in grids.items():
-        total, rec, rep = (statistics.median(t[i] for t in times[size]) for i in range(3))
-        rate[size] = 60 * len(reqs) / total
-        mode = f"batch {size}" if size > 1 else "one at a time"
-        print(f"{mode:<22} {len(grid.cells):>5} {total:>8.1f} {rec:>9.1f} {rep:>9.1f} {rate[size]:>13.1f}")
-    print(f"batched / one at a time: {rate[batch_size] / rate[1]:.2f}x requests per minute")
+            times[label].append((report.seconds, report.record_seconds, report.replay_seconds))
+            shared[label] = report.prompts_reused
+    head = f"{'mode':<22} {'runs':>5} {'seconds':>8} {'record s':>9} {'replay s':>9} {'requests/min':>13}"
+    print(head + " prompt forwards shared")
+    rate, rec, rep = {}, {}, {}
+    for label, grid, _ in modes:
+        total, rec[label], rep[label] = (statistics.median(t[i] for t in times[label]) for i in range(3))
+        rate[label] = 60 * len(reqs) / total
+        print(
+            f"{label:<22} {len(grid.cells):>5} {total:>8.1f} {rec[label]:>9.1f} {rep[label]:>9.1f} "
+            f"{rate[label]:>13.1f} {shared[label]:>22}"
+        )
+    (first, *_), (second, *_) = modes
+    what = "shared / each cell" if sharing else "batched / one at a time"
+    print(f"{what}: {rate[first] / rate[second]:.2f}x requests per minute")
     if replay:  # the two stages side by side: only the generation has rows to batch
-        rec = {size: statistics.median(t[1] for t in times[size]) for size in grids}
-        rep = {size: statistics.median(t[2] for t in times[size]) for size in grids}
         print(
             f"  recording alone (generation, eviction logs, verdicts: what `sweep --no-replay` runs): "
-            f"{rec[1] / rec[batch_size]:.2f}x; the replay (teacher-forced forwards, one request at a "
-            f"time in both modes): {rep[1] / rep[batch_size]:.2f}x"
+            f"{rec[second] / rec[first]:.2f}x; the replay (teacher-forced forwards, one request at a "
+            f"time in both modes): {rep[second] / rep[first]:.2f}x"
         )
     return 0
 

@@ -705,6 +705,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             new_tokens=args.new_tokens or 16,
             executor=args.executor,
             workers=args.workers,
+            policies=sweep_grid(args.policies, args.gqa) if args.policies or args.gqa else (("h2o", "sum"),),
+            length=args.length,
+            sharing=args.sharing,
         )
     if args.what == "sql":
         from analyses.bench import bench_sql
@@ -922,6 +925,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-browser", action="store_true", help="runs: skip the dashboard timings")
     b.add_argument("--tasks", default="builtin:full", help="sweep: the requests (FILE or builtin:NAME)")
     b.add_argument("--count", type=int, default=16, help="sweep: requests of the grid")
+    b.add_argument("--length", type=int, default=None, help="sweep: prompt tokens of a long-context built-in family")
     b.add_argument("--batch-size", type=int, default=8, help="sweep: batch size compared with one at a time")
     b.add_argument("--no-replay", action="store_true", help="sweep: record only")
     b.add_argument(
@@ -934,6 +938,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="sweep: ray compares the in-process executor with --workers Ray workers (local cluster)",
     )
     b.add_argument("--workers", type=int, default=2, help="sweep --executor ray: Ray workers (default 2)")
+    b.add_argument(
+        "--policies",
+        action="extend",
+        nargs="+",
+        default=None,
+        metavar="NAME[:GQA]",
+        help="sweep: the grid's policies, as for `sweep --policies` (default h2o)",
+    )
+    b.add_argument(
+        "--gqa", action="extend", nargs="+", default=None, help="sweep: aggregations of the policies (default sum)"
+    )
+    b.add_argument(
+        "--sharing",
+        action="store_true",
+        help="sweep: compare the batched grid with its cells sharing one prompt forward per batch "
+        "(DESIGN.md §12.5) and with each cell forwarding its prompts",
+    )
     b.add_argument(
         "--assistant",
         nargs="?",

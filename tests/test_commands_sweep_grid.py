@@ -512,3 +512,23 @@ def test_the_cells_of_a_batch_share_one_prompt_forward_and_record_what_they_woul
         manifest = json.loads((tmp_path / "shared" / cell.run_id / "manifest.json").read_text())
         if cell.policy != "full":  # every request replayed from the prompt pass its recording handed on
             assert manifest["replay"]["prompts_from_run"] == len(cell.requests), cell.label
+
+
+def test_bench_sweep_prints_both_modes_and_with_sharing_the_prompt_forwards_shared(tiny_dir, task_file, capsys):
+    from commands.cli import main
+
+    common = ["bench", "sweep", "--model", str(tiny_dir), "--tasks", str(task_file), "--count", "4"]
+    common += ["--new-tokens", "3", "--policies", "h2o,local", "--gqa", "sum,max", "--rounds", "1"]
+    assert main([*common, "--batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = {line[:22].strip(): line[22:].split() for line in out.splitlines() if line.startswith(("batch", "one at"))}
+    # 4 requests in 2 batches of 2 or 4 of 1, under h2o and local, each with sum and max: 4 cells each
+    assert rows["batch 2"][0] == "8" and rows["one at a time"][0] == "16", out
+    # per batch: h2o sum and h2o max forward the prompts, local sum and local max reuse them
+    assert rows["batch 2"][-1] == "4" and rows["one at a time"][-1] == "8", out
+    assert float(out.split("batched / one at a time: ")[1].split("x")[0]) > 0
+    assert main([*common, "--batch-size", "2", "--sharing"]) == 0
+    out = capsys.readouterr().out
+    rows = {line[:22].strip(): line[22:].split() for line in out.splitlines() if line.startswith("batch")}
+    assert rows["batch 2, shared"][-1] == "4" and rows["batch 2, each cell"][-1] == "0", out
+    assert float(out.split("shared / each cell: ")[1].split("x")[0]) > 0
