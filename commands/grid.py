@@ -157,6 +157,7 @@ class GridReport:
 
     def add(self, cell: CellOutcome) -> None:
         """Count one cell's outcome."""
+        self.prompts_reused += cell.prompt_reused
         if cell.outcome == "failed":
             self.failed[cell.key] = cell.error or "failed"
         else:
@@ -451,6 +452,7 @@ class CellOutcome:
     record_seconds: float = 0.0
     replay_seconds: float = 0.0
     seconds: float = 0.0
+    prompt_reused: bool = False  # it started from another cell's prompt forward (DESIGN.md §12.5)
 
 
 def run_cell(
@@ -461,10 +463,13 @@ def run_cell(
     model: Any,
     tokenizer: Any,
     progress: bool = False,
+    reuse: Any = None,
 ) -> CellOutcome:
     """Run one cell under its lock (DESIGN.md §12.3): skip it when done or taken, redo it when
     failed or interrupted, replay it when only the replay is missing. ``progress``: bars of the
-    cell's new tokens and replay forwards (a long-context cell takes minutes).
+    cell's new tokens and replay forwards (a long-context cell takes minutes). ``reuse``: the
+    open :class:`~h2o_lens.prompt_reuse.PromptReuse` scope of the caller, or None: it drops the
+    prompt forwards of another batch before the cell runs (DESIGN.md §12.5).
 
     The one function every executor runs per cell, in-process or on a Ray worker
     (DESIGN.md §13). A cell that raises is left ``failed`` with its error.
@@ -487,7 +492,14 @@ def run_cell(
                     shutil.rmtree(root / cell.run_id)
                     out.redone = True
                 t1 = time.perf_counter()
+                hits = 0
+                if reuse is not None:
+                    if getattr(reuse, "batch", None) != (grid.grid_id, cell.batch):
+                        reuse.clear()
+                        reuse.batch = (grid.grid_id, cell.batch)
+                    hits = reuse.hits
                 passes = _record_cell(root, cell, tasks, model, tokenizer, grid, progress)
+                out.prompt_reused = reuse is not None and reuse.hits > hits
                 out.record_seconds = time.perf_counter() - t1
             if grid.replay:
                 t1 = time.perf_counter()
@@ -529,16 +541,11 @@ def run_grid(
     report = GridReport()
     t0 = time.perf_counter()
     # the configurations of a batch run one after another: one prompt forward per batch and
-    # aggregation serves them all (DESIGN.md §12.5); a new batch drops the last one's
+    # aggregation serves them all (DESIGN.md §12.5); run_cell drops them when the batch changes
     keep = max(1, len({c.gqa for c in grid.cells}))
     with reuse_prompts(model, keep) if share_prompts else contextlib.nullcontext() as reuse:
-        batch = None
         for cell in tqdm(grid.cells, desc="sweep", unit="cell", disable=not progress):
-            if cell.batch != batch and reuse is not None:
-                reuse.clear()
-                batch = cell.batch
-            report.add(run_cell(root, cell, grid, tasks, model, tokenizer, progress))
-        report.prompts_reused = reuse.hits if reuse is not None else 0
+            report.add(run_cell(root, cell, grid, tasks, model, tokenizer, progress, reuse))
     report.seconds = time.perf_counter() - t0
     return report
 

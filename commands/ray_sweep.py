@@ -96,6 +96,11 @@ class SweepWorker:
         self.load_seconds = time.perf_counter() - t0
         self.grid: Grid | None = None
         self.tasks: Sequence[Any] = ()
+        # the worker's model stays in a prompt-reuse scope for its life: the cells of a batch it
+        # runs in a row share one prompt forward per aggregation (DESIGN.md §12.5)
+        from h2o_lens.prompt_reuse import PromptReuse
+
+        self.reuse = PromptReuse(self.model, keep=3).__enter__()
 
     def describe(self) -> dict[str, Any]:
         """The worker's process and model: what the driver plans the grid with."""
@@ -119,7 +124,8 @@ class SweepWorker:
             import ray
 
             self.grid, self.tasks = ray.get(boxed)
-        return run_cell(root, self.grid.cells[index], self.grid, self.tasks, self.model, self.tokenizer)
+        cell = self.grid.cells[index]
+        return run_cell(root, cell, self.grid, self.tasks, self.model, self.tokenizer, reuse=self.reuse)
 
     def warm_up(self) -> float:
         """One short ``generate``: the one-time costs of a process's first one, paid before timing."""
@@ -147,6 +153,7 @@ class _Worker:
     cells: int = 0
     busy_seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    batch: int | None = None  # the batch of the last cell handed to it
 
 
 class RaySweep:
@@ -268,7 +275,9 @@ class RaySweep:
 
         def hand_out(worker: _Worker) -> None:
             if queue and worker.state == "ready":
-                i = queue.popleft()
+                i = _next_cell(grid, queue, worker.batch, {grid.cells[j].batch for _, j in cells.values()})
+                queue.remove(i)
+                worker.batch = grid.cells[i].batch
                 cells[worker.handle.run.remote(root, i, grid.grid_id, boxed)] = (worker, i)
 
         def settle(i: int, outcome: CellOutcome) -> None:
@@ -364,6 +373,17 @@ class RaySweep:
             f"scheduling overhead {overhead:.0f} ms per cell"
         )
         return "\n".join(lines)
+
+
+def _next_cell(grid: Grid, queue: Sequence[int], batch: int | None, running: set[int]) -> int:
+    """The cell to hand a worker whose last cell was of ``batch``: the next one of that batch (its
+    prompt forward is still in the worker, DESIGN.md §12.5), else the first of a batch no worker
+    is running (``running``), else the first in line."""
+    for want in (lambda b: b == batch, lambda b: b not in running):
+        for i in queue:
+            if want(grid.cells[i].batch):
+                return i
+    return queue[0]
 
 
 def scheduling_overhead_ms(wall: float, busy: Sequence[float], cells: int) -> float:

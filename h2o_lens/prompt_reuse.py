@@ -95,6 +95,8 @@ class PromptReuse:
         self._store: OrderedDict[tuple, _Prompt] = OrderedDict()
         self._rows = _rows_needed()
         self._saved: tuple[bool, Any] | None = None
+        #: free for the caller: what the forwards held belong to (a sweep's batch)
+        self.batch: Any = None
 
     def __enter__(self) -> PromptReuse:
         if self._saved is not None:

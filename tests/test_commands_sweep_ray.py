@@ -263,3 +263,32 @@ def test_a_cell_whose_worker_was_lost_is_left_failed_with_the_error(tmp_path):
     assert f"failed {lost.run_id}: WorkerLost: worker lost 2 times" in grid_status(root)
     assert not fail_cell(root, done, "late") and read_manifest(root / done.run_id)["status"] == "complete"
     assert not fail_cell(root, grid.cells[2], "never started") and not (root / grid.cells[2].run_id).exists()
+
+
+def test_a_free_worker_gets_the_next_cell_of_its_batch_else_a_batch_nobody_runs():
+    """Batch affinity (DESIGN.md §13): the cells of a batch go to the worker that holds its prompt forward."""
+    from commands.grid import plan_grid
+    from commands.ray_sweep import _next_cell
+    from h2o_lens.tasks.taskfile import resolve_tasks
+
+    tasks = resolve_tasks("builtin:full", count=6)
+    grid = plan_grid(
+        tasks,
+        _byte_tokenizer(),
+        model="tiny",
+        tasks_spec="t",
+        policies=[("h2o", "sum"), ("local", "sum")],
+        ratios=[0.5, 0.3],
+        batch_size=2,
+    )
+    by_batch = {}
+    for i, cell in enumerate(grid.cells):
+        by_batch.setdefault(cell.batch, []).append(i)
+    assert len(by_batch) == 3 and all(len(v) == 4 for v in by_batch.values())
+    queue = list(range(len(grid.cells)))
+    assert _next_cell(grid, queue, None, set()) == 0  # nothing run yet: the first in line
+    assert _next_cell(grid, queue, None, {0}) == by_batch[1][0]  # batch 0 is taken: the next batch
+    queue = [i for i in queue if i not in (0, by_batch[1][0])]
+    assert _next_cell(grid, queue, 1, {0}) == by_batch[1][1]  # its own batch first
+    assert _next_cell(grid, queue, 0, {1}) == by_batch[0][1]
+    assert _next_cell(grid, queue, 5, {0, 1, 2}) == queue[0]  # every batch is running: the first in line
