@@ -56,7 +56,8 @@ class PromptSink:
     def __init__(self, keep: bool):
         self.keep = keep
         #: layer -> per batch row (key, value, cols) of the row's own positions, copied out of the
-        #: batch at once, so the batch's prompt K/V are not held through the generation
+        #: batch at once, so the batch's prompt K/V are not held through the generation (a lone
+        #: unpadded row is the batch's tensors themselves: a copy would only double them)
         self.layers: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self.masked = False  # the prefill had a padding mask (each row cut to its span)
         self.head_width: int | None = None  # positions the output head computed at the prefill
@@ -65,6 +66,9 @@ class PromptSink:
         self.masked = valid is not None
         rows = []
         for r in range(key.shape[0] if self.keep else 0):
+            if valid is None and key.shape[0] == 1 and key.is_contiguous() and value.is_contiguous():
+                rows.append((key, value, scores[0]))  # the row is the whole batch: nothing to cut away
+                continue
             span = slice(None) if valid is None else valid[r].nonzero()[:, 0]
             own = key[r : r + 1, :, span], value[r : r + 1, :, span], scores[r][:, span]
             rows.append(tuple(t.clone() for t in own))
