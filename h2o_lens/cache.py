@@ -273,7 +273,7 @@ class H2OCacheLayer(CacheLayerMixin):
                 scores = prefill_scores_triton(query.contiguous(), key.contiguous(), valid, scaling, gqa)
         else:
             out, scores = ops.prefill_attention(query, key, value, valid, scaling, gqa, chunk=owner.prefill_chunk)
-            if owner.prompt_capture is not None:  # kept for the next configuration of this prompt (§12.5)
+            if owner.prompt_capture is not None:  # kept for the next configuration (DESIGN.md §12.5)
                 owner.prompt_capture(self.layer_idx, query, key, value, scores, valid, scaling)
             if owner.prompt_sink is not None:
                 self._hand_on_prompt(query, key, value, scores, valid)
