@@ -6,6 +6,7 @@ that alternate the two paths being compared, on the same process and data.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import statistics
 import time
@@ -657,11 +658,22 @@ def bench_sweep(
     import tempfile
     from pathlib import Path
 
+    from h2o_lens import policies as registry
+    from h2o_lens.errors import ConfigError
     from h2o_lens.models import load_model, model_info
     from h2o_lens.tasks.taskfile import resolve_tasks
 
     from .grid import plan_grid, run_grid
 
+    if sharing:
+        if executor != "inprocess":
+            raise ConfigError("bench sweep --sharing compares two in-process sweeps; drop --executor ray")
+        per_gqa = collections.Counter(g for p, g in policies if registry.get(p).evicts)
+        if max(per_gqa.values(), default=0) < 2:
+            raise ConfigError(
+                "bench sweep --sharing: each batch of this grid has one H2O configuration per aggregation, "
+                "so there is no prompt forward to share; give several, e.g. --policies h2o,tova,local"
+            )
     if model is None:
         model, tokenizer = load_model(model_name, progress=False)
     reqs = [

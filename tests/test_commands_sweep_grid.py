@@ -532,3 +532,8 @@ def test_bench_sweep_prints_both_modes_and_with_sharing_the_prompt_forwards_shar
     rows = {line[:22].strip(): line[22:].split() for line in out.splitlines() if line.startswith("batch")}
     assert rows["batch 2, shared"][-1] == "4" and rows["batch 2, each cell"][-1] == "0", out
     assert float(out.split("shared / each cell: ")[1].split("x")[0]) > 0
+    # one H2O configuration per batch and aggregation: nothing to share, said before any work
+    lone = ["bench", "sweep", "--model", str(tiny_dir), "--tasks", str(task_file), "--sharing"]
+    lone += ["--policies", "h2o", "--gqa", "sum,max"]
+    assert main(lone) == 2
+    assert "no prompt forward to share" in capsys.readouterr().err
