@@ -704,6 +704,8 @@ class H2OCache(Cache):
         #: scaling)``, so that another configuration can start from this prompt forward
         #: (:mod:`h2o_lens.prompt_reuse`, DESIGN.md §12.5); None: nothing is kept
         self.prompt_capture: Callable[..., None] | None = None
+        #: the prefill was another configuration's prompt forward, reused (DESIGN.md §12.5)
+        self.prompt_reused = False
         super().__init__(layers=[H2OCacheLayer(self, i) for i in range(n_layers)])
 
     @property

@@ -161,6 +161,7 @@ class PromptReuse:
             self.hits += 1
             for layer, state in zip(cache.layers, kept.layers):
                 layer.adopt_prompt(*state)
+            cache.prompt_reused = True
             heard = getattr(cache.prompt_sink, "on_reused_head", None)
             if heard is not None:  # the output head did not run: say how many positions it gave
                 heard(kept.logits.shape[1])

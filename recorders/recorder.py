@@ -285,6 +285,7 @@ class Recording:
         self.annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None
         self.step_times: list[float] = []  # wall-clock seconds of each decode step
         self.prefill_seconds: list[float] = []
+        self.prompts_reused = 0  # generate calls that started from a reused prompt forward (DESIGN.md §12.5)
         self.prompt_len = 0
         self.new_tokens = 0
         self.requests = 0
@@ -617,7 +618,9 @@ class Recording:
             if head_hook is not None:
                 head_hook.remove()
         self.step_times.extend(timer.decode_steps())
-        if timer.prefill is not None:
+        if cache is not None and cache.prompt_reused:  # no prefill ran: its time is not a prefill's
+            self.prompts_reused += 1
+        elif timer.prefill is not None:
             self.prefill_seconds.append(timer.prefill)
         if watch.input_ids is None:
             raise RecorderError("generate ran no forward pass, so there is nothing to record")
@@ -982,6 +985,8 @@ def record(
             state_events=rec.state_events or None,
             prefill_batches=rec.prefill_batches or None,
         )
+        if rec.prompts_reused:  # the prefill time above leaves these generate calls out
+            writer.update(prompt_forward_reused=rec.prompts_reused)
     except BaseException as exc:
         if writer.status == "running":
             with contextlib.suppress(Exception):  # the requests seen so far, for the failed run's log

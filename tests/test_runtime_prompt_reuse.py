@@ -191,7 +191,11 @@ def test_a_recording_from_a_reused_prompt_forward_is_the_recording_of_its_own(tm
         q = reused.prompt_passes[r]
         assert p.ids == q.ids and torch.equal(p.first, q.first)
         assert all(torch.equal(x, y) for x, y in zip(p.keys + p.values + p.cols, q.keys + q.values + q.cols))
-    assert read_manifest(own.run_dir)["prefill_batches"] == read_manifest(reused.run_dir)["prefill_batches"]
+    mine, theirs = read_manifest(own.run_dir), read_manifest(reused.run_dir)
+    assert mine["prefill_batches"] == theirs["prefill_batches"]
+    # no prefill ran: no prefill time, and the manifest says the forward was reused
+    assert mine["prefill_seconds"] > 0 and "prompt_forward_reused" not in mine
+    assert theirs["prefill_seconds"] is None and theirs["prompt_forward_reused"] == 1
     tables = ("evictions", "tokens", "steps", "run_logits", "requests")
     a, b = load_run(own.run_dir, tables=tables), load_run(reused.run_dir, tables=tables)
     for t in tables:
