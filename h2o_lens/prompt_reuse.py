@@ -59,7 +59,8 @@ def _digest(t: torch.Tensor | None) -> str:
 @dataclass
 class _Prompt:
     """A prompt forward kept for the next configuration: per layer ``(query rows, key, value,
-    scores, valid, scaling)`` and the forward's logits (the last positions only)."""
+    scores, valid, scaling, repeat)`` (the K/V once per KV head, to be repeated ``repeat`` times
+    per head) and the forward's logits (the last positions only)."""
 
     layers: list[tuple[Any, ...]]
     logits: torch.Tensor
@@ -73,9 +74,11 @@ class _Capture:
     rows: int
     layers: dict[int, tuple[Any, ...]] = field(default_factory=dict)
 
-    def __call__(self, layer: int, query, key, value, scores, valid, scaling: float) -> None:
+    def __call__(self, layer: int, query, key, value, scores, valid, scaling: float, repeat: int = 1) -> None:
         r = min(max(self.rows, 1), query.shape[2])
-        self.layers[layer] = (query[:, :, query.shape[2] - r :].clone(), key, value, scores, valid, scaling)
+        if repeat > 1:  # one copy per KV head; the adopting layer repeats it again (the same values)
+            key, value = key[:, ::repeat].contiguous(), value[:, ::repeat].contiguous()
+        self.layers[layer] = (query[:, :, query.shape[2] - r :].clone(), key, value, scores, valid, scaling, repeat)
 
 
 class PromptReuse:
@@ -159,8 +162,10 @@ class PromptReuse:
         if kept is not None and len(kept.layers) == len(cache.layers):
             self._store.move_to_end(key)
             self.hits += 1
-            for layer, state in zip(cache.layers, kept.layers):
-                layer.adopt_prompt(*state)
+            for layer, (query, key, value, scores, valid, scaling, repeat) in zip(cache.layers, kept.layers):
+                if repeat > 1:
+                    key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+                layer.adopt_prompt(query, key, value, scores, valid, scaling)
             cache.prompt_reused = True
             heard = getattr(cache.prompt_sink, "on_reused_head", None)
             if heard is not None:  # the output head did not run: say how many positions it gave
