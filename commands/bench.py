@@ -6,7 +6,6 @@ that alternate the two paths being compared, on the same process and data.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import statistics
 import time
@@ -639,8 +638,7 @@ def bench_sweep(
     ``executor="ray"`` compares instead the in-process executor with a Ray sweep of
     ``workers`` workers on a local cluster (:func:`_bench_sweep_ray`), on the grid of
     ``batch_size``. ``sharing`` compares instead the batched grid with its cells sharing one
-    prompt forward per batch and aggregation (DESIGN.md §12.5) and with every cell forwarding
-    its prompts.
+    prompt forward per batch (DESIGN.md §12.5) and with every cell forwarding its prompts.
 
     The grid is ``count`` requests of ``tasks`` (each with ``new_tokens`` new
     tokens, so that they share batches; ``length``: prompt tokens of a long-context built-in
@@ -668,11 +666,10 @@ def bench_sweep(
     if sharing:
         if executor != "inprocess":
             raise ConfigError("bench sweep --sharing compares two in-process sweeps; drop --executor ray")
-        per_gqa = collections.Counter(g for p, g in policies if registry.get(p).evicts)
-        if max(per_gqa.values(), default=0) < 2:
+        if len({(p, g) for p, g in policies if registry.get(p).evicts}) < 2:
             raise ConfigError(
-                "bench sweep --sharing: each batch of this grid has one H2O configuration per aggregation, "
-                "so there is no prompt forward to share; give several, e.g. --policies h2o,tova,local"
+                "bench sweep --sharing: each batch of this grid has one H2O configuration, so there is "
+                "no prompt forward to share; give several, e.g. --policies h2o,tova,local or --gqa sum,max"
             )
     if model is None:
         model, tokenizer = load_model(model_name, progress=False)

@@ -529,7 +529,7 @@ def run_grid(
 
     A cell that raises is left ``failed`` with its error (shown by ``--status``)
     and the next cell runs; ``KeyboardInterrupt`` stops the sweep. ``share_prompts``: the
-    cells of a batch start from one prompt forward per aggregation (DESIGN.md §12.5); False
+    cells of a batch start from one prompt forward (DESIGN.md §12.5); False
     forwards the prompts in every cell (the same runs, bit for bit, in more time).
     """
     from tqdm.auto import tqdm
@@ -540,10 +540,11 @@ def run_grid(
     write_plan(root, grid)
     report = GridReport()
     t0 = time.perf_counter()
-    # the configurations of a batch run one after another: one prompt forward per batch and
-    # aggregation serves them all (DESIGN.md §12.5); run_cell drops them when the batch changes
-    keep = max(1, len({c.gqa for c in grid.cells}))
-    with reuse_prompts(model, keep) if share_prompts else contextlib.nullcontext() as reuse:
+    # the configurations of a batch run one after another: one prompt forward per batch serves
+    # them all, whatever their aggregation (DESIGN.md §12.5); run_cell drops it when the batch changes
+    aggregations = len({c.gqa for c in grid.cells if c.budget is not None})
+    scope = reuse_prompts(model, keep=max(1, aggregations), any_gqa=aggregations > 1)
+    with scope if share_prompts else contextlib.nullcontext() as reuse:
         for cell in tqdm(grid.cells, desc="sweep", unit="cell", disable=not progress):
             report.add(run_cell(root, cell, grid, tasks, model, tokenizer, progress, reuse))
     report.seconds = time.perf_counter() - t0

@@ -97,10 +97,10 @@ class SweepWorker:
         self.grid: Grid | None = None
         self.tasks: Sequence[Any] = ()
         # the worker's model stays in a prompt-reuse scope for its life: the cells of a batch it
-        # runs in a row share one prompt forward per aggregation (DESIGN.md §12.5)
+        # runs in a row share one prompt forward (DESIGN.md §12.5)
         from h2o_lens.prompt_reuse import PromptReuse
 
-        self.reuse = PromptReuse(self.model, keep=3).__enter__()
+        self.reuse = PromptReuse(self.model, keep=3, any_gqa=True).__enter__()
 
     def describe(self) -> dict[str, Any]:
         """The worker's process and model: what the driver plans the grid with."""

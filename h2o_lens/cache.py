@@ -272,10 +272,13 @@ class H2OCacheLayer(CacheLayerMixin):
 
                 scores = prefill_scores_triton(query.contiguous(), key.contiguous(), valid, scaling, gqa)
         else:
-            out, scores = ops.prefill_attention(query, key, value, valid, scaling, gqa, chunk=owner.prefill_chunk)
+            lse = {} if owner.prompt_capture is not None else None
+            out, scores = ops.prefill_attention(
+                query, key, value, valid, scaling, gqa, chunk=owner.prefill_chunk, lse=lse
+            )
             if owner.prompt_capture is not None:  # kept for the next configuration (DESIGN.md §12.5)
                 repeat = owner.group if gqa == "none" else 1  # K/V repeated per query head by update()
-                owner.prompt_capture(self.layer_idx, query, key, value, scores, valid, scaling, repeat)
+                owner.prompt_capture(self.layer_idx, query, key, value, scores, valid, scaling, repeat, lse.get("lse"))
             if owner.prompt_sink is not None:
                 self._hand_on_prompt(query, key, value, scores, valid)
             if spec.prefill != "columns":
@@ -702,8 +705,9 @@ class H2OCache(Cache):
         #: replay's prompt pass computes (DESIGN.md §6.1); None: nothing is handed on
         self.prompt_sink: Callable[..., None] | None = None
         #: called per layer by a plain torch prefill with ``(layer, query, key, value, scores, valid,
-        #: scaling, repeat)`` (``repeat``: the K/V sets per KV head, ``G`` under ``gqa="none"``, else
-        #: 1), so that another configuration can start from this prompt forward
+        #: scaling, repeat, lse)`` (``repeat``: the K/V sets per KV head, ``G`` under ``gqa="none"``,
+        #: else 1; ``lse``: the rows' log-sum-exps of the CPU flash path, or None), so that another
+        #: configuration can start from this prompt forward
         #: (:mod:`h2o_lens.prompt_reuse`, DESIGN.md §12.5); None: nothing is kept
         self.prompt_capture: Callable[..., None] | None = None
         #: the prefill was another configuration's prompt forward, reused (DESIGN.md §12.5)

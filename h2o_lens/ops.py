@@ -93,6 +93,7 @@ def prefill_attention(
     gqa: str,
     chunk: int = 128,
     need_scores: bool = True,
+    lse: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention over a prompt and the per-key column sums of its weights.
 
@@ -111,6 +112,10 @@ def prefill_attention(
     scores : ``(b, Hs, P)`` float32, ``score_i = Σ_{u≥i} agg_h a_{h,u,i}``,
         padding rows and columns contribute 0; None when ``need_scores`` is False.
 
+    ``lse``: a dict that the CPU flash path fills with ``"lse"``, each row's log-sum-exp
+    ``(b, Hq, P)`` float32 (0 on padding rows), from which :func:`prefill_columns` gives the
+    column sums of another aggregation with the same bits; left empty on the other paths.
+
     On CPU (float32, bfloat16, float16) the output and each row's log-sum-exp come from
     the fused flash kernel and the column sums from one pass over L2-sized score tiles;
     a padded row is cut to its real span and runs alone, so its bits do not depend on
@@ -120,7 +125,10 @@ def prefill_attention(
     if query.device.type == "cpu" and query.dtype in _FLASH_CPU_DTYPES:
         spans = None if valid is None else _contiguous_spans(valid)
         if valid is None or spans is not None:
-            return _prefill_flash_cpu(query, key, value, spans, scaling, gqa, chunk, need_scores)
+            out, scores, rows_lse = _prefill_flash_cpu(query, key, value, spans, scaling, gqa, chunk, need_scores)
+            if lse is not None:
+                lse["lse"] = rows_lse
+            return out, scores
     if not need_scores:  # the scores come from elsewhere (the Triton kernel): a fused attention
         return _prefill_sdpa(query, key, value, valid, scaling, SDPA_BLOCK_ROWS), None
     return _prefill_masked(query, key, value, valid, scaling, gqa, chunk)
@@ -234,9 +242,10 @@ def _prefill_flash_cpu(query, key, value, spans, scaling, gqa, chunk, need_score
     if spans is not None:
         out = torch.empty(b, p, hq, d, dtype=query.dtype, device=query.device)
         scores = torch.zeros(b, hs, p, dtype=torch.float32, device=query.device) if need_scores else None
+        lse = torch.zeros(b, hq, p, dtype=torch.float32, device=query.device)
         group = hq // hs
         for r, (s, e) in enumerate(spans):
-            o, c = _flash_cpu_rows(
+            o, c, row_lse = _flash_cpu_rows(
                 query[r : r + 1, :, s:e],
                 key[r : r + 1, :, s:e],
                 value[r : r + 1, :, s:e],
@@ -246,13 +255,46 @@ def _prefill_flash_cpu(query, key, value, spans, scaling, gqa, chunk, need_score
                 need_scores,
             )
             out[r, s:e] = o[0]
+            lse[r, :, s:e] = row_lse[0]
             if need_scores:
                 scores[r, :, s:e] = c[0]
             for a, z in ((0, s), (e, p)):  # padding rows: their own value
                 if z > a:
                     out[r, a:z] = value[r, :, a:z].repeat_interleave(group, 0).transpose(0, 1)
-        return out, scores
+        return out, scores, lse
     return _flash_cpu_rows(query, key, value, scaling, gqa, chunk, need_scores)
+
+
+def prefill_columns(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    lse: torch.Tensor,
+    valid: torch.Tensor | None,
+    scaling: float,
+    gqa: str,
+    chunk: int = 128,
+) -> torch.Tensor | None:
+    """The column sums :func:`prefill_attention` gives under ``gqa``, from a CPU flash prefill's
+    row log-sum-exps (its ``lse`` dict) instead of a new attention pass: the same column pass
+    on the same inputs, so the same bits (DESIGN.md §12.5). ``key (b, Hs, P, d)`` in the KV
+    sets of ``gqa`` (repeated per query head for ``"none"``). Returns ``(b, Hs, P)`` float32,
+    or None where the prefill would not take the CPU flash path (it gives no ``lse`` there)."""
+    b, hq, p, d = query.shape
+    if not (query.device.type == "cpu" and query.dtype in _FLASH_CPU_DTYPES):
+        return None
+    spans = None if valid is None else _contiguous_spans(valid)
+    if valid is not None and spans is None:
+        return None
+    if spans is None and b > 1:
+        return _column_pass(query, key, lse, scaling, gqa, chunk)
+    spans = spans or [(0, p)]
+    scores = torch.zeros(b, key.shape[1], p, dtype=torch.float32, device=query.device)
+    for r, (s, e) in enumerate(spans):
+        rows = slice(r, r + 1)
+        scores[r, :, s:e] = _column_pass(
+            query[rows, :, s:e], key[rows, :, s:e], lse[rows, :, s:e], scaling, gqa, chunk
+        )[0]
+    return scores
 
 
 #: Query positions and keys per score tile of the CPU column pass: a tile of
@@ -262,9 +304,9 @@ KEY_BLOCK = 256
 
 
 def _flash_cpu_rows(query, key, value, scaling, gqa, chunk, need_scores):
-    """:func:`_prefill_flash_cpu` on rows without padding."""
-    b, hq, p, d = query.shape
-    hs = key.shape[1]
+    """:func:`_prefill_flash_cpu` on rows without padding: ``out``, the column sums (or None)
+    and each row's log-sum-exp ``(b, Hq, P)``."""
+    hq, hs = query.shape[1], key.shape[1]
     group = hq // hs
     k = key.repeat_interleave(group, dim=1) if group > 1 else key
     v = value.repeat_interleave(group, dim=1) if group > 1 else value
@@ -272,8 +314,16 @@ def _flash_cpu_rows(query, key, value, scaling, gqa, chunk, need_scores):
         query.contiguous(), k.contiguous(), v.contiguous(), 0.0, True, scale=scaling
     )[:2]  # (b,Hq,P,d), (b,Hq,P)
     out = out.transpose(1, 2)
-    if not need_scores:
-        return out, None
+    scores = _column_pass(query, key, lse, scaling, gqa, chunk) if need_scores else None
+    return out, scores, lse
+
+
+def _column_pass(query, key, lse, scaling, gqa, chunk):
+    """The column sums of the rows ``query (b, Hq, P, d)`` over ``key (b, Hs, P, d)`` from their
+    log-sum-exps ``lse (b, Hq, P)``: one pass over L2-sized tiles ``exp(q·k·s − lse)``."""
+    b, hq, p, d = query.shape
+    hs = key.shape[1]
+    group = hq // hs
     # rows ordered (position, head) so that a block of positions is a view
     qg = _group_view(query.float() * scaling, hs).transpose(2, 3).reshape(b * hs, p * group, d)  # (b·Hs, P·G, d)
     lse = _group_view(lse.float(), hs).transpose(2, 3).reshape(b * hs, p * group, 1)
@@ -297,7 +347,7 @@ def _flash_cpu_rows(query, key, value, scaling, gqa, chunk, need_scores):
                 scores[:, 0, j:je] += w.view(b * hs, c, group, je - j).amax(2).sum(1)
             else:  # the sum over rows and heads as one matrix-vector product
                 scores[:, :, j:je] += torch.bmm(ones[:, :, : c * group], w)
-    return out, scores.view(b, hs, p)
+    return scores.view(b, hs, p)
 
 
 _MASK32 = 0xFFFFFFFF

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import faults
+from . import faults, ops
 from .cache import H2OCache
 
 __all__ = ["PromptReuse", "reuse_prompts"]
@@ -57,14 +57,43 @@ def _digest(t: torch.Tensor | None) -> str:
 
 
 @dataclass
-class _Prompt:
-    """A prompt forward kept for the next configuration: per layer ``(query rows, key, value,
-    scores, valid, scaling, repeat)`` (the K/V once per KV head, to be repeated ``repeat`` times
-    per head) and the forward's logits (the last positions only)."""
+class _Layer:
+    """One layer of a kept prompt forward: what the keep rule of any configuration reads."""
 
-    layers: list[tuple[Any, ...]]
+    rows: torch.Tensor  # (b, Hq, R, d) the queries of the last R prompt rows
+    key: torch.Tensor  # (b, Hkv, P, d), once per KV head
+    value: torch.Tensor
+    valid: torch.Tensor | None
+    scaling: float
+    cols: dict[str, torch.Tensor]  # gqa -> (b, Hs, P) column sums in that aggregation's KV sets
+    query: torch.Tensor | None = None  # (b, Hq, P, d) and the rows' log-sum-exps (b, Hq, P): what
+    lse: torch.Tensor | None = None  # the column sums of another aggregation come from
+
+
+@dataclass
+class _Prompt:
+    """A prompt forward kept for the next configuration: its layers and logits (the last
+    positions only)."""
+
+    layers: list[_Layer]
     logits: torch.Tensor
     output_type: type
+
+    def columns(self, gqa: str, group: int, chunk: int) -> bool:
+        """Make sure every layer has its column sums under ``gqa`` (computed from the kept queries
+        and log-sum-exps when missing); False when they cannot be had."""
+        if all(gqa in layer.cols for layer in self.layers):
+            return True
+        if any(layer.query is None or layer.lse is None for layer in self.layers):
+            return False
+        for layer in self.layers:
+            if gqa not in layer.cols:
+                key = layer.key.repeat_interleave(group, 1) if gqa == "none" and group > 1 else layer.key
+                cols = ops.prefill_columns(layer.query, key, layer.lse, layer.valid, layer.scaling, gqa, chunk)
+                if cols is None:
+                    return False
+                layer.cols[gqa] = cols
+        return True
 
 
 @dataclass
@@ -72,27 +101,42 @@ class _Capture:
     """Hears one prefill layer by layer (``H2OCache.prompt_capture``)."""
 
     rows: int
-    layers: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    gqa: str
+    any_gqa: bool
+    layers: dict[int, _Layer] = field(default_factory=dict)
 
-    def __call__(self, layer: int, query, key, value, scores, valid, scaling: float, repeat: int = 1) -> None:
+    def __call__(self, layer: int, query, key, value, scores, valid, scaling: float, repeat=1, lse=None) -> None:
         r = min(max(self.rows, 1), query.shape[2])
-        if repeat > 1:  # one copy per KV head; the adopting layer repeats it again (the same values)
+        if repeat > 1:  # one copy per KV head; an adopting layer under gqa="none" repeats it again
             key, value = key[:, ::repeat].contiguous(), value[:, ::repeat].contiguous()
-        self.layers[layer] = (query[:, :, query.shape[2] - r :].clone(), key, value, scores, valid, scaling, repeat)
+        whole = self.any_gqa and lse is not None
+        self.layers[layer] = _Layer(
+            rows=query[:, :, query.shape[2] - r :].clone(),
+            key=key,
+            value=value,
+            valid=valid,
+            scaling=scaling,
+            cols={self.gqa: scores},
+            query=query if whole else None,
+            lse=lse if whole else None,
+        )
 
 
 class PromptReuse:
     """The reuse scope of one model (see the module docstring); :func:`reuse_prompts` is the
-    context-manager form. ``keep``: prompt forwards held at once (the oldest goes first): a
-    sweep runs a batch's configurations one after another, so two (one per aggregation) cover
-    a grid of ``--gqa sum,max``. ``hits`` and ``misses`` count the prompt forwards reused and
-    computed."""
+    context-manager form. ``keep``: prompt forwards held at once (the oldest goes first).
+    ``any_gqa``: a forward also serves the other aggregations: the scope then keeps each
+    layer's queries and row log-sum-exps too (the CPU flash prefill's), and gives another
+    aggregation its column sums from them (:func:`h2o_lens.ops.prefill_columns`, the same bits
+    as its own prefill); else one forward per aggregation. ``hits`` and ``misses`` count the
+    prompt forwards reused and computed."""
 
-    def __init__(self, model: Any, keep: int = 2):
+    def __init__(self, model: Any, keep: int = 2, any_gqa: bool = False):
         if keep < 1:
             raise ValueError(f"keep={keep}; expected at least 1 prompt forward")
         self.model = model
         self.keep = keep
+        self.any_gqa = any_gqa
         self.hits = 0
         self.misses = 0
         self._store: OrderedDict[tuple, _Prompt] = OrderedDict()
@@ -124,7 +168,8 @@ class PromptReuse:
         self._store.clear()
 
     def _identity(self, cache: H2OCache, args: tuple, kwargs: dict) -> tuple | None:
-        """What makes two prompt forwards the same, or None when this forward is not one to reuse."""
+        """What makes two prompt forwards the same (the aggregation aside), or None when this
+        forward is not one to reuse."""
         if args or set(kwargs) - _PLAIN:
             return None
         ids = kwargs.get("input_ids")
@@ -145,33 +190,45 @@ class PromptReuse:
             _digest(kwargs.get("position_ids")),
             str(kwargs.get("logits_to_keep")),
             str(self.model.dtype),
-            cache.config.gqa,
             cache.prefill_chunk,
             cache.resolve_backend(ids.device),
             self.model.config._attn_implementation,
         )
 
+    def _find(self, identity: tuple, cache: H2OCache) -> _Prompt | None:
+        """The kept forward this cache can start from: one of its own aggregation, or one that
+        serves every aggregation."""
+        gqa = cache.config.gqa
+        for key in ((identity, gqa), (identity, "*")):
+            kept = self._store.get(key)
+            if kept is not None and len(kept.layers) == len(cache.layers):
+                if kept.columns(gqa, cache.group, cache.prefill_chunk):
+                    self._store.move_to_end(key)
+                    return kept
+        return None
+
     def _forward(self, original, *args: Any, **kwargs: Any):
         cache = kwargs.get("cache")
         if not isinstance(cache, H2OCache):
             return original(*args, **kwargs)
-        key = self._identity(cache, args, kwargs)
-        if key is None:
+        identity = self._identity(cache, args, kwargs)
+        if identity is None:
             return original(*args, **kwargs)
-        kept = self._store.get(key)
-        if kept is not None and len(kept.layers) == len(cache.layers):
-            self._store.move_to_end(key)
+        gqa = cache.config.gqa
+        kept = self._find(identity, cache)
+        if kept is not None:
             self.hits += 1
-            for layer, (query, key, value, scores, valid, scaling, repeat) in zip(cache.layers, kept.layers):
-                if repeat > 1:
-                    key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
-                layer.adopt_prompt(query, key, value, scores, valid, scaling)
+            for cache_layer, layer in zip(cache.layers, kept.layers):
+                key, value = layer.key, layer.value
+                if gqa == "none" and cache.group > 1:
+                    key, value = key.repeat_interleave(cache.group, 1), value.repeat_interleave(cache.group, 1)
+                cache_layer.adopt_prompt(layer.rows, key, value, layer.cols[gqa], layer.valid, layer.scaling)
             cache.prompt_reused = True
             heard = getattr(cache.prompt_sink, "on_reused_head", None)
             if heard is not None:  # the output head did not run: say how many positions it gave
                 heard(kept.logits.shape[1])
             return kept.output_type(logits=kept.logits.clone(), cache=cache)
-        capture = _Capture(self._rows)
+        capture = _Capture(self._rows, gqa, self.any_gqa)
         cache.prompt_capture = capture
         try:
             out = original(*args, **kwargs)
@@ -180,16 +237,19 @@ class PromptReuse:
         self.misses += 1
         logits = getattr(out, "logits", None)
         if sorted(capture.layers) == list(range(len(cache.layers))) and isinstance(logits, torch.Tensor):
-            self._store[key] = _Prompt([capture.layers[i] for i in range(len(cache.layers))], logits.clone(), type(out))
+            layers = [capture.layers[i] for i in range(len(cache.layers))]
+            whole = all(layer.lse is not None for layer in layers)
+            self._store[(identity, "*" if whole else gqa)] = _Prompt(layers, logits.clone(), type(out))
             while len(self._store) > self.keep:
                 self._store.popitem(last=False)
         return out
 
 
 @contextlib.contextmanager
-def reuse_prompts(model: Any, keep: int = 2) -> Iterator[PromptReuse]:
+def reuse_prompts(model: Any, keep: int = 2, any_gqa: bool = False) -> Iterator[PromptReuse]:
     """Within the scope, a ``generate`` of ``model`` under an H2O cache starts from the prompt
     forward of an earlier ``generate`` of the same prompts (DESIGN.md §12.5) instead of
-    forwarding them again. Yields the :class:`PromptReuse` (its ``hits`` and ``misses``)."""
-    with PromptReuse(model, keep) as scope:
+    forwarding them again; with ``any_gqa``, whatever the aggregation of either. Yields the
+    :class:`PromptReuse` (its ``hits`` and ``misses``)."""
+    with PromptReuse(model, keep, any_gqa) as scope:
         yield scope

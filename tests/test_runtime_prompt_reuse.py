@@ -95,6 +95,30 @@ def test_a_reused_prompt_forward_gives_each_configuration_the_bits_of_its_own_pr
     assert "forward" not in vars(model)  # the scope put the model back
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_with_any_gqa_a_prompt_forward_serves_another_aggregation_with_the_bits_of_its_own(name, dtype):
+    """``any_gqa``: the column sums of another aggregation come from the kept queries and row
+    log-sum-exps (the same column pass on the same inputs)."""
+    model = tiny_model("llama", layers=3).to(dtype)
+    ids, mask = _prompts()
+    cfg = CONFIGS[name]
+    own = _generate(model, cfg, ids, mask)
+    other = {"sum": "none", "max": "sum", "none": "max"}[cfg.gqa]
+    with reuse_prompts(model, keep=1, any_gqa=True) as scope:
+        _generate(model, H2OConfig(heavy=3, recent=2, gqa=other), ids, mask)
+        reused = _generate(model, cfg, ids, mask)
+        again = _generate(model, cfg, ids, mask)  # its columns are now kept: no column pass
+    assert (scope.hits, scope.misses) == (2, 1) and reused[2] == again[2] == 8
+    _assert_same(own, reused, name)
+    _assert_same(own, again, name)
+    # without any_gqa another aggregation is another forward
+    with reuse_prompts(model, keep=2) as scope:
+        _generate(model, H2OConfig(heavy=3, recent=2, gqa=other), ids, mask)
+        _generate(model, cfg, ids, mask)
+    assert (scope.hits, scope.misses) == (0, 2)
+
+
 def test_a_prompt_forward_is_reused_only_for_the_same_inputs_and_aggregation():
     model = tiny_model("llama", layers=2)
     ids, mask = _prompts()
