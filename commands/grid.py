@@ -494,7 +494,7 @@ def run_cell(
                 t1 = time.perf_counter()
                 hits = 0
                 if reuse is not None:
-                    if getattr(reuse, "batch", None) != (grid.grid_id, cell.batch):
+                    if reuse.batch != (grid.grid_id, cell.batch):
                         reuse.clear()
                         reuse.batch = (grid.grid_id, cell.batch)
                     hits = reuse.hits

@@ -2,22 +2,25 @@
 
 A sweep runs the same batch of prompts under many configurations: policies, budgets,
 aggregations. H2O's prefill attends fully, so the forward over the prompt (every layer's
-keys, values, outputs and the logits of the first new token) does not depend on the policy
-or the budget; only the keep rule applied at its end does. Inside :func:`reuse_prompts`,
-the first ``generate`` of a prompt batch runs its prefill as usual and keeps, per layer,
-what the keep rule reads (the prompt's keys and values, the column sums, the queries of the
-last rows) with the logits. A later ``generate`` of the same batch under another
-configuration skips the model's forward over the prompt: every layer applies its own keep
-rule to the kept tensors (:meth:`h2o_lens.cache.H2OCacheLayer.adopt_prompt`) and
-``generate`` receives the kept logits. The run is the same, bit for bit, as with its own
-prefill: the kept tensors are what that prefill would compute from the same inputs.
+keys, values, outputs and the logits of the first new token) does not depend on the
+configuration; only what is applied at the end of each layer's prefill does: the column sums
+(their aggregation, ``gqa``) and the keep rule. Inside :func:`reuse_prompts`, the first
+``generate`` of a prompt batch runs its prefill as usual and keeps, per layer, what a keep
+rule reads (the prompt's keys and values, the column sums, the queries of the last rows) with
+the logits; with ``any_gqa`` also the layer's queries and the rows' log-sum-exps, from which
+another aggregation's column sums come (:func:`h2o_lens.ops.prefill_columns`). A later
+``generate`` of the same batch under another configuration skips the model's forward over
+the prompt: every layer applies its own keep rule to the kept tensors
+(:meth:`h2o_lens.cache.H2OCacheLayer.adopt_prompt`) and ``generate`` receives the kept
+logits. The run is the same, bit for bit, as with its own prefill: the kept tensors are what
+that prefill would compute from the same inputs.
 
 A prompt forward is reused only where that holds: the same token ids, padding mask and
-position ids; the same model dtype, aggregation (``gqa``, which sets the column sums and
-the KV sets), prefill row block, backend (the torch prefill; the Triton one is not kept)
-and attention scaling; a fresh H2O cache whose first forward is the prompt alone; no
-diagnosis fault on. Anything else runs its own prefill. The model's weights must not
-change inside the scope.
+position ids; the same model dtype, prefill row block, backend (the torch prefill; the Triton
+one is not kept) and attention implementation; the same aggregation, or any from the CPU flash
+path with ``any_gqa``; a fresh H2O cache whose first forward is the prompt alone; no
+diagnosis fault on. Anything else runs its own prefill. The model's weights must not change
+inside the scope.
 """
 
 from __future__ import annotations
