@@ -604,6 +604,8 @@ class Recording:
         hook = self.model.register_forward_pre_hook(watch, with_kwargs=True)
         self._watch = watch
         head_hook = None
+        if cache is not None:
+            cache.prompt_reused = False  # set again if this call's prefill is a reused forward
         if cache is not None and continued is None:  # what a replay needs to compute this prefill again
             self._prompt_sink = cache.prompt_sink = PromptSink(keep=self.prompt_passes is not None)
             head_hook = self.model.get_output_embeddings().register_forward_hook(self._prompt_sink.on_head)
