@@ -12,7 +12,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import left_padded, tiny_model
 
 import recorders
 from h2o_lens import H2OConfig
@@ -25,15 +25,7 @@ TABLES = ("replay", "replay_steps", "oracle")
 
 
 def _prompts(batch: str) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    lengths = [21] if batch == "single" else [21, 13, 17]
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for r, n in enumerate(lengths):  # left padding
-        ids[r, width - n :] = torch.randint(3, 250, (n,), generator=g)
-        mask[r, width - n :] = 1
-    return ids, mask
+    return left_padded([21] if batch == "single" else [21, 13, 17], seed=3)
 
 
 def _replayed(run_dir, model, passes) -> tuple[dict[str, pd.DataFrame], int, object]:

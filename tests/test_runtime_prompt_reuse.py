@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import left_padded, tiny_model
 
 import h2o_lens
 import recorders
@@ -21,14 +21,7 @@ STATE = ("keys", "values", "scores", "positions", "history", "fill", "next_pos",
 
 
 def _prompts(lengths=(19, 11, 15), seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for r, n in enumerate(lengths):  # left padding
-        ids[r, width - n :] = torch.randint(3, 250, (n,), generator=g)
-        mask[r, width - n :] = 1
-    return ids, mask
+    return left_padded(lengths, seed)
 
 
 def _generate(model, cfg, ids, mask, new: int = 9):

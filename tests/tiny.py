@@ -73,3 +73,16 @@ def local_attention(model, strength: float = 8.0, mix: float = 0.3, head_dim: in
                 w.mul_(mix)
                 w[:, 2, :] += strength / proj.weight.shape[-1] ** 0.5
     return model
+
+
+def left_padded(lengths, seed: int = 0, vocab: int = 250) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` of random prompts of ``lengths`` tokens (ids 3 to ``vocab - 1``), left-padded
+    with id 0 to the longest, as ``generate`` lays a batch out."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        ids[r, width - n :] = torch.randint(3, vocab, (n,), generator=g)
+        mask[r, width - n :] = 1
+    return ids, mask
