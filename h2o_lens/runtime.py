@@ -28,6 +28,7 @@ from .cache import CacheListener, H2OCache
 from .config import H2OConfig
 from .errors import ConfigError, UnsupportedModelError
 from .models import planned_positions, warn_past_context
+from .packed import packed_linears
 from .speculative import check_mode
 
 __all__ = ["h2o", "H2OSession", "check_model", "full_kv_bytes", "STATE_FORMAT", "STATE_VERSION", "model_identity"]
@@ -275,10 +276,20 @@ class H2OSession:
             cache.prompt_width = ids.shape[-1]
         if ids is not None:
             warn_past_context(self.model, planned_positions(self.model, ids.shape[-1], kwargs), stacklevel=4)
-        out = original(*args, **kwargs)
+        rows = _decode_rows(self.model, ids, kwargs) if ids is not None else 1
+        with packed_linears(self.model, rows):  # batched decode steps on CPU (DESIGN.md §16)
+            out = original(*args, **kwargs)
         if isinstance(cache, H2OCache):
             cache.end_segments()  # a segment no crop closed stands in full
         return out
+
+
+def _decode_rows(model: Any, ids: Any, kwargs: dict[str, Any]) -> int:
+    """Rows of each decode step of a ``generate`` call: prompts times beams (or returned samples)."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    beams = kwargs.get("num_beams") or getattr(config, "num_beams", 1) or 1
+    samples = kwargs.get("num_return_sequences") or getattr(config, "num_return_sequences", 1) or 1
+    return int(ids.shape[0]) * int(beams if beams > 1 else samples)
 
 
 @contextlib.contextmanager
