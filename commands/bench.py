@@ -659,6 +659,7 @@ def bench_sweep(
     from h2o_lens import policies as registry
     from h2o_lens.errors import ConfigError
     from h2o_lens.models import load_model, model_info
+    from h2o_lens.packed import packing_available
     from h2o_lens.tasks.taskfile import resolve_tasks
 
     from .grid import plan_grid, run_grid
@@ -686,7 +687,8 @@ def bench_sweep(
     print(
         f"{model_info(model)['name']}: {len(reqs)} requests of {tasks} ({min(lengths)}-{max(lengths)} prompt "
         f"tokens, {new_tokens} new), {names} at {what}, replay {'on' if replay else 'off'}; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {rounds} round(s), modes alternating"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, packed decode products "
+        f"{'on' if packing_available(model) else 'off'} (DESIGN.md §16); {rounds} round(s), modes alternating"
     )
     grids = {
         size: plan_grid(

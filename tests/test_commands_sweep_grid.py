@@ -515,7 +515,9 @@ def test_the_cells_of_a_batch_share_one_prompt_forward_and_record_what_they_woul
             assert manifest["replay"]["prompts_from_run"] == len(cell.requests), cell.label
 
 
-def test_bench_sweep_prints_both_modes_and_with_sharing_the_prompt_forwards_shared(tiny_dir, task_file, capsys):
+def test_bench_sweep_prints_both_modes_and_with_sharing_the_prompt_forwards_shared(
+    tiny_dir, task_file, capsys, monkeypatch
+):
     from commands.cli import main
 
     common = ["bench", "sweep", "--model", str(tiny_dir), "--tasks", str(task_file), "--count", "4"]
@@ -528,6 +530,14 @@ def test_bench_sweep_prints_both_modes_and_with_sharing_the_prompt_forwards_shar
     # per batch: h2o sum forwards the prompts, h2o max, local sum and local max reuse them
     assert rows["batch 2"][-1] == "6" and rows["one at a time"][-1] == "12", out
     assert float(out.split("batched / one at a time: ")[1].split("x")[0]) > 0
+    from h2o_lens import packed
+
+    state = "on" if packed._kernel_present() else "off"  # a torch without MKL never packs
+    assert f"packed decode products {state} (DESIGN.md §16)" in out.splitlines()[0], out
+    monkeypatch.setenv("H2O_LENS_PACKED_LINEARS", "0")
+    assert main([*common, "--batch-size", "2", "--rounds", "1"]) == 0
+    assert "packed decode products off" in capsys.readouterr().out
+    monkeypatch.delenv("H2O_LENS_PACKED_LINEARS")
     assert main([*common, "--batch-size", "2", "--sharing"]) == 0
     out = capsys.readouterr().out
     rows = {line[:22].strip(): line[22:].split() for line in out.splitlines() if line.startswith("batch")}
