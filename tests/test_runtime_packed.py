@@ -184,3 +184,26 @@ def test_an_h2o_generate_packs_its_decode_steps_and_nothing_else(monkeypatch):
     assert "forward" not in vars(model) and not any("forward" in vars(m) for m in _linears(model))
     for a, b in zip(runs["1"][0].scores, runs["0"][0].scores):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_covering_budget_still_equals_the_full_cache_on_a_packed_batch(monkeypatch):
+    """With slots for every position nothing is evicted: a padded batch, packed decode steps
+    and all, generates the full cache's tokens (transformers' own cache, never packed)."""
+    model = tiny_model("llama")
+    ids, mask = left_padded((14, 9, 12), seed=6)
+    kw = dict(
+        attention_mask=mask,
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, **kw)
+        calls = _counting(monkeypatch)
+        with h2o_lens.h2o(model, heavy=16, recent=16):
+            got = model.generate(input_ids=ids, **kw)
+    assert calls and set(calls) == {3}
+    assert torch.equal(ref.sequences, got.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(ref.logits, got.logits)) < 1e-4
