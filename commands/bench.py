@@ -359,6 +359,7 @@ def bench_record_memory(
     """
     import json
     import os
+    import shutil
     import subprocess
     import sys
     import tempfile
@@ -367,39 +368,42 @@ def bench_record_memory(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SystemExit(f"bench record: --{name.replace('_', '-')} must be an int >= 1, got {value!r}")
     root = tempfile.mkdtemp(prefix="h2o-lens-bench-memory-")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    print(
-        f"record and replay, each in a fresh process: prompt {context} tokens, {new_tokens} new, keep {keep:g}, "
-        f"model {model_name or 'default'}, torch {torch.__version__} on CPU ({torch.get_num_threads()} threads)"
-    )
-    target = root
-    res: dict[str, dict] = {}
-    for phase in ("record", "replay"):
-        code = (
-            "from commands.bench import _memory_phase; "
-            f"_memory_phase({phase!r}, {model_name!r}, {target!r}, {context!r}, {new_tokens!r}, {keep!r})"
-        )
-        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode or not lines:
-            print(f"{phase}: failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-            return 1
-        res[phase] = r = json.loads(lines[-1])
-        what = "generation (recorded)" if phase == "record" else "replay"
+    try:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
         print(
-            f"{phase:>7}: {what} {r['seconds']:.2f} s, peak RSS {r['peak_bytes'] / 2**30:.2f} GiB (model loaded: "
-            f"{r['loaded_bytes'] / 2**30:.2f} GiB)"
-            + (f", {r['budget']}" if "budget" in r else "")
-            + (f", max |logit diff| {r['max_logit_diff']:.3g}" if "max_logit_diff" in r else "")
-            + ("" if r.get("implementation_ok", True) else ", IMPLEMENTATION CHECK FAILED")
+            f"record and replay, each in a fresh process: prompt {context} tokens, {new_tokens} new, keep {keep:g}, "
+            f"model {model_name or 'default'}, torch {torch.__version__} on CPU ({torch.get_num_threads()} threads)"
         )
-        target = r.get("run_dir", target)
-    rec, rep = res["record"], res["replay"]
-    print(
-        f"replay {rep['seconds']:.2f} s / generation {rec['seconds']:.2f} s: ratio "
-        f"{rep['seconds'] / rec['seconds']:.3f}; peak RSS record {rec['peak_bytes'] / 2**30:.2f} GiB, "
-        f"replay {rep['peak_bytes'] / 2**30:.2f} GiB"
-    )
+        target = root
+        res: dict[str, dict] = {}
+        for phase in ("record", "replay"):
+            code = (
+                "from commands.bench import _memory_phase; "
+                f"_memory_phase({phase!r}, {model_name!r}, {target!r}, {context!r}, {new_tokens!r}, {keep!r})"
+            )
+            proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            if proc.returncode or not lines:
+                print(f"{phase}: failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+                return 1
+            res[phase] = r = json.loads(lines[-1])
+            what = "generation (recorded)" if phase == "record" else "replay"
+            print(
+                f"{phase:>7}: {what} {r['seconds']:.2f} s, peak RSS {r['peak_bytes'] / 2**30:.2f} GiB (model loaded: "
+                f"{r['loaded_bytes'] / 2**30:.2f} GiB)"
+                + (f", {r['budget']}" if "budget" in r else "")
+                + (f", max |logit diff| {r['max_logit_diff']:.3g}" if "max_logit_diff" in r else "")
+                + ("" if r.get("implementation_ok", True) else ", IMPLEMENTATION CHECK FAILED")
+            )
+            target = r.get("run_dir", target)
+        rec, rep = res["record"], res["replay"]
+        print(
+            f"replay {rep['seconds']:.2f} s / generation {rec['seconds']:.2f} s: ratio "
+            f"{rep['seconds'] / rec['seconds']:.3f}; peak RSS record {rec['peak_bytes'] / 2**30:.2f} GiB, "
+            f"replay {rep['peak_bytes'] / 2**30:.2f} GiB"
+        )
+    finally:  # the runs are only measured: nothing is left behind
+        shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tempfile
 
 import pytest
 
@@ -11,8 +12,11 @@ from commands.cli import main
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
-def test_bench_record_context_prints_replay_over_generation_and_both_peaks(capsys):
+def test_bench_record_context_prints_replay_over_generation_and_both_peaks(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
     assert main(["bench", "record", "--context", "96", "--new-tokens", "4"]) == 0
+    assert list(tmp_path.glob("h2o-lens-bench-*")) == []  # the measured runs are removed
     out = capsys.readouterr().out
     rec = re.search(r"record: generation \(recorded\) ([\d.]+) s, peak RSS ([\d.]+) GiB", out)
     rep = re.search(r"replay: replay ([\d.]+) s, peak RSS ([\d.]+) GiB .*max \|logit diff\|", out)
