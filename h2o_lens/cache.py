@@ -184,7 +184,7 @@ class H2OCacheLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def get_max_cache_shape(self) -> int:  # get_max_length's name up to transformers 5.19
+    def get_max_cache_shape(self) -> int:  # get_max_length's name up to transformers 5.12
         return -1
 
     def reset(self) -> None:
@@ -226,7 +226,7 @@ class H2OCacheLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """``crop(-r)``: take back the last ``r`` tokens of the open verification segment
         and close it (``crop(0)`` confirms it in full), as assisted decoding calls it
-        after each verification (DESIGN.md §14); before transformers 5.24, ``crop(length)``."""
+        after each verification (DESIGN.md §14); to transformers 5.14 also ``crop(length)``."""
         removed = compat.crop_count(tokens_to_remove, self.seen)
         if removed is None:
             raise UnsupportedModelError(

@@ -184,12 +184,13 @@ def mask_query_length(arg: Any) -> int:
 
 
 def crop_count(arg: int, seen: int) -> int | None:
-    """Tokens to remove for ``Cache.crop(arg)`` on a layer holding ``seen`` tokens, or None for a
-    call this release never makes: 4.56 to 5.23 pass the length to keep (``crop(new_length)``),
-    5.24 on the negated count (``crop(-r)``, ``crop(0)`` when nothing goes)."""
+    """Tokens to remove for ``Cache.crop(arg)`` on a layer holding ``seen`` tokens, or None where
+    this release refuses the call: to 5.14 a positive ``arg`` is the length to keep
+    (``crop(new_length)``, what assisted decoding passed); from 5.15 only the negated count
+    (``crop(-r)``, ``crop(0)`` when nothing goes) is allowed, as transformers' own layers do."""
     if arg <= 0:
         return -arg
-    return None if _at_least(5, 24) else max(seen - arg, 0)
+    return None if _at_least(5, 15) else max(seen - arg, 0)
 
 
 # -- the converted default model -------------------------------------------------------------------
