@@ -220,7 +220,7 @@ def reads_checkpoint_of(saved_by: str | None) -> bool:
 def gguf_tokenizer(tokenizer: Any, gguf_path: Any) -> Any:
     """The tokenizer transformers built from a GGUF file, adding a BOS token only where the file says so.
 
-    4.56 and 4.57 build a ``LlamaTokenizerFast`` that adds BOS whatever the file's
+    4.x (seen on 4.56) builds a ``LlamaTokenizerFast`` that adds BOS whatever the file's
     ``tokenizer.ggml.add_bos_token`` says (the default model's says false); 5.x follows the file.
     """
     if not getattr(tokenizer, "add_bos_token", False):

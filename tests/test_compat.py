@@ -188,6 +188,7 @@ def _deltas(steps: list) -> dict:
 
 
 @pytest.mark.model
+@pytest.mark.golden
 def test_golden_kept_sets_are_the_same_on_every_release(smol):
     """The default model in float32 under H2O on one fixed prompt keeps, at every layer, KV head and
     step, the sets stored in tests/golden/kept_sets.json (written with H2O_LENS_WRITE_GOLDEN=1)."""
