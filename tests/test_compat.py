@@ -243,6 +243,19 @@ def test_a_release_outside_the_range_is_refused_in_one_line(fake, monkeypatch, t
     ]
 
 
+@pytest.mark.parametrize(
+    ("installed", "saved_by", "reads"),
+    [("5.2.0", "5.2.0", True), ("5.24.0", "5.2.0", True), ("5.2.0", "5.24.0", False), ("4.56.0", "5.2.0", False),
+     ("5.2.0", "4.57.1", False), ("4.57.1", "4.56.0", True), ("5.2.0", None, False)],
+)  # fmt: skip
+def test_a_converted_model_is_read_only_by_its_major_version_and_not_older(installed, saved_by, reads, monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", installed)
+    assert compat.checkpoint_family() == f"transformers-{installed[0]}"
+    assert compat.reads_checkpoint_of(saved_by) is reads
+
+
 def test_the_supported_range_is_the_one_pyproject_pins():
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert f'"transformers{compat.SUPPORTED}"' in text
