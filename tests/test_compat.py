@@ -116,9 +116,9 @@ class _Segments(KeptRecorder):
 
 
 @pytest.fixture(scope="module")
-def smol():
-    """The packaged default model in float32 (converted once per transformers major version)."""
-    return h2o_lens.load_model(progress=False)
+def smol(shared_default_model):
+    """The packaged default model in float32 (converted once per transformers major version), shared."""
+    return shared_default_model
 
 
 @pytest.mark.model
