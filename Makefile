@@ -31,9 +31,10 @@ test-fast: setup
 	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not model and not slow and not kernel" --durations=10
 
 # the compatibility tier on transformers 4.56, 5.2 and the newest release, each in its own venv
-# under .compat/ (kept between runs; rebuilt when pyproject.toml changes): DESIGN.md §3.1
+# under $(COMPAT_DIR) (kept between runs; rebuilt when the requirements change): DESIGN.md §3.1
+COMPAT_DIR ?= .compat
 compat:
-	PYTHON=$(PYTHON) TORCH="$(TORCH)" bash .ci/compat
+	PYTHON=$(PYTHON) TORCH="$(TORCH)" COMPAT_DIR="$(COMPAT_DIR)" bash .ci/compat
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens bench decode
