@@ -29,7 +29,7 @@ __all__ = [
     "staged_layer",
     "mask_query_length",
     "crop_count",
-    "checkpoint_family",
+    "checkpoint_folder",
     "reads_checkpoint_of",
     "gguf_tokenizer",
 ]
@@ -194,24 +194,20 @@ def crop_count(arg: int, seen: int) -> int | None:
 
 
 # -- the converted default model -------------------------------------------------------------------
-# A checkpoint saved by 5.x does not load right in 4.x: its config has ``rope_parameters`` (4.x
-# reads ``rope_theta`` and would fall back to the default 10000) and its tokenizer config names
-# ``TokenizersBackend`` (4.x has no such class). So the converted default model is kept per major
-# version; within one, a release reads what an older or equal one saved (transformers keeps loading
-# old checkpoints), not necessarily what a newer one saved.
+# A checkpoint saved by one release does not load right in another: 5.x configs have
+# ``rope_parameters`` (4.x reads ``rope_theta`` and falls back to 10000) and a ``TokenizersBackend``
+# tokenizer class (unknown to 4.x), and 5.24 reading the tokenizer files 5.2 saved maps "\n" to the
+# unknown token. So the converted default model is kept per transformers release.
 
 
-def checkpoint_family() -> str:
-    """The folder name of this major version's converted models: ``transformers-4`` or ``transformers-5``."""
-    return f"transformers-{_parsed(version())[0]}"
+def checkpoint_folder() -> str:
+    """The folder of this release's converted models, e.g. ``transformers-5.2.0``."""
+    return f"transformers-{version()}"
 
 
 def reads_checkpoint_of(saved_by: str | None) -> bool:
-    """Whether this release reads right what transformers ``saved_by`` wrote (same major, not newer)."""
-    if not saved_by:
-        return False
-    saved, here = _parsed(saved_by), _parsed(version())
-    return saved[0] == here[0] and saved <= here
+    """Whether a checkpoint saved by transformers ``saved_by`` is this release's own."""
+    return saved_by == version()
 
 
 # -- the default model's GGUF file -----------------------------------------------------------------

@@ -7,8 +7,8 @@ result, so the first load rebuilds a plain model from the GGUF config, copies
 the dequantized weights into it and caches it as safetensors::
 
     <cache_dir>/                        default: $H2O_LENS_HOME/models
-      transformers-5/                   or ~/.cache/h2o_lens/models; one folder per
-        SmolLM2-135M-Instruct/          transformers major version (DESIGN.md §3.1)
+      transformers-5.24.0/              or ~/.cache/h2o_lens/models; one folder per
+        SmolLM2-135M-Instruct/          transformers release (DESIGN.md §3.1)
             config.json  generation_config.json  model.safetensors
             tokenizer.json  tokenizer_config.json  chat_template.jinja
             h2o_lens_cache.json         written last: marks a complete cache
@@ -347,7 +347,7 @@ def _say(progress: bool, message: str) -> None:
 def _default_model_folder(cache_dir: str | os.PathLike[str] | None, progress: bool) -> pathlib.Path:
     """Return the converted default model's folder, converting it first if needed."""
     root = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    root = root / compat.checkpoint_family()  # what one major version saves, another reads wrong
+    root = root / compat.checkpoint_folder()  # what one release saves, another may read wrong
     target = root / DEFAULT_MODEL
     try:
         gguf = default_gguf_path()

@@ -32,7 +32,7 @@ from h2o_lens.models import (
 pytestmark = pytest.mark.model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FAMILY = compat.checkpoint_family()  # the converted models of this transformers major version
+FAMILY = compat.checkpoint_folder()  # the converted models of this transformers release
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 CHILD = """
 import json, sys
