@@ -173,12 +173,14 @@ def _golden_run(model, tok, forced: list[int] | None = None) -> dict:
     chat = tok.apply_chat_template(
         [{"role": "user", "content": GOLDEN_PROMPT}], tokenize=False, add_generation_prompt=True
     )
-    ids = tok(chat, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    enc = tok(chat, return_tensors="pt", add_special_tokens=False)
+    ids = enc["input_ids"]
     force = LogitsProcessorList([_Force(forced, ids.shape[1])] if forced else [])
     rec = KeptRecorder()
     with h2o_lens.h2o(model, H2OConfig(**GOLDEN_CONFIG), listener=rec), torch.no_grad():
         out = model.generate(
             ids,
+            attention_mask=enc["attention_mask"],  # else 4.56 to 5.2 take the prompt's end tokens for padding
             max_new_tokens=GOLDEN_NEW,
             min_new_tokens=GOLDEN_NEW,
             do_sample=False,
