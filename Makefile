@@ -1,10 +1,11 @@
-# Two entry points (see README): `make demo` and `make test`.
+# Two entry points (see README): `make demo` and `make test`; `make compat` checks the other
+# supported transformers releases, `make test-fast` is the quick loop while developing.
 PYTHON ?= python3.11
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench gpu-wheels gpu-check samples mutate clean
+.PHONY: setup demo test test-fast compat bench gpu-wheels gpu-check samples mutate clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +21,20 @@ setup: $(BIN)/python
 demo: setup
 	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens demo --out demo_runs
 
+# the compatibility tier's real-model checks other than the golden kept sets run in `make compat`
+# (on the newest release too), not twice here
 test: setup
-	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not (compat and model) or golden" --durations=10
+
+# the unit and tiny-model tiers (no real model, no kernels, nothing slow): a few minutes
+test-fast: setup
+	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not model and not slow and not kernel" --durations=10
+
+# the compatibility tier on transformers 4.56, 5.2 and the newest release, each in its own venv
+# under $(COMPAT_DIR) (kept between runs; rebuilt when the requirements change): DESIGN.md §3.1
+COMPAT_DIR ?= .compat
+compat:
+	PYTHON=$(PYTHON) TORCH="$(TORCH)" COMPAT_DIR="$(COMPAT_DIR)" bash .ci/compat
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens bench decode
@@ -51,4 +64,4 @@ mutate: setup
 	$(BIN)/python .ci/mutation_score.py $(BIN)/mutmut
 
 clean:
-	rm -rf $(VENV) build *.egg-info mutants
+	rm -rf $(VENV) build *.egg-info mutants .compat

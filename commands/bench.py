@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from h2o_lens import compat
 from h2o_lens.benchtools import Decoder as _Decoder
 from h2o_lens.benchtools import median_time as _median_time
 from h2o_lens.policies import half_split, ratio_slots
@@ -74,10 +75,10 @@ def _prefill_phase(phase: str, model_name: str, context: int, keep: float) -> No
     t0 = time.perf_counter()
     if phase == "sdpa":
         model.set_attn_implementation("sdpa")
-        model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, **compat.cache_kwargs(DynamicCache(config=model.config)), use_cache=True, logits_to_keep=1)
     else:
         with h2o(model, H2OConfig(**_halves(ratio_slots(keep, context)))) as session:
-            model(input_ids=ids, cache=session.new_cache(), use_cache=True, logits_to_keep=1)
+            model(input_ids=ids, **compat.cache_kwargs(session.new_cache()), use_cache=True, logits_to_keep=1)
     out = {"phase": phase, "seconds": time.perf_counter() - t0, "loaded_bytes": loaded, "peak_bytes": _peak_rss_bytes()}
     print(json.dumps(out), flush=True)
 
@@ -115,10 +116,15 @@ def _prefill_time(model, cfg, ctx: torch.Tensor, rounds: int) -> tuple[float, fl
         for i in range(rounds + 1):
             model.set_attn_implementation("sdpa")
             t0 = time.perf_counter()
-            model(input_ids=ctx, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+            model(
+                input_ids=ctx,
+                **compat.cache_kwargs(DynamicCache(config=model.config)),
+                use_cache=True,
+                logits_to_keep=1,
+            )
             t1 = time.perf_counter()
             model.set_attn_implementation("h2o_lens")
-            model(input_ids=ctx, cache=session.new_cache(), use_cache=True, logits_to_keep=1)
+            model(input_ids=ctx, **compat.cache_kwargs(session.new_cache()), use_cache=True, logits_to_keep=1)
             t2 = time.perf_counter()
             if i:  # the first round warms up
                 t_sdpa.append(t1 - t0)

@@ -19,6 +19,7 @@ _EXPORTS = {
     "UnsupportedModelError": ".errors",
     "DefaultModelMissingError": ".errors",
     "ImplementationError": ".errors",
+    "UnsupportedVersionError": ".errors",
     "h2o": ".runtime",
     "H2OSession": ".runtime",
     "H2OCache": ".cache",

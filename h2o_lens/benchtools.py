@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import torch
 
+from . import compat
+
 __all__ = ["median_time", "Decoder"]
 
 
@@ -28,11 +30,11 @@ class Decoder:
         self.model, self.cache = model, cache
         extra = {"logits_to_keep": 1} if last_logits_only else {}  # long batched prompts: no P x vocab
         with torch.no_grad():
-            out = model(input_ids=context, cache=cache, use_cache=True, **extra)
+            out = model(input_ids=context, **compat.cache_kwargs(cache), use_cache=True, **extra)
         self.token = out.logits[:, -1:].argmax(-1)
 
     def run(self, steps: int) -> None:
         with torch.no_grad():
             for _ in range(steps):
-                out = self.model(input_ids=self.token, cache=self.cache, use_cache=True)
+                out = self.model(input_ids=self.token, **compat.cache_kwargs(self.cache), use_cache=True)
                 self.token = out.logits[:, -1:].argmax(-1)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import faults, ops, policy
+from . import compat, faults, ops, policy
 from . import speculative as _speculative
+from .compat import Cache, CacheLayerMixin
 from .config import H2OConfig
 from .errors import ConfigError, UnsupportedModelError
 
@@ -159,7 +159,7 @@ class H2OCacheLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, kwargs: dict | None = None, **extra: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage the new K/V for the attention function; returns them unchanged."""
-        if kwargs is None:
+        if not compat.stage_layer(self, kwargs):  # hands this layer to the attention function
             raise UnsupportedModelError(
                 f"layer {self.layer_idx}: the attention module called cache.update without its "
                 "kwargs dict, so the H2O attention function cannot reach the cache; this "
@@ -172,17 +172,19 @@ class H2OCacheLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self.pending = (key_states, value_states)
         self.seen += key_states.shape[-2]
-        kwargs["h2o_layer"] = self
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
+        return self.seen + compat.mask_query_length(query_length), 0
 
     def get_seq_length(self) -> int:
         """Logical length: columns seen (not the slot count), as generate expects."""
         return self.seen
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # get_max_length's name up to transformers 5.12
         return -1
 
     def reset(self) -> None:
@@ -224,14 +226,15 @@ class H2OCacheLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """``crop(-r)``: take back the last ``r`` tokens of the open verification segment
         and close it (``crop(0)`` confirms it in full), as assisted decoding calls it
-        after each verification (DESIGN.md §14)."""
-        if tokens_to_remove > 0:
+        after each verification (DESIGN.md §14); to transformers 5.14 also ``crop(length)``."""
+        removed = compat.crop_count(tokens_to_remove, self.seen)
+        if removed is None:
             raise UnsupportedModelError(
                 f"crop({tokens_to_remove}): the H2O cache takes a negative count (tokens to remove "
                 "from the end), as transformers' assisted decoding passes it; an absolute length is "
                 "not supported"
             )
-        self.end_segment(-tokens_to_remove)
+        self.end_segment(removed)
 
     # -- H2O verbs ---------------------------------------------------------------
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ __all__ = [
     "UnsupportedModelError",
     "DefaultModelMissingError",
     "ImplementationError",
+    "UnsupportedVersionError",
 ]
 
 
@@ -32,3 +33,7 @@ class DefaultModelMissingError(H2OLensError, ImportError):
 
 class ImplementationError(H2OLensError, RuntimeError):
     """The runtime broke one of its own invariants (a bug, never user error)."""
+
+
+class UnsupportedVersionError(H2OLensError, RuntimeError):
+    """The installed transformers release is outside the supported range (DESIGN.md §3.1)."""

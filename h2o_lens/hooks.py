@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import compat
 from .errors import ImplementationError, UnsupportedModelError
 
 __all__ = ["ATTN_NAME", "attention_implementation", "h2o_attention", "h2o_mask"]
@@ -41,18 +42,14 @@ class _Users:
 _users: dict[str, _Users] = {}  # name -> active uses (see attention_implementation)
 
 
-def h2o_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    *args: Any,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor | None:
+def h2o_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
     """Pass the 2-D padding mask ``(b, kv_length)`` through unchanged.
 
     Causality and slot validity are built inside :func:`h2o_attention`; the
     only thing it needs from the model is which prompt columns are padding.
+    Everything else is ignored, so every supported transformers release can call
+    it its own way (4.56 to 5.3 by keyword with ``cache_position``; later ones
+    with ``q_length`` first).
     """
     if attention_mask is None or bool(attention_mask.all()):
         return None
@@ -75,6 +72,7 @@ def h2o_attention(
     ``query (b, Hq, q, d)``; ``key``/``value`` are what the cache's
     ``update`` returned (the new tokens only). Returns ``(b, q, Hq, d)``.
     """
+    h2o_layer = compat.staged_layer(module, h2o_layer)
     if h2o_layer is None:
         raise UnsupportedModelError(
             f"{type(module).__name__} ran the H2O attention without an H2O cache; inside "

@@ -7,7 +7,8 @@ result, so the first load rebuilds a plain model from the GGUF config, copies
 the dequantized weights into it and caches it as safetensors::
 
     <cache_dir>/                        default: $H2O_LENS_HOME/models
-        SmolLM2-135M-Instruct/          or ~/.cache/h2o_lens/models
+      transformers-5.24.0/              or ~/.cache/h2o_lens/models; one folder per
+        SmolLM2-135M-Instruct/          transformers release (DESIGN.md §3.1)
             config.json  generation_config.json  model.safetensors
             tokenizer.json  tokenizer_config.json  chat_template.jinja
             h2o_lens_cache.json         written last: marks a complete cache
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import compat
 from .errors import DefaultModelMissingError, H2OLensError, ImplementationError
 
 if TYPE_CHECKING:
@@ -153,7 +155,10 @@ def load_model(
         no converted copy is cached.
     H2OLensError
         ``name`` is neither a loadable local folder nor a cached Hugging Face id.
+    UnsupportedVersionError
+        The installed transformers is outside the supported range.
     """
+    compat.check_supported()
     with _progress_bars(progress):
         if name is None or str(name).lower() in _DEFAULT_ALIASES:
             folder = _default_model_folder(cache_dir, progress)
@@ -342,6 +347,7 @@ def _say(progress: bool, message: str) -> None:
 def _default_model_folder(cache_dir: str | os.PathLike[str] | None, progress: bool) -> pathlib.Path:
     """Return the converted default model's folder, converting it first if needed."""
     root = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root = root / compat.checkpoint_folder()  # what one release saves, another may read wrong
     target = root / DEFAULT_MODEL
     try:
         gguf = default_gguf_path()
@@ -364,7 +370,7 @@ def _is_complete(target: pathlib.Path, gguf: pathlib.Path | None) -> bool:
         marker = json.loads((target / _MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    if marker.get("format") != _CACHE_FORMAT:
+    if marker.get("format") != _CACHE_FORMAT or not compat.reads_checkpoint_of(marker.get("transformers")):
         return False
     if not all((target / f).is_file() for f in ("config.json", "model.safetensors")):
         return False
@@ -415,7 +421,7 @@ def _convert(gguf: pathlib.Path, target: pathlib.Path, progress: bool, *, clean_
             "source_file": gguf.name,
             "source_size": gguf.stat().st_size,
             "torch": torch.__version__,
-            "transformers": _transformers_version(),
+            "transformers": compat.version(),
         }
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         try:
@@ -445,7 +451,9 @@ def _plain_model_from_gguf(gguf: pathlib.Path) -> tuple[PreTrainedModel, PreTrai
     quantized = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=file, dtype=torch.float32, local_files_only=True
     ).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
+    tokenizer = compat.gguf_tokenizer(
+        AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True), gguf
+    )
     config_dict = quantized.config.to_dict()
     config_dict.pop("quantization_config", None)
     config = type(quantized.config).from_dict(config_dict)
@@ -461,12 +469,6 @@ def _plain_model_from_gguf(gguf: pathlib.Path) -> tuple[PreTrainedModel, PreTrai
         raise ImplementationError(
             f"the converted {DEFAULT_MODEL} differs from the GGUF model {gguf} by {error:.3g} "
             "in logits (expected <= 1e-5); the weight copy is wrong for this transformers "
-            f"version ({_transformers_version()})"
+            f"version ({compat.version()})"
         )
     return model, tokenizer
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__

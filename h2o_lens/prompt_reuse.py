@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import faults, ops
+from . import compat, faults, ops
 from .cache import H2OCache
 
 __all__ = ["PromptReuse", "reuse_prompts"]
@@ -211,7 +211,7 @@ class PromptReuse:
         return None
 
     def _forward(self, original, *args: Any, **kwargs: Any):
-        cache = kwargs.get("cache")
+        cache = compat.cache_from(kwargs)
         if not isinstance(cache, H2OCache):
             return original(*args, **kwargs)
         identity = self._identity(cache, args, kwargs)
@@ -230,7 +230,7 @@ class PromptReuse:
             heard = getattr(cache.prompt_sink, "on_reused_head", None)
             if heard is not None:  # the output head did not run: say how many positions it gave
                 heard(kept.logits.shape[1])
-            return kept.output_type(logits=kept.logits.clone(), cache=cache)
+            return kept.output_type(logits=kept.logits.clone(), **compat.cache_kwargs(cache))
         capture = _Capture(self._rows, gqa, self.any_gqa)
         cache.prompt_capture = capture
         try:

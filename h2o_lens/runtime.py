@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import hooks
+from . import compat, hooks
 from .cache import CacheListener, H2OCache
 from .config import H2OConfig
 from .errors import ConfigError, UnsupportedModelError
@@ -249,13 +249,18 @@ class H2OSession:
         with torch.no_grad():
             cache.sharing = "prefix"
             try:
-                self.model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+                self.model(input_ids=prefix, **compat.cache_kwargs(cache), use_cache=True, logits_to_keep=1)
             finally:
                 cache.sharing = None
             mask = torch.cat([torch.ones(b, p0, dtype=torch.long, device=device), mask_s], 1)
             pos = (p0 + mask_s.cumsum(-1) - 1).clamp(min=0)
             out = self.model(
-                input_ids=suffix, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1
+                input_ids=suffix,
+                attention_mask=mask,
+                position_ids=pos,
+                **compat.cache_kwargs(cache),
+                use_cache=True,
+                logits_to_keep=1,
             )
         # what generate sees: padding first, then prefix and suffix
         ids = torch.full((b, p0 + width), int(pad), dtype=torch.long, device=device)
@@ -267,9 +272,10 @@ class H2OSession:
         return cache, ids, full_mask, out.logits[:, -1]
 
     def _generate(self, original, *args: Any, **kwargs: Any):
-        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+        if compat.cache_from(kwargs) is None:
             kwargs["cache"] = self.new_cache()
-        cache = kwargs.get("cache")
+        cache = compat.cache_from(kwargs)
+        compat.rename_cache_kwarg(kwargs)  # cache= is past_key_values= before transformers 5.24
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(cache, H2OCache) and ids is not None:
             # assisted decoding's first forward is the prompt plus a draft (DESIGN.md §14)
@@ -317,8 +323,10 @@ def h2o(
         is taken back (DESIGN.md §14).
 
     The policy ``full`` leaves the model untouched (transformers' own cache),
-    so a comparison runs the exact baseline.
+    so a comparison runs the exact baseline. A transformers release outside the supported
+    range (:data:`h2o_lens.compat.SUPPORTED`) is refused before anything is hooked.
     """
+    compat.check_supported()
     if config is None:
         config = H2OConfig(**options)
     elif options:

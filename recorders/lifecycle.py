@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from h2o_lens import compat
 from h2o_lens.config import H2OConfig
 
 from .errors import RecorderError
@@ -184,10 +185,16 @@ def _reference(model, config: H2OConfig, ids: np.ndarray, p: int, n: int, layers
     x = torch.as_tensor(ids[:n], dtype=torch.long, device=device)[None]
     with torch.no_grad(), h2o(model, config) as session:
         cache = session.new_cache(listener=collector)
-        model(input_ids=x[:, :p], cache=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=x[:, :p], **compat.cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         for t in range(p, n):
             pos = torch.tensor([[t]], device=device)
-            model(input_ids=x[:, t : t + 1], cache=cache, use_cache=True, position_ids=pos, logits_to_keep=1)
+            model(
+                input_ids=x[:, t : t + 1],
+                **compat.cache_kwargs(cache),
+                use_cache=True,
+                position_ids=pos,
+                logits_to_keep=1,
+            )
     return collector.steps
 
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from h2o_lens import compat
 from h2o_lens.config import H2OConfig
 from h2o_lens.hooks import attention_implementation
 from h2o_lens.oracle import TeacherTable, remaining_attention, schedule, teacher_rows, teacher_scores
@@ -204,7 +205,7 @@ class OracleTeacher:
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         self.forwards += 1
-        return self.model(input_ids=ids, cache=self._cache, use_cache=True).logits[0].float()
+        return self.model(input_ids=ids, **compat.cache_kwargs(self._cache), use_cache=True).logits[0].float()
 
     def _teacher_pass(self) -> None:
         """The one full-cache forward: prompt, then the generated rows with their weights kept."""

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessorList
 
+from h2o_lens import compat
 from h2o_lens.cache import DecodeEvent, PrefillEvent, decode_stats
 from h2o_lens.config import H2OConfig
 from h2o_lens.models import planned_positions, warn_past_context
@@ -582,7 +583,7 @@ class Recording:
         cache = None
         continued: list[int] | None = None  # the requests a restored or reused cache continues
         if self.session is not None and self.config.spec.evicts:
-            cache = kwargs.get("cache") or self.session.new_cache()
+            cache = compat.cache_from(kwargs) or self.session.new_cache()
             kwargs["cache"] = cache
             self.session.last_cache = cache
             self._last_layer = len(cache.layers) - 1
@@ -702,11 +703,13 @@ class Recording:
         self._pending = _Pending()
         logits = []
         with torch.no_grad():
-            out = model(input_ids=prompt, cache=cache, use_cache=True)
+            out = model(input_ids=prompt, **compat.cache_kwargs(cache), use_cache=True)
             logits.append(out.logits[:, -1].float())
             for j, tok in enumerate(new[:-1]):
                 pos = torch.tensor([[prompt.shape[1] + j]])
-                out = model(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True, position_ids=pos)
+                out = model(
+                    input_ids=torch.tensor([[tok]]), **compat.cache_kwargs(cache), use_cache=True, position_ids=pos
+                )
                 logits.append(out.logits[:, -1].float())
         self.flush()
         result = SimpleNamespace(
@@ -929,6 +932,7 @@ def record(
     """
     from h2o_lens.models import model_info
 
+    compat.check_supported()  # before anything is written
     config = policy if policy is not None else H2OConfig(**options)
     if policy is not None and options:
         raise RecorderError(f"give either a policy or keyword options, not both (got {sorted(options)})")

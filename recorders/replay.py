@@ -63,6 +63,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from h2o_lens import compat
 from h2o_lens.hooks import attention_implementation
 from h2o_lens.kernels import replay_masked_torch, replay_teacher_torch, resolve_backend
 from h2o_lens.kernels.replay import TEACHER_TILE_ROWS
@@ -415,18 +416,24 @@ def _forward(
         first = prompt_pass.first
     else:
         state.mode = "prompt"
-        first = model(input_ids=x[:, :p], cache=cache, use_cache=True, logits_to_keep=1).logits[0].float()
+        first = (
+            model(input_ids=x[:, :p], **compat.cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits[0].float()
+        )
     teacher, masked = first, first
     if n > p:
         state.mode = "teacher"
-        teacher = torch.cat([first, model(input_ids=x[:, p:], cache=cache, use_cache=True).logits[0].float()])
+        teacher = torch.cat(
+            [first, model(input_ids=x[:, p:], **compat.cache_kwargs(cache), use_cache=True).logits[0].float()]
+        )
         bar.update()
         if lost_nothing:
             masked = teacher
         else:
             cache.crop(p - n)
             state.mode = "masked"
-            masked = torch.cat([first, model(input_ids=x[:, p:], cache=cache, use_cache=True).logits[0].float()])
+            masked = torch.cat(
+                [first, model(input_ids=x[:, p:], **compat.cache_kwargs(cache), use_cache=True).logits[0].float()]
+            )
     bar.update()
     return teacher, masked
 
@@ -519,7 +526,9 @@ def _batch_passes(model, run: _Run, state: _State, entry: dict) -> dict[int, Pro
     cache = DynamicCache(config=model.config)
     state.mode, state.batch = "prompt", (valid if entry.get("masked", True) else None, int(entry.get("chunk", 512)))
     try:
-        logits = model(input_ids=x, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(
+            input_ids=x, position_ids=pos, **compat.cache_kwargs(cache), use_cache=True, logits_to_keep=1
+        ).logits
     finally:
         state.batch = None
     sink = PromptSink(keep=True)  # cut into rows as the recorder's sink cuts the prefill

@@ -5,6 +5,7 @@ so no test module imports another."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -27,3 +28,26 @@ def large_root(tmp_path_factory) -> Path:
     from recorders.synthetic_root import make_root
 
     return make_root(tmp_path_factory.mktemp("large") / "runs", 300, seed=1)
+
+
+@pytest.fixture(scope="session")
+def shared_default_model():
+    """The packaged default model in float32 and its tokenizer, loaded once for the whole session
+    (tests take it through :func:`default_model`, or a module fixture that restores what it changes)."""
+    import h2o_lens
+
+    return h2o_lens.load_model(progress=False)
+
+
+@pytest.fixture
+def default_model(shared_default_model):
+    """``(model, tokenizer)`` of the default model, shared; what a test changes of the attention
+    implementation, the generation config and the padding side is put back after it."""
+    model, tok = shared_default_model
+    attn, side = model.config._attn_implementation, tok.padding_side
+    generation = copy.deepcopy(model.generation_config)
+    yield model, tok
+    if model.config._attn_implementation != attn:
+        model.set_attn_implementation(attn)
+    model.generation_config, tok.padding_side = generation, side
+    assert "generate" not in vars(model), "a test left model.generate wrapped"

@@ -20,8 +20,8 @@ PROMPT = (
 
 
 @pytest.fixture(scope="module")
-def smol():
-    model, tok = h2o_lens.load_model(progress=False)
+def smol(shared_default_model):
+    model, tok = shared_default_model
     text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
     enc = tok(text, return_tensors="pt", add_special_tokens=False)
     return model, tok, enc

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-import h2o_lens
 from analyses import causal_verdicts, connect
 from commands.jobs import run_task
 from h2o_lens import H2OConfig
@@ -16,8 +15,8 @@ from recorders.counterfactual import explain_request
 pytestmark = pytest.mark.model
 
 
-def test_delayed_recall_fails_under_h2o_for_its_scores_not_its_budget(tmp_path):
-    model, tok = h2o_lens.load_model(progress=False)
+def test_delayed_recall_fails_under_h2o_for_its_scores_not_its_budget(default_model, tmp_path):
+    model, tok = default_model
     task = get_task("delayed_recall_1")  # fails under H2O at 20 % (h2o_lens/tasks/real.py)
     parent = run_task(model, tok, task, H2OConfig(ratio=0.2), tmp_path, ratio=0.2, replay=False)
     assert not parent.correct

@@ -89,12 +89,11 @@ def test_demo_command_records_replays_reports_and_summarises(tmp_path):
             assert data["run"]["policy"] == "h2o"
 
 
-def test_sweep_writes_the_three_curves(tmp_path):
-    import h2o_lens
+def test_sweep_writes_the_three_curves(default_model, tmp_path):
     from commands.jobs import sweep
     from h2o_lens.tasks import suite
 
-    model, tok = h2o_lens.load_model(progress=False)
+    model, tok = default_model
     out = tmp_path / "sweep"
     table = sweep(
         out,

@@ -38,7 +38,9 @@ SLOW = [
 @pytest.fixture(scope="module")
 def ray_cluster():
     """The address of a local Ray cluster with 2 CPUs, bound to 127.0.0.1, without dashboard."""
-    import ray
+    ray = pytest.importorskip(
+        "ray", reason="the ray extra is not installed (`make compat` has it on the newest release)"
+    )
 
     saved = os.environ.get("RAY_USAGE_STATS_ENABLED")
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -85,6 +87,7 @@ def _sweep_csv(root: Path) -> list[dict[str, str]]:
         return [{k: v for k, v in row.items() if k != "ms_per_token"} for row in csv.DictReader(fh)]
 
 
+@pytest.mark.compat  # the Ray executor on the newest transformers release (DESIGN.md §3.1)
 def test_a_ray_sweep_writes_the_same_runs_as_the_in_process_one(ray_cluster, tiny_dir, tmp_path, capsys):
     from commands.grid import LOCK_DIR, _flock
     from commands.jobs import sweep

@@ -140,18 +140,17 @@ def test_bad_options_are_clear_errors(tok):
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_long_generation_freezes_late_at_20_percent_keep(tmp_path):
+def test_long_generation_freezes_late_at_20_percent_keep(default_model, tmp_path):
     """One ~1k-token long_generation request on the default model, H2O at 20 % keep, recorded:
     at least one KV set's freeze onset (DESIGN.md §6.5) falls after step 100 of the generation."""
     import torch
 
     from analyses.dynamics import freeze_onset
-    from h2o_lens.models import load_model
     from h2o_lens.policies import DEFAULT
     from h2o_lens.tasks.real import budget
     from recorders.recorder import record
 
-    model, tok = load_model(progress=False)
+    model, tok = default_model
     (task,) = LONG_FAMILIES["long_generation"](seed=0, length=1024, count=1, tokenizer=tok)
     enc = tok(task.chat_text(tok), return_tensors="pt", add_special_tokens=False)
     prompt_len = enc["input_ids"].shape[1]

@@ -18,6 +18,7 @@ import pytest
 import torch
 from tiny import tiny_model
 
+from h2o_lens import compat
 from h2o_lens.errors import DefaultModelMissingError, H2OLensError
 from h2o_lens.models import (
     DEFAULT_GGUF_FILE,
@@ -31,6 +32,7 @@ from h2o_lens.models import (
 pytestmark = pytest.mark.model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+FAMILY = compat.checkpoint_folder()  # the converted models of this transformers release
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 CHILD = """
 import json, sys
@@ -57,7 +59,7 @@ def _child(cache_dir: pathlib.Path) -> subprocess.Popen:
 
 
 def _tmp_folders(cache_dir: pathlib.Path) -> list[pathlib.Path]:
-    return sorted(cache_dir.glob(f".{DEFAULT_MODEL}.tmp-*"))
+    return sorted((cache_dir / FAMILY).glob(f".{DEFAULT_MODEL}.tmp-*"))
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,7 @@ def converted(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     cache_dir = tmp_path_factory.mktemp("models")
-    target = cache_dir / DEFAULT_MODEL
+    target = cache_dir / FAMILY / DEFAULT_MODEL
     victim = _child(cache_dir)
     deadline = time.monotonic() + 120
     while not _tmp_folders(cache_dir) and victim.poll() is None and time.monotonic() < deadline:
@@ -136,7 +138,7 @@ def test_racing_conversions_convert_once_and_agree(converted):
 
 def test_cache_layout(converted):
     cache_dir, _, _ = converted
-    folder = cache_dir / DEFAULT_MODEL
+    folder = cache_dir / FAMILY / DEFAULT_MODEL
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "h2o_lens_cache.json"} <= names
     config = json.loads((folder / "config.json").read_text())
@@ -149,7 +151,7 @@ def test_cache_layout(converted):
 
 def test_cached_load_matches_gguf_logits_and_does_not_convert(converted, capfd):
     cache_dir, reference, _ = converted
-    folder = cache_dir / DEFAULT_MODEL
+    folder = cache_dir / FAMILY / DEFAULT_MODEL
     before = (folder.stat().st_ino, folder.stat().st_mtime_ns, (folder / "model.safetensors").stat().st_mtime_ns)
     start = time.perf_counter()
     model, tokenizer = load_model("default", cache_dir=cache_dir)
@@ -174,7 +176,7 @@ def test_model_info_of_the_default_model(converted):
     info = model_info(model)
     assert info == {
         "name": DEFAULT_MODEL,
-        "path": str(cache_dir / DEFAULT_MODEL),
+        "path": str(cache_dir / FAMILY / DEFAULT_MODEL),
         "architecture": "LlamaForCausalLM",
         "model_type": "llama",
         "num_layers": 30,
@@ -214,7 +216,7 @@ def test_local_folder_loads_with_pad_token_and_left_padding(converted, tmp_path)
 
     cache_dir, _, _ = converted
     tiny_model("qwen2").save_pretrained(tmp_path)
-    tokenizer = AutoTokenizer.from_pretrained(cache_dir / DEFAULT_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(cache_dir / FAMILY / DEFAULT_MODEL)
     tokenizer.pad_token = None
     tokenizer.save_pretrained(tmp_path)
     model, tokenizer = load_model(tmp_path, dtype=torch.float64, progress=False)

@@ -307,9 +307,9 @@ def test_spec_views_exist_over_runs_written_before_them():
 
 
 @pytest.mark.model
-def test_default_model_prompt_lookup_equals_plain_greedy():
+def test_default_model_prompt_lookup_equals_plain_greedy(default_model):
     """The packaged model in float32: prompt lookup under H2O against the plain path on the same prompt."""
-    model, tok = h2o_lens.load_model(progress=False)
+    model, tok = default_model
     text = "Copy this text exactly: the red fox jumps over the lazy dog by the river bank. " * 3
     chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     ids = tok(chat, return_tensors="pt", add_special_tokens=False)["input_ids"]
