@@ -664,7 +664,7 @@ def bench_sweep(
     from h2o_lens.errors import ConfigError
     from h2o_lens.models import load_model, model_info
     from h2o_lens.packed import packing_available
-    from h2o_lens.tasks.taskfile import resolve_tasks
+    from h2o_lens.tasks.builtins import resolve_tasks
 
     from .grid import plan_grid, run_grid
 
