@@ -1,0 +1,55 @@
+"""A model's shape from its config and the KV sets of an aggregation (h2o_lens/shape.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+from tiny import FAMILIES, tiny_model
+
+from h2o_lens.errors import ConfigError, UnsupportedModelError
+from h2o_lens.shape import ModelShape, kv_sets, model_shape
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_model_shape_reads_each_familys_config(family):
+    model = tiny_model(family, layers=3, q_heads=6, kv_heads=2, head_dim=8)
+    shape = model_shape(model.config)
+    assert shape == ModelShape(layers=3, q_heads=6, kv_heads=2, head_dim=8)
+    assert shape.group == 3
+    # the attention modules agree: q and k projections of that many heads of that size
+    attn = model.model.layers[0].self_attn
+    proj = attn.q_proj if hasattr(attn, "q_proj") else attn.qkv_proj
+    assert proj.out_features in (6 * 8, (6 + 2 * 2) * 8)
+
+
+def test_model_shape_of_plain_configs():
+    mha = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, hidden_size=32)
+    assert model_shape(mha) == ModelShape(2, 4, 4, 8)  # no KV head count: one per query head
+    gqa = types.SimpleNamespace(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=None, head_dim=None)
+    assert model_shape(gqa) == ModelShape(1, 4, 4, None)
+    with pytest.raises(UnsupportedModelError, match="6 query heads are not a multiple of 4 KV heads"):
+        model_shape(types.SimpleNamespace(num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=4))
+    with pytest.raises(UnsupportedModelError, match="num_attention_heads"):
+        model_shape(types.SimpleNamespace(hidden_size=8))
+
+
+def test_kv_sets_per_aggregation():
+    assert [kv_sets(g, 12, 4) for g in ("sum", "max", "none")] == [4, 4, 12]
+    shape = ModelShape(layers=2, q_heads=12, kv_heads=4)
+    assert [shape.sets(g) for g in ("sum", "max", "none")] == [4, 4, 12]
+    assert [shape.copies(g) for g in ("sum", "max", "none")] == [1, 1, 3]  # K/V repeated per query head
+    assert [shape.heads_per_set(g) for g in ("sum", "max", "none")] == [3, 3, 1]
+    with pytest.raises(ConfigError, match="unknown gqa mode 'mean'"):
+        kv_sets("mean", 12, 4)
+
+
+def test_the_shape_module_imports_without_torch():
+    code = (
+        "import sys, h2o_lens.shape as s; s.kv_sets('none', 4, 2); "
+        "bad = [m for m in ('torch', 'transformers', 'triton') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
