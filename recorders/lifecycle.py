@@ -246,16 +246,17 @@ def check_lifecycle(
     Raises
     ------
     RecorderError
-        The run has no tokens, its model does not match the checking model's shape, or
-        ``tolerance`` is negative or not finite.
+        The run has no tokens, its model does not match the checking model's shape,
+        ``tolerance`` is negative or not finite, or the call is inside a
+        :func:`h2o_lens.cache.use_layer_class` block (the re-run must use the plain layers).
     """
-    from h2o_lens import faults
+    from h2o_lens.cache import H2OCacheLayer, current_layer_class
 
-    on = [name for name in faults.KNOWN if faults.active(name)]
-    if on:
+    layer_class = current_layer_class()  # what the re-run's caches would be built with
+    if layer_class is not H2OCacheLayer:
         raise RecorderError(
-            f"the lifecycle check must run on the plain runtime, but the fault(s) {on} are switched on; "
-            "run the check outside faults.inject(...)"
+            f"the lifecycle check must run on the plain runtime, but the caches built here get the layer "
+            f"class {layer_class.__qualname__} (a use_layer_class block); run the check outside that block"
         )
     if tolerance is not None and not (0 <= tolerance < float("inf")):
         raise RecorderError(
