@@ -7,9 +7,14 @@ import sys
 import types
 
 import pytest
+import torch
 from tiny import FAMILIES, tiny_model
 
+from h2o_lens import H2OConfig
+from h2o_lens.cache import H2OCache
 from h2o_lens.errors import ConfigError, UnsupportedModelError
+from h2o_lens.models import model_info
+from h2o_lens.runtime import check_model, full_kv_bytes
 from h2o_lens.shape import ModelShape, kv_sets, model_shape
 
 
@@ -44,6 +49,34 @@ def test_kv_sets_per_aggregation():
     assert [shape.heads_per_set(g) for g in ("sum", "max", "none")] == [3, 3, 1]
     with pytest.raises(ConfigError, match="unknown gqa mode 'mean'"):
         kv_sets("mean", 12, 4)
+
+
+@pytest.mark.parametrize("gqa", ["sum", "none"])
+def test_the_runtime_reads_the_shape_from_the_one_helper(gqa):
+    """The manifest's model fields, the full-cache size and the cache's KV sets all come from
+    :func:`model_shape`, and the model check refuses the heads it refuses."""
+    model = tiny_model("qwen3", layers=3, q_heads=6, kv_heads=2, head_dim=8).to(torch.bfloat16)
+    shape = model_shape(model.config)
+    info = model_info(model)
+    assert (info["num_layers"], info["num_query_heads"], info["num_kv_heads"], info["head_dim"]) == (3, 6, 2, 8)
+    assert full_kv_bytes(model, 10, batch=2) == 2 * 3 * 2 * 8 * 10 * 2 * 2  # K and V, bf16
+    cache = H2OCache(H2OConfig(heavy=2, recent=2, gqa=gqa), model.config)
+    assert (len(cache.layers), cache.num_query_heads, cache.num_kv_heads) == (3, 6, 2)
+    assert cache.shape == shape and cache.shape.sets(gqa) == (6 if gqa == "none" else 2)
+    check_model(model)
+    model.config.num_key_value_heads = 4
+    with pytest.raises(UnsupportedModelError, match="6 query heads are not a multiple of 4 KV heads"):
+        check_model(model)
+
+
+def test_model_info_leaves_the_shape_null_without_head_counts():
+    text = types.SimpleNamespace(model_type="ssm", num_hidden_layers=2, hidden_size=8)  # no attention heads
+    model = torch.nn.Linear(2, 2)
+    model.config = types.SimpleNamespace(get_text_config=lambda decoder=False: text, _name_or_path="ssm")
+    model.dtype = torch.float32
+    info = model_info(model)
+    assert [info[k] for k in ("num_layers", "num_query_heads", "num_kv_heads", "head_dim")] == [None] * 4
+    assert (info["model_type"], info["num_parameters"]) == ("ssm", 6)
 
 
 def test_the_shape_module_imports_without_torch():
