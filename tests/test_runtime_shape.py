@@ -10,8 +10,9 @@ import pytest
 import torch
 from tiny import FAMILIES, tiny_model
 
-from h2o_lens import H2OConfig
+from h2o_lens import H2OConfig, h2o
 from h2o_lens.cache import H2OCache
+from h2o_lens.config import GQA_MODES
 from h2o_lens.errors import ConfigError, UnsupportedModelError
 from h2o_lens.models import model_info
 from h2o_lens.runtime import check_model, full_kv_bytes
@@ -67,6 +68,43 @@ def test_the_runtime_reads_the_shape_from_the_one_helper(gqa):
     model.config.num_key_value_heads = 4
     with pytest.raises(UnsupportedModelError, match="6 query heads are not a multiple of 4 KV heads"):
         check_model(model)
+
+
+@pytest.mark.parametrize(
+    ("family", "q_heads", "kv_heads"),
+    [("llama", 4, 2), ("qwen2", 4, 2), ("qwen3", 6, 2), ("qwen3", 6, 1), ("llama", 4, 4)],
+    ids=["llama-gqa", "qwen2-gqa", "qwen3-gqa", "qwen3-mqa", "llama-mha"],
+)
+def test_the_helpers_agree_with_the_real_caches(family, q_heads, kv_heads):
+    """What the helpers say is what the caches hold: transformers' own cache has
+    ``model_shape`` layers of ``(batch, kv_heads, tokens, head_dim)`` keys and values, as many
+    bytes as ``full_kv_bytes``, and the H2O cache keeps ``kv_sets`` sets per layer under each
+    aggregation."""
+    model = tiny_model(family, layers=3, q_heads=q_heads, kv_heads=kv_heads, head_dim=8)
+    shape = model_shape(model.config)
+    batch, tokens, budget = 2, 12, 6
+    ids = torch.randint(3, 256, (batch, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=True).cache
+    assert len(full.layers) == shape.layers
+    held = 0
+    for layer in full.layers:
+        assert tuple(layer.keys.shape) == tuple(layer.values.shape) == (batch, kv_heads, tokens, shape.head_dim)
+        held += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+    assert full_kv_bytes(model, tokens, batch=batch) == held
+    for gqa in GQA_MODES:
+        with h2o(model, H2OConfig(heavy=budget // 2, recent=budget // 2, gqa=gqa)) as session:
+            cache = session.new_cache()
+            with torch.no_grad():
+                model(input_ids=ids, cache=cache, use_cache=True)
+        assert len(cache.layers) == shape.layers
+        sets = kv_sets(gqa, shape.q_heads, shape.kv_heads)
+        assert sets == (q_heads if gqa == "none" else kv_heads)
+        for layer in cache.layers:
+            assert tuple(layer.keys.shape) == (batch, sets, budget, shape.head_dim), gqa
+            assert tuple(layer.positions.shape) == (batch, sets, budget), gqa
+            kept = layer.positions[layer.positions >= 0]
+            assert len(kept) == batch * sets * budget  # every set full: the prompt is longer than the budget
 
 
 def test_model_info_leaves_the_shape_null_without_head_counts():
