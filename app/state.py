@@ -113,12 +113,18 @@ def warm(path: str | os.PathLike) -> Root:
 
     The server process (:mod:`app.serve`) calls it in a thread while Streamlit starts; the
     first :func:`connection` of the same root version takes the result (and waits for a
-    warm-up still running instead of scanning the root a second time).
+    warm-up still running instead of scanning the root a second time). The imports are the
+    libraries of the shared page modules (:mod:`app.common`, :mod:`app.data` and
+    :mod:`app.charts`: pandas, the analyses, plotly), not those modules, which import this one.
     """
     with _WARM_LOCK:
         root = Root(str(Path(path).expanduser().resolve()), _version(Path(path).expanduser().resolve()))
         _WARM[root] = recorders.open_runs(root.path, warn=False)
-        from . import charts, common, data  # noqa: F401 - imported once, here, not in the first session
+        import pandas  # noqa: F401 - imported once, here, not in the first session
+
+        import analyses.views  # noqa: F401
+
+        from . import charts  # noqa: F401
     return root
 
 

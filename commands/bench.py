@@ -17,6 +17,7 @@ from h2o_lens import compat
 from h2o_lens.benchtools import Decoder as _Decoder
 from h2o_lens.benchtools import median_time as _median_time
 from h2o_lens.policies import half_split, ratio_slots
+from h2o_lens.shape import model_shape
 
 __all__ = ["bench_decode", "bench_record", "bench_sweep", "bench_explain", "bench_assistant"]
 
@@ -188,11 +189,11 @@ def bench_decode(
     if model is None:
         model, _ = load_model(model_name, progress=False)
     text = model.config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    shape = model_shape(model.config)
     gen = torch.Generator().manual_seed(0)
     print(
-        f"model {type(model).__name__}: {text.num_hidden_layers} layers, {text.num_attention_heads} "
-        f"query heads, {text.num_key_value_heads} KV heads, head_dim {head_dim}; "
+        f"model {type(model).__name__}: {shape.layers} layers, {shape.q_heads} "
+        f"query heads, {shape.kv_heads} KV heads, head_dim {shape.head_dim}; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; H2O keeps {keep:.0%}; "
         f"{steps} steps x {rounds} rounds alternating full / H2O, medians",
         flush=True,
@@ -670,7 +671,7 @@ def bench_sweep(
     from h2o_lens.errors import ConfigError
     from h2o_lens.models import load_model, model_info
     from h2o_lens.packed import packing_available
-    from h2o_lens.tasks.taskfile import resolve_tasks
+    from h2o_lens.tasks.builtins import resolve_tasks
 
     from .grid import plan_grid, run_grid
 

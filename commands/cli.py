@@ -7,6 +7,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .paths import run_dir as _run_dir
+
 __all__ = ["main", "build_parser"]
 
 DEFAULT_PROMPT = (
@@ -136,20 +138,6 @@ def _chat(tok, prompt: str, raw: bool) -> str:
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
     return prompt
-
-
-def _run_dir(run: str, root: str) -> str:
-    """A run given as a folder, or as a run id under ``root``."""
-    if os.path.isdir(run):
-        return run
-    path = os.path.join(root, run)
-    if os.path.isdir(path):
-        return path
-    from h2o_lens.errors import H2OLensError
-
-    raise H2OLensError(
-        f"no run {run!r}: neither a folder nor a run id under {root!r}; list runs with `h2o-lens runs ROOT`"
-    )
 
 
 def _print_replay(summary) -> None:
@@ -427,7 +415,7 @@ def _load(args: argparse.Namespace):
 
 def _resolve(spec: str, args: argparse.Namespace, tokenizer):
     from h2o_lens.errors import ConfigError
-    from h2o_lens.tasks.taskfile import resolve_tasks
+    from h2o_lens.tasks.builtins import resolve_tasks
 
     try:
         return resolve_tasks(spec, seed=args.seed, length=args.length, count=args.count, tokenizer=tokenizer)
@@ -583,7 +571,8 @@ def _number(text: str, kind: type, option: str):
 def cmd_tasks_export(args: argparse.Namespace) -> int:
     """``tasks export SPEC``: a built-in family (or a task file) as a JSONL task file."""
     from h2o_lens.errors import ConfigError
-    from h2o_lens.tasks.taskfile import dumps_tasks, resolve_tasks, write_tasks
+    from h2o_lens.tasks.builtins import resolve_tasks
+    from h2o_lens.tasks.taskfile import dumps_tasks, write_tasks
 
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise ConfigError(f"-o {args.output!r}: its folder does not exist; create it or give another path")

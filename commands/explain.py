@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Any
 
+from .paths import run_dir
+
 __all__ = ["explain_run", "explainable_runs", "cmd_explain", "add_parser", "format_verdicts"]
 
 
@@ -168,8 +170,6 @@ def explainable_runs(root: str) -> list[str]:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .cli import _run_dir
-
     if (args.run is None) == (not args.all):
         raise SystemExit("h2o-lens explain: give a RUN, or --all to explain every failed run under --root")
     options = dict(
@@ -180,7 +180,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         progress=not args.quiet,
     )
     if not args.all:
-        verdicts = explain_run(_run_dir(args.run, args.root), requests=args.request, **options)
+        verdicts = explain_run(run_dir(args.run, args.root), requests=args.request, **options)
         print(format_verdicts(verdicts, args.format))
         sys.stdout.flush()
         return 0

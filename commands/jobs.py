@@ -303,7 +303,8 @@ def sweep(
     hold the model (``model`` is then not needed, only the tokenizer; DESIGN.md §13).
     """
     from h2o_lens.models import load_model, load_tokenizer, model_info
-    from h2o_lens.tasks.taskfile import FileTask, from_builtin, resolve_tasks
+    from h2o_lens.tasks.builtins import resolve_tasks
+    from h2o_lens.tasks.taskfile import FileTask, from_builtin
 
     from .grid import plan_grid, prompt_lengths, run_grid
 

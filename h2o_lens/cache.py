@@ -5,102 +5,38 @@ positions of its ``B`` slots per request and KV set, with a few verbs
 (prefill, decode, reorder). :class:`H2OCache` is the thin transformers
 ``Cache`` container. The attention weights exist only inside the attention
 function (:mod:`h2o_lens.hooks`); ``update`` hands the layer to it through
-the kwargs dict that the attention modules pass on (DESIGN.md §3).
+the kwargs dict that the attention modules pass on (DESIGN.md §3). What the
+layers tell a listener is defined in :mod:`h2o_lens.events`; a verification
+segment (:mod:`h2o_lens.speculative`) works on a layer through
+:class:`~h2o_lens.speculative.SegmentLayer`. :func:`use_layer_class` builds the
+caches of a block with a subclass of the layer (DESIGN.md §15.5).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from . import compat, faults, ops, policy
+from . import compat, ops, policy
 from . import speculative as _speculative
 from .compat import Cache, CacheLayerMixin
 from .config import H2OConfig
 from .errors import ConfigError, UnsupportedModelError
+from .events import CacheListener, DecodeEvent, PrefillEvent
+from .events import decode_stats as decode_stats  # defined in h2o_lens.events, also read from here
+from .shape import model_shape
 
-__all__ = ["H2OCache", "H2OCacheLayer", "CacheListener", "PrefillEvent", "DecodeEvent"]
+__all__ = ["H2OCache", "H2OCacheLayer", "use_layer_class", "current_layer_class"]
 
 POS_DTYPE = torch.int32
 #: per-request state that moves with the batch rows (beam reorder, expansion, selection)
 _ROW_STATE = ("keys", "values", "scores", "history", "positions", "fill", "next_pos", "budget")
-
-
-@dataclass
-class PrefillEvent:
-    """What one layer decided at prefill. Shapes ``(b, Hs, P)`` unless noted.
-
-    ``positions`` original positions (-1 padding), ``scores`` the scores that
-    drove the choice (the policy's ranking values, :func:`h2o_lens.ops.prefill_scores`:
-    column sums for h2o and heavy, the seeded draw for random, zeros for local
-    and sink, the last row's weights for tova, ``window − count`` for scissorhands), ``keep``
-    kept slots, ``eligible`` positions outside each request's recent window and
-    sink, ``step (b,)`` the last prompt position of each request.
-    """
-
-    positions: torch.Tensor
-    scores: torch.Tensor
-    keep: torch.Tensor
-    eligible: torch.Tensor
-    step: torch.Tensor
-
-
-@dataclass
-class DecodeEvent:
-    """What one layer decided at one decode step, in raw form (cheap to emit).
-
-    ``step (b,)`` query positions; ``cand_scores``/``cand_positions``
-    ``(b, Hs, B + 1)`` the candidate set D after the score update (slots, then
-    the new token); ``slot (b, Hs)`` the slot overwritten (``B``: the new token
-    was its own victim); ``evicts (b, Hs)`` whether a position left the cache;
-    ``kept (b, Hs, B)`` the live slot positions after the step (copy it to keep
-    it). :meth:`stats` derives the recorder's facts, batched if wanted.
-    """
-
-    step: torch.Tensor
-    slot: torch.Tensor
-    evicts: torch.Tensor
-    cand_scores: torch.Tensor
-    cand_positions: torch.Tensor
-    kept: torch.Tensor
-
-    def stats(
-        self, recent: torch.Tensor | int, sink: torch.Tensor | int = 0, pinned: torch.Tensor | None = None
-    ) -> policy.StepStats:
-        return decode_stats(
-            self.cand_scores, self.cand_positions, self.slot, self.evicts, self.step, recent, sink, pinned
-        )
-
-
-def decode_stats(
-    cand_scores: torch.Tensor,
-    cand_positions: torch.Tensor,
-    slot: torch.Tensor,
-    evicts: torch.Tensor,
-    step: torch.Tensor,
-    recent: torch.Tensor | int,
-    sink: torch.Tensor | int = 0,
-    pinned: torch.Tensor | None = None,
-) -> policy.StepStats:
-    """:class:`~h2o_lens.policy.StepStats` of decode steps, any leading dims.
-
-    ``cand_* (..., Hs, B + 1)``, ``slot, evicts (..., Hs)``, ``step (...)``;
-    ``recent`` and ``sink`` ints, or per-request tensors broadcastable to ``step``;
-    ``pinned`` the 1-D tensor of positions never eligible (DESIGN.md §2.11), or None.
-    """
-
-    def col(x, n):  # an int, or a tensor with n trailing unit dims
-        return x[(...,) + (None,) * n] if isinstance(x, torch.Tensor) else x
-
-    step_col = step[..., None, None]
-    if pinned is not None:
-        pinned = pinned.to(cand_positions.device, cand_positions.dtype)
-    eligible = policy.eligible_mask(cand_positions, step_col, col(recent, 2), col(sink, 2), pinned=pinned)
-    return policy.step_stats(cand_scores, cand_positions, eligible, slot, evicts, step[..., None], col(recent, 1))
 
 
 @dataclass
@@ -111,14 +47,6 @@ class SharedPrefix:
     key: torch.Tensor
     value: torch.Tensor
     scores: torch.Tensor
-
-
-class CacheListener(Protocol):
-    """Receives eviction events; the recorder and the tests implement it."""
-
-    def on_prefill(self, layer_idx: int, event: PrefillEvent) -> None: ...
-
-    def on_decode(self, layer_idx: int, event: DecodeEvent) -> None: ...
 
 
 class H2OCacheLayer(CacheLayerMixin):
@@ -165,9 +93,10 @@ class H2OCacheLayer(CacheLayerMixin):
                 "kwargs dict, so the H2O attention function cannot reach the cache; this "
                 "architecture is not supported (supported: Llama, Qwen2/3, Mistral, Phi-3 families)"
             )
-        if self.owner.group > 1 and self.owner.config.gqa == "none":
-            key_states = key_states.repeat_interleave(self.owner.group, dim=1)
-            value_states = value_states.repeat_interleave(self.owner.group, dim=1)
+        copies = self.owner.shape.copies(self.owner.config.gqa)  # G under gqa="none", else 1
+        if copies > 1:
+            key_states = key_states.repeat_interleave(copies, dim=1)
+            value_states = value_states.repeat_interleave(copies, dim=1)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.pending = (key_states, value_states)
@@ -197,31 +126,26 @@ class H2OCacheLayer(CacheLayerMixin):
         """Beam search: K, V, scores, positions and counters move together."""
         if self.keys is None:
             return
-        self.end_segment(0)
         idx = beam_idx.to(self.keys.device)
+        self._move_row_state(lambda t: t.index_select(0, idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._move_row_state(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._move_row_state(lambda t: t[indices])
+
+    def _move_row_state(
+        self, move: Callable[[torch.Tensor], torch.Tensor], names: tuple[str, ...] = _ROW_STATE
+    ) -> None:
+        """Apply a row reorder, expansion or selection to every tensor of the row state at once
+        (DESIGN.md §8.1), after confirming an open verification segment."""
+        self.end_segment(0)
         self._groups = self._row_budgets = None
-        # the diagnosis fault moves K and V only: scores and positions stay with the old rows
-        names = ("keys", "values") if faults.active("kv_reorder_without_scores") else _ROW_STATE
         for name in names:
             t = getattr(self, name)
             if t is not None:
-                setattr(self, name, t.index_select(0, idx))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.end_segment(0)
-        self._groups = self._row_budgets = None
-        for name in _ROW_STATE:
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.end_segment(0)
-        self._groups = self._row_budgets = None
-        for name in _ROW_STATE:
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t[indices])
+                setattr(self, name, move(t))
 
     def crop(self, tokens_to_remove: int) -> None:
         """``crop(-r)``: take back the last ``r`` tokens of the open verification segment
@@ -235,6 +159,42 @@ class H2OCacheLayer(CacheLayerMixin):
                 "not supported"
             )
         self.end_segment(removed)
+
+    # -- what a verification segment uses (speculative.SegmentLayer) ---------------
+    @property
+    def segment_mode(self) -> str:
+        """How a verification segment is taken back: ``rollback`` or ``defer`` (DESIGN.md §14)."""
+        return self.owner.speculative
+
+    @property
+    def listener(self) -> CacheListener | None:
+        return self.owner.listener
+
+    def one_budget(self) -> ops.PolicyArgs | None:
+        """The budget of every row, or None when the rows' budgets differ."""
+        budgets = self.owner.budgets
+        return budgets[0] if len(budgets) == 1 else None
+
+    def stage(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Stage new K/V ``(b, Hs, n, d)`` for the next step, as :meth:`update` does (no count)."""
+        self.pending = (key, value)
+
+    def load_state(self, state: Mapping[str, torch.Tensor | None], *, copy: bool = False) -> None:
+        """Set fields of the row state (:data:`_ROW_STATE`) from ``state``: each is rebound, or with
+        ``copy`` copied into the live tensor where both exist (the per-request counters ``fill``
+        and ``next_pos`` are always rebound: a decode event holds the old ones)."""
+        for name, value in state.items():
+            if name not in _ROW_STATE:
+                raise KeyError(f"{name!r} is not row state of an H2O cache layer; expected one of {_ROW_STATE}")
+            cur = getattr(self, name)
+            if copy and value is not None and cur is not None and name not in ("fill", "next_pos"):
+                cur.copy_(value)
+            else:
+                setattr(self, name, value)
+
+    def rewind(self, tokens: int) -> None:
+        """Take the last ``tokens`` columns back from the columns seen (a crop, DESIGN.md §14)."""
+        self.seen -= tokens
 
     # -- H2O verbs ---------------------------------------------------------------
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,7 +240,7 @@ class H2OCacheLayer(CacheLayerMixin):
                 query, key, value, valid, scaling, gqa, chunk=owner.prefill_chunk, lse=lse
             )
             if owner.prompt_capture is not None:  # kept for the next configuration (DESIGN.md §12.5)
-                repeat = owner.group if gqa == "none" else 1  # K/V repeated per query head by update()
+                repeat = owner.shape.copies(gqa)  # K/V repeated per query head by update() under gqa="none"
                 owner.prompt_capture(self.layer_idx, query, key, value, scores, valid, scaling, repeat, lse.get("lse"))
             if owner.prompt_sink is not None:
                 self._hand_on_prompt(query, key, value, scores, valid)
@@ -312,7 +272,7 @@ class H2OCacheLayer(CacheLayerMixin):
         of a replay's prompt forward: the row-by-row CPU path with the replay's row blocks."""
         owner = self.owner
         if owner.prefill_chunk >= ops.COLUMN_ROWS and ops.prefill_rowwise(query, valid):
-            step = owner.group if owner.config.gqa == "none" else 1  # the K/V were repeated per query head
+            step = owner.shape.copies(owner.config.gqa)  # the K/V were repeated per query head
             owner.prompt_sink(self.layer_idx, key[:, ::step], value[:, ::step], scores, valid)
 
     def _keep_prompt(self, query, key, value, valid, scores, rows) -> None:
@@ -339,7 +299,7 @@ class H2OCacheLayer(CacheLayerMixin):
         history = torch.zeros(b, hs, p, dtype=torch.int64, device=key.device) if spec.history else None
         keep = torch.empty(b, hs, p, dtype=torch.bool, device=key.device)
         eligible = torch.empty_like(keep)
-        heads = owner.group if gqa != "none" else 1
+        heads = owner.shape.heads_per_set(gqa)
         for group_rows, args in self.groups():
             sel = slice(None) if group_rows is None else group_rows
             drive[sel], hist = ops.prefill_scores(
@@ -429,16 +389,20 @@ class H2OCacheLayer(CacheLayerMixin):
         contrib = policy.aggregate_group(w, gqa, 2).sum(-2)  # (b, Hs, P0 + S): the suffix rows' share
         scores = torch.empty(b, hs, p0 + s_len, dtype=acc, device=key.device)
         scores[:, :, p0:] = contrib[:, :, p0:]
-        broken = faults.active("prefix_without_copy")
         base = shared.scores[0]  # (Hs, P0), read-only
         for r in range(b):
-            mine = base if broken else base.clone()  # the request's own copy (the fault writes in place)
+            mine = self._own_prefix_scores(base)
             mine += contrib[r, :, :p0]
             scores[r, :, :p0] = mine
         self._keep_prompt(
             query, key, value, valid_all, scores if self.owner.config.spec.prefill == "columns" else None, None
         )
         return out
+
+    def _own_prefix_scores(self, shared: torch.Tensor) -> torch.Tensor:
+        """A request's own copy of the shared prefix's column sums ``(Hs, P0)``, into which its
+        suffix's share is added: the copy of copy-on-write (DESIGN.md §15.4)."""
+        return shared.clone()
 
     def decode(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """One decode step; returns the attention output ``(b, 1, Hq, d)``.
@@ -667,6 +631,9 @@ class H2OCache(Cache):
     speculative : str
         How a verification segment is taken back: ``rollback`` (default) or
         ``defer`` (DESIGN.md §14).
+    layer_class : type, optional
+        The class of the layers, a subclass of :class:`H2OCacheLayer` (DESIGN.md §15.5);
+        default the class in effect (:func:`use_layer_class`), :class:`H2OCacheLayer` outside one.
     """
 
     def __init__(
@@ -676,20 +643,18 @@ class H2OCache(Cache):
         listener: CacheListener | None = None,
         prefill_chunk: int = 512,
         speculative: str = "rollback",
+        layer_class: type[H2OCacheLayer] | None = None,
     ):
         if not config.spec.evicts:
             raise ConfigError(
                 f"policy {config.policy!r} uses transformers' own cache; H2OCache needs an evicting policy"
             )
-        text = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
-        n_layers = text.num_hidden_layers
-        hq = text.num_attention_heads
-        hkv = getattr(text, "num_key_value_heads", None) or hq
-        if hq % hkv:
-            raise UnsupportedModelError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+        layer_class = current_layer_class() if layer_class is None else _layer_class(layer_class)
         self.config = config
-        self.group = hq // hkv
-        self.num_query_heads, self.num_kv_heads = hq, hkv
+        #: layers, query and KV heads of the model (:func:`h2o_lens.shape.model_shape`)
+        self.shape = model_shape(model_config)
+        self.group = self.shape.group
+        self.num_query_heads, self.num_kv_heads = self.shape.q_heads, self.shape.kv_heads
         self.listener = listener
         self.prefill_chunk = prefill_chunk
         self.speculative = _speculative.check_mode(speculative)
@@ -715,7 +680,7 @@ class H2OCache(Cache):
         self.prompt_capture: Callable[..., None] | None = None
         #: the prefill was another configuration's prompt forward, reused (DESIGN.md §12.5)
         self.prompt_reused = False
-        super().__init__(layers=[H2OCacheLayer(self, i) for i in range(n_layers)])
+        super().__init__(layers=[layer_class(self, i) for i in range(self.shape.layers)])
 
     @property
     def args(self) -> ops.PolicyArgs:
@@ -930,3 +895,37 @@ class H2OCache(Cache):
             a, m = layer.nbytes()
             kv, meta = kv + a, meta + m
         return {"kv": kv, "metadata": meta}
+
+
+# -- the layer class of new caches (DESIGN.md §15.5) --------------------------------------------
+
+_LAYER_CLASS: contextvars.ContextVar[type[H2OCacheLayer]] = contextvars.ContextVar(
+    "h2o_lens_layer_class", default=H2OCacheLayer
+)
+
+
+def _layer_class(cls: Any) -> type[H2OCacheLayer]:
+    if not (isinstance(cls, type) and issubclass(cls, H2OCacheLayer)):
+        raise ConfigError(f"layer_class must be H2OCacheLayer or a subclass of it, got {cls!r}")
+    return cls
+
+
+def current_layer_class() -> type[H2OCacheLayer]:
+    """The layer class a new :class:`H2OCache` gets: :class:`H2OCacheLayer` outside a
+    :func:`use_layer_class` block."""
+    return _LAYER_CLASS.get()
+
+
+@contextlib.contextmanager
+def use_layer_class(cls: type[H2OCacheLayer]) -> Iterator[None]:
+    """Build the H2O caches made inside the block with layers of class ``cls``, a subclass of
+    :class:`H2OCacheLayer`, also those the runtime makes itself (:func:`h2o_lens.h2o`, the
+    recorder). The choice holds for the block, in its thread or task only (a context
+    variable), and is undone on exit, exceptions included. The tests build the runtime's
+    known state bugs this way (DESIGN.md §15.5); a cache that exists already keeps its layers.
+    """
+    token = _LAYER_CLASS.set(_layer_class(cls))
+    try:
+        yield
+    finally:
+        _LAYER_CLASS.reset(token)

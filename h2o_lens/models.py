@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import compat
-from .errors import DefaultModelMissingError, H2OLensError, ImplementationError
+from .errors import DefaultModelMissingError, H2OLensError, ImplementationError, UnsupportedModelError
+from .shape import model_shape
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -213,25 +214,26 @@ def model_info(model: PreTrainedModel) -> dict[str, Any]:
         ``name`` (as given to :func:`load_model`, else the config's name or
         path), ``path`` (where the weights were read), ``architecture`` (model
         class), ``model_type``, ``num_layers``, ``num_query_heads``,
-        ``num_kv_heads``, ``head_dim``, ``dtype`` (e.g. ``"float32"``) and
+        ``num_kv_heads``, ``head_dim`` (:func:`h2o_lens.shape.model_shape`; null
+        for a config without decoder head counts), ``dtype`` (e.g. ``"float32"``) and
         ``num_parameters``. Plain JSON values.
     """
     config = model.config
     text = config.get_text_config(decoder=True)
     path = getattr(config, "_name_or_path", "") or None
-    heads = getattr(text, "num_attention_heads", None)
-    head_dim = getattr(text, "head_dim", None)
-    if head_dim is None and heads:
-        head_dim = text.hidden_size // heads
+    try:
+        shape = model_shape(config)
+    except UnsupportedModelError:  # no decoder head counts the runtime could use: the fields are null
+        shape = None
     return {
         "name": getattr(model, _NAME_ATTR, None) or path,
         "path": path,
         "architecture": type(model).__name__,
         "model_type": getattr(text, "model_type", None) or getattr(config, "model_type", None),
-        "num_layers": getattr(text, "num_hidden_layers", None),
-        "num_query_heads": heads,
-        "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
-        "head_dim": head_dim,
+        "num_layers": shape.layers if shape else None,
+        "num_query_heads": shape.q_heads if shape else None,
+        "num_kv_heads": shape.kv_heads if shape else None,
+        "head_dim": shape.head_dim if shape else None,
         "dtype": str(model.dtype).removeprefix("torch."),
         "num_parameters": int(sum(p.numel() for p in model.parameters())),
     }

@@ -18,8 +18,9 @@ that prefill would compute from the same inputs.
 A prompt forward is reused only where that holds: the same token ids, padding mask and
 position ids; the same model dtype, prefill row block, backend (the torch prefill; the Triton
 one is not kept) and attention implementation; the same aggregation, or any from the CPU flash
-path with ``any_gqa``; a fresh H2O cache whose first forward is the prompt alone; no
-diagnosis fault on. Anything else runs its own prefill. The model's weights must not change
+path with ``any_gqa``; a fresh H2O cache of the plain layer class whose first forward is the
+prompt alone (a cache built with another layer class, :func:`h2o_lens.cache.use_layer_class`, may
+prefill its own way). Anything else runs its own prefill. The model's weights must not change
 inside the scope.
 """
 
@@ -35,8 +36,8 @@ from typing import Any
 
 import torch
 
-from . import compat, faults, ops
-from .cache import H2OCache
+from . import compat, ops
+from .cache import H2OCache, H2OCacheLayer
 
 __all__ = ["PromptReuse", "reuse_prompts"]
 
@@ -82,16 +83,17 @@ class _Prompt:
     logits: torch.Tensor
     output_type: type
 
-    def columns(self, gqa: str, group: int, chunk: int) -> bool:
+    def columns(self, gqa: str, copies: int, chunk: int) -> bool:
         """Make sure every layer has its column sums under ``gqa`` (computed from the kept queries
-        and log-sum-exps when missing); False when they cannot be had."""
+        and log-sum-exps when missing); False when they cannot be had. ``copies``: the KV sets
+        per KV head under ``gqa`` (:meth:`h2o_lens.shape.ModelShape.copies`)."""
         if all(gqa in layer.cols for layer in self.layers):
             return True
         if any(layer.query is None or layer.lse is None for layer in self.layers):
             return False
         for layer in self.layers:
             if gqa not in layer.cols:
-                key = layer.key.repeat_interleave(group, 1) if gqa == "none" and group > 1 else layer.key
+                key = layer.key.repeat_interleave(copies, 1) if copies > 1 else layer.key
                 cols = ops.prefill_columns(layer.query, key, layer.lse, layer.valid, layer.scaling, gqa, chunk)
                 if cols is None:
                     return False
@@ -182,8 +184,8 @@ class PromptReuse:
             return None
         if cache.prompt_width is not None and cache.prompt_width != ids.shape[1]:
             return None  # assisted decoding's first forward: prompt and draft
-        if any(faults.active(name) for name in faults.KNOWN):
-            return None
+        if any(type(layer) is not H2OCacheLayer for layer in cache.layers):
+            return None  # another layer class may prefill its own way: only the plain one's is kept
         mask = kwargs.get("attention_mask")
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
             return None
@@ -205,7 +207,7 @@ class PromptReuse:
         for key in ((identity, gqa), (identity, "*")):
             kept = self._store.get(key)
             if kept is not None and len(kept.layers) == len(cache.layers):
-                if kept.columns(gqa, cache.group, cache.prefill_chunk):
+                if kept.columns(gqa, cache.shape.copies(gqa), cache.prefill_chunk):
                     self._store.move_to_end(key)
                     return kept
         return None
@@ -221,10 +223,11 @@ class PromptReuse:
         kept = self._find(identity, cache)
         if kept is not None:
             self.hits += 1
+            copies = cache.shape.copies(gqa)  # the K/V repeated per query head under gqa="none"
             for cache_layer, layer in zip(cache.layers, kept.layers):
                 key, value = layer.key, layer.value
-                if gqa == "none" and cache.group > 1:
-                    key, value = key.repeat_interleave(cache.group, 1), value.repeat_interleave(cache.group, 1)
+                if copies > 1:
+                    key, value = key.repeat_interleave(copies, 1), value.repeat_interleave(copies, 1)
                 cache_layer.adopt_prompt(layer.rows, key, value, layer.cols[gqa], layer.valid, layer.scaling)
             cache.prompt_reused = True
             heard = getattr(cache.prompt_sink, "on_reused_head", None)

@@ -29,6 +29,7 @@ from .config import H2OConfig
 from .errors import ConfigError, UnsupportedModelError
 from .models import planned_positions, warn_past_context
 from .packed import packed_linears
+from .shape import model_shape
 from .speculative import check_mode
 
 __all__ = ["h2o", "H2OSession", "check_model", "full_kv_bytes", "STATE_FORMAT", "STATE_VERSION", "model_identity"]
@@ -66,18 +67,17 @@ def check_model(model: Any) -> None:
             f"{type(model).__name__} has layers of type {odd}; H2O Lens supports models whose "
             "layers all use full attention"
         )
-    if not hasattr(text, "num_attention_heads") or not hasattr(text, "num_hidden_layers"):
-        raise UnsupportedModelError(f"{type(model).__name__}'s config has no attention head counts")
+    model_shape(config)  # raises UnsupportedModelError without head counts, or for heads that do not divide
 
 
 def full_kv_bytes(model: Any, tokens: int, batch: int = 1, dtype: torch.dtype | None = None) -> int:
     """Bytes of a full KV cache of ``tokens`` positions (K and V, all layers)."""
-    text = model.config.get_text_config(decoder=True)
-    hkv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    d = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    shape = model_shape(model.config)
+    if shape.head_dim is None:
+        raise UnsupportedModelError(f"{type(model).__name__}'s config gives neither head_dim nor hidden_size")
     dtype = dtype or next(model.parameters()).dtype
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * text.num_hidden_layers * hkv * d * tokens * batch * elem
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch * elem
 
 
 def model_identity(model: Any) -> dict[str, Any]:

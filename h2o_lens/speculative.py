@@ -18,21 +18,25 @@ so the cache is in the state after the last accepted token. Two modes:
     are ever scored or evict.
 
 The layer calls :func:`begin`, :func:`step` and :func:`end`; the listener hears
-one :class:`SegmentEvent` per layer when a segment ends.
+one :class:`~h2o_lens.events.SegmentEvent` per layer when a segment ends. The segment
+reaches the layer through :class:`SegmentLayer` only, and picks each victim with
+:func:`h2o_lens.policy.select_victim`, the decode step's own rule.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from . import faults, ops, policy
+from . import ops, policy
 from .errors import ConfigError, UnsupportedModelError
+from .events import CacheListener, DecodeEvent, SegmentEvent
 
-__all__ = ["MODES", "SegmentEvent", "Segment", "check_mode", "begin", "step", "end", "batched", "run_batched"]
+__all__ = ["MODES", "SegmentLayer", "Segment", "check_mode", "begin", "step", "end", "batched", "run_batched"]
 
 MODES = ("rollback", "defer")
 
@@ -47,26 +51,55 @@ def check_mode(mode: Any) -> str:
     return mode
 
 
-@dataclass
-class SegmentEvent:
-    """One layer's verification segment, when it ends (DESIGN.md §14).
+@runtime_checkable
+class SegmentLayer(Protocol):
+    """What a verification segment reads and calls on a cache layer;
+    :class:`h2o_lens.cache.H2OCacheLayer` implements it.
 
-    ``step (b,)`` the query position of the segment's first token; ``proposed`` the
-    tokens of the verification forward; ``accepted`` those kept (the first
-    ``accepted``); ``undone`` the decode events of the rest, newest last (in
-    ``rollback`` mode they were emitted and applied, then undone; in ``defer`` mode
-    they were computed on the working copy only and never emitted); ``mode``.
+    The segment reads the slot storage and the per-request counters, writes the victims'
+    K/V, positions and ranking values into the storage tensors in place, and changes the
+    layer's fields only through :meth:`stage`, :meth:`decode_once`, :meth:`load_state` and
+    :meth:`rewind`. Shapes: ``b`` rows, ``Hs`` KV sets, ``B`` slots, head size ``d``.
     """
 
-    step: torch.Tensor
-    proposed: int
-    accepted: int
-    undone: list
-    mode: str
+    layer_idx: int
+    keys: torch.Tensor  # (b, Hs, B, d)
+    values: torch.Tensor  # (b, Hs, B, d)
+    scores: torch.Tensor  # (b, Hs, B) the policy's ranking values
+    positions: torch.Tensor  # (b, Hs, B) original positions, -1 empty
+    history: torch.Tensor | None  # (b, Hs, B), for a policy that keeps one
+    fill: torch.Tensor | None  # (b,) used slots, None once all are full
+    next_pos: torch.Tensor  # (b,) position of the next token
 
     @property
-    def rolled_back(self) -> int:
-        return self.proposed - self.accepted
+    def segment_mode(self) -> str:
+        """``rollback`` or ``defer`` (:data:`MODES`)."""
+        ...
+
+    @property
+    def listener(self) -> CacheListener | None: ...
+
+    def one_budget(self) -> ops.PolicyArgs | None:
+        """The budget of every row, or None when the rows' budgets differ."""
+        ...
+
+    def stage(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Stage the next step's new K/V ``(b, Hs, 1, d)``, as ``update`` does."""
+        ...
+
+    def decode_once(
+        self, query: torch.Tensor, scaling: float, *, journal: bool = False, emit: bool = True
+    ) -> tuple[torch.Tensor, ops.DecodeResult, DecodeEvent | None]:
+        """One decode step of the staged token (:meth:`h2o_lens.cache.H2OCacheLayer.decode_once`)."""
+        ...
+
+    def load_state(self, state: Mapping[str, torch.Tensor | None], *, copy: bool = False) -> None:
+        """Set row-state fields by name (``copy``: into the live slot tensors)."""
+        ...
+
+    def rewind(self, tokens: int) -> None:
+        """Take the last ``tokens`` columns back from the count of columns seen."""
+        ...
 
 
 @dataclass
@@ -99,22 +132,27 @@ def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.clone()
 
 
-def begin(layer: Any, scaling: float, at_once: bool = False) -> Segment:
+def _state(layer: SegmentLayer, names: tuple[str, ...]) -> dict[str, torch.Tensor | None]:
+    return {name: getattr(layer, name) for name in names}
+
+
+def begin(layer: SegmentLayer, scaling: float, at_once: bool = False) -> Segment:
     """Open a segment on ``layer``; in ``defer`` mode its steps run on a working copy (not
     needed when the segment is verified ``at_once``, :func:`run_batched`)."""
-    seg = Segment(layer.owner.speculative, layer.next_pos.clone(), scaling)
+    seg = Segment(layer.segment_mode, layer.next_pos.clone(), scaling)
     if seg.mode == "defer" and not at_once:
-        seg.live = {name: getattr(layer, name) for name in _SLOTS + ("fill", "next_pos")}
-        for name in _SLOTS:
-            setattr(layer, name, _clone(getattr(layer, name)))
+        seg.live = _state(layer, _SLOTS + ("fill", "next_pos"))
+        layer.load_state({name: _clone(seg.live[name]) for name in _SLOTS})
     return seg
 
 
-def step(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def step(
+    layer: SegmentLayer, seg: Segment, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> torch.Tensor:
     """One token of the segment as a plain decode step; returns its attention output ``(b, 1, Hq, d)``."""
-    layer.pending = (key, value)
+    layer.stage(key, value)
     if seg.mode == "rollback":
-        entry = _Entry({name: _clone(getattr(layer, name)) for name in _META})
+        entry = _Entry({name: _clone(t) for name, t in _state(layer, _META).items()})
         out, res, event = layer.decode_once(query, seg.scaling, journal=True, emit=True)
         entry.slot, entry.old_key, entry.old_value = res.slot, res.old_key, res.old_value
         seg.entries.append(entry)
@@ -125,7 +163,7 @@ def step(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor, value
     return out
 
 
-def end(layer: Any, seg: Segment, rolled_back: int) -> SegmentEvent:
+def end(layer: SegmentLayer, seg: Segment, rolled_back: int) -> SegmentEvent:
     """Close ``seg`` keeping all but its last ``rolled_back`` steps; the cache is then
     in the state after the last accepted token (DESIGN.md §14)."""
     if not 0 <= rolled_back <= seg.steps:
@@ -140,50 +178,36 @@ def end(layer: Any, seg: Segment, rolled_back: int) -> SegmentEvent:
         for entry in reversed(seg.entries[accepted:]):
             _undo(layer, entry)
     else:
-        keep_scores = layer.scores
-        for name, value in seg.live.items():
-            setattr(layer, name, value)
-        if faults.active("scores_not_rolled_back") and rolled_back:
-            layer.scores = keep_scores  # the broken variant: the working copy's scores stay
+        layer.load_state(seg.live)
         for query, key, value in seg.inputs[:accepted]:
-            layer.pending = (key, value)
+            layer.stage(key, value)
             layer.decode_once(query, seg.scaling, journal=False, emit=True)
-    layer.seen -= rolled_back
+    layer.rewind(rolled_back)
     return SegmentEvent(seg.start, seg.steps, accepted, seg.events[accepted:], seg.mode)
 
 
-def _end_batched(layer: Any, seg: Segment, rolled_back: int) -> SegmentEvent:
+def _end_batched(layer: SegmentLayer, seg: Segment, rolled_back: int) -> SegmentEvent:
     batch = seg.batch
     accepted = batch.steps - rolled_back
-    broken = faults.active("scores_not_rolled_back") and rolled_back  # the rejected steps' scores stay
-    if batch.applied != accepted or broken:
-        _apply(layer, batch, accepted, batch.steps if broken else None)
-    listener = layer.owner.listener
+    if batch.applied != accepted:
+        _apply(layer, batch, accepted)
+    listener = layer.listener
     if seg.mode == "defer" and listener is not None:
         for event in seg.events[:accepted]:
             listener.on_decode(layer.layer_idx, event)
-    layer.seen -= rolled_back
+    layer.rewind(rolled_back)
     return SegmentEvent(seg.start, batch.steps, accepted, seg.events[accepted:], seg.mode)
 
 
-def _undo(layer: Any, entry: _Entry) -> None:
+def _undo(layer: SegmentLayer, entry: _Entry) -> None:
     """Restore the state before one step: metadata by copy, the victim slot's K/V by scatter."""
     cap = layer.keys.shape[2]
     slot = entry.slot
     idx = slot.clamp(max=cap - 1)[..., None, None].expand(*slot.shape, 1, layer.keys.shape[-1])
     written = (slot < cap)[..., None]  # (b, Hs, 1): the step overwrote a slot
-    for name, old in (("keys", entry.old_key), ("values", entry.old_value)):
-        t = getattr(layer, name)
+    for t, old in ((layer.keys, entry.old_key), (layer.values, entry.old_value)):
         t.scatter_(2, idx, torch.where(written, old, t.gather(2, idx)[:, :, 0])[:, :, None])
-    for name in _META:
-        old = entry.meta[name]
-        if name == "scores" and faults.active("scores_not_rolled_back"):
-            continue  # the broken variant: the rejected queries' attention stays in the scores
-        cur = getattr(layer, name)
-        if old is None or cur is None or name in ("fill", "next_pos"):
-            setattr(layer, name, old)
-        else:
-            cur.copy_(old)
+    layer.load_state(entry.meta, copy=True)
 
 
 # -- the whole segment in one computation (DESIGN.md §14.1) -------------------------------------
@@ -236,19 +260,20 @@ class _Batch:
         return torch.where(self.writer < t, self.start + self.writer, self.pos0).to(self.dtype)
 
 
-def batched(layer: Any, m: int) -> bool:
+def batched(layer: SegmentLayer, m: int) -> bool:
     """Whether a segment of ``m`` tokens on ``layer`` can be verified at once (:func:`run_batched`):
     on CPU, one budget, a full cache, a policy whose score is the running sum of weights
     (``Policy.accumulates``, no history) and a recent window of at least ``m`` (so no token of
     the segment can be a victim while it lasts). Otherwise the segment runs step by step."""
-    owner = layer.owner
-    if m < 2 or len(owner.budgets) != 1 or layer.fill is not None or layer.history is not None:
+    if m < 2 or layer.fill is not None or layer.history is not None:
         return False
-    args = owner.budgets[0]
-    return args.spec.accumulates and args.recent >= m and layer.keys.device.type == "cpu"
+    args = layer.one_budget()
+    return args is not None and args.spec.accumulates and args.recent >= m and layer.keys.device.type == "cpu"
 
 
-def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def run_batched(
+    layer: SegmentLayer, seg: Segment, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> torch.Tensor:
     """The ``m`` decode steps of a segment in one computation, equal bit for bit to the steps
     one by one (DESIGN.md §14.1). Returns the outputs ``(b, m, Hq, d)``.
 
@@ -262,7 +287,7 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
     """
     b, hs, cap, d = layer.keys.shape
     m = query.shape[2]
-    args = layer.owner.budgets[0]
+    args = layer.one_budget()
     start = layer.next_pos  # (b,)
     qg = query.reshape(b, hs, -1, m, d).transpose(2, 3) * seg.scaling  # (b,Hs,m,G,d)
     sc0 = layer.scores.numpy()
@@ -275,7 +300,7 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
     # (b,Hs,m,B) initial slots eligible at step i (before any write)
     elig = policy.eligible_mask(pos0[:, :, None], steps, args.recent, args.sink, all_live=True, pinned=pins).numpy()
     logits = _all_logits(qg, layer.keys, key)  # (b,Hs,m,G,B+m): every row against every key
-    guess = _first_guess(sc0, elig, _rough_totals(logits, cap, layer.scores, args.gqa))
+    guess = _first_guess(elig, _rough_totals(logits, cap, layer.scores, args.gqa), pos0)
     acc = layer.scores.dtype
     out = layer.scores.new_empty(qg.shape)  # in the scores' dtype, as the step's
     agg = layer.scores.new_empty(b, hs, m, cap + 1)
@@ -294,15 +319,14 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
         np.cumsum(totals, axis=2, out=totals)  # in place, in order: the steps' sums
         before = writer[:, :, None, :] < ar_m[:, None]  # (b,Hs,m,B) written before step i
         cand = elig & ~before
-        s = np.where(cand, totals[:, :, 1:], np.finfo(sc0.dtype).max)
-        tied = s == s.min(-1, keepdims=True)
-        # a tie among candidates (unwritten slots) goes to the older position; with no candidate
-        # at all every slot ties, written ones too, as in the step
+        # the step's own choice: a tie among candidates (unwritten slots) goes to the older
+        # position; with no candidate at all every slot ties, written ones too, as in the step
         pos = pos0_np[:, :, None]
         found = cand.any(-1)  # (b,Hs,m) step i had a candidate
         if not found.all():
             pos = np.where(before, start_np + writer[:, :, None], pos)
-        victims = np.where(tied, pos, np.iinfo(np.int64).max).argmin(-1)  # (b,Hs,m)
+        sums = torch.from_numpy(totals[:, :, 1:])  # (b,Hs,m,B) each step's ranking values
+        victims = policy.select_victim(sums, torch.from_numpy(pos), torch.from_numpy(cand))[0].numpy()  # (b,Hs,m)
         wrong = (victims != guess).reshape(-1, m).any(0)
         if not wrong.any():
             break
@@ -332,7 +356,7 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
         rounds,
     )
     seg.batch = batch
-    listener = layer.owner.listener
+    listener = layer.listener
     if listener is not None:
         new_pos = start[:, None, None].expand(b, hs, 1).to(pos0.dtype)
         kept = [batch.positions(t) for t in range(m + 1)]
@@ -355,9 +379,7 @@ def run_batched(layer: Any, seg: Segment, query: torch.Tensor, key: torch.Tensor
     return out.to(query.dtype)
 
 
-def _decode_event(step, slot, evicts, cand_scores, cand_positions, kept):
-    from .cache import DecodeEvent
-
+def _decode_event(step, slot, evicts, cand_scores, cand_positions, kept) -> DecodeEvent:
     return DecodeEvent(
         step=step, slot=slot, evicts=evicts, cand_scores=cand_scores, cand_positions=cand_positions, kept=kept
     )
@@ -394,18 +416,19 @@ def _rough_totals(logits, cap: int, scores, gqa: str) -> np.ndarray:
 _FAST_ROWS: dict[tuple, bool] = {}
 
 
-def _first_guess(sc0: np.ndarray, elig: np.ndarray, rough: np.ndarray) -> np.ndarray:
-    """Victims ``(b, Hs, m)`` chosen step by step from the rough ranking values (a tie goes to
-    the lower slot: only a guess)."""
+def _first_guess(elig: np.ndarray, rough: np.ndarray, positions: torch.Tensor) -> np.ndarray:
+    """Victims ``(b, Hs, m)`` chosen step by step from the rough ranking values ``(b, Hs, m, B)``
+    by the step's rule (:func:`~h2o_lens.policy.select_victim`), a slot taken by an earlier step
+    no longer a candidate: only a guess. ``positions (b, Hs, B)`` the slots' before the segment."""
     b, hs, m, cap = elig.shape
-    big = np.finfo(sc0.dtype).max
-    s = np.where(elig, rough, big).reshape(b * hs, m, cap)
-    guess = np.empty((b * hs, m), dtype=np.int64)
-    rows = np.arange(b * hs)
+    ok = torch.from_numpy(elig.copy())  # (b,Hs,m,B) candidates, less the slots taken so far
+    scores = torch.from_numpy(rough)
+    guess = torch.empty(b, hs, m, dtype=torch.int64)
     for i in range(m):
-        v = guess[:, i] = s[:, i].argmin(-1)
-        s[rows, i + 1 :, v] = big  # taken: not a candidate of the later steps
-    return guess.reshape(b, hs, m)
+        v, _ = policy.select_victim(scores[:, :, i], positions, ok[:, :, i])  # (b,Hs)
+        guess[:, :, i] = v
+        ok[:, :, i + 1 :].scatter_(-1, v[:, :, None, None].expand(b, hs, m - i - 1, 1), False)
+    return guess.numpy()
 
 
 def _writers(victims: np.ndarray, cap: int) -> np.ndarray:
@@ -472,7 +495,7 @@ def _slot_runs(agg: np.ndarray, victims: np.ndarray, dtype) -> np.ndarray:
     return np.cumsum(seq, axis=3, dtype=dtype)
 
 
-def _apply(layer: Any, batch: _Batch, t: int, scores_of: int | None = None) -> None:
+def _apply(layer: SegmentLayer, batch: _Batch, t: int) -> None:
     """Make the live storage state ``t`` of ``batch``: the victims of steps before ``t`` hold
     their tokens, the others their old K/V (a copy, DESIGN.md §14.1). Only the slots of the
     steps between the applied state and ``t`` are written (the victims are distinct)."""
@@ -485,6 +508,6 @@ def _apply(layer: Any, batch: _Batch, t: int, scores_of: int | None = None) -> N
         layer.keys.scatter_(2, idx, (batch.key if forward else batch.old_key)[:, :, lo:hi])
         layer.values.scatter_(2, idx, (batch.value if forward else batch.old_value)[:, :, lo:hi])
         layer.positions.scatter_(2, vic, (batch.new_pos if forward else batch.old_pos)[:, :, lo:hi])
-    batch.scores(t if scores_of is None else scores_of, out=layer.scores)
-    layer.next_pos = layer.next_pos + (t - a)
+    batch.scores(t, out=layer.scores)
+    layer.load_state({"next_pos": layer.next_pos + (t - a)})
     batch.applied = t

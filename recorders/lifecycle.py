@@ -49,6 +49,7 @@ import torch
 
 from h2o_lens import compat
 from h2o_lens.config import H2OConfig
+from h2o_lens.shape import model_shape
 
 from .errors import RecorderError
 from .eviction_steps import NEVER, evict_steps
@@ -253,16 +254,17 @@ def check_lifecycle(
     Raises
     ------
     RecorderError
-        The run has no tokens, its model does not match the checking model's shape, or
-        ``tolerance`` is negative or not finite.
+        The run has no tokens, its model does not match the checking model's shape,
+        ``tolerance`` is negative or not finite, or the call is inside a
+        :func:`h2o_lens.cache.use_layer_class` block (the re-run must use the plain layers).
     """
-    from h2o_lens import faults
+    from h2o_lens.cache import H2OCacheLayer, current_layer_class
 
-    on = [name for name in faults.KNOWN if faults.active(name)]
-    if on:
+    layer_class = current_layer_class()  # what the re-run's caches would be built with
+    if layer_class is not H2OCacheLayer:
         raise RecorderError(
-            f"the lifecycle check must run on the plain runtime, but the fault(s) {on} are switched on; "
-            "run the check outside faults.inject(...)"
+            f"the lifecycle check must run on the plain runtime, but the caches built here get the layer "
+            f"class {layer_class.__qualname__} (a use_layer_class block); run the check outside that block"
         )
     if tolerance is not None and not (0 <= tolerance < float("inf")):
         raise RecorderError(
@@ -278,17 +280,16 @@ def check_lifecycle(
     if not len(req_col):
         raise RecorderError(f"{run_dir}: the run has no tokens table; nothing to check")
     model = _model_for(manifest, model, progress)
-    text = model.config.get_text_config(decoder=True)
-    layers, hq = text.num_hidden_layers, text.num_attention_heads
-    hkv = getattr(text, "num_key_value_heads", None) or hq
+    shape = model_shape(model.config)
+    layers, hkv = shape.layers, shape.kv_heads
     info = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
     if info.get("num_layers") not in (None, layers) or info.get("num_kv_heads") not in (None, hkv):
         raise RecorderError(
             f"{run_dir}: the run's model has {info.get('num_layers')} layers and {info.get('num_kv_heads')} "
             f"KV heads, the checking model {layers} and {hkv}; pass the model the run used"
         )
-    gqa_none = (manifest.get("config") or {}).get("gqa") == "none"
-    sets = hq if gqa_none else hkv
+    gqa = (manifest.get("config") or {}).get("gqa") or H2OConfig.gqa
+    gqa_none, sets = gqa == "none", shape.sets(gqa)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     run_dtype = _DTYPES.get(str(info.get("dtype")), dtype)
     coarse = max((dtype, run_dtype), key=lambda d: torch.finfo(d).eps)

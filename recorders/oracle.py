@@ -41,6 +41,7 @@ from h2o_lens.config import H2OConfig
 from h2o_lens.hooks import attention_implementation
 from h2o_lens.oracle import TeacherTable, remaining_attention, schedule, teacher_rows, teacher_scores
 from h2o_lens.policies.oracle import ORACLE
+from h2o_lens.shape import model_shape
 
 from .errors import RecorderError
 from .store import load_run
@@ -181,12 +182,10 @@ class OracleTeacher:
             raise RecorderError(
                 f"{full_run_dir}: request {request} generated no token, so there is no answer to judge the oracle on"
             )
-        text = model.config.get_text_config(decoder=True)
-        hq = text.num_attention_heads
-        hkv = getattr(text, "num_key_value_heads", None) or hq
-        self._state = _State(gqa, hq // hkv if gqa == "none" else 1, chunk)
-        self._layers = text.num_hidden_layers
-        self._sets = hq if gqa == "none" else hkv  # KV sets of the run
+        shape = model_shape(model.config)
+        self._state = _State(gqa, shape.copies(gqa), chunk)
+        self._layers = shape.layers
+        self._sets = shape.sets(gqa)  # KV sets of the run
         self.forwards = 0
         self._checks: dict[int, OracleCheck] = {}
         self._teacher_pass()

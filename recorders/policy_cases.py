@@ -40,6 +40,7 @@ from h2o_lens import policies
 from h2o_lens.config import H2OConfig
 from h2o_lens.errors import ImplementationError
 from h2o_lens.runtime import H2OSession
+from h2o_lens.shape import kv_sets
 from h2o_lens.tasks.attention_cases import PolicyCase
 
 from .eviction_steps import evict_steps
@@ -90,7 +91,7 @@ def _run_cache(case: PolicyCase, config: H2OConfig, rec: Recording | None) -> _T
     """Prefill and decode the case through the runtime's cache (one-hot keys, scaling 1)."""
     n, p = case.n, case.prompt_len
     layers, hkv = case.layers, case.kv_heads
-    sets = case.q_heads if config.gqa == "none" else hkv
+    sets = kv_sets(config.gqa, case.q_heads, hkv)
     shape = SimpleNamespace(num_hidden_layers=layers, num_attention_heads=case.q_heads, num_key_value_heads=hkv)
     tap = _Tap(rec, layers, sets, n + 1)
     session = H2OSession(SimpleNamespace(config=shape), config, listener=tap)
@@ -135,7 +136,7 @@ def case_kept_sets(case: PolicyCase, config: H2OConfig) -> dict[int, np.ndarray]
         is the KV heads, or the query heads with ``gqa="none"``.
     """
     if not policies.get(config.policy).evicts:
-        sets = case.q_heads if config.gqa == "none" else case.kv_heads
+        sets = kv_sets(config.gqa, case.q_heads, case.kv_heads)
         out = {}
         for t in range(case.prompt_len, case.n + 1):
             d = np.zeros((case.layers, sets, case.n + 1), bool)
@@ -203,7 +204,7 @@ def write_policy_case(
     t0 = time.perf_counter()
     n, p = case.n, case.prompt_len
     gqa_none = gqa == "none"
-    sets = case.q_heads if gqa_none else case.kv_heads
+    sets = kv_sets(config.gqa, case.q_heads, case.kv_heads)
     model = {
         "name": f"synthetic/{case.name}",
         "layers": case.layers,

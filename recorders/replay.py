@@ -64,10 +64,12 @@ import torch
 from transformers import DynamicCache
 
 from h2o_lens import compat
+from h2o_lens.config import H2OConfig
 from h2o_lens.hooks import attention_implementation
 from h2o_lens.kernels import replay_masked_torch, replay_teacher_torch, resolve_backend
 from h2o_lens.kernels.replay import TEACHER_TILE_ROWS
 from h2o_lens.ops import prefill_attention
+from h2o_lens.shape import ModelShape, model_shape
 
 from .errors import RecorderError
 from .eviction_steps import evict_steps
@@ -287,23 +289,10 @@ class _Run:
     requests: list[int]
     batches: list[dict] = field(default_factory=list)  # the manifest's prefill_batches
 
-
-@dataclass
-class _Shape:
-    """The model's attention shape and the run's KV sets."""
-
-    layers: int
-    hq: int
-    hkv: int
-    gqa_none: bool
-
     @property
-    def sets(self) -> int:
-        return self.hq if self.gqa_none else self.hkv
-
-    @property
-    def group(self) -> int:
-        return self.hq // self.hkv
+    def gqa(self) -> str:
+        """The run's aggregation (the configuration's default when the manifest has none)."""
+        return self.config.get("gqa") or H2OConfig.gqa
 
 
 class _Rows:
@@ -358,7 +347,7 @@ def _load(run_dir: Path) -> _Run:
     return _Run(run.run_id, run.manifest, config, tokens, ev, logits, requests, batches)
 
 
-def _model_for(run: _Run, model: Any, progress: bool) -> tuple[Any, _Shape]:
+def _model_for(run: _Run, model: Any, progress: bool) -> tuple[Any, ModelShape]:
     """The replay model (loaded from the manifest's model name when not given) and its shape."""
     if model is None:
         from h2o_lens.models import load_model
@@ -366,19 +355,16 @@ def _model_for(run: _Run, model: Any, progress: bool) -> tuple[Any, _Shape]:
         info = run.manifest.get("model") or {}
         name = info.get("name") if isinstance(info, dict) else info
         model, _ = load_model(name, progress=progress)
-    text = model.config.get_text_config(decoder=True)
-    hq = text.num_attention_heads
-    hkv = getattr(text, "num_key_value_heads", None) or hq
-    return model, _Shape(text.num_hidden_layers, hq, hkv, run.config.get("gqa") == "none")
+    return model, model_shape(model.config)
 
 
-def _new_state(run: _Run, shape: _Shape, chunk: int, backend: str) -> _State:
+def _new_state(run: _Run, shape: ModelShape, chunk: int, backend: str) -> _State:
     state = _State()
     state.chunk = chunk
     state.backend = backend
     resolve_backend(backend, "cpu" if backend != "triton" else "cuda")  # reject unknown names early
-    state.sets_per_kv = shape.group if shape.gqa_none else 1
-    state.agg = "max" if run.config.get("gqa") == "max" else "sum"
+    state.sets_per_kv = shape.copies(run.gqa)
+    state.agg = "max" if run.gqa == "max" else "sum"
     return state
 
 
@@ -485,9 +471,9 @@ def _check_implementation(
         )
 
 
-def _replay_rows(rows: _Rows, request: int, steps: np.ndarray, state: _State, shape: _Shape) -> None:
+def _replay_rows(rows: _Rows, request: int, steps: np.ndarray, state: _State, shape: ModelShape) -> None:
     """Dropped mass per step, layer and query head."""
-    hq, t = shape.hq, len(steps)
+    hq, t = shape.q_heads, len(steps)
     for layer in range(shape.layers):
         dm = np.zeros((hq, t), np.float32)  # step p-1 (the prompt's last row) drops nothing
         if t > 1:
@@ -541,7 +527,7 @@ def _batch_passes(model, run: _Run, state: _State, entry: dict) -> dict[int, Pro
 
 
 def _replay_request(
-    model, run: _Run, shape: _Shape, state: _State, rows: _Rows, request: int, bar, prompt_pass=None
+    model, run: _Run, shape: ModelShape, state: _State, rows: _Rows, request: int, bar, prompt_pass=None
 ) -> bool:
     """Both forwards of one request and its rows; whether it started from ``prompt_pass``."""
     ids, p, n = _request_tokens(run, request)
@@ -549,8 +535,10 @@ def _replay_request(
         return False
     for per_layer in (state.dropped, state.prompt_cols, state.before, state.after):
         per_layer.clear()
-    state.evict = _request_evict_steps(run.ev, request, shape.layers, shape.sets, n, shape.gqa_none)
-    if prompt_pass is not None and not prompt_pass.fits(tuple(ids[:p].tolist()), shape.layers, shape.hkv, model.dtype):
+    gqa_none = run.gqa == "none"
+    state.evict = _request_evict_steps(run.ev, request, shape.layers, shape.sets(run.gqa), n, gqa_none)
+    prompt = tuple(ids[:p].tolist())
+    if prompt_pass is not None and not prompt_pass.fits(prompt, shape.layers, shape.kv_heads, model.dtype):
         prompt_pass = None  # not this request's prompt: forward it
     # a key evicted at step t is hidden from rows after t only; the last row fed is step n - 1
     lost_nothing = all(bool((ev >= n - 1).all()) for ev in state.evict.values())
@@ -558,7 +546,7 @@ def _replay_request(
     steps = _step_rows(rows, request, ids, p, teacher, masked)
     # implementation check against the logits the run itself produced
     _check_implementation(rows, run.logits, request, p, masked)
-    _oracle_rows(rows.oracle, run.ev, request, p, n, shape.layers, state, shape.gqa_none, shape.group)
+    _oracle_rows(rows.oracle, run.ev, request, p, n, shape.layers, state, gqa_none, shape.group)
     _replay_rows(rows, request, steps, state, shape)
     return prompt_pass is not None
 
@@ -676,7 +664,7 @@ def replay(
             if _replay_request(model, run, shape, state, rows, request, bar, passed):
                 setattr(rows, source, getattr(rows, source) + 1)
     bar.close()
-    _write_tables(run_dir, run, rows, shape.gqa_none)
+    _write_tables(run_dir, run, rows, run.gqa == "none")
     summary = _summarize(run, model, rows, tolerance, time.perf_counter() - t0)
     _update_manifest(run_dir, summary, state.backend)
     return summary

@@ -1,7 +1,8 @@
 """Fixtures shared by the test modules; shared helpers live in plain modules beside them
 (``tiny``: tiny random models, ``runtime_utils``: kept sets of a run against the reference,
-``logsim``: the numpy H2O simulator that writes runs, ``app_runs``: the dashboard's runs root),
-so no test module imports another."""
+``faulty``: the runtime's known state bugs as a cache layer subclass, ``logsim``: the numpy H2O
+simulator that writes runs, ``app_runs``: the dashboard's runs root), so no test module imports
+another."""
 
 from __future__ import annotations
 

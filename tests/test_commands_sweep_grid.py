@@ -133,7 +133,7 @@ def test_a_batched_sweep_equals_the_same_requests_one_at_a_time(tiny_dir, task_f
     from commands.grid import make_batches
     from commands.jobs import sweep
     from h2o_lens.models import load_model
-    from h2o_lens.tasks.taskfile import resolve_tasks
+    from h2o_lens.tasks.builtins import resolve_tasks
 
     model, tok = load_model(tiny_dir, dtype=torch.float64, progress=False)
     tasks = resolve_tasks(str(task_file))
@@ -290,7 +290,7 @@ def test_a_sigkilled_sweep_resumes_where_it_stopped(tiny_dir, task_file, tmp_pat
 def test_a_cell_locked_by_another_sweep_is_left_to_it_and_a_failed_cell_is_redone(tiny_dir, task_file, tmp_path):
     from commands.grid import LOCK_DIR, _flock, cell_state, grid_status, plan_grid, run_grid
     from h2o_lens.models import load_model
-    from h2o_lens.tasks.taskfile import resolve_tasks
+    from h2o_lens.tasks.builtins import resolve_tasks
 
     model, tok = load_model(tiny_dir, progress=False)
     tasks = resolve_tasks(str(task_file))
@@ -320,7 +320,7 @@ def test_sweep_status_shows_a_failed_cell_with_its_error(tiny_dir, task_file, tm
     from commands.grid import grid_status, plan_grid, write_plan
     from h2o_lens.errors import ConfigError
     from h2o_lens.models import load_model
-    from h2o_lens.tasks.taskfile import resolve_tasks
+    from h2o_lens.tasks.builtins import resolve_tasks
     from recorders.manifest import write_manifest
 
     _, tok = load_model(tiny_dir, progress=False)
@@ -406,7 +406,7 @@ def test_a_sweeps_replay_starts_each_request_from_its_recordings_prompt_pass(tin
     (DESIGN.md §6.1); the full-cache cell has no H2O prefill to take it from and forwards its prompts."""
     from commands.jobs import sweep
     from h2o_lens.models import load_model
-    from h2o_lens.tasks.taskfile import resolve_tasks
+    from h2o_lens.tasks.builtins import resolve_tasks
 
     model, tok = load_model(tiny_dir, dtype=torch.float32, progress=False)
     tasks = resolve_tasks(str(task_file))
@@ -436,7 +436,7 @@ def test_a_sweep_shows_each_cells_tokens_and_replay_and_leaves_no_bar(tiny_dir, 
     as they go, then clears both bars; the runs are those of a sweep without bars."""
     from commands.grid import plan_grid, run_grid
     from h2o_lens.models import load_model
-    from h2o_lens.tasks.taskfile import resolve_tasks
+    from h2o_lens.tasks.builtins import resolve_tasks
 
     model, tok = load_model(tiny_dir, dtype=torch.float64, progress=False)
     tasks = resolve_tasks(str(task_file))
@@ -461,7 +461,7 @@ def test_a_sweep_past_the_context_window_says_so_once(tiny_dir, task_file, tmp_p
     from commands.grid import encode
     from commands.jobs import sweep
     from h2o_lens.models import ContextWarning, load_model
-    from h2o_lens.tasks.taskfile import resolve_tasks
+    from h2o_lens.tasks.builtins import resolve_tasks
 
     model, tok = load_model(tiny_dir, dtype=torch.float64, progress=False)
     tasks = resolve_tasks(str(task_file))
@@ -488,7 +488,7 @@ def test_the_cells_of_a_batch_share_one_prompt_forward_and_record_what_they_woul
 
     from commands.grid import plan_grid, run_grid
     from h2o_lens.models import load_model
-    from h2o_lens.tasks.taskfile import resolve_tasks
+    from h2o_lens.tasks.builtins import resolve_tasks
     from recorders.segments import list_segments
 
     model, tok = load_model(tiny_dir, dtype=torch.float32, progress=False)

@@ -93,7 +93,7 @@ def test_a_ray_sweep_writes_the_same_runs_as_the_in_process_one(ray_cluster, tin
     from commands.jobs import sweep
     from commands.ray_sweep import RayOptions, RaySweep
     from h2o_lens.models import load_model
-    from h2o_lens.tasks.taskfile import resolve_tasks
+    from h2o_lens.tasks.builtins import resolve_tasks
 
     task_file = _task_file(tmp_path / "tasks.jsonl", REQUESTS)
     model, tok = load_model(tiny_dir, dtype=torch.float64, progress=False)
@@ -247,7 +247,7 @@ def test_bench_sweep_on_ray_prints_both_executors_the_ratio_and_the_overhead(ray
 
 def test_a_cell_whose_worker_was_lost_is_left_failed_with_the_error(tmp_path):
     from commands.grid import LOCK_DIR, _flock, cell_state, fail_cell, grid_status, plan_grid, write_plan
-    from h2o_lens.tasks.taskfile import resolve_tasks
+    from h2o_lens.tasks.builtins import resolve_tasks
     from recorders.manifest import process_identity, read_manifest, write_manifest
 
     tasks = resolve_tasks(str(_task_file(tmp_path / "tasks.jsonl", REQUESTS)))
@@ -272,7 +272,7 @@ def test_a_free_worker_gets_the_next_cell_of_its_batch_else_a_batch_nobody_runs(
     """Batch affinity (DESIGN.md §13): the cells of a batch go to the worker that holds its prompt forward."""
     from commands.grid import plan_grid
     from commands.ray_sweep import _next_cell
-    from h2o_lens.tasks.taskfile import resolve_tasks
+    from h2o_lens.tasks.builtins import resolve_tasks
 
     tasks = resolve_tasks("builtin:full", count=6)
     grid = plan_grid(

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from commands.cli import main
-from h2o_lens.tasks.builtins import FAMILIES
-from h2o_lens.tasks.taskfile import load_tasks, resolve_tasks
+from h2o_lens.tasks.builtins import FAMILIES, resolve_tasks
+from h2o_lens.tasks.taskfile import load_tasks
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from faulty import inject
 from tiny import left_padded, tiny_model
 
 import h2o_lens
 import recorders
-from h2o_lens import H2OConfig, faults
+from h2o_lens import H2OConfig
 from h2o_lens.prompt_reuse import PromptReuse, reuse_prompts
 
 STATE = ("keys", "values", "scores", "positions", "history", "fill", "next_pos", "budget")
@@ -133,7 +134,7 @@ def test_a_prompt_forward_is_reused_only_for_the_same_inputs_and_aggregation():
             got = _generate(model, *args)
             assert scope.misses == before + 1 and scope.hits == 0 and got[2] == 9, what
             _assert_same(own[what], got, what)
-        with faults.inject("prefix_without_copy"):  # a diagnosis fault: nothing is reused
+        with inject("prefix_without_copy"):  # another layer class (a diagnosis fault): nothing is reused
             _generate(model, H2OConfig(policy="local", heavy=0, recent=8), ids, mask)
         assert scope.hits == 0
         reused = _generate(model, H2OConfig(policy="local", heavy=0, recent=8), ids, mask)

@@ -3,23 +3,25 @@
 A verification forward is processed as plain decode steps and a rejected draft is
 taken back exactly: the tokens and every layer's and KV set's kept sets equal plain
 greedy decoding under H2O (the FP64 reference on the accepted sequence), in both
-modes, with an assistant that is mostly wrong; the injected fault breaks that.
+modes, with an assistant that is mostly wrong; the injected fault (tests/faulty.py) breaks that.
 """
 
 from __future__ import annotations
 
+import sys
 import types
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
+from faulty import faulty_layer, inject
 from runtime_utils import KeptRecorder, assert_same_sets, capture_qk, reference_sets
 from tiny import local_attention, tiny_model
 
 import h2o_lens
-from h2o_lens import H2OConfig, faults, policies
-from h2o_lens.cache import H2OCache
+from h2o_lens import H2OConfig, policies
+from h2o_lens.cache import H2OCache, H2OCacheLayer
 from h2o_lens.errors import ConfigError, UnsupportedModelError
 
 HEAVY, RECENT, NEW, PROMPT = 6, 2, 30, 12
@@ -107,7 +109,7 @@ def test_fault_scores_not_rolled_back_changes_kept_sets(mode):
     ids = _prompt()
     plain, plain_rec, _, _ = _plain(model, ids)
     rec = SegmentKept()
-    with faults.inject("scores_not_rolled_back"):
+    with inject("scores_not_rolled_back"):
         with h2o_lens.h2o(model, heavy=HEAVY, recent=RECENT, listener=rec, speculative=mode):
             _generate(model, ids, assistant_model=_model("llama", seed=7))
     differs = [rec.kept[layer] != plain_rec.kept[layer] for layer in range(2)]
@@ -117,9 +119,9 @@ def test_fault_scores_not_rolled_back_changes_kept_sets(mode):
 # -- the cache alone: a segment then crop equals the accepted steps, bit for bit ------------------
 
 
-def _cache(config, mode, hq=4, hkv=2, layers=1):
+def _cache(config, mode, hq=4, hkv=2, layers=1, layer_class=None):
     text = types.SimpleNamespace(num_hidden_layers=layers, num_attention_heads=hq, num_key_value_heads=hkv)
-    return H2OCache(config, text, speculative=mode)
+    return H2OCache(config, text, speculative=mode, layer_class=layer_class)
 
 
 def _prefill(layer, q, k, v, valid=None):
@@ -183,17 +185,49 @@ def test_fault_leaves_the_scores_of_a_rolled_back_segment():
     config = H2OConfig(heavy=4, recent=2)
     states = []
     for broken in (False, True):
-        cache = _cache(config, "rollback")
+        cache = _cache(config, "rollback", layer_class=faulty_layer("scores_not_rolled_back") if broken else None)
         layer = cache.layers[0]
         _prefill(layer, q[:, :, :10], k[:, :, :10], v[:, :, :10])
         before = layer.scores.clone()
         layer.update(k[:, :, 10:], v[:, :, 10:], kwargs={})
         layer.decode_segment(q[:, :, 10:], 0.25)
-        with faults.inject(*(["scores_not_rolled_back"] if broken else [])):
-            cache.crop(-4)
+        cache.crop(-4)
         states.append(layer.scores)
     assert torch.equal(states[0], before)
     assert not torch.equal(states[1], before)
+
+
+class _Watched(H2OCacheLayer):
+    """Notes every field of the layer that code of h2o_lens/speculative.py assigns directly."""
+
+    by_segment: list[str] = []
+
+    def __setattr__(self, name, value):
+        if Path(sys._getframe(1).f_code.co_filename).name == "speculative.py":
+            self.by_segment.append(name)
+        super().__setattr__(name, value)
+
+
+@pytest.mark.parametrize("mode", ["rollback", "defer"])
+@pytest.mark.parametrize("recent", [2, 6], ids=["step-by-step", "at-once"])
+def test_the_segment_changes_the_layer_only_through_its_interface(mode, recent):
+    """The layer is a :class:`~h2o_lens.speculative.SegmentLayer`, and a segment and its crop
+    (step by step, or at once) set none of its fields: they go through its verbs."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 4, 16, 8) * 2, torch.randn(1, 2, 16, 8) * 2, torch.randn(1, 2, 16, 8)
+    _Watched.by_segment = []
+    cache = _cache(H2OConfig(heavy=4, recent=recent), mode, layer_class=_Watched)
+    layer = cache.layers[0]
+    assert isinstance(layer, h2o_lens.speculative.SegmentLayer)
+    _prefill(layer, q[:, :, :10], k[:, :, :10], v[:, :, :10])
+    for lo, hi, back in ((10, 14, 2), (12, 16, 0)):
+        layer.update(k[:, :, lo:hi], v[:, :, lo:hi], kwargs={})
+        layer.decode_segment(q[:, :, lo:hi], 0.25)
+        assert (layer.segment.batch is not None) == (recent == 6)
+        cache.crop(-back)
+    assert _Watched.by_segment == []
+    with pytest.raises(KeyError, match="not row state"):
+        layer.load_state({"seen": 3})
 
 
 def test_crop_errors_say_what_can_be_taken_back():
@@ -339,7 +373,7 @@ def test_lifecycle_check_passes_speculative_runs_and_catches_the_fault(tmp_path,
     model = _model("llama")
     drafter = _model("llama", seed=7)
     good, _ = _recorded(model, tmp_path, "good", mode, assistant_model=drafter)
-    with faults.inject("scores_not_rolled_back"):
+    with inject("scores_not_rolled_back"):
         bad, _ = _recorded(model, tmp_path, "bad", mode, assistant_model=drafter)
     assert check_lifecycle(tmp_path / "good", model, tolerance=0.0).ok
     result = check_lifecycle(tmp_path / "bad", model)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from faulty import inject
 from runtime_utils import KeptRecorder
 from tiny import tiny_model
 
 import recorders
-from h2o_lens import H2OConfig, faults, h2o
+from h2o_lens import H2OConfig, h2o
 from h2o_lens.errors import ConfigError
 from recorders import read_manifest
 from recorders.lifecycle import check_lifecycle
@@ -165,18 +168,19 @@ def test_cancel_frees_the_rows_and_leaves_the_others_byte_identical(tmp_path, fa
 # -- beam reorder and its fault -------------------------------------------------------------------
 
 
+def _faulty(fault: str | None):
+    """The caches of the block have the known bug ``fault`` (tests/faulty.py), or none."""
+    return inject(fault) if fault else contextlib.nullcontext()
+
+
 def _record_reordered(model, out, fault: str | None):
     """Generate, swap the two rows as a beam step would, continue: the log must follow the rows."""
     ids, mask = _batch()
-    with recorders.record(model, H2OConfig(heavy=4, recent=3), out=out, fsync=False) as run:
+    with _faulty(fault), recorders.record(model, H2OConfig(heavy=4, recent=3), out=out, fsync=False) as run:
         part = _generate(model, ids, mask, 4, None)
         cache = run.session.last_cache
         order = [1, 0]
-        if fault:
-            with faults.inject(fault):
-                cache.reorder_cache(torch.tensor(order))
-        else:
-            cache.reorder_cache(torch.tensor(order))
+        cache.reorder_cache(torch.tensor(order))
         assert cache.request_ids == [1, 0]
         rest = _generate(model, part[order], _extend(mask, part)[order], 6, cache)
     return run, rest
@@ -214,12 +218,8 @@ SHARED_CFG = H2OConfig(heavy=6, recent=2)  # the prefill evicts prefix and suffi
 
 
 def _record_shared(model, cfg, out, fault: str | None, new=6):
-    with recorders.record(model, cfg, out=out, fsync=False) as run:
-        if fault:
-            with faults.inject(fault):
-                cache, ids, mask, logits = run.session.prefill_shared(PREFIX, SUFFIXES)
-        else:
-            cache, ids, mask, logits = run.session.prefill_shared(PREFIX, SUFFIXES)
+    with _faulty(fault), recorders.record(model, cfg, out=out, fsync=False) as run:
+        cache, ids, mask, logits = run.session.prefill_shared(PREFIX, SUFFIXES)
         first = logits.argmax(-1, keepdim=True)
         seq = torch.cat([ids, first], 1)
         out_ids = _generate(model, seq, _extend(mask, seq), new - 1, cache)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from h2o_lens.tasks.builtins import FAMILIES
+from h2o_lens.tasks.builtins import FAMILIES, resolve_tasks
 from h2o_lens.tasks.taskfile import (
     FileTask,
     TaskFileError,
@@ -16,7 +16,6 @@ from h2o_lens.tasks.taskfile import (
     from_builtin,
     load_tasks,
     parse_task,
-    resolve_tasks,
     write_tasks,
 )
 

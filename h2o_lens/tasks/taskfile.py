@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, H2OLensError
 from .real import check_answer
 from .taskcheck import DEFAULT_MAX_NEW_TOKENS, FIELDS, ROLES, Answer, TaskFileError, check_line, json_type
 
@@ -44,7 +43,6 @@ __all__ = [
     "load_tasks",
     "dumps_tasks",
     "write_tasks",
-    "resolve_tasks",
     "from_builtin",
     "summarise_tasks",
 ]
@@ -387,34 +385,6 @@ def write_tasks(tasks: Sequence[FileTask], path: str | os.PathLike[str]) -> Path
         if tmp.exists():
             tmp.unlink()
     return target
-
-
-def resolve_tasks(
-    spec: str, *, seed: int = 0, length: int | None = None, count: int | None = None, tokenizer: Any = None
-) -> list[FileTask]:
-    """``builtin:NAME`` (a family of :mod:`h2o_lens.tasks.builtins`) or the path of a task file.
-
-    Raises :class:`ConfigError` (a :class:`TaskFileError` for a bad file) for an unknown
-    family, a ``count`` below 1 or a ``length`` given with a task file.
-    """
-    if count is not None and count < 1:
-        raise ConfigError(f"count must be at least 1, got {count}")
-    if spec.startswith("builtin:"):
-        from .builtins import family
-
-        try:
-            return family(spec.removeprefix("builtin:"))(seed=seed, length=length, count=count, tokenizer=tokenizer)
-        except H2OLensError:
-            raise
-        except ValueError as exc:  # an unknown family, a length it does not take
-            raise ConfigError(str(exc)) from None
-    if length is not None:
-        raise ConfigError(
-            f"length {length} applies to the built-in families (builtin:NAME); the prompts of task file "
-            f"{spec!r} are used as written"
-        )
-    tasks = load_tasks(spec)
-    return tasks[:count] if count is not None else tasks
 
 
 def _answer_form(a: Answer) -> str:
