@@ -49,6 +49,7 @@ def root(tmp_path_factory):
     return root, made
 
 
+@pytest.mark.slow
 def test_report_has_a_why_section_with_the_counterfactual_table(root):
     root, made = root
     run = made["delayed_reference"].parent_run

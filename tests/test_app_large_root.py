@@ -19,6 +19,7 @@ def _app(root: Path, monkeypatch: pytest.MonkeyPatch, **params: str):
     return at.run()
 
 
+@pytest.mark.slow
 def test_runs_page_lists_every_run_of_a_large_root(large_root, monkeypatch):
     at = _app(large_root, monkeypatch)
     assert not at.exception, [e.value for e in at.exception]

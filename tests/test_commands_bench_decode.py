@@ -53,6 +53,7 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_bench_decode_cli_measures_prefill_peak_rss_in_fresh_processes(tiny_dir, capsys):
     argv = ["bench", "decode", "--model", str(tiny_dir), "--contexts", "48", "--batch", "1", "2"]
     assert main([*argv, "--steps", "2", "--rounds", "1"]) == 0
@@ -78,6 +79,7 @@ def test_bench_assistant_refuses_bad_input_before_loading_a_model(flag):
         main(["bench", "decode", "--assistant", "--model", "unused", *flag])
 
 
+@pytest.mark.slow
 def test_bench_assistant_prints_both_speed_ups_and_the_acceptance(capsys):
     """``bench decode --assistant`` on a tiny model: four ways, the forwards each speculative way
     needed, whether H2O's tokens are the full cache's, and the ratio (no timing asserted)."""

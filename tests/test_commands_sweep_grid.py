@@ -129,6 +129,7 @@ def _per_request(root: Path) -> dict[str, set]:
     return out
 
 
+@pytest.mark.slow
 def test_a_batched_sweep_equals_the_same_requests_one_at_a_time(tiny_dir, task_file, tmp_path):
     from commands.grid import make_batches
     from commands.jobs import sweep
@@ -192,6 +193,7 @@ def _cells_done(root: Path) -> list[str]:
     return done
 
 
+@pytest.mark.slow
 def test_a_sigkilled_sweep_resumes_where_it_stopped(tiny_dir, task_file, tmp_path):
     root = tmp_path / "grid"
     args = [
@@ -287,6 +289,7 @@ def test_a_sigkilled_sweep_resumes_where_it_stopped(tiny_dir, task_file, tmp_pat
     assert "2 grids on this root" in status.stdout and "heavy" in status.stdout
 
 
+@pytest.mark.slow
 def test_a_cell_locked_by_another_sweep_is_left_to_it_and_a_failed_cell_is_redone(tiny_dir, task_file, tmp_path):
     from commands.grid import LOCK_DIR, _flock, cell_state, grid_status, plan_grid, run_grid
     from h2o_lens.models import load_model
@@ -367,6 +370,7 @@ def test_sweep_status_shows_a_failed_cell_with_its_error(tiny_dir, task_file, tm
         (["--tasks", "builtin:nope"], "unknown built-in family"),
     ],
 )
+@pytest.mark.slow
 def test_sweep_refuses_bad_input_before_loading_a_model(argv, message, tmp_path):
     res = _cli("sweep", "--out", str(tmp_path / "out"), *argv, timeout=120)
     assert res.returncode == 2, res.stderr
@@ -401,6 +405,7 @@ def test_tasks_option_takes_a_spec_or_the_earlier_count(task_file):
         _task_source("2", 3, "builtin:demo")
 
 
+@pytest.mark.slow
 def test_a_sweeps_replay_starts_each_request_from_its_recordings_prompt_pass(tiny_dir, task_file, tmp_path):
     """Every request of an evicting cell is replayed from the prompt pass its recording handed on
     (DESIGN.md §6.1); the full-cache cell has no H2O prefill to take it from and forwards its prompts."""
@@ -431,6 +436,7 @@ def test_a_sweeps_replay_starts_each_request_from_its_recordings_prompt_pass(tin
     assert all(handed == 0 for handed, _ in seen["full"]), seen
 
 
+@pytest.mark.slow
 def test_a_sweep_shows_each_cells_tokens_and_replay_and_leaves_no_bar(tiny_dir, task_file, tmp_path, capfd):
     """A long-context cell takes minutes: the sweep shows its new tokens and its replay forwards
     as they go, then clears both bars; the runs are those of a sweep without bars."""
@@ -481,6 +487,7 @@ def test_a_sweep_past_the_context_window_says_so_once(tiny_dir, task_file, tmp_p
     assert "context window" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_cells_of_a_batch_share_one_prompt_forward_and_record_what_they_would_alone(tiny_dir, task_file, tmp_path):
     """One prompt forward per batch and aggregation serves every configuration (DESIGN.md §12.5):
     every table of every cell, replay included, is the same as when each cell forwards its prompts."""
@@ -515,6 +522,7 @@ def test_the_cells_of_a_batch_share_one_prompt_forward_and_record_what_they_woul
             assert manifest["replay"]["prompts_from_run"] == len(cell.requests), cell.label
 
 
+@pytest.mark.slow
 def test_bench_sweep_prints_both_modes_and_with_sharing_the_prompt_forwards_shared(
     tiny_dir, task_file, capsys, monkeypatch
 ):

@@ -65,6 +65,7 @@ def test_missing_wheels_folder_says_how_to_fill_it(tmp_path):
     assert "no wheels folder" in res.stderr and "make gpu-wheels" in res.stderr
 
 
+@pytest.mark.slow
 def test_without_cuda_it_stops_before_installing(tmp_path):
     import torch
 

@@ -137,6 +137,7 @@ def test_ratio_budgets_follow_beam_rows():
     assert held[:2].max() <= 4 and held[2:].max() <= 12 and layer.keys.shape[2] == 12
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["random", "local", "sink", "heavy"])
 def test_baseline_alone_equals_batched(policy):
     """Every baseline, random included, keeps the same sets for a request alone and in a batch."""

@@ -86,6 +86,7 @@ def _verdict(root, ex):
     return v
 
 
+@pytest.mark.slow
 def test_delayed_reference_is_scoring_and_pinning_brings_the_answer_back(cases_root):
     root, made = cases_root
     v = _verdict(root, made["delayed_reference"])
@@ -95,6 +96,7 @@ def test_delayed_reference_is_scoring_and_pinning_brings_the_answer_back(cases_r
     assert set(v.decided_by) >= {v.runs["full"], v.runs["pinned"]}
 
 
+@pytest.mark.slow
 def test_hotspot_switch_is_scoring_with_stale_heavy_hitters(cases_root):
     root, made = cases_root
     v = _verdict(root, made["hotspot_switch"])
@@ -162,6 +164,7 @@ def _tree_digest(path):
     return h.hexdigest()
 
 
+@pytest.mark.slow
 def test_a_crashing_counterfactual_leaves_the_parent_untouched_and_is_named(tmp_path, monkeypatch):
     model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
     tok = CharTokenizer()

@@ -49,6 +49,7 @@ def _assert_teacher_forced_equal(model, tmp_path, run_dir, requests):
         assert np.array_equal(_evictions(run_dir, r), _evictions(again.run_dir, r)), f"request {r}"
 
 
+@pytest.mark.slow
 def test_inferred_attention_mask_keeps_padding_out_of_the_prompt(tmp_path):
     """Left-padded input_ids without attention_mask: generate infers the mask from pad_token_id."""
     model = tiny_model("llama")
@@ -80,6 +81,7 @@ def test_inferred_attention_mask_keeps_padding_out_of_the_prompt(tmp_path):
     assert summary.implementation_ok and summary.max_logit_diff < 1e-4
 
 
+@pytest.mark.slow
 def test_num_return_sequences_logs_one_request_per_sample(tmp_path):
     model = tiny_model("qwen3")
     seqs = [_ids(14, 3), _ids(10, 4)]
@@ -120,6 +122,7 @@ def test_num_return_sequences_logs_one_request_per_sample(tmp_path):
     _assert_teacher_forced_equal(model, tmp_path, run.run_dir, 8)
 
 
+@pytest.mark.slow
 def test_a_request_ends_at_its_eos(tmp_path):
     model = tiny_model("llama")
     seqs = [_ids(12, 5), _ids(16, 6)]
@@ -199,6 +202,7 @@ def _half_model(dtype):
     return model.to(dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_replay_passes_a_correct_run_and_catches_a_corrupted_log(tmp_path, dtype):
     model = _half_model(dtype)

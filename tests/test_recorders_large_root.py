@@ -230,6 +230,7 @@ def test_sweep_curve_points_of_many_runs_match_each_run_alone(large_root):
     assert points["kept_share"].between(0, 1).all()
 
 
+@pytest.mark.slow
 def test_bench_runs_prints_its_timings_on_a_small_root(tmp_path, capsys):
     root = tmp_path / "runs"
     assert main(["bench", "runs", "--runs", "4", "--root", str(root), "--no-browser"]) == 0

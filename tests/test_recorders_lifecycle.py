@@ -75,6 +75,7 @@ def _swap_victim(cols, *, margin=None):
     [H2OConfig(heavy=4, recent=3), H2OConfig(ratio=0.4), H2OConfig(heavy=4, recent=4, gqa="none")],
     ids=["slots", "ratio", "gqa-none"],
 )
+@pytest.mark.slow
 def test_a_correct_batched_run_passes_exactly(tmp_path, family, cfg):
     model = tiny_model(family)
     run = _record(model, cfg, tmp_path)
@@ -86,6 +87,7 @@ def test_a_correct_batched_run_passes_exactly(tmp_path, family, cfg):
     assert stored["ok"] is True and len(stored["requests"]) == 3
 
 
+@pytest.mark.slow
 def test_a_wrong_victim_is_caught_at_its_step_layer_and_set(tmp_path):
     model = tiny_model("llama")
     run = _record(model, H2OConfig(heavy=4, recent=3), tmp_path)
@@ -106,6 +108,7 @@ def test_a_wrong_victim_is_caught_at_its_step_layer_and_set(tmp_path):
     assert f"step {t}" in bad.describe()
 
 
+@pytest.mark.slow
 def test_a_near_tie_flip_is_tolerated_and_a_clear_margin_is_not(tmp_path):
     model = tiny_model("llama")
     run = _record(model, H2OConfig(heavy=4, recent=3), tmp_path / "a")
@@ -127,6 +130,7 @@ def test_a_near_tie_flip_is_tolerated_and_a_clear_margin_is_not(tmp_path):
     assert check_lifecycle(copy, model, tolerance=1.0).ok  # a loose bound tolerates it
 
 
+@pytest.mark.slow
 def test_the_report_shows_the_stored_result(tmp_path):
     model = tiny_model("qwen2")
     run = _record(model, H2OConfig(heavy=4, recent=3), tmp_path)
@@ -177,6 +181,7 @@ def _byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", eos_token="</s>")
 
 
+@pytest.mark.slow
 def test_cli_check_exit_codes(tmp_path):
     model = tiny_model("llama", vocab=259)
     model.save_pretrained(tmp_path / "model")

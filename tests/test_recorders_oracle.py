@@ -62,6 +62,7 @@ def _teacher_qk(model, ids):
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gqa", ["sum", "max", "none"])
 def test_recorded_oracle_equals_the_schedule_and_the_reference(tmp_path, gqa):
     """FP64 model: the runtime's evictions = the table's schedule = the FP64 reference on the
@@ -110,6 +111,7 @@ def test_oracle_run_is_a_normal_replayable_run(setup, tmp_path):
     assert tokens["token_id"] == np.concatenate([teacher.prompt, teacher.answer]).tolist()
 
 
+@pytest.mark.slow
 def test_check_agrees_with_the_recorded_run(setup, tmp_path):
     """check() (one masked forward, no run) gives the recorded run's top-1 and logits."""
     model, _, full = setup

@@ -46,6 +46,7 @@ def _replayed(run_dir, model, passes) -> tuple[dict[str, pd.DataFrame], int, obj
     return tables, len(calls), summary
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gqa", ["sum", "max", "none"])
 @pytest.mark.parametrize("batch", ["single", "padded"])

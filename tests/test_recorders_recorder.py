@@ -108,6 +108,7 @@ def test_exception_marks_failed_and_restores_model(tmp_path):
     assert open_runs(tmp_path).execute("SELECT count(*) FROM evictions").fetchone()[0] > 0
 
 
+@pytest.mark.slow
 def test_recording_is_deterministic_and_batch_equals_single_runs(tmp_path):
     model = tiny_model("qwen3")
     cfg = H2OConfig(heavy=4, recent=3)
@@ -252,6 +253,7 @@ with recorders.record(model, H2OConfig(heavy=8, recent=8), out=sys.argv[1], run_
 """
 
 
+@pytest.mark.slow
 def test_sigkill_mid_generation_leaves_readable_logs(tmp_path):
     script = tmp_path / "kill_me.py"
     script.write_text(KILL_SCRIPT)

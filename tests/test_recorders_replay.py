@@ -73,6 +73,7 @@ def _df(root, run_id, table, cols):
     [("sum", 3, 2), ("max", 2, 1), ("none", 2, 2)],
     ids=["sum-3-layers-padded-batch", "max", "none-padded-batch"],
 )
+@pytest.mark.slow
 def test_replay_equals_two_full_forwards_in_fp64(tmp_path, gqa, layers, batch):
     model = tiny_model("llama", layers=layers, q_heads=4, kv_heads=2).double()
     ids = torch.randint(3, 256, (batch, 18), generator=torch.Generator().manual_seed(layers))
@@ -141,6 +142,7 @@ def test_replay_equals_two_full_forwards_in_fp64(tmp_path, gqa, layers, batch):
     assert checked > 0
 
 
+@pytest.mark.slow
 def test_replay_memory_stays_within_row_blocks(tmp_path):
     """A long answer replayed 16 rows at a time: no allocation reaches half an M x N float
     matrix (M generated rows fed, N positions); the largest ones are the (M, vocab) logits."""
@@ -189,6 +191,7 @@ def test_replay_of_a_float32_run_takes_the_teacher_weights_from_the_rows_log_sum
     assert got.dropped_mass.max() > 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_request_that_lost_nothing_is_forwarded_once(tmp_path, monkeypatch, dtype):
     """With nothing evicted the masked forward would make the teacher's calls on the teacher's

@@ -145,6 +145,7 @@ def test_exception_inside_scope_restores_model():
     assert torch.equal(_greedy(model, ids).sequences, before)
 
 
+@pytest.mark.slow
 def test_local_sink_heavy_random_baselines():
     model = tiny_model("llama")
     ids = _ids(30)
@@ -194,6 +195,7 @@ def test_full_policy_leaves_model_untouched():
     assert s.last_cache is None
 
 
+@pytest.mark.slow
 def test_beam_search_and_sampling():
     model = tiny_model("llama")
     ids = _ids(20)

@@ -159,6 +159,7 @@ def _batch_equals_alone(model, cfg, seqs, new=10):
             assert [st[r] for st in rec.kept[layer]] == [st[0] for st in one.kept[layer]], f"request {r} layer {layer}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_ratio_budgets_batched_equal_alone_on_a_model(policy, dtype):

@@ -154,6 +154,7 @@ def test_rules_never_choose_a_pinned_position():
     pins=st.sets(st.integers(0, 29), max_size=4),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_torch_ops_equal_reference_with_pins(n, prefill, heavy, recent, group, gqa, name, pins, seed):
     """The torch prefill and decode step, in FP64 on raw q/k, keep what the FP64 reference keeps,
     and the pinned positions are in every kept set."""
@@ -330,6 +331,7 @@ def _evictions(root, run_id):
     )
 
 
+@pytest.mark.slow
 def test_recorded_pinned_run_never_logs_a_pin_and_replays_exactly(tmp_path):
     """Pin two positions the unpinned run evicts: the pinned run's log never evicts them, its
     margins stay >= 0 (pins are not eligible), its steps hold at most B slots, the manifest

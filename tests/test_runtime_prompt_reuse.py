@@ -69,6 +69,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_reused_prompt_forward_gives_each_configuration_the_bits_of_its_own_prefill(name, dtype):
@@ -89,6 +90,7 @@ def test_a_reused_prompt_forward_gives_each_configuration_the_bits_of_its_own_pr
     assert "forward" not in vars(model)  # the scope put the model back
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_with_any_gqa_a_prompt_forward_serves_another_aggregation_with_the_bits_of_its_own(name, dtype):
@@ -113,6 +115,7 @@ def test_with_any_gqa_a_prompt_forward_serves_another_aggregation_with_the_bits_
     assert (scope.hits, scope.misses) == (0, 2)
 
 
+@pytest.mark.slow
 def test_a_prompt_forward_is_reused_only_for_the_same_inputs_and_aggregation():
     model = tiny_model("llama", layers=2)
     ids, mask = _prompts()
@@ -153,6 +156,7 @@ def test_a_different_dtype_is_a_different_prompt_forward():
     _assert_same(_generate(model, H2OConfig(policy="local", heavy=0, recent=8), ids, mask), got, "bf16")
 
 
+@pytest.mark.slow
 def test_the_oldest_prompt_forward_goes_first_and_the_scope_restores_the_model():
     model = tiny_model("llama", layers=2)
     a, b = _prompts(seed=1), _prompts(seed=2)
@@ -175,6 +179,7 @@ def test_the_oldest_prompt_forward_goes_first_and_the_scope_restores_the_model()
         PromptReuse(model, keep=0)
 
 
+@pytest.mark.slow
 def test_a_recording_from_a_reused_prompt_forward_is_the_recording_of_its_own(tmp_path):
     """The recorder hears the same prefill (events, prompt pass for the replay, the batch a replay
     forwards again) and the replay tables are the same."""

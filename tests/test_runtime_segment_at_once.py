@@ -197,6 +197,7 @@ def test_segment_runs_step_by_step_where_a_segment_token_could_be_a_victim(confi
     assert layer.segment.batch is None and layer.segment.steps == 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["rollback", "defer"])
 def test_generate_with_prompt_lookup_verifies_segments_at_once(mode, monkeypatch):
     """Assisted decoding on a tiny model: the tokens and every step's kept sets equal plain greedy."""

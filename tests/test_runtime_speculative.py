@@ -76,6 +76,7 @@ def _plain(model, ids):
     return out, rec, qk, s.last_cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mode", ["rollback", "defer"])
 @pytest.mark.parametrize("draft", ["assistant", "lookup"])
@@ -102,6 +103,7 @@ def test_speculative_equals_plain_greedy(family, mode, draft):
         assert a.seen == b.seen and torch.equal(a.next_pos, b.next_pos)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["rollback", "defer"])
 def test_fault_scores_not_rolled_back_changes_kept_sets(mode):
     """The broken variant keeps rejected attention in the scores: the comparison with plain greedy fails."""
@@ -271,6 +273,7 @@ def _rows(con, sql, run_id):
     return con.execute(sql, [run_id]).fetchall()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recent", [RECENT, 4], ids=["step-by-step", "at-once"])
 def test_recorder_logs_only_what_stood_and_the_segments(tmp_path, recent, monkeypatch):
     """With a recent window of 4 the segments of 4 tokens are verified at once (DESIGN.md §14.1),
@@ -363,6 +366,7 @@ def test_default_model_prompt_lookup_equals_plain_greedy(default_model):
             assert rec.kept[layer] == plain_rec.kept[layer], f"{mode}, layer {layer}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["rollback", "defer"])
 def test_lifecycle_check_passes_speculative_runs_and_catches_the_fault(tmp_path, mode):
     """The state lifecycle check (DESIGN.md §15.1) on speculative runs: exact when the rollback is

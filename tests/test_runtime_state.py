@@ -49,6 +49,7 @@ def _row_state(cache, row):
 # -- save and restore -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_restored_generation_equals_the_uninterrupted_one(tmp_path, family):
     model = tiny_model(family)
@@ -93,6 +94,7 @@ def test_restore_refuses_another_model_another_config_and_other_files(tmp_path):
             session.save(tmp_path / "empty.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_run_recorded_across_save_and_restore_is_analysable(tmp_path, family):
     model = tiny_model(family)
@@ -135,6 +137,7 @@ def test_a_continued_generation_must_feed_the_recorded_tokens(tmp_path):
 # -- cancellation ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cancel_frees_the_rows_and_leaves_the_others_byte_identical(tmp_path, family):
     model = tiny_model(family)
@@ -186,6 +189,7 @@ def _record_reordered(model, out, fault: str | None):
     return run, rest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_lifecycle_check_catches_kv_reordered_without_scores(tmp_path, family):
     import analyses
@@ -226,6 +230,7 @@ def _record_shared(model, cfg, out, fault: str | None, new=6):
     return run, out_ids, mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_shared_prefix_batch_equals_each_request_alone(tmp_path, family):
     model = tiny_model(family)

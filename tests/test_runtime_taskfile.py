@@ -324,6 +324,7 @@ def test_a_file_with_every_field_loads(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_a_file_with_every_field_records_labels_and_verdicts(tmp_path):
     """Each request recorded on a tiny model: tokens carry the evidence labels at the stated
     characters, requests carry the checker's verdict (null without an answer)."""

@@ -79,6 +79,7 @@ def _one(con, sql, *params):
     return con.execute(sql, list(params)).fetchall()
 
 
+@pytest.mark.slow
 def test_delayed_reference_evicted_on_leaving_recent_with_low_score(case_runs):
     _, con = case_runs
     case = policy_case("delayed_reference")
@@ -222,6 +223,7 @@ def test_written_case_runs_read_back_with_row_counts(case_runs):
     assert rows[0][1] is None and all(e == s - 4 and k == 8 for s, e, k in rows[1:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["heavy", "sink", "random"])
 def test_baselines_and_multi_head_stacks_write_valid_runs(tmp_path, policy):
     base = policy_case("far_hotspot")
@@ -372,6 +374,7 @@ def test_case_attributions_name_the_designed_cause(case_runs):
     assert lag.value >= 0.5 and "keeps no scores" in lag.note
 
 
+@pytest.mark.slow
 def test_shipped_sample_cases_match_the_generators(tmp_path):
     """sample_runs/ holds the policy cases exactly as the current generators write them
     (regenerate with `make samples` after changing a case)."""

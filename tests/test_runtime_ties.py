@@ -239,6 +239,7 @@ def _check_path(gqa: str, dtype: torch.dtype, kernel: bool = False, shapes=SHAPE
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("gqa", ["sum", "max", "none"])
 def test_torch_path_tie_rules_on_discrete_logits(gqa, dtype):
