@@ -64,7 +64,9 @@ __all__ = [
 class Problem:
     """A file or run folder that readers skipped or found wrong, and why.
 
-    ``kind`` is ``"rows"`` for a row count that differs from the manifest's.
+    ``kind`` is ``"rows"`` for a row count that differs from the manifest's, ``"unlisted"``
+    for a segment the manifest does not list and ``"values"`` for a value that breaks the
+    value contract (DESIGN.md §5.5).
     """
 
     path: str
@@ -74,7 +76,7 @@ class Problem:
     kind: str | None = None
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.reason}"
+        return self.reason if self.reason.startswith(f"{self.path}: ") else f"{self.path}: {self.reason}"
 
 
 @dataclasses.dataclass(frozen=True)
