@@ -75,6 +75,24 @@ def _layer_99(run_dir: Path) -> str:
     return "column evictions.layer reaches 99, but the run's model (SmolLM2-135M-Instruct) has 30 layers"
 
 
+def _kv_head_past_the_heads(run_dir: Path) -> str:
+    _rewrite(_segment(run_dir, "evictions"), "kv_head", lambda v: np.where(np.arange(len(v)) == 0, 3, v))
+    return "column evictions.kv_head reaches 3, but the run's model (SmolLM2-135M-Instruct) has 3 kv heads"
+
+
+def _repeated_key(run_dir: Path) -> str:
+    # the second step's KL row carries the first step's key: one step counted twice, one missing
+    _rewrite(_segment(run_dir, "replay_steps"), "step", lambda v: np.where(np.arange(len(v)) == 1, v[0], v))
+    return "1 row(s) of replay_steps repeat the key (request, step)"
+
+
+def _step_past_the_tokens(run_dir: Path) -> str:
+    manifest = read_manifest(run_dir)
+    end = manifest["prompt_len"] + manifest["new_tokens"]
+    _rewrite(_segment(run_dir, "replay_steps"), "step", lambda v: np.where(np.arange(len(v)) == len(v) - 1, end, v))
+    return f"has a replay_steps step of {end}"
+
+
 def _manifest_of_another_model(run_dir: Path) -> str:
     manifest = read_manifest(run_dir)
     manifest["model"] = {
@@ -105,6 +123,9 @@ TAMPERS = {
     "dropped_mass_-3": _mass_below_zero,
     "position_past_prompt_and_new_tokens": _position_past_the_tokens,
     "layer_99_of_30": _layer_99,
+    "kv_head_3_of_3": _kv_head_past_the_heads,
+    "repeated_key": _repeated_key,
+    "step_past_prompt_and_new_tokens": _step_past_the_tokens,
     "manifest_names_another_model": _manifest_of_another_model,
     "extra_replay_steps_segment": _extra_replay_steps_segment,
 }
