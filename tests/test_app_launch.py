@@ -51,6 +51,7 @@ def test_a_signal_to_the_launcher_ends_its_server_and_frees_the_port(app_runs_ro
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    servers: list[int] = []
     try:
         deadline = time.monotonic() + 300
         while not _listening(port):
@@ -60,13 +61,17 @@ def test_a_signal_to_the_launcher_ends_its_server_and_frees_the_port(app_runs_ro
         servers = _children(launcher.pid)
         assert servers or not Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").exists()
         launcher.send_signal(sig)  # to the launcher alone, not its process group
-        assert launcher.wait(timeout=60) == 128 + sig
+        code = launcher.wait(timeout=60)
         deadline = time.monotonic() + 30
         while _listening(port) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _listening(port)
-        assert not any(_alive(p) for p in servers)
+        assert not _listening(port), f"port {port} still listens after the launcher ended (exit {code})"
+        assert not [p for p in servers if _alive(p)], "the server outlived the launcher"
+        assert code == 128 + sig
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+        for pid in servers:  # a server left behind must not outlive the test
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
