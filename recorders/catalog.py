@@ -137,14 +137,18 @@ class Catalog:
 
 @functools.lru_cache(maxsize=65536)
 def _inspect_cached(path: str, size: int, mtime_ns: int, table: str) -> tuple[SegmentFile | None, RecorderError | None]:
+    source = None
     try:
-        pf = pq.ParquetFile(path, page_checksum_verification=True)  # the footer, read once for all below
+        source = pa.OSFile(path)  # a local file, opened as one: no filesystem lookup per file
+        pf = pq.ParquetFile(source, page_checksum_verification=True)  # the footer, read once for all below
     except (OSError, pa.ArrowException, ValueError) as exc:
+        if source is not None:
+            source.close()
         return None, DamagedFileError(
             f"{path}: not a readable Parquet file ({size} bytes; {exc}). A writer killed mid-file "
             "or a partial copy leaves such files; move it away or delete it"
         )
-    with pf:
+    with source, pf:
         return _inspect_open(pf, path, table)
 
 

@@ -56,21 +56,28 @@ class Violation:
 # -- per file ----------------------------------------------------------------------------------
 
 
-def _footer_min_max(md: pq.FileMetaData | None, index: int) -> tuple[Any, Any] | None:
-    """``(min, max)`` of column ``index`` from the footer, None unless every row group has them."""
+def _footer_ranges(md: pq.FileMetaData | None, indices: Sequence[int]) -> list[tuple[Any, Any] | None]:
+    """``(min, max)`` of each column of ``indices`` from the footer (None for a column unless every
+    row group has them); each row group's metadata is built once for all the columns."""
     if md is None or md.num_row_groups == 0:
-        return None
-    lo = hi = None
+        return [None] * len(indices)
+    found: list[tuple[Any, Any] | None] = [None] * len(indices)
+    usable = [True] * len(indices)
     for g in range(md.num_row_groups):
-        chunk = md.row_group(g).column(index)
-        stats = chunk.statistics
-        if stats is None or not stats.has_min_max:
-            if stats is not None and stats.null_count == chunk.num_values:
-                continue  # all null: nothing to bound
-            return None
-        lo = stats.min if lo is None else min(lo, stats.min)
-        hi = stats.max if hi is None else max(hi, stats.max)
-    return lo, hi
+        group = md.row_group(g)
+        for k, index in enumerate(indices):
+            if not usable[k]:
+                continue
+            chunk = group.column(index)
+            stats = chunk.statistics
+            if stats is None or not stats.has_min_max:
+                if stats is None or stats.null_count != chunk.num_values:  # all null: nothing to bound
+                    usable[k] = False
+                continue
+            lo, hi = stats.min, stats.max
+            seen = found[k]
+            found[k] = (lo, hi) if seen is None else (min(seen[0], lo), max(seen[1], hi))
+    return [f if ok else None for f, ok in zip(found, usable)]
 
 
 def _ints(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
@@ -106,18 +113,27 @@ def _repeated(keys: Sequence[np.ndarray]) -> int:
     return int(same.sum())
 
 
-#: per table, the columns :func:`file_facts` bounds (its ranges, then the ones bounded by the model)
-_BOUNDED_COLUMNS: dict[str, tuple[str, ...]] = {
-    t: tuple(dict.fromkeys([*RANGES.get(t, {}), *(c for c in BOUNDED_BY if c in TABLES[t].names)])) for t in TABLES
+#: per table, the columns :func:`file_facts` bounds (its ranges, then the ones bounded by the model),
+#: each with whether the schema declares it a float column
+_BOUNDED_COLUMNS: dict[str, tuple[tuple[str, bool], ...]] = {
+    t: tuple(
+        (c, pa.types.is_floating(TABLES[t].field(c).type))
+        for c in dict.fromkeys([*RANGES.get(t, {}), *(c for c in BOUNDED_BY if c in TABLES[t].names)])
+    )
+    for t in TABLES
 }
 
 
 def _float_range(values: np.ndarray) -> tuple[float | None, float | None, int]:
     """``(min, max, NaN count)`` of a float column (NaN left out of the range)."""
+    if not len(values):
+        return None, None, 0
+    lo, hi = values.min(), values.max()
+    if lo == lo and hi == hi:  # no NaN (a NaN makes both NaN)
+        return float(lo), float(hi), 0
     nan = np.isnan(values)
     n = int(nan.sum())
-    if n:
-        values = values[~nan]
+    values = values[~nan]
     if not len(values):
         return None, None, n
     return float(values.min()), float(values.max()), n
@@ -162,6 +178,7 @@ def file_facts(
     if isinstance(data, pa.Table):
         data = data.combine_chunks().to_batches()[0] if data.num_rows else pa.RecordBatch.from_pylist([], data.schema)
     names = data.schema.names
+    index = {name: i for i, name in enumerate(names)}
     rows = data.num_rows
     lows: dict[str, Any] = {}
     highs: dict[str, Any] = {}
@@ -170,22 +187,26 @@ def file_facts(
 
     def column(name: str) -> np.ndarray:
         if name not in ints:
-            ints[name] = _ints(data.column(names.index(name)))
+            ints[name] = _ints(data.column(index[name]))
         return ints[name]
 
-    for col in _BOUNDED_COLUMNS.get(table, ()) if rows else ():
-        if col not in names:
-            continue
-        i = names.index(col)
-        arr = data.column(i)
-        if pa.types.is_floating(arr.type):
-            lo, hi, n = _float_range(arr.to_numpy(zero_copy_only=False))
-            if n:
-                nans[col] = n
-        else:
-            found = _footer_min_max(md, i)
-            if found is None:  # no statistics: from the data (nulls left out)
+    bounded = [(col, is_float, index[col]) for col, is_float in _BOUNDED_COLUMNS.get(table, ()) if col in index]
+    integers = [i for _, is_float, i in bounded if not is_float] if rows else []
+    footer = dict(zip(integers, _footer_ranges(md, integers)))
+    for col, is_float, i in bounded if rows else ():
+        if is_float:  # from the data
+            arr = data.column(i)
+            if not pa.types.is_floating(arr.type):
                 mm = pc.min_max(arr).as_py()
+                lo, hi = mm["min"], mm["max"]
+            else:
+                lo, hi, n = _float_range(arr.to_numpy(zero_copy_only=False))
+                if n:
+                    nans[col] = n
+        else:
+            found = footer.get(i)
+            if found is None:  # no statistics: from the data (nulls left out)
+                mm = pc.min_max(data.column(i)).as_py()
                 found = (mm["min"], mm["max"])
             lo, hi = found
         if lo is not None:
