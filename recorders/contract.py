@@ -142,14 +142,23 @@ def _float_range(values: np.ndarray) -> tuple[float | None, float | None, int]:
 def _per_request(req: np.ndarray, steps: np.ndarray | None, positions: list[np.ndarray]) -> list[list[Any]]:
     """``[request, rows, highest step, highest position]`` per request of a file (None: no such column)."""
     n = len(req)
-    if n > 1 and (req[1:] >= req[:-1]).all():  # rows grouped by request (as the writers append them)
-        starts = np.concatenate(([0], np.flatnonzero(req[1:] != req[:-1]) + 1))
-        ids, rows = req[starts], np.diff(np.append(starts, n))
-        top_step = np.maximum.reduceat(steps, starts) if steps is not None else None
-        top_pos = np.max([np.maximum.reduceat(p, starts) for p in positions], axis=0) if positions else None
-        steps_of = top_step.tolist() if top_step is not None else [None] * len(ids)
-        positions_of = top_pos.tolist() if top_pos is not None else [None] * len(ids)
-        return [list(x) for x in zip(ids.tolist(), rows.tolist(), steps_of, positions_of)]
+    change = req[1:] != req[:-1]
+    ends = np.flatnonzero(change)  # the last row of each request but the last
+    if n > 1 and (req[ends + 1] > req[ends]).all():  # rows grouped by request (as the writers append them)
+        bounds = np.empty(len(ends) + 2, np.int64)
+        bounds[0], bounds[1:-1], bounds[-1] = 0, ends + 1, n
+        starts = bounds[:-1]
+        ids = req[starts].tolist()
+        rows = np.diff(bounds).tolist()
+        steps_of = np.maximum.reduceat(steps, starts).tolist() if steps is not None else [None] * len(ids)
+        if not positions:
+            positions_of = [None] * len(ids)
+        else:
+            top = np.maximum.reduceat(positions[0], starts)
+            for p in positions[1:]:
+                top = np.maximum(top, np.maximum.reduceat(p, starts))
+            positions_of = top.tolist()
+        return [[r, k, st, po] for r, k, st, po in zip(ids, rows, steps_of, positions_of)]
     out = []
     for r in np.unique(req).tolist():
         sel = req == r
