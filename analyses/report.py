@@ -10,6 +10,7 @@ so it opens offline.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import math
@@ -22,7 +23,7 @@ from typing import Any
 import duckdb
 
 from recorders import read_manifest
-from recorders.errors import RecorderError
+from recorders.errors import RecorderError, storage_error
 from recorders.manifest import check_manifest
 
 from ._base import Source, connect, first_row, plain, records, relation, run_info
@@ -404,7 +405,13 @@ def write_report(
                 f"{', '.join(FORMATS)} or use a .html, .md or .json name"
             )
     text = build_report(root, run_id, fmt=fmt, thresholds=thresholds, failed=failed)
+    data = text.encode("utf-8")
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk: no temporary file is left, the error says what was needed
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise storage_error(path, exc, len(data)) from exc
     return path

@@ -110,7 +110,11 @@ def _notes(root: Root, row: dict[str, Any]) -> None:
         except DATA_ERRORS:
             return
         row["damaged_tables"] = set(probs["table_name"].dropna())
-        _problem_list(f"Run {shown} has damaged or incomplete data; its numbers may be wrong", probs)
+        _problem_list(
+            f"Run {shown} has damaged or incomplete data (files left out, row counts that differ, or values "
+            "no run can have); its numbers may be wrong",
+            probs,
+        )
 
 
 def no_data(row: dict[str, Any], table: str, message: str) -> None:

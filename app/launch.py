@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -71,21 +73,53 @@ def server_command(
     ]
 
 
+class _Stopped(Exception):
+    """The launcher got SIGTERM or SIGINT."""
+
+
+def _end_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the server gets SIGTERM when the launcher dies, even by SIGKILL (``PR_SET_PDEATHSIG``)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run_app(root: str | os.PathLike | None = None, port: int = 8501, open_browser: bool = False) -> int:
-    """Serve the dashboard over ``root`` until interrupted; returns the server's exit code.
+    """Serve the dashboard over ``root`` until stopped; returns the server's exit code.
 
     ``root`` defaults to the repository's ``sample_runs/`` folder. The page
-    is at ``http://127.0.0.1:<port>/``.
+    is at ``http://127.0.0.1:<port>/``. The server runs in a child process that
+    ends with the launcher: SIGTERM or SIGINT (Ctrl+C) to the launcher stop the
+    server first (SIGTERM, then SIGKILL after 10 s), and on Linux a launcher
+    killed outright takes the server with it.
     """
     cmd = server_command(root, port, open_browser=open_browser)
     print(f"H2O Lens dashboard: http://127.0.0.1:{port}/  (runs root {cmd[-1]}; Ctrl+C stops it)", flush=True)
-    proc = subprocess.Popen(cmd)
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Stopped(signum)
+
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
+        proc = subprocess.Popen(cmd, preexec_fn=_end_with_parent if sys.platform == "linux" else None)
         try:
-            return proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
             return proc.wait()
+        except (KeyboardInterrupt, _Stopped) as exc:
+            code = 128 + (exc.args[0] if isinstance(exc, _Stopped) else signal.SIGINT)
+            for sig in handlers:  # a second signal while the server stops must not orphan it
+                signal.signal(sig, signal.SIG_IGN)
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return int(code)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)

@@ -300,10 +300,31 @@ def _parse_evidence(text: str) -> tuple[str, str]:
     return label, value
 
 
+def _given_model(args: argparse.Namespace, run_dir: str):
+    """The model of ``--model`` in the run's dtype, or None (the run's own is loaded then)."""
+    if args.model is None:
+        return None
+    import torch
+
+    from h2o_lens.models import load_model
+    from recorders import read_manifest
+
+    info = read_manifest(run_dir).get("model")
+    dtype = info.get("dtype") if isinstance(info, dict) else None
+    return load_model(args.model, dtype=getattr(torch, dtype) if dtype in (*DTYPES, "float64") else torch.float32)[0]
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from recorders.replay import replay
 
-    summary = replay(_run_dir(args.run, args.root), tolerance=args.tolerance, backend=args.backend)
+    run_dir = _run_dir(args.run, args.root)
+    summary = replay(
+        run_dir,
+        model=_given_model(args, run_dir),
+        tolerance=args.tolerance,
+        backend=args.backend,
+        allow_other_model=args.allow_other_model,
+    )
     _print_replay(summary)
     return 0 if summary.implementation_ok else 3
 
@@ -311,7 +332,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from recorders.lifecycle import check_lifecycle
 
-    result = check_lifecycle(_run_dir(args.run, args.root), tolerance=args.tolerance, progress=True)
+    run_dir = _run_dir(args.run, args.root)
+    result = check_lifecycle(
+        run_dir,
+        _given_model(args, run_dir),
+        tolerance=args.tolerance,
+        progress=True,
+        allow_other_model=args.allow_other_model,
+    )
     verdict = "ok" if result.ok else f"LIFECYCLE ERROR in {len(result.failed)} request(s)"
     print(f"state lifecycle {result.run_id}: {len(result.requests)} request(s) in {result.seconds:.1f} s ({verdict})")
     for r in result.requests:
@@ -364,10 +392,11 @@ def cmd_report(args: argparse.Namespace) -> int:
             thresholds = json.load(f)
     text = build_report(root, run_id, fmt=args.format, thresholds=thresholds)
     if args.output:
-        tmp = args.output + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, args.output)
+        from pathlib import Path
+
+        from .jobs import write_text_atomic
+
+        write_text_atomic(Path(args.output), text)
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         print(text)
@@ -531,6 +560,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             page_size=args.page_size,
             command=["h2o-lens", *sys.argv[1:]] if sys.argv[1:2] == ["sweep"] else [],
             executor=executor,
+            past_context=args.past_context,
         )
     finally:
         if executor is not None:
@@ -712,6 +742,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .explain import add_model_args
+    from .explain import add_parser as add_explain
+
     p = argparse.ArgumentParser(prog="h2o-lens", description="Exact H2O KV-cache eviction, recorded and explained.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -769,6 +802,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="dropped mass and oracle: Triton kernels (auto: on CUDA) or chunked torch",
     )
+    add_model_args(rp)
     rp.set_defaults(func=cmd_replay)
 
     ck = sub.add_parser(
@@ -783,6 +817,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="relative near-tie bound on a victim's margin (default: derived from the dtype; 0: exact)",
     )
     ck.add_argument("-v", "--verbose", action="store_true", help="one line per request, not only the failing ones")
+    add_model_args(ck)
     ck.set_defaults(func=cmd_check)
 
     ru = sub.add_parser("runs", help="list the runs of a runs root with headline numbers")
@@ -810,8 +845,6 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--thresholds", default=None, help="JSON file of gate thresholds (see analyses.Thresholds)")
     rep.add_argument("--gate", action="store_true", help="with --format json: exit 1 when the verdict fails")
     rep.set_defaults(func=cmd_report)
-
-    from .explain import add_parser as add_explain
 
     add_explain(sub)
 
@@ -852,6 +885,12 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--batch-size", type=int, default=8, help="requests per generate call and run (default 8)")
     sw.add_argument("--no-replay", action="store_true", help="record only (no KL or dropped mass in the curves)")
     sw.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    sw.add_argument(
+        "--past-context",
+        action="store_true",
+        help="run requests whose prompt and max_new_tokens go past the model's context window "
+        "(refused otherwise; said once)",
+    )
     ray = sw.add_argument_group("executor (DESIGN.md §13)")
     ray.add_argument(
         "--executor",
@@ -974,6 +1013,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Point stdout at /dev/null so the flush at exit does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13
+    except OSError as e:  # a write no layer wrapped (a full disk, a read-only folder): one line, no traceback
+        import errno
+
+        from recorders.errors import storage_error
+
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG):
+            text = str(storage_error(e.filename if e.filename is not None else "a file", e))
+        else:
+            text = f"{e.strerror or e}" + (f": {e.filename}" if e.filename is not None else "")
+        print(f"h2o-lens: error: {text}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

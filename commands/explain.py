@@ -15,7 +15,7 @@ from typing import Any
 
 from .paths import run_dir
 
-__all__ = ["explain_run", "explainable_runs", "cmd_explain", "add_parser", "format_verdicts"]
+__all__ = ["explain_run", "explainable_runs", "cmd_explain", "add_parser", "add_model_args", "format_verdicts"]
 
 
 def _failed(root: str, run_id: str) -> list[int]:
@@ -38,18 +38,29 @@ def explain_run(
     rerun: bool = True,
     resolution: float = 0.05,
     progress: bool = True,
+    force: bool = False,
+    model_name: str | None = None,
+    allow_other_model: bool = False,
 ) -> list[Any]:
     """Explain the failed requests of a run (or ``requests``): re-run, then decide.
+
+    A parent that is not ``complete`` with a complete replay is refused in one line
+    (:func:`recorders.counterfactual.check_parent`) unless ``force``. The model is ``model``,
+    else loaded from ``model_name``, else from where the parent's manifest says it was; one
+    whose fingerprint differs from the parent's is refused unless ``allow_other_model``.
 
     Returns the :class:`analyses.CausalVerdict` of each explained request.
     """
     from tqdm.auto import tqdm
 
     from analyses import causal_verdicts, connect
-    from recorders import read_manifest
+    from recorders import model_source, read_manifest
+    from recorders.counterfactual import check_parent
 
     run_dir = os.path.abspath(run_dir)
     root, run_id = os.path.dirname(run_dir), os.path.basename(os.path.normpath(run_dir))
+    if not force:
+        check_parent(run_dir)
     todo = list(requests) if requests is not None else _failed(root, run_id)
     if rerun and todo:
         from recorders.counterfactual import explain_request
@@ -57,9 +68,7 @@ def explain_run(
         if model is None:
             from h2o_lens.models import load_model
 
-            info = read_manifest(run_dir).get("model") or {}
-            name = info.get("name") if isinstance(info, dict) else info
-            model, tokenizer = load_model(name, progress=progress)
+            model, tokenizer = load_model(model_name or model_source(read_manifest(run_dir)), progress=progress)
         bar = tqdm(desc="explain", unit=" re-runs", disable=not progress)
         try:
             for r in todo:
@@ -77,6 +86,7 @@ def explain_run(
                     replay=replay,
                     resolution=resolution,
                     progress=say,
+                    allow_other_model=allow_other_model,
                 )
         finally:
             bar.close()
@@ -178,6 +188,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
         rerun=not args.cached,
         resolution=args.resolution,
         progress=not args.quiet,
+        force=args.force,
+        model_name=args.model,
+        allow_other_model=args.allow_other_model,
     )
     if not args.all:
         verdicts = explain_run(run_dir(args.run, args.root), requests=args.request, **options)
@@ -185,10 +198,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         return 0
     from analyses import budget_distribution, connect
+    from recorders import replay_complete
 
     verdicts = []
     for run_id in explainable_runs(args.root):
-        verdicts += explain_run(os.path.join(args.root, run_id), requests=args.request, **options)
+        path = os.path.join(args.root, run_id)
+        if not args.force and not replay_complete(path):
+            print(
+                f"h2o-lens: note: {run_id} skipped: it has no complete replay (h2o-lens replay {path})",
+                file=sys.stderr,
+            )
+            continue
+        verdicts += explain_run(path, requests=args.request, **options)
     dist = budget_distribution(connect(args.root))
     if args.format == "json":
         print(json.dumps({"requests": [_json(v) for v in verdicts], "budget_distribution": dist.to_dict("records")}))
@@ -200,6 +221,20 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(wide.to_string(float_format=lambda v: f"{v:.2f}"))
     sys.stdout.flush()
     return 0
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--allow-other-model`` of the commands that run a recorded run's model again."""
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the run's model (default: where its manifest says it was); one with another fingerprint is refused",
+    )
+    p.add_argument(
+        "--allow-other-model",
+        action="store_true",
+        help="use --model even though its fingerprint differs from the run's (logged in the manifest)",
+    )
 
 
 def add_parser(sub: Any) -> None:
@@ -220,4 +255,10 @@ def add_parser(sub: Any) -> None:
         help="budget searches stop within this share of the prompt (default 0.05; 0: to the slot)",
     )
     ex.add_argument("--quiet", action="store_true", help="no progress bar")
+    ex.add_argument(
+        "--force",
+        action="store_true",
+        help="explain a run that is not complete with a replayed log (failed, interrupted, not replayed)",
+    )
+    add_model_args(ex)
     ex.set_defaults(func=cmd_explain)

@@ -154,12 +154,15 @@ class GridReport:
     record_seconds: float = 0.0  # recording (generate with the recorder, the run written)
     replay_seconds: float = 0.0
     prompts_reused: int = 0  # cells that started from another cell's prompt forward (DESIGN.md §12.5)
+    unmarked: list[str] = field(default_factory=list)  # failed cells whose failure could not be written
 
     def add(self, cell: CellOutcome) -> None:
         """Count one cell's outcome."""
         self.prompts_reused += cell.prompt_reused
         if cell.outcome == "failed":
             self.failed[cell.key] = cell.error or "failed"
+            if not cell.marked:
+                self.unmarked.append(cell.key)
         else:
             {"ran": self.ran, "done": self.done, "busy": self.busy}[cell.outcome].append(cell.key)
         if cell.redone:
@@ -347,17 +350,27 @@ def write_plan(root: str | os.PathLike, grid: Grid) -> Path:
         entry["created"] = (old or {}).get("created") or dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         plan["grids"][grid.grid_id] = entry
         tmp = path.with_name(f"{PLAN_NAME}.{os.getpid()}.tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(plan, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        text = json.dumps(plan, indent=1)
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            from recorders.errors import storage_error
+
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise storage_error(path, exc, len(text.encode())) from exc
     return path
 
 
 def cell_state(root: str | os.PathLike, run_id: str, replay: bool) -> tuple[str, str | None]:
     """``(state, error)`` of a cell's run folder: ``todo``, ``done``, ``unreplayed`` (recorded,
-    the replay missing), ``failed``, ``running`` (its writer lives) or ``interrupted``."""
+    the replay missing or partial: :func:`recorders.replay_complete`), ``failed``, ``running``
+    (its writer lives) or ``interrupted``."""
+    from recorders import replay_complete
     from recorders.manifest import MANIFEST_NAME, effective_status, read_manifest
 
     run_dir = Path(root) / run_id
@@ -371,7 +384,7 @@ def cell_state(root: str | os.PathLike, run_id: str, replay: bool) -> tuple[str,
         return "interrupted", f"unreadable manifest: {exc}"
     status = effective_status(manifest)
     if status == "complete":
-        return ("unreplayed", None) if replay and not manifest.get("replay") else ("done", None)
+        return ("unreplayed", None) if replay and not replay_complete(run_dir, manifest) else ("done", None)
     if status == "failed":
         return "failed", f"{manifest.get('error_type', 'Error')}: {manifest.get('error', '')}"
     return status if status in ("running", "interrupted") else "interrupted", None
@@ -453,6 +466,7 @@ class CellOutcome:
     replay_seconds: float = 0.0
     seconds: float = 0.0
     prompt_reused: bool = False  # it started from another cell's prompt forward (DESIGN.md §12.5)
+    marked: bool = True  # a failed cell's folder says failed (False: even that could not be written)
 
 
 def run_cell(
@@ -510,7 +524,7 @@ def run_cell(
             print(f"h2o-lens: cell {cell.run_id} failed: {exc}", file=sys.stderr)
             if os.environ.get("H2O_LENS_DEBUG"):
                 traceback.print_exc()
-            _mark_failed(root / cell.run_id, exc)
+            out.marked = _mark_failed(root / cell.run_id, exc)
     out.seconds = time.perf_counter() - t0
     return out
 
@@ -551,18 +565,37 @@ def run_grid(
     return report
 
 
-def _mark_failed(run_dir: Path, exc: BaseException) -> None:
-    """A run that was recorded but whose replay raised is turned ``failed`` (redone next time)."""
+def _mark_failed(run_dir: Path, exc: BaseException) -> bool:
+    """Leave a cell that raised ``failed`` with its error, whatever stage it reached (redone next time).
+
+    A run recorded but whose replay raised becomes ``failed`` (``replay: ...``); one left
+    ``running`` (its manifest could not be closed, on a full disk say) gets its error; a cell
+    that failed before its run folder was written (a request the tokenizer refuses) gets a
+    folder with a ``failed`` manifest, so ``--status`` shows the error the sweep reported.
+    Returns whether the folder now says ``failed``.
+    """
+    from recorders import RunWriter
+    from recorders.errors import RecorderError
     from recorders.manifest import MANIFEST_NAME, read_manifest, write_manifest
 
-    if not (run_dir / MANIFEST_NAME).exists():
-        return
-    manifest = read_manifest(run_dir)
-    if manifest.get("status") == "complete":
+    try:
+        if not (run_dir / MANIFEST_NAME).exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            writer = RunWriter(run_dir.parent, run_dir.name, fsync=False, name=run_dir.name)
+            writer.start()
+            writer.close("failed", exc)
+            return True
+        manifest = read_manifest(run_dir)
+        status = manifest.get("status")
+        if status == "failed":
+            return True
         manifest["status"] = "failed"
-        manifest["error"] = f"replay: {exc}"
+        manifest["error"] = f"replay: {exc}" if status == "complete" else str(exc) or repr(exc)
         manifest["error_type"] = type(exc).__name__
-        write_manifest(run_dir, manifest)
+        write_manifest(run_dir, manifest, in_place_if_full=True)
+        return True
+    except (OSError, RecorderError):  # a full disk may refuse even this: --status then says "to do"
+        return False
 
 
 def fail_cell(root: str | os.PathLike, cell: Cell, error: str, error_type: str = "WorkerLost") -> bool:

@@ -7,6 +7,7 @@ of the stack, so ``recorders`` and ``analyses`` are imported inside functions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -208,6 +209,7 @@ def demo(
     if model is None:
         model, tokenizer = load_model(progress=progress)
     tasks = list(tasks) if tasks is not None else suite(size="demo")
+    check_requests([t for t in tasks if hasattr(t, "to_json")], None, None, past_context=True)
     plan: list[tuple[Task, str, float | None]] = []
     for task in tasks:
         plan.append((task, registry.FULL_CACHE, None))
@@ -257,11 +259,12 @@ def demo(
     )
     print(f"{len(runs)} runs in {time.perf_counter() - t0:.0f} s under {root}/ (reports in {root}/reports/)")
     print(f"open the dashboard: h2o-lens app {root}")
-    (root / "demo_summary.json").write_text(
+    write_text_atomic(
+        root / "demo_summary.json",
         json.dumps(
             [dict(zip(["task", "policy", "budget", "correct", "kl", "dropped", "verdict", "run_id"], r)) for r in rows],
             indent=1,
-        )
+        ),
     )
     sys.stdout.flush()
     return runs
@@ -284,6 +287,7 @@ def sweep(
     command: Sequence[str] = (),
     progress: bool = True,
     executor: Any = None,
+    past_context: bool = False,
 ) -> Any:
     """Keep ratio (or slots) × policy over the requests → the three curves (quality, physical KV, latency).
 
@@ -297,6 +301,11 @@ def sweep(
     ``tasks``: :class:`~h2o_lens.tasks.taskfile.FileTask` (or suite tasks) in
     memory; default the ``builtin:small`` family. ``tasks_spec`` names them in
     the cell keys (default: ``builtin:small``, or ``inline`` for given tasks).
+
+    Every request is checked first (:func:`check_requests`): a request with text the tokenizer
+    cannot take, or whose ``max_new_tokens`` exceeds the model's context less its prompt, is
+    refused in one line before any cell runs, unless ``past_context`` allows the latter (the
+    sweep then says once how many requests go past the window).
 
     ``executor``: ``None`` runs the cells in this process; a started or new
     :class:`~commands.ray_sweep.RaySweep` runs them on its Ray workers, which
@@ -321,7 +330,10 @@ def sweep(
         tasks_spec = tasks_spec or "builtin:small"
         tasks = resolve_tasks(tasks_spec, tokenizer=tokenizer)
     tasks = [t if isinstance(t, FileTask) else from_builtin(t) for t in tasks]
+    check_requests(tasks, None, None, past_context=True)  # before the tokenizer sees them
     lengths = prompt_lengths(tasks, tokenizer)  # tokenized once: the batches and the context check
+    if executor is None:
+        check_requests(tasks, lengths, context_window(model), past_context=past_context)
     grid = plan_grid(
         tasks,
         tokenizer,
@@ -355,14 +367,51 @@ def sweep(
     done = [c for c in grid.cells if c.key in set(report.ran) | set(report.done)]
     if not done:
         print(f"no complete cell under {root}/ yet; no curves written")
+        _say_failed(root, report)
         return None
     table = sweep_table(root, done, model, page_size=page_size, replayed=replay, kv_bytes_per_token=kv_per_token)
     write_sweep_outputs(root, table, page_size)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"\n{len(done)} runs under {root}/; curves in {root}/sweep.html, table in {root}/sweep.csv")
-    if report.failed:
-        print(f"{len(report.failed)} cells failed; see h2o-lens sweep --status {root}, rerun the command to redo them")
+    _say_failed(root, report)
     return table
+
+
+def _say_failed(root: Path, report: Any) -> None:
+    """The failed cells, as ``--status`` counts them (each with its error there)."""
+    if not report.failed:
+        return
+    print(f"{len(report.failed)} cells failed; see h2o-lens sweep --status {root}, rerun the command to redo them")
+    if report.unmarked:
+        print(
+            f"{len(report.unmarked)} of them could not even be marked failed (the disk is full?): --status counts "
+            "them as to do",
+            file=sys.stderr,
+        )
+
+
+def check_requests(
+    tasks: Sequence[Any], lengths: Sequence[int] | None, window: int | None, *, past_context: bool
+) -> None:
+    """Refuse, in one line, a request a sweep could not run or should not: one whose fields fail the
+    task-file checks (a lone surrogate in its text, say: the tokenizer would fail on it mid-sweep)
+    and, unless ``past_context``, one whose ``max_new_tokens`` exceeds the model's context window
+    less its prompt (``lengths``: prompt tokens; ``window``: the context, None when unknown)."""
+    from h2o_lens.errors import ConfigError
+    from h2o_lens.tasks.taskfile import parse_task
+
+    for i, task in enumerate(tasks, 1):
+        parse_task(task.to_json(), line=i, source="the requests of the sweep", unit="request")
+    if window is None or past_context or lengths is None:
+        return
+    for i, (task, n) in enumerate(zip(tasks, lengths), 1):
+        room = window - n
+        if task.max_new_tokens > room:
+            raise ConfigError(
+                f"request {i} ({task.name}): max_new_tokens {task.max_new_tokens:,} is more than the model's context "
+                f"window of {window:,} positions less its prompt of {n:,} tokens ({max(room, 0):,}); lower "
+                "max_new_tokens, or add --past-context to run past the window on purpose"
+            )
 
 
 def _warn_past_context(model: Any, tasks: Sequence[Any], lengths: Sequence[int]) -> None:
@@ -445,16 +494,34 @@ def sweep_table(
     return table
 
 
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through ``<path>.tmp`` and a rename: a reader sees the old file or
+    the new one. A write that fails (a full disk) removes the temporary file and raises
+    :class:`~recorders.errors.StorageError` naming the file and the space it needed."""
+    from recorders.errors import storage_error
+
+    data = text.encode("utf-8")
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise storage_error(path, exc, len(data)) from exc
+    return path
+
+
 def write_sweep_outputs(root: Path, table: Any, page_size: int) -> None:
-    """``sweep.csv``, ``sweep.md`` and ``sweep.html`` of a sweep table (each rewritten atomically)."""
+    """``sweep.csv``, ``sweep.md`` and ``sweep.html`` of a sweep table (each rewritten atomically;
+    a failed write leaves no temporary file and raises a one-line
+    :class:`~recorders.errors.StorageError`)."""
     policy_of, x = table.attrs["policy_of"], table.attrs["x"]
     for name, text in (
         ("sweep.csv", table.to_csv(index=False)),
         ("sweep.md", table.to_markdown(index=False, floatfmt=".4g") if _has_tabulate() else table.to_string()),
     ):
-        tmp = root / f"{name}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, root / name)
+        write_text_atomic(root / name, text)
     _sweep_html(table, root / "sweep.html", page_size, policy_of, x=x)
 
 
@@ -568,9 +635,7 @@ def _sweep_html(table: Any, path: Path, page_size: int, policy_of: dict[str, str
         f"<h3>Per policy and {axis} (means over runs; accuracy over checked requests; latency: median)</h3>"
         f"{table.to_html(index=False, border=0, float_format=lambda v: f'{v:.4g}')}</body></html>"
     )
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(html, encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, html)
 
 
 #: real tasks shipped in sample_runs/ (first instance of each kind)

@@ -24,10 +24,12 @@ import importlib
 from typing import Any
 
 from .bench_logs import synthetic_tables, write_synthetic_run
-from .catalog import Catalog, Problem, SegmentFile, inspect_file, scan_root
+from .catalog import Catalog, Problem, SegmentFile, inspect_file, replay_complete, scan_root
 from .errors import (
+    ContractError,
     DamagedFileError,
     ManifestError,
+    ModelMismatchError,
     QueryError,
     RecorderError,
     RecorderWarning,
@@ -35,6 +37,7 @@ from .errors import (
     RunIdError,
     SchemaError,
     SchemaVersionError,
+    StorageError,
 )
 from .manifest import (
     MANIFEST_NAME,
@@ -46,8 +49,9 @@ from .manifest import (
     validate_run_id,
 )
 from .query import query
+from .recorded_model import check_model, model_source
 from .run import RunWriter
-from .schema import KEYS, RUNS, SCHEMA_VERSION, TABLE_NAMES, TABLES, VIEW_NAMES, empty_table, to_arrow
+from .schema import KEYS, RANGES, RUNS, SCHEMA_VERSION, TABLE_NAMES, TABLES, VIEW_NAMES, empty_table, to_arrow
 from .segments import SegmentWriter, list_segments, write_segment
 from .store import LoadedRun, RunCheck, check_run, list_runs, load_run, open_runs
 
@@ -59,6 +63,7 @@ __all__ = [
     "RUNS",
     "VIEW_NAMES",
     "KEYS",
+    "RANGES",
     "empty_table",
     "to_arrow",
     # writing
@@ -81,6 +86,9 @@ __all__ = [
     "load_run",
     "scan_root",
     "inspect_file",
+    "replay_complete",
+    "check_model",
+    "model_source",
     "Catalog",
     "Problem",
     "SegmentFile",
@@ -98,6 +106,9 @@ __all__ = [
     "DamagedFileError",
     "ManifestError",
     "QueryError",
+    "ContractError",
+    "ModelMismatchError",
+    "StorageError",
     "RecorderWarning",
 ]
 

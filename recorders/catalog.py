@@ -9,8 +9,11 @@ rows per ``run_id``. The result is cached by path, size and modification
 time. Good files are kept; the others become :class:`Problem` entries.
 
 A run is checked as a whole too: the manifest's fields must have their
-types, rows must carry the run's own id (the folder name), and the row
-counts the manifest records must match the rows read. Whatever fails marks
+types, rows must carry the run's own id (the folder name), the segments the
+manifest lists are the run's (one it does not list is left out and named;
+DESIGN.md §5.1), the row counts it records must match the rows read, and
+every value must keep the value contract (:mod:`recorders.contract`,
+DESIGN.md §5.5). Whatever fails marks
 the run: :attr:`RunEntry.integrity` (the ``runs.integrity`` column) says
 what is wrong, the ``problems`` view names the file. A file or manifest of a
 newer schema version is an error, not a problem: this code cannot read it
@@ -23,6 +26,8 @@ import contextlib
 import dataclasses
 import datetime as dt
 import functools
+import gc
+import hashlib
 import json
 import os
 import threading
@@ -33,9 +38,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .contract import Violation, file_facts
+from .contract import check_run as check_contract
 from .errors import DamagedFileError, ManifestError, RecorderError, RunIdError, SchemaError, SchemaVersionError
 from .manifest import MANIFEST_NAME, check_manifest, effective_status, read_manifest, validate_run_id
-from .schema import META_SCHEMA_VERSION, RUNS, SCHEMA_VERSION, TABLE_NAMES, TABLES, schema_mismatches
+from .schema import META_SCHEMA_VERSION, REPLAY_TABLES, RUNS, SCHEMA_VERSION, TABLE_NAMES, TABLES, schema_mismatches
 from .segments import SEGMENT_RE
 
 __all__ = [
@@ -47,6 +54,7 @@ __all__ = [
     "scan_run",
     "scan_root",
     "run_row",
+    "replay_complete",
     "CACHE_NAME",
     "TOTALS",
 ]
@@ -56,7 +64,9 @@ __all__ = [
 class Problem:
     """A file or run folder that readers skipped or found wrong, and why.
 
-    ``kind`` is ``"rows"`` for a row count that differs from the manifest's.
+    ``kind`` is ``"rows"`` for a row count that differs from the manifest's, ``"unlisted"``
+    for a segment the manifest does not list and ``"values"`` for a value that breaks the
+    value contract (DESIGN.md §5.5).
     """
 
     path: str
@@ -66,7 +76,7 @@ class Problem:
     kind: str | None = None
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.reason}"
+        return self.reason if self.reason.startswith(f"{self.path}: ") else f"{self.path}: {self.reason}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +85,7 @@ class SegmentFile:
 
     ``totals`` holds ``(column, sum, non-null count)`` of the columns the runs table
     averages (:data:`TOTALS`), summed while the file is read through; the sum is
-    None when no value is set.
+    None when no value is set. ``facts``: what the value contract checks (DESIGN.md §5.5).
     """
 
     path: Path
@@ -85,6 +95,8 @@ class SegmentFile:
     schema_version: int
     run_ids: tuple[tuple[str | None, int], ...] = ()
     totals: tuple[tuple[str, float | None, int], ...] = ()
+    #: what the value contract needs of the file (:func:`recorders.contract.file_facts`)
+    facts: dict[str, Any] | None = dataclasses.field(default=None, hash=False, compare=False)
 
 
 @dataclasses.dataclass
@@ -125,15 +137,26 @@ class Catalog:
 
 @functools.lru_cache(maxsize=65536)
 def _inspect_cached(path: str, size: int, mtime_ns: int, table: str) -> tuple[SegmentFile | None, RecorderError | None]:
+    source = None
     try:
-        md = pq.read_metadata(path)
-        schema = md.schema.to_arrow_schema()
+        source = pa.OSFile(path)  # a local file, opened as one: no filesystem lookup per file
+        pf = pq.ParquetFile(source, page_checksum_verification=True)  # the footer, read once for all below
     except (OSError, pa.ArrowException, ValueError) as exc:
+        if source is not None:
+            source.close()
         return None, DamagedFileError(
             f"{path}: not a readable Parquet file ({size} bytes; {exc}). A writer killed mid-file "
             "or a partial copy leaves such files; move it away or delete it"
         )
-    raw = (md.metadata or {}).get(META_SCHEMA_VERSION.encode())
+    with source, pf:
+        return _inspect_open(pf, path, table)
+
+
+def _inspect_open(pf: pq.ParquetFile, path: str, table: str) -> tuple[SegmentFile | None, RecorderError | None]:
+    md = pf.metadata
+    schema = pf.schema_arrow
+    metadata = md.metadata or {}
+    raw = metadata.get(META_SCHEMA_VERSION.encode())
     try:
         version = int(raw) if raw is not None else None
     except ValueError:
@@ -152,7 +175,7 @@ def _inspect_cached(path: str, size: int, mtime_ns: int, table: str) -> tuple[Se
     if mismatches:
         return None, SchemaError(f"{path}: does not match the {table!r} schema: " + "; ".join(mismatches))
     try:
-        rows, run_ids, totals = _read_through(path, table)
+        rows, run_ids, totals, facts = _read_through(pf, table, metadata)
     except (OSError, pa.ArrowException, ValueError) as exc:
         return None, DamagedFileError(
             f"{path}: the footer is intact but the data cannot be read ({exc}). Damaged pages "
@@ -162,7 +185,7 @@ def _inspect_cached(path: str, size: int, mtime_ns: int, table: str) -> tuple[Se
         return None, DamagedFileError(
             f"{path}: the footer announces {md.num_rows} rows but {rows} were read; move the file away or delete it"
         )
-    return SegmentFile(Path(path), table, md.num_rows, tuple(schema.names), version, run_ids, totals), None
+    return SegmentFile(Path(path), table, md.num_rows, tuple(schema.names), version, run_ids, totals, facts), None
 
 
 #: Columns whose sum and non-null count :func:`_read_through` keeps per file (the runs table's means).
@@ -173,29 +196,57 @@ TOTALS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _single_value(md: pq.FileMetaData | None, name: str) -> str | None:
+    """The one value of column ``name`` when the footer's statistics show no other and no null."""
+    if md is None or md.num_row_groups == 0:
+        return None
+    try:
+        i = md.schema.names.index(name)
+        value = None
+        for g in range(md.num_row_groups):
+            st = md.row_group(g).column(i).statistics
+            if st is None or not st.has_min_max or st.null_count or st.min != st.max or value not in (None, st.min):
+                return None
+            value = st.min
+    except (ValueError, IndexError, pa.ArrowException):
+        return None
+    return value if isinstance(value, str) else None
+
+
 def _read_through(
-    path: str, table: str | None = None
-) -> tuple[int, tuple[tuple[str | None, int], ...], tuple[tuple[str, float | None, int], ...]]:
-    """Decode every page of a file (verifying page checksums where the writer stored them);
-    return its row count, its rows per ``run_id`` and the :data:`TOTALS` of ``table``."""
+    pf: pq.ParquetFile, table: str | None = None, metadata: dict[bytes, bytes] | None = None
+) -> tuple[int, tuple[tuple[str | None, int], ...], tuple[tuple[str, float | None, int], ...], dict[str, Any] | None]:
+    """Decode every page of an open file (verifying page checksums where the writer stored them);
+    return its row count, its rows per ``run_id``, the :data:`TOTALS` of ``table`` and the
+    facts the value contract checks (:func:`recorders.contract.file_facts`)."""
     counts: dict[str | None, int] = {}
     sums: dict[str, list] = {c: [None, 0] for c in TOTALS.get(table or "", ())}
     rows = 0
-    with pq.ParquetFile(path, page_checksum_verification=True) as pf:
-        for batch in pf.iter_batches(batch_size=131_072, use_threads=False):
-            rows += batch.num_rows
+    batches = []
+    md = pf.metadata
+    one_run = _single_value(md, "run_id")  # the footer's statistics say every row has this run id
+    for batch in pf.iter_batches(batch_size=131_072, use_threads=False):
+        rows += batch.num_rows
+        batches.append(batch)
+        if one_run is not None:
+            counts[one_run] = counts.get(one_run, 0) + batch.num_rows
+        else:
             ids = batch.column(batch.schema.get_field_index("run_id"))
             for item in pc.value_counts(ids).to_pylist():
                 counts[item["values"]] = counts.get(item["values"], 0) + item["counts"]
-            for name, acc in sums.items():
-                col = batch.column(batch.schema.get_field_index(name))
-                n = len(col) - col.null_count
-                if n:
-                    part = pc.sum(col.cast(pa.float64())).as_py()
-                    acc[0] = part if acc[0] is None else acc[0] + part
-                    acc[1] += n
+        for name, acc in sums.items():
+            col = batch.column(batch.schema.get_field_index(name))
+            n = len(col) - col.null_count
+            if n:
+                part = pc.sum(col.cast(pa.float64())).as_py()
+                acc[0] = part if acc[0] is None else acc[0] + part
+                acc[1] += n
     totals = tuple((name, acc[0], acc[1]) for name, acc in sums.items())
-    return rows, tuple(sorted(counts.items(), key=lambda kv: (kv[0] is None, kv[0] or ""))), totals
+    facts = None
+    if table in TABLES:
+        data = batches[0] if len(batches) == 1 else pa.Table.from_batches(batches, schema=pf.schema_arrow)
+        facts = file_facts(table, data, md, metadata)
+    return rows, tuple(sorted(counts.items(), key=lambda kv: (kv[0] is None, kv[0] or ""))), totals, facts
 
 
 def inspect_file(path: str | os.PathLike, table: str | None = None) -> SegmentFile:
@@ -233,7 +284,7 @@ def inspect_file(path: str | os.PathLike, table: str | None = None) -> SegmentFi
 
 #: File of a runs root that keeps what :func:`scan_root` learnt about each file (DESIGN.md §7.4).
 CACHE_NAME = ".h2o-lens-catalog.json"
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: the value contract's facts per file
 _ERRORS: dict[str, type[RecorderError]] = {e.__name__: e for e in (DamagedFileError, SchemaError, ManifestError)}
 
 
@@ -266,6 +317,7 @@ class _RootCache:
         self.path = root / CACHE_NAME
         self.old: dict[str, list] = {}
         self.new: dict[str, list] = {}
+        self.keys: dict[str, list[int]] = {}  # the stat key of every file seen in this scan
         self.dirty = False
         try:
             with open(self.path, "rb") as fh:
@@ -297,14 +349,14 @@ class _RootCache:
             st = os.stat(path)
         except OSError as exc:
             raise DamagedFileError(f"{path}: cannot be read ({exc})") from None
-        key = _stat_key(st)
+        key = self.keys[rel] = _stat_key(st)
         hit = self._get(rel, key)
         try:
             if isinstance(hit, dict) and hit.get("table") == table and hit.get("error") in _ERRORS:
                 raise _ERRORS[hit["error"]](hit["message"])
             if isinstance(hit, list) and hit[0] == table:  # [table, rows, columns, version, run_ids, totals]
                 _, rows, columns, version, run_ids, totals = hit
-                return SegmentFile(
+                return SegmentFile(  # without the contract's facts: the run's findings are cached (contract())
                     Path(path),
                     table,
                     int(rows),
@@ -329,7 +381,7 @@ class _RootCache:
         """``check_manifest(read_manifest(run_dir))`` through the cache."""
         rel = f"{run_dir.name}/{MANIFEST_NAME}"
         try:
-            key = _stat_key(os.stat(run_dir / MANIFEST_NAME))
+            key = self.keys[rel] = _stat_key(os.stat(run_dir / MANIFEST_NAME))
         except OSError:
             return check_manifest(read_manifest(run_dir))  # missing: read_manifest says so
         hit = self._get(rel, key)
@@ -345,6 +397,37 @@ class _RootCache:
             raise
         self._put(rel, key, {"manifest": manifest, "issues": list(issues)})
         return manifest, issues
+
+    def contract(
+        self, run_dir: Path, manifest: dict[str, Any] | None, files: dict[str, list[SegmentFile]]
+    ) -> list[Violation]:
+        """:func:`recorders.contract.check_run` through the cache: the findings are kept per run,
+        keyed by the run folder and the versions of its manifest and of every file it reads. A
+        run whose key differs is checked again, its files read through for their facts when this
+        scan took them from the cache (once per run change, as at its first scan)."""
+        names = [f"{run_dir.name}/{MANIFEST_NAME}"] + [
+            f"{run_dir.name}/{f.path.name}" for fs in files.values() for f in fs
+        ]
+        if any(n not in self.keys for n in names):
+            return check_contract(manifest, files)
+        signature = repr((str(run_dir), names, [self.keys[n] for n in names]))  # names and int keys: stable
+        rel, key = f"{run_dir.name}/#contract", [hashlib.sha256(signature.encode()).hexdigest()[:24]]
+        hit = self._get(rel, key)
+        if isinstance(hit, list) and all(isinstance(v, list) and len(v) == 4 for v in hit):
+            return [Violation(*v) for v in hit]
+        read = {}
+        for table, segs in files.items():
+            read[table] = []
+            for seg in segs:
+                if seg.facts is None:
+                    try:
+                        seg = inspect_file(seg.path, table)
+                    except RecorderError:
+                        pass  # changed since: the next scan sees it
+                read[table].append(seg)
+        found = check_contract(manifest, read)
+        self._put(rel, key, [[v.path, v.table, v.reason, v.note] for v in found])
+        return found
 
     def save(self) -> None:
         """Write the entries of this scan (files gone since are dropped), when anything changed."""
@@ -372,9 +455,10 @@ def scan_run(
     file, missing manifest or file holding another run's rows raises (naming
     the file); otherwise each becomes a problem, the file is left out and the
     run is marked (:attr:`RunEntry.integrity`). Manifest fields of the wrong
-    type, a manifest ``run_id`` that differs from the folder and row counts
-    that differ from the manifest's are problems in both modes (the strict
-    readers warn, :func:`recorders.check_run` raises on a count).
+    type, a manifest ``run_id`` that differs from the folder, row counts
+    that differ from the manifest's, segments the manifest does not list (left
+    out) and values that break the value contract are problems in both modes
+    (the strict readers warn, :func:`recorders.check_run` raises).
     :class:`SchemaVersionError` always raises.
     """
     run_dir = Path(run_dir)
@@ -423,11 +507,19 @@ def scan_run(
             error=None,
         )
     files: dict[str, list[SegmentFile]] = {}
+    listed = (manifest or {}).get("segments")
+    listed = listed if isinstance(listed, dict) else None
+    superseded = (manifest or {}).get("superseded") or ()  # looked in only for unlisted files (rare)
+    present: set[str] = set()
     for entry in sorted(os.scandir(run_dir), key=lambda e: e.name):
         m = SEGMENT_RE.fullmatch(entry.name)
         if not m:
             continue
         table = m["table"]
+        present.add(entry.name)
+        unlisted = listed is not None and entry.name not in listed
+        if m["tag"] is not None and (listed is None or unlisted) or unlisted and entry.name in superseded:
+            continue  # a replay's segments it never switched to, or ones a later replay replaced
         if table not in TABLE_NAMES:
             problem(
                 entry.path,
@@ -465,21 +557,52 @@ def scan_run(
                 SchemaError,
             )
             continue
-        files.setdefault(table, []).append(seg)
-    recorded = (manifest or {}).get("rows")
-    for table, count in sorted((recorded or {}).items()):
-        read = sum(f.rows for f in files.get(table, []))
-        if read != count:
+        if unlisted:
             problem(
-                manifest_path,
-                f"table {table!r}: the manifest records {count} rows, {read} were read "
-                f"from the readable segments; this run's {table} numbers are incomplete or wrong "
-                "(a segment is missing, damaged or was added later)",
-                f"{table}: {read} of {count} rows",
+                entry.path,
+                f"{entry.path}: the manifest does not list this segment; it was added after the run "
+                "was written (or copied in), so it is left out and this run's numbers are read without it. "
+                "Move it away if it does not belong to the run",
+                f"{entry.name} left out (not in the manifest)",
+                table,
+                error=None,
+                kind="unlisted",
+            )
+            continue
+        if listed is not None and listed[entry.name] != seg.rows:
+            problem(
+                entry.path,
+                f"{entry.path}: the manifest lists this segment with {listed[entry.name]} rows, it holds "
+                f"{seg.rows}; it was replaced after the run was written. It is left out",
+                f"{entry.name} left out (rows differ from the manifest)",
                 table,
                 error=None,
                 kind="rows",
             )
+            continue
+        files.setdefault(table, []).append(seg)
+    missing: dict[str, list[str]] = {}  # table -> segments the manifest lists that are not there
+    gone = listed.keys() - present if listed is not None else ()
+    for name in sorted(gone) if gone else ():
+        if m := SEGMENT_RE.fullmatch(name):
+            missing.setdefault(m["table"], []).append(name)
+    for v in _cache.contract(run_dir, manifest, files) if _cache else check_contract(manifest, files):
+        problem(v.path, v.reason, v.note, v.table, error=None, kind="values")
+    recorded = (manifest or {}).get("rows") or {}
+    rows_read = {table: sum(f.rows for f in segs) for table, segs in files.items()}
+    short = [(t, c, rows_read.get(t, 0)) for t, c in recorded.items() if rows_read.get(t, 0) != c]
+    for table, count, read in sorted(short):
+        gone = f" (missing: {', '.join(missing[table])})" if table in missing else ""
+        problem(
+            manifest_path,
+            f"table {table!r}: the manifest records {count} rows, {read} were read "
+            f"from the readable segments{gone}; this run's {table} numbers are incomplete or wrong "
+            "(a segment is missing, damaged or was added later)",
+            f"{table}: {read} of {count} rows",
+            table,
+            error=None,
+            kind="rows",
+        )
     return RunEntry(run_id, run_dir, manifest, status, files, notes), problems
 
 
@@ -496,13 +619,26 @@ def scan_root(root: str | os.PathLike, *, cache: bool = True) -> Catalog:
     With ``cache`` (the default) what was learnt about each file version is kept in
     ``<root>/.h2o-lens-catalog.json`` (:data:`CACHE_NAME`), so a file is read in full
     once per version, not on every scan; the result is the same either way.
+
+    The cycle collector is paused while the scan runs: it builds no cycles, and a collector
+    pass over the cache's millions of objects, again and again as the scan allocates, took a
+    third of a warm scan of 5,000 runs (DESIGN.md §7.4).
     """
     root = Path(root)
+    if not root.is_dir():
+        return Catalog(root, [], [Problem(str(root), "runs root does not exist or is not a folder")])
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _scan_root(root, cache)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _scan_root(root: Path, cache: bool) -> Catalog:
     runs: list[RunEntry] = []
     problems: list[Problem] = []
-    if not root.is_dir():
-        problems.append(Problem(str(root), "runs root does not exist or is not a folder"))
-        return Catalog(root, runs, problems)
     disk = _RootCache(root) if cache else None
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         path = Path(entry.path)
@@ -581,3 +717,32 @@ def run_row(run: RunEntry) -> dict[str, Any]:
             value = run.integrity
         row[name] = _coerce(kind, value)
     return row
+
+
+def replay_complete(run_dir: str | os.PathLike, manifest: dict[str, Any] | None = None) -> bool:
+    """Whether a run's replay is all there: the manifest records it (``replay``) and every
+    replay segment it lists exists; for a manifest written before segments were listed, the
+    ``replay_steps`` segments exist when the replay logged any step. A replay killed part way,
+    or whose files went missing, is not complete (a sweep redoes it, DESIGN.md §12.3)."""
+    run_dir = Path(run_dir)
+    if manifest is None:
+        try:
+            manifest = read_manifest(run_dir)
+        except RecorderError:
+            return False
+    summary = manifest.get("replay")
+    if not isinstance(summary, dict):
+        return False
+    listed = manifest.get("segments")
+    if isinstance(listed, dict):
+        names = [n for n in listed if (m := SEGMENT_RE.fullmatch(n)) and m["table"] in REPLAY_TABLES]
+        rows = manifest.get("rows") if isinstance(manifest.get("rows"), dict) else {}
+        if any(rows.get(t) for t in REPLAY_TABLES) and not names:
+            return False
+        return all((run_dir / n).is_file() for n in names)
+    steps = [
+        e.name
+        for e in os.scandir(run_dir)
+        if (m := SEGMENT_RE.fullmatch(e.name)) and m["table"] == "replay_steps" and m["tag"] is None
+    ]
+    return bool(steps)

@@ -44,8 +44,10 @@ import torch
 
 from h2o_lens.config import H2OConfig
 
+from .catalog import replay_complete
 from .errors import RecorderError
-from .manifest import read_manifest, sanitize_run_id
+from .manifest import effective_status, read_manifest, sanitize_run_id
+from .recorded_model import check_model
 from .run import RunWriter
 from .schema import COUNTERFACTUAL_KINDS
 from .store import load_run
@@ -58,6 +60,7 @@ __all__ = [
     "Explanation",
     "ParentRequest",
     "load_parent",
+    "check_parent",
     "explain_request",
     "split_slots",
 ]
@@ -302,6 +305,27 @@ def load_parent(run_dir: str | Path, request: int = 0) -> ParentRequest:
     )
 
 
+def check_parent(run_dir: str | Path) -> None:
+    """Refuse a parent whose verdicts could not be trusted: one not ``complete`` (failed, still
+    running, interrupted: its log ends early) or without a complete replay (its KL and dropped
+    mass are unknown). :class:`RecorderError` in one line; ``explain --force`` skips this."""
+    run_dir = Path(run_dir)
+    manifest = read_manifest(run_dir)
+    status = effective_status(manifest)
+    name = run_dir.name
+    if status != "complete":
+        why = f" ({manifest.get('error')})" if status == "failed" and manifest.get("error") else ""
+        raise RecorderError(
+            f"run {name} is {status}{why}: its log is not a finished run, so re-runs against it cannot say why "
+            "it failed. Explain a complete run, or pass --force to explain this one anyway"
+        )
+    if not replay_complete(run_dir, manifest):
+        raise RecorderError(
+            f"run {name} has no complete replay: its KL and dropped mass are unknown, so its failures cannot "
+            f"be judged. Replay it first (h2o-lens replay {run_dir}), or pass --force to explain it anyway"
+        )
+
+
 def checker_from_spec(spec: Mapping[str, Any] | None) -> Callable[[str], bool] | None:
     """The answer checker of a task-file line (``None``: no answer spec)."""
     if not spec or spec.get("answer") is None:
@@ -373,9 +397,10 @@ def counterfactual_id(parent: str, request: int, kind: str, slots: int | None = 
     return sanitize_run_id(f"{parent}-r{request}-{kind.replace('_', '-')}{tail}")
 
 
-def _link(parent: ParentRequest, kind: str, slots: int | None, **extra: Any) -> dict[str, Any]:
-    """The manifest fields that tie a counterfactual to its parent."""
+def _link(parent: ParentRequest, kind: str, slots: int | None, override: Any = None, **extra: Any) -> dict[str, Any]:
+    """The manifest fields that tie a counterfactual to its parent (and the model override, if any)."""
     return {
+        **({"model_overrides": [override]} if override else {}),
         "parent_run": parent.run_id,
         "counterfactual_kind": kind,
         "counterfactual_request": parent.request,
@@ -387,8 +412,13 @@ def _link(parent: ParentRequest, kind: str, slots: int | None, **extra: Any) -> 
     }
 
 
-def _fresh(out: Path, run_id: str) -> Outcome | None:
-    """A complete earlier counterfactual of this id (reused), else None (a failed one is removed)."""
+def _fresh(out: Path, run_id: str, finish: Callable[[Path, dict], None] | None = None) -> Outcome | None:
+    """A complete earlier counterfactual of this id (reused), else None (a failed one is removed).
+
+    ``finish(run_dir, counterfactual)`` completes a reused run that an earlier explain left half
+    done (killed during its replay, or before its pass result was noted): its replay is redone
+    and its result read back from its tables, never shown as a run without KL.
+    """
     run_dir = out / run_id
     if not run_dir.exists():
         return None
@@ -397,6 +427,9 @@ def _fresh(out: Path, run_id: str) -> Outcome | None:
     except RecorderError:
         manifest = {}
     if manifest.get("status") == "complete" and isinstance(manifest.get("counterfactual"), dict):
+        if finish is not None:
+            finish(run_dir, manifest)
+            manifest = read_manifest(run_dir)
         cf = manifest["counterfactual"]
         bis = cf.get("bisection")
         return Outcome(
@@ -438,7 +471,10 @@ def _failed_run(out: Path, run_id: str, parent: ParentRequest, config: Any, link
 class _Runner:
     """Re-runs one request of a parent run under other configurations."""
 
-    def __init__(self, model: Any, tokenizer: Any, parent: ParentRequest, out: Path, *, replay: bool):
+    def __init__(
+        self, model: Any, tokenizer: Any, parent: ParentRequest, out: Path, *, replay: bool, override: Any = None
+    ):
+        self.override = override  # a model other than the parent's, allowed explicitly: logged in each re-run
         self.model = model
         self.tok = tokenizer
         self.parent = parent
@@ -483,10 +519,11 @@ class _Runner:
         from .replay import replay as replay_run
 
         run_id = counterfactual_id(self.parent.run_id, self.parent.request, kind, slots)
-        reused = _fresh(self.out, run_id)
+        wants_replay = (self.replay if replay is None else replay) and kind != FULL
+        reused = _fresh(self.out, run_id, lambda d, m: self._finish(d, m, wants_replay, oracle=False))
         if reused is not None:
             return reused
-        link = _link(self.parent, kind, slots, **extra)
+        link = _link(self.parent, kind, slots, override=self.override, **extra)
         t0 = time.perf_counter()
         try:
             config = config_fn()
@@ -519,7 +556,7 @@ class _Runner:
                 t1 = time.perf_counter()
                 self._generate()
                 self.generation_seconds.append(time.perf_counter() - t1)
-            if (self.replay if replay is None else replay) and kind != FULL:
+            if wants_replay:
                 replay_run(rec.run_dir, model=self.model, progress=False)
         except Exception as exc:
             return Outcome(kind, slots, run_id, False, error=f"{type(exc).__name__}: {exc}")
@@ -527,6 +564,25 @@ class _Runner:
         return Outcome(
             kind, slots, run_id, True, seen.get("passed"), seen.get("answer"), seconds=time.perf_counter() - t0
         )
+
+    def _finish(self, run_dir: Path, manifest: dict, replay: bool, *, oracle: bool) -> None:
+        """Complete a reused counterfactual an earlier explain left half done (see :func:`_fresh`)."""
+        from .replay import replay as replay_run
+
+        if replay and not replay_complete(run_dir, manifest):
+            replay_run(run_dir, model=self.model, progress=False)
+        cf = manifest.get("counterfactual") or {}
+        if "passed" in cf or "answer" in cf:
+            return
+        rows = load_run(run_dir, tables=("requests",))["requests"].to_pylist()
+        answer = rows[0]["answer"] if rows else None
+        if oracle:
+            passed, answer = _all_top1(run_dir), self.teacher_text
+        else:
+            passed = rows[0]["correct"] if rows else None
+            if passed is None and answer is not None and (self.check or self.teacher_text is not None):
+                passed = self.passes(answer)
+        _note(run_dir, passed=passed, answer=answer)
 
     def budget_config(self, slots: int) -> H2OConfig:
         """The run's policy at ``slots`` with its heavy:recent split."""
@@ -554,10 +610,11 @@ class _Runner:
         from .replay import replay as replay_run
 
         run_id = counterfactual_id(self.parent.run_id, self.parent.request, kind, slots)
-        reused = _fresh(self.out, run_id)
+        wants_replay = self.replay if replay is None else replay
+        reused = _fresh(self.out, run_id, lambda d, m: self._finish(d, m, wants_replay, oracle=True))
         if reused is not None:
             return reused
-        link = _link(self.parent, kind, slots, **extra)
+        link = _link(self.parent, kind, slots, override=self.override, **extra)
         t0 = time.perf_counter()
         try:
             teacher = self.oracle_teacher(full_run)
@@ -573,7 +630,7 @@ class _Runner:
             passed = _all_top1(run_dir)
             if passed is None:
                 passed = bool(teacher.passes(slots))
-            if self.replay if replay is None else replay:
+            if wants_replay:
                 replay_run(run_dir, model=self.model, progress=False)
         except Exception as exc:
             if not (self.out / run_id).exists():
@@ -624,6 +681,7 @@ def explain_request(
     checks: int = 1,
     resolution: float = 0.05,
     progress: Callable[[str], None] | None = None,
+    allow_other_model: bool = False,
 ) -> Explanation:
     """Run and record the counterfactuals of one request of a recorded run.
 
@@ -640,6 +698,8 @@ def explain_request(
     resolution : the budget searches stop within this share of the prompt
         (``max(1, round(resolution · P))`` slots; 0: to the slot)
     progress : called with a short label before each re-run (a progress bar)
+    allow_other_model : re-run with a model whose fingerprint differs from the parent's (logged in
+        each re-run's ``model_overrides``); without it such a model is refused before anything runs
 
     Returns
     -------
@@ -649,13 +709,14 @@ def explain_request(
     """
     t0 = time.perf_counter()
     parent = load_parent(run_dir, request)
+    override = check_model(parent.manifest, model, run=parent.run_id, command="explain", allow_other=allow_other_model)
     if not parent.config.spec.evicts:
         raise RecorderError(
             f"run {parent.run_id!r} keeps the full cache: there is no eviction to explain; "
             "explain a run of an evicting policy"
         )
     out = Path(out) if out is not None else Path(run_dir).resolve().parent
-    runner = _Runner(model, tokenizer, parent, out, replay=replay)
+    runner = _Runner(model, tokenizer, parent, out, replay=replay, override=override)
     say = progress or (lambda label: None)
     slots = int(parent.slots)
     outcomes: dict[str, Outcome] = {}

@@ -54,6 +54,7 @@ from h2o_lens.shape import model_shape
 from .errors import RecorderError
 from .eviction_steps import NEVER, evict_steps
 from .manifest import read_manifest, write_manifest
+from .recorded_model import check_model, log_override, model_source
 from .store import load_run
 
 __all__ = ["check_lifecycle", "LifecycleResult", "RequestLifecycle", "TIE_ULPS", "tie_tolerance"]
@@ -167,14 +168,15 @@ def _config_for(manifest: dict, row: dict, prompt_len: int) -> H2OConfig:
 
 
 def _model_for(manifest: dict, model: Any, progress: bool) -> Any:
+    """The checking model: ``model``, else the run's, loaded from where the manifest says it
+    was (:func:`~recorders.recorded_model.model_source`) in the run's dtype."""
     if model is not None:
         return model
     from h2o_lens.models import load_model
 
     info = manifest.get("model") or {}
-    name = info.get("name") if isinstance(info, dict) else info
     dtype = _DTYPES.get(str(info.get("dtype")) if isinstance(info, dict) else "", torch.float32)
-    return load_model(name, dtype=dtype, progress=progress)[0]
+    return load_model(model_source(manifest), dtype=dtype, progress=progress)[0]
 
 
 def _reference(model, config: H2OConfig, ids: np.ndarray, p: int, n: int, layers: int, sets: int) -> np.ndarray:
@@ -238,6 +240,7 @@ def check_lifecycle(
     requests: list[int] | None = None,
     write: bool = True,
     progress: bool = False,
+    allow_other_model: bool = False,
 ) -> LifecycleResult:
     """Check that a recorded run's kept sets follow from its accepted tokens (module docstring).
 
@@ -250,6 +253,8 @@ def check_lifecycle(
         the run's and the model's dtype; ``0`` demands identical kept sets
     requests : check only these requests (default: all)
     write : store the result in the manifest (``lifecycle``), for the report
+    allow_other_model : check with a model whose fingerprint differs from the recorded one
+        (logged in the manifest's ``model_overrides``); without it such a model is refused
 
     Raises
     ------
@@ -257,6 +262,8 @@ def check_lifecycle(
         The run has no tokens, its model does not match the checking model's shape,
         ``tolerance`` is negative or not finite, or the call is inside a
         :func:`h2o_lens.cache.use_layer_class` block (the re-run must use the plain layers).
+    ModelMismatchError
+        The checking model is not the run's (its fingerprint differs); nothing is written.
     """
     from h2o_lens.cache import H2OCacheLayer, current_layer_class
 
@@ -280,6 +287,7 @@ def check_lifecycle(
     if not len(req_col):
         raise RecorderError(f"{run_dir}: the run has no tokens table; nothing to check")
     model = _model_for(manifest, model, progress)
+    override = check_model(manifest, model, run=run.run_id, command="check", allow_other=allow_other_model)
     shape = model_shape(model.config)
     layers, hkv = shape.layers, shape.kv_heads
     info = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
@@ -338,5 +346,6 @@ def check_lifecycle(
     if write and requests is None:
         m = read_manifest(run_dir)
         m["lifecycle"] = result.to_dict()
+        log_override(m, override)
         write_manifest(run_dir, m)
     return result

@@ -10,8 +10,10 @@ run as ``interrupted``; :func:`mark_interrupted` rewrites it as such.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
+import errno
 import json
 import math
 import os
@@ -24,7 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from .errors import DamagedFileError, ManifestError, RunIdError, SchemaVersionError
+from .errors import DamagedFileError, ManifestError, RecorderError, RunIdError, SchemaVersionError, storage_error
 from .schema import RUNS, SCHEMA_VERSION
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "check_manifest",
     "effective_status",
     "mark_interrupted",
+    "listed_segments",
     "config_dict",
     "utc_now",
     "iso_utc",
@@ -234,19 +237,50 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(run_dir: str | os.PathLike, manifest: Mapping[str, Any]) -> Path:
-    """Write ``manifest.json`` atomically (temp file, fsync, rename, fsync folder)."""
+def write_manifest(run_dir: str | os.PathLike, manifest: Mapping[str, Any], *, in_place_if_full: bool = False) -> Path:
+    """Write ``manifest.json`` atomically (temp file, fsync, rename, fsync folder).
+
+    Raises :class:`~recorders.errors.StorageError` when the file cannot be written (the old
+    manifest is left as it was, the temporary file removed). ``in_place_if_full``: on a disk
+    too full for the temporary file, rewrite the existing file in place instead (its blocks
+    are reused): how a run is marked ``failed`` on a full disk. Not atomic: a kill during it
+    leaves a manifest the readers call unreadable, which a sweep redoes like a failed run.
+    """
     run_dir = Path(run_dir)
     target = run_dir / MANIFEST_NAME
     tmp = run_dir / f"{MANIFEST_NAME}.{os.getpid()}.{secrets.token_hex(3)}.tmp"
     data = json.dumps(manifest, indent=2, sort_keys=True, default=str).encode()
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, target)
-    _fsync_dir(run_dir)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+        _fsync_dir(run_dir)
+    except OSError as exc:  # a full disk: the old manifest stays, no temporary file is left
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if in_place_if_full and exc.errno in (errno.ENOSPC, errno.EDQUOT) and _fits_in_place(target, len(data)):
+            try:
+                with open(target, "r+b") as fh:
+                    fh.write(data)
+                    fh.truncate()
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                return target
+            except OSError:
+                pass
+        raise storage_error(target, exc, len(data)) from exc
     return target
+
+
+def _fits_in_place(path: Path, size: int) -> bool:
+    """Whether ``size`` bytes fit in the blocks ``path`` already holds (rewriting it needs none)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return size <= max(st.st_size, getattr(st, "st_blocks", 0) * 512)
 
 
 def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -356,12 +390,18 @@ def _writer_issue(writer: Any) -> str | None:
     return None
 
 
-def _rows_issue(rows: Any) -> str | None:
+def _rows_issue(rows: Any, what: str = "table name") -> str | None:
     if not isinstance(rows, dict):
-        return f"is {type(rows).__name__}, expected an object of table name to row count"
+        return f"is {type(rows).__name__}, expected an object of {what} to row count"
     for table, count in rows.items():
         if not _is_int(count, 64, minimum=0):
             return f"{table!r} is {count!r}, expected a row count (integer >= 0)"
+    return None
+
+
+def _names_issue(names: Any) -> str | None:
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return f"is {type(names).__name__}, expected a list of segment file names"
     return None
 
 
@@ -383,7 +423,12 @@ def check_manifest(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], list[st
         issues.append(f"field {where}{key} {why}")
         container.pop(key, None)
 
-    checks = {"writer": _writer_issue, "rows": _rows_issue}
+    checks = {
+        "writer": _writer_issue,
+        "rows": _rows_issue,
+        "segments": lambda v: _rows_issue(v, "segment file name"),
+        "superseded": _names_issue,
+    }
     for key, check in checks.items():
         if key in out and out[key] is not None and (why := check(out[key])):
             drop(key, why)
@@ -442,3 +487,14 @@ def mark_interrupted(run_dir: str | os.PathLike) -> bool:
     manifest["error"] = manifest.get("error") or "writer process ended without closing the run"
     write_manifest(run_dir, manifest)
     return True
+
+
+def listed_segments(run_dir: str | os.PathLike) -> dict[str, int] | None:
+    """The segments the manifest of ``run_dir`` lists (file name -> rows), or None when it lists
+    none (a manifest written before the listing, a run still being written, or no readable
+    manifest): then the untagged segment files of the folder are the run's (DESIGN.md §5.1)."""
+    try:
+        listed = read_manifest(run_dir).get("segments")
+    except (RecorderError, OSError):
+        return None
+    return listed if isinstance(listed, dict) else None

@@ -997,7 +997,8 @@ def record(
         if writer.status == "running":
             with contextlib.suppress(Exception):  # the requests seen so far, for the failed run's log
                 rec.finish()
-            writer.close("failed", exc)
+            with contextlib.suppress(Exception):  # a full disk may refuse the manifest too: the cause matters
+                writer.close("failed", exc)
         raise
     writer.close("complete")
 

@@ -44,8 +44,8 @@ The tolerance used is written to the manifest (``logit_tolerance``,
 ``replay.tolerance``), the ``runs`` view reads it and the attribution and
 the report gate use it.
 
-Writes the ``replay`` and ``replay_steps`` tables into the run folder
-(replacing an earlier replay) and updates the manifest.
+Writes the ``replay``, ``replay_steps`` and ``oracle`` tables into the run folder and switches
+the manifest to them in one rename, replacing an earlier replay (DESIGN.md §6.1).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 from transformers import DynamicCache
 
@@ -71,14 +74,23 @@ from h2o_lens.kernels.replay import TEACHER_TILE_ROWS
 from h2o_lens.ops import prefill_attention
 from h2o_lens.shape import ModelShape, model_shape
 
+from .contract import model_tag
 from .errors import RecorderError
 from .eviction_steps import evict_steps
 from .manifest import read_manifest, write_manifest
 from .prompt_pass import PromptPass, PromptSink
-from .segments import SegmentWriter, list_segments
+from .recorded_model import check_model, model_source
+from .schema import REPLAY_TABLES
+from .segments import SEGMENT_RE, SegmentWriter, clean_temp_files, list_segments
 from .store import load_run
 
-__all__ = ["replay", "ReplaySummary", "DEFAULT_TOLERANCE", "TOLERANCE_ULPS", "implementation_tolerance"]
+__all__ = [
+    "replay",
+    "ReplaySummary",
+    "DEFAULT_TOLERANCE",
+    "TOLERANCE_ULPS",
+    "implementation_tolerance",
+]
 
 REPLAY_ATTN = "h2o_lens_replay"
 #: floor of the implementation tolerance: largest accepted |logit difference| in float32 / float64
@@ -348,13 +360,12 @@ def _load(run_dir: Path) -> _Run:
 
 
 def _model_for(run: _Run, model: Any, progress: bool) -> tuple[Any, ModelShape]:
-    """The replay model (loaded from the manifest's model name when not given) and its shape."""
+    """The replay model (loaded from where the manifest says it was, :func:`model_source`,
+    when not given) and its shape."""
     if model is None:
         from h2o_lens.models import load_model
 
-        info = run.manifest.get("model") or {}
-        name = info.get("name") if isinstance(info, dict) else info
-        model, _ = load_model(name, progress=progress)
+        model, _ = load_model(model_source(run.manifest), progress=progress)
     return model, model_shape(model.config)
 
 
@@ -551,21 +562,70 @@ def _replay_request(
     return prompt_pass is not None
 
 
-def _write_tables(run_dir: Path, run: _Run, rows: _Rows, gqa_none: bool) -> None:
-    """Replace the run's replay, replay_steps and oracle segments with ``rows``."""
-    segments = list_segments(run_dir)
-    for old in segments.get("replay", []) + segments.get("replay_steps", []) + segments.get("oracle", []):
-        old.unlink()
-    writer = SegmentWriter(run_dir, run_id=run.run_id, config=run.config, fsync=True)
-    if rows.replay["step"]:
-        writer.append("replay", _cat(rows.replay))
-        writer.append("replay_steps", _cat(rows.steps))
-    if rows.oracle["step"]:
-        oracle = _cat(rows.oracle)
-        if not gqa_none:
-            oracle.pop("q_head")
-        writer.append("oracle", oracle)
-    writer.close()
+def _listing(run_dir: Path, manifest: dict) -> dict[str, int]:
+    """The segments the run holds now (file name -> rows): the manifest's list, or for a manifest
+    written before segments were listed, the untagged segment files of the folder."""
+    listed = manifest.get("segments")
+    if isinstance(listed, dict):
+        return dict(listed)
+    out = {}
+    for paths in list_segments(run_dir).values():
+        for path in paths:
+            try:
+                out[path.name] = pq.read_metadata(path).num_rows
+            except (OSError, ValueError, pa.ArrowException):
+                pass  # a damaged file: not listed, so the readers name it
+    return out
+
+
+def _commit(run_dir: Path, run: _Run, rows: _Rows, gqa_none: bool, manifest_update: dict[str, Any]) -> None:
+    """Write the replay's tables and switch the run to them in one manifest rename (DESIGN.md §6.1).
+
+    The new segments are written under tagged names the readers skip until a manifest lists
+    them; the manifest then lists them in place of the earlier replay's (``superseded``), which
+    are removed after. A failure at any point (a full disk) removes what this replay wrote and
+    leaves the earlier replay, or none, as it was.
+    """
+    manifest = read_manifest(run_dir)
+    listed = _listing(run_dir, manifest)
+    writer = SegmentWriter(
+        run_dir,
+        run_id=run.run_id,
+        config=run.config,
+        fsync=True,
+        tag=secrets.token_hex(4),
+        model=model_tag(manifest.get("model")),
+    )
+    try:
+        if rows.replay["step"]:
+            writer.append("replay", _cat(rows.replay))
+            writer.append("replay_steps", _cat(rows.steps))
+        if rows.oracle["step"]:
+            oracle = _cat(rows.oracle)
+            if not gqa_none:
+                oracle.pop("q_head")
+            writer.append("oracle", oracle)
+        writer.close()
+        old = [n for n in listed if (m := SEGMENT_RE.fullmatch(n)) and m["table"] in REPLAY_TABLES]
+        manifest["segments"] = {n: r for n, r in listed.items() if n not in old} | writer.files
+        manifest["rows"] = {**(manifest.get("rows") or {}), **{t: writer.rows_written.get(t, 0) for t in REPLAY_TABLES}}
+        earlier = [n for n in manifest.get("superseded") or () if isinstance(n, str) and (run_dir / n).exists()]
+        manifest["superseded"] = sorted(set(old) | set(earlier))
+        manifest.update(manifest_update)
+        write_manifest(run_dir, manifest)
+    except BaseException:
+        for path in writer.segments:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        with contextlib.suppress(OSError):
+            clean_temp_files(run_dir)
+        raise
+    current = set(manifest["segments"])
+    for entry in os.scandir(run_dir):  # the replaced segments, and tagged ones of replays that never switched
+        m = SEGMENT_RE.fullmatch(entry.name)
+        if m and entry.name not in current and (m["tag"] is not None or entry.name in manifest["superseded"]):
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
 
 
 def _summarize(run: _Run, model, rows: _Rows, tolerance: float | None, seconds: float) -> ReplaySummary:
@@ -593,22 +653,23 @@ def _summarize(run: _Run, model, rows: _Rows, tolerance: float | None, seconds: 
     )
 
 
-def _update_manifest(run_dir: Path, summary: ReplaySummary, backend: str) -> None:
-    manifest = read_manifest(run_dir)
-    manifest["max_logit_diff"] = summary.max_logit_diff
-    manifest["logit_tolerance"] = summary.tolerance
-    manifest["replay"] = {
-        "implementation_ok": summary.implementation_ok,
-        "tolerance": summary.tolerance,
-        "mean_kl": summary.mean_kl,
-        "top1_agreement": summary.top1_agreement,
-        "mean_dropped_mass": summary.mean_dropped_mass,
-        "seconds": summary.seconds,
-        "backend": backend,
-        "prompts_from_run": summary.prompts_from_run,
-        "prompts_as_batch": summary.prompts_as_batch,
+def _replay_fields(summary: ReplaySummary, backend: str) -> dict[str, Any]:
+    """The manifest fields a replay sets."""
+    return {
+        "max_logit_diff": summary.max_logit_diff,
+        "logit_tolerance": summary.tolerance,
+        "replay": {
+            "implementation_ok": summary.implementation_ok,
+            "tolerance": summary.tolerance,
+            "mean_kl": summary.mean_kl,
+            "top1_agreement": summary.top1_agreement,
+            "mean_dropped_mass": summary.mean_dropped_mass,
+            "seconds": summary.seconds,
+            "backend": backend,
+            "prompts_from_run": summary.prompts_from_run,
+            "prompts_as_batch": summary.prompts_as_batch,
+        },
     }
-    write_manifest(run_dir, manifest)
 
 
 def replay(
@@ -620,6 +681,7 @@ def replay(
     progress: bool = True,
     backend: str = "auto",
     prompt_passes: Mapping[int, PromptPass] | None = None,
+    allow_other_model: bool = False,
 ) -> ReplaySummary:
     """Replay one recorded run (see the module docstring) and write its replay tables.
 
@@ -634,6 +696,18 @@ def replay(
         for the dropped mass and the oracle columns; the one used goes into the manifest
     prompt_passes : request -> its prompt pass from the recording (``record(...,
         keep_prompt_pass=True)``, DESIGN.md §6.1): that request's prompt is not forwarded again
+    allow_other_model : replay with a model whose fingerprint differs from the recorded one
+        (logged in the manifest's ``model_overrides``); without it such a model is refused
+
+    The new tables replace an earlier replay's in one manifest rename (:func:`_commit`): a
+    failure leaves the earlier replay, or none, never a mix.
+
+    Raises
+    ------
+    ModelMismatchError
+        ``model`` (or the one loaded from the manifest) is not the run's; nothing is written.
+    StorageError
+        A file could not be written (a full disk); the earlier replay is left as it was.
     """
     from tqdm.auto import tqdm
 
@@ -641,6 +715,7 @@ def replay(
     run_dir = Path(run_dir)
     run = _load(run_dir)
     model, shape = _model_for(run, model, progress)
+    override = check_model(run.manifest, model, run=run.run_id, command="replay", allow_other=allow_other_model)
     state = _new_state(run, shape, chunk, backend)
     rows = _Rows()
     bar = tqdm(
@@ -664,7 +739,9 @@ def replay(
             if _replay_request(model, run, shape, state, rows, request, bar, passed):
                 setattr(rows, source, getattr(rows, source) + 1)
     bar.close()
-    _write_tables(run_dir, run, rows, run.gqa == "none")
     summary = _summarize(run, model, rows, tolerance, time.perf_counter() - t0)
-    _update_manifest(run_dir, summary, state.backend)
+    fields = _replay_fields(summary, state.backend)
+    if override:
+        fields["model_overrides"] = [*(run.manifest.get("model_overrides") or []), override]
+    _commit(run_dir, run, rows, run.gqa == "none", fields)
     return summary

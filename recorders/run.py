@@ -20,6 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from .contract import model_tag
 from .errors import RunExistsError
 from .manifest import (
     MANIFEST_NAME,
@@ -31,6 +32,7 @@ from .manifest import (
     validate_run_id,
     write_manifest,
 )
+from .schema import TABLE_NAMES as _RECORDED
 from .segments import DEFAULT_ROWS_PER_SEGMENT, SegmentWriter
 
 __all__ = ["RunWriter"]
@@ -106,6 +108,7 @@ class RunWriter:
             config=self.config,
             rows_per_segment=self._rows_per_segment,
             fsync=self._fsync,
+            model=model_tag(self.manifest.get("model")),
         )
         write_manifest(self.run_dir, self.manifest)
         self.status = "running"
@@ -130,7 +133,14 @@ class RunWriter:
             self.manifest.update(info)
 
     def close(self, status: str = "complete", error: BaseException | str | None = None) -> None:
-        """Flush and rewrite the manifest as ``complete`` or ``failed``."""
+        """Flush and rewrite the manifest as ``complete`` or ``failed``.
+
+        The manifest lists every segment written with its rows (``segments``) and the rows of
+        each table (``rows``): a segment it does not list is not the run's (DESIGN.md §5.1). A
+        flush that fails (a full disk) makes the run ``failed`` with that error, its temporary
+        files removed, and raises it; closing as ``failed`` with an ``error`` raises nothing
+        from the flush, the given error is the one that matters.
+        """
         if status not in ("complete", "failed"):
             raise ValueError(f"status must be 'complete' or 'failed', got {status!r}")
         segments = self._started()
@@ -139,6 +149,9 @@ class RunWriter:
             segments.close()
         except Exception as exc:  # a failed flush turns the run into a failed one
             flush_error = exc
+            segments.closed = True
+            if status == "failed" and error is not None:
+                flush_error = None  # the caller's error is the cause; the flush fails for the same reason
             status, error = "failed", error or exc
         assert self.manifest is not None
         self.manifest["status"] = status
@@ -146,9 +159,10 @@ class RunWriter:
         if error is not None:
             self.manifest["error"] = str(error) or repr(error)
             self.manifest["error_type"] = type(error).__name__ if isinstance(error, BaseException) else "Error"
-        self.manifest["rows"] = dict(segments.rows_written)
-        write_manifest(self.run_dir, self.manifest)
+        self.manifest["rows"] = {**dict.fromkeys(_RECORDED, 0), **segments.rows_written}
+        self.manifest["segments"] = dict(segments.files)
         self.status = status
+        write_manifest(self.run_dir, self.manifest, in_place_if_full=status == "failed")
         if flush_error is not None:
             raise flush_error
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -29,10 +29,19 @@ __all__ = [
     "META_RUN_ID",
     "TABLES",
     "TABLE_NAMES",
+    "REPLAY_TABLES",
     "RUNS",
     "VIEW_NAMES",
     "COUNTERFACTUAL_KINDS",
     "KEYS",
+    "Range",
+    "FLOAT_SLACK",
+    "RANGES",
+    "BOUNDED_BY",
+    "SPAN_EXEMPT",
+    "ROWS_PER_REQUEST",
+    "UNIQUE",
+    "unique_key",
     "table_schema",
     "duckdb_type",
     "empty_table",
@@ -222,6 +231,8 @@ TABLES: dict[str, pa.Schema] = {
     ),
 }
 TABLE_NAMES: tuple[str, ...] = tuple(TABLES)
+#: the tables a replay writes, all three replaced at once (DESIGN.md §6.1)
+REPLAY_TABLES: tuple[str, ...] = ("replay", "replay_steps", "oracle")
 
 #: Row identity of each table (the order the writer and ``load_run`` sort by).
 KEYS: dict[str, tuple[str, ...]] = {
@@ -236,6 +247,132 @@ KEYS: dict[str, tuple[str, ...]] = {
     "spec_segments": ("run_id", "request", "segment"),
     "spec_undone": ("run_id", "request", "segment", "step", "layer", "kv_head", "position"),
 }
+
+
+# -- the value contract (DESIGN.md §5.5) -----------------------------------------------------------
+
+
+class Range(NamedTuple):
+    """The values a column may hold: ``lo <= v <= hi`` (None: no bound on that side).
+
+    ``slack`` is the rounding a float column may show past a bound (a KL computed in float32
+    can come out a hair below 0); NaN is outside every range.
+    """
+
+    lo: float | None
+    hi: float | None
+    slack: float = 0.0
+
+
+_INDEX = Range(0, None)  # requests, steps, positions, layers, heads: counted from 0
+#: rounding a sum of float32 weights or log-probabilities may show past its bound
+FLOAT_SLACK = 1e-4
+
+#: The range of every column the contract bounds, per table. The catalog checks every file
+#: against it at scan time (integer columns from the Parquet footer's statistics, float
+#: columns while the file is read through) and marks the run of a file that breaks it.
+RANGES: dict[str, dict[str, Range]] = {
+    "tokens": {"request": _INDEX, "position": _INDEX, "token_id": _INDEX},
+    "evictions": {
+        "request": _INDEX,
+        "step": _INDEX,
+        "layer": _INDEX,
+        "kv_head": _INDEX,
+        "q_head": _INDEX,
+        "position": _INDEX,
+        "age": _INDEX,
+    },
+    "steps": {
+        "request": _INDEX,
+        "step": _INDEX,
+        "layer": _INDEX,
+        "kv_head": _INDEX,
+        "q_head": _INDEX,
+        "exiting_position": _INDEX,
+        "kept": _INDEX,
+    },
+    "replay": {
+        "request": _INDEX,
+        "step": _INDEX,
+        "layer": _INDEX,
+        "q_head": _INDEX,
+        "kv_head": _INDEX,
+        "dropped_mass": Range(0.0, 1.0, FLOAT_SLACK),
+    },
+    "replay_steps": {
+        "request": _INDEX,
+        "step": _INDEX,
+        "kl": Range(0.0, None, FLOAT_SLACK),
+        "teacher_logprob": Range(None, 0.0, FLOAT_SLACK),
+    },
+    "oracle": {
+        "request": _INDEX,
+        "step": _INDEX,
+        "layer": _INDEX,
+        "kv_head": _INDEX,
+        "q_head": _INDEX,
+        "position": _INDEX,
+        "teacher_score": Range(0.0, None, FLOAT_SLACK),
+        "teacher_future_mass": Range(0.0, None, FLOAT_SLACK),
+    },
+    "run_logits": {"request": _INDEX, "step": _INDEX, "token_id": _INDEX, "top1_id": _INDEX},
+    "requests": {"request": _INDEX, "prompt_len": _INDEX, "new_tokens": _INDEX, "heavy": _INDEX, "recent": _INDEX},
+    "spec_segments": {
+        "request": _INDEX,
+        "segment": _INDEX,
+        "step": _INDEX,
+        "proposed": _INDEX,
+        "accepted": _INDEX,
+        "rolled_back": _INDEX,
+        "undone_evictions": _INDEX,
+    },
+    "spec_undone": {
+        "request": _INDEX,
+        "step": _INDEX,
+        "layer": _INDEX,
+        "kv_head": _INDEX,
+        "q_head": _INDEX,
+        "position": _INDEX,
+        "segment": _INDEX,
+    },
+}
+
+#: Columns bounded by a quantity of their request or of the run's model: ``span`` is the
+#: request's ``prompt_len + new_tokens`` (positions and steps lie below it); ``layers``,
+#: ``kv_heads`` and ``q_heads`` are the model's, from the manifest.
+BOUNDED_BY: dict[str, str] = {
+    "position": "span",
+    "exiting_position": "span",
+    "step": "span",
+    "layer": "layers",
+    "kv_head": "kv_heads",
+    "q_head": "q_heads",
+}
+
+#: Tables whose steps and positions may lie past a request's tokens: a rolled-back draft token of
+#: speculative decoding can sit after the request's last kept token (DESIGN.md §14).
+SPAN_EXEMPT: tuple[str, ...] = ("spec_segments", "spec_undone")
+
+#: Rows of one request at most: its ``new_tokens`` (steps P - 1 .. P + new_tokens - 2) times
+#: these model quantities (``sets``: the KV sets, query heads for ``gqa='none'``).
+ROWS_PER_REQUEST: dict[str, tuple[str, ...]] = {
+    "replay_steps": (),
+    "run_logits": (),
+    "replay": ("layers", "q_heads"),
+    "steps": ("layers", "sets"),
+}
+
+#: Tables whose key (:data:`KEYS`, with ``q_head`` where the table has one) never repeats in a run.
+UNIQUE: tuple[str, ...] = ("tokens", "steps", "replay", "replay_steps", "run_logits", "requests")
+
+
+def unique_key(table: str) -> tuple[str, ...]:
+    """The columns whose values identify one row of a :data:`UNIQUE` table (``run_id`` left out)."""
+    key = tuple(c for c in KEYS[table] if c != "run_id")
+    if "q_head" in TABLES[table].names and "q_head" not in key:
+        key += ("q_head",)
+    return key
+
 
 #: The ``runs`` view: one row per run, built from the manifests.
 RUNS = pa.schema(

@@ -16,6 +16,7 @@ dictionary for the rest; every page carries a CRC-32 checksum. Every file carrie
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,7 +27,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import SchemaError
+from .contract import META_MODEL
+from .errors import SchemaError, storage_error
+from .manifest import listed_segments
 from .schema import META_CONFIG, META_RUN_ID, META_SCHEMA_VERSION, META_TABLE, SCHEMA_VERSION, table_schema, to_arrow
 
 __all__ = [
@@ -41,29 +44,41 @@ __all__ = [
     "SegmentWriter",
 ]
 
-SEGMENT_RE = re.compile(r"(?P<table>[a-z][a-z_]*)-(?P<index>\d{5,})\.parquet")
+#: a segment: ``<table>-NNNNN.parquet``, or ``<table>-NNNNN.<tag>.parquet`` for the segments of one
+#: replay (they count only once a manifest lists them, DESIGN.md §6.1)
+SEGMENT_RE = re.compile(r"(?P<table>[a-z][a-z_]*)-(?P<index>\d{5,})(?:\.(?P<tag>[0-9a-z]+))?\.parquet")
 DEFAULT_ROWS_PER_SEGMENT = 262_144
 ROW_GROUP_SIZE = 131_072  # DuckDB scans row groups in parallel
 ZSTD_LEVEL = 3
 
 
-def segment_name(table: str, index: int) -> str:
-    """File name of segment ``index`` of ``table``: ``evictions-00012.parquet``."""
-    return f"{table}-{index:05d}.parquet"
+def segment_name(table: str, index: int, tag: str | None = None) -> str:
+    """File name of segment ``index`` of ``table``: ``evictions-00012.parquet``
+    (``replay-00000.<tag>.parquet`` with a ``tag``)."""
+    return f"{table}-{index:05d}.{tag}.parquet" if tag else f"{table}-{index:05d}.parquet"
 
 
-def list_segments(run_dir: str | os.PathLike) -> dict[str, list[Path]]:
-    """Closed segments of a run folder, per table name, in segment order."""
-    found: dict[str, list[tuple[int, Path]]] = {}
+def list_segments(run_dir: str | os.PathLike, *, current: bool = True) -> dict[str, list[Path]]:
+    """Closed segments of a run folder, per table name, in segment order.
+
+    With ``current`` (the default) the segments the readers count: those the manifest lists
+    when it lists them (DESIGN.md §5.1), else the untagged ones. ``current=False``: every
+    segment file in the folder, tagged ones included.
+    """
+    found: dict[str, list[tuple[str, int, Path]]] = {}
     try:
         entries = list(os.scandir(run_dir))
     except FileNotFoundError:
         return {}
+    listed = listed_segments(run_dir) if current else None
     for entry in entries:
         m = SEGMENT_RE.fullmatch(entry.name)
-        if m and entry.is_file():
-            found.setdefault(m["table"], []).append((int(m["index"]), Path(entry.path)))
-    return {t: [p for _, p in sorted(v)] for t, v in sorted(found.items())}
+        if not m or not entry.is_file():
+            continue
+        if current and (entry.name not in listed if listed is not None else m["tag"] is not None):
+            continue
+        found.setdefault(m["table"], []).append((m["tag"] or "", int(m["index"]), Path(entry.path)))
+    return {t: [p for *_, p in sorted(v)] for t, v in sorted(found.items())}
 
 
 def clean_temp_files(run_dir: str | os.PathLike) -> list[Path]:
@@ -71,8 +86,9 @@ def clean_temp_files(run_dir: str | os.PathLike) -> list[Path]:
     removed = []
     for entry in os.scandir(run_dir):
         if entry.name.endswith(".tmp") and entry.is_file():
-            os.unlink(entry.path)
-            removed.append(Path(entry.path))
+            with contextlib.suppress(FileNotFoundError):  # another writer's cleanup got there first
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
     return removed
 
 
@@ -112,11 +128,14 @@ def _fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def file_metadata(table: str, run_id: str | None, config_json: str) -> dict[str, str]:
-    """Key-value metadata carried by every segment."""
+def file_metadata(table: str, run_id: str | None, config_json: str, model: str | None = None) -> dict[str, str]:
+    """Key-value metadata carried by every segment (``model``: the run's model tag,
+    :func:`recorders.contract.model_tag`)."""
     meta = {META_SCHEMA_VERSION: str(SCHEMA_VERSION), META_CONFIG: config_json, META_TABLE: table}
     if run_id is not None:
         meta[META_RUN_ID] = run_id
+    if model is not None:
+        meta[META_MODEL] = model
     return meta
 
 
@@ -129,6 +148,7 @@ def write_segment(
     run_id: str | None = None,
     metadata: Mapping[str, str] | None = None,
     fsync: bool = True,
+    model: str | None = None,
 ) -> Path:
     """Write one closed segment atomically.
 
@@ -145,6 +165,14 @@ def write_segment(
         Extra key-value metadata (overrides the defaults; tests use it).
     fsync : bool
         fsync the file and the folder (turn off only for throwaway data).
+    model : str, optional
+        The run's model tag (:func:`recorders.contract.model_tag`), stored as ``h2o_lens.model``.
+
+    Raises
+    ------
+    StorageError
+        Writing failed (a full disk, say): the temporary file is removed and the error names
+        the segment, the space it needed and the space free.
     """
     path = Path(path)
     schema = table_schema(table)
@@ -153,17 +181,32 @@ def write_segment(
             f"segment {path.name}: table schema differs from the declared "
             f"{table!r} schema; build it with schema.to_arrow()"
         )
-    meta = file_metadata(table, run_id, config_json)
+    meta = file_metadata(table, run_id, config_json, model)
     meta.update(metadata or {})
     data = data.replace_schema_metadata(meta)
     tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(data, tmp, **write_options(schema))
-    if fsync:
-        _fsync_path(tmp)
-    os.replace(tmp, path)
-    if fsync:
-        _fsync_path(path.parent)
+    try:
+        pq.write_table(data, tmp, **write_options(schema))
+        if fsync:
+            _fsync_path(tmp)
+        os.replace(tmp, path)
+        if fsync:
+            _fsync_path(path.parent)
+    except OSError as exc:  # a full disk, a quota: no half-written file stays, and the error says so
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise storage_error(path, exc, _encoded_size(data, schema)) from exc
     return path
+
+
+def _encoded_size(data: pa.Table, schema: pa.Schema) -> int | None:
+    """Bytes ``data`` takes as a segment file (encoded in memory: what a failed write needed)."""
+    try:
+        sink = pa.BufferOutputStream()
+        pq.write_table(data, sink, **write_options(schema))
+        return sink.tell()
+    except (pa.ArrowException, OSError, ValueError):
+        return None
 
 
 class SegmentWriter:
@@ -182,6 +225,13 @@ class SegmentWriter:
         Buffered rows of one table that trigger a segment.
     fsync : bool
         Make each segment durable before it becomes visible.
+    tag : str, optional
+        Name the segments ``<table>-NNNNN.<tag>.parquet``: files the readers count only once a
+        manifest lists them (a replay's, switched to in one manifest rename; DESIGN.md §6.1).
+    model : str, optional
+        The run's model tag (:func:`recorders.contract.model_tag`), stored in every file.
+
+    ``files`` maps the name of every segment written to its rows (the manifest's ``segments``).
     """
 
     def __init__(
@@ -192,20 +242,30 @@ class SegmentWriter:
         config: Mapping[str, Any] | None = None,
         rows_per_segment: int = DEFAULT_ROWS_PER_SEGMENT,
         fsync: bool = True,
+        tag: str | None = None,
+        model: str | None = None,
     ) -> None:
         if isinstance(rows_per_segment, bool) or not isinstance(rows_per_segment, int) or rows_per_segment < 1:
             raise ValueError(f"rows_per_segment must be a positive int, got {rows_per_segment!r}")
+        if tag is not None and not re.fullmatch(r"[0-9a-z]+", tag):
+            raise ValueError(f"tag must be lower-case letters and digits, got {tag!r}")
         self.run_dir = Path(run_dir)
         self.run_id = run_id or self.run_dir.name
         self.config_json = json.dumps(dict(config or {}), sort_keys=True, default=str)
         self.rows_per_segment = rows_per_segment
         self.fsync = fsync
+        self.tag = tag
+        self.model = model
         self.removed_temp_files = clean_temp_files(self.run_dir)
-        existing = list_segments(self.run_dir)
-        self._next = {t: int(SEGMENT_RE.fullmatch(p[-1].name)["index"]) + 1 for t, p in existing.items()}
+        self._next: dict[str, int] = {}
+        for entry in os.scandir(self.run_dir):  # numbering continues after the segments of the same tag
+            m = SEGMENT_RE.fullmatch(entry.name)
+            if m and m["tag"] == tag:
+                self._next[m["table"]] = max(self._next.get(m["table"], 0), int(m["index"]) + 1)
         self._buffers: dict[str, list[pa.Table]] = {}
         self._buffered: dict[str, int] = {}
         self.rows_written: dict[str, int] = {}
+        self.files: dict[str, int] = {}
         self.segments: list[Path] = []
         self.closed = False
 
@@ -261,15 +321,17 @@ class SegmentWriter:
     def _write(self, table: str, data: pa.Table) -> Path:
         index = self._next.get(table, 0)
         path = write_segment(
-            self.run_dir / segment_name(table, index),
+            self.run_dir / segment_name(table, index, self.tag),
             table,
             data,
             config_json=self.config_json,
             run_id=self.run_id,
             fsync=self.fsync,
+            model=self.model,
         )
         self._next[table] = index + 1
         self.rows_written[table] = self.rows_written.get(table, 0) + data.num_rows
+        self.files[path.name] = data.num_rows
         self.segments.append(path)
         return path
 

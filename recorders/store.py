@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .catalog import Catalog, Problem, RunEntry, SegmentFile, run_row, scan_root, scan_run
-from .errors import DamagedFileError, RecorderWarning
+from .errors import ContractError, DamagedFileError, RecorderWarning
 from .manifest import mark_interrupted
 from .schema import RUNS, TABLE_NAMES, duckdb_type, table_schema
 
@@ -326,12 +326,18 @@ def check_run(run_dir: str | os.PathLike) -> RunCheck:
     ------
     ManifestError, DamagedFileError, SchemaError, SchemaVersionError
         Each names the file concerned; :class:`DamagedFileError` also when the
-        rows read differ from the row counts the manifest records.
+        rows read differ from the row counts the manifest records, or a segment is not
+        listed in the manifest.
+    ContractError
+        A value breaks the value contract (DESIGN.md §5.5).
     """
     run, problems = _strict_run(run_dir)
-    counts = [p for p in problems if p.kind == "rows"]
+    counts = [p for p in problems if p.kind in ("rows", "unlisted")]
     if counts:
         raise DamagedFileError(str(counts[0]))
+    values = [p for p in problems if p.kind == "values"]
+    if values:
+        raise ContractError(str(values[0]))
     rows: dict[str, int] = {}
     files: list[Path] = []
     for table, segs in run.files.items():

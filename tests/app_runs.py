@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from listing import relist
 
 from recorders import to_arrow, write_segment, write_synthetic_run
 from recorders.manifest import read_manifest, write_manifest
@@ -87,6 +88,7 @@ def build_runs_root(root: Path) -> Path:
         run_id="h2o-sum",
         fsync=False,
     )
+    relist(root / "h2o-sum")
     write_synthetic_run(root, "h2o-max", gqa="max", seed=1, requests=2, **SHAPE)
     _link(root, "h2o-max", source_run="h2o-sum")
     _copy_tokens(root, "h2o-sum", "h2o-max")

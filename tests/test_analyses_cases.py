@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+from listing import relist
 from logsim import h2o_log_from_attention, sim_tables, tokens_for, write_run
 
 import analyses
@@ -287,6 +288,7 @@ def test_answer_checker_from_the_requests_table(tmp_path):
         table.replace_schema_metadata({META_SCHEMA_VERSION: str(SCHEMA_VERSION)}),
         tmp_path / "req" / "requests-00000.parquet",
     )
+    relist(tmp_path / "req")
     table = analyses.failed_requests(
         open_runs(tmp_path), "req", thresholds={"min_top1_agreement": 0.0, "kl_fail": None}
     )

@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+from listing import relist
 from logsim import h2o_log_from_attention, random_attention, sim_tables, tokens_for, write_run
 
 import analyses
@@ -374,6 +375,7 @@ def test_oracle_agreement_matches_pandas(tmp_path, world):
         oracle.replace_schema_metadata({META_SCHEMA_VERSION: str(SCHEMA_VERSION)}),
         tmp_path / "orc" / "oracle-00000.parquet",
     )
+    relist(tmp_path / "orc")
     con = open_runs(tmp_path)
     assert analyses.oracle_available(con)
     got = analyses.oracle_agreement(con, "orc", eps=0.5).df().set_index(["layer", "kv_head"])

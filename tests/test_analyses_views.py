@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+from listing import relist
 
 import analyses
 from analyses import views
@@ -30,6 +31,7 @@ def world(tmp_path_factory):
         run_id="a",
         fsync=False,
     )
+    relist(root / "a")
     write_synthetic_run(root, "b", gqa="max", seed=4, **SHAPE)
     manifest = read_manifest(root / "b")
     manifest["source_run"] = "a"

@@ -54,6 +54,9 @@ def test_demo_command_records_replays_reports_and_summarises(tmp_path):
     con = open_runs(out)
     statuses = dict(con.sql("SELECT run_id, status FROM runs").fetchall())
     assert len(statuses) == 7 and set(statuses.values()) == {"complete"}
+    # a real root holds no problem: every value within the contract (DESIGN.md §5.5)
+    assert con.execute("SELECT count(*) FROM problems").fetchone() == (0,)
+    assert {i for (i,) in con.execute("SELECT integrity FROM runs").fetchall()} == {"ok"}
     for row in summary[1:]:
         verdict, _, note = row["verdict"].partition(" ")
         assert verdict in (*analyses.VERDICTS, "ok")
@@ -115,5 +118,7 @@ def test_sweep_writes_the_three_curves(default_model, tmp_path):
         assert rows.loc[p, "ms_per_token"] > 0
     for name in ("sweep.csv", "sweep.md", "sweep.html"):
         assert (out / name).stat().st_size > 200
+    con = open_runs(out, warn=False)  # a real sweep root holds no problem (DESIGN.md §5.5)
+    assert con.execute("SELECT count(*) FROM problems").fetchone() == (0,)
     html = (out / "sweep.html").read_text()
     assert "quality" in html and "physical KV" in html and "latency" in html

@@ -461,7 +461,7 @@ def test_a_sweep_shows_each_cells_tokens_and_replay_and_leaves_no_bar(tiny_dir, 
     assert _per_request(tmp_path / "shown") == _per_request(tmp_path / "quiet")
 
 
-def test_a_sweep_past_the_context_window_says_so_once(tiny_dir, task_file, tmp_path, capsys):
+def test_a_sweep_past_the_context_window_on_purpose_says_so_once(tiny_dir, task_file, tmp_path, capsys):
     import warnings
 
     from commands.grid import encode
@@ -476,7 +476,7 @@ def test_a_sweep_past_the_context_window_says_so_once(tiny_dir, task_file, tmp_p
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         sweep(tmp_path, tasks=tasks, model=model, tokenizer=tok, ratios=(0.5,), policies=(("h2o", "sum"),),
-              batch_size=2, replay=False, progress=False)  # fmt: skip
+              batch_size=2, replay=False, progress=False, past_context=True)  # fmt: skip
     err = capsys.readouterr().err
     assert err.count("go past the context window") == 1, err
     assert f"2 of {len(tasks)} requests" in err and f"spans {ends[-1]:,} positions" in err

@@ -101,16 +101,20 @@ def test_cache_gives_the_table_of_a_cold_scan_and_spares_the_full_reads(small_ro
     _same(_cached_table(small_root), first)
 
 
-def test_a_new_segment_is_read_and_counted(small_root):
+def test_a_new_segment_is_seen(small_root):
+    """A segment added to a closed run is not its own (its manifest does not list it): reported and
+    left out; one added to a run still being written (no list yet) is read and counted."""
     before = _cached_table(small_root).set_index("run_id")
-    seg = small_root / "syn-00002" / "evictions-00000.parquet"
-    table = pq.read_table(seg).replace_schema_metadata(None)
-    write_segment(small_root / "syn-00002" / "evictions-00001.parquet", "evictions", table, run_id="syn-00002")
+    for run in ("syn-00002", "syn-00006"):  # complete; interrupted (its manifest lists nothing)
+        seg = small_root / run / "evictions-00000.parquet"
+        table = pq.read_table(seg).replace_schema_metadata(None)
+        write_segment(small_root / run / "evictions-00001.parquet", "evictions", table, run_id=run, fsync=False)
     after = _cached_table(small_root)
     _same(after, _cold_table(small_root))
     after = after.set_index("run_id")
-    assert after.loc["syn-00002", "evictions"] == 2 * before.loc["syn-00002", "evictions"]
-    assert "rows" in after.loc["syn-00002", "integrity"]  # more rows than the manifest records
+    assert after.loc["syn-00002", "evictions"] == before.loc["syn-00002", "evictions"]
+    assert "not in the manifest" in after.loc["syn-00002", "integrity"]
+    assert after.loc["syn-00006", "evictions"] == 2 * before.loc["syn-00006", "evictions"]
 
 
 def test_a_status_change_is_seen(small_root):
@@ -163,8 +167,11 @@ def test_a_corrupt_cache_is_ignored_and_rewritten(small_root, content):
         content = json.dumps(data).encode()
     cache.write_bytes(content)
     _same(_cached_table(small_root), good)
-    assert json.loads(cache.read_text())["format"] == 1
-    assert len(json.loads(cache.read_text())["files"]) == sum(1 for _ in small_root.glob("*/*"))
+    assert json.loads(cache.read_text())["format"] == catalog_module._CACHE_FORMAT
+    entries = json.loads(cache.read_text())["files"]
+    runs = [k for k in entries if k.endswith("/#contract")]  # one checked contract per run (DESIGN.md §5.5)
+    assert len(entries) - len(runs) == sum(1 for _ in small_root.glob("*/*"))
+    assert sorted(k.split("/")[0] for k in runs) == sorted(p.name for p in small_root.iterdir() if p.is_dir())
 
 
 def test_an_empty_root_gets_no_cache_file(tmp_path):

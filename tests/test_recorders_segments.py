@@ -197,8 +197,13 @@ def test_sigkill_mid_write_leaves_only_openable_files(tmp_path):
 # -- a writer that fails mid-file (deterministic crash safety) ----------------------------
 
 
+class _Killed(BaseException):
+    """The process ends here: no cleanup code of the writer runs (as under SIGKILL)."""
+
+
 def _torn_writer(calls):
-    """Stands in for ``pq.write_table``: writes half a Parquet file to the path it gets, then fails."""
+    """Stands in for ``pq.write_table``: writes half a Parquet file to the path it gets, then the
+    process is killed."""
     real = pq.write_table
 
     def write_table(table, where, **kwargs):
@@ -206,13 +211,13 @@ def _torn_writer(calls):
         real(table, where, **kwargs)
         data = Path(where).read_bytes()
         Path(where).write_bytes(data[: len(data) // 2])  # no footer: unreadable, like a killed writer
-        raise OSError("disk full (simulated mid-file)")
+        raise _Killed("killed (simulated mid-file)")
 
     return write_table
 
 
 @pytest.mark.parametrize("fsync", [False, True])
-def test_writer_failing_mid_file_leaves_no_file_under_a_final_name(tmp_path, monkeypatch, fsync):
+def test_writer_killed_mid_file_leaves_no_file_under_a_final_name(tmp_path, monkeypatch, fsync):
     from recorders import segments
 
     calls: list[Path] = []
@@ -222,7 +227,7 @@ def test_writer_failing_mid_file_leaves_no_file_under_a_final_name(tmp_path, mon
     writer = SegmentWriter(tmp_path, run_id="run-a", config=CONFIG, fsync=fsync)
     writer.append("evictions", _evictions(200, 300))
     monkeypatch.setattr(segments.pq, "write_table", _torn_writer(calls))
-    with pytest.raises(OSError, match="mid-file"):
+    with pytest.raises(_Killed, match="mid-file"):
         writer.flush()
     monkeypatch.undo()
     # the bytes went to the temporary name, never to the name readers match

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -44,9 +45,11 @@ def _write_run(root, run_id, seed=0, **kw):
 
 
 def _record_rows(run_dir, **rows):
-    """Update the manifest's row counts after a test added or removed segments on purpose."""
+    """Update the manifest's row counts and segment list after a test added or removed segments on
+    purpose (as a writer of them would)."""
     manifest = read_manifest(run_dir)
     manifest["rows"].update(rows)
+    manifest["segments"] = {p.name: pq.read_metadata(p).num_rows for p in Path(run_dir).glob("*.parquet")}
     write_manifest(run_dir, manifest)
 
 

@@ -86,3 +86,41 @@ def left_padded(lengths, seed: int = 0, vocab: int = 250) -> tuple[torch.Tensor,
         ids[r, width - n :] = torch.randint(3, vocab, (n,), generator=g)
         mask[r, width - n :] = 1
     return ids, mask
+
+
+SPECIALS = ("<pad>", "<s>", "</s>")
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer without merges: 3 special tokens, then the 256 bytes (no chat template)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {s: i for i, s in enumerate(SPECIALS)} | {c: len(SPECIALS) + i for i, c in enumerate(sorted(alphabet))}
+    inner = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    inner.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=inner, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left"
+    )
+
+
+def save_tiny(path, *, seed: int = 0, layers: int = 2):
+    """A tiny llama with :func:`byte_tokenizer` saved in ``path``, loadable with ``load_model(path)``
+    like a user's model folder (another ``seed``: another model of the same shape)."""
+    from transformers.utils import logging as hf_logging
+
+    tok = byte_tokenizer()
+    model = tiny_model("llama", vocab=len(tok), seed=seed, layers=layers)
+    model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id = 0, 1, 2
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 2
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+    tok.save_pretrained(path)
+    return path

@@ -11,7 +11,19 @@ from typing import Any, NoReturn
 from ..errors import H2OLensError
 from .real import normalise
 
-__all__ = ["TaskFileError", "Answer", "FIELDS", "ROLES", "DEFAULT_MAX_NEW_TOKENS", "check_line", "shown", "json_type"]
+__all__ = [
+    "TaskFileError",
+    "Answer",
+    "FIELDS",
+    "ROLES",
+    "DEFAULT_MAX_NEW_TOKENS",
+    "MAX_NEW_TOKENS",
+    "MAX_DEPTH",
+    "MAX_INT_DIGITS",
+    "check_line",
+    "shown",
+    "json_type",
+]
 
 #: an answer spec: str | tuple of str | {"regex": str} | {"all": [...], "none": [...]}
 Answer = Any
@@ -21,6 +33,13 @@ FIELDS = ("name", "kind", "prompt", "messages", "answer", "evidence", "max_new_t
 #: the roles a ``messages`` turn may have
 ROLES = ("system", "user", "assistant")
 DEFAULT_MAX_NEW_TOKENS = 32
+#: the largest ``max_new_tokens`` a line may ask for; a sweep also checks it against the model's
+#: context less the prompt, which the file check cannot know (DESIGN.md §10.2)
+MAX_NEW_TOKENS = 2**20
+#: the deepest nesting of lists and objects a line may hold (``meta`` included)
+MAX_DEPTH = 32
+#: the most digits an integer of a line may have (a 64-bit integer has at most 19)
+MAX_INT_DIGITS = 20
 
 
 class TaskFileError(H2OLensError, ValueError):
@@ -197,6 +216,43 @@ def _evidence(value: Any, prompt: str, texts: Sequence[str], chat: bool, fail: F
     return out
 
 
+def _lone_surrogate(text: str) -> int | None:
+    """Index of the first lone surrogate of ``text`` (text UTF-8 cannot encode), else None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def _walk(obj: Mapping[str, Any], fail: Fail) -> None:
+    """Every value of a line, iteratively: nesting deeper than :data:`MAX_DEPTH` and text with a
+    lone surrogate (a ``\\ud800`` escape no tokenizer takes) fail, naming the top-level field."""
+    stack: list[tuple[Any, int, str | None]] = [(v, 1, k) for k, v in obj.items()]
+    for key in obj:
+        if isinstance(key, str) and (at := _lone_surrogate(key)) is not None:
+            fail(None, f"a field name holds a lone surrogate (an unpaired \\u{ord(key[at]):04x} escape); remove it")
+    while stack:
+        value, depth, field = stack.pop()
+        if isinstance(value, str):
+            if (at := _lone_surrogate(value)) is not None:
+                fail(
+                    field,
+                    f"holds a lone surrogate at character {at} (an unpaired \\u{ord(value[at]):04x} escape): it is "
+                    "not text, and no tokenizer can encode it; remove it or pair it into a real character",
+                )
+            continue
+        if not isinstance(value, Mapping | list):
+            continue
+        if depth >= MAX_DEPTH:
+            fail(field, f"nests lists or objects more than {MAX_DEPTH} levels deep; flatten it")
+        items = list(value.items()) if isinstance(value, Mapping) else [(None, v) for v in value]
+        for key, item in items:
+            if isinstance(key, str) and (at := _lone_surrogate(key)) is not None:
+                fail(field, f"holds a key with a lone surrogate (an unpaired \\u{ord(key[at]):04x} escape)")
+            stack.append((item, depth + 1, field))
+
+
 def check_line(obj: Any, *, line: int, source: str = "<tasks>", unit: str = "line") -> dict[str, Any]:
     """The fields of one task-file line (a decoded JSON value), checked one by one, as the
     keyword arguments of :class:`~h2o_lens.tasks.taskfile.FileTask`.
@@ -221,6 +277,7 @@ def check_line(obj: Any, *, line: int, source: str = "<tasks>", unit: str = "lin
 
     if not isinstance(obj, Mapping):
         fail(None, f'expected a JSON object {{"prompt": ..., "answer": ...}}, got {json_type(obj)} ({shown(obj)})')
+    _walk(obj, fail)
     for key in obj:
         if key not in FIELDS:
             fail(
@@ -258,6 +315,12 @@ def check_line(obj: Any, *, line: int, source: str = "<tasks>", unit: str = "lin
     max_new = obj.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
         fail("max_new_tokens", f"is {shown(max_new)}; expected a positive integer, e.g. 32")
+    if max_new > MAX_NEW_TOKENS:
+        fail(
+            "max_new_tokens",
+            f"is {max_new:,}; at most {MAX_NEW_TOKENS:,} are accepted (a sweep also refuses more than the "
+            "model's context window less the prompt)",
+        )
     meta = obj.get("meta", {})
     if not isinstance(meta, Mapping):
         fail("meta", f'is {json_type(meta)} ({shown(meta)}); expected an object of free fields, e.g. {{"source": "x"}}')

@@ -30,7 +30,18 @@ from pathlib import Path
 from typing import Any
 
 from .real import check_answer
-from .taskcheck import DEFAULT_MAX_NEW_TOKENS, FIELDS, ROLES, Answer, TaskFileError, check_line, json_type
+from .taskcheck import (
+    DEFAULT_MAX_NEW_TOKENS,
+    FIELDS,
+    MAX_DEPTH,
+    MAX_INT_DIGITS,
+    MAX_NEW_TOKENS,
+    ROLES,
+    Answer,
+    TaskFileError,
+    check_line,
+    json_type,
+)
 
 __all__ = [
     "FileTask",
@@ -208,6 +219,57 @@ class _DuplicateKey(Exception):
     pass
 
 
+class _TooManyDigits(Exception):
+    pass
+
+
+def _parse_int(text: str) -> int:
+    """An integer of the file; one of more than :data:`MAX_INT_DIGITS` digits is refused before
+    Python converts it (it would refuse past 4,300 digits with a traceback, or hold a number no
+    field takes)."""
+    if len(text) - text.startswith("-") > MAX_INT_DIGITS:
+        raise _TooManyDigits(text)
+    return int(text)
+
+
+def _loads(text: str, where: str, *, source: str, line: int | None) -> Any:
+    """``json.loads`` of a line or a file, every failure one :class:`TaskFileError` naming ``where``."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_int=_parse_int)
+    except _DuplicateKey as exc:
+        key = exc.args[0]
+        raise TaskFileError(
+            f"{where}, field {key!r}: appears twice in one object; keep one", source=source, line=line, field=key
+        ) from None
+    except _TooManyDigits as exc:
+        digits = len(exc.args[0]) - exc.args[0].startswith("-")
+        raise TaskFileError(
+            f"{where}: an integer of {digits:,} digits ({exc.args[0][:12]}...); integers have at most "
+            f"{MAX_INT_DIGITS} digits (max_new_tokens at most {MAX_NEW_TOKENS:,})",
+            source=source,
+            line=line,
+        ) from None
+    except RecursionError:
+        raise TaskFileError(
+            f"{where}: lists or objects nested too deep to read (at most {MAX_DEPTH} levels are accepted); flatten it",
+            source=source,
+            line=line,
+        ) from None
+    except json.JSONDecodeError as exc:
+        if line is None:  # a .json list: the error names the line of the file
+            raise TaskFileError(
+                f"{where}, line {exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})",
+                source=source,
+                line=exc.lineno,
+            ) from None
+        raise TaskFileError(
+            f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); each line must be one complete JSON "
+            'object, e.g. {"prompt": "...", "answer": "..."}',
+            source=source,
+            line=line,
+        ) from None
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
@@ -218,22 +280,9 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _decode(text: str, *, source: str, line: int) -> Any:
-    """One JSONL line decoded; invalid JSON and repeated keys name the line."""
-    where = f"{source}, line {line}"
-    try:
-        return json.loads(text, object_pairs_hook=_no_duplicates)
-    except _DuplicateKey as exc:
-        key = exc.args[0]
-        raise TaskFileError(
-            f"{where}, field {key!r}: appears twice in one object; keep one", source=source, line=line, field=key
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise TaskFileError(
-            f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); each line must be one "
-            'complete JSON object, e.g. {"prompt": "...", "answer": "..."}',
-            source=source,
-            line=line,
-        ) from None
+    """One JSONL line decoded; invalid JSON, repeated keys, over-long integers and nesting too deep
+    to read name the line."""
+    return _loads(text, f"{source}, line {line}", source=source, line=line)
 
 
 def _lines(data: bytes, source: str) -> list[tuple[int, str]]:
@@ -258,19 +307,7 @@ def _json_list(data: bytes, source: str) -> list[Any]:
     """The items of a ``.json`` task file (one list of request objects)."""
     _lines(data, source)  # invalid UTF-8 names its line
     text = data.decode("utf-8-sig")
-    try:
-        items = json.loads(text, object_pairs_hook=_no_duplicates) if text.strip() else []
-    except _DuplicateKey as exc:
-        key = exc.args[0]
-        raise TaskFileError(
-            f"{source}, field {key!r}: appears twice in one object; keep one", source=source, field=key
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise TaskFileError(
-            f"{source}, line {exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})",
-            source=source,
-            line=exc.lineno,
-        ) from None
+    items = _loads(text, source, source=source, line=None) if text.strip() else []
     if not isinstance(items, list):
         raise TaskFileError(
             f"{source}: a .json task file holds one list of request objects, got {json_type(items)}; "

@@ -1,0 +1,124 @@
+"""The model that made a run (DESIGN.md §5.1): its absolute folder and fingerprint are recorded,
+and ``replay``, ``explain`` and ``check`` refuse another model in one line, writing nothing.
+
+Two tiny random llamas of the same shape are saved as ``./m`` in two folders, as a user's model
+would be; the run is recorded with ``--model ./m`` in the first and read from the second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from tiny import save_tiny
+
+from commands.cli import main
+from h2o_lens.models import model_fingerprint
+from recorders import read_manifest
+from recorders import recorded_model as recorded_model_module
+from recorders.manifest import write_manifest
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    base = tmp_path_factory.mktemp("models")
+    a, b = base / "a", base / "b"
+    save_tiny(a / "m", seed=0)
+    save_tiny(b / "m", seed=1)  # same shape, other weights
+    return a, b
+
+
+def _record(folders, tmp_path, monkeypatch, *, replay: bool = False) -> Path:
+    a, _ = folders
+    monkeypatch.chdir(a)
+    out = tmp_path / "runs"
+    args = ["record", "--model", "./m", "--out", str(out), "--max-new-tokens", "5", "--heavy", "4", "--recent", "4"]
+    assert main([*args, "--replay"] if replay else args) == 0
+    (run_dir,) = out.iterdir()
+    return run_dir
+
+
+def _digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def _one_error(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [line.strip() for line in err.splitlines() if line.strip().startswith("h2o-lens: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_a_relative_model_is_recorded_as_its_folder_with_a_fingerprint(folders, tmp_path, monkeypatch):
+    a, _ = folders
+    run_dir = _record(folders, tmp_path, monkeypatch)
+    model = read_manifest(run_dir)["model"]
+    assert model["path"] == str((a / "m").resolve())
+    assert model["fingerprint"]["digest"] == model_fingerprint(a / "m")["digest"]
+    assert model["fingerprint"]["weights"][0][0] == "model.safetensors"
+
+
+def test_a_replay_from_another_folder_uses_the_recorded_model(folders, tmp_path, monkeypatch, capsys):
+    run_dir = _record(folders, tmp_path, monkeypatch)
+    monkeypatch.chdir(folders[1])  # its ./m is another model
+    assert main(["replay", str(run_dir)]) == 0  # the recorded folder's model: the masked replay reproduces the run
+    assert read_manifest(run_dir)["replay"]["implementation_ok"] is True
+
+
+@pytest.mark.parametrize("command", ["replay", "explain", "check"])
+def test_another_model_is_refused_in_one_line_naming_both_and_nothing_is_written(
+    folders, tmp_path, monkeypatch, capsys, command
+):
+    a, b = folders
+    run_dir = _record(folders, tmp_path, monkeypatch, replay=True)
+    before = _digest(run_dir.parent)
+    monkeypatch.chdir(b)
+    extra = ["--request", "0"] if command == "explain" else []
+    capsys.readouterr()
+    assert main([command, str(run_dir), "--model", "./m", *extra]) == 2
+    line = _one_error(capsys.readouterr().err)
+    assert f"({(a / 'm').resolve()}, fingerprint" in line and f"({(b / 'm').resolve()}, fingerprint" in line
+    assert "weights differ" in line and "--allow-other-model" in line
+    assert _digest(run_dir.parent) == before  # no file written, none changed
+
+
+def test_a_model_folder_moved_away_is_not_replaced_by_the_one_found_there(folders, tmp_path, monkeypatch, capsys):
+    run_dir = _record(folders, tmp_path, monkeypatch)
+    manifest = read_manifest(run_dir)
+    manifest["model"]["path"] = str(tmp_path / "gone" / "m")  # the recorded folder no longer exists
+    write_manifest(run_dir, manifest)
+    before = _digest(run_dir)
+    monkeypatch.chdir(folders[1])
+    assert main(["replay", str(run_dir)]) == 2  # its name ./m finds another model here: refused
+    assert "was recorded with the model ./m" in _one_error(capsys.readouterr().err)
+    assert _digest(run_dir) == before
+
+
+def test_an_explicit_override_runs_and_is_logged(folders, tmp_path, monkeypatch):
+    _, b = folders
+    run_dir = _record(folders, tmp_path, monkeypatch)
+    monkeypatch.chdir(b)
+    main(["replay", str(run_dir), "--model", "./m", "--allow-other-model"])
+    manifest = read_manifest(run_dir)
+    (override,) = manifest["model_overrides"]
+    assert override["command"] == "replay" and override["used"]["path"] == str((b / "m").resolve())
+    assert override["recorded"]["digest"] == manifest["model"]["fingerprint"]["digest"] != override["used"]["digest"]
+
+
+def test_a_manifest_without_a_fingerprint_still_works_and_says_so_once(folders, tmp_path, monkeypatch, capsys):
+    run_dir = _record(folders, tmp_path, monkeypatch)
+    manifest = read_manifest(run_dir)
+    del manifest["model"]["fingerprint"]
+    manifest["model"]["path"] = "./m"  # as an earlier version stored it
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(recorded_model_module, "_said_unchecked", False)
+    capsys.readouterr()
+    for _ in range(2):
+        assert main(["replay", str(run_dir)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("recorded before model fingerprints were kept") == 1, err
