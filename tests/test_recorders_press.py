@@ -1,0 +1,245 @@
+"""Recording kvpress presses (DESIGN.md §17): the logged kept sets are the cache the press left.
+
+Each press runs on a tiny GQA model over a left-padded batch. The check is independent of the
+recorder's own: every key the press left in the cache is matched, bit for bit, to a column of a
+full-cache prefill of the same batch, and the positions so found must be exactly the prompt
+positions the log does not list as evicted, per request, layer and KV head. kvpress 0.5.5 needs
+transformers < 5.3, so these run in the 5.2 compatibility venv (``make compat``) and skip where
+kvpress is not installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import numpy as np
+import pytest
+import torch
+from tiny import left_padded, tiny_model
+
+import recorders
+from h2o_lens import presses
+from h2o_lens.errors import ConfigError, MissingExtraError
+from recorders.errors import RecorderError
+
+pytestmark = pytest.mark.compat
+
+LENGTHS = [24, 15, 20]
+
+
+@pytest.fixture(scope="module")
+def kv():
+    return pytest.importorskip("kvpress")
+
+
+@pytest.fixture(scope="module")
+def model():
+    # eager attention: the full-cache reference computes the same keys as every press's run
+    return tiny_model("llama", q_heads=4, kv_heads=2, attn="eager")
+
+
+def _presses(kv):
+    return {
+        "snapkv": kv.SnapKVPress(compression_ratio=0.5, window_size=4, kernel_size=3),
+        "streaming_llm": kv.StreamingLLMPress(compression_ratio=0.4, n_sink=2),
+        "tova": kv.TOVAPress(compression_ratio=0.5),
+        "observed_attention": kv.ObservedAttentionPress(compression_ratio=0.6),
+        "knorm": kv.KnormPress(compression_ratio=0.3),
+        "pyramidkv": kv.PyramidKVPress(compression_ratio=0.5, window_size=4, kernel_size=3),
+        "composed": kv.ComposedPress(
+            [kv.StreamingLLMPress(compression_ratio=0.25, n_sink=2), kv.KnormPress(compression_ratio=0.4)]
+        ),
+    }
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _full_keys(model, ids, mask):
+    """The full-cache prefill of the batch, positioned as generate positions a left-padded batch."""
+    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
+    return [layer.keys for layer in out.past_key_values.layers]
+
+
+def _kept_in_cache(cache_keys: torch.Tensor, full: torch.Tensor, start: int) -> set[int]:
+    """The prompt positions whose full keys the cache holds, ``(k, d)`` against ``(W, d)`` (padding
+    columns are left out: their keys are of no position)."""
+    eq = (_bits(cache_keys)[:, None, :] == _bits(full)[None, start:, :]).all(-1)  # (k, n)
+    assert bool((eq.sum(-1) <= 1).all()) and bool((eq.sum(0) <= 1).all()), "keys match one to one"
+    return set(eq.any(0).nonzero()[:, 0].tolist())
+
+
+def _evicted(run, request: int, layer: int, head: int) -> set[int]:
+    ev = run["evictions"].to_pandas()
+    sel = ev[(ev.request == request) & (ev.layer == layer) & (ev.kv_head == head)]
+    return set(sel.position.tolist())
+
+
+@pytest.mark.parametrize(
+    "name", ["snapkv", "streaming_llm", "tova", "observed_attention", "knorm", "pyramidkv", "composed"]
+)
+def test_kept_positions_are_the_keys_the_press_left(kv, model, name, tmp_path):
+    press = _presses(kv)[name]
+    ids, mask = left_padded(LENGTHS, seed=3)
+    with recorders.record(model, press, out=tmp_path, fsync=False) as rec, torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+    run = recorders.load_run(rec.run_dir)
+    assert run.manifest["status"] == "complete"
+    assert run.manifest["policy"] == presses.policy_text(type(press).__name__, recorders.press.press_spec(press).kwargs)
+    full = _full_keys(model, ids, mask)
+    starts = (mask == 0).sum(-1).tolist()
+    evicted_any = 0
+    for layer, layer_cache in enumerate(out.past_key_values.layers):
+        for r, n in enumerate(LENGTHS):
+            for h in range(layer_cache.keys.shape[1]):
+                kept = _kept_in_cache(layer_cache.keys[r, h], full[layer][r, h], starts[r])
+                evicted = _evicted(run, r, layer, h)
+                assert kept.isdisjoint(evicted)
+                assert kept | evicted == set(range(n)), (layer, r, h)
+                evicted_any += len(evicted)
+    assert evicted_any > 0, "the press pruned nothing"
+    ev = run["evictions"].to_pandas()
+    assert set(ev.phase) == {"prefill"}
+    assert (ev.step == ev.request.map(lambda q: LENGTHS[q] - 1)).all()
+    steps = run["steps"].to_pandas()
+    assert len(steps) == len(LENGTHS) * 2 * 2  # one row per request, layer and KV head
+    kept_counts = steps.set_index(["request", "layer", "kv_head"]).kept
+    for (r, layer, h), kept in kept_counts.items():
+        assert kept == LENGTHS[r] - len(_evicted(run, r, layer, h))
+    if name != "composed":  # one score decided: every victim scored at most the lowest kept score
+        assert (ev.margin >= 0).all() and ev.score.notna().all()
+
+
+def test_a_press_spec_records_like_the_press_and_names_its_policy(kv, model, tmp_path):
+    spec = presses.PressSpec("SnapKVPress", (("compression_ratio", 0.6), ("window_size", 4)))
+    ids, mask = left_padded([20], seed=1)
+    with recorders.record(model, spec, out=tmp_path, fsync=False) as rec, torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    con = recorders.open_runs(tmp_path)
+    ((policy, keep, backend),) = con.sql("SELECT policy, keep_ratio, backend FROM runs").fetchall()
+    assert policy == "kvpress:SnapKVPress(compression_ratio=0.6, window_size=4, kernel_size=5)"
+    assert keep == pytest.approx(0.4) and backend == "kvpress"
+    assert rec.run_id.split("-")[2:4] == ["kvpress", "snapkv"]
+    # 20 positions at ratio 0.6 keep int(20 * 0.4) = 8 in every layer and KV head
+    assert con.sql("SELECT DISTINCT kept FROM steps").fetchall() == [(8,)]
+
+
+def test_a_decoding_press_logs_its_decode_evictions(kv, model, tmp_path):
+    press = kv.DecodingPress(base_press=kv.KnormPress(), compression_interval=3, target_size=10)
+    ids, mask = left_padded([14], seed=2)
+    with recorders.record(model, press, out=tmp_path, fsync=False) as rec, torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=9, min_new_tokens=9, do_sample=False, pad_token_id=0,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+    run = recorders.load_run(rec.run_dir)
+    ev = run["evictions"].to_pandas()
+    assert set(ev.phase) == {"decode"}
+    steps = run["steps"].to_pandas()
+    # 8 decode forwards feed positions 14..21; every third compresses: after feeding 16 and 19
+    assert sorted(set(steps.step)) == [16, 19]
+    assert set(steps.kept) == {10}
+    for _, group in ev.groupby(["layer", "kv_head"]):
+        assert group.position.is_unique, "an evicted position never returns"
+        assert (group.position <= group.step).all()
+        # 17 positions (0..16) stand at the first compression, 10 + 3 at the second
+        assert group.groupby("step").size().to_dict() == {16: 7, 19: 3}
+    # the cache it leaves: the 10 kept at step 19, then positions 20 and 21
+    assert {layer.keys.shape[2] for layer in out.past_key_values.layers} == {12}
+
+
+def test_a_press_keeping_other_keys_than_its_choice_fails_loudly(kv, model, tmp_path):
+    from kvpress.utils import compute_n_kept
+
+    @dataclasses.dataclass
+    class LowestKnorm(kv.KnormPress):
+        """Keeps the lowest of its knorm scores, against kvpress's own rule."""
+
+        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+            scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+            keep = (-scores).topk(compute_n_kept(keys.shape[2], self.compression_ratio), dim=-1).indices
+            idx = keep.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+            return keys.gather(2, idx).contiguous(), values.gather(2, idx).contiguous()
+
+    ids, mask = left_padded([16], seed=4)
+    press = LowestKnorm(compression_ratio=0.5)
+    with pytest.raises(RecorderError, match="LowestKnorm at layer 0.*bit for bit"):
+        with recorders.record(model, press, out=tmp_path, fsync=False), torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    (run_dir,) = tmp_path.iterdir()
+    assert recorders.read_manifest(run_dir)["status"] == "failed"
+    assert not {"score", "compress", "forward_hook"} & set(vars(press)), "the press is put back"
+    assert "generate" not in vars(model) and not model.model.layers[0].self_attn._forward_hooks
+
+
+@pytest.mark.parametrize(
+    ("build", "cls", "why"),
+    [
+        (lambda kv: kv.ThinKPress(key_channel_compression_ratio=0.5), "ThinKPress", "key channels"),
+        (lambda kv: kv.AdaKVPress(kv.SnapKVPress(compression_ratio=0.5)), "AdaKVPress", "per-head budgets"),
+        (lambda kv: kv.DuoAttentionPress(head_compression_ratio=0.5), "DuoAttentionPress", "streaming heads"),
+        (
+            lambda kv: kv.ComposedPress([kv.KnormPress(0.3), kv.ThinKPress(key_channel_compression_ratio=0.5)]),
+            "ComposedPress",
+            "its inner ThinKPress",
+        ),
+        (lambda kv: kv.KeyRerotationPress(kv.KnormPress(0.3)), "KeyRerotationPress", "rotates"),
+    ],
+)
+def test_a_press_that_does_not_select_positions_is_refused_in_one_line(kv, model, tmp_path, build, cls, why):
+    press = build(kv)
+    with pytest.raises(ConfigError) as err:
+        with recorders.record(model, press, out=tmp_path / "runs"):
+            pass
+    msg = str(err.value)
+    assert "\n" not in msg and cls in msg and why in msg and "DESIGN.md §17" in msg
+    assert not (tmp_path / "runs").exists(), "nothing is written for a refused press"
+
+
+def test_without_kvpress_a_press_names_the_install_command(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "kvpress", None)  # import kvpress raises ImportError
+    with pytest.raises(MissingExtraError) as err:
+        presses.import_kvpress()
+    assert "pip install 'h2o-lens[kvpress]'" in str(err.value) and "\n" not in str(err.value)
+    model = tiny_model("llama")
+    with pytest.raises(MissingExtraError, match=r"h2o-lens\[kvpress\]"):
+        with recorders.record(model, presses.PressSpec("SnapKVPress", (("compression_ratio", 0.5),)), out=tmp_path):
+            pass
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.model
+def test_default_model_snapkv_kept_sets_are_its_cache(kv, default_model, tmp_path):
+    model, tok = default_model
+    prompts = ["Say hello to the team.", "Notes: the access code for the lab is 4419. The backup server is Heron."]
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    mask = enc["attention_mask"]
+    assert (mask[0] == 0).any()
+    press = kv.SnapKVPress(compression_ratio=0.5, window_size=4)
+    with recorders.record(model, press, out=tmp_path, tokenizer=tok, fsync=False) as rec, torch.no_grad():
+        out = model.generate(
+            **enc, max_new_tokens=1, do_sample=False, pad_token_id=tok.pad_token_id, return_dict_in_generate=True
+        )
+    run = recorders.load_run(rec.run_dir)
+    full = _full_keys(model, enc["input_ids"], mask)
+    lengths = mask.sum(-1).tolist()
+    starts = (mask == 0).sum(-1).tolist()
+    evicted = 0
+    for layer in (0, len(full) // 2, len(full) - 1):
+        keys = out.past_key_values.layers[layer].keys
+        for r, n in enumerate(lengths):
+            for h in range(keys.shape[1]):
+                kept = _kept_in_cache(keys[r, h], full[layer][r, h], starts[r])
+                gone = _evicted(run, r, layer, h)
+                assert kept.isdisjoint(gone) and kept | gone == set(range(n))
+                evicted += len(gone)
+    assert evicted > 0  # the short prompt may lose only padding: SnapKV scores the padded columns too
+    assert np.array_equal(np.sort(run["requests"].to_pandas().prompt_len), np.sort(lengths))
