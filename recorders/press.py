@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -37,7 +38,7 @@ import torch
 from h2o_lens import presses as press_table
 from h2o_lens.errors import ConfigError
 
-from .errors import RecorderError
+from .errors import RecorderError, RecorderWarning
 from .manifest import new_run_id
 
 __all__ = ["is_press", "check_press", "press_spec", "build_press", "PressObserver", "record_press"]
@@ -185,6 +186,8 @@ class PressObserver:
         self._patched: list[tuple[Any, str]] = []
         self._steps: dict[int, torch.Tensor] = {}  # layer -> (b,) position of its next decode token
         self.compressions = 0  # compressions logged (one per layer and press call)
+        self._padded = False  # the current generate call's prompt has padding columns
+        self._warned = False
 
     # -- installing -------------------------------------------------------------
     def _scorers(self, press: Any) -> list[Any]:
@@ -293,6 +296,8 @@ class PressObserver:
         pos = torch.where(valid.bool(), valid.cumsum(-1) - 1, -1)  # (b, W)
         self._pos[layer_no] = pos[:, None, :].expand(shape[0], shape[1], -1).to(torch.int64)
         if layer_no == 0 or self._next is None:
+            self._padded = not bool(valid.bool().all())
+            self._warned = False
             self._next = valid.sum(-1)  # (b,)
             self._ids = np.arange(self.rec._request_base, self.rec._request_base + shape[0], dtype=np.int32)
             self._steps = {}
@@ -300,6 +305,16 @@ class PressObserver:
     def _grow(self, layer_no: int, q_len: int) -> None:
         """A decode forward: its ``q_len`` tokens join the cache after the columns held."""
         pos = self._pos[layer_no]
+        if self._padded and not self._warned and self.compressions:
+            self._warned = True
+            warnings.warn(
+                "kvpress compressed a left-padded batch: at decode steps transformers reads the padding mask "
+                "by cache column, and the compressed cache's columns no longer line up with it, so these rows "
+                "attend to other positions than the press kept; their replay fails the implementation check "
+                "(DESIGN.md §17). Generate one prompt per call to record a press's decode steps",
+                RecorderWarning,
+                stacklevel=2,
+            )
         start = self._steps.get(layer_no, self._next)
         new = start[:, None] + torch.arange(q_len, device=start.device)  # (b, q)
         self._pos[layer_no] = torch.cat([pos, new[:, None, :].expand(pos.shape[0], pos.shape[1], -1).to(pos)], -1)

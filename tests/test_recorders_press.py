@@ -215,6 +215,59 @@ def test_without_kvpress_a_press_names_the_install_command(monkeypatch, tmp_path
     assert not any(tmp_path.iterdir())
 
 
+# -- replay and the layers above (DESIGN.md §17) ------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["snapkv", "decoding"])
+def test_a_press_run_replays_within_the_implementation_check(kv, name, tmp_path):
+    from recorders.replay import replay
+
+    model = tiny_model("llama", q_heads=4, kv_heads=2)
+    press = {
+        "snapkv": kv.SnapKVPress(compression_ratio=0.6, window_size=4),
+        "decoding": kv.DecodingPress(base_press=kv.KnormPress(), compression_interval=3, target_size=16),
+    }[name]
+    ids, _ = left_padded([30], seed=5)
+    with recorders.record(model, press, out=tmp_path, fsync=False) as rec, torch.no_grad():
+        model.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    summary = replay(rec.run_dir, model=model, progress=False)
+    assert summary.implementation_ok and summary.max_logit_diff <= summary.tolerance, summary
+    assert summary.mean_dropped_mass > 0  # the generated rows lost attention to what the press dropped
+    con = recorders.open_runs(tmp_path)
+    ((policy, diff),) = con.sql("SELECT policy, max_logit_diff FROM runs").fetchall()
+    assert policy.startswith(f"kvpress:{type(press).__name__}(") and diff == pytest.approx(summary.max_logit_diff)
+    assert con.sql("SELECT count(*) FROM replay WHERE dropped_mass > 0").fetchall()[0][0] > 0
+
+
+def test_a_padded_batch_decoding_after_a_press_warns_and_fails_the_check(kv, tmp_path):
+    """kvpress compresses padded rows, then transformers masks the compressed cache by column as if it
+    were not: the recorder warns, and the replay's implementation check catches those rows."""
+    from recorders.replay import replay
+
+    model = tiny_model("llama", q_heads=4, kv_heads=2)
+    ids, mask = left_padded([30, 22], seed=5)
+    with pytest.warns(recorders.RecorderWarning, match="left-padded batch"):
+        with recorders.record(model, kv.SnapKVPress(compression_ratio=0.5, window_size=4), out=tmp_path) as rec:
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    summary = replay(rec.run_dir, model=model, progress=False)
+    assert not summary.implementation_ok and summary.max_logit_diff > summary.tolerance
+
+
+def test_press_policies_have_a_colour_and_a_scored_flag():
+    import analyses
+
+    snap = "kvpress:SnapKVPress(compression_ratio=0.6, window_size=64, kernel_size=5)"
+    assert analyses.policy_colour(snap) == presses.find("snapkv").colour
+    assert analyses.policy_colour("kvpress:KnormPress(compression_ratio=0.5)") == presses.find("knorm").colour
+    other = analyses.policy_colour("kvpress:SomeNewPress(compression_ratio=0.5)")
+    assert other == analyses.policy_colour("kvpress:SomeNewPress(compression_ratio=0.2)")  # one press, one colour
+    assert other not in {p.colour for p in presses.SUPPORTED} | set(analyses.policy_colours().values())
+    assert analyses.policy_colour("h2o") == analyses.policy_colours()["h2o"]
+    assert analyses.policy_colour("no_such_policy") is None
+    assert analyses.scored_policy(snap) and not analyses.scored_policy("kvpress:StreamingLLMPress(n_sink=4)")
+
+
 @pytest.mark.model
 def test_default_model_snapkv_kept_sets_are_its_cache(kv, default_model, tmp_path):
     model, tok = default_model
@@ -243,3 +296,25 @@ def test_default_model_snapkv_kept_sets_are_its_cache(kv, default_model, tmp_pat
                 evicted += len(gone)
     assert evicted > 0  # the short prompt may lose only padding: SnapKV scores the padded columns too
     assert np.array_equal(np.sort(run["requests"].to_pandas().prompt_len), np.sort(lengths))
+
+
+@pytest.mark.model
+def test_default_model_snapkv_run_replays_within_the_implementation_check(kv, default_model, tmp_path):
+    from recorders.replay import replay
+
+    model, tok = default_model
+    notes = (
+        "Notes: the orange cable goes to port 7. The backup server is called Heron. The access code for the lab "
+        "is 4419. Maria moved to the Lisbon office in May. The printer on floor two needs toner. The weekly "
+        "meeting moved to Thursday at ten. Question: what is the access code for the lab? Answer:"
+    )
+    enc = tok([notes], return_tensors="pt")
+    assert enc["input_ids"].shape[1] > 64  # SnapKV's default window of 64 queries fits in the prompt
+    press = kv.SnapKVPress(compression_ratio=0.6)
+    with recorders.record(model, press, out=tmp_path, tokenizer=tok, fsync=False) as rec, torch.no_grad():
+        model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    summary = replay(rec.run_dir, model=model, progress=False)
+    assert summary.implementation_ok and summary.max_logit_diff <= summary.tolerance, summary
+    con = recorders.open_runs(tmp_path)
+    ((policy, ok),) = con.sql("SELECT policy, max_logit_diff <= logit_tolerance FROM runs").fetchall()
+    assert policy == "kvpress:SnapKVPress(compression_ratio=0.6, window_size=64, kernel_size=5)" and ok
