@@ -41,6 +41,9 @@ __all__ = [
     "parse_sweep_policy",
     "sweep_policy",
     "import_kvpress",
+    "check_args",
+    "sweep_spec",
+    "parse_press_args",
 ]
 
 #: the prefix of a press's policy name (``kvpress:snapkv``) and of a press run's policy column
@@ -335,7 +338,9 @@ def parse_sweep_policy(text: str) -> tuple[str, dict[str, Any]]:
     body = text[len(PREFIX) :].strip()
     name, _, rest = body.partition("(")
     info = find(name)
-    cls = info.cls if info else (name.strip() if name.strip().endswith("Press") else None)
+    refused = {_snake(c): c for c in REFUSED}
+    cls = info.cls if info else refused.get(name.strip().lower())
+    cls = cls or (name.strip() if name.strip().endswith("Press") else None)
     if cls is None:
         names = ", ".join(p.name for p in SUPPORTED if not p.wrapper)
         raise ConfigError(
@@ -387,3 +392,41 @@ def import_kvpress() -> Any:
             f"kvpress presses need the kvpress package, which is not installed ({exc}); run: {INSTALL}"
         ) from None
     return kvpress
+
+
+def check_args(cls: str, args: Mapping[str, Any]) -> list[str]:
+    """Check, with kvpress imported, that ``cls`` is a press of the installed kvpress and that it
+    takes every argument of ``args`` (a ConfigError naming the press and its parameters); returns
+    its parameters."""
+    kvpress = import_kvpress()
+    press = getattr(kvpress, cls, None)
+    if press is None or not dataclasses.is_dataclass(press):
+        raise ConfigError(f"kvpress {kvpress.__version__} has no press {cls!r}; check the name (DESIGN.md §17)")
+    fields = [f.name for f in dataclasses.fields(press) if f.init]
+    unknown = sorted(set(args) - set(fields))
+    if unknown:
+        raise ConfigError(f"kvpress {cls} takes no {', '.join(unknown)}; its parameters are {', '.join(fields)}")
+    if "compression_ratio" not in fields:
+        raise ConfigError(f"kvpress {cls} has no compression_ratio, so a keep ratio cannot set its slot count")
+    return fields
+
+
+def parse_press_args(items: Any) -> dict[str, Any]:
+    """``--press-args KEY=VALUE[,KEY=VALUE]`` (repeatable) -> ``{key: value}``."""
+    out: dict[str, Any] = {}
+    for item in items or ():
+        for part in filter(None, (p.strip() for p in str(item).split(","))):
+            key, eq, value = part.partition("=")
+            if not eq or not key.strip().isidentifier():
+                raise ConfigError(f"--press-args {part!r} is not KEY=VALUE; e.g. --press-args window_size=32")
+            if key.strip() == "compression_ratio":
+                raise ConfigError("--press-args: the sweep sets compression_ratio from each keep ratio (1 - ratio)")
+            out[key.strip()] = _value(value)
+    return out
+
+
+def sweep_spec(policy: str, ratio: float) -> PressSpec:
+    """The press of a sweep cell: its grid policy (:func:`sweep_policy`) at keep ratio ``ratio``,
+    ``compression_ratio = 1 - ratio`` (the same slot count as every policy of the grid)."""
+    cls, args = parse_sweep_policy(policy)
+    return PressSpec(cls, tuple({**args, "compression_ratio": round(1.0 - float(ratio), 12)}.items()))
