@@ -727,7 +727,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "decode":
         return bench.bench_decode(
             model_name=args.model,
-            contexts=args.contexts,
+            contexts=args.contexts or [512, 2048],
             batches=args.batch,
             keep=args.keep,
             steps=args.steps,
@@ -760,6 +760,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             length=args.length,
             sharing=args.sharing,
         )
+    if args.what == "press":
+        from .bench_press import bench_press, bench_press_agreement
+
+        if args.agreement:
+            return bench_press_agreement(model_name=args.model)
+        return bench_press(model_name=args.model, contexts=tuple(args.contexts or (2048, 4096)), rounds=args.rounds)
     if args.what == "sql":
         from analyses.bench import bench_sql
 
@@ -960,9 +966,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.set_defaults(func=cmd_app)
 
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    b.add_argument("what", choices=["decode", "record", "kernels", "sql", "runs", "explain", "sweep"])
+    b.add_argument("what", choices=["decode", "record", "kernels", "sql", "runs", "explain", "sweep", "press"])
     b.add_argument("--model", default=None)
-    b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048], help="decode: context lengths")
+    b.add_argument(
+        "--contexts", type=int, nargs="+", default=None, help="decode: context lengths (512 2048); press: (2048 4096)"
+    )
+    b.add_argument(
+        "--agreement",
+        action="store_true",
+        help="press: kept-set agreement of ObservedAttention and TOVA presses with h2o and tova (DESIGN.md §17.2)",
+    )
     b.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode: batch sizes")
     b.add_argument("--keep", type=float, default=0.2, help="B as a share of the context")
     b.add_argument("--steps", type=int, default=8, help="decode steps timed per round")

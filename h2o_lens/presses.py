@@ -7,7 +7,7 @@ to know about a press is written once here: the short names a sweep takes
 (``kvpress:snapkv``), the presses the recorder supports and why the others are refused,
 the policy text a run carries (``kvpress:SnapKVPress(compression_ratio=0.6, window_size=64,
 kernel_size=5)``), a chart colour, and :class:`PressSpec`, the plain description a sweep
-cell or a counterfactual builds its press from.
+cell builds its press from.
 
 This module imports neither torch nor kvpress (kvpress only inside :func:`import_kvpress`, when
 a press is used), so the analyses and the dashboard read it.
@@ -274,15 +274,12 @@ class PressSpec:
     """A press described by value: its class and constructor arguments (DESIGN.md §17).
 
     ``recorders.record(model, spec, ...)`` builds the press and records it as it records a press
-    object. ``params`` may hold a nested press as another spec's :meth:`to_dict`. ``pinned`` lists
-    prompt positions whose scores the recorder raises above every other score of their layer and
-    KV head, so that the press keeps them within its own count (the pinned evidence of ``explain``,
-    for a ScorerPress).
+    object; a sweep cell builds its press from one (:func:`sweep_spec`). ``params`` may hold a
+    nested press as another spec's :meth:`to_dict`.
     """
 
     press: str
     params: tuple[tuple[str, Any], ...] = ()
-    pinned: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.press, str) or not self.press:
@@ -290,7 +287,6 @@ class PressSpec:
         if self.press in REFUSED:
             raise ConfigError(f"kvpress {self.press} is not supported: {REFUSED[self.press]} (DESIGN.md §17)")
         object.__setattr__(self, "params", tuple((str(k), v) for k, v in dict(self.params).items()))
-        object.__setattr__(self, "pinned", tuple(sorted({int(p) for p in self.pinned})))
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -301,28 +297,15 @@ class PressSpec:
         value = self.kwargs.get("compression_ratio")
         return float(value) if isinstance(value, (int, float)) else None
 
-    def replace(self, **params: Any) -> PressSpec:
-        """The same press with ``params`` changed (e.g. another ``compression_ratio``)."""
-        return dataclasses.replace(self, params=tuple({**self.kwargs, **params}.items()))
-
-    def pin(self, positions: Any) -> PressSpec:
-        return dataclasses.replace(self, pinned=tuple(positions))
-
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"press": self.press, "params": self.kwargs}
-        if self.pinned:
-            out["pinned"] = list(self.pinned)
-        return out
+        return {"press": self.press, "params": self.kwargs}
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> PressSpec:
         if not isinstance(raw, Mapping) or not isinstance(raw.get("press"), str):
             raise ConfigError(f"a press config needs a 'press' class name, got {raw!r}")
         params = raw.get("params") or {}
-        return cls(raw["press"], tuple(dict(params).items()), tuple(raw.get("pinned") or ()))
-
-    def describe(self) -> str:
-        return policy_text(self.press, self.kwargs) + (f" pinned={list(self.pinned)}" if self.pinned else "")
+        return cls(raw["press"], tuple(dict(params).items()))
 
 
 def parse_sweep_policy(text: str) -> tuple[str, dict[str, Any]]:

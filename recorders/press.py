@@ -409,8 +409,6 @@ def record_press(model: Any, press: Any, **kwargs: Any) -> Iterator[Any]:
     if not isinstance(press, press_table.PressSpec):
         check_press(press)
     spec = press_spec(press)
-    if spec.pinned:
-        raise ConfigError(f"{spec.describe()}: pinned positions of a press are not recorded yet; drop 'pinned'")
     if isinstance(press, press_table.PressSpec):
         press = build_press(spec)
         check_press(press)

@@ -323,66 +323,25 @@ def test_default_model_snapkv_run_replays_within_the_implementation_check(kv, de
 # -- the differential test against the field (DESIGN.md §17.2) -----------------------------------
 
 
-def _kept_sets(run_dir, lengths) -> dict[tuple[int, int, int], set[int]]:
-    """``(request, layer, KV head) -> kept prompt positions`` of a run of one prompt per request."""
-    ev = recorders.load_run(run_dir)["evictions"].to_pandas()
-    out = {}
-    for (r, layer, h), group in ev.groupby(["request", "layer", "kv_head"]):
-        out[int(r), int(layer), int(h)] = set(range(lengths[r])) - set(group.position.tolist())
-    return out
-
-
-def _record_each(model, policy, prompts, out) -> str:
-    with recorders.record(model, policy, out=out, fsync=False) as rec, torch.no_grad():
-        for ids in prompts:
-            model.generate(input_ids=ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
-    return rec.run_dir
-
-
-def _toolkit_sets(model, policy, prompts, lengths, kept, out, *, recent0: bool):
-    """The toolkit's kept sets at the press's count ``kept[i]``: all heavy (``recent0``) or H2O's split."""
-    from h2o_lens import H2OConfig
-
-    sets = {}
-    for i, ids in enumerate(prompts):
-        k = kept[i]
-        heavy, recent = (k, 0) if recent0 else (k // 2, k - k // 2)
-        run = _record_each(model, H2OConfig(policy=policy, heavy=heavy, recent=recent, gqa="sum"), [ids], out)
-        sets.update({(i, layer, h): s for (_, layer, h), s in _kept_sets(run, [lengths[i]]).items()})
-    return sets
-
-
 def test_observed_attention_and_tova_presses_against_the_toolkits_h2o_and_tova(kv, model, tmp_path):
     """kvpress's ObservedAttentionPress and TOVAPress differ from this toolkit's ``h2o`` and ``tova``
     prefill by the reasons DESIGN.md §17.2 names, and by nothing else: with each reason undone in a
     subclass of the press, the kept sets are the same, set for set."""
 
-    @dataclasses.dataclass
-    class SummedObserved(kv.ObservedAttentionPress):
-        """Attention received summed over the rows, not averaged (H2O's score)."""
+    from commands.bench_press import kept_sets, reason_presses, record_each, toolkit_sets
 
-        def score(self, module, hidden_states, keys, values, attentions, kwargs):
-            rows = torch.arange(keys.shape[2], 0, -1).to(attentions)  # rows below each key
-            return super().score(module, hidden_states, keys, values, attentions, kwargs) * rows
-
-    @dataclasses.dataclass
-    class GroupTOVA(kv.TOVAPress):
-        """The last row's weights per KV head's query group, the last key ranked by its own weight."""
-
-        def score(self, module, hidden_states, keys, values, attentions, kwargs):
-            b, hkv, n, _ = keys.shape
-            return attentions[..., -1, :].view(b, hkv, -1, n).mean(2)
-
+    reasons = reason_presses(kv)
+    SummedObserved, GroupTOVA = reasons["summed_observed"], reasons["group_tova_self"]  # noqa: N806
     lengths = [40, 33, 48]
     prompts = [left_padded([n], seed=10 + i)[0] for i, n in enumerate(lengths)]
     ratio = 0.5
     kept = [int(n * (1 - ratio)) for n in lengths]
-    h2o0 = _toolkit_sets(model, "h2o", prompts, lengths, kept, tmp_path, recent0=True)
-    h2o_split = _toolkit_sets(model, "h2o", prompts, lengths, kept, tmp_path, recent0=False)
-    tova0 = _toolkit_sets(model, "tova", prompts, lengths, kept, tmp_path, recent0=True)
+    h2o0 = toolkit_sets(model, "h2o", prompts, lengths, kept, tmp_path, recent0=True)
+    h2o_split = toolkit_sets(model, "h2o", prompts, lengths, kept, tmp_path, recent0=False)
+    tova0 = toolkit_sets(model, "tova", prompts, lengths, kept, tmp_path, recent0=True)
 
     def press(p):
-        return _kept_sets(_record_each(model, p, prompts, tmp_path), lengths)
+        return kept_sets(record_each(model, p, prompts, tmp_path), lengths)
 
     observed, summed = press(kv.ObservedAttentionPress(ratio)), press(SummedObserved(ratio))
     tova, group_tova = press(kv.TOVAPress(ratio)), press(GroupTOVA(ratio))
