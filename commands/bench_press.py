@@ -150,8 +150,10 @@ def bench_press(
     new_tokens: int = 16,
     rounds: int = 3,
     model: Any = None,
+    timed: tuple[tuple[str, dict[str, Any]], ...] = TIMED,
 ) -> int:
-    """Recorded ÷ alone per press and prompt length, side by side in one process."""
+    """Recorded ÷ alone per press and prompt length, side by side in one process (``timed``: the
+    presses, as class names and arguments)."""
     import torch
 
     from h2o_lens.models import load_model
@@ -169,7 +171,7 @@ def bench_press(
     worst = 0.0
     for context in contexts:
         ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(context))
-        for cls, args in TIMED:
+        for cls, args in timed:
             press = getattr(kv, cls)(compression_ratio=1 - keep, **args)
             eager = cls == "ObservedAttentionPress"
             previous = model.config._attn_implementation

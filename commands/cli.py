@@ -765,7 +765,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         if args.agreement:
             return bench_press_agreement(model_name=args.model)
-        return bench_press(model_name=args.model, contexts=tuple(args.contexts or (2048, 4096)), rounds=args.rounds)
+        from h2o_lens import presses
+
+        timed = tuple(presses.parse_sweep_policy(p) for p in _press_items(args.policies)) or None
+        return bench_press(
+            model_name=args.model,
+            contexts=tuple(args.contexts or (2048, 4096)),
+            rounds=args.rounds,
+            new_tokens=args.new_tokens or 16,
+            **({"timed": timed} if timed else {}),
+        )
     if args.what == "sql":
         from analyses.bench import bench_sql
 
@@ -1018,7 +1027,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="NAME[:GQA]",
-        help="sweep: the grid's policies, as for `sweep --policies` (default h2o)",
+        help="sweep: the grid's policies, as for `sweep --policies` (default h2o); press: the presses timed "
+        "(kvpress:NAME, default snapkv, streaming_llm, tova, observed_attention, knorm)",
     )
     b.add_argument(
         "--gqa", action="extend", nargs="+", default=None, help="sweep: aggregations of the policies (default sum)"
