@@ -39,9 +39,8 @@ from h2o_lens import presses as press_table
 from h2o_lens.errors import ConfigError
 
 from .errors import RecorderError, RecorderWarning
-from .manifest import new_run_id
 
-__all__ = ["is_press", "check_press", "press_spec", "build_press", "PressObserver", "record_press"]
+__all__ = ["is_press", "check_press", "press_spec", "build_press", "PressObserver", "prepare_press", "press_scope"]
 
 
 def is_press(policy: Any) -> bool:
@@ -397,24 +396,18 @@ def _attention(model: Any, press: Any) -> Iterator[None]:
         model.set_attn_implementation(previous)
 
 
-@contextlib.contextmanager
-def record_press(model: Any, press: Any, **kwargs: Any) -> Iterator[Any]:
-    """``recorders.record`` for a kvpress press or a :class:`PressSpec` (the same keyword
-    arguments but ``keep_prompt_pass`` and ``speculative``, which do not apply). The run's policy column is
-    the press and its parameters (``kvpress:SnapKVPress(compression_ratio=0.6, ...)``)."""
-    from h2o_lens.config import H2OConfig
-
-    from .recorder import _record
-
+def prepare_press(press: Any) -> tuple[Any, dict[str, Any], str]:
+    """What :func:`recorders.record` needs to record a press: the press object (built from a
+    :class:`PressSpec`), checked (:func:`check_press`), the manifest fields of its run (the policy
+    text ``kvpress:SnapKVPress(compression_ratio=0.6, ...)`` with every parameter, whether the press
+    came as an object or a spec) and a run id prefix (``kvpress-snapkv``)."""
     if not isinstance(press, press_table.PressSpec):
         check_press(press)
     spec = press_spec(press)
     if isinstance(press, press_table.PressSpec):
         press = build_press(spec)
         check_press(press)
-        spec = press_spec(press)  # every parameter, as for a press object: one press, one policy text
-    if kwargs.get("run_id") is None:
-        kwargs["run_id"] = new_run_id("kvpress-" + press_table.short_name(spec.press))
+        spec = press_spec(press)
     text = press_table.policy_text(spec.press, spec.kwargs)
     ratio = spec.compression_ratio
     manifest = {
@@ -423,9 +416,13 @@ def record_press(model: Any, press: Any, **kwargs: Any) -> Iterator[Any]:
         "backend": "kvpress",
         "keep_ratio": None if ratio is None else 1.0 - ratio,
     }
-    # the model runs as kvpress runs it: transformers' own cache, the press's hooks on top
-    with _record(model, H2OConfig(policy="full"), manifest=manifest, **kwargs) as rec:
-        observer = PressObserver(press, rec)
-        rec.press_observer = observer
-        with observer.installed(), _attention(model, press), press(model):
-            yield rec
+    return press, manifest, "kvpress-" + press_table.short_name(spec.press)
+
+
+@contextlib.contextmanager
+def press_scope(model: Any, press: Any, rec: Any) -> Iterator[PressObserver]:
+    """The model under ``with press(model):`` as kvpress runs it (transformers' own cache, the
+    press's hooks), with the :class:`PressObserver` of ``rec`` installed; all removed on exit."""
+    observer = PressObserver(press, rec)
+    with observer.installed(), _attention(model, press), press(model):
+        yield observer

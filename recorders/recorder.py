@@ -55,6 +55,7 @@ from h2o_lens.runtime import H2OSession, h2o
 from h2o_lens.speculative import SegmentEvent
 
 from .errors import RecorderError
+from .manifest import new_run_id
 from .prompt_pass import PromptPass, PromptSink
 from .run import RunWriter
 
@@ -929,6 +930,9 @@ def record(
         ``replay(..., prompt_passes=...)``, which then skips the prompt forward (DESIGN.md §6.1);
         held in memory, about 2 × layers × KV heads × head dim × prompt length values a request
 
+    With a kvpress press, ``speculative`` and ``keep_prompt_pass`` do not apply (the press runs on
+    transformers' own cache) and ``Recording.press_observer`` counts its logged compressions.
+
     On an exception inside the block the run is marked ``failed`` with the
     error, and the model is restored; the exception propagates.
     """
@@ -945,20 +949,25 @@ def record(
         rows_per_segment=rows_per_segment,
         annotate=annotate,
     )
-    if policy is not None and not isinstance(policy, H2OConfig):
-        from .press import is_press, record_press
+    if policy is None or isinstance(policy, H2OConfig):
+        with _record(
+            model, policy, speculative=speculative, keep_prompt_pass=keep_prompt_pass, **common, **options
+        ) as rec:
+            yield rec
+        return
+    from .press import is_press, prepare_press, press_scope
 
-        if not is_press(policy):
-            raise RecorderError(
-                f"record takes an H2OConfig or a kvpress press as its policy, got {type(policy).__name__}"
-            )
-        if options:
-            raise RecorderError(f"give either a press or keyword options, not both (got {sorted(options)})")
-        inner = record_press(model, policy, **common)
-    else:
-        inner = _record(model, policy, speculative=speculative, keep_prompt_pass=keep_prompt_pass, **common, **options)
-    with inner as rec:
-        yield rec
+    if not is_press(policy):
+        raise RecorderError(f"record takes an H2OConfig or a kvpress press as its policy, got {type(policy).__name__}")
+    if options:
+        raise RecorderError(f"give either a press or keyword options, not both (got {sorted(options)})")
+    press, manifest, prefix = prepare_press(policy)  # refused presses: before anything is written
+    common["run_id"] = run_id if run_id is not None else new_run_id(prefix)
+    # the full policy leaves the model to transformers' cache; the press's hooks compress it
+    with _record(model, H2OConfig(policy="full"), manifest=manifest, **common) as rec:
+        with press_scope(model, press, rec) as observer:
+            rec.press_observer = observer
+            yield rec
 
 
 @contextlib.contextmanager
