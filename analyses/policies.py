@@ -7,8 +7,9 @@ so the layers without a model read it here instead of keeping their own lists.
 from __future__ import annotations
 
 from h2o_lens import policies as registry
+from h2o_lens import presses
 
-__all__ = ["policy_colours", "policy_labels", "scored_policy"]
+__all__ = ["policy_colours", "policy_colour", "policy_labels", "scored_policy"]
 
 #: colour of a policy the registry does not know (a log written by another version)
 UNKNOWN_COLOUR = "#444444"
@@ -18,16 +19,27 @@ def scored_policy(policy: str | None) -> bool:
     """Whether attention drove a run's evictions (DESIGN.md §6.10).
 
     ``None`` (a run whose manifest names no policy) is read as scored, the reading that
-    keeps every verdict open; a name the registry does not know is not.
+    keeps every verdict open; a name the registry does not know is not. A kvpress press
+    (``kvpress:...``, DESIGN.md §17) is scored when attention drives its choice.
     """
     if policy is None:
         return True
+    if presses.is_press_policy(policy):
+        return presses.scored(policy)
     return policy in registry.names() and registry.get(policy).scored
 
 
 def policy_colours() -> dict[str, str]:
     """``{policy: "#rrggbb"}``: each policy's colour in plots and the dashboard."""
     return {p.name: p.colour for p in registry.all_policies()}
+
+
+def policy_colour(policy: str | None) -> str | None:
+    """The colour of one run's policy: the registry's, a kvpress press's (DESIGN.md §17), or
+    None for a name neither knows."""
+    if presses.is_press_policy(policy):
+        return presses.colour(policy)
+    return policy_colours().get(policy) if policy is not None else None
 
 
 def policy_labels() -> dict[str, str]:

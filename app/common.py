@@ -156,12 +156,12 @@ def run_page(root: Root, title: str) -> dict[str, Any] | None:
 
 
 def run_colours(policies: list[Any]) -> list[str] | None:
-    """Each run's policy colour (from the policy registry), when the policies are known and
+    """Each run's policy colour (from the policy registry, or a kvpress press's), when the policies are known and
     distinct; None otherwise (runs of one policy are told apart by the palette)."""
-    colours = data.policy_colours()
-    if len(set(policies)) < len(policies) or not all(p in colours for p in policies):
+    colours = [data.policy_colour(p) for p in policies]
+    if len(set(policies)) < len(policies) or None in colours:
         return None
-    return [colours[p] for p in policies]
+    return colours
 
 
 def _missing(value: Any) -> bool:

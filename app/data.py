@@ -26,6 +26,11 @@ def runs(root: Root) -> pd.DataFrame:
         return views.runs_table(cur).df()
 
 
+def policy_colour(policy: str | None) -> str | None:
+    """One run's policy colour, a kvpress press's included (:func:`analyses.policy_colour`)."""
+    return analyses.policy_colour(policy)
+
+
 def policy_colours() -> dict[str, str]:
     """``{policy: "#rrggbb"}`` from the policy registry (:func:`analyses.policy_colours`)."""
     return analyses.policy_colours()

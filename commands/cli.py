@@ -480,20 +480,64 @@ def _split_list(items: Sequence[str] | None) -> list[str]:
     return [part.strip() for item in items or () for part in item.split(",") if part.strip()]
 
 
-def sweep_grid(items: Sequence[str] | None, gqa: Sequence[str] | None = None) -> tuple[tuple[str, str], ...]:
+def _press_items(items: Sequence[str] | None) -> list[str]:
+    """``--policies`` items split at commas outside a press's parentheses
+    (``kvpress:snapkv(window_size=32,kernel_size=3)`` stays one item)."""
+    out = []
+    for item in items or ():
+        depth, part = 0, ""
+        for ch in item:
+            depth += (ch == "(") - (ch == ")")
+            if ch == "," and depth == 0:
+                out.append(part.strip())
+                part = ""
+            else:
+                part += ch
+        out.append(part.strip())
+    return [p for p in out if p]
+
+
+def sweep_grid(
+    items: Sequence[str] | None, gqa: Sequence[str] | None = None, press_args: Sequence[str] | None = None
+) -> tuple[tuple[str, str], ...]:
     """``--policies NAME[:GQA],...`` and ``--gqa G,...`` → ``((policy, gqa), ...)``.
 
     Neither given: the suite's default grid (h2o sum and max, then the baselines).
     A name without ``:GQA`` is swept with every aggregation of ``--gqa`` (default
-    ``sum``); the full cache takes no aggregation.
+    ``sum``); the full cache takes no aggregation. ``kvpress:NAME`` is a kvpress press
+    (DESIGN.md §17), its arguments inline (``kvpress:snapkv(window_size=32)``) or from
+    ``--press-args KEY=VALUE,...``, which sets them on every press of the grid that takes them.
     """
-    from h2o_lens import policies
+    from h2o_lens import policies, presses
     from h2o_lens.config import GQA_MODES
     from h2o_lens.errors import ConfigError
 
     from .jobs import SWEEP_POLICIES
 
-    names, modes = _split_list(items), _split_list(gqa)
+    names, modes = _press_items(items), _split_list(gqa)
+    shared = presses.parse_press_args(press_args)
+    press_names = [n for n in names if presses.is_press_policy(n)]
+    if shared and not press_names:
+        raise ConfigError("--press-args sets parameters of kvpress presses; add one to --policies, e.g. kvpress:snapkv")
+    grid: list[tuple[str, str]] = []
+    taken: set[str] = set()
+    for item in press_names:
+        cls, args = presses.parse_sweep_policy(item)
+        fields = presses.check_args(cls, {**args})  # kvpress imported: a press is used
+        own = {k: v for k, v in shared.items() if k in fields}
+        taken |= set(own)
+        presses.check_args(cls, {**own, **args})
+        name = presses.sweep_policy(cls, {**own, **args})
+        if (name, "sum") not in grid:
+            grid.append((name, "sum"))
+    if set(shared) - taken:
+        raise ConfigError(
+            f"--press-args {', '.join(sorted(set(shared) - taken))}: no press of --policies takes it "
+            f"({', '.join(press_names)})"
+        )
+    names = [n for n in names if not presses.is_press_policy(n)]
+    if not names and grid:
+        return tuple(grid)
     for mode in modes:
         if mode not in GQA_MODES:
             raise ConfigError(f"--gqa {mode!r}: unknown aggregation; expected a comma list of {', '.join(GQA_MODES)}")
@@ -501,7 +545,7 @@ def sweep_grid(items: Sequence[str] | None, gqa: Sequence[str] | None = None) ->
         if not modes:
             return SWEEP_POLICIES
         names = [policies.DEFAULT, *policies.baselines()]
-    grid = []
+    presses_first, grid = grid, []
     for item in names:
         name, _, mode = item.partition(":")
         policies.get(name)  # ConfigError naming the known policies
@@ -513,10 +557,11 @@ def sweep_grid(items: Sequence[str] | None, gqa: Sequence[str] | None = None) ->
         for m in [mode] if mode else (modes or ["sum"]) if policies.get(name).evicts else ["sum"]:
             if (name, m) not in grid:
                 grid.append((name, m))
-    return tuple(grid)
+    return tuple(grid + presses_first)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from h2o_lens import presses
     from h2o_lens.errors import ConfigError
 
     from .grid import grid_status
@@ -526,7 +571,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(grid_status(args.status))
         return 0
     executor = _sweep_executor(args)  # ConfigError (Ray missing, bad options): exit 2 before any load
-    grid = sweep_grid(args.policies, args.gqa)  # ConfigError: exit 2 before the model loads
+    grid = sweep_grid(args.policies, args.gqa, args.press_args)  # ConfigError: exit 2 before the model loads
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -535,6 +580,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     ratios = slots = None
     if args.slots:
         slots = [_number(v, int, "--slots") for v in _split_list(args.slots)]
+        pressed = [p for p, _ in grid if presses.is_press_policy(p)]
+        if pressed:
+            raise ConfigError(
+                f"{pressed[0]}: a press takes a keep ratio (compression_ratio = 1 - ratio), not a slot count; "
+                "give --ratios for a grid with presses"
+            )
     else:
         ratios = [_number(v, float, "--ratios") for v in _split_list(args.ratios)] or list(SWEEP_RATIOS)
     if executor is None:
@@ -695,7 +746,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "decode":
         return bench.bench_decode(
             model_name=args.model,
-            contexts=args.contexts,
+            contexts=args.contexts or [512, 2048],
             batches=args.batch,
             keep=args.keep,
             steps=args.steps,
@@ -727,6 +778,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
             policies=sweep_grid(args.policies, args.gqa) if args.policies or args.gqa else (("h2o", "sum"),),
             length=args.length,
             sharing=args.sharing,
+        )
+    if args.what == "press":
+        from .bench_press import bench_press, bench_press_agreement
+
+        if args.agreement:
+            return bench_press_agreement(model_name=args.model)
+        from h2o_lens import presses
+
+        timed = tuple(presses.parse_sweep_policy(p) for p in _press_items(args.policies)) or None
+        return bench_press(
+            model_name=args.model,
+            contexts=tuple(args.contexts or (2048, 4096)),
+            rounds=args.rounds,
+            new_tokens=args.new_tokens or 16,
+            **({"timed": timed} if timed else {}),
         )
     if args.what == "sql":
         from analyses.bench import bench_sql
@@ -879,9 +945,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAME[:GQA]",
         help="policies of the grid, comma list or repeated (default: h2o:sum h2o:max and its baselines); "
-        "e.g. h2o,local,sink or h2o tova scissorhands",
+        "e.g. h2o,local,sink or h2o tova scissorhands; kvpress:NAME is a kvpress press (snake_case name, "
+        "e.g. kvpress:snapkv, kvpress:streaming_llm; pip install 'h2o-lens[kvpress]')",
     )
     sw.add_argument("--gqa", action="extend", nargs="+", default=None, help="aggregations, e.g. sum,max")
+    sw.add_argument(
+        "--press-args",
+        action="extend",
+        nargs="+",
+        default=None,
+        metavar="KEY=VALUE",
+        help="parameters of the grid's kvpress presses (kvpress:NAME in --policies), comma list or repeated, set "
+        "on every press that takes them, e.g. window_size=32; compression_ratio comes from each keep ratio",
+    )
     sw.add_argument("--batch-size", type=int, default=8, help="requests per generate call and run (default 8)")
     sw.add_argument("--no-replay", action="store_true", help="record only (no KL or dropped mass in the curves)")
     sw.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -927,9 +1003,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.set_defaults(func=cmd_app)
 
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    b.add_argument("what", choices=["decode", "record", "kernels", "sql", "runs", "explain", "sweep"])
+    b.add_argument("what", choices=["decode", "record", "kernels", "sql", "runs", "explain", "sweep", "press"])
     b.add_argument("--model", default=None)
-    b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048], help="decode: context lengths")
+    b.add_argument(
+        "--contexts", type=int, nargs="+", default=None, help="decode: context lengths (512 2048); press: (2048 4096)"
+    )
+    b.add_argument(
+        "--agreement",
+        action="store_true",
+        help="press: kept-set agreement of ObservedAttention and TOVA presses with h2o and tova (DESIGN.md §17.2)",
+    )
     b.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode: batch sizes")
     b.add_argument("--keep", type=float, default=0.2, help="B as a share of the context")
     b.add_argument("--steps", type=int, default=8, help="decode steps timed per round")
@@ -972,7 +1055,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="NAME[:GQA]",
-        help="sweep: the grid's policies, as for `sweep --policies` (default h2o)",
+        help="sweep: the grid's policies, as for `sweep --policies` (default h2o); press: the presses timed "
+        "(kvpress:NAME, default snapkv, streaming_llm, tova, observed_attention, knorm)",
     )
     b.add_argument(
         "--gqa", action="extend", nargs="+", default=None, help="sweep: aggregations of the policies (default sum)"

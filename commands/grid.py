@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from h2o_lens import policies as registry
+from h2o_lens import presses
 from h2o_lens.config import H2OConfig
 from h2o_lens.errors import ConfigError
 
@@ -98,8 +99,16 @@ class Cell:
             return "100%"
         return f"{self.budget:.0%}" if self.budget_kind == "ratio" else f"{self.budget} slots"
 
-    def config(self, seed: int = 0) -> H2OConfig:
-        """The policy configuration the cell records with."""
+    @property
+    def is_press(self) -> bool:
+        """A kvpress press's cell (``kvpress:NAME``, DESIGN.md §17)."""
+        return presses.is_press_policy(self.policy)
+
+    def config(self, seed: int = 0) -> H2OConfig | presses.PressSpec:
+        """The policy configuration the cell records with: an H2OConfig, or for a press its
+        :class:`~h2o_lens.presses.PressSpec` at ``compression_ratio = 1 - keep ratio``."""
+        if self.is_press and self.budget is not None:
+            return presses.sweep_spec(self.policy, float(self.budget))
         if self.budget is None:
             return H2OConfig(policy=registry.FULL_CACHE, gqa=self.gqa, seed=seed)
         if self.budget_kind == "slots":
@@ -173,7 +182,9 @@ class GridReport:
 
 def sweep_label(policy: str, gqa: str) -> str:
     """The curve of a policy: its name, with the aggregation for the method (both are swept)
-    and for any other policy not run with the default ``sum``."""
+    and for any other policy not run with the default ``sum``; a press by its grid name."""
+    if presses.is_press_policy(policy):
+        return policy
     if not registry.get(policy).evicts:
         return policy
     return f"{policy}-{gqa}" if policy == registry.DEFAULT or gqa != "sum" else policy
@@ -264,9 +275,18 @@ def plan_grid(
         if b not in budgets:
             budgets.append(b)
     for name, gqa in policies:
+        if presses.is_press_policy(name):
+            if kind != "ratio":
+                raise ConfigError(
+                    f"{name}: a press takes a keep ratio (compression_ratio = 1 - ratio), not a slot count; "
+                    "give --ratios for a grid with presses"
+                )
+            presses.parse_sweep_policy(name)
+            continue
         H2OConfig(policy=name, gqa=gqa, heavy=32, recent=32)  # a ConfigError naming what is known
-    full = (kind == "ratio" and 1.0 in budgets) or any(not registry.get(p).evicts for p, _ in policies)
-    evicting = list(dict.fromkeys((p, g) for p, g in policies if registry.get(p).evicts))
+    evicts = {p: presses.is_press_policy(p) or registry.get(p).evicts for p, _ in policies}
+    full = (kind == "ratio" and 1.0 in budgets) or not all(evicts.values())
+    evicting = list(dict.fromkeys((p, g) for p, g in policies if evicts[p]))
     names = [t.name for t in tasks]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -441,15 +461,19 @@ def _record_cell(
             keep_prompt_pass=grid.replay,
         ) as rec,
     ):
-        model.generate(
-            **enc,
-            max_new_tokens=cell.max_new_tokens,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
-            streamer=GenerationProgress(
-                cell.max_new_tokens, f"{cell.label} {cell.budget_text} batch {cell.batch}", disable=not progress
-            ),
-        )
+        # a press generates its requests one at a time: kvpress's compressed cache no longer lines up
+        # with a padded batch's mask at decode steps (DESIGN.md §17); H2O runs the batch at once
+        texts = [t.chat_text(tokenizer) for t in batch]
+        for feed in [encode(tokenizer, [text]) for text in texts] if cell.is_press else [enc]:
+            model.generate(
+                **feed,
+                max_new_tokens=cell.max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                streamer=GenerationProgress(
+                    cell.max_new_tokens, f"{cell.label} {cell.budget_text} batch {cell.batch}", disable=not progress
+                ),
+            )
     return rec.prompt_passes or {}
 
 

@@ -568,15 +568,23 @@ def _sweep_html(table: Any, path: Path, page_size: int, policy_of: dict[str, str
             "decode latency, ms per token",
         ),
     )
-    is_full = table["policy"].map(lambda label: not registry.get(policy_of[label]).evicts)
+    from h2o_lens import presses
+
+    def evicts(policy: str) -> bool:
+        return presses.is_press_policy(policy) or registry.get(policy).evicts
+
+    def colour(policy: str) -> str:  # a press's from h2o_lens.presses (DESIGN.md §17)
+        return presses.colour(policy) if presses.is_press_policy(policy) else registry.get(policy).colour
+
+    is_full = table["policy"].map(lambda label: not evicts(policy_of[label]))
     full = table[is_full]
     drawn: set[str] = set()
     for label in dict.fromkeys(table["policy"][~is_full]):
         g = pd.concat([full, table[table["policy"] == label]], ignore_index=True).sort_values(x)
         xs = g[x] * scale
-        spec = registry.get(policy_of[label])
-        color, dash = spec.colour, "dot" if spec.name in drawn else "solid"
-        drawn.add(spec.name)
+        name = policy_of[label]
+        color, dash = colour(name), "dot" if name in drawn else "solid"
+        drawn.add(name)
         common = dict(x=xs, legendgroup=label, line={"color": color, "dash": dash}, marker={"color": color})
         fig.add_trace(go.Scatter(y=g["accuracy"], name=label, mode="lines+markers", **common), row=1, col=1)
         kl = g["kl_mean"].where(g["kl_mean"] > 0)  # log axis: the full cache's KL of 0 is left out

@@ -20,6 +20,7 @@ _EXPORTS = {
     "DefaultModelMissingError": ".errors",
     "ImplementationError": ".errors",
     "UnsupportedVersionError": ".errors",
+    "MissingExtraError": ".errors",
     "h2o": ".runtime",
     "H2OSession": ".runtime",
     "H2OCache": ".cache",

@@ -12,6 +12,7 @@ __all__ = [
     "DefaultModelMissingError",
     "ImplementationError",
     "UnsupportedVersionError",
+    "MissingExtraError",
 ]
 
 
@@ -37,3 +38,7 @@ class ImplementationError(H2OLensError, RuntimeError):
 
 class UnsupportedVersionError(H2OLensError, RuntimeError):
     """The installed transformers release is outside the supported range (DESIGN.md §3.1)."""
+
+
+class MissingExtraError(H2OLensError, ImportError):
+    """An optional dependency (an extra such as ``h2o-lens[kvpress]``) is not installed."""

@@ -55,6 +55,7 @@ from h2o_lens.runtime import H2OSession, h2o
 from h2o_lens.speculative import SegmentEvent
 
 from .errors import RecorderError
+from .manifest import new_run_id
 from .prompt_pass import PromptPass, PromptSink
 from .run import RunWriter
 
@@ -883,7 +884,7 @@ class Recording:
 @contextlib.contextmanager
 def record(
     model: Any,
-    policy: H2OConfig | None = None,
+    policy: Any = None,
     *,
     out: str,
     tokenizer: Any = None,
@@ -905,7 +906,9 @@ def record(
     Parameters
     ----------
     model : transformers causal LM
-    policy : H2OConfig (or its fields as keyword ``options``)
+    policy : H2OConfig (or its fields as keyword ``options``), or a kvpress press (or a
+        :class:`h2o_lens.presses.PressSpec`): the model then runs under ``with press(model):``
+        and the run logs what the press kept, checked against its cache (DESIGN.md §17)
     out : runs root; the run is written to ``<out>/<run_id>/``
     tokenizer : decodes token texts and locates evidence spans
     evidence : ``{label: substring | (start, end)}`` for all requests, or one
@@ -927,9 +930,69 @@ def record(
         ``replay(..., prompt_passes=...)``, which then skips the prompt forward (DESIGN.md §6.1);
         held in memory, about 2 × layers × KV heads × head dim × prompt length values a request
 
+    With a kvpress press, ``speculative`` and ``keep_prompt_pass`` do not apply (the press runs on
+    transformers' own cache) and ``Recording.press_observer`` counts its logged compressions.
+
     On an exception inside the block the run is marked ``failed`` with the
     error, and the model is restored; the exception propagates.
     """
+    common = dict(
+        out=out,
+        tokenizer=tokenizer,
+        evidence=evidence,
+        name=name,
+        run_id=run_id,
+        prompts=prompts,
+        info=info,
+        flush_every=flush_every,
+        fsync=fsync,
+        rows_per_segment=rows_per_segment,
+        annotate=annotate,
+    )
+    if policy is None or isinstance(policy, H2OConfig):
+        with _record(
+            model, policy, speculative=speculative, keep_prompt_pass=keep_prompt_pass, **common, **options
+        ) as rec:
+            yield rec
+        return
+    from .press import is_press, prepare_press, press_scope
+
+    if not is_press(policy):
+        raise RecorderError(f"record takes an H2OConfig or a kvpress press as its policy, got {type(policy).__name__}")
+    if options:
+        raise RecorderError(f"give either a press or keyword options, not both (got {sorted(options)})")
+    press, manifest, prefix = prepare_press(policy)  # refused presses: before anything is written
+    common["run_id"] = run_id if run_id is not None else new_run_id(prefix)
+    # the full policy leaves the model to transformers' cache; the press's hooks compress it
+    with _record(model, H2OConfig(policy="full"), manifest=manifest, **common) as rec:
+        with press_scope(model, press, rec) as observer:
+            rec.press_observer = observer
+            yield rec
+
+
+@contextlib.contextmanager
+def _record(
+    model: Any,
+    policy: H2OConfig | None = None,
+    *,
+    out: str,
+    tokenizer: Any = None,
+    evidence: EvidenceSpec | None = None,
+    name: str | None = None,
+    run_id: str | None = None,
+    prompts: Sequence[str] | None = None,
+    info: Mapping[str, Any] | None = None,
+    flush_every: int = 32,
+    fsync: bool = True,
+    rows_per_segment: int | None = None,
+    annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None,
+    speculative: str = "rollback",
+    keep_prompt_pass: bool = False,
+    manifest: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Iterator[Recording]:
+    """:func:`record` for an :class:`H2OConfig`; ``manifest`` (the press recording's) replaces the
+    run's config and manifest fields (``config``, ``policy`` ...) where it names them."""
     from h2o_lens.models import model_info
 
     compat.check_supported()  # before anything is written
@@ -937,10 +1000,11 @@ def record(
     if policy is not None and options:
         raise RecorderError(f"give either a policy or keyword options, not both (got {sorted(options)})")
     sizing = {"rows_per_segment": rows_per_segment} if rows_per_segment else {}
+    manifest = dict(manifest or {})
     writer = RunWriter(
         out,
         run_id,
-        config=config.to_dict(),
+        config=manifest.get("config", config.to_dict()),
         model=model_info(model),
         fsync=fsync,
         name=name,
@@ -993,6 +1057,8 @@ def record(
         )
         if rec.prompts_reused:  # the prefill time above leaves these generate calls out
             writer.update(prompt_forward_reused=rec.prompts_reused)
+        if manifest:
+            writer.update(**manifest)
     except BaseException as exc:
         if writer.status == "running":
             with contextlib.suppress(Exception):  # the requests seen so far, for the failed run's log

@@ -424,6 +424,8 @@ def test_compare_colours_runs_by_their_policy():
     assert common.run_colours(["h2o", "tova"]) == [colours["h2o"], colours["tova"]]
     assert common.run_colours(["h2o", "h2o"]) is None  # one policy: the palette tells them apart
     assert common.run_colours(["h2o", None]) is None and common.run_colours(["h2o", "lru"]) is None
+    snap = "kvpress:SnapKVPress(compression_ratio=0.6, window_size=64, kernel_size=5)"  # a press run (DESIGN.md §17)
+    assert common.run_colours(["h2o", snap]) == [colours["h2o"], analyses.policy_colour(snap)]
     series = pd.DataFrame({"request": [0, 0], "step": [4, 5], "kl": [0.1, 0.2]})
     dropped = pd.DataFrame({"request": [0, 0], "step": [4, 5], "mean": [0.01, 0.02]})
     fig = charts.compare_figure([("a", series, dropped), ("b", series, dropped)], ["#123456", "#abcdef"])

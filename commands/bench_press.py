@@ -1,0 +1,204 @@
+"""``h2o-lens bench press``: what recording a kvpress press costs, and how presses agree with H2O.
+
+Speed (the default): for each press and prompt length, the same ``generate`` under
+``with press(model):`` alone and under ``recorders.record(model, press, ...)``, rounds
+alternating, medians compared (target: recorded ÷ alone ≤ 1.10, DESIGN.md §17).
+
+``--agreement``: the kept-set agreement of ``ObservedAttentionPress`` and ``TOVAPress`` with this
+toolkit's ``h2o`` and ``tova`` prefill, as printed in DESIGN.md §17.2, with the presses that undo
+each difference (:func:`reason_presses`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["bench_press", "bench_press_agreement", "reason_presses", "kept_sets", "record_each", "toolkit_sets"]
+
+#: the presses timed by default: their short names (h2o_lens.presses) and constructor arguments
+TIMED = (
+    ("SnapKVPress", {}),
+    ("StreamingLLMPress", {}),
+    ("TOVAPress", {}),
+    ("ObservedAttentionPress", {}),
+    ("KnormPress", {}),
+)
+
+
+def reason_presses(kv: Any) -> dict[str, type]:
+    """Subclasses of kvpress presses with one difference from the toolkit undone (DESIGN.md §17.2):
+
+    - ``summed_observed``: ObservedAttentionPress summing the attention a key received over the rows
+      instead of averaging it (H2O's prefill score);
+    - ``group_tova``: TOVAPress averaging the last row per KV head's query group, not over all heads;
+    - ``group_tova_self``: the same, with the last position ranked by its own weight like any other.
+    """
+    import dataclasses
+
+    import torch
+
+    @dataclasses.dataclass
+    class SummedObserved(kv.ObservedAttentionPress):
+        def score(self, module, hidden_states, keys, values, attentions, kwargs):
+            rows = torch.arange(keys.shape[2], 0, -1).to(attentions)  # rows at or below each key
+            return super().score(module, hidden_states, keys, values, attentions, kwargs) * rows
+
+    @dataclasses.dataclass
+    class GroupTOVA(kv.TOVAPress):
+        def score(self, module, hidden_states, keys, values, attentions, kwargs):
+            b, hkv, n, _ = keys.shape
+            scores = attentions[..., -1, :-1].reshape(b, hkv, -1, n - 1).mean(2)
+            return torch.nn.functional.pad(scores, (0, 1), value=scores.max().item() + 1)
+
+    @dataclasses.dataclass
+    class GroupTOVASelf(kv.TOVAPress):
+        def score(self, module, hidden_states, keys, values, attentions, kwargs):
+            b, hkv, n, _ = keys.shape
+            return attentions[..., -1, :].reshape(b, hkv, -1, n).mean(2)
+
+    return {"summed_observed": SummedObserved, "group_tova": GroupTOVA, "group_tova_self": GroupTOVASelf}
+
+
+def kept_sets(run_dir: str | Path, lengths: list[int]) -> dict[tuple[int, int, int], set[int]]:
+    """``(request, layer, KV head) -> kept prompt positions`` of a run of one prompt per request."""
+    from recorders import load_run
+
+    ev = load_run(run_dir)["evictions"].to_pandas()
+    return {
+        (int(r), int(layer), int(h)): set(range(lengths[int(r)])) - set(group.position.tolist())
+        for (r, layer, h), group in ev.groupby(["request", "layer", "kv_head"])
+    }
+
+
+def record_each(model: Any, policy: Any, prompts: list[Any], out: Path) -> str:
+    """One recorded run of ``policy`` (an H2OConfig or a press): each prompt alone, its prefill and one token."""
+    import torch
+
+    from recorders import record
+
+    with record(model, policy, out=str(out), fsync=False) as rec, torch.no_grad():
+        for ids in prompts:
+            model.generate(input_ids=ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    return rec.run_dir
+
+
+def toolkit_sets(model, policy: str, prompts, lengths, kept, out, *, recent0: bool):
+    """The toolkit's kept sets at the press's count ``kept[i]``: all by score (``recent0``) or the
+    policy's heavy/recent halves."""
+    from h2o_lens.config import H2OConfig
+
+    sets = {}
+    for i, ids in enumerate(prompts):
+        heavy, recent = (kept[i], 0) if recent0 else (kept[i] // 2, kept[i] - kept[i] // 2)
+        run = record_each(model, H2OConfig(policy=policy, heavy=heavy, recent=recent, gqa="sum"), [ids], out)
+        sets.update({(i, layer, h): s for (_, layer, h), s in kept_sets(run, [lengths[i]]).items()})
+    return sets
+
+
+def _agree(a: dict, b: dict) -> tuple[float, float]:
+    """(share of kept positions both keep, share of sets equal)."""
+    both = sum(len(a[k] & b[k]) for k in a)
+    return both / max(1, sum(len(s) for s in a.values())), sum(a[k] == b[k] for k in a) / max(1, len(a))
+
+
+def bench_press_agreement(model_name: str | None = None, ratios: tuple[float, ...] = (0.5, 0.8), tasks: int = 4) -> int:
+    """Print the table of DESIGN.md §17.2 (the first prompt of ``tasks`` task kinds)."""
+    from h2o_lens.models import load_model
+    from h2o_lens.presses import import_kvpress
+    from h2o_lens.tasks.real import KINDS, get_task
+
+    kv = import_kvpress()
+    reasons = reason_presses(kv)
+    model, tok = load_model(model_name, progress=False)
+    model.set_attn_implementation("eager")  # the presses read the weights the eager attention returns
+    prompts = [tok(get_task(f"{k}_0").chat_text(tok), return_tensors="pt")["input_ids"] for k in KINDS[:tasks]]
+    lengths = [int(p.shape[1]) for p in prompts]
+    out = Path(tempfile.mkdtemp(prefix="h2o-lens-bench-press-"))
+    print(f"{type(model).__name__}: {len(prompts)} prompts of {lengths} tokens; kept positions shared per set")
+    for c in ratios:
+        kept = [int(n * (1 - c)) for n in lengths]
+        ref = {
+            (p, r0): toolkit_sets(model, p, prompts, lengths, kept, out, recent0=r0)
+            for p in ("h2o", "tova")
+            for r0 in (True, False)
+        }
+        rows = [
+            ("ObservedAttentionPress", kv.ObservedAttentionPress(c), "h2o"),
+            ("  summed over rows", reasons["summed_observed"](c), "h2o"),
+            ("TOVAPress", kv.TOVAPress(c), "tova"),
+            ("  mean per KV group", reasons["group_tova"](c), "tova"),
+            ("  per group, last ranked by its weight", reasons["group_tova_self"](c), "tova"),
+        ]
+        for name, press, policy in rows:
+            sets = kept_sets(record_each(model, press, prompts, out), lengths)
+            (a0, e0), (a1, e1) = _agree(sets, ref[policy, True]), _agree(sets, ref[policy, False])
+            print(
+                f"c={c} {name:40s} vs {policy} recent=0: {a0:7.2%} ({e0:6.1%} of sets equal)"
+                f"   vs {policy} split: {a1:7.2%} ({e1:6.1%})"
+            )
+    return 0
+
+
+def bench_press(
+    model_name: str | None = None,
+    contexts: tuple[int, ...] = (2048, 4096),
+    keep: float = 0.5,
+    new_tokens: int = 16,
+    rounds: int = 3,
+    model: Any = None,
+    timed: tuple[tuple[str, dict[str, Any]], ...] = TIMED,
+) -> int:
+    """Recorded ÷ alone per press and prompt length, side by side in one process (``timed``: the
+    presses, as class names and arguments)."""
+    import torch
+
+    from h2o_lens.models import load_model
+    from h2o_lens.presses import import_kvpress, policy_text
+    from recorders import record
+
+    kv = import_kvpress()
+    if model is None:
+        model, _ = load_model(model_name, progress=False)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    root = Path(tempfile.mkdtemp(prefix="h2o-lens-bench-press-"))
+    print(f"{type(model).__name__}: keep {keep:.0%} (compression_ratio {1 - keep:g}), {new_tokens} new tokens, "
+          f"{rounds} rounds alternating; ratio = recorded / alone (target <= 1.10)")  # fmt: skip
+    worst = 0.0
+    for context in contexts:
+        ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(context))
+        for cls, args in timed:
+            press = getattr(kv, cls)(compression_ratio=1 - keep, **args)
+            eager = cls == "ObservedAttentionPress"
+            previous = model.config._attn_implementation
+            alone, recorded = [], []
+            try:
+                if eager:  # as the recorder runs it (DESIGN.md §17)
+                    model.set_attn_implementation("eager")
+                with torch.no_grad():
+                    for r in range(rounds + 1):  # round 0 warms up
+                        with press(model):
+                            t0 = time.perf_counter()
+                            model.generate(ids, **kw)
+                            t1 = time.perf_counter()
+                        with record(model, press, out=str(root), fsync=False):
+                            t2 = time.perf_counter()
+                            model.generate(ids, **kw)
+                            t3 = time.perf_counter()
+                        if r:
+                            alone.append(t1 - t0)
+                            recorded.append(t3 - t2)
+            finally:
+                model.set_attn_implementation(previous)
+            ratio = statistics.median(recorded) / statistics.median(alone)
+            worst = max(worst, ratio)
+            print(
+                f"prompt {context:5d}  {policy_text(cls, {}).removesuffix('()'):32s} alone "
+                f"{statistics.median(alone):6.2f} s  recorded {statistics.median(recorded):6.2f} s  ratio {ratio:.3f}"
+            )
+    print(f"worst ratio {worst:.3f}")
+    return 0

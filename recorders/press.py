@@ -1,0 +1,428 @@
+"""Recording a kvpress press: what it kept, per layer and KV head, checked against its cache.
+
+``recorders.record(model, press, out=...)`` lands here when ``press`` is a kvpress press (or a
+:class:`h2o_lens.presses.PressSpec`). The model runs under ``with press(model):`` exactly as a
+kvpress user runs it; the H2O runtime is not involved (DESIGN.md §17). The recorder watches the
+press's own choice:
+
+- every ScorerPress inside the press (the press itself, or the inner presses of a wrapper) has
+  its ``score`` and ``compress`` observed on the instance: the scores it computed and the number
+  of positions its compression returned give the indices behind its pruning
+  (``scores.topk(kept)``, kvpress's own rule); the keys and values it returned must equal the
+  inputs gathered at those indices, bit for bit;
+- the press's ``forward_hook`` is observed around: before it the cache layer holds the full keys,
+  after it the compressed ones; the composed indices of the press's compressions must give the
+  cache it leaves, bit for bit, or the recording fails with a :class:`RecorderError`.
+
+A position map per layer (cache column -> original position, ``-1`` for padding) follows the
+cache through prefill and decode, so a ``DecodingPress``'s compressions are logged at their decode
+step. The observers are instance attributes removed on exit, exceptions included.
+
+Presses that do not keep a subset of the original positions per layer and KV head are refused
+before anything runs, in one line naming the press and why (:data:`h2o_lens.presses.REFUSED`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from h2o_lens import presses as press_table
+from h2o_lens.errors import ConfigError
+
+from .errors import RecorderError, RecorderWarning
+
+__all__ = ["is_press", "check_press", "press_spec", "build_press", "PressObserver", "prepare_press", "press_scope"]
+
+
+def is_press(policy: Any) -> bool:
+    """Whether ``policy`` is a kvpress press or a :class:`PressSpec` (kvpress is not imported for
+    anything else)."""
+    return isinstance(policy, press_table.PressSpec) or _from_kvpress(policy)
+
+
+def _from_kvpress(obj: Any) -> bool:
+    """Whether ``obj`` is an instance of a kvpress class or of a subclass of one."""
+    return any(c.__module__.split(".")[0] == "kvpress" for c in type(obj).__mro__)
+
+
+def _children(press: Any) -> list[Any]:
+    """The inner presses of a wrapper (the fields :data:`~h2o_lens.presses.WRAPPERS` names)."""
+    for cls in type(press).__mro__:
+        fields = press_table.WRAPPERS.get(cls.__name__)
+        if fields is not None:
+            out = []
+            for f in fields:
+                value = getattr(press, f)
+                out += list(value) if isinstance(value, (list, tuple)) else [value]
+            return out
+    return []
+
+
+def _refusal(press: Any, kvpress: Any) -> str | None:
+    for cls in type(press).__mro__:
+        if cls.__name__ in press_table.REFUSED:
+            return press_table.REFUSED[cls.__name__]
+    if isinstance(press, kvpress.presses.scorer_press.ScorerPress):
+        return None
+    if not _children(press):
+        return (
+            "it is not a ScorerPress, so the positions it keeps cannot be recovered from its own choice "
+            "(the top of its scores)"
+        )
+    for inner in _children(press):
+        why = _refusal(inner, kvpress)
+        if why is not None:
+            return f"its inner {type(inner).__name__}: {why}"
+    return None
+
+
+def check_press(press: Any) -> None:
+    """Refuse, in one line, a press whose kept set the recorder cannot log (DESIGN.md §17).
+
+    Raises
+    ------
+    ConfigError
+        The press (or a press inside it) merges, quantizes, rotates or prunes channels, or keeps
+        per-head budgets; the message names it and why, and the supported presses.
+    """
+    kvpress = press_table.import_kvpress()
+    if not isinstance(press, kvpress.presses.base_press.BasePress):
+        raise ConfigError(f"expected a kvpress press (a BasePress), got {type(press).__name__}")
+    why = _refusal(press, kvpress)
+    if why is not None:
+        names = ", ".join(p.name for p in press_table.SUPPORTED)
+        raise ConfigError(
+            f"kvpress {type(press).__name__} cannot be recorded: {why}; the recorder logs presses that keep "
+            f"a subset of positions per layer and KV head ({names}; DESIGN.md §17)"
+        )
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and _from_kvpress(value):
+        return press_spec(value).to_dict()
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+    return value
+
+
+def press_spec(press: Any) -> press_table.PressSpec:
+    """The :class:`PressSpec` of a press object: its class and constructor fields, in declaration
+    order (nested presses as nested specs)."""
+    if isinstance(press, press_table.PressSpec):
+        return press
+    params = {f.name: _jsonable(getattr(press, f.name)) for f in dataclasses.fields(press) if f.init}
+    return press_table.PressSpec(type(press).__name__, tuple(params.items()))
+
+
+def build_press(spec: press_table.PressSpec) -> Any:
+    """The kvpress press a spec describes (kvpress imported now)."""
+    kvpress = press_table.import_kvpress()
+    cls = getattr(kvpress, spec.press, None)
+    if cls is None:
+        raise ConfigError(f"kvpress {kvpress.__version__} has no press {spec.press!r}; check the name")
+
+    def build(value: Any) -> Any:
+        if isinstance(value, Mapping) and "press" in value:
+            return build_press(press_table.PressSpec.from_dict(value))
+        if isinstance(value, list):
+            return [build(v) for v in value]
+        return value
+
+    try:
+        return cls(**{k: build(v) for k, v in spec.kwargs.items()})
+    except (TypeError, ValueError, AssertionError) as exc:
+        raise ConfigError(f"kvpress {spec.press} refused the arguments {spec.kwargs}: {exc}") from None
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as integers, so that equality is bit for bit (NaN and -0.0 included)."""
+    kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(kind)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+@dataclasses.dataclass
+class _Stage:
+    """One compression of one ScorerPress: the columns it kept ``(b, h, k)`` of the ``(b, h, n)``
+    it was given, and its scores ``(b, h, n)``."""
+
+    kept: torch.Tensor
+    scores: torch.Tensor
+
+
+class PressObserver:
+    """Watches one press during a recording and writes its kept sets (DESIGN.md §17).
+
+    Parameters
+    ----------
+    press : the kvpress press (already checked by :func:`check_press`)
+    rec : the :class:`~recorders.recorder.Recording` whose writer and request numbering it uses
+    """
+
+    def __init__(self, press: Any, rec: Any):
+        self.press = press
+        self.rec = rec
+        self._stages: list[_Stage] = []
+        self._pos: dict[int, torch.Tensor] = {}  # layer -> (b, h, n) original position per cache column
+        self._next: torch.Tensor | None = None  # (b,) position of each row's next token
+        self._ids: np.ndarray = np.zeros(0, np.int32)  # the request of each row
+        self._patched: list[tuple[Any, str]] = []
+        self._steps: dict[int, torch.Tensor] = {}  # layer -> (b,) position of its next decode token
+        self.compressions = 0  # compressions logged (one per layer and press call)
+        self._padded = False  # the current generate call's prompt has padding columns
+        self._warned = False
+
+    # -- installing -------------------------------------------------------------
+    def _scorers(self, press: Any) -> list[Any]:
+        kvpress = press_table.import_kvpress()
+        if isinstance(press, kvpress.presses.scorer_press.ScorerPress):
+            return [press]
+        return [s for inner in _children(press) for s in self._scorers(inner)]
+
+    def _set(self, obj: Any, name: str, value: Any) -> None:
+        if name in vars(obj):
+            raise RecorderError(
+                f"{type(obj).__name__} already has an instance attribute {name!r}; record a fresh press object"
+            )
+        setattr(obj, name, value)
+        self._patched.append((obj, name))
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        try:
+            for scorer in self._scorers(self.press):
+                self._set(scorer, "score", functools.partial(self._score, scorer, type(scorer).score))
+                self._set(scorer, "compress", functools.partial(self._compress, scorer, type(scorer).compress))
+            self._set(self.press, "forward_hook", functools.partial(self._hook, type(self.press).forward_hook))
+            yield
+        finally:
+            for obj, name in reversed(self._patched):
+                vars(obj).pop(name, None)
+            self._patched.clear()
+
+    # -- observing ----------------------------------------------------------------
+    def _score(self, scorer: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        scores = original(scorer, *args, **kwargs)
+        scorer.__dict__["_h2o_lens_scores"] = scores
+        return scores
+
+    def _compress(self, scorer: Any, original: Any, module: Any, hidden, keys, values, attentions, kwargs):
+        vars(scorer).pop("_h2o_lens_scores", None)
+        out_k, out_v = original(scorer, module, hidden, keys, values, attentions, kwargs)
+        scores = vars(scorer).pop("_h2o_lens_scores", None)
+        if out_k is keys and out_v is values:  # compression ratio 0: nothing pruned
+            return out_k, out_v
+        name = type(scorer).__name__
+        if scores is None or scores.shape != keys.shape[:3]:
+            raise RecorderError(
+                f"kvpress {name} at layer {module.layer_idx} pruned {keys.shape[2]} -> {out_k.shape[2]} keys "
+                f"without scores of shape {tuple(keys.shape[:3])} (got "
+                f"{None if scores is None else tuple(scores.shape)}); its choice cannot be recovered"
+            )
+        kept = scores.topk(out_k.shape[2], dim=-1).indices  # (b, h, k): kvpress's own rule
+        idx = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        if not (_same_bits(keys.gather(2, idx), out_k) and _same_bits(values.gather(2, idx), out_v)):
+            raise RecorderError(
+                f"kvpress {name} at layer {module.layer_idx}: the keys and values it kept are not the top "
+                f"{out_k.shape[2]} of its scores bit for bit, so the recorded kept set would be wrong; "
+                "this press selects by a rule the recorder does not follow (DESIGN.md §17)"
+            )
+        self._stages.append(_Stage(kept, scores.detach().float()))
+        return out_k, out_v
+
+    def _hook(self, original: Any, module: Any, args: Any, kwargs: dict, output: Any) -> Any:
+        layer_no = module.layer_idx
+        layer = kwargs["past_key_values"].layers[layer_no]
+        before_k, before_v = layer.keys, layer.values
+        q_len = kwargs["hidden_states"].shape[1]
+        prefill = layer_no not in self._pos or bool(kwargs["cache_position"][0] == 0)
+        if prefill:
+            self._start(layer_no, before_k.shape)
+        else:
+            self._grow(layer_no, q_len)
+        self._stages = []
+        output = original(self.press, module, args, kwargs, output)
+        stages, self._stages = self._stages, []
+        if not stages:
+            if layer.keys is not before_k or self._pos[layer_no].shape[-1] != layer.keys.shape[2]:
+                raise RecorderError(
+                    f"kvpress {type(self.press).__name__} changed the cache of layer {layer_no} without a "
+                    "ScorerPress choice the recorder saw; it cannot be recorded (DESIGN.md §17)"
+                )
+            return output
+        cols = torch.arange(before_k.shape[2], device=before_k.device).expand(before_k.shape[:3])
+        scores = torch.full(before_k.shape[:3], float("nan"), device=before_k.device)
+        for st in stages:  # each stage picks among the columns the previous one kept
+            scores.scatter_(-1, cols, st.scores)
+            cols = cols.gather(-1, st.kept)
+        idx = cols.unsqueeze(-1).expand(-1, -1, -1, before_k.shape[-1])
+        if not (_same_bits(before_k.gather(2, idx), layer.keys) and _same_bits(before_v.gather(2, idx), layer.values)):
+            raise RecorderError(
+                f"kvpress {type(self.press).__name__} at layer {layer_no}: the cache it left does not hold the "
+                "keys and values of the positions its choice kept, bit for bit; the recording is stopped "
+                "rather than logging a wrong kept set (DESIGN.md §17)"
+            )
+        self._log(layer_no, prefill, cols, scores, margins=len(stages) == 1)
+        return output
+
+    def _start(self, layer_no: int, shape: torch.Size) -> None:
+        """A prefill: the cache's columns are the prompt's, left-padded (``-1`` for padding)."""
+        watch = self.rec._watch
+        if watch is None or watch.input_ids is None:
+            raise RecorderError("a press compressed outside a recorded generate call; call model.generate in the block")
+        valid = watch.prompt_mask().to(torch.int64)  # (b, W)
+        if valid.shape[1] != shape[2]:
+            raise RecorderError(
+                f"the prefill cache of layer {layer_no} holds {shape[2]} positions for a prompt of "
+                f"{valid.shape[1]} columns; a press is recorded from a fresh prefill (no reused cache)"
+            )
+        pos = torch.where(valid.bool(), valid.cumsum(-1) - 1, -1)  # (b, W)
+        self._pos[layer_no] = pos[:, None, :].expand(shape[0], shape[1], -1).to(torch.int64)
+        if layer_no == 0 or self._next is None:
+            self._padded = not bool(valid.bool().all())
+            self._warned = False
+            self._next = valid.sum(-1)  # (b,)
+            self._ids = np.arange(self.rec._request_base, self.rec._request_base + shape[0], dtype=np.int32)
+            self._steps = {}
+
+    def _grow(self, layer_no: int, q_len: int) -> None:
+        """A decode forward: its ``q_len`` tokens join the cache after the columns held."""
+        pos = self._pos[layer_no]
+        if self._padded and not self._warned and self.compressions:
+            self._warned = True
+            warnings.warn(
+                "kvpress compressed a left-padded batch: at decode steps transformers reads the padding mask "
+                "by cache column, and the compressed cache's columns no longer line up with it, so these rows "
+                "attend to other positions than the press kept; their replay fails the implementation check "
+                "(DESIGN.md §17). Generate one prompt per call to record a press's decode steps",
+                RecorderWarning,
+                stacklevel=2,
+            )
+        start = self._steps.get(layer_no, self._next)
+        new = start[:, None] + torch.arange(q_len, device=start.device)  # (b, q)
+        self._pos[layer_no] = torch.cat([pos, new[:, None, :].expand(pos.shape[0], pos.shape[1], -1).to(pos)], -1)
+        self._steps[layer_no] = start + q_len
+
+    def _log(self, layer_no: int, prefill: bool, cols: torch.Tensor, scores: torch.Tensor, margins: bool) -> None:
+        """The evictions and steps rows of one compression of one layer."""
+        pos = self._pos[layer_no]  # (b, h, n)
+        kept = torch.zeros_like(pos, dtype=torch.bool).scatter_(-1, cols, True)
+        self._pos[layer_no] = pos.gather(-1, cols)
+        real = pos >= 0
+        end = self._next if prefill else self._steps[layer_no]
+        step = (end - 1).to(torch.int64)  # (b,): the last position processed
+        alive = self.rec._watch.alive if (not prefill and self.rec._watch is not None) else None
+        survivors = kept & real
+        big = torch.finfo(torch.float32).max
+        low = torch.where(survivors, scores, big).amin(-1)  # (b, h)
+        victims = real & ~kept
+        if alive is not None:
+            victims &= alive.to(victims.device)[:, None, None]
+        r, h, i = victims.nonzero(as_tuple=True)
+        victim_pos = pos[r, h, i].cpu().numpy()
+        victim_score = scores[r, h, i]
+        margin = (low[r, h] - victim_score) if margins else torch.full_like(victim_score, float("nan"))
+        step_np = step.cpu().numpy()
+        phase = "prefill" if prefill else "decode"
+        if len(victim_pos):
+            self.rec.writer.append(
+                "evictions",
+                {
+                    "request": self._ids[r.cpu().numpy()],
+                    "step": step_np[r.cpu().numpy()],
+                    "layer": np.full(len(victim_pos), layer_no, np.int16),
+                    "kv_head": h.cpu().numpy().astype(np.int16),
+                    "position": victim_pos.astype(np.int64),
+                    "score": victim_score.cpu().numpy().astype(np.float32),
+                    "margin": margin.cpu().numpy().astype(np.float32),
+                    "age": step_np[r.cpu().numpy()] - victim_pos,
+                    "left_recent": np.zeros(len(victim_pos), bool),
+                    "phase": phase,
+                },
+            )
+        b, hs = survivors.shape[:2]
+        age = torch.where(survivors, step[:, None, None] - pos, 0).sum(-1) / survivors.sum(-1).clamp(min=1)
+        self.rec.writer.append(
+            "steps",
+            {
+                "request": np.repeat(self._ids, hs),
+                "step": np.repeat(step_np, hs),
+                "layer": np.full(b * hs, layer_no, np.int16),
+                "kv_head": np.tile(np.arange(hs, dtype=np.int16), b),
+                "min_heavy_score": np.ma.masked_invalid(
+                    torch.where(survivors.any(-1), low, float("nan")).reshape(-1).cpu().numpy().astype(np.float32)
+                ),
+                "kept": survivors.sum(-1).reshape(-1).cpu().numpy().astype(np.int32),
+                "heavy_age_mean": np.ma.masked_invalid(
+                    torch.where(survivors.any(-1), age.float(), float("nan")).reshape(-1).cpu().numpy()
+                ),
+            },
+        )
+        self.compressions += 1
+
+
+def _needs_eager(press: Any) -> bool:
+    info = press_table.find(type(press).__name__)
+    return bool(info and info.eager and not info.wrapper) or any(_needs_eager(p) for p in _children(press))
+
+
+@contextlib.contextmanager
+def _attention(model: Any, press: Any) -> Iterator[None]:
+    """Eager attention for the presses that read the attention weights (restored on exit)."""
+    if not _needs_eager(press) or model.config._attn_implementation == "eager":
+        yield
+        return
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def prepare_press(press: Any) -> tuple[Any, dict[str, Any], str]:
+    """What :func:`recorders.record` needs to record a press: the press object (built from a
+    :class:`PressSpec`), checked (:func:`check_press`), the manifest fields of its run (the policy
+    text ``kvpress:SnapKVPress(compression_ratio=0.6, ...)`` with every parameter, whether the press
+    came as an object or a spec) and a run id prefix (``kvpress-snapkv``)."""
+    if not isinstance(press, press_table.PressSpec):
+        check_press(press)
+    spec = press_spec(press)
+    if isinstance(press, press_table.PressSpec):
+        press = build_press(spec)
+        check_press(press)
+        spec = press_spec(press)
+    text = press_table.policy_text(spec.press, spec.kwargs)
+    ratio = spec.compression_ratio
+    manifest = {
+        "config": {"policy": text, "press": spec.to_dict()},
+        "policy": text,
+        "backend": "kvpress",
+        "keep_ratio": None if ratio is None else 1.0 - ratio,
+    }
+    return press, manifest, "kvpress-" + press_table.short_name(spec.press)
+
+
+@contextlib.contextmanager
+def press_scope(model: Any, press: Any, rec: Any) -> Iterator[PressObserver]:
+    """The model under ``with press(model):`` as kvpress runs it (transformers' own cache, the
+    press's hooks), with the :class:`PressObserver` of ``rec`` installed; all removed on exit."""
+    observer = PressObserver(press, rec)
+    with observer.installed(), _attention(model, press), press(model):
+        yield observer
