@@ -68,9 +68,8 @@ def _explained(long_request, labels: bool):
     model, tok, root, full, parents = long_request
     parent = parents[labels]
     ex = explain_request(model, tok, parent.run_dir, 0, bisect=False, replay=False)
-    assert ex.full_copied_from == full.run_id  # the root's full-cache run, not generated again
     (v,) = causal_verdicts(connect(root), parent.run_id)
-    return ex, v, {r["variant"]: r for r in v.table}
+    return ex, v, {r["variant"]: r for r in v.table}, full
 
 
 def _oracle_keeps_the_answer_in_its_own_words(ex, v, rows):
@@ -84,13 +83,20 @@ def _oracle_keeps_the_answer_in_its_own_words(ex, v, rows):
     assert f"{k}/{n} steps" in line and "yes" in line.split()
 
 
+def _full_was_copied(ex, full):
+    assert ex.full_copied_from == full.run_id  # the root's full-cache run, not generated again
+
+
 def test_long_request_with_labels_is_scoring_when_the_oracle_keeps_the_answer(long_request):
-    ex, v, rows = _explained(long_request, labels=True)
-    assert v.passes["pinned"] is False  # pinning the five statements does not bring it back
+    ex, v, rows, full = _explained(long_request, labels=True)
     _oracle_keeps_the_answer_in_its_own_words(ex, v, rows)
+    assert v.passes["pinned"] is False  # pinning the five statements does not bring it back
+    _full_was_copied(ex, full)
 
 
 def test_long_request_without_labels_is_scoring_when_the_oracle_keeps_the_answer(long_request):
-    ex, v, rows = _explained(long_request, labels=False)
-    assert "pinned" in v.could_not_run and "labels no evidence" in v.could_not_run["pinned"]
+    ex, v, rows, full = _explained(long_request, labels=False)
     _oracle_keeps_the_answer_in_its_own_words(ex, v, rows)
+    pinned = ex.outcomes["pinned"]  # nothing to pin: not run, so it decides nothing
+    assert not pinned.ran and "labels no evidence" in pinned.error and "pinned" not in v.passes
+    _full_was_copied(ex, full)
