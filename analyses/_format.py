@@ -102,7 +102,7 @@ CAUSAL_TEXT = {
     "implementation_error": "implementation error: the replay does not reproduce the run",
     "undecided": "undecided: a re-run the rules need could not run",
 }
-WHY_COLUMNS = ("variant", "slots", "answer", "right", "kl_mean", "run_id", "error")
+WHY_COLUMNS = ("variant", "slots", "answer", "right", "teacher_agreement", "kl_mean", "run_id", "error")
 
 
 def why_rows(v: dict[str, Any]) -> list[dict[str, Any]]:
@@ -115,6 +115,8 @@ def why_rows(v: dict[str, Any]) -> list[dict[str, Any]]:
                 **r,
                 "answer": None if ans is None else " ".join(str(ans).split())[:60],
                 "right": {True: "yes", False: "no", None: "–"}[r.get("right")],
+                # the oracle's top-1 equals the teacher's token at k of n steps, fed the teacher's tokens
+                "teacher_agreement": "{}/{}".format(*r["teacher_agreement"]) if r.get("teacher_agreement") else None,
             }
         )
     return rows

@@ -40,6 +40,7 @@ import duckdb
 import pandas as pd
 
 from recorders import read_manifest
+from recorders.counterfactual_reuse import judged_teacher_forced
 from recorders.errors import RecorderError
 from recorders.schema import COUNTERFACTUAL_KINDS
 
@@ -57,6 +58,7 @@ __all__ = [
     "explained_requests",
     "causal_verdicts",
     "decide",
+    "variant_table",
     "budget_distribution",
 ]
 
@@ -135,23 +137,41 @@ def explained_requests(source: Source) -> duckdb.DuckDBPyRelation:
     return relation(connect(source), sql)
 
 
-def _bisection(path: str | None) -> dict[str, Any] | None:
+def _manifest(path: str | None) -> dict[str, Any]:
     if not path:
-        return None
+        return {}
     try:
-        cf = read_manifest(path).get("counterfactual") or {}
+        return read_manifest(path)
     except (RecorderError, OSError):
-        return None
-    bis = cf.get("bisection")
+        return {}
+
+
+def _bisection(path: str | None) -> dict[str, Any] | None:
+    bis = (_manifest(path).get("counterfactual") or {}).get("bisection")
     return bis if isinstance(bis, dict) else None
 
 
+#: why an oracle run of an earlier version has no verdict (``recorders.counterfactual_reuse``)
+NOT_JUDGED = (
+    "recorded teacher-forced on the full run's tokens by an earlier version, not judged on its own answer: "
+    "run `h2o-lens explain` again (without --cached) to judge it"
+)
+
+
 def _outcomes(rows: pd.DataFrame) -> dict[str, dict[str, Any]]:
-    """The latest run of each variant: status, correct, slots, run id, bisection."""
+    """The latest run of each variant: status, correct, slots, run id, bisection, and for the
+    oracle its teacher-forced agreement with the teacher's tokens."""
     out: dict[str, dict[str, Any]] = {}
     for row in rows.to_dict("records"):
         rec = {k: plain(v) for k, v in row.items()}
-        rec["bisection"] = _bisection(rec.get("path")) if rec["kind"] in (ORACLE, *BUDGET_KINDS) else None
+        rec["bisection"] = rec["teacher_agreement"] = None
+        if rec["kind"] in (ORACLE, *BUDGET_KINDS):
+            manifest = _manifest(rec.get("path"))
+            cf = manifest.get("counterfactual") or {}
+            rec["bisection"] = cf.get("bisection") if isinstance(cf.get("bisection"), dict) else None
+            rec["teacher_agreement"] = cf.get("teacher_agreement")
+            if rec["kind"] != POLICY_BUDGET and judged_teacher_forced(manifest):
+                rec.update(status="not_judged", correct=None, error=NOT_JUDGED, bisection=None)
         out[rec["kind"]] = rec
     same = out.get(ORACLE)
     if ORACLE_BUDGET not in out and same is not None and same.get("bisection"):
@@ -278,19 +298,30 @@ def _sub_label(con: duckdb.DuckDBPyConnection, run_id: str, request: int, d: int
     return "stale_heavy" if row and row[0] else None
 
 
-def _table(outcomes: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any], ...]:
+def variant_table(outcomes: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """One row per variant. ``right`` is its pass test; a row showing the teacher's (the full
+    cache's) answer text is never marked wrong when the teacher is right: the same text gets
+    the same checker's verdict, so a ``False`` there can only be a verdict on something else
+    (an earlier version's teacher-forced oracle), and is shown as none. ``teacher_agreement``
+    ``[k, n]``: the oracle's top-1 equals the teacher's token at k of its n steps."""
+    full = outcomes.get(FULL) or {}
+    teacher_text = full.get("answer") if full.get("status") == "complete" and full.get("correct") else None
     rows = []
     for kind in VARIANTS:
         o = outcomes.get(kind)
         if o is None:
             continue
+        right = o.get("correct") if o.get("status") == "complete" else None
+        if right is False and teacher_text is not None and _same_text(o.get("answer"), teacher_text):
+            right = None
         rows.append(
             {
                 "variant": kind,
                 "slots": o.get("slots"),
                 "keep_ratio": o["slots"] / o["prompt_len"] if o.get("slots") and o.get("prompt_len") else None,
                 "answer": o.get("answer"),
-                "right": o.get("correct") if o.get("status") == "complete" else None,
+                "right": right,
+                "teacher_agreement": o.get("teacher_agreement"),
                 "kl_mean": 0.0 if kind == FULL and o.get("status") == "complete" else o.get("kl_mean"),
                 "run_id": o.get("run_id"),
                 "status": o.get("status"),
@@ -298,6 +329,10 @@ def _table(outcomes: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any], .
             }
         )
     return tuple(rows)
+
+
+def _same_text(a: Any, b: Any) -> bool:
+    return isinstance(a, str) and isinstance(b, str) and a.strip() == b.strip()
 
 
 def _budget(o: Mapping[str, Any] | None, prompt_len: int | None) -> tuple[int | None, float | None, bool | None]:
@@ -366,7 +401,7 @@ def causal_verdicts(
                 {k: o["run_id"] for k, o in outcomes.items()},
                 decided,
                 est.verdict if est else None,
-                _table(outcomes),
+                variant_table(outcomes),
             )
         )
     return out

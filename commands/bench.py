@@ -550,43 +550,81 @@ def bench_runs(runs: int = 5000, root: str | None = None, browser: bool = True) 
             shutil.rmtree(temp, ignore_errors=True)
 
 
-def bench_explain(
-    model_name: str | None = None,
-    task: str = "delayed_recall_1",
-    keep: float = 0.2,
-    resolution: float = 0.05,
-    out: str | None = None,
-) -> int:
-    """Explaining one failed demo request (every counterfactual, both bisections, the replays)
-    ÷ that request's own generation time, on this machine (DESIGN.md §6.10).
-
-    The generation time is the median of plain (unrecorded) generations of the request under
-    its run's config, timed before and after the explanation; on a shared machine the load
-    moves, so the ratio to the median recorded generation inside the explanation is printed
-    too. Prints both, the ratio and the oracle teacher's forward count; returns 0 (1 when the
-    request does not fail).
-    """
-    import tempfile
-
+def _explain_request_task(model, tok, task: str, length: int | None, keep: float, root: str):
+    """The bench's request and its runs under ``root``: the full-cache run (what a sweep's full
+    cell would hold) and the parent under H2O at ``keep`` that fails it. Without ``length`` the
+    built-in ``task``; with it, the first request of the long-context family ``task`` at that
+    many prompt tokens that the full cache answers right and H2O wrong. Returns the parent's
+    TaskRun and the task, or a line saying why there is none."""
     from h2o_lens.config import H2OConfig
-    from h2o_lens.models import load_model
-    from h2o_lens.runtime import h2o
     from h2o_lens.tasks import get_task
-    from recorders.counterfactual import explain_request, load_parent
+    from h2o_lens.tasks.longctx import LONG_FAMILIES
 
     from .jobs import run_task
 
+    if length is None:
+        candidates = [get_task(task)]
+    else:
+        if task not in LONG_FAMILIES:
+            raise SystemExit(
+                f"bench explain: --length takes a long-context family (--tasks builtin:NAME), got {task!r}; "
+                f"expected one of {', '.join(LONG_FAMILIES)}"
+            )
+        candidates = LONG_FAMILIES[task](length=length, count=3, tokenizer=tok)
+    for chosen in candidates:
+        full = run_task(model, tok, chosen, H2OConfig(policy="full"), root, replay=False, name=f"{chosen.name} full")
+        parent = run_task(model, tok, chosen, H2OConfig(ratio=keep), root, ratio=keep, replay=True)
+        if full.correct and not parent.correct:
+            return parent, chosen
+    what = f"{task} at {length} tokens" if length else task
+    return None, f"no request of {what} fails at keep {keep:.0%} while the full cache answers it right"
+
+
+def bench_explain(
+    model_name: str | None = None,
+    task: str | None = None,
+    keep: float = 0.2,
+    resolution: float = 0.05,
+    out: str | None = None,
+    length: int | None = None,
+    rounds: int = 2,
+) -> int:
+    """Explaining one failed request (every counterfactual, both bisections, the replays) ÷ one
+    generation of the same request, on this machine (DESIGN.md §6.10).
+
+    The request is the built-in ``task`` (default ``delayed_recall_1``), or with ``length`` the
+    first request of a long-context family (``task``, default ``needle``) at that many prompt
+    tokens that H2O at ``keep`` fails and the full cache answers. Its root holds the full-cache
+    run of the request, as a sweep's would, which the explanation copies. The two sides
+    alternate on the same process: a plain (unrecorded) generation under the parent's config,
+    an explanation from scratch (its counterfactual folders removed first), ``rounds`` times,
+    then a last generation; the ratio is of the medians, printed with each round and the load
+    average seen at the start and the end (a shared machine moves both sides). Returns 0 (1 when
+    no request fails).
+    """
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from h2o_lens.models import load_model
+    from h2o_lens.runtime import h2o
+    from recorders.counterfactual import explain_request, load_parent
+
+    rounds = _check_ints("explain", "rounds", rounds, 1)[0]
+    task = task or ("needle" if length else "delayed_recall_1")
     model, tok = load_model(model_name)
-    chosen = get_task(task)
     root = out or tempfile.mkdtemp(prefix="h2o-lens-bench-explain-")
-    parent = run_task(model, tok, chosen, H2OConfig(ratio=keep), root, ratio=keep, replay=True)
-    if parent.correct:
-        print(f"{task} at keep {keep:.0%} answers right ({parent.answer!r}): nothing to explain")
+    load = [os.getloadavg()[0]]
+    parent, chosen = _explain_request_task(model, tok, task, length, keep, root)
+    if parent is None:
+        print(chosen)
         return 1
     req = load_parent(parent.run_dir, 0)
     ids = torch.tensor([req.prompt_ids])
 
-    def generate() -> None:
+    def generate() -> float:
+        t0 = time.perf_counter()
         with torch.no_grad(), h2o(model, req.config):
             model.generate(
                 input_ids=ids,
@@ -595,34 +633,38 @@ def bench_explain(
                 do_sample=False,
                 pad_token_id=tok.pad_token_id,
             )
+        return time.perf_counter() - t0
 
-    gen = []
-    for _ in range(2):
+    def explain():
+        for done in Path(root).glob(f"{req.run_id}-r0-*"):
+            shutil.rmtree(done)
+        return explain_request(model, tok, parent.run_dir, 0, resolution=resolution)
+
+    gen, spent, last = [generate()], [], None
+    for _ in range(rounds):
         t0 = time.perf_counter()
-        generate()
-        gen.append(time.perf_counter() - t0)
-    ex = explain_request(model, tok, parent.run_dir, 0, resolution=resolution)
-    for _ in range(2):
-        t0 = time.perf_counter()
-        generate()
-        gen.append(time.perf_counter() - t0)
-    g = statistics.median(gen)
-    inside = statistics.median(ex.generation_seconds) if ex.generation_seconds else float("nan")
-    ran = {k: o.slots for k, o in ex.outcomes.items() if o.ran}
+        last = explain()
+        spent.append(time.perf_counter() - t0)
+        gen.append(generate())
+    load.append(os.getloadavg()[0])
+    g, e = statistics.median(gen), statistics.median(spent)
+    ran = {k: o.slots for k, o in last.outcomes.items() if o.ran}
     print(
-        f"model {type(model).__name__}, {torch.get_num_threads()} threads; task {task}, keep {keep:.0%} "
-        f"({req.slots} slots of a {req.prompt_len}-token prompt, {req.max_new_tokens} new tokens)"
+        f"model {type(model).__name__}, {torch.get_num_threads()} threads; {chosen.name}, keep {keep:.0%} "
+        f"({req.slots} slots of a {req.prompt_len}-token prompt, {req.max_new_tokens} new tokens); "
+        f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end"
     )
-    print(f"{'own generation s':>17} {'explain s':>10} {'ratio':>7} {'probes':>7} {'oracle forwards':>16}")
+    for i, s in enumerate(spent):
+        print(f"  round {i + 1}: generation {gen[i]:.2f} s, explain {s:.1f} s, generation {gen[i + 1]:.2f} s")
+    print(f"{'generation s':>13} {'explain s':>10} {'ratio':>7} {'probes':>7} {'oracle forwards':>16} {'reused':>7}")
     print(
-        f"{g:>17.2f} {ex.seconds:>10.1f} {ex.seconds / g:>6.1f}x {len(ex.probe_seconds):>7} "
-        f"{ex.oracle_forwards if ex.oracle_forwards is not None else '-':>16}"
+        f"{g:>13.2f} {e:>10.1f} {e / g:>6.1f}x {len(last.probe_seconds):>7} "
+        f"{last.oracle_forwards if last.oracle_forwards is not None else '-':>16} {last.prompts_reused:>7}"
     )
     print(
-        f"the same against the median recorded generation inside the explanation ({inside:.2f} s, "
-        f"{len(ex.generation_seconds)} of them, under the same load): {ex.seconds / inside:.1f}x"
+        f"full cache: {'copied from ' + last.full_copied_from if last.full_copied_from else 'generated'}; "
+        f"re-runs recorded: {ran}; runs under {root}"
     )
-    print(f"re-runs recorded: {ran}; generation times {[round(x, 2) for x in gen]}; runs under {root}")
     return 0
 
 

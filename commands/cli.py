@@ -759,7 +759,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "record":
         return bench.bench_record(model_name=args.model, keep=args.keep, rounds=args.rounds)
     if args.what == "explain":
-        return bench.bench_explain(model_name=args.model, keep=args.keep)
+        return bench.bench_explain(
+            model_name=args.model,
+            task=None if args.tasks == "builtin:full" else args.tasks.removeprefix("builtin:"),
+            keep=args.keep,
+            length=args.length,
+            rounds=args.rounds,
+        )
     if args.what == "runs":
         return bench.bench_runs(runs=args.runs, root=args.root, browser=not args.no_browser)
     if args.what == "sweep":
@@ -1036,7 +1042,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-browser", action="store_true", help="runs: skip the dashboard timings")
     b.add_argument("--tasks", default="builtin:full", help="sweep: the requests (FILE or builtin:NAME)")
     b.add_argument("--count", type=int, default=16, help="sweep: requests of the grid")
-    b.add_argument("--length", type=int, default=None, help="sweep: prompt tokens of a long-context built-in family")
+    b.add_argument(
+        "--length",
+        type=int,
+        default=None,
+        help="sweep, explain: prompt tokens of a long-context built-in family (explain: --tasks builtin:NAME, "
+        "default needle)",
+    )
     b.add_argument("--batch-size", type=int, default=8, help="sweep: batch size compared with one at a time")
     b.add_argument("--no-replay", action="store_true", help="sweep: record only")
     b.add_argument(

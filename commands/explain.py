@@ -110,8 +110,9 @@ def format_verdicts(verdicts: list[Any], fmt: str = "table") -> str:
         lines = [head, f"  why: {v.reason}"]
         if v.estimate is not None and not v.agrees:
             lines.append(f"  fast estimate (thresholds, no re-run) says: {v.estimate}")
+        status = {r["variant"]: r.get("status") for r in v.table}
         for kind, err in v.could_not_run.items():
-            lines.append(f"  could not run: {kind}: {err}")
+            lines.append(f"  {'not judged' if status.get(kind) == 'not_judged' else 'could not run'}: {kind}: {err}")
         pol, orc = v.min_slots.get("policy"), v.min_slots.get("oracle")
         lines.append(
             f"  minimal passing budget: policy {pol if pol is not None else '-'} slots "
@@ -127,15 +128,29 @@ def format_verdicts(verdicts: list[Any], fmt: str = "table") -> str:
                 "-" if r["slots"] is None else str(r["slots"]),
                 (r["answer"] or "").replace("\n", " ")[:40],
                 {True: "yes", False: "NO", None: "-"}[r["right"]],
+                _agreement(r.get("teacher_agreement")),
                 "-" if r["kl_mean"] is None else f"{r['kl_mean']:.3f}",
                 r["run_id"] or "-",
             ]
             for r in v.table
         ]
-        lines.append(_grid(rows, ["variant", "slots", "answer", "right", "KL", "run"]))
+        lines.append(_grid(rows, ["variant", "slots", "answer", "right", "agrees with the teacher", "KL", "run"]))
+        if any(r.get("teacher_agreement") for r in v.table):
+            lines.append(
+                "  (the oracle's answer is its own; fed the teacher's tokens instead, its top-1 is the "
+                "teacher's at k of n steps)"
+            )
         lines.append(f"  decided by: {', '.join(v.decided_by) or '-'}")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def _agreement(kn: Any) -> str:
+    """``[k, n]`` as "k/n steps" (``-`` for a variant that is not the oracle)."""
+    if not kn:
+        return "-"
+    k, n = kn
+    return f"{k}/{n} steps"
 
 
 def _grid(rows: list[list[str]], header: list[str]) -> str:

@@ -14,19 +14,26 @@ and a ``counterfactual`` object; the ``counterfactuals`` view joins them):
     the run's policy and slot count, with the evidence tokens pinned
     (:func:`h2o_lens.config.pin`): they can never be evicted.
 ``oracle``
-    the future-aware oracle at the same slot count, teacher-forced on the
-    full-cache run's tokens (:class:`recorders.oracle.OracleTeacher`).
+    the future-aware oracle at the same slot count, generating its own
+    answer with hindsight from the full-cache teacher, re-planned where its
+    tokens depart from the teacher's (:class:`recorders.oracle.OracleTeacher`);
+    its teacher-forced top-1 agreement with the teacher's tokens is noted
+    next to it.
 ``policy_budget`` / ``oracle_budget``
     the smallest slot count at which the run's policy (free generation, the
     heavy:recent split of the run kept) and the oracle pass, found by
     :func:`bisect_budget`; the run recorded is the one at that count, its
     ``counterfactual.bisection`` holds every probe.
 
-The pass test is the request's answer checker (rebuilt from the task spec
-the run's manifest carries: ``task_spec``, a task-file line), else
-agreement with the full-cache run's answer. A counterfactual that raises is
-recorded as a ``failed`` run folder with its error ("could not run"); the
-parent run is only ever read.
+Every variant has one pass test: the request's answer checker (rebuilt
+from the task spec the run's manifest carries: ``task_spec``, a task-file
+line), else agreement with the full-cache run's answer. A full-cache run of
+the same prompt already under the root is copied instead of generated again
+(:mod:`recorders.counterfactual_reuse`), and the variants share one prompt
+forward (:func:`h2o_lens.prompt_reuse.reuse_prompts`, DESIGN.md §12.5) and
+its prompt pass (the teacher's keys and values, the replays). A
+counterfactual that raises is recorded as a ``failed`` run folder with its
+error ("could not run"); the parent run is only ever read.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import torch
 from h2o_lens.config import H2OConfig
 
 from .catalog import replay_complete
+from .counterfactual_reuse import copy_request, find_full_run, judged_teacher_forced
 from .errors import RecorderError
 from .manifest import effective_status, read_manifest, sanitize_run_id
 from .recorded_model import check_model
@@ -357,6 +365,8 @@ class Outcome:
     error: str | None = None
     seconds: float = 0.0
     bisection: Bisection | None = None
+    #: the oracle's teacher-forced top-1 agreement: ``[k, n]``, k of the teacher's n tokens
+    teacher_agreement: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in dataclasses.asdict(self).items() if k != "bisection"}
@@ -375,10 +385,14 @@ class Explanation:
     outcomes: dict[str, Outcome]
     seconds: float = 0.0
     probe_seconds: list[float] = dataclasses.field(default_factory=list)
-    #: model forwards of the oracle's teacher (two for its one full-cache pass, one per check)
+    #: model forwards of the oracle's teacher (its full-cache pass, masked forwards, re-planned tokens)
     oracle_forwards: int | None = None
     #: seconds of each recorded free generation (full, pinned, the policy's probes), replays excluded
     generation_seconds: list[float] = dataclasses.field(default_factory=list)
+    #: generations that started from an earlier variant's prompt forward (DESIGN.md §12.5)
+    prompts_reused: int = 0
+    #: the full-cache run copied as ``full`` instead of generated (None: it was generated)
+    full_copied_from: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -426,7 +440,11 @@ def _fresh(out: Path, run_id: str, finish: Callable[[Path, dict], None] | None =
         manifest = read_manifest(run_dir)
     except RecorderError:
         manifest = {}
-    if manifest.get("status") == "complete" and isinstance(manifest.get("counterfactual"), dict):
+    if (
+        manifest.get("status") == "complete"
+        and isinstance(manifest.get("counterfactual"), dict)
+        and not judged_teacher_forced(manifest)
+    ):
         if finish is not None:
             finish(run_dir, manifest)
             manifest = read_manifest(run_dir)
@@ -440,6 +458,7 @@ def _fresh(out: Path, run_id: str, finish: Callable[[Path, dict], None] | None =
             cf.get("passed"),
             cf.get("answer"),
             bisection=_bisection_from(bis) if isinstance(bis, dict) else None,
+            teacher_agreement=cf.get("teacher_agreement"),
         )
     shutil.rmtree(run_dir)
     return None
@@ -483,6 +502,7 @@ class _Runner:
         self.check = checker_from_spec(parent.task_spec)
         self.teacher_text: str | None = None  # the full-cache answer, the pass test without a checker
         self.teacher: Any = None
+        self.prompt_pass: Any = None  # the prompt pass of the first recorded variant, shared by the others
         self.probe_seconds: list[float] = []
         self.generation_seconds: list[float] = []
 
@@ -493,6 +513,28 @@ class _Runner:
         if self.teacher_text is None:
             raise RecorderError("no answer checker and no full-cache answer to compare with")
         return answer.strip() == self.teacher_text.strip()
+
+    def judge(self, answer: str | None) -> bool | None:
+        """The pass test of an answer, None when there is nothing to judge it by."""
+        return self.passes(answer or "") if (self.check or self.teacher_text is not None) else None
+
+    def annotate(self, seen: dict[str, Any]) -> Callable[[int, str | None], dict[str, Any]]:
+        """The recorder's ``annotate``: the pass test in the ``requests`` table, noted in ``seen``."""
+
+        def annotate(request: int, answer: str | None) -> dict[str, Any]:
+            seen["answer"] = answer or ""
+            seen["passed"] = self.judge(answer)
+            return {"task": self.parent.manifest.get("task"), "correct": seen["passed"]}
+
+        return annotate
+
+    def _prompt_passes(self, rec: Any) -> dict[int, Any] | None:
+        """The recording's prompt pass (kept as the shared one when it is the first), else the shared one."""
+        own = (getattr(rec, "prompt_passes", None) or {}).get(0)
+        if own is not None and self.prompt_pass is None:
+            self.prompt_pass = own
+        got = own if own is not None else self.prompt_pass
+        return {0: got} if got is not None else None
 
     def _generate(self) -> None:
         ids = torch.tensor([self.parent.prompt_ids], dtype=torch.long)
@@ -520,7 +562,7 @@ class _Runner:
 
         run_id = counterfactual_id(self.parent.run_id, self.parent.request, kind, slots)
         wants_replay = (self.replay if replay is None else replay) and kind != FULL
-        reused = _fresh(self.out, run_id, lambda d, m: self._finish(d, m, wants_replay, oracle=False))
+        reused = _fresh(self.out, run_id, lambda d, m: self._finish(d, m, wants_replay))
         if reused is not None:
             return reused
         link = _link(self.parent, kind, slots, override=self.override, **extra)
@@ -531,12 +573,7 @@ class _Runner:
             _failed_run(self.out, run_id, self.parent, self.parent.config.to_dict(), link, exc)
             return Outcome(kind, slots, run_id, False, error=f"{type(exc).__name__}: {exc}")
         seen: dict[str, Any] = {}
-
-        def annotate(request: int, answer: str | None) -> dict[str, Any]:
-            seen["answer"] = answer or ""
-            seen["passed"] = self.passes(answer or "") if (self.check or self.teacher_text is not None) else None
-            return {"task": self.parent.manifest.get("task"), "correct": seen["passed"]}
-
+        replays = (self.replay if replay is None else replay) and kind != FULL
         try:
             with (
                 torch.no_grad(),
@@ -548,16 +585,18 @@ class _Runner:
                     name=f"{self.parent.run_id} request {self.parent.request}: {kind}",
                     run_id=run_id,
                     info=link,
-                    annotate=annotate,
+                    annotate=self.annotate(seen),
                     fsync=False,
+                    keep_prompt_pass=config.spec.evicts and (replays or self.prompt_pass is None),
                 ) as rec,
             ):
                 rec._labels_override = self.parent.labels
                 t1 = time.perf_counter()
                 self._generate()
                 self.generation_seconds.append(time.perf_counter() - t1)
-            if wants_replay:
-                replay_run(rec.run_dir, model=self.model, progress=False)
+            passes = self._prompt_passes(rec) if config.spec.evicts else None
+            if replays:
+                replay_run(rec.run_dir, model=self.model, progress=False, prompt_passes=passes)
         except Exception as exc:
             return Outcome(kind, slots, run_id, False, error=f"{type(exc).__name__}: {exc}")
         _note(self.out / run_id, passed=seen.get("passed"), answer=seen.get("answer"))
@@ -565,7 +604,7 @@ class _Runner:
             kind, slots, run_id, True, seen.get("passed"), seen.get("answer"), seconds=time.perf_counter() - t0
         )
 
-    def _finish(self, run_dir: Path, manifest: dict, replay: bool, *, oracle: bool) -> None:
+    def _finish(self, run_dir: Path, manifest: dict, replay: bool) -> None:
         """Complete a reused counterfactual an earlier explain left half done (see :func:`_fresh`)."""
         from .replay import replay as replay_run
 
@@ -576,13 +615,26 @@ class _Runner:
             return
         rows = load_run(run_dir, tables=("requests",))["requests"].to_pylist()
         answer = rows[0]["answer"] if rows else None
-        if oracle:
-            passed, answer = _all_top1(run_dir), self.teacher_text
-        else:
-            passed = rows[0]["correct"] if rows else None
-            if passed is None and answer is not None and (self.check or self.teacher_text is not None):
-                passed = self.passes(answer)
+        passed = rows[0]["correct"] if rows else None
+        if passed is None and answer is not None:
+            passed = self.judge(answer)
         _note(run_dir, passed=passed, answer=answer)
+
+    def copy_full(self, src: Path, request: int) -> Outcome:
+        """The ``full`` counterfactual as a copy of a full-cache run of the same prompt under the root."""
+        run_id = counterfactual_id(self.parent.run_id, self.parent.request, FULL)
+        reused = _fresh(self.out, run_id)
+        if reused is not None:
+            return reused
+        t0 = time.perf_counter()
+        rows = [r for r in load_run(src, tables=("requests",))["requests"].to_pylist() if r["request"] == request]
+        answer = rows[0]["answer"] if rows else None
+        passed = self.judge(answer)
+        link = _link(self.parent, FULL, None, copied_from={"run": src.name, "request": request})
+        name = f"{self.parent.run_id} request {self.parent.request}: {FULL}"
+        copy_request(src, request, self.out, run_id, info={"name": name, **link}, correct=passed)
+        _note(self.out / run_id, passed=passed, answer=answer)
+        return Outcome(FULL, None, run_id, True, passed, answer, seconds=time.perf_counter() - t0)
 
     def budget_config(self, slots: int) -> H2OConfig:
         """The run's policy at ``slots`` with its heavy:recent split."""
@@ -594,13 +646,25 @@ class _Runner:
         if self.teacher is None:
             from .oracle import OracleTeacher
 
-            self.teacher = OracleTeacher(self.model, self.out / full_run, gqa=self.parent.config.gqa, request=0)
+            self.teacher = OracleTeacher(
+                self.model,
+                self.out / full_run,
+                gqa=self.parent.config.gqa,
+                request=0,
+                prompt_pass=self.prompt_pass,
+                max_new_tokens=self.parent.max_new_tokens,
+            )
         return self.teacher
+
+    def oracle_answer(self, full_run: str, slots: int) -> tuple[Any, str]:
+        """The oracle's own answer at ``slots`` and its text."""
+        got = self.oracle_teacher(full_run).generate(slots)
+        return got, _decode(self.tok, got.tokens)
 
     def oracle_passes(self, full_run: str, slots: int) -> bool:
         t0 = time.perf_counter()
         try:
-            return bool(self.oracle_teacher(full_run).passes(slots))
+            return bool(self.judge(self.oracle_answer(full_run, slots)[1]))
         finally:
             self.probe_seconds.append(time.perf_counter() - t0)
 
@@ -611,41 +675,49 @@ class _Runner:
 
         run_id = counterfactual_id(self.parent.run_id, self.parent.request, kind, slots)
         wants_replay = self.replay if replay is None else replay
-        reused = _fresh(self.out, run_id, lambda d, m: self._finish(d, m, wants_replay, oracle=True))
+        reused = _fresh(self.out, run_id, lambda d, m: self._finish(d, m, wants_replay))
         if reused is not None:
             return reused
-        link = _link(self.parent, kind, slots, override=self.override, **extra)
         t0 = time.perf_counter()
+        seen: dict[str, Any] = {}
+        link = _link(self.parent, kind, slots, override=self.override, **extra)
         try:
             teacher = self.oracle_teacher(full_run)
+            got, text = self.oracle_answer(full_run, slots)
+            agreement = [got.agree, got.steps]
+            link["counterfactual"]["teacher_agreement"] = agreement
+            replays = self.replay if replay is None else replay
             rec = teacher.record(
                 slots,
+                answer=got,
                 out=str(self.out),
                 tokenizer=self.tok,
                 name=f"{self.parent.run_id} request {self.parent.request}: {kind}",
                 run_id=run_id,
                 info=link,
+                annotate=self.annotate(seen),
+                fsync=False,
+                keep_prompt_pass=replays,
             )
             run_dir = Path(getattr(rec, "run_dir", self.out / run_id))
-            passed = _all_top1(run_dir)
-            if passed is None:
-                passed = bool(teacher.passes(slots))
-            if wants_replay:
-                replay_run(run_dir, model=self.model, progress=False)
+            if replays:
+                replay_run(run_dir, model=self.model, progress=False, prompt_passes=self._prompt_passes(rec))
         except Exception as exc:
             if not (self.out / run_id).exists():
                 _failed_run(self.out, run_id, self.parent, {"policy": "oracle"}, link, exc)
             return Outcome(kind, slots, run_id, False, error=f"{type(exc).__name__}: {exc}")
-        _note(self.out / run_id, passed=passed, answer=self.teacher_text)
-        return Outcome(kind, slots, run_id, True, passed, self.teacher_text, seconds=time.perf_counter() - t0)
+        passed = seen.get("passed", self.judge(text))
+        answer = seen.get("answer", text)
+        _note(self.out / run_id, passed=passed, answer=answer)
+        return Outcome(
+            kind, slots, run_id, True, passed, answer, seconds=time.perf_counter() - t0, teacher_agreement=agreement
+        )
 
 
-def _all_top1(run_dir: Path) -> bool | None:
-    """Teacher-forced run: was every forced token its top-1? (None: no logits logged)."""
-    lg = load_run(run_dir, tables=("run_logits",))["run_logits"].to_pydict()
-    if not lg["step"]:
-        return None
-    return bool(np.all(np.asarray(lg["top1_id"]) == np.asarray(lg["token_id"])))
+def _decode(tokenizer: Any, tokens: Any) -> str:
+    """The answer text of generated tokens, as the recorder writes it."""
+    ids = [int(t) for t in tokens]
+    return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
 
 
 def _existing(out: Path, parent: ParentRequest, kind: str) -> Outcome | None:
@@ -682,6 +754,7 @@ def explain_request(
     resolution: float = 0.05,
     progress: Callable[[str], None] | None = None,
     allow_other_model: bool = False,
+    reuse_full: bool = True,
 ) -> Explanation:
     """Run and record the counterfactuals of one request of a recorded run.
 
@@ -700,6 +773,8 @@ def explain_request(
     progress : called with a short label before each re-run (a progress bar)
     allow_other_model : re-run with a model whose fingerprint differs from the parent's (logged in
         each re-run's ``model_overrides``); without it such a model is refused before anything runs
+    reuse_full : copy a full-cache run of the same prompt found under ``out``
+        (:func:`~recorders.counterfactual_reuse.find_full_run`) instead of generating one
 
     Returns
     -------
@@ -707,6 +782,8 @@ def explain_request(
     not run carry the error, and their kinds depend on them (pinned, oracle and
     bisections need the full-cache run) are reported as not run.
     """
+    from h2o_lens.prompt_reuse import reuse_prompts
+
     t0 = time.perf_counter()
     parent = load_parent(run_dir, request)
     override = check_model(parent.manifest, model, run=parent.run_id, command="explain", allow_other=allow_other_model)
@@ -718,12 +795,47 @@ def explain_request(
     out = Path(out) if out is not None else Path(run_dir).resolve().parent
     runner = _Runner(model, tokenizer, parent, out, replay=replay, override=override)
     say = progress or (lambda label: None)
+    with reuse_prompts(model) as shared:
+        outcomes, copied = _run_variants(runner, bisect, checks, resolution, say, reuse_full)
+    return Explanation(
+        parent.run_id,
+        request,
+        int(parent.slots),
+        parent.prompt_len,
+        {k: outcomes[k] for k in KINDS if k in outcomes},
+        time.perf_counter() - t0,
+        list(runner.probe_seconds),
+        runner.teacher.forwards if runner.teacher is not None else None,
+        list(runner.generation_seconds),
+        shared.hits,
+        copied,
+    )
+
+
+def _run_variants(
+    runner: _Runner, bisect: bool, checks: int, resolution: float, say: Callable[[str], None], reuse_full: bool
+) -> tuple[dict[str, Outcome], str | None]:
+    """Every variant of :func:`explain_request`, the policy's bisection before the oracle (its
+    first probe's prompt pass spares the teacher a prompt forward when nothing is pinned)."""
+    parent, out = runner.parent, runner.out
     slots = int(parent.slots)
     outcomes: dict[str, Outcome] = {}
 
     say("full cache")
-    full = runner.record_free("full", lambda: H2OConfig(policy="full", gqa=parent.config.gqa), None)
-    outcomes["full"] = full
+    found = None
+    if reuse_full and _fresh(out, counterfactual_id(parent.run_id, parent.request, FULL)) is None:
+        found = find_full_run(
+            out,
+            parent.prompt_ids,
+            model=parent.manifest.get("model"),
+            max_new_tokens=parent.max_new_tokens,
+            skip=(parent.run_id,),
+        )
+    if found is not None:
+        full = runner.copy_full(*found)
+    else:
+        full = runner.record_free(FULL, lambda: H2OConfig(policy="full", gqa=parent.config.gqa), None)
+    outcomes[FULL] = full
     if full.ran:
         runner.teacher_text = full.answer if full.answer is not None else _answer_of(out / full.run_id)
         if full.passed is None and runner.check is None:
@@ -734,41 +846,32 @@ def explain_request(
 
     say("pinned evidence")
     if not parent.evidence_positions:
-        outcomes["pinned"] = skipped("pinned", slots, "the run labels no evidence tokens to pin")
+        outcomes[PINNED] = skipped(PINNED, slots, "the run labels no evidence tokens to pin")
     else:
-        outcomes["pinned"] = runner.record_free(
-            "pinned", lambda: _pinned(parent), slots, pinned=parent.evidence_positions
-        )
+        outcomes[PINNED] = runner.record_free(PINNED, lambda: _pinned(parent), slots, pinned=parent.evidence_positions)
+
+    hi = parent.prompt_len + parent.max_new_tokens  # nothing is ever evicted at this count
+    step = max(1, round(resolution * parent.prompt_len))
+    if bisect:
+        if not full.ran or not full.passed:
+            why = "the full cache does not pass: no budget does" if full.ran else "the full-cache run could not run"
+            outcomes[POLICY_BUDGET] = skipped(POLICY_BUDGET, None, why)
+            outcomes[ORACLE_BUDGET] = skipped(ORACLE_BUDGET, None, why)
+        else:
+            say("policy budget (bisection)")
+            outcomes[POLICY_BUDGET] = _policy_budget(runner, slots, hi, checks, step, say)
 
     say("oracle, same slots")
     if not full.ran:
-        outcomes["oracle"] = skipped("oracle", slots, f"needs the full-cache run, which could not run: {full.error}")
+        outcomes[ORACLE] = skipped(ORACLE, slots, f"needs the full-cache run, which could not run: {full.error}")
     else:
-        outcomes["oracle"] = runner.record_oracle("oracle", full.run_id, slots)
+        outcomes[ORACLE] = runner.record_oracle(ORACLE, full.run_id, slots)
 
-    if bisect:
-        hi = parent.prompt_len + parent.max_new_tokens  # nothing is ever evicted at this count
-        if not full.ran or not full.passed:
-            why = "the full cache does not pass: no budget does" if full.ran else "the full-cache run could not run"
-            outcomes["policy_budget"] = skipped("policy_budget", None, why)
-            outcomes["oracle_budget"] = skipped("oracle_budget", None, why)
-        else:
-            say("policy budget (bisection)")
-            step = max(1, round(resolution * parent.prompt_len))
-            outcomes["policy_budget"] = _policy_budget(runner, slots, hi, checks, step, say)
-            say("oracle budget (bisection)")
-            outcomes["oracle_budget"] = _oracle_budget(runner, full.run_id, slots, hi, outcomes["oracle"], checks, step)
-    return Explanation(
-        parent.run_id,
-        request,
-        slots,
-        parent.prompt_len,
-        outcomes,
-        time.perf_counter() - t0,
-        list(runner.probe_seconds),
-        runner.teacher.forwards if runner.teacher is not None else None,
-        list(runner.generation_seconds),
-    )
+    if bisect and ORACLE_BUDGET not in outcomes:
+        say("oracle budget (bisection)")
+        outcomes[ORACLE_BUDGET] = _oracle_budget(runner, full.run_id, slots, hi, outcomes[ORACLE], checks, step)
+    copied = found[0].name if found is not None and full.ran else None
+    return outcomes, copied
 
 
 def _pinned(parent: ParentRequest) -> H2OConfig:
@@ -831,7 +934,16 @@ def _drop(out: Path, outcomes: Any) -> None:
 
 def _same_as_oracle(same: Outcome, bis: Bisection) -> Outcome:
     """The oracle's minimal budget is the run's own count: the same-count oracle run stands for it."""
-    return Outcome(ORACLE_BUDGET, same.slots, same.run_id, True, True, same.answer, bisection=bis)
+    return Outcome(
+        ORACLE_BUDGET,
+        same.slots,
+        same.run_id,
+        True,
+        True,
+        same.answer,
+        bisection=bis,
+        teacher_agreement=same.teacher_agreement,
+    )
 
 
 def _oracle_budget(

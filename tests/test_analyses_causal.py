@@ -13,7 +13,7 @@ import pytest
 from starvation import budget_starvation
 
 from analyses import budget_distribution, build_report, connect, report_data
-from analyses.causal import decide
+from analyses.causal import CausalVerdict, decide, variant_table
 from commands.cli import main
 from h2o_lens.tasks import policy_case
 from recorders.counterfactual_cases import explain_case
@@ -40,6 +40,28 @@ def test_decide_follows_the_rules_and_names_the_deciding_runs():
     verdict, reason, _ = decide(crashed, dropped_mass=0.5)
     assert verdict == "undecided" and "oracle: boom" in reason
     assert decide({"full": _o(None, "failed", "f", "oom")})[0] == "undecided"
+
+
+def test_a_row_showing_the_teachers_answer_is_never_marked_wrong():
+    """The oracle row used to show the teacher-forced text with the all-top-1 verdict:
+    ``The number is 7877 … right: NO`` next to a passing full-cache row with the same text."""
+    from commands.explain import format_verdicts
+
+    said = "The number is 7877."
+    outcomes = {
+        "full": {**_o(True, run_id="f"), "answer": said, "slots": None},
+        "pinned": {**_o(False, run_id="p"), "answer": "The number is 1234.", "slots": 40},
+        "oracle": {**_o(False, run_id="o"), "answer": said, "slots": 40, "teacher_agreement": [11, 12]},
+    }
+    table = variant_table(outcomes)
+    right = {r["variant"]: r["right"] for r in table}
+    assert right == {"full": True, "pinned": False, "oracle": None}
+    assert table[2]["teacher_agreement"] == [11, 12]
+    v = CausalVerdict("run", 0, "budget", None, "-", {}, {}, 40, 200, {}, {}, {}, {}, (), None, table)
+    shown = [line.split() for line in format_verdicts([v]).splitlines()]
+    lines = {cells[0]: cells for cells in shown if cells and cells[0] in right}
+    assert lines["oracle"][-1] == "o" and "NO" not in lines["oracle"] and "11/12" in lines["oracle"]
+    assert "NO" in lines["pinned"] and "yes" in lines["full"]
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 
 import pytest
 import torch
@@ -186,7 +187,7 @@ def test_a_crashing_counterfactual_leaves_the_parent_untouched_and_is_named(tmp_
         raise RuntimeError("the oracle blew up")
 
     monkeypatch.setattr(OracleTeacher, "record", boom)
-    monkeypatch.setattr(OracleTeacher, "passes", boom)
+    monkeypatch.setattr(OracleTeacher, "generate", boom)
     ex = explain_request(model, tok, parent, 0, replay=False, resolution=0)
     assert _tree_digest(parent) == before  # the parent is only read
     assert ex.outcomes["full"].ran and ex.outcomes["pinned"].ran
@@ -209,3 +210,100 @@ def test_a_crashing_counterfactual_leaves_the_parent_untouched_and_is_named(tmp_
     assert v.verdict in ("scoring", "not_the_cache", "undecided")
     if v.verdict == "undecided":
         assert "oracle" in v.reason
+
+
+def _tiny_runs(root, max_new=8, full=True):
+    """A named tiny model, a full-cache run of a prompt (``full``) and an H2O parent run of it."""
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
+    model.config._name_or_path = "tiny/llama-explain"  # a name: a full run of it can be found again
+    tok = CharTokenizer()
+    ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(1))
+    text = tok.decode(ids[0].tolist())
+    info = {"decoding": {"do_sample": False, "max_new_tokens": max_new}}
+    source = None
+    if full:
+        with recorders.record(model, H2OConfig(policy="full"), out=root, tokenizer=tok, info=info, fsync=False) as f:
+            with torch.no_grad():
+                model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False, pad_token_id=0)
+        source = root / f.run_id
+    config = H2OConfig(heavy=2, recent=2)
+    ev = {"fact": text[3:6]}
+    with recorders.record(model, config, out=root, tokenizer=tok, evidence=ev, info=info, fsync=False) as run:
+        with torch.no_grad():
+            model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False, pad_token_id=0)
+    return model, tok, source, root / run.run_id
+
+
+def test_explain_copies_the_roots_full_run_and_forwards_the_prompt_once(tmp_path):
+    model, tok, source, parent = _tiny_runs(tmp_path)
+    widths = []  # positions of each forward the decoder really ran (a reused prompt forward runs none)
+    hook = model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        ex = explain_request(model, tok, parent, 0, resolution=0)
+    finally:
+        hook.remove()
+    full = ex.outcomes["full"]
+    assert ex.full_copied_from == source.name and full.ran
+    copied = recorders.load_run(tmp_path / full.run_id, tables=("tokens", "requests"))
+    original = recorders.load_run(source, tables=("tokens", "requests"))
+    assert copied.manifest["copied_from"] == {"run": source.name, "request": 0}
+    assert copied["tokens"]["token_id"].to_pylist() == original["tokens"]["token_id"].to_pylist()
+    assert full.answer == original["requests"]["answer"][0].as_py()
+    # one prompt forward for every variant: pinned, the policy's probes, the oracle's teacher and
+    # run, and the replays all start from it
+    assert widths.count(24) == 1, widths
+    generates = 1 + len(ex.outcomes["policy_budget"].bisection.probes) - 2  # pinned, the probes run
+    assert ex.prompts_reused >= generates
+    assert all(o.ran for o in ex.outcomes.values())
+    # the same counterfactuals as with the full cache generated again and nothing shared
+    again = tmp_path / "again"
+    ex2 = explain_request(model, tok, parent, 0, resolution=0, out=again, reuse_full=False)
+    assert ex2.full_copied_from is None
+    for kind, o in ex.outcomes.items():
+        o2 = ex2.outcomes[kind]
+        got, want = (o.passed, o.answer, o.slots, o.teacher_agreement), (o2.passed, o2.answer, o2.slots)
+        assert got == (*want, o2.teacher_agreement), kind
+
+
+def test_a_full_run_with_other_decoding_is_not_copied(tmp_path):
+    from recorders.manifest import write_manifest
+
+    model, tok, source, parent = _tiny_runs(tmp_path)
+    manifest = recorders.read_manifest(source)
+    manifest["decoding"]["max_new_tokens"] = 9
+    write_manifest(source, manifest)
+    ex = explain_request(model, tok, parent, 0, bisect=False, replay=False)
+    assert ex.full_copied_from is None and ex.outcomes["full"].ran
+
+
+def test_an_oracle_judged_teacher_forced_is_not_judged_and_is_recorded_again(tmp_path):
+    """An earlier version's oracle run (teacher-forced, passed only when every token was its
+    top-1) shows the teacher's text: it is never marked wrong, is named as not judged, and
+    explaining again records the oracle's own answer."""
+    from commands.explain import format_verdicts
+    from recorders.counterfactual import _link, load_parent
+    from recorders.oracle import OracleTeacher
+
+    model, tok, _, parent_dir = _tiny_runs(tmp_path, full=False)
+    ex = explain_request(model, tok, parent_dir, 0, bisect=False, replay=False)
+    parent = load_parent(parent_dir, 0)
+    oracle = ex.outcomes["oracle"]
+    teacher = OracleTeacher(model, tmp_path / ex.outcomes["full"].run_id)
+    slots = next(s for s in (1, 2, 3, oracle.slots) if not teacher.check(s).passed)
+    shutil.rmtree(tmp_path / oracle.run_id)
+    link = _link(parent, "oracle", slots)
+    teacher.record(slots, out=tmp_path, tokenizer=tok, run_id=oracle.run_id, info=link, fsync=False)
+    (v,) = causal_verdicts(connect(tmp_path), ex.parent_run)
+    row = next(r for r in v.table if r["variant"] == "oracle")
+    assert row["answer"] == ex.outcomes["full"].answer and row["right"] is None and row["status"] == "not_judged"
+    assert "oracle" not in v.passes and "earlier version" in v.could_not_run["oracle"]
+    shown = format_verdicts([v])
+    line = next(x for x in shown.splitlines() if x.strip().startswith("oracle "))
+    assert "NO" not in line.split() and "not judged: oracle" in shown
+    again = explain_request(model, tok, parent_dir, 0, bisect=False, replay=False)
+    manifest = recorders.read_manifest(tmp_path / again.outcomes["oracle"].run_id)
+    assert manifest["oracle"]["answer"] == "own" and not manifest.get("teacher_forced")
+    (v,) = causal_verdicts(connect(tmp_path), ex.parent_run)
+    assert "oracle" in v.passes and not v.could_not_run

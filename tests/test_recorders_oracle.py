@@ -3,7 +3,10 @@
 The recorded oracle run is a normal run: it replays with the implementation check passing,
 its evictions are the schedule of the teacher table and the FP64 reference on the teacher's
 own queries and keys; :meth:`OracleTeacher.check` (no run written) gives the recorded run's
-top-1; the teacher's full-cache forward runs once however many budgets are tried.
+top-1; the teacher's full-cache forward runs once however many budgets are tried. The
+oracle's own answer (:meth:`OracleTeacher.generate`) follows the teacher until its top-1
+departs, then re-plans or ranks as H2O does; the runtime, generating freely under the table
+the answer ranked by, writes the same tokens and evicts what that table's schedule says.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from tiny import tiny_model
 import recorders
 from h2o_lens import H2OConfig
 from h2o_lens.hooks import attention_implementation
-from h2o_lens.oracle import schedule
+from h2o_lens.oracle import schedule, teacher_scores
 from h2o_lens.policies import oracle
 from recorders import load_run, read_manifest
 from recorders.eviction_steps import evict_steps
@@ -127,7 +130,7 @@ def test_check_agrees_with_the_recorded_run(setup, tmp_path):
         mine = check.logits.gather(-1, torch.as_tensor(check.answer)[:, None])[:, 0].numpy()
         np.testing.assert_allclose(mine, np.asarray(lg["token_logit"]), atol=2e-3)
         ran = bool((np.asarray(lg["top1_id"]) == np.asarray(lg["token_id"])).all())
-        assert teacher.passes(slots) == check.passed == ran
+        assert check.passed == ran
         wrong = np.flatnonzero(~check.agree)
         assert check.first_wrong == (int(check.steps[wrong[0]]) if len(wrong) else None)
         outcomes.add(check.passed)
@@ -147,7 +150,7 @@ def test_the_teacher_forward_runs_once_for_several_budgets(setup):
         table = teacher.table
         assert lengths == [PROMPT, NEW - 1] and teacher.forwards == 2  # the teacher: prompt, then its rows
         for slots in (2, 4, 8, 16, 5, 3, 7, 6):  # a bisection's worth of budgets
-            teacher.passes(slots)
+            teacher.check(slots)
     finally:
         hook.remove()
     assert lengths == [PROMPT] + [NEW - 1] * 9  # the prompt was forwarded once; one forward per budget
@@ -161,10 +164,12 @@ def test_bad_input_is_refused(setup):
         OracleTeacher(model, full, request=3)
     with pytest.raises(recorders.RecorderError, match="unknown gqa 'mean'"):
         OracleTeacher(model, full, gqa="mean")
+    with pytest.raises(recorders.RecorderError, match="unknown departure rule 'stop'; expected one of replan, h2o"):
+        OracleTeacher(model, full, departure="stop")
     teacher = OracleTeacher(model, full)
     for bad in (0, 2.5, True):
         with pytest.raises(recorders.RecorderError, match="slots must be a whole number >= 1"):
-            teacher.passes(bad)
+            teacher.check(bad)
 
 
 def test_one_generated_token_has_no_decode_step(tmp_path):
@@ -174,6 +179,101 @@ def test_one_generated_token_has_no_decode_step(tmp_path):
         model.generate(input_ids=ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
     teacher = OracleTeacher(model, tmp_path / run.run_id)
     assert teacher.positions == teacher.prompt_len == 10
-    assert teacher.passes(3) and teacher.teacher.passed  # the prefill's last row sees the whole prompt
+    assert teacher.check(3).passed and teacher.teacher.passed  # the prefill's last row sees the whole prompt
+    assert teacher.generate(3).tokens.tolist() == teacher.answer.tolist()
     rec = teacher.record(3, out=tmp_path, fsync=False)
     assert rec.status == "complete"
+
+
+# ----------------------------------------------------------------------------- its own answer
+
+
+def _free_generation(model, teacher, got, gqa, root):
+    """The runtime's oracle generating freely (not fed any token) under the table the answer ranked by."""
+    ids = torch.as_tensor(teacher.prompt)[None]
+    config = H2OConfig(policy="oracle", heavy=got.slots, recent=0, gqa=gqa)
+    with teacher_scores(got.table), recorders.record(model, config, out=root, fsync=False) as rec, torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=len(got.tokens), do_sample=False, pad_token_id=0)
+    return out[0, ids.shape[1] :].tolist(), rec.run_dir
+
+
+@pytest.mark.parametrize("departure", ["replan", "h2o"])
+@pytest.mark.parametrize("gqa", ["sum", "none"])
+def test_own_answer_is_what_the_runtime_generates_under_its_table(tmp_path, departure, gqa):
+    """FP64: past every departure (re-planned, or ranked as H2O does), the runtime's free
+    generation under the answer's table writes the answer's tokens, and evicts at each step
+    what the table's schedule says; the recorded answer run is that generation."""
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2).double()
+    full = _full_run(model, tmp_path, seed=0)
+    teacher = OracleTeacher(model, full, gqa=gqa, departure=departure, max_new_tokens=NEW)
+    kinds = set()
+    for slots in (2, 6, 9, 14, 40):
+        got = teacher.generate(slots)
+        assert teacher.generate(slots) is got  # asked again: from memory
+        check = teacher.check(slots)
+        assert (got.agree, got.steps) == (int(check.agree.sum()), NEW)
+        tokens, run_dir = _free_generation(model, teacher, got, gqa, tmp_path)
+        assert tokens == got.tokens.tolist(), (departure, gqa, slots)
+        n = teacher.prompt_len + len(got.tokens) - 1
+        sets = 4 if gqa == "none" else 2
+        np.testing.assert_array_equal(
+            _leave_steps(run_dir, 2, sets, n, gqa == "none"), torch.stack(schedule(got.table, slots)).numpy()
+        )
+        first = check.first_wrong
+        if first is None:  # it never departs: its answer is the teacher's
+            assert got.follows_teacher and got.tokens.tolist() == teacher.answer.tolist()
+            kinds.add("teacher")
+            continue
+        k = first - (teacher.prompt_len - 1)
+        assert got.departures[0] == first and got.tokens[:k].tolist() == teacher.answer[:k].tolist()
+        assert got.tokens[k] == check.top1[k] != teacher.answer[k]  # its own token at the departure
+        if departure == "h2o":
+            assert got.replans == 0 and got.switched == first + 1 and len(got.departures) == 1
+        kinds.add("replanned" if got.replans else "h2o")
+        rec = teacher.record(slots, answer=got, out=tmp_path, fsync=False)
+        recorded = load_run(rec.run_dir, tables=("tokens",))["tokens"].to_pydict()
+        assert recorded["token_id"][teacher.prompt_len :] == got.tokens.tolist()
+        oracle = read_manifest(rec.run_dir)["oracle"]
+        assert oracle["answer"] == "own" and oracle["teacher_agreement"] == [got.agree, got.steps]
+        assert "teacher_forced" not in read_manifest(rec.run_dir)
+    assert kinds >= {"teacher", "replanned" if departure == "replan" else "h2o"}
+
+
+def test_replanning_stops_at_its_allowance_and_ranks_as_h2o(setup):
+    """Without re-planning tokens left, a departure stops the hindsight: the answer is the H2O rule's."""
+    model, _, full = setup
+    h2o = OracleTeacher(model, full, departure="h2o")
+    none_left = OracleTeacher(model, full, departure="replan", replan_tokens=0)
+    replan = OracleTeacher(model, full, departure="replan")
+    departed = [s for s in (1, 2, 3, 4, 6) if not h2o.check(s).passed]
+    assert departed
+    for s in departed:
+        assert none_left.generate(s).tokens.tolist() == h2o.generate(s).tokens.tolist()
+        assert none_left.generate(s).switched == h2o.generate(s).switched is not None
+        assert replan.generate(s).replans >= 1 and replan.forwards > h2o.forwards - 1
+
+
+def test_a_prompt_pass_spares_the_teacher_its_prompt_forward(setup, tmp_path):
+    """The teacher starts from a recording's prompt pass of the same prompt: no prompt forward,
+    the same choices and answers."""
+    model, _, full = setup
+    plain = OracleTeacher(model, full)
+    ids = torch.as_tensor(plain.prompt)[None]
+    with (
+        recorders.record(model, H2OConfig(heavy=3, recent=3), out=tmp_path, fsync=False, keep_prompt_pass=True) as rec,
+        torch.no_grad(),
+    ):
+        model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    lengths = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        shared = OracleTeacher(model, full, prompt_pass=rec.prompt_passes[0])
+    finally:
+        hook.remove()
+    assert lengths == [NEW - 1] and shared.forwards == 1  # the teacher's rows only
+    for a, b in zip(plain.table.remaining, shared.table.remaining):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    for s in (2, 5, 9):
+        assert shared.generate(s).tokens.tolist() == plain.generate(s).tokens.tolist()
