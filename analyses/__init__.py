@@ -53,7 +53,7 @@ from .errors import (
 from .evidence import evidence_deletion, evidence_evictions, evidence_held, evidence_spans
 from .keptsets import gqa_overlap, kept_overlap, union_bound
 from .oracle import ORACLE_COLUMNS, oracle_agreement, oracle_available
-from .policies import policy_colour, policy_colours, policy_labels, scored_policy
+from .policies import effective_split, policy_colour, policy_colours, policy_labels, scored_policy
 from .report import FORMATS, REPORT_SCHEMA_VERSION, SCHEMA_PATH, build_report, report_data, report_schema, write_report
 from .sql import Sandbox, check_sql, format_result, run_sql, view_schemas
 from .stale import stale_holders, stale_victims
@@ -98,6 +98,7 @@ __all__ = [
     "run_curve_points",
     # policies (from the registry)
     "policy_colours",
+    "effective_split",
     "policy_colour",
     "policy_labels",
     "scored_policy",

@@ -6,10 +6,14 @@ so the layers without a model read it here instead of keeping their own lists.
 
 from __future__ import annotations
 
+from typing import Any
+
+import pandas as pd
+
 from h2o_lens import policies as registry
 from h2o_lens import presses
 
-__all__ = ["policy_colours", "policy_colour", "policy_labels", "scored_policy"]
+__all__ = ["policy_colours", "policy_colour", "policy_labels", "scored_policy", "effective_split"]
 
 #: colour of a policy the registry does not know (a log written by another version)
 UNKNOWN_COLOUR = "#444444"
@@ -45,3 +49,21 @@ def policy_colour(policy: str | None) -> str | None:
 def policy_labels() -> dict[str, str]:
     """``{policy: display name}``."""
     return {p.name: p.label for p in registry.all_policies()}
+
+
+def effective_split(policy: str | None, heavy: Any, recent: Any, sink: Any = 0) -> tuple[int, int, int] | None:
+    """``(heavy, recent, sink)`` slots the policy runs with at the configured ``heavy`` and
+    ``recent`` (:meth:`h2o_lens.policies.Policy.split`): ``local`` runs every slot as recent,
+    ``heavy`` every slot as a heavy hitter (DESIGN.md §2.5).
+
+    None when the split is not known: a budget set per request by a keep ratio (no
+    ``heavy``/``recent``), or a policy the registry does not know (a kvpress press, a log of
+    another version).
+    """
+    if policy not in registry.names() or _missing(heavy) or _missing(recent):
+        return None
+    return registry.get(policy).split(int(heavy), int(recent), 0 if _missing(sink) else int(sink))
+
+
+def _missing(value: Any) -> bool:
+    return value is None or bool(pd.isna(value))  # None, NaN or pd.NA from a DataFrame

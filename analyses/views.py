@@ -46,7 +46,7 @@ def runs_table(source: Source) -> duckdb.DuckDBPyRelation:
     Returns
     -------
     relation
-        ``run_id, name, status, model, policy, heavy, recent, gqa, prompt_len,
+        ``run_id, name, status, model, policy, heavy, recent, sink, gqa, prompt_len,
         new_tokens, requests, created_at, source_run, max_logit_diff, error,
         evictions, replay_steps, kl_mean, top1_agreement, dropped_mass_mean,
         checked, correct, correct_share, problems, integrity``; ``checked``
@@ -72,7 +72,7 @@ def runs_table(source: Source) -> duckdb.DuckDBPyRelation:
         rq AS (SELECT run_id, n::BIGINT AS checked, total::HUGEINT AS correct FROM t WHERE col = 'requests.correct'),
         pr AS (SELECT run_id, count(*) AS problems FROM problems WHERE run_id IS NOT NULL
                GROUP BY run_id)
-        SELECT r.run_id, r.name, r.status, r.model, r.policy, r.heavy, r.recent, r.gqa, r.prompt_len,
+        SELECT r.run_id, r.name, r.status, r.model, r.policy, r.heavy, r.recent, r.sink, r.gqa, r.prompt_len,
                r.new_tokens, r.requests, r.created_at, r.source_run, r.max_logit_diff, r.error,
                coalesce(ev.evictions, 0) AS evictions, coalesce(rs.replay_steps, 0) AS replay_steps,
                rs.kl_mean, rs.top1_agreement, rp.dropped_mass_mean,

@@ -26,6 +26,26 @@ def runs(root: Root) -> pd.DataFrame:
         return views.runs_table(cur).df()
 
 
+def with_effective_split(runs: pd.DataFrame) -> pd.DataFrame:
+    """``runs`` with ``heavy, recent, sink`` replaced by the split each policy runs with
+    (:func:`analyses.effective_split`: a ``local`` run configured 17 + 18 runs 0 + 35) and the
+    configured values kept as ``heavy_set, recent_set``; rows whose split is not known (a keep
+    ratio, a kvpress press) keep their heavy and recent and show no sink."""
+    out = runs.copy()
+    out["heavy_set"], out["recent_set"] = out["heavy"], out["recent"]
+    if "sink" not in out:
+        out["sink"] = None
+    split = [
+        analyses.effective_split(p, h, r, k)
+        for p, h, r, k in zip(out["policy"], out["heavy"], out["recent"], out["sink"])
+    ]
+    for i, name in enumerate(("heavy", "recent", "sink")):
+        # without a known split the configured sink means nothing (only the sink policy uses it)
+        out[name] = [s[i] if s is not None else (None if name == "sink" else v) for s, v in zip(split, out[name])]
+        out[name] = pd.array(out[name], dtype="Int64")
+    return out
+
+
 def policy_colour(policy: str | None) -> str | None:
     """One run's policy colour, a kvpress press's included (:func:`analyses.policy_colour`)."""
     return analyses.policy_colour(policy)

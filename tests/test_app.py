@@ -450,3 +450,25 @@ def test_the_server_warm_up_opens_the_root_the_first_session_uses(app_runs_root,
 
     monkeypatch.setattr(state.recorders, "open_runs", no_scan)
     assert state.connection.__wrapped__(root) is con and not state._WARM
+
+
+def test_runs_page_shows_the_split_each_policy_runs_with(monkeypatch, tmp_path):
+    """A local run configured heavy 17 + recent 18 runs every slot as recent: the table says 0 + 35."""
+    import json
+    import shutil
+
+    root = tmp_path / "runs"
+    for name in ("delayed-recall-0-local-20", "delayed-recall-0-h2o-20", "delayed-recall-0-full-100"):
+        shutil.copytree(REPO / "sample_runs" / name, root / name)
+    configs = {p.name: json.loads((p / "manifest.json").read_text())["config"] for p in root.iterdir()}
+    at = app(root, monkeypatch)
+    no_exception(at)
+    table = at.dataframe[0].value.set_index("run_id")
+    local = configs["delayed-recall-0-local-20"]
+    assert local["policy"] == "local" and local["heavy"] > 0
+    row = table.loc["delayed-recall-0-local-20"]
+    assert (row["heavy"], row["recent"], row["sink"]) == (0, local["heavy"] + local["recent"], 0)
+    h2o = configs["delayed-recall-0-h2o-20"]
+    row = table.loc["delayed-recall-0-h2o-20"]
+    assert (row["heavy"], row["recent"]) == (h2o["heavy"], h2o["recent"])
+    assert table.loc["delayed-recall-0-full-100", ["heavy", "recent", "sink"]].isna().all()

@@ -13,8 +13,11 @@ _COLUMNS = {
     "name": st.column_config.TextColumn("name", help="the run's name (the task, for suite runs)"),
     "status": st.column_config.TextColumn("status"),
     "policy": st.column_config.TextColumn("policy"),
-    "heavy": st.column_config.NumberColumn("heavy", help="heavy-hitter slots"),
-    "recent": st.column_config.NumberColumn("recent", help="recent-window slots"),
+    "heavy": st.column_config.NumberColumn(
+        "heavy", help="heavy-hitter slots the policy runs with (local: none; heavy and oracle: all)"
+    ),
+    "recent": st.column_config.NumberColumn("recent", help="recent-window slots the policy runs with"),
+    "sink": st.column_config.NumberColumn("sink", help="attention-sink slots (the sink policy)"),
     "gqa": st.column_config.TextColumn("GQA", help="aggregation of a query group's weights"),
     "kl_mean": st.column_config.NumberColumn("KL mean", format="%.4f", help="mean KL(teacher ‖ run) per step, nats"),
     "top1_agreement": st.column_config.NumberColumn(
@@ -73,7 +76,7 @@ def render() -> None:
         f"{len(runs)} run(s) under {code(root.path)}, newest first. Select a row to open that run; "
         "select two rows to compare them."
     )
-    table = runs.copy()
+    table = data.with_effective_split(runs)
     table["correct"] = [
         f"{int(c)}/{int(n)}" if n else None for c, n in zip(table["correct"].fillna(0), table["checked"])
     ]
