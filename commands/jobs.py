@@ -714,6 +714,9 @@ def _sweep_html(table: Any, path: Path, page_size: int, policy_of: dict[str, str
 
 #: real tasks shipped in sample_runs/ (first instance of each kind)
 SAMPLE_TASKS = ("delayed_recall_0", "multi_fact_0", "long_passage_0")
+#: failed sample runs explained by counterfactual re-runs (budget searches included): the Why
+#: section has its re-runs and the budget curves two requests
+SAMPLE_EXPLAINED = ("delayed-recall-0-h2o-10", "multi-fact-0-h2o-20")
 
 
 def make_sample_runs(
@@ -726,7 +729,10 @@ def make_sample_runs(
     * the first task of three kinds on the default model: full cache, H2O at
       20 % and 10 %, local at 20 %, and teacher-forced gqa ``max`` and
       ``none`` re-records of the H2O 20 % run (the paired runs behind the
-      GQA overlap and Compare views). Every run is replayed.
+      GQA overlap and Compare views). Every run is replayed;
+    * the counterfactual re-runs of the failures in :data:`SAMPLE_EXPLAINED`
+      (``h2o-lens explain``, budget searches at the default resolution), behind
+      the Report page's Why section and budget curves.
     """
     import shutil
 
@@ -785,6 +791,13 @@ def make_sample_runs(
             )
             replay_run(rec.run_dir, model=model, progress=False)
             made.append(rec.run_id)
+    from analyses import counterfactual_runs
+
+    from .explain import explain_run
+
+    for run_id in SAMPLE_EXPLAINED:
+        explain_run(str(root / run_id), model=model, tokenizer=tokenizer, progress=progress)
+        made += sorted(set(counterfactual_runs(str(root), run_id).df()["run_id"]))
     size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
     print(f"{len(made)} sample runs in {root}/ ({size / 2**20:.1f} MiB)")
     return made
