@@ -142,6 +142,17 @@ def kept_overlap(root: Root, run_a: str, run_b: str) -> tuple[pd.DataFrame, pd.D
 
 
 @_cache
+def union_bound(root: Root, run_id: str, none_run: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """How much of ``none_run``'s per-query-head union the shared KV sets of ``run_id`` hold
+    (:func:`analyses.union_bound`): recall per (layer, KV head) and per step."""
+    with cursor(root) as cur:
+        rel = analyses.union_bound(cur, run_id, none_run)
+        by_set = analyses.coverage_stats(rel, by=("layer", "kv_head"), value="recall").df()
+        by_step = analyses.coverage_stats(rel, by=("step",), value="recall").df()
+        return by_set, by_step
+
+
+@_cache
 def free_generation(root: Root, run_a: str, run_b: str) -> pd.DataFrame | None:
     with cursor(root) as cur:
         rel = analyses.free_generation(cur, run_a, run_b)

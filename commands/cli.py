@@ -471,7 +471,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         model, tok = _load(args)
         tasks = _resolve(spec, args, tok)
-    demo(args.out, tasks=tasks, model=model, tokenizer=tok, reports=not args.no_reports)
+    demo(args.out, tasks=tasks, model=model, tokenizer=tok, reports=not args.no_reports, explain=not args.no_explain)
     return 0
 
 
@@ -923,6 +923,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the task suite on the default model: H2O at two budgets and the baselines")
     d.add_argument("--out", default="demo_runs", help="runs root (default: ./demo_runs)")
     d.add_argument("--no-reports", action="store_true", help="skip the HTML/Markdown/JSON reports")
+    d.add_argument(
+        "--no-explain",
+        action="store_true",
+        help="skip the counterfactual re-runs of one H2O failure per task family (the table then shows estimates)",
+    )
     _add_task_args(d, "the demo suite")
     d.set_defaults(func=cmd_demo)
 

@@ -24,7 +24,18 @@ from h2o_lens import policies as registry
 from h2o_lens.config import H2OConfig
 from h2o_lens.models import ContextWarning, context_message, context_window
 
-__all__ = ["Task", "run_task", "demo", "sweep", "DEMO_BUDGETS", "BASELINES", "SWEEP_RATIOS", "SWEEP_POLICIES"]
+__all__ = [
+    "Task",
+    "run_task",
+    "demo",
+    "demo_verdicts",
+    "explain_failures",
+    "sweep",
+    "DEMO_BUDGETS",
+    "BASELINES",
+    "SWEEP_RATIOS",
+    "SWEEP_POLICIES",
+]
 
 DEMO_BUDGETS = (0.2, 0.1)
 #: the method's baselines in the registry (its ablations at the same slot count), at the demo's first budget
@@ -149,23 +160,61 @@ def _task_spec(task: Task) -> dict[str, Any] | None:
     return None
 
 
-def _verdicts(root: str | os.PathLike, runs: Iterable[TaskRun]) -> dict[str, str]:
-    """The attribution of each failed run (``ok`` when nothing failed).
+def demo_verdicts(root: str | os.PathLike, runs: Iterable[TaskRun]) -> dict[str, tuple[str, str | None]]:
+    """The demo table's verdict of each run, and where it comes from (DESIGN.md §6.10).
 
-    A run can fail on the teacher's measures (top-1 agreement, KL) while its
-    answer is still right; its verdict then says ``(answer right)``.
+    An explained run (counterfactual re-runs under ``root``) shows the causal verdict
+    with its sub-label, e.g. ``scoring (delayed_reference)``, source ``re-runs``. Any
+    other failed run shows the threshold rules' fast estimate, labelled as one:
+    ``budget (estimate)``, source ``estimate``. A run can fail on the teacher's
+    measures (top-1 agreement, KL) while its answer is still right; its estimate then
+    says ``(estimate, answer right)``. ``ok`` (source None) when nothing failed.
     """
-    from analyses import attribute, connect
+    from analyses import attribute, causal_verdicts, connect
 
     con = connect(str(root))
-    out = {}
+    out: dict[str, tuple[str, str | None]] = {}
     for r in runs:
         if not registry.get(r.policy).evicts:
-            out[r.run_id] = "ok (teacher)" if r.correct else "full cache fails"
+            out[r.run_id] = ("ok (teacher)" if r.correct else "full cache fails", None)
+            continue
+        causal = causal_verdicts(con, r.run_id)
+        if causal:
+            v = causal[0]
+            out[r.run_id] = (v.verdict + (f" ({v.sub_label})" if v.sub_label else ""), "re-runs")
             continue
         found = attribute(con, r.run_id)
-        out[r.run_id] = "ok" if not found else found[0].verdict + (" (answer right)" if r.correct else "")
+        if not found:
+            out[r.run_id] = ("ok", None)
+        else:
+            out[r.run_id] = (f"{found[0].verdict} (estimate{', answer right' if r.correct else ''})", "estimate")
     return out
+
+
+def explain_failures(
+    runs: Sequence[TaskRun], kinds: dict[str, str], model: Any, tokenizer: Any, *, progress: bool = True
+) -> list[TaskRun]:
+    """Counterfactual re-runs (``h2o-lens explain`` without the budget searches) of one wrong
+    H2O answer per task family: the one at the largest budget, the first task of the family
+    first. ``kinds`` maps a task name to its family. A run whose explanation raises a
+    one-line error keeps its estimate; the error is printed as a note. Returns the runs explained."""
+    from h2o_lens.errors import H2OLensError
+
+    from .explain import explain_run
+
+    failed = [r for r in runs if r.policy == registry.DEFAULT and not r.correct]
+    picked: dict[str, TaskRun] = {}
+    for r in sorted(failed, key=lambda r: -(r.ratio if r.ratio is not None else 1.0)):
+        picked.setdefault(kinds.get(r.task, r.task), r)
+    done = []
+    for r in sorted(picked.values(), key=runs.index):
+        try:
+            explain_run(str(r.run_dir), model=model, tokenizer=tokenizer, bisect=False, progress=progress)
+        except H2OLensError as exc:
+            print(f"h2o-lens: note: {r.run_id} not explained: {exc}", file=sys.stderr)
+            continue
+        done.append(r)
+    return done
 
 
 def _headline(root: str | os.PathLike) -> dict[str, dict[str, float]]:
@@ -193,13 +242,17 @@ def demo(
     budgets: Sequence[float] = DEMO_BUDGETS,
     baselines: Sequence[str] = BASELINES,
     reports: bool = True,
+    explain: bool = True,
     progress: bool = True,
 ) -> list[TaskRun]:
     """Run the task suite with H2O at ``budgets`` and the baselines at the first budget.
 
-    Every run is replayed; each H2O run gets an HTML, Markdown and JSON report
-    in ``<out>/reports``. Prints the summary table (task × policy × budget:
-    correct, KL, dropped mass, verdict) and the command that opens the dashboard.
+    Every run is replayed. With ``explain``, one wrong H2O answer per task family
+    is explained by counterfactual re-runs (:func:`explain_failures`). Each H2O run
+    gets an HTML, Markdown and JSON report in ``<out>/reports``. Prints the summary
+    table (task × policy × budget: correct, KL, dropped mass, verdict: the causal one
+    where re-runs exist, else the labelled estimate, :func:`demo_verdicts`) and the
+    command that opens the dashboard.
     """
     from tqdm.auto import tqdm
 
@@ -221,7 +274,9 @@ def demo(
     t0 = time.perf_counter()
     for task, policy, ratio in tqdm(plan, desc="demo", unit="run", disable=not progress):
         runs.append(run_task(model, tokenizer, task, _config(policy, ratio), root, ratio=ratio))
-    verdicts = _verdicts(root, runs)
+    if explain:
+        explain_failures(runs, {t.name: getattr(t, "kind", t.name) for t in tasks}, model, tokenizer, progress=progress)
+    verdicts = demo_verdicts(root, runs)
     head = _headline(root)
     if reports:
         from analyses import write_report
@@ -243,11 +298,16 @@ def demo(
                 "yes" if r.correct else "NO",
                 f"{h.get('kl', 0):.3f}",
                 f"{h.get('dropped', 0):.3f}",
-                verdicts[r.run_id],
+                verdicts[r.run_id][0],
                 r.run_id,
             ]
         )
     print(_table(rows, ["task", "policy", "budget", "correct", "KL", "dropped", "verdict", "run"]))
+    if any(source == "estimate" for _, source in verdicts.values()):
+        print(
+            "verdict: decided by counterfactual re-runs where a run was explained; '(estimate)': the threshold "
+            f"rules' fast estimate, nothing re-run (h2o-lens explain RUN --root {root} decides it)"
+        )
     acc = {}
     for r in runs:
         key = (r.policy, r.ratio)
@@ -262,7 +322,13 @@ def demo(
     write_text_atomic(
         root / "demo_summary.json",
         json.dumps(
-            [dict(zip(["task", "policy", "budget", "correct", "kl", "dropped", "verdict", "run_id"], r)) for r in rows],
+            [
+                {
+                    **dict(zip(["task", "policy", "budget", "correct", "kl", "dropped", "verdict", "run_id"], row)),
+                    "verdict_source": verdicts[r.run_id][1],
+                }
+                for row, r in zip(rows, runs)
+            ],
             indent=1,
         ),
     )
@@ -648,6 +714,9 @@ def _sweep_html(table: Any, path: Path, page_size: int, policy_of: dict[str, str
 
 #: real tasks shipped in sample_runs/ (first instance of each kind)
 SAMPLE_TASKS = ("delayed_recall_0", "multi_fact_0", "long_passage_0")
+#: failed sample runs explained by counterfactual re-runs (budget searches included): the Why
+#: section has its re-runs and the budget curves two requests
+SAMPLE_EXPLAINED = ("delayed-recall-0-h2o-10", "multi-fact-0-h2o-20")
 
 
 def make_sample_runs(
@@ -660,7 +729,10 @@ def make_sample_runs(
     * the first task of three kinds on the default model: full cache, H2O at
       20 % and 10 %, local at 20 %, and teacher-forced gqa ``max`` and
       ``none`` re-records of the H2O 20 % run (the paired runs behind the
-      GQA overlap and Compare views). Every run is replayed.
+      GQA overlap and Compare views). Every run is replayed;
+    * the counterfactual re-runs of the failures in :data:`SAMPLE_EXPLAINED`
+      (``h2o-lens explain``, budget searches at the default resolution), behind
+      the Report page's Why section and budget curves.
     """
     import shutil
 
@@ -719,6 +791,13 @@ def make_sample_runs(
             )
             replay_run(rec.run_dir, model=model, progress=False)
             made.append(rec.run_id)
+    from analyses import counterfactual_runs
+
+    from .explain import explain_run
+
+    for run_id in SAMPLE_EXPLAINED:
+        explain_run(str(root / run_id), model=model, tokenizer=tokenizer, progress=progress)
+        made += sorted(set(counterfactual_runs(str(root), run_id).df()["run_id"]))
     size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
     print(f"{len(made)} sample runs in {root}/ ({size / 2**20:.1f} MiB)")
     return made

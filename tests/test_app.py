@@ -472,3 +472,57 @@ def test_runs_page_shows_the_split_each_policy_runs_with(monkeypatch, tmp_path):
     row = table.loc["delayed-recall-0-h2o-20"]
     assert (row["heavy"], row["recent"]) == (h2o["heavy"], h2o["recent"])
     assert table.loc["delayed-recall-0-full-100", ["heavy", "recent", "sink"]].isna().all()
+
+
+def _union_recall(root: Path, shared: str, none_run: str) -> float:
+    """Mean over steps (of the mean over KV sets) of the share of ``none_run``'s per-query-head union
+    that ``shared`` holds, from the evictions and steps segments with plain sets."""
+    import pandas as pd
+
+    def table(run: str, name: str) -> pd.DataFrame:
+        return pd.concat(pd.read_parquet(f) for f in sorted((root / run).glob(f"{name}-*.parquet")))
+
+    gone = {  # (request, layer, kv_head, position) -> step it left the shared set
+        (r.request, r.layer, r.kv_head, r.position): r.step for r in table(shared, "evictions").itertuples()
+    }
+    heads: dict[tuple, dict[int, int]] = {}
+    for r in table(none_run, "evictions").itertuples():
+        heads.setdefault((r.request, r.layer, r.kv_head, r.position), {})[r.q_head] = r.step
+    steps_none = table(none_run, "steps")
+    group = steps_none.groupby(["layer", "kv_head"])["q_head"].nunique().to_dict()
+    grid = set(table(shared, "steps")[["request", "step", "layer", "kv_head"]].itertuples(index=False, name=None))
+    grid &= set(steps_none[["request", "step", "layer", "kv_head"]].itertuples(index=False, name=None))
+    per_step: dict[int, list[float]] = {}
+    for request, step, layer, kv in grid:
+        kept, union = set(), set()
+        for i in range(step + 1):
+            key = (request, layer, kv, i)
+            if gone.get(key, step) >= step:
+                kept.add(i)
+            left = heads.get(key, {})
+            if not (len(left) == group[(layer, kv)] and max(left.values()) < step):
+                union.add(i)
+        per_step.setdefault(step, []).append(len(kept & union) / len(union))
+    return sum(sum(v) / len(v) for v in per_step.values()) / len(per_step)
+
+
+@pytest.mark.parametrize("first", ["shared", "none"])
+def test_compare_shows_the_union_bound_beside_a_per_query_head_run(monkeypatch, tmp_path, first):
+    """A gqa=none run compared with a shared-set run: how much of the per-query-head union the shared
+    sets hold (the upper bound of GQA aggregation), not an error."""
+    import shutil
+
+    root = tmp_path / "runs"
+    runs = {"shared": "gqa-split-h2o-sum-h3r4", "none": "gqa-split-h2o-none-h3r4"}
+    for name in runs.values():
+        shutil.copytree(REPO / "sample_runs" / name, root / name)
+    expected = _union_recall(root, runs["shared"], runs["none"])
+    assert 0 < expected < 1
+    other = runs["none" if first == "shared" else "shared"]
+    at = app(root, monkeypatch, run=runs[first], page="compare", other=other)
+    no_exception(at)
+    assert not at.error, [e.value for e in at.error]
+    assert "Kept-set union bound" in [s.value for s in at.subheader]
+    assert widget(at, "metric", "Mean recall of the per-query-head union").value == f"{expected:.1%}"
+    assert "upper bound of GQA aggregation" in texts(at, "caption")
+    assert len(at.get("plotly_chart")) == 3  # the curves, recall over steps, recall per KV set

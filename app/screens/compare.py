@@ -43,6 +43,79 @@ def _side_by_side(a: dict, b: dict) -> None:
             )
 
 
+def _set_charts(by_set, by_step, *, value: str, key: str) -> None:
+    """A KV-set statistic over steps (mean and worst set) beside its mean per (layer, KV head)."""
+    c1, c2 = st.columns(2)
+    c1.plotly_chart(
+        charts.lines(
+            by_step,
+            x="step",
+            ys=[("mean", "mean over KV sets"), ("min", "worst KV set")],
+            title=f"Kept-set {value} over steps",
+            y_title=value,
+            y_range=(0, 1.02),
+        ),
+        key=key,
+    )
+    c2.plotly_chart(
+        charts.heatmap(
+            by_set,
+            x="kv_head",
+            y="layer",
+            z="mean",
+            x_title="KV head",
+            title=f"Mean {value} per KV set",
+            colorbar=value,
+            zmin=0.0,
+            zmax=1.0,
+            colorscale="Blues",
+        ),
+        key=f"{key}_map",
+    )
+
+
+def _kept_sets(root, a: dict, b: dict) -> None:
+    """The two runs' kept sets: their Jaccard overlap, or, when one of them keeps one set per query
+    head (``gqa='none'``), how much of that run's per-query-head union the other's shared sets hold."""
+    per_head = [r["run_id"] for r in (a, b) if r.get("gqa") == "none"]
+    if len(per_head) == 2:
+        st.subheader("Kept-set overlap")
+        st.info(
+            "Both runs keep one set per query head (GQA none): compare either of them with a run of shared "
+            "KV sets (GQA sum or max) to see how much of its per-query-head union a shared set holds.",
+            icon=":material/info:",
+        )
+        return
+    if per_head:
+        none_run = per_head[0]
+        shared = b["run_id"] if none_run == a["run_id"] else a["run_id"]
+        st.subheader("Kept-set union bound")
+        with st.spinner("Rebuilding the kept sets of both runs…"):
+            by_set, by_step = data.union_bound(root, shared, none_run)
+        if by_step.empty:
+            st.info("The runs share no logged steps, so their kept sets cannot be compared.")
+            return
+        st.caption(
+            f"{code(none_run)} keeps one set per query head (GQA none). The union of a KV head's query-head sets "
+            "is the most any shared set of that KV head could usefully keep: the upper bound of GQA "
+            f"aggregation. Recall: the share of that union the shared set of {code(shared)} holds at each step "
+            "(1 = all of it)."
+        )
+        st.metric("Mean recall of the per-query-head union", common.fmt(float(by_step["mean"].mean()), ".1%"))
+        _set_charts(by_set, by_step, value="recall", key="compare_union")
+        return
+    st.subheader("Kept-set overlap")
+    with st.spinner("Rebuilding the kept sets of both runs…"):
+        by_set, by_step = data.kept_overlap(root, a["run_id"], b["run_id"])
+    if by_step.empty:
+        st.info("The runs share no logged steps, so their kept sets cannot be compared.")
+        return
+    st.caption(
+        "Jaccard of the two runs' candidate sets at each step, per layer and KV head (1 = the same positions kept)."
+    )
+    _set_charts(by_set, by_step, value="Jaccard", key="compare_jaccard")
+
+
 def render() -> None:
     root = state.current_root()
     row = common.run_page(root, "Compare")
@@ -88,44 +161,8 @@ def render() -> None:
         else:
             colours = common.run_colours([row.get("policy"), b.get("policy")])
             st.plotly_chart(charts.compare_figure(frames, colours), key="compare_curves")
-    st.subheader("Kept-set overlap")
     with state.guard("the kept-set overlap", run):
-        with st.spinner("Rebuilding the kept sets of both runs…"):
-            by_set, by_step = data.kept_overlap(root, run, other)
-        if by_step.empty:
-            st.info("The runs share no logged steps, so their kept sets cannot be compared.")
-        else:
-            st.caption(
-                "Jaccard of the two runs' candidate sets at each step, per layer and KV head "
-                "(1 = the same positions kept)."
-            )
-            c1, c2 = st.columns(2)
-            c1.plotly_chart(
-                charts.lines(
-                    by_step,
-                    x="step",
-                    ys=[("mean", "mean over KV sets"), ("min", "worst KV set")],
-                    title="Kept-set Jaccard over steps",
-                    y_title="Jaccard",
-                    y_range=(0, 1.02),
-                ),
-                key="compare_jaccard",
-            )
-            c2.plotly_chart(
-                charts.heatmap(
-                    by_set,
-                    x="kv_head",
-                    y="layer",
-                    z="mean",
-                    x_title="KV head",
-                    title="Mean Jaccard per KV set",
-                    colorbar="Jaccard",
-                    zmin=0.0,
-                    zmax=1.0,
-                    colorscale="Blues",
-                ),
-                key="compare_jaccard_map",
-            )
+        _kept_sets(root, row, b)
     with state.guard("the free generation", run):
         if free is not None and len(free):
             st.subheader("Generated tokens")

@@ -1,0 +1,66 @@
+"""The shipped ``sample_runs/`` out of the box in a real browser (Debian's Chromium, Playwright):
+the Report page of an explained sample failure shows its Why section, one card per explained
+request with its counterfactual re-runs, and the budget curves of the root's explained requests.
+
+Screenshots go to ``$H2O_LENS_SCREENSHOTS`` when set, else to the test's temporary folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from app_runs import REPO
+
+from analyses import causal_verdicts, connect
+from app.bench import CHROMIUM, DONE, browser, serve
+from commands.jobs import SAMPLE_EXPLAINED
+
+if not Path(CHROMIUM).exists():
+    pytest.skip(f"no Chromium at {CHROMIUM} (Debian package 'chromium')", allow_module_level=True)
+if importlib.util.find_spec("streamlit") is None:
+    pytest.skip("streamlit is not installed", allow_module_level=True)
+pytest.importorskip(
+    "playwright.sync_api",
+    reason="the Python package 'playwright' is not installed "
+    "(pip install playwright; its own browser download is not needed)",
+)
+
+pytestmark = pytest.mark.slow
+
+
+def test_why_section_renders_on_the_shipped_sample_runs(tmp_path):
+    root = tmp_path / "sample_runs"
+    shutil.copytree(REPO / "sample_runs", root)
+    run = SAMPLE_EXPLAINED[0]
+    (verdict,) = causal_verdicts(connect(root), run)
+    rerun_ids = [r["run_id"] for r in verdict.table if r["run_id"]]
+    assert {r["variant"] for r in verdict.table} >= {"full", "pinned", "oracle", "policy_budget", "oracle_budget"}
+    assert all((root / r).is_dir() for r in rerun_ids)  # the re-runs ship with the samples
+    shots = Path(os.environ.get("H2O_LENS_SCREENSHOTS") or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
+    with serve(root, log=tmp_path / "streamlit.log") as url, browser() as b:
+        page = b.new_page(viewport={"width": 1500, "height": 1000})
+        try:
+            page.goto(f"{url}/report?run={run}")
+            page.wait_for_selector(f"{DONE} h1", timeout=120_000)
+            main = page.locator("[data-testid=stMain]")
+            main.get_by_text("Why: counterfactual re-runs").wait_for(timeout=60_000)
+            assert page.locator("[data-testid=stException]").count() == 0
+            text = main.inner_text()
+            assert "No counterfactual re-runs yet" not in text
+            assert f"Request {verdict.request}:" in text and verdict.reason in text
+            assert "decided by: " + ", ".join(verdict.decided_by) in text
+            # the variants table, a data grid, and the budget curves of the explained requests
+            card = main.locator("h4", has_text=f"Request {verdict.request}:").first
+            assert card.locator("xpath=following::*[@data-testid='stDataFrame']").count() >= 1
+            curves = main.locator(".js-plotly-plot").filter(has_text="Minimal passing budgets")
+            curves.first.wait_for(timeout=60_000)
+            assert "oracle" in curves.first.inner_text()
+            page.get_by_text("Why: counterfactual re-runs").scroll_into_view_if_needed()
+            page.screenshot(path=str(shots / "report-why-samples.png"), full_page=True)
+        finally:
+            page.close()
