@@ -215,11 +215,14 @@ _FACT_COLUMNS = (
 )
 
 
-def show_attributions(attributions: list[dict[str, Any]], *, judged: bool = True, limit: int = 10) -> None:
+def show_attributions(
+    attributions: list[dict[str, Any]], *, judged: bool = True, limit: int = 10, estimate: bool = False
+) -> None:
     """One bordered card per failed request: verdict, why, the facts and the SQL behind them.
 
     ``judged`` is false when the run has neither a teacher replay nor answer-checker verdicts,
-    so no request could be found failing.
+    so no request could be found failing; ``estimate`` labels each verdict as the threshold
+    estimate (the causal verdict comes from re-runs, DESIGN.md §6.10).
     """
     if not attributions and not judged:
         st.info(
@@ -238,7 +241,8 @@ def show_attributions(attributions: list[dict[str, Any]], *, judged: bool = True
     for a in attributions[:limit]:
         name, color, meaning = _VERDICTS.get(a["verdict"], (a["verdict"], "gray", ""))
         with st.container(border=True):
-            st.markdown(f"#### Request {a['request']}: :{color}-badge[{name}]")
+            label = f"{name} (estimate)" if estimate else name
+            st.markdown(f"#### Request {a['request']}: :{color}-badge[{label}]")
             st.markdown(f"**Why:** {md(a['summary'])}.  \n*{name}*: {meaning}.")
             step = a.get("decision_step")
             st.caption(

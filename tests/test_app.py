@@ -526,3 +526,12 @@ def test_compare_shows_the_union_bound_beside_a_per_query_head_run(monkeypatch, 
     assert widget(at, "metric", "Mean recall of the per-query-head union").value == f"{expected:.1%}"
     assert "upper bound of GQA aggregation" in texts(at, "caption")
     assert len(at.get("plotly_chart")) == 3  # the curves, recall over steps, recall per KV set
+
+
+@pytest.mark.parametrize("page", ["overview", "report"])
+def test_the_threshold_attribution_is_labelled_an_estimate(root, monkeypatch, page):
+    at = app(root, monkeypatch, run="h2o-sum", page=page)
+    no_exception(at)
+    cards = [m.value for m in at.markdown if m.value.startswith("#### Request ")]
+    assert cards and all("(estimate)]" in c for c in cards)
+    assert "Attribution: the threshold estimate" in [s.value for s in at.subheader]

@@ -84,15 +84,18 @@ def render() -> None:
             st.plotly_chart(fig, key="overview_curves")
             if len(div) > 1:
                 st.dataframe(div, hide_index=True, column_config=_DIVERGENCE)
-    st.subheader("Verdict and attribution")
+    st.subheader("Attribution: the threshold estimate")
     st.caption(
-        "Each failed request gets one verdict (`analyses.attribute`): budget, scoring lag, "
-        "not the cache, or implementation error, with the facts that decided it."
+        "Each failed request gets one estimated verdict from the logged measures against thresholds "
+        "(`analyses.attribute`): budget, scoring lag, not the cache, or implementation error, with the "
+        "facts that decided it. The cause comes from re-runs: `h2o-lens explain`, the Report page's Why section."
     )
     with state.guard("the attribution", run):
         with st.spinner("Attributing failures…"):
             attributions = data.attributions(root, run)
-        common.show_attributions(attributions, judged=bool(row.get("replay_steps") or row.get("checked")))
+        common.show_attributions(
+            attributions, judged=bool(row.get("replay_steps") or row.get("checked")), estimate=True
+        )
     state.publish(PAGE, ["step"])
 
 

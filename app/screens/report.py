@@ -77,8 +77,14 @@ def render() -> None:
                 ("Failed requests", common.fmt(s.get("failures")), None),
             ]
         )
-        st.subheader("Attribution")
-        common.show_attributions(report["failures"], judged=bool(row.get("replay_steps") or row.get("checked")))
+        st.subheader("Attribution: the threshold estimate")
+        st.caption(
+            "A fast reading of the logged measures against thresholds, without re-running anything. "
+            "Where the Why section below has re-runs, its verdict is the cause."
+        )
+        common.show_attributions(
+            report["failures"], judged=bool(row.get("replay_steps") or row.get("checked")), estimate=True
+        )
         st.subheader("Why: counterfactual re-runs")
         common.show_why(report.get("why") or [])
         dist = data.budget_distribution(root)
