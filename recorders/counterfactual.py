@@ -34,6 +34,10 @@ forward (:func:`h2o_lens.prompt_reuse.reuse_prompts`, DESIGN.md §12.5) and
 its prompt pass (the teacher's keys and values, the replays). A
 counterfactual that raises is recorded as a ``failed`` run folder with its
 error ("could not run"); the parent run is only ever read.
+
+A kvpress press run is explained the same way (DESIGN.md §17.3): its slot count is the positions
+the press keeps, ``pinned`` raises the evidence positions' scores so that the press keeps them,
+and ``policy_budget`` searches the press's compression ratio (:func:`press_ratio`).
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ __all__ = [
     "check_parent",
     "explain_request",
     "split_slots",
+    "press_ratio",
 ]
 
 #: the counterfactual kinds, in the order they are run

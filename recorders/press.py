@@ -173,6 +173,9 @@ class PressObserver:
     ----------
     press : the kvpress press (already checked by :func:`check_press`)
     rec : the :class:`~recorders.recorder.Recording` whose writer and request numbering it uses
+    pinned : prompt positions whose scores are raised to the top of every ScorerPress's scores, so
+        that its own choice keeps them (``explain``'s pinned variant, DESIGN.md §17.3); a
+        compression that keeps fewer positions than are pinned fails the recording
     """
 
     def __init__(self, press: Any, rec: Any, pinned: tuple[int, ...] = ()):
