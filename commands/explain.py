@@ -182,15 +182,17 @@ def _json(v: Any) -> dict[str, Any]:
 
 
 def explainable_runs(root: str) -> list[str]:
-    """Complete runs of an evicting policy under ``root`` that are not themselves re-runs."""
+    """Complete runs of an evicting policy or a kvpress press under ``root`` that are not themselves
+    re-runs."""
     from analyses import connect
-    from h2o_lens import policies
+    from h2o_lens import policies, presses
 
     rows = connect(root).sql("SELECT run_id, policy FROM runs WHERE parent_run IS NULL AND status = 'complete'")
     return sorted(
         r
         for r, p in rows.fetchall()
-        if p in policies.names() and policies.get(p).evicts and not policies.get(p).teacher
+        if (p in policies.names() and policies.get(p).evicts and not policies.get(p).teacher)
+        or presses.is_press_policy(p)
     )
 
 

@@ -21,8 +21,10 @@ from typing import Any, Protocol
 import torch
 
 from h2o_lens import policies as registry
+from h2o_lens import presses
 from h2o_lens.config import H2OConfig
 from h2o_lens.models import ContextWarning, context_message, context_window
+from h2o_lens.presses import PressSpec
 
 __all__ = [
     "Task",
@@ -64,7 +66,7 @@ class TaskRun:
 
     task: str
     policy: str
-    gqa: str
+    gqa: str | None  # None for a kvpress press
     ratio: float | None
     run_id: str
     run_dir: Path
@@ -83,7 +85,7 @@ def run_task(
     model: Any,
     tok: Any,
     task: Task,
-    config: H2OConfig,
+    config: H2OConfig | PressSpec,
     out: str | os.PathLike,
     *,
     ratio: float | None = None,
@@ -91,7 +93,8 @@ def run_task(
     name: str | None = None,
     run_id: str | None = None,
 ) -> TaskRun:
-    """Record ``task`` under ``config`` (and replay it); the requests table carries the checker's verdict."""
+    """Record ``task`` under ``config`` (an H2O policy or a kvpress press, DESIGN.md §17; and replay
+    it); the requests table carries the checker's verdict."""
     from recorders.recorder import record
     from recorders.replay import replay as replay_run
 
@@ -130,16 +133,17 @@ def run_task(
             info=info,
             annotate=annotate,
             run_id=run_id,
-            keep_prompt_pass=replay,
+            keep_prompt_pass=replay and not isinstance(config, PressSpec),
         ) as run,
     ):
         model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     if replay:
         replay_run(run.run_dir, model=model, progress=False, prompt_passes=run.prompt_passes)
+    pressed = isinstance(config, PressSpec)
     return TaskRun(
         task.name,
-        config.policy,
-        config.gqa,
+        presses.policy_text(config.press, config.kwargs) if pressed else config.policy,
+        None if pressed else config.gqa,
         ratio,
         run.run_id,
         Path(run.run_dir),

@@ -20,7 +20,7 @@ from typing import Any
 from . import policies as registry
 from .errors import ConfigError
 
-__all__ = ["H2OConfig", "POLICIES", "GQA_MODES", "BACKENDS", "pin"]
+__all__ = ["H2OConfig", "POLICIES", "GQA_MODES", "BACKENDS", "pin", "pin_positions"]
 
 POLICIES = registry.names()
 GQA_MODES = ("sum", "max", "none")
@@ -40,8 +40,9 @@ def _count(name: str, value: Any, *, allow_none: bool = True) -> None:
         raise ConfigError(f"{name} must be >= 0, got {value}; pass a slot count such as {name}=64")
 
 
-def _positions(value: Any) -> tuple[int, ...]:
-    """``pinned`` as a sorted tuple of distinct prompt positions, or a ConfigError."""
+def pin_positions(value: Any) -> tuple[int, ...]:
+    """``pinned`` as a sorted tuple of distinct prompt positions, or a ConfigError (also the check
+    of a press recording's pins, DESIGN.md §17.3)."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise ConfigError(
             f"pinned must be a sequence of prompt positions, got {value!r} ({type(value).__name__}); "
@@ -127,7 +128,7 @@ class H2OConfig:
         _count("recent", self.recent)
         _count("sink", self.sink, allow_none=False)
         _count("seed", self.seed, allow_none=False)
-        object.__setattr__(self, "pinned", _positions(self.pinned))
+        object.__setattr__(self, "pinned", pin_positions(self.pinned))
         if not self.spec.evicts:
             if self.pinned:
                 raise ConfigError(
@@ -284,4 +285,4 @@ def pin(config: H2OConfig, positions: Any) -> H2OConfig:
             f"pin needs a budget in slot counts, got ratio={config.ratio}; resolve it first "
             "(config.resolve(prompt_len), or the config of the run's manifest)"
         )
-    return dataclasses.replace(config, pinned=_positions(positions))
+    return dataclasses.replace(config, pinned=pin_positions(positions))

@@ -34,6 +34,10 @@ forward (:func:`h2o_lens.prompt_reuse.reuse_prompts`, DESIGN.md §12.5) and
 its prompt pass (the teacher's keys and values, the replays). A
 counterfactual that raises is recorded as a ``failed`` run folder with its
 error ("could not run"); the parent run is only ever read.
+
+A kvpress press run is explained the same way (DESIGN.md §17.3): its slot count is the positions
+the press keeps, ``pinned`` raises the evidence positions' scores so that the press keeps them,
+and ``policy_budget`` searches the press's compression ratio (:func:`press_ratio`).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ import numpy as np
 import torch
 
 from h2o_lens.config import H2OConfig
+from h2o_lens.errors import ConfigError
+from h2o_lens.presses import PressSpec
 
 from .catalog import replay_complete
 from .counterfactual_reuse import copy_request, find_full_run, judged_teacher_forced
@@ -71,6 +77,7 @@ __all__ = [
     "check_parent",
     "explain_request",
     "split_slots",
+    "press_ratio",
 ]
 
 #: the counterfactual kinds, in the order they are run
@@ -246,6 +253,10 @@ class ParentRequest:
     correct: bool | None
     task_spec: dict[str, Any] | None
     max_new_tokens: int
+    #: the run's kvpress press (DESIGN.md §17.3); then ``config`` is the full cache it runs on
+    press: PressSpec | None = None
+    #: a press run's slot count per layer: the prompt positions the press keeps
+    press_slots: int | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -253,7 +264,7 @@ class ParentRequest:
 
     @property
     def slots(self) -> int | None:
-        return self.config.capacity
+        return self.press_slots if self.press is not None else self.config.capacity
 
     @property
     def evidence_positions(self) -> list[int]:
@@ -285,10 +296,11 @@ def load_parent(run_dir: str | Path, request: int = 0) -> ParentRequest:
     raw = manifest.get("config") or {}
     if not isinstance(raw, dict):
         raise RecorderError(f"{run_dir}: the manifest has no config object; cannot re-run the request")
-    config = H2OConfig(**_config_fields(raw))
-    if config.spec.evicts and row.get("heavy") is not None:
+    press = PressSpec.from_dict(raw["press"]) if isinstance(raw.get("press"), dict) else None
+    config = H2OConfig(policy="full") if press is not None else H2OConfig(**_config_fields(raw))
+    if press is None and config.spec.evicts and row.get("heavy") is not None:
         config = dataclasses.replace(config, ratio=None, heavy=int(row["heavy"]), recent=int(row["recent"]))
-    elif config.spec.evicts and not config.resolved:
+    elif press is None and config.spec.evicts and not config.resolved:
         config = config.resolve(int(prompt.sum()))
     spec = manifest.get("task_spec")
     specs = manifest.get("task_specs")
@@ -310,7 +322,33 @@ def load_parent(run_dir: str | Path, request: int = 0) -> ParentRequest:
         row.get("correct"),
         spec if isinstance(spec, dict) else None,
         int(max_new),
+        press,
+        None if press is None else _press_slots(run, press, request, int(prompt.sum())),
     )
+
+
+def _press_slots(run: Any, press: PressSpec, request: int, prompt_len: int) -> int:
+    """The prompt positions a press keeps per layer: ``int(P · (1 - compression_ratio))``, kvpress's
+    count, for a press with a compression ratio; else the most its first compression of the
+    request kept in any layer and KV head (the ``steps`` table)."""
+    if press.compression_ratio is not None:
+        return int(prompt_len * (1.0 - press.compression_ratio))
+    steps = load_run(run.run_dir, tables=("steps",))["steps"].to_pandas()
+    steps = steps[steps.request == request]
+    if steps.empty:
+        raise RecorderError(
+            f"run {run.run_id!r}: the press {press.press} compressed nothing in request {request}; there is no "
+            "eviction to explain"
+        )
+    return int(steps[steps.step == steps.step.min()].kept.max())
+
+
+def press_ratio(slots: int, prompt_len: int) -> float:
+    """The compression ratio at which kvpress keeps ``slots`` of ``prompt_len`` positions
+    (``int(P · (1 - c)) == slots``; 0 from ``P`` slots on: nothing pruned)."""
+    if slots >= prompt_len:
+        return 0.0
+    return (prompt_len - slots - 0.5) / prompt_len
 
 
 def check_parent(run_dir: str | Path) -> None:
@@ -570,10 +608,14 @@ class _Runner:
         try:
             config = config_fn()
         except Exception as exc:  # e.g. pins that do not fit in the slots
-            _failed_run(self.out, run_id, self.parent, self.parent.config.to_dict(), link, exc)
+            cfg = self.parent.manifest.get("config") if self.parent.press else self.parent.config.to_dict()
+            _failed_run(self.out, run_id, self.parent, cfg, link, exc)
             return Outcome(kind, slots, run_id, False, error=f"{type(exc).__name__}: {exc}")
         seen: dict[str, Any] = {}
         replays = (self.replay if replay is None else replay) and kind != FULL
+        pressed = isinstance(config, PressSpec)
+        evicts = pressed or config.spec.evicts
+        pins = {"pinned": extra["pinned"]} if pressed and kind == PINNED else {}
         try:
             with (
                 torch.no_grad(),
@@ -587,14 +629,15 @@ class _Runner:
                     info=link,
                     annotate=self.annotate(seen),
                     fsync=False,
-                    keep_prompt_pass=config.spec.evicts and (replays or self.prompt_pass is None),
+                    keep_prompt_pass=not pressed and evicts and (replays or self.prompt_pass is None),
+                    **pins,
                 ) as rec,
             ):
                 rec._labels_override = self.parent.labels
                 t1 = time.perf_counter()
                 self._generate()
                 self.generation_seconds.append(time.perf_counter() - t1)
-            passes = self._prompt_passes(rec) if config.spec.evicts else None
+            passes = self._prompt_passes(rec) if evicts and not pressed else None
             if replays:
                 replay_run(rec.run_dir, model=self.model, progress=False, prompt_passes=passes)
         except Exception as exc:
@@ -636,8 +679,13 @@ class _Runner:
         _note(self.out / run_id, passed=passed, answer=answer)
         return Outcome(FULL, None, run_id, True, passed, answer, seconds=time.perf_counter() - t0)
 
-    def budget_config(self, slots: int) -> H2OConfig:
-        """The run's policy at ``slots`` with its heavy:recent split."""
+    def budget_config(self, slots: int) -> H2OConfig | PressSpec:
+        """The run's policy at ``slots`` with its heavy:recent split (a press: at the compression
+        ratio that keeps ``slots``)."""
+        press = self.parent.press
+        if press is not None:
+            ratio = press_ratio(slots, self.parent.prompt_len)
+            return PressSpec(press.press, tuple({**press.kwargs, "compression_ratio": ratio}.items()))
         cfg = self.parent.config
         h, r = split_slots(int(cfg.heavy), int(cfg.recent), slots)
         return dataclasses.replace(cfg, heavy=h, recent=r, ratio=None)
@@ -787,7 +835,7 @@ def explain_request(
     t0 = time.perf_counter()
     parent = load_parent(run_dir, request)
     override = check_model(parent.manifest, model, run=parent.run_id, command="explain", allow_other=allow_other_model)
-    if not parent.config.spec.evicts:
+    if parent.press is None and not parent.config.spec.evicts:
         raise RecorderError(
             f"run {parent.run_id!r} keeps the full cache: there is no eviction to explain; "
             "explain a run of an evicting policy"
@@ -857,9 +905,14 @@ def _run_variants(
             why = "the full cache does not pass: no budget does" if full.ran else "the full-cache run could not run"
             outcomes[POLICY_BUDGET] = skipped(POLICY_BUDGET, None, why)
             outcomes[ORACLE_BUDGET] = skipped(ORACLE_BUDGET, None, why)
+        elif parent.press is not None and parent.press.compression_ratio is None:
+            why = f"the press {parent.press.press} has no compression_ratio to search"
+            outcomes[POLICY_BUDGET] = skipped(POLICY_BUDGET, None, why)
         else:
             say("policy budget (bisection)")
-            outcomes[POLICY_BUDGET] = _policy_budget(runner, slots, hi, checks, step, say)
+            # a press prunes the prompt only: from P slots on it keeps everything
+            top = parent.prompt_len if parent.press is not None else hi
+            outcomes[POLICY_BUDGET] = _policy_budget(runner, slots, top, checks, step, say)
 
     say("oracle, same slots")
     if not full.ran:
@@ -874,10 +927,19 @@ def _run_variants(
     return outcomes, copied
 
 
-def _pinned(parent: ParentRequest) -> H2OConfig:
-    """The run's policy and slot count with the evidence positions pinned."""
+def _pinned(parent: ParentRequest) -> H2OConfig | PressSpec:
+    """The run's policy and slot count with the evidence positions pinned (a press: the press
+    itself, its pins raised by the recorder, DESIGN.md §17.3)."""
     from h2o_lens.config import pin
 
+    if parent.press is not None:
+        pins = parent.evidence_positions
+        if len(pins) > int(parent.slots):
+            raise ConfigError(
+                f"{len(pins)} evidence positions do not fit in the {parent.slots} positions the press keeps; "
+                "nothing to pin within its count"
+            )
+        return parent.press
     return pin(parent.config, parent.evidence_positions)
 
 
@@ -900,7 +962,7 @@ def _policy_budget(runner: _Runner, slots: int, hi: int, checks: int, step: int,
     def pass_fn(s: int) -> bool:
         # each probe is recorded (no replay) so that the one found needs no extra generation
         say(f"policy at {s} slots")
-        got = runner.record_free(POLICY_BUDGET, lambda: runner.budget_config(s), s, replay=False)
+        got = runner.record_free(POLICY_BUDGET, lambda: runner.budget_config(s), s, replay=False, **_ratio(runner, s))
         runner.probe_seconds.append(got.seconds)
         if not got.ran:
             raise RecorderError(f"the policy at {s} slots could not run: {got.error}")
@@ -918,11 +980,20 @@ def _policy_budget(runner: _Runner, slots: int, hi: int, checks: int, step: int,
         return Outcome(POLICY_BUDGET, None, None, True, False, bisection=bis)
     got = probes.get(at)
     if got is None:  # a known count (the search never ran it): record it now
-        got = runner.record_free(POLICY_BUDGET, lambda: runner.budget_config(at), at, replay=False)
+        got = runner.record_free(
+            POLICY_BUDGET, lambda: runner.budget_config(at), at, replay=False, **_ratio(runner, at)
+        )
     if got.ran:
         _note(runner.out / got.run_id, bisection=bis.to_dict(), min_slots=bis.min_slots)
     got.bisection = bis
     return got
+
+
+def _ratio(runner: _Runner, slots: int) -> dict[str, float]:
+    """A press probe's compression ratio, noted in its ``counterfactual`` object."""
+    if runner.parent.press is None:
+        return {}
+    return {"compression_ratio": press_ratio(slots, runner.parent.prompt_len)}
 
 
 def _drop(out: Path, outcomes: Any) -> None:

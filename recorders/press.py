@@ -173,11 +173,16 @@ class PressObserver:
     ----------
     press : the kvpress press (already checked by :func:`check_press`)
     rec : the :class:`~recorders.recorder.Recording` whose writer and request numbering it uses
+    pinned : prompt positions whose scores are raised to the top of every ScorerPress's scores, so
+        that its own choice keeps them (``explain``'s pinned variant, DESIGN.md §17.3); a
+        compression that keeps fewer positions than are pinned fails the recording
     """
 
-    def __init__(self, press: Any, rec: Any):
+    def __init__(self, press: Any, rec: Any, pinned: tuple[int, ...] = ()):
         self.press = press
         self.rec = rec
+        self.pinned = torch.tensor(sorted(set(pinned)), dtype=torch.int64)  # positions raised to the top
+        self._cur: torch.Tensor | None = None  # (b, h, n) position of each column the next compression sees
         self._stages: list[_Stage] = []
         self._pos: dict[int, torch.Tensor] = {}  # layer -> (b, h, n) original position per cache column
         self._next: torch.Tensor | None = None  # (b,) position of each row's next token
@@ -219,13 +224,30 @@ class PressObserver:
     # -- observing ----------------------------------------------------------------
     def _score(self, scorer: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         scores = original(scorer, *args, **kwargs)
+        if len(self.pinned):
+            scores = self._raise_pinned(scorer, scores)
         scorer.__dict__["_h2o_lens_scores"] = scores
         return scores
 
+    def _raise_pinned(self, scorer: Any, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` with the pinned positions' raised to the dtype's largest value, so that the top
+        of the scores (the press's own choice) takes them first (DESIGN.md §17.3)."""
+        cur = self._cur
+        if cur is None or cur.shape != scores.shape:
+            raise RecorderError(
+                f"kvpress {type(scorer).__name__} scored {tuple(scores.shape)} columns where the recorder follows "
+                f"{None if cur is None else tuple(cur.shape)}; its pinned positions cannot be located"
+            )
+        mask = torch.isin(cur, self.pinned.to(cur.device))  # (b, h, n)
+        scorer.__dict__["_h2o_lens_pins"] = mask
+        return scores.masked_fill(mask, torch.finfo(scores.dtype).max)
+
     def _compress(self, scorer: Any, original: Any, module: Any, hidden, keys, values, attentions, kwargs):
         vars(scorer).pop("_h2o_lens_scores", None)
+        vars(scorer).pop("_h2o_lens_pins", None)
         out_k, out_v = original(scorer, module, hidden, keys, values, attentions, kwargs)
         scores = vars(scorer).pop("_h2o_lens_scores", None)
+        pins = vars(scorer).pop("_h2o_lens_pins", None)
         if out_k is keys and out_v is values:  # compression ratio 0: nothing pruned
             return out_k, out_v
         name = type(scorer).__name__
@@ -243,6 +265,13 @@ class PressObserver:
                 f"{out_k.shape[2]} of its scores bit for bit, so the recorded kept set would be wrong; "
                 "this press selects by a rule the recorder does not follow (DESIGN.md §17)"
             )
+        if pins is not None and bool((pins.gather(-1, kept).sum(-1) < pins.sum(-1)).any()):
+            raise RecorderError(
+                f"kvpress {name} at layer {module.layer_idx} keeps {out_k.shape[2]} positions, fewer than the "
+                f"{int(pins.sum(-1).max())} pinned: the pins do not fit in its kept count"
+            )
+        if self._cur is not None and self._cur.shape == scores.shape:
+            self._cur = self._cur.gather(-1, kept)  # the next stage of a chain picks among these
         self._stages.append(_Stage(kept, scores.detach().float()))
         return out_k, out_v
 
@@ -257,7 +286,11 @@ class PressObserver:
         else:
             self._grow(layer_no, q_len)
         self._stages = []
-        output = original(self.press, module, args, kwargs, output)
+        self._cur = self._pos[layer_no]
+        try:
+            output = original(self.press, module, args, kwargs, output)
+        finally:
+            self._cur = None
         stages, self._stages = self._stages, []
         if not stages:
             if layer.keys is not before_k or self._pos[layer_no].shape[-1] != layer.keys.shape[2]:
@@ -420,9 +453,10 @@ def prepare_press(press: Any) -> tuple[Any, dict[str, Any], str]:
 
 
 @contextlib.contextmanager
-def press_scope(model: Any, press: Any, rec: Any) -> Iterator[PressObserver]:
+def press_scope(model: Any, press: Any, rec: Any, pinned: tuple[int, ...] = ()) -> Iterator[PressObserver]:
     """The model under ``with press(model):`` as kvpress runs it (transformers' own cache, the
-    press's hooks), with the :class:`PressObserver` of ``rec`` installed; all removed on exit."""
-    observer = PressObserver(press, rec)
+    press's hooks), with the :class:`PressObserver` of ``rec`` installed (``pinned``: positions
+    whose scores are raised so that the press keeps them); all removed on exit."""
+    observer = PressObserver(press, rec, pinned)
     with observer.installed(), _attention(model, press), press(model):
         yield observer

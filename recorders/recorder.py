@@ -49,7 +49,7 @@ from transformers import LogitsProcessorList
 
 from h2o_lens import compat
 from h2o_lens.cache import DecodeEvent, PrefillEvent, decode_stats
-from h2o_lens.config import H2OConfig
+from h2o_lens.config import H2OConfig, pin_positions
 from h2o_lens.models import planned_positions, warn_past_context
 from h2o_lens.runtime import H2OSession, h2o
 from h2o_lens.speculative import SegmentEvent
@@ -931,7 +931,9 @@ def record(
         held in memory, about 2 × layers × KV heads × head dim × prompt length values a request
 
     With a kvpress press, ``speculative`` and ``keep_prompt_pass`` do not apply (the press runs on
-    transformers' own cache) and ``Recording.press_observer`` counts its logged compressions.
+    transformers' own cache) and ``Recording.press_observer`` counts its logged compressions; the
+    one option it takes is ``pinned``, prompt positions whose scores are raised so that every
+    ScorerPress of the press keeps them within its count (DESIGN.md §17.3).
 
     On an exception inside the block the run is marked ``failed`` with the
     error, and the model is restored; the exception propagates.
@@ -959,13 +961,18 @@ def record(
 
     if not is_press(policy):
         raise RecorderError(f"record takes an H2OConfig or a kvpress press as its policy, got {type(policy).__name__}")
+    pinned = pin_positions(options.pop("pinned", ()))
     if options:
-        raise RecorderError(f"give either a press or keyword options, not both (got {sorted(options)})")
+        raise RecorderError(
+            f"a press takes no keyword options but pinned (got {sorted(options)}); set its parameters on the press"
+        )
     press, manifest, prefix = prepare_press(policy)  # refused presses: before anything is written
+    if pinned:
+        manifest["config"]["pinned"] = list(pinned)
     common["run_id"] = run_id if run_id is not None else new_run_id(prefix)
     # the full policy leaves the model to transformers' cache; the press's hooks compress it
     with _record(model, H2OConfig(policy="full"), manifest=manifest, **common) as rec:
-        with press_scope(model, press, rec) as observer:
+        with press_scope(model, press, rec, pinned) as observer:
             rec.press_observer = observer
             yield rec
 

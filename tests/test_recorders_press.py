@@ -5,7 +5,8 @@ recorder's own: every key the press left in the cache is matched, bit for bit, t
 full-cache prefill of the same batch, and the positions so found must be exactly the prompt
 positions the log does not list as evicted, per request, layer and KV head. kvpress 0.5.5 needs
 transformers < 5.3, so these run in the 5.2 compatibility venv (``make compat``) and skip where
-kvpress is not installed.
+kvpress is not installed. ``explain`` on a failed SnapKV request (DESIGN.md §17.3) gets a verdict
+from its re-runs on the tiny model (with the bisection) and on the default model.
 """
 
 from __future__ import annotations
@@ -350,3 +351,118 @@ def test_observed_attention_and_tova_presses_against_the_toolkits_h2o_and_tova(k
     assert group_tova == tova0  # per KV group, self weight ranked: the toolkit's tova with recent = 0
     # and each reason matters on its own: the presses as kvpress ships them keep other sets
     assert observed != h2o0 and summed != h2o_split and tova != tova0
+
+
+# ----------------------------------------------------------------------------- explain (DESIGN.md §17.3)
+
+
+class _CharTokenizer:
+    """One letter per token id: answer text for the pass test, and evidence spans."""
+
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(65 + int(i) % 26) for i in ids)
+
+
+def test_explain_on_a_failed_snapkv_request_returns_a_verdict_with_its_runs(kv, tmp_path):
+    from analyses import causal_verdicts, connect
+    from recorders.counterfactual import explain_request, press_ratio
+    from recorders.replay import replay
+
+    model = tiny_model("llama", q_heads=4, kv_heads=2)
+    tok = _CharTokenizer()
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(2))
+    text = tok.decode(ids[0].tolist())
+    info = {"decoding": {"do_sample": False, "max_new_tokens": 8}}
+    press = kv.SnapKVPress(compression_ratio=0.8, window_size=4)
+    with (
+        recorders.record(
+            model, press, out=tmp_path, tokenizer=tok, evidence={"fact": text[12:16]}, info=info, fsync=False
+        ) as rec,
+        torch.no_grad(),
+    ):
+        model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert replay(rec.run_dir, model=model, progress=False).implementation_ok
+    parent = recorders.load_run(rec.run_dir)
+    slots = int(40 * (1 - 0.8))
+
+    ex = explain_request(model, tok, rec.run_dir, 0, resolution=0.1)
+    full, pinned, budget, oracle = (ex.outcomes[k] for k in ("full", "pinned", "policy_budget", "oracle"))
+    assert ex.slots == slots and full.ran and full.passed
+    assert parent["requests"].to_pylist()[0]["answer"] != full.answer, "the press changed the answer: a failure"
+    assert pinned.ran and oracle.ran and budget.ran and ex.outcomes["oracle_budget"].ran
+
+    # pinned: the same press at the same count, the evidence never evicted
+    runs = {k: recorders.load_run(tmp_path / o.run_id) for k, o in ex.outcomes.items() if o.run_id}
+    evidence = [12, 13, 14, 15]
+    assert runs["pinned"].manifest["policy"] == parent.manifest["policy"]
+    assert runs["pinned"].manifest["config"]["pinned"] == evidence
+    ev = runs["pinned"]["evictions"].to_pandas()
+    assert len(ev) and not ev.position.isin(evidence).any()
+    assert (runs["pinned"]["steps"].to_pandas().kept == slots).all()
+    assert ev_lost(parent, evidence), "without pins SnapKV evicted some of the evidence"
+
+    # the press's minimal passing compression ratio: the run at the count found keeps that count
+    bis = budget.bisection
+    assert bis.min_slots is not None and bis.min_slots > slots and bis.probes[slots] is False
+    ratio = press_ratio(bis.min_slots, 40)
+    assert runs["policy_budget"].manifest["counterfactual"]["compression_ratio"] == pytest.approx(ratio)
+    assert f"compression_ratio={round(ratio, 12)}" in runs["policy_budget"].manifest["policy"]
+    if bis.min_slots < 40:
+        assert (runs["policy_budget"]["steps"].to_pandas().kept == bis.min_slots).all()
+    con = connect(tmp_path)
+    diffs = con.sql("SELECT run_id, max_logit_diff, logit_tolerance FROM runs WHERE run_id LIKE '%pinned%'").fetchall()
+    assert diffs and all(d <= t for _, d, t in diffs)  # the pinned press run replays exactly
+
+    (v,) = causal_verdicts(con, parent.run_id)
+    assert set(v.runs) >= {"full", "pinned", "oracle", "policy_budget", "oracle_budget"}
+    assert set(v.decided_by) <= set(v.runs.values()) and v.runs["full"] in v.decided_by
+    assert (v.verdict == "scoring") == bool(v.passes["pinned"] or v.passes["oracle"]), v.reason
+    assert v.verdict in ("scoring", "budget", "not_the_cache"), v.reason
+    assert v.min_slots["policy"] == bis.min_slots
+
+
+def ev_lost(run, positions) -> bool:
+    ev = run["evictions"].to_pandas()
+    return bool(ev.position.isin(positions).any())
+
+
+def test_pins_that_do_not_fit_in_the_press_count_are_refused(kv, model, tmp_path):
+    ids, _ = left_padded([20], seed=1)
+    with pytest.raises(RecorderError, match="pins do not fit"):
+        with recorders.record(model, kv.KnormPress(compression_ratio=0.8), out=tmp_path, pinned=range(8)):
+            with torch.no_grad():
+                model.generate(input_ids=ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.model
+def test_default_model_explains_a_failed_snapkv_request(kv, default_model, tmp_path):
+    """SnapKV keeping half of ``delayed_recall_1`` answers wrong; the full cache, the press with the
+    evidence pinned and the oracle at its count are re-run and decide the verdict (no bisection)."""
+    from analyses import causal_verdicts, connect
+    from commands.jobs import run_task
+    from h2o_lens.presses import PressSpec
+    from h2o_lens.tasks import get_task
+    from recorders.counterfactual import explain_request
+
+    model, tok = default_model
+    task = get_task("delayed_recall_1")
+    spec = PressSpec("SnapKVPress", (("compression_ratio", 0.5),))
+    parent = run_task(model, tok, task, spec, tmp_path, replay=True)
+    assert parent.policy.startswith("kvpress:SnapKVPress(compression_ratio=0.5") and not parent.correct
+    ex = explain_request(model, tok, parent.run_dir, 0, bisect=False, replay=False)
+    prompt_len = ex.prompt_len
+    assert ex.slots == int(prompt_len * 0.5)
+    assert ex.outcomes["full"].passed and ex.outcomes["pinned"].ran and ex.outcomes["oracle"].ran
+    pinned = recorders.load_run(tmp_path / ex.outcomes["pinned"].run_id)
+    evidence = pinned.manifest["config"]["pinned"]
+    assert evidence and not pinned["evictions"].to_pandas().position.isin(evidence).any()
+    (v,) = causal_verdicts(connect(tmp_path), parent.run_id)
+    # measured: with the secret's positions raised to the top of SnapKV's scores the answer comes back
+    assert v.verdict == "scoring" and v.passes["pinned"] is True, v.reason
+    assert v.runs["pinned"] in v.decided_by and set(v.decided_by) <= {
+        v.runs["full"],
+        v.runs["pinned"],
+        v.runs["oracle"],
+    }
