@@ -33,16 +33,15 @@ def with_effective_split(runs: pd.DataFrame) -> pd.DataFrame:
     ratio, a kvpress press) keep their heavy and recent and show no sink."""
     out = runs.copy()
     out["heavy_set"], out["recent_set"] = out["heavy"], out["recent"]
-    if "sink" not in out:
-        out["sink"] = None
+    out["sink"] = out.get("sink")  # None where the view has no sink column
     split = [
         analyses.effective_split(p, h, r, k)
         for p, h, r, k in zip(out["policy"], out["heavy"], out["recent"], out["sink"])
     ]
-    for i, name in enumerate(("heavy", "recent", "sink")):
-        # without a known split the configured sink means nothing (only the sink policy uses it)
-        out[name] = [s[i] if s is not None else (None if name == "sink" else v) for s, v in zip(split, out[name])]
-        out[name] = pd.array(out[name], dtype="Int64")
+    for i, name in enumerate(("heavy", "recent")):
+        out[name] = pd.array([s[i] if s is not None else v for s, v in zip(split, out[name])], dtype="Int64")
+    # without a known split the configured sink means nothing (only the sink policy uses it)
+    out["sink"] = pd.array([s[2] if s is not None else None for s in split], dtype="Int64")
     return out
 
 

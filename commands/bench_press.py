@@ -20,6 +20,9 @@ from typing import Any
 __all__ = ["bench_press", "bench_press_agreement", "reason_presses", "kept_sets", "record_each", "toolkit_sets"]
 
 #: the presses timed by default: their short names (h2o_lens.presses) and constructor arguments
+#: the press of the field and the registry policy it is measured against (DESIGN.md §17.2)
+_COMPARED = {"ObservedAttentionPress": "h2o", "TOVAPress": "tova"}
+
 TIMED = (
     ("SnapKVPress", {}),
     ("StreamingLLMPress", {}),
@@ -123,15 +126,15 @@ def bench_press_agreement(model_name: str | None = None, ratios: tuple[float, ..
         kept = [int(n * (1 - c)) for n in lengths]
         ref = {
             (p, r0): toolkit_sets(model, p, prompts, lengths, kept, out, recent0=r0)
-            for p in ("h2o", "tova")
+            for p in _COMPARED.values()
             for r0 in (True, False)
         }
         rows = [
-            ("ObservedAttentionPress", kv.ObservedAttentionPress(c), "h2o"),
-            ("  summed over rows", reasons["summed_observed"](c), "h2o"),
-            ("TOVAPress", kv.TOVAPress(c), "tova"),
-            ("  mean per KV group", reasons["group_tova"](c), "tova"),
-            ("  per group, last ranked by its weight", reasons["group_tova_self"](c), "tova"),
+            ("ObservedAttentionPress", kv.ObservedAttentionPress(c), _COMPARED["ObservedAttentionPress"]),
+            ("  summed over rows", reasons["summed_observed"](c), _COMPARED["ObservedAttentionPress"]),
+            ("TOVAPress", kv.TOVAPress(c), _COMPARED["TOVAPress"]),
+            ("  mean per KV group", reasons["group_tova"](c), _COMPARED["TOVAPress"]),
+            ("  per group, last ranked by its weight", reasons["group_tova_self"](c), _COMPARED["TOVAPress"]),
         ]
         for name, press, policy in rows:
             sets = kept_sets(record_each(model, press, prompts, out), lengths)

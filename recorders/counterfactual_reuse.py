@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from h2o_lens import policies
+
 from .errors import RecorderError
 from .manifest import MANIFEST_NAME, read_manifest
 from .run import RunWriter
@@ -51,7 +53,11 @@ def _model_key(manifest: Mapping[str, Any]) -> tuple[Any, ...]:
 def _candidate(manifest: Mapping[str, Any], model: tuple[Any, ...], max_new_tokens: int, prompt_len: int) -> bool:
     """Whether a manifest can be a full-cache run of the prompt (the tokens decide)."""
     decoding = manifest.get("decoding")
-    if manifest.get("status") != "complete" or manifest.get("policy") != "full" or not isinstance(decoding, dict):
+    if (
+        manifest.get("status") != "complete"
+        or manifest.get("policy") != policies.FULL_CACHE
+        or not isinstance(decoding, dict)
+    ):
         return False
     if decoding.get("do_sample") or decoding.get("max_new_tokens") != max_new_tokens:
         return False

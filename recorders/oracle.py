@@ -138,7 +138,7 @@ class _State:
     """What the oracle's attention function needs for the current forward."""
 
     def __init__(self, gqa: str, sets_per_kv: int, chunk: int):
-        self.mode = "prompt"  # prompt | columns | teacher | masked | h2o
+        self.mode = "prompt"  # prompt | columns | teacher | masked | scored (an H2O step)
         self.gqa = gqa
         self.sets_per_kv = sets_per_kv  # G under gqa='none' (one set per query head), else 1
         self.chunk = chunk
@@ -173,7 +173,7 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
     if state.mode == "columns":
         state.cols[module.layer_idx] = _column_sums(state, query, key, scaling)
         return sdpa(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1).transpose(1, 2), None
-    if state.mode == "h2o":
+    if state.mode == "scored":
         return _h2o_step(state, module.layer_idx, query, key, value, scaling), None
     rows = torch.arange(n - m, n, device=query.device)[:, None]  # positions of the query rows
     cols = torch.arange(n, device=query.device)[None, :]
@@ -557,7 +557,7 @@ class OracleTeacher:
         state.ranked.clear()
         state.slots, state.switch = slots, p + len(own) - 1
         state.dtype = table.remaining[0].dtype
-        state.mode = "h2o"
+        state.mode = "scored"
         tokens = [int(t) for t in own]
         with torch.no_grad(), self._attention():
             try:
