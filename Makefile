@@ -22,9 +22,9 @@ demo: setup
 	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens demo --out demo_runs
 
 # the compatibility tier's real-model checks other than the golden kept sets run in `make compat`
-# (on the newest release too), not twice here
+# (on the newest release too), not twice here; two pytest-xdist workers, one per core of CI's machine
 test: setup
-	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not (compat and model) or golden" --durations=10
+	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 -m "not (compat and model) or golden" --durations=10
 
 # the unit and tiny-model tiers (no real model, no kernels, nothing marked slow), on two workers:
 # under 3 minutes on an idle 2-core machine (docs/TESTING.md)
