@@ -56,7 +56,8 @@ def test_why_section_renders_on_the_shipped_sample_runs(tmp_path):
             assert "decided by: " + ", ".join(verdict.decided_by) in text
             # the variants table, a data grid, and the budget curves of the explained requests
             card = main.locator("h4", has_text=f"Request {verdict.request}:").first
-            assert card.locator("xpath=following::*[@data-testid='stDataFrame']").count() >= 1
+            # Streamlit draws a data grid after the text around it: wait for it rather than count
+            card.locator("xpath=following::*[@data-testid='stDataFrame']").first.wait_for(timeout=60_000)
             curves = main.locator(".js-plotly-plot").filter(has_text="Minimal passing budgets")
             curves.first.wait_for(timeout=60_000)
             assert "oracle" in curves.first.inner_text()
