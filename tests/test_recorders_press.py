@@ -466,3 +466,22 @@ def test_default_model_explains_a_failed_snapkv_request(kv, default_model, tmp_p
         v.runs["pinned"],
         v.runs["oracle"],
     }
+
+
+def test_the_speed_bench_times_each_press_alone_and_recorded(kv, model, capsys):
+    """``bench press`` on a tiny model: one line per press and length with both times and the ratio
+    of the fastest rounds (the figure itself is the benchmark's; here only its accounting)."""
+    from commands.bench_press import bench_press
+
+    timed = (("SnapKVPress", {"window_size": 8}), ("StreamingLLMPress", {"n_sink": 2}))
+    assert bench_press(contexts=(48,), new_tokens=2, rounds=2, model=model, timed=timed) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.startswith("prompt")]
+    assert [r.split()[2] for r in rows] == ["kvpress:SnapKVPress", "kvpress:StreamingLLMPress"]
+    ratios = []
+    for row in rows:
+        f = row.split()
+        assert f[3] == "alone" and f[6] == "recorded" and f[9] == "ratio"
+        ratios.append(float(f[10]))
+        assert float(f[4]) > 0 and float(f[7]) > 0 and ratios[-1] > 0
+    assert lines[-1] == f"worst ratio {max(ratios):.3f}"
