@@ -270,20 +270,27 @@ def test_press_policies_have_a_colour_and_a_scored_flag():
 
 
 @pytest.mark.model
-def test_default_model_snapkv_kept_sets_are_its_cache(kv, default_model, tmp_path):
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "tova", "observed_attention", "knorm", "pyramidkv"])
+def test_default_model_kept_sets_are_its_cache(kv, default_model, name, tmp_path):
     model, tok = default_model
     prompts = ["Say hello to the team.", "Notes: the access code for the lab is 4419. The backup server is Heron."]
     tok.padding_side = "left"
     enc = tok(prompts, return_tensors="pt", padding=True)
     mask = enc["attention_mask"]
     assert (mask[0] == 0).any()
-    press = kv.SnapKVPress(compression_ratio=0.5, window_size=4)
+    press = _presses(kv)[name]
     with recorders.record(model, press, out=tmp_path, tokenizer=tok, fsync=False) as rec, torch.no_grad():
         out = model.generate(
             **enc, max_new_tokens=1, do_sample=False, pad_token_id=tok.pad_token_id, return_dict_in_generate=True
         )
     run = recorders.load_run(rec.run_dir)
-    full = _full_keys(model, enc["input_ids"], mask)
+    previous = model.config._attn_implementation
+    if name == "observed_attention":  # it ran under eager attention (DESIGN.md §17): so must the reference
+        model.set_attn_implementation("eager")
+    try:
+        full = _full_keys(model, enc["input_ids"], mask)
+    finally:
+        model.set_attn_implementation(previous)
     lengths = mask.sum(-1).tolist()
     starts = (mask == 0).sum(-1).tolist()
     evicted = 0
@@ -295,7 +302,7 @@ def test_default_model_snapkv_kept_sets_are_its_cache(kv, default_model, tmp_pat
                 gone = _evicted(run, r, layer, h)
                 assert kept.isdisjoint(gone) and kept | gone == set(range(n))
                 evicted += len(gone)
-    assert evicted > 0  # the short prompt may lose only padding: SnapKV scores the padded columns too
+    assert evicted > 0  # the short prompt may lose only padding: a press scores the padded columns too
     assert np.array_equal(np.sort(run["requests"].to_pandas().prompt_len), np.sort(lengths))
 
 
