@@ -2,12 +2,12 @@
 
 Every measure of DESIGN.md §6 is a small function ``(source, run_id, ...) ->
 DuckDBPyRelation``; ``source`` is a connection from
-:func:`recorders.open_runs` or a runs root. Relations are lazy until
+:func:`runlog.open_runs` or a runs root. Relations are lazy until
 materialised (``.df()``, ``.fetchall()``) and bind their values, so they
 compose::
 
-    import analyses, recorders
-    con = recorders.open_runs("runs")
+    import analyses, runlog
+    con = runlog.open_runs("runs")
     analyses.head_coverage(con, "run-a").df()
     analyses.attribute(con, "run-a")
     analyses.write_report("runs", "run-a", "run-a.html")

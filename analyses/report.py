@@ -22,9 +22,9 @@ from typing import Any
 
 import duckdb
 
-from recorders import read_manifest
-from recorders.errors import RecorderError, storage_error
-from recorders.manifest import check_manifest
+from runlog import read_manifest
+from runlog.errors import RecorderError, storage_error
+from runlog.manifest import check_manifest
 
 from ._base import Source, connect, first_row, plain, records, relation, run_info
 from ._html import render_html

@@ -243,7 +243,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         )
         return 0
     if args.teacher_force:
-        from recorders import read_manifest
+        from runlog import read_manifest
 
         src = _run_dir(args.teacher_force, args.out)
         model_name = args.model or (read_manifest(src).get("model") or {}).get("name")
@@ -307,7 +307,7 @@ def _given_model(args: argparse.Namespace, run_dir: str):
     import torch
 
     from h2o_lens.models import load_model
-    from recorders import read_manifest
+    from runlog import read_manifest
 
     info = read_manifest(run_dir).get("model")
     dtype = info.get("dtype") if isinstance(info, dict) else None
@@ -1117,7 +1117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # a write no layer wrapped (a full disk, a read-only folder): one line, no traceback
         import errno
 
-        from recorders.errors import storage_error
+        from runlog.errors import storage_error
 
         if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG):
             text = str(storage_error(e.filename if e.filename is not None else "a file", e))

@@ -54,8 +54,8 @@ def explain_run(
     from tqdm.auto import tqdm
 
     from analyses import causal_verdicts, connect
-    from recorders import model_source, read_manifest
     from recorders.counterfactual import check_parent
+    from runlog import model_source, read_manifest
 
     run_dir = os.path.abspath(run_dir)
     root, run_id = os.path.dirname(run_dir), os.path.basename(os.path.normpath(run_dir))
@@ -215,7 +215,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         return 0
     from analyses import budget_distribution, connect
-    from recorders import replay_complete
+    from runlog import replay_complete
 
     verdicts = []
     for run_id in explainable_runs(args.root):

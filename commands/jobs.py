@@ -567,8 +567,8 @@ def sweep_table(
 def write_text_atomic(path: Path, text: str) -> Path:
     """Write ``text`` to ``path`` through ``<path>.tmp`` and a rename: a reader sees the old file or
     the new one. A write that fails (a full disk) removes the temporary file and raises
-    :class:`~recorders.errors.StorageError` naming the file and the space it needed."""
-    from recorders.errors import storage_error
+    :class:`~runlog.errors.StorageError` naming the file and the space it needed."""
+    from runlog.errors import storage_error
 
     data = text.encode("utf-8")
     tmp = path.with_name(path.name + ".tmp")
@@ -585,7 +585,7 @@ def write_text_atomic(path: Path, text: str) -> Path:
 def write_sweep_outputs(root: Path, table: Any, page_size: int) -> None:
     """``sweep.csv``, ``sweep.md`` and ``sweep.html`` of a sweep table (each rewritten atomically;
     a failed write leaves no temporary file and raises a one-line
-    :class:`~recorders.errors.StorageError`)."""
+    :class:`~runlog.errors.StorageError`)."""
     policy_of, x = table.attrs["policy_of"], table.attrs["x"]
     for name, text in (
         ("sweep.csv", table.to_csv(index=False)),

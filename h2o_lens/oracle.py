@@ -36,7 +36,7 @@ __all__ = [
     "NEVER",
 ]
 
-#: eviction step of a position that never leaves the cache (as :data:`recorders.eviction_steps.NEVER`)
+#: eviction step of a position that never leaves the cache (as :data:`runlog.eviction_steps.NEVER`)
 NEVER = torch.iinfo(torch.int64).max // 2
 
 _ACTIVE: list[TeacherTable] = []  # installed tables, innermost last

@@ -29,7 +29,7 @@ Every variant has one pass test: the request's answer checker (rebuilt
 from the task spec the run's manifest carries: ``task_spec``, a task-file
 line), else agreement with the full-cache run's answer. A full-cache run of
 the same prompt already under the root is copied instead of generated again
-(:mod:`recorders.counterfactual_reuse`), and the variants share one prompt
+(:mod:`runlog.counterfactual_reuse`), and the variants share one prompt
 forward (:func:`h2o_lens.prompt_reuse.reuse_prompts`, DESIGN.md §12.5) and
 its prompt pass (the teacher's keys and values, the replays). A
 counterfactual that raises is recorded as a ``failed`` run folder with its
@@ -56,15 +56,14 @@ import torch
 from h2o_lens.config import H2OConfig
 from h2o_lens.errors import ConfigError
 from h2o_lens.presses import PressSpec
-
-from .catalog import replay_complete
-from .counterfactual_reuse import copy_request, find_full_run, judged_teacher_forced
-from .errors import RecorderError
-from .manifest import effective_status, read_manifest, sanitize_run_id
-from .recorded_model import check_model
-from .run import RunWriter
-from .schema import COUNTERFACTUAL_KINDS
-from .store import load_run
+from runlog.catalog import replay_complete
+from runlog.counterfactual_reuse import copy_request, find_full_run, judged_teacher_forced
+from runlog.errors import RecorderError
+from runlog.manifest import effective_status, read_manifest, sanitize_run_id
+from runlog.recorded_model import check_model
+from runlog.run import RunWriter
+from runlog.schema import COUNTERFACTUAL_KINDS
+from runlog.store import load_run
 
 __all__ = [
     "KINDS",
@@ -780,7 +779,7 @@ def _existing(out: Path, parent: ParentRequest, kind: str) -> Outcome | None:
 
 def _note(run_dir: Path, **fields: Any) -> None:
     """Add the pass result to the counterfactual's manifest (``counterfactual.passed``)."""
-    from .manifest import write_manifest
+    from runlog.manifest import write_manifest
 
     manifest = read_manifest(run_dir)
     cf = dict(manifest.get("counterfactual") or {})
@@ -822,7 +821,7 @@ def explain_request(
     allow_other_model : re-run with a model whose fingerprint differs from the parent's (logged in
         each re-run's ``model_overrides``); without it such a model is refused before anything runs
     reuse_full : copy a full-cache run of the same prompt found under ``out``
-        (:func:`~recorders.counterfactual_reuse.find_full_run`) instead of generating one
+        (:func:`~runlog.counterfactual_reuse.find_full_run`) instead of generating one
 
     Returns
     -------

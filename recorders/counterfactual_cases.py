@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from h2o_lens.config import H2OConfig
+from runlog.manifest import read_manifest
 
 from .counterfactual import (
     Explanation,
@@ -32,7 +33,6 @@ from .counterfactual import (
     load_parent,
     split_slots,
 )
-from .manifest import read_manifest
 
 __all__ = ["case_teacher_table", "case_passes", "explain_case"]
 
@@ -85,7 +85,7 @@ def case_passes(case: Any, config: H2OConfig) -> bool:
 
 
 def _link_case_run(run_dir: Path, parent: ParentRequest, kind: str, slots: int | None, **extra: Any) -> None:
-    from .manifest import write_manifest
+    from runlog.manifest import write_manifest
 
     manifest = read_manifest(run_dir)
     link = _link(parent, kind, slots, **extra)

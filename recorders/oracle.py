@@ -48,9 +48,8 @@ from h2o_lens.hooks import attention_implementation
 from h2o_lens.oracle import NEVER, TeacherTable, remaining_attention, schedule, teacher_rows, teacher_scores
 from h2o_lens.policies.oracle import ORACLE
 from h2o_lens.shape import model_shape
-
-from .errors import RecorderError
-from .store import load_run
+from runlog.errors import RecorderError
+from runlog.store import load_run
 
 __all__ = ["OracleTeacher", "OracleCheck", "OracleAnswer", "DEPARTURES"]
 

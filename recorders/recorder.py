@@ -53,11 +53,11 @@ from h2o_lens.config import H2OConfig, pin_positions
 from h2o_lens.models import planned_positions, warn_past_context
 from h2o_lens.runtime import H2OSession, h2o
 from h2o_lens.speculative import SegmentEvent
+from runlog.errors import RecorderError
+from runlog.manifest import new_run_id
+from runlog.run import RunWriter
 
-from .errors import RecorderError
-from .manifest import new_run_id
 from .prompt_pass import PromptPass, PromptSink
-from .run import RunWriter
 
 __all__ = ["record", "record_teacher_forced", "Recording", "EvidenceSpec", "locate_evidence"]
 
@@ -1094,7 +1094,7 @@ def record_teacher_forced(
     max, or two budgets) are compared on the same text. The new run carries
     ``source_run`` = the source run id and copies its evidence labels.
     """
-    from .store import load_run
+    from runlog.store import load_run
 
     src = load_run(source_dir, tables=("tokens",))
     tok = src["tokens"].to_pydict()

@@ -73,16 +73,16 @@ from h2o_lens.kernels import replay_masked_torch, replay_teacher_torch, resolve_
 from h2o_lens.kernels.replay import TEACHER_TILE_ROWS
 from h2o_lens.ops import prefill_attention
 from h2o_lens.shape import ModelShape, model_shape
+from runlog.contract import model_tag
+from runlog.errors import RecorderError
+from runlog.eviction_steps import evict_steps
+from runlog.manifest import read_manifest, write_manifest
+from runlog.recorded_model import check_model, model_source
+from runlog.schema import REPLAY_TABLES
+from runlog.segments import SEGMENT_RE, SegmentWriter, clean_temp_files, list_segments
+from runlog.store import load_run
 
-from .contract import model_tag
-from .errors import RecorderError
-from .eviction_steps import evict_steps
-from .manifest import read_manifest, write_manifest
 from .prompt_pass import PromptPass, PromptSink
-from .recorded_model import check_model, model_source
-from .schema import REPLAY_TABLES
-from .segments import SEGMENT_RE, SegmentWriter, clean_temp_files, list_segments
-from .store import load_run
 
 __all__ = [
     "replay",

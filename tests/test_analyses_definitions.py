@@ -27,8 +27,8 @@ from tiny import tiny_model
 
 import recorders
 from h2o_lens import H2OConfig
-from recorders import open_runs
 from recorders.replay import replay
+from runlog import open_runs
 
 PROMPT, NEW, HEAVY, RECENT = 16, 12, 3, 3
 

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from h2o_lens.errors import ConfigError
-from recorders import open_runs
+from runlog import open_runs
 from tests.test_commands_sweep_grid import REPO, _cells_done, _cli, task_file, tiny_dir  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.compat

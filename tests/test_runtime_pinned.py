@@ -23,8 +23,8 @@ import recorders
 from h2o_lens import H2OConfig, ops, policies, policy
 from h2o_lens.config import pin
 from h2o_lens.errors import ConfigError
-from recorders import open_runs, read_manifest
 from recorders.replay import replay
+from runlog import open_runs, read_manifest
 
 VOCAB = 256
 REFERENCED = ("h2o", "heavy", "tova", "scissorhands")  # policies with an FP64 reference

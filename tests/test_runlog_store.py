@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from recorders import (
+from runlog import (
     TABLE_NAMES,
     VIEW_NAMES,
     DamagedFileError,
@@ -31,9 +31,9 @@ from recorders import (
     synthetic_tables,
     write_synthetic_run,
 )
-from recorders.manifest import read_manifest, write_manifest
-from recorders.schema import KEYS, RUNS, SCHEMA_VERSION, TABLES, duckdb_type
-from recorders.segments import file_metadata, segment_name, write_segment
+from runlog.manifest import read_manifest, write_manifest
+from runlog.schema import KEYS, RUNS, SCHEMA_VERSION, TABLES, duckdb_type
+from runlog.segments import file_metadata, segment_name, write_segment
 
 CONFIG = {"policy": "h2o", "heavy": 16, "recent": 8, "gqa": "max", "sink": 4, "seed": 7, "backend": "torch"}
 

@@ -187,7 +187,7 @@ def create_views(con: duckdb.DuckDBPyConnection, catalog: Catalog) -> None:
     Besides the views, the schema ``h2o_lens_catalog`` holds the tables behind ``runs``
     and ``problems``, ``files`` (each readable segment: ``run_id, table_name, path,
     rows``) and ``totals`` (per segment, the sum and non-null count of the columns the
-    runs table averages, :data:`recorders.catalog.TOTALS`), both read during the scan.
+    runs table averages, :data:`runlog.catalog.TOTALS`), both read during the scan.
     """
     _rows_table(con, "runs", RUNS, (run_row(r) for r in catalog.runs))
     con.execute(f"CREATE OR REPLACE VIEW runs AS SELECT * FROM {CATALOG_SCHEMA}.runs")
