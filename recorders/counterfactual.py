@@ -63,7 +63,7 @@ from runlog.manifest import effective_status, read_manifest, sanitize_run_id
 from runlog.recorded_model import check_model
 from runlog.run import RunWriter
 from runlog.schema import COUNTERFACTUAL_KINDS
-from runlog.store import load_run
+from runlog.store import load_run, request_order
 
 __all__ = [
     "KINDS",
@@ -280,12 +280,10 @@ def load_parent(run_dir: str | Path, request: int = 0) -> ParentRequest:
     run_dir = Path(run_dir)
     run = load_run(run_dir, tables=("tokens", "requests"))
     tok = run["tokens"].to_pydict()
-    req = np.asarray(tok["request"])
-    sel = np.flatnonzero(req == request)
-    if not len(sel):
-        known = sorted(set(req.tolist()))
+    order = request_order(tok, request)
+    if not len(order):
+        known = sorted(set(tok["request"]))
         raise RecorderError(f"{run_dir}: run {run.run_id!r} has no request {request}; its requests are {known}")
-    order = sel[np.argsort(np.asarray(tok["position"])[sel])]
     ids = np.asarray(tok["token_id"])[order]
     prompt = np.asarray(tok["is_prompt"])[order]
     labels = [tok["evidence"][i] for i in order[prompt]]

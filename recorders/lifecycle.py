@@ -54,7 +54,7 @@ from runlog.errors import RecorderError
 from runlog.eviction_steps import NEVER, evict_steps
 from runlog.manifest import read_manifest, write_manifest
 from runlog.recorded_model import check_model, log_override, model_source
-from runlog.store import load_run
+from runlog.store import load_run, request_order
 
 __all__ = ["check_lifecycle", "LifecycleResult", "RequestLifecycle", "TIE_ULPS", "tie_tolerance"]
 
@@ -311,10 +311,9 @@ def check_lifecycle(
     wanted = sorted(set(req_col.tolist())) if requests is None else list(requests)
     results = []
     for request in wanted:
-        sel = np.flatnonzero(req_col == request)
-        if not len(sel):
+        order = request_order(tok, request)
+        if not len(order):
             raise RecorderError(f"{run_dir}: run {run.run_id!r} has no request {request}")
-        order = sel[np.argsort(np.asarray(tok["position"])[sel])]
         ids = np.asarray(tok["token_id"])[order]
         p = int(np.asarray(tok["is_prompt"])[order].sum())
         n = len(ids) - 1 if len(ids) > p else p  # the last generated token was never fed

@@ -49,7 +49,7 @@ from h2o_lens.oracle import NEVER, TeacherTable, remaining_attention, schedule, 
 from h2o_lens.policies.oracle import ORACLE
 from h2o_lens.shape import model_shape
 from runlog.errors import RecorderError
-from runlog.store import load_run
+from runlog.store import load_run, request_order
 
 __all__ = ["OracleTeacher", "OracleCheck", "OracleAnswer", "DEPARTURES"]
 
@@ -300,12 +300,10 @@ class OracleTeacher:
             raise RecorderError(f"unknown departure rule {departure!r}; expected one of {', '.join(DEPARTURES)}")
         run = load_run(full_run_dir, tables=("tokens",))
         tok = run["tokens"].to_pydict()
-        req = np.asarray(tok["request"])
-        sel = np.flatnonzero(req == request)
-        if not len(sel):
-            known = sorted(set(req.tolist()))
+        order = request_order(tok, request)
+        if not len(order):
+            known = sorted(set(tok["request"]))
             raise RecorderError(f"{full_run_dir}: no request {request} in the run's tokens; it has {known}")
-        order = sel[np.argsort(np.asarray(tok["position"])[sel])]
         ids = np.asarray(tok["token_id"], dtype=np.int64)[order]
         is_prompt = np.asarray(tok["is_prompt"])[order]
         self.model = model

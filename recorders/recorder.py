@@ -1094,7 +1094,7 @@ def record_teacher_forced(
     max, or two budgets) are compared on the same text. The new run carries
     ``source_run`` = the source run id and copies its evidence labels.
     """
-    from runlog.store import load_run
+    from runlog.store import load_run, request_order
 
     src = load_run(source_dir, tables=("tokens",))
     tok = src["tokens"].to_pydict()
@@ -1104,8 +1104,7 @@ def record_teacher_forced(
     info = {"source_run": src.run_id, "teacher_forced": True}
     with record(model, policy, out=out, tokenizer=tokenizer, name=name, run_id=run_id, info=info, fsync=fsync) as rec:
         for r in sorted(set(req.tolist())):
-            sel = np.flatnonzero(req == r)
-            order = sel[np.argsort(np.asarray(tok["position"])[sel])]
+            order = request_order(tok, r)
             ids = np.asarray(tok["token_id"])[order]
             prompt = np.asarray(tok["is_prompt"])[order]
             labels = [tok["evidence"][i] for i in order[prompt]]

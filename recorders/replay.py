@@ -80,7 +80,7 @@ from runlog.manifest import read_manifest, write_manifest
 from runlog.recorded_model import check_model, model_source
 from runlog.schema import REPLAY_TABLES
 from runlog.segments import SEGMENT_RE, SegmentWriter, clean_temp_files, list_segments
-from runlog.store import load_run
+from runlog.store import load_run, request_order
 
 from .prompt_pass import PromptPass, PromptSink
 
@@ -382,10 +382,9 @@ def _new_state(run: _Run, shape: ModelShape, chunk: int, backend: str) -> _State
 def _request_tokens(run: _Run, request: int) -> tuple[np.ndarray, int, int]:
     """Token ids of ``request`` in position order, prompt length P and positions fed N."""
     tokens = run.tokens
-    sel = np.asarray(tokens["request"]) == request
-    pos = np.asarray(tokens["position"])[sel]
-    ids = np.asarray(tokens["token_id"])[sel][np.argsort(pos)]
-    p = int(np.asarray(tokens["is_prompt"])[sel].sum())
+    order = request_order(tokens, request)
+    ids = np.asarray(tokens["token_id"])[order]
+    p = int(np.asarray(tokens["is_prompt"])[order].sum())
     return ids, p, len(ids) - 1  # the last generated token was never fed to the model
 
 

@@ -53,7 +53,7 @@ from .recorded_model import check_model, model_source
 from .run import RunWriter
 from .schema import KEYS, RANGES, RUNS, SCHEMA_VERSION, TABLE_NAMES, TABLES, VIEW_NAMES, empty_table, to_arrow
 from .segments import SegmentWriter, list_segments, write_segment
-from .store import LoadedRun, RunCheck, check_run, list_runs, load_run, open_runs
+from .store import LoadedRun, RunCheck, check_run, list_runs, load_run, open_runs, request_order
 
 __all__ = [
     # schema
@@ -84,6 +84,7 @@ __all__ = [
     "query",
     "check_run",
     "load_run",
+    "request_order",
     "scan_root",
     "inspect_file",
     "replay_complete",
