@@ -379,8 +379,8 @@ def test_sweep_refuses_bad_input_before_loading_a_model(argv, message, tmp_path)
 
 
 def test_policy_lists_take_commas_repeats_and_gqa_lists():
-    from commands.cli import sweep_grid
     from commands.jobs import SWEEP_POLICIES
+    from commands.sweep import sweep_grid
 
     assert sweep_grid(None) == SWEEP_POLICIES  # the earlier default grid stays
     assert sweep_grid(["h2o,local", "sink"]) == (("h2o", "sum"), ("local", "sum"), ("sink", "sum"))
@@ -393,7 +393,7 @@ def test_policy_lists_take_commas_repeats_and_gqa_lists():
 
 
 def test_tasks_option_takes_a_spec_or_the_earlier_count(task_file):
-    from commands.cli import _task_source
+    from commands.options import task_source as _task_source
     from h2o_lens.errors import ConfigError
 
     assert _task_source(None, None, "builtin:demo") == ("builtin:demo", None)
