@@ -57,6 +57,7 @@ from .policies import effective_split, policy_colour, policy_colours, policy_lab
 from .report import FORMATS, REPORT_SCHEMA_VERSION, SCHEMA_PATH, build_report, report_data, report_schema, write_report
 from .sql import Sandbox, check_sql, format_result, run_sql, view_schemas
 from .stale import stale_holders, stale_victims
+from .sweep_page import sweep_html
 from .thresholds import Thresholds
 from .views import HEADLINE_COLUMNS, runs_headline, runs_table
 
@@ -102,6 +103,8 @@ __all__ = [
     "policy_colour",
     "policy_labels",
     "scored_policy",
+    # the sweep's curves page
+    "sweep_html",
     # attribution and reports
     "Thresholds",
     "VERDICTS",
