@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from ._base import connect
 from ._format import CAUSAL_TEXT, WHY_COLUMNS, why_budgets, why_rows
+from .agreement import ORACLE_COLUMNS, oracle_agreement, oracle_available
 from .attribution import VERDICTS, Attribution, Fact, attribute, evidence_sql, failed_requests
 from .causal import (
     CAUSAL_VERDICTS,
@@ -52,7 +53,6 @@ from .errors import (
 )
 from .evidence import evidence_deletion, evidence_evictions, evidence_held, evidence_spans
 from .keptsets import gqa_overlap, kept_overlap, union_bound
-from .oracle import ORACLE_COLUMNS, oracle_agreement, oracle_available
 from .policies import effective_split, policy_colour, policy_colours, policy_labels, scored_policy
 from .report import FORMATS, REPORT_SCHEMA_VERSION, SCHEMA_PATH, build_report, report_data, report_schema, write_report
 from .sql import Sandbox, check_sql, format_result, run_sql, view_schemas

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import torch
 
 from h2o_lens import compat
-from h2o_lens.benchtools import Decoder as _Decoder
-from h2o_lens.benchtools import median_time as _median_time
 from h2o_lens.policies import half_split, ratio_slots
 from h2o_lens.shape import model_shape
+from h2o_lens.timing import Decoder as _Decoder
+from h2o_lens.timing import median_time as _median_time
 
 __all__ = ["bench_decode", "bench_record", "bench_sweep", "bench_explain", "bench_assistant"]
 

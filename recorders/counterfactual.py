@@ -16,7 +16,7 @@ and a ``counterfactual`` object; the ``counterfactuals`` view joins them):
 ``oracle``
     the future-aware oracle at the same slot count, generating its own
     answer with hindsight from the full-cache teacher, re-planned where its
-    tokens depart from the teacher's (:class:`recorders.oracle.OracleTeacher`);
+    tokens depart from the teacher's (:class:`recorders.oracle_runs.OracleTeacher`);
     its teacher-forced top-1 agreement with the teacher's tokens is noted
     next to it.
 ``policy_budget`` / ``oracle_budget``
@@ -689,7 +689,7 @@ class _Runner:
 
     def oracle_teacher(self, full_run: str) -> Any:
         if self.teacher is None:
-            from .oracle import OracleTeacher
+            from .oracle_runs import OracleTeacher
 
             self.teacher = OracleTeacher(
                 self.model,

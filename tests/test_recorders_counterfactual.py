@@ -182,7 +182,7 @@ def test_a_crashing_counterfactual_leaves_the_parent_untouched_and_is_named(tmp_
     parent = tmp_path / run.run_id
     before = _tree_digest(parent)
 
-    from recorders.oracle import OracleTeacher
+    from recorders.oracle_runs import OracleTeacher
 
     def boom(self, *args, **kwargs):
         raise RuntimeError("the oracle blew up")
@@ -285,7 +285,7 @@ def test_an_oracle_judged_teacher_forced_is_not_judged_and_is_recorded_again(tmp
     explaining again records the oracle's own answer."""
     from commands.explain import format_verdicts
     from recorders.counterfactual import _link, load_parent
-    from recorders.oracle import OracleTeacher
+    from recorders.oracle_runs import OracleTeacher
 
     model, tok, _, parent_dir = _tiny_runs(tmp_path, full=False)
     ex = explain_request(model, tok, parent_dir, 0, bisect=False, replay=False)

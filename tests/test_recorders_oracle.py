@@ -19,10 +19,10 @@ from tiny import tiny_model
 import recorders
 import runlog
 from h2o_lens import H2OConfig
+from h2o_lens.hindsight import schedule, teacher_scores
 from h2o_lens.hooks import attention_implementation
-from h2o_lens.oracle import schedule, teacher_scores
 from h2o_lens.policies import oracle
-from recorders.oracle import OracleTeacher
+from recorders.oracle_runs import OracleTeacher
 from recorders.replay import replay
 from runlog import load_run, read_manifest
 from runlog.eviction_steps import evict_steps
