@@ -57,7 +57,7 @@ samples: setup
 
 # before a release, not in `make test` (slow): mutation testing of the core modules with the fast
 # tests (configuration: [tool.mutmut] in pyproject.toml). MUTANTS narrows it, e.g.
-# `make mutate MUTANTS='h2o_lens.policy*'`; results stay in mutants/ and later runs resume.
+# `make mutate MUTANTS='h2o_lens.eviction*'`; results stay in mutants/ and later runs resume.
 MUTANTS ?=
 mutate: setup
 	$(BIN)/pip install --quiet -e ".[test,mutate]"

@@ -2,12 +2,12 @@
 
 Every measure of DESIGN.md §6 is a small function ``(source, run_id, ...) ->
 DuckDBPyRelation``; ``source`` is a connection from
-:func:`recorders.open_runs` or a runs root. Relations are lazy until
+:func:`runlog.open_runs` or a runs root. Relations are lazy until
 materialised (``.df()``, ``.fetchall()``) and bind their values, so they
 compose::
 
-    import analyses, recorders
-    con = recorders.open_runs("runs")
+    import analyses, runlog
+    con = runlog.open_runs("runs")
     analyses.head_coverage(con, "run-a").df()
     analyses.attribute(con, "run-a")
     analyses.write_report("runs", "run-a", "run-a.html")
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from ._base import connect
 from ._format import CAUSAL_TEXT, WHY_COLUMNS, why_budgets, why_rows
+from .agreement import ORACLE_COLUMNS, oracle_agreement, oracle_available
 from .attribution import VERDICTS, Attribution, Fact, attribute, evidence_sql, failed_requests
 from .causal import (
     CAUSAL_VERDICTS,
@@ -52,11 +53,11 @@ from .errors import (
 )
 from .evidence import evidence_deletion, evidence_evictions, evidence_held, evidence_spans
 from .keptsets import gqa_overlap, kept_overlap, union_bound
-from .oracle import ORACLE_COLUMNS, oracle_agreement, oracle_available
 from .policies import effective_split, policy_colour, policy_colours, policy_labels, scored_policy
 from .report import FORMATS, REPORT_SCHEMA_VERSION, SCHEMA_PATH, build_report, report_data, report_schema, write_report
 from .sql import Sandbox, check_sql, format_result, run_sql, view_schemas
 from .stale import stale_holders, stale_victims
+from .sweep_page import sweep_html
 from .thresholds import Thresholds
 from .views import HEADLINE_COLUMNS, runs_headline, runs_table
 
@@ -102,6 +103,8 @@ __all__ = [
     "policy_colour",
     "policy_labels",
     "scored_policy",
+    # the sweep's curves page
+    "sweep_html",
     # attribution and reports
     "Thresholds",
     "VERDICTS",

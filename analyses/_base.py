@@ -21,7 +21,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from recorders import open_runs
+from runlog import open_runs
 
 from .errors import MissingColumnError, ParameterError, UnknownRunError
 
@@ -51,13 +51,13 @@ _lock = threading.Lock()
 
 
 def connect(source: Source) -> duckdb.DuckDBPyConnection:
-    """The connection of ``source``; a path is opened with :func:`recorders.open_runs`."""
+    """The connection of ``source``; a path is opened with :func:`runlog.open_runs`."""
     if isinstance(source, duckdb.DuckDBPyConnection):
         return source
     if isinstance(source, (str, os.PathLike)):
         return open_runs(source, warn=False)
     raise ParameterError(
-        f"expected a DuckDB connection from recorders.open_runs or a runs root path, got {type(source).__name__}"
+        f"expected a DuckDB connection from runlog.open_runs or a runs root path, got {type(source).__name__}"
     )
 
 

@@ -42,8 +42,8 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from recorders import read_manifest
-from recorders.errors import RecorderError
+from runlog import read_manifest
+from runlog.errors import RecorderError
 
 from ._base import Source, columns, connect, first_row, plain, relation, run_info, sql_literal
 from .divergence import divergence_summary

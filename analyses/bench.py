@@ -24,7 +24,7 @@ from typing import Any
 
 import psutil
 
-from recorders import open_runs, write_synthetic_run
+from runlog import open_runs, write_synthetic_run
 
 from .attribution import attribute
 from .coverage import (

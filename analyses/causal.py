@@ -39,10 +39,10 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from recorders import read_manifest
-from recorders.counterfactual_reuse import judged_teacher_forced
-from recorders.errors import RecorderError
-from recorders.schema import COUNTERFACTUAL_KINDS
+from runlog import read_manifest
+from runlog.counterfactual_reuse import judged_teacher_forced
+from runlog.errors import RecorderError
+from runlog.schema import COUNTERFACTUAL_KINDS
 
 from ._base import Source, connect, first_row, plain, relation, run_info
 from .attribution import attribute
@@ -151,7 +151,7 @@ def _bisection(path: str | None) -> dict[str, Any] | None:
     return bis if isinstance(bis, dict) else None
 
 
-#: why an oracle run of an earlier version has no verdict (``recorders.counterfactual_reuse``)
+#: why an oracle run of an earlier version has no verdict (``runlog.counterfactual_reuse``)
 NOT_JUDGED = (
     "recorded teacher-forced on the full run's tokens by an earlier version, not judged on its own answer: "
     "run `h2o-lens explain` again (without --cached) to judge it"

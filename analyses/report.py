@@ -22,13 +22,14 @@ from typing import Any
 
 import duckdb
 
-from recorders import read_manifest
-from recorders.errors import RecorderError, storage_error
-from recorders.manifest import check_manifest
+from runlog import read_manifest
+from runlog.errors import RecorderError, storage_error
+from runlog.manifest import check_manifest
 
 from ._base import Source, connect, first_row, plain, records, relation, run_info
 from ._html import render_html
 from ._markdown import render_markdown
+from .agreement import oracle_agreement
 from .attribution import FailedArg, attribute
 from .causal import budget_distribution, causal_verdicts, explained_requests
 from .coverage import (
@@ -43,7 +44,6 @@ from .divergence import divergence_summary, free_generation, replay_series
 from .dynamics import freeze_onset, margin_sensitivity
 from .errors import MissingColumnError, ParameterError
 from .evidence import evidence_held
-from .oracle import oracle_agreement
 from .stale import stale_holders, stale_victims
 from .thresholds import Thresholds
 from .views import run_problems

@@ -62,8 +62,8 @@ import duckdb
 import pandas as pd
 import pyarrow as pa
 
-from recorders import RUNS, TABLES, open_runs
-from recorders.query import FORMATS, format_rows
+from runlog import RUNS, TABLES, open_runs
+from runlog.query import FORMATS, format_rows
 
 from .errors import ParameterError, SQLRefusedError, SQLSandboxError, SQLTimeoutError
 

@@ -312,7 +312,7 @@ def bench_app(
         ``nav_bytes`` and ``tab_bytes`` (websocket bytes received by each) and ``ws_bytes``
         (the larger).
     """
-    from recorders import write_synthetic_run
+    from runlog import write_synthetic_run
 
     pages = list(pages or [key for key, *_ in PAGES])
     shape = dict(BENCH_SHAPE)

@@ -24,9 +24,9 @@ import duckdb
 import pyarrow as pa
 import streamlit as st
 
-import recorders
+import runlog
 from analyses.errors import AnalysisError
-from recorders.errors import RecorderError
+from runlog.errors import RecorderError
 
 from .launch import default_root
 from .plain import code, md
@@ -119,7 +119,7 @@ def warm(path: str | os.PathLike) -> Root:
     """
     with _WARM_LOCK:
         root = Root(str(Path(path).expanduser().resolve()), _version(Path(path).expanduser().resolve()))
-        _WARM[root] = recorders.open_runs(root.path, warn=False)
+        _WARM[root] = runlog.open_runs(root.path, warn=False)
         import pandas  # noqa: F401 - imported once, here, not in the first session
 
         import analyses.views  # noqa: F401
@@ -133,7 +133,7 @@ def connection(root: Root) -> duckdb.DuckDBPyConnection:
     """One DuckDB connection with the views of ``root`` per process (and root version)."""
     with _WARM_LOCK:
         con = _WARM.pop(root, None)
-    return con if con is not None else recorders.open_runs(root.path, warn=False)
+    return con if con is not None else runlog.open_runs(root.path, warn=False)
 
 
 @contextlib.contextmanager

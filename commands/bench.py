@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import torch
 
 from h2o_lens import compat
-from h2o_lens.benchtools import Decoder as _Decoder
-from h2o_lens.benchtools import median_time as _median_time
 from h2o_lens.policies import half_split, ratio_slots
 from h2o_lens.shape import model_shape
+from h2o_lens.timing import Decoder as _Decoder
+from h2o_lens.timing import median_time as _median_time
 
 __all__ = ["bench_decode", "bench_record", "bench_sweep", "bench_explain", "bench_assistant"]
 
@@ -459,7 +459,7 @@ def _page_paint(context, url: str, title: str) -> float:
 
 
 def bench_runs(runs: int = 5000, root: str | None = None, browser: bool = True) -> int:
-    """Timings over a synthetic root of ``runs`` runs (:func:`recorders.synthetic_root.make_root`).
+    """Timings over a synthetic root of ``runs`` runs (:func:`runlog.synthetic_root.make_root`).
 
     Prints: the root's build time; ``h2o-lens runs`` in a fresh process with no catalog cache
     (every file read in full) and with it; ``runs_table`` and the sweep curve points of every
@@ -471,8 +471,8 @@ def bench_runs(runs: int = 5000, root: str | None = None, browser: bool = True) 
     import tempfile
     from pathlib import Path
 
-    from recorders.catalog import CACHE_NAME
-    from recorders.synthetic_root import make_root
+    from runlog.catalog import CACHE_NAME
+    from runlog.synthetic_root import make_root
 
     temp = None
     if root is None:
@@ -497,7 +497,7 @@ def bench_runs(runs: int = 5000, root: str | None = None, browser: bool = True) 
         print(f"h2o-lens runs --max-rows 100000 (every row printed): {wall:.2f} s ({cpu:.2f} s CPU)", flush=True)
 
         from analyses import run_curve_points, runs_table
-        from recorders import open_runs
+        from runlog import open_runs
 
         t0, c0 = time.perf_counter(), time.process_time()
         con = open_runs(root, warn=False)
@@ -521,7 +521,7 @@ def bench_runs(runs: int = 5000, root: str | None = None, browser: bool = True) 
         if not Path(CHROMIUM).exists():
             print(f"dashboard: skipped, no Chromium at {CHROMIUM}")
             return 0
-        from recorders import write_synthetic_run
+        from runlog import write_synthetic_run
 
         other = table["run_id"].iloc[len(table) // 2]
         added = Path(root) / "bench-added-run"

@@ -68,7 +68,7 @@ def reason_presses(kv: Any) -> dict[str, type]:
 
 def kept_sets(run_dir: str | Path, lengths: list[int]) -> dict[tuple[int, int, int], set[int]]:
     """``(request, layer, KV head) -> kept prompt positions`` of a run of one prompt per request."""
-    from recorders import load_run
+    from runlog import load_run
 
     ev = load_run(run_dir)["evictions"].to_pandas()
     return {

@@ -13,9 +13,10 @@ import os
 import sys
 from typing import Any
 
+from .options import add_model_args
 from .paths import run_dir
 
-__all__ = ["explain_run", "explainable_runs", "cmd_explain", "add_parser", "add_model_args", "format_verdicts"]
+__all__ = ["explain_run", "explainable_runs", "add_parser", "run", "format_verdicts"]
 
 
 def _failed(root: str, run_id: str) -> list[int]:
@@ -54,8 +55,8 @@ def explain_run(
     from tqdm.auto import tqdm
 
     from analyses import causal_verdicts, connect
-    from recorders import model_source, read_manifest
     from recorders.counterfactual import check_parent
+    from runlog import model_source, read_manifest
 
     run_dir = os.path.abspath(run_dir)
     root, run_id = os.path.dirname(run_dir), os.path.basename(os.path.normpath(run_dir))
@@ -196,7 +197,7 @@ def explainable_runs(root: str) -> list[str]:
     )
 
 
-def cmd_explain(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if (args.run is None) == (not args.all):
         raise SystemExit("h2o-lens explain: give a RUN, or --all to explain every failed run under --root")
     options = dict(
@@ -215,7 +216,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         return 0
     from analyses import budget_distribution, connect
-    from recorders import replay_complete
+    from runlog import replay_complete
 
     verdicts = []
     for run_id in explainable_runs(args.root):
@@ -238,20 +239,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(wide.to_string(float_format=lambda v: f"{v:.2f}"))
     sys.stdout.flush()
     return 0
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """``--model`` and ``--allow-other-model`` of the commands that run a recorded run's model again."""
-    p.add_argument(
-        "--model",
-        default=None,
-        help="the run's model (default: where its manifest says it was); one with another fingerprint is refused",
-    )
-    p.add_argument(
-        "--allow-other-model",
-        action="store_true",
-        help="use --model even though its fingerprint differs from the run's (logged in the manifest)",
-    )
 
 
 def add_parser(sub: Any) -> None:
@@ -278,4 +265,4 @@ def add_parser(sub: Any) -> None:
         help="explain a run that is not complete with a replayed log (failed, interrupted, not replayed)",
     )
     add_model_args(ex)
-    ex.set_defaults(func=cmd_explain)
+    ex.set_defaults(func=run)

@@ -378,7 +378,7 @@ def write_plan(root: str | os.PathLike, grid: Grid) -> Path:
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
         except OSError as exc:
-            from recorders.errors import storage_error
+            from runlog.errors import storage_error
 
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -388,10 +388,10 @@ def write_plan(root: str | os.PathLike, grid: Grid) -> Path:
 
 def cell_state(root: str | os.PathLike, run_id: str, replay: bool) -> tuple[str, str | None]:
     """``(state, error)`` of a cell's run folder: ``todo``, ``done``, ``unreplayed`` (recorded,
-    the replay missing or partial: :func:`recorders.replay_complete`), ``failed``, ``running``
+    the replay missing or partial: :func:`runlog.replay_complete`), ``failed``, ``running``
     (its writer lives) or ``interrupted``."""
-    from recorders import replay_complete
-    from recorders.manifest import MANIFEST_NAME, effective_status, read_manifest
+    from runlog import replay_complete
+    from runlog.manifest import MANIFEST_NAME, effective_status, read_manifest
 
     run_dir = Path(root) / run_id
     if not run_dir.exists():
@@ -598,9 +598,9 @@ def _mark_failed(run_dir: Path, exc: BaseException) -> bool:
     folder with a ``failed`` manifest, so ``--status`` shows the error the sweep reported.
     Returns whether the folder now says ``failed``.
     """
-    from recorders import RunWriter
-    from recorders.errors import RecorderError
-    from recorders.manifest import MANIFEST_NAME, read_manifest, write_manifest
+    from runlog import RunWriter
+    from runlog.errors import RecorderError
+    from runlog.manifest import MANIFEST_NAME, read_manifest, write_manifest
 
     try:
         if not (run_dir / MANIFEST_NAME).exists():
@@ -629,7 +629,7 @@ def fail_cell(root: str | os.PathLike, cell: Cell, error: str, error_type: str =
     ``failed`` manifest; a complete or missing one is left as it is. Returns
     whether a manifest was rewritten (False also when another process holds the cell).
     """
-    from recorders.manifest import MANIFEST_NAME, read_manifest, write_manifest
+    from runlog.manifest import MANIFEST_NAME, read_manifest, write_manifest
 
     run_dir = Path(root) / cell.run_id
     with _flock(Path(root) / LOCK_DIR / f"{cell.run_id}.lock", wait=False) as mine:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import compat, ops, policy
+from . import compat, eviction, ops
 from . import speculative as _speculative
 from .compat import Cache, CacheLayerMixin
 from .config import H2OConfig
@@ -289,7 +289,7 @@ class H2OCacheLayer(CacheLayerMixin):
         if valid is None:
             pos = torch.arange(p, device=key.device, dtype=POS_DTYPE).expand(b, p)
         else:
-            pos = (valid.cumsum(-1) - 1).to(POS_DTYPE).masked_fill(~valid, policy.EMPTY)
+            pos = (valid.cumsum(-1) - 1).to(POS_DTYPE).masked_fill(~valid, eviction.EMPTY)
         positions = pos[:, None, :].expand(b, hs, p)  # (b, Hs, P)
         count = pos.amax(-1).to(torch.int64) + 1  # (b,) real tokens
         self.budget = owner.assign_budgets(count).to(key.device)
@@ -314,19 +314,19 @@ class H2OCacheLayer(CacheLayerMixin):
             if history is not None:
                 history[sel] = hist
             pins = args.pins(positions)
-            keep[sel] = policy.prefill_keep(drive[sel], positions[sel], args.heavy, args.recent, args.sink, pins)
-            eligible[sel] = policy.eligible_mask(positions[sel], last[sel], args.recent, args.sink, pinned=pins)
+            keep[sel] = eviction.prefill_keep(drive[sel], positions[sel], args.heavy, args.recent, args.sink, pins)
+            eligible[sel] = eviction.eligible_mask(positions[sel], last[sel], args.recent, args.sink, pinned=pins)
         caps = owner.row_capacity(self.budget)  # (b,)
         cap = max(args.capacity for _, args in self.groups())
         # slots hold the kept positions in ascending order, then empty slots
         big = torch.iinfo(POS_DTYPE).max
         order = torch.where(keep, positions, big).argsort(-1)[..., :cap]  # (b,Hs,min(P,B))
-        kept_pos = torch.where(keep.gather(-1, order), positions.gather(-1, order), policy.EMPTY)
+        kept_pos = torch.where(keep.gather(-1, order), positions.gather(-1, order), eviction.EMPTY)
         n = order.shape[-1]
         self.keys = key.new_zeros(b, hs, cap, d)
         self.values = value.new_zeros(b, hs, cap, d)
         self.scores = drive.new_zeros(b, hs, cap)
-        self.positions = torch.full((b, hs, cap), policy.EMPTY, dtype=POS_DTYPE, device=key.device)
+        self.positions = torch.full((b, hs, cap), eviction.EMPTY, dtype=POS_DTYPE, device=key.device)
         gidx = order[..., None].expand(b, hs, n, d)
         self.keys[:, :, :n] = key.gather(2, gidx)
         self.values[:, :, :n] = value.gather(2, gidx)
@@ -386,7 +386,7 @@ class H2OCacheLayer(CacheLayerMixin):
         w = torch.softmax(logits.masked_fill(masked, ops._NEG), dim=-1, dtype=acc)
         out = torch.matmul(w.to(value.dtype), value[:, :, None]).reshape(b, -1, s_len, d).transpose(1, 2)
         w = w.masked_fill(~ok[:, None, None, :, None], 0.0)
-        contrib = policy.aggregate_group(w, gqa, 2).sum(-2)  # (b, Hs, P0 + S): the suffix rows' share
+        contrib = eviction.aggregate_group(w, gqa, 2).sum(-2)  # (b, Hs, P0 + S): the suffix rows' share
         scores = torch.empty(b, hs, p0 + s_len, dtype=acc, device=key.device)
         scores[:, :, p0:] = contrib[:, :, p0:]
         base = shared.scores[0]  # (Hs, P0), read-only

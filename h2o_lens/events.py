@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from . import policy
+from . import eviction
 
 __all__ = ["CacheListener", "PrefillEvent", "DecodeEvent", "SegmentEvent", "decode_stats"]
 
@@ -62,7 +62,7 @@ class DecodeEvent:
 
     def stats(
         self, recent: torch.Tensor | int, sink: torch.Tensor | int = 0, pinned: torch.Tensor | None = None
-    ) -> policy.StepStats:
+    ) -> eviction.StepStats:
         return decode_stats(
             self.cand_scores, self.cand_positions, self.slot, self.evicts, self.step, recent, sink, pinned
         )
@@ -77,8 +77,8 @@ def decode_stats(
     recent: torch.Tensor | int,
     sink: torch.Tensor | int = 0,
     pinned: torch.Tensor | None = None,
-) -> policy.StepStats:
-    """:class:`~h2o_lens.policy.StepStats` of decode steps, any leading dims.
+) -> eviction.StepStats:
+    """:class:`~h2o_lens.eviction.StepStats` of decode steps, any leading dims.
 
     ``cand_* (..., Hs, B + 1)``, ``slot, evicts (..., Hs)``, ``step (...)``;
     ``recent`` and ``sink`` ints, or per-request tensors broadcastable to ``step``;
@@ -91,8 +91,8 @@ def decode_stats(
     step_col = step[..., None, None]
     if pinned is not None:
         pinned = pinned.to(cand_positions.device, cand_positions.dtype)
-    eligible = policy.eligible_mask(cand_positions, step_col, col(recent, 2), col(sink, 2), pinned=pinned)
-    return policy.step_stats(cand_scores, cand_positions, eligible, slot, evicts, step[..., None], col(recent, 1))
+    eligible = eviction.eligible_mask(cand_positions, step_col, col(recent, 2), col(sink, 2), pinned=pinned)
+    return eviction.step_stats(cand_scores, cand_positions, eligible, slot, evicts, step[..., None], col(recent, 1))
 
 
 @dataclass

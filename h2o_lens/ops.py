@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import policies, policy
+from . import eviction, policies
 from .errors import ConfigError
 
 __all__ = [
@@ -168,7 +168,7 @@ def _prefill_masked(query, key, value, valid, scaling, gqa, chunk):
         out[..., s:e, :] = torch.matmul(w.to(value.dtype), vg[..., :e, :])
         if pad is not None:
             w = w.masked_fill(pad[..., s:e].transpose(-1, -2), 0.0)
-        scores[..., :e] += policy.aggregate_group(w, gqa, 2).sum(-2)  # (b,Hs,c,e) summed over rows
+        scores[..., :e] += eviction.aggregate_group(w, gqa, 2).sum(-2)  # (b,Hs,c,e) summed over rows
     out = out.view(b, hq, p, d).transpose(1, 2)
     return out, scores
 
@@ -417,7 +417,7 @@ def prefill_rows(
     w = torch.softmax(logits.masked_fill(masked, _NEG), dim=-1)
     if valid is not None:
         w = w.masked_fill(~valid[:, None, None, p - r :, None] | ~valid[:, None, None, None, :], 0.0)
-    return policy.aggregate_group(w, gqa, 2)  # (b, Hs, R, P)
+    return eviction.aggregate_group(w, gqa, 2)  # (b, Hs, R, P)
 
 
 def prefill_scores(
@@ -450,7 +450,7 @@ def prefill_select(scores: torch.Tensor, positions: torch.Tensor, args: PolicyAr
 
     ``scores (b, Hs, P)`` are the prefill column sums, ``positions (b, Hs, P)``
     the original positions (``-1`` for padding); the choice is made on the
-    policy's ranking values (:func:`prefill_scores`) by :func:`h2o_lens.policy.prefill_keep`.
+    policy's ranking values (:func:`prefill_scores`) by :func:`h2o_lens.eviction.prefill_keep`.
     """
     if args.spec.prefill == "rows":
         raise ConfigError(
@@ -458,7 +458,7 @@ def prefill_select(scores: torch.Tensor, positions: torch.Tensor, args: PolicyAr
             "column sums; compute them with prefill_rows and rank with prefill_scores"
         )
     drive, _ = prefill_scores(scores, None, positions, args, layer, scores.dtype)
-    return policy.prefill_keep(drive, positions, args.heavy, args.recent, args.sink, args.pins(positions))
+    return eviction.prefill_keep(drive, positions, args.heavy, args.recent, args.sink, args.pins(positions))
 
 
 @dataclass
@@ -663,25 +663,25 @@ def decode_step(
     new_pos = step_col.expand(b, hs, 1)
     if new_pos.dtype != positions.dtype:
         new_pos = new_pos.to(positions.dtype)
-    agg = policy.aggregate_group(w, args.gqa, 2) if spec.scored else None  # (b,Hs,B+1)
+    agg = eviction.aggregate_group(w, args.gqa, 2) if spec.scored else None  # (b,Hs,B+1)
     ctx = policies.StepContext(step=step_col, layer=layer, seed=args.seed, gqa=args.gqa, group=qg.shape[2])
     new_score, new_history = spec.decode_scores(scores, history, agg, positions, ctx)  # (b,Hs,1)
 
     pins = args.pins(positions)
     if rows is None and args.recent > 0:  # one budget with a recent window: the new token is never a victim
         c_scores = c_pos = None
-        elig = policy.eligible_mask(positions, step_col, args.recent, args.sink, all_live=fill is None, pinned=pins)
-        victim, found = policy.select_victim(scores, positions, elig)
+        elig = eviction.eligible_mask(positions, step_col, args.recent, args.sink, all_live=fill is None, pinned=pins)
+        victim, found = eviction.select_victim(scores, positions, elig)
     else:  # D = slots + the new token, eligible only in a row without a recent window
         recent, sink = (args.recent, args.sink) if rows is None else (rows.recent, rows.sink)
         c_scores = torch.cat([scores, new_score], -1)  # (b,Hs,B+1)
         c_pos = torch.cat([positions, new_pos], -1)
-        elig = policy.eligible_mask(c_pos, step_col, recent, sink, pinned=pins)
+        elig = eviction.eligible_mask(c_pos, step_col, recent, sink, pinned=pins)
         # a slot past the row's capacity never wins the tie of "nothing eligible" either (the new
         # token's position is above every slot's, so it wins it only where no slot does, as alone)
         big = torch.iinfo(c_pos.dtype).max
         tie_pos = c_pos if rows is None else c_pos.masked_fill(_beyond(rows.capacity, cap), big)
-        victim, found = policy.select_victim(c_scores, tie_pos, elig)
+        victim, found = eviction.select_victim(c_scores, tie_pos, elig)
     if fill is None:
         slot, evicts = victim, found
     else:

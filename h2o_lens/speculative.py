@@ -20,7 +20,7 @@ so the cache is in the state after the last accepted token. Two modes:
 The layer calls :func:`begin`, :func:`step` and :func:`end`; the listener hears
 one :class:`~h2o_lens.events.SegmentEvent` per layer when a segment ends. The segment
 reaches the layer through :class:`SegmentLayer` only, and picks each victim with
-:func:`h2o_lens.policy.select_victim`, the decode step's own rule.
+:func:`h2o_lens.eviction.select_victim`, the decode step's own rule.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from . import ops, policy
+from . import eviction, ops
 from .errors import ConfigError, UnsupportedModelError
 from .events import CacheListener, DecodeEvent, SegmentEvent
 
@@ -298,7 +298,7 @@ def run_batched(
     steps = torch.from_numpy(start_np + ar_m[:, None])  # (b,1,m,1)
     pins = args.pins(pos0)
     # (b,Hs,m,B) initial slots eligible at step i (before any write)
-    elig = policy.eligible_mask(pos0[:, :, None], steps, args.recent, args.sink, all_live=True, pinned=pins).numpy()
+    elig = eviction.eligible_mask(pos0[:, :, None], steps, args.recent, args.sink, all_live=True, pinned=pins).numpy()
     logits = _all_logits(qg, layer.keys, key)  # (b,Hs,m,G,B+m): every row against every key
     guess = _first_guess(elig, _rough_totals(logits, cap, layer.scores, args.gqa), pos0)
     acc = layer.scores.dtype
@@ -326,7 +326,7 @@ def run_batched(
         if not found.all():
             pos = np.where(before, start_np + writer[:, :, None], pos)
         sums = torch.from_numpy(totals[:, :, 1:])  # (b,Hs,m,B) each step's ranking values
-        victims = policy.select_victim(sums, torch.from_numpy(pos), torch.from_numpy(cand))[0].numpy()  # (b,Hs,m)
+        victims = eviction.select_victim(sums, torch.from_numpy(pos), torch.from_numpy(cand))[0].numpy()  # (b,Hs,m)
         wrong = (victims != guess).reshape(-1, m).any(0)
         if not wrong.any():
             break
@@ -407,7 +407,7 @@ def _rough_totals(logits, cap: int, scores, gqa: str) -> np.ndarray:
         future = _FUTURE[m] = torch.ones(m, m, dtype=torch.bool).triu(1)[:, None]
     logits[..., cap:].masked_fill_(future, float("-inf"))
     w = torch.softmax(logits.to(scores.dtype), -1)[..., :cap]
-    return (scores[:, :, None] + policy.aggregate_group(w, gqa, 3).cumsum(2)).numpy()
+    return (scores[:, :, None] + eviction.aggregate_group(w, gqa, 3).cumsum(2)).numpy()
 
 
 #: per (dtype, device, G, d, m, B): whether the rows' fast path (block logits gathered from
@@ -418,14 +418,14 @@ _FAST_ROWS: dict[tuple, bool] = {}
 
 def _first_guess(elig: np.ndarray, rough: np.ndarray, positions: torch.Tensor) -> np.ndarray:
     """Victims ``(b, Hs, m)`` chosen step by step from the rough ranking values ``(b, Hs, m, B)``
-    by the step's rule (:func:`~h2o_lens.policy.select_victim`), a slot taken by an earlier step
+    by the step's rule (:func:`~h2o_lens.eviction.select_victim`), a slot taken by an earlier step
     no longer a candidate: only a guess. ``positions (b, Hs, B)`` the slots' before the segment."""
     b, hs, m, cap = elig.shape
     ok = torch.from_numpy(elig.copy())  # (b,Hs,m,B) candidates, less the slots taken so far
     scores = torch.from_numpy(rough)
     guess = torch.empty(b, hs, m, dtype=torch.int64)
     for i in range(m):
-        v, _ = policy.select_victim(scores[:, :, i], positions, ok[:, :, i])  # (b,Hs)
+        v, _ = eviction.select_victim(scores[:, :, i], positions, ok[:, :, i])  # (b,Hs)
         guess[:, :, i] = v
         ok[:, :, i + 1 :].scatter_(-1, v[:, :, None, None].expand(b, hs, m - i - 1, 1), False)
     return guess.numpy()
@@ -478,7 +478,7 @@ def _rows(qg, slots, key, value, writer: np.ndarray, lo: int, gqa: str, acc: tor
             _FAST_ROWS[key_id] = all(torch.equal(x, y) for x, y in zip(res, exact))
             res = res if _FAST_ROWS[key_id] else exact
     out, weights = res
-    return out.view(b, hs, r, g, d), policy.aggregate_group(weights, gqa, 2).view(b, hs, r, cap + 1)
+    return out.view(b, hs, r, g, d), eviction.aggregate_group(weights, gqa, 2).view(b, hs, r, cap + 1)
 
 
 def _slot_runs(agg: np.ndarray, victims: np.ndarray, dtype) -> np.ndarray:

@@ -1,116 +1,18 @@
-"""Storage layer of the H2O Lens eviction recorder: log format v1 (DESIGN.md §5).
+"""The model drivers of H2O Lens: recording, replay and re-runs of a model under a policy.
 
-Writing::
+:func:`record` generates with a policy and writes every eviction, :func:`replay`
+re-runs a recorded run against a full-cache teacher, :func:`check_lifecycle`
+checks a cache's state across a save and restore. The logs they write follow the
+contract of :mod:`runlog` (one layer down), which opens them without torch.
 
-    from recorders import RunWriter
-    with RunWriter("runs", config={"policy": "h2o", "heavy": 64, "recent": 64},
-                   model="HuggingFaceTB/SmolLM2-135M-Instruct") as run:
-        run.append("evictions", {"request": 0, "step": steps, "layer": layer, ...})
-
-Reading::
-
-    from recorders import open_runs, query
-    con = open_runs("runs")
-    con.sql("SELECT layer, count(*) FROM evictions GROUP BY layer")
-
-This package needs numpy, pyarrow and duckdb only: logs open on machines
-without torch or a model. :func:`record`, :func:`record_teacher_forced` and
-:func:`replay` need torch and transformers, and are imported on first use.
+These entry points import torch and transformers: they are loaded on first use,
+so ``import recorders`` stays cheap.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
-
-from .bench_logs import synthetic_tables, write_synthetic_run
-from .catalog import Catalog, Problem, SegmentFile, inspect_file, replay_complete, scan_root
-from .errors import (
-    ContractError,
-    DamagedFileError,
-    ManifestError,
-    ModelMismatchError,
-    QueryError,
-    RecorderError,
-    RecorderWarning,
-    RunExistsError,
-    RunIdError,
-    SchemaError,
-    SchemaVersionError,
-    StorageError,
-)
-from .manifest import (
-    MANIFEST_NAME,
-    STATUSES,
-    mark_interrupted,
-    new_run_id,
-    read_manifest,
-    sanitize_run_id,
-    validate_run_id,
-)
-from .query import query
-from .recorded_model import check_model, model_source
-from .run import RunWriter
-from .schema import KEYS, RANGES, RUNS, SCHEMA_VERSION, TABLE_NAMES, TABLES, VIEW_NAMES, empty_table, to_arrow
-from .segments import SegmentWriter, list_segments, write_segment
-from .store import LoadedRun, RunCheck, check_run, list_runs, load_run, open_runs
-
-__all__ = [
-    # schema
-    "SCHEMA_VERSION",
-    "TABLES",
-    "TABLE_NAMES",
-    "RUNS",
-    "VIEW_NAMES",
-    "KEYS",
-    "RANGES",
-    "empty_table",
-    "to_arrow",
-    # writing
-    "RunWriter",
-    "SegmentWriter",
-    "write_segment",
-    "list_segments",
-    "new_run_id",
-    "sanitize_run_id",
-    "validate_run_id",
-    "read_manifest",
-    "mark_interrupted",
-    "MANIFEST_NAME",
-    "STATUSES",
-    # reading
-    "open_runs",
-    "list_runs",
-    "query",
-    "check_run",
-    "load_run",
-    "scan_root",
-    "inspect_file",
-    "replay_complete",
-    "check_model",
-    "model_source",
-    "Catalog",
-    "Problem",
-    "SegmentFile",
-    "RunCheck",
-    "LoadedRun",
-    # synthetic runs
-    "write_synthetic_run",
-    "synthetic_tables",
-    # errors
-    "RecorderError",
-    "RunIdError",
-    "RunExistsError",
-    "SchemaError",
-    "SchemaVersionError",
-    "DamagedFileError",
-    "ManifestError",
-    "QueryError",
-    "ContractError",
-    "ModelMismatchError",
-    "StorageError",
-    "RecorderWarning",
-]
 
 #: the recording and replay entry points import torch: loaded on first access
 _LAZY = {
@@ -119,7 +21,7 @@ _LAZY = {
     "replay": ".replay",
     "check_lifecycle": ".lifecycle",
 }
-__all__ += list(_LAZY)
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

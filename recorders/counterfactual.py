@@ -16,7 +16,7 @@ and a ``counterfactual`` object; the ``counterfactuals`` view joins them):
 ``oracle``
     the future-aware oracle at the same slot count, generating its own
     answer with hindsight from the full-cache teacher, re-planned where its
-    tokens depart from the teacher's (:class:`recorders.oracle.OracleTeacher`);
+    tokens depart from the teacher's (:class:`recorders.oracle_runs.OracleTeacher`);
     its teacher-forced top-1 agreement with the teacher's tokens is noted
     next to it.
 ``policy_budget`` / ``oracle_budget``
@@ -29,7 +29,7 @@ Every variant has one pass test: the request's answer checker (rebuilt
 from the task spec the run's manifest carries: ``task_spec``, a task-file
 line), else agreement with the full-cache run's answer. A full-cache run of
 the same prompt already under the root is copied instead of generated again
-(:mod:`recorders.counterfactual_reuse`), and the variants share one prompt
+(:mod:`runlog.counterfactual_reuse`), and the variants share one prompt
 forward (:func:`h2o_lens.prompt_reuse.reuse_prompts`, DESIGN.md §12.5) and
 its prompt pass (the teacher's keys and values, the replays). A
 counterfactual that raises is recorded as a ``failed`` run folder with its
@@ -56,15 +56,14 @@ import torch
 from h2o_lens.config import H2OConfig
 from h2o_lens.errors import ConfigError
 from h2o_lens.presses import PressSpec
-
-from .catalog import replay_complete
-from .counterfactual_reuse import copy_request, find_full_run, judged_teacher_forced
-from .errors import RecorderError
-from .manifest import effective_status, read_manifest, sanitize_run_id
-from .recorded_model import check_model
-from .run import RunWriter
-from .schema import COUNTERFACTUAL_KINDS
-from .store import load_run
+from runlog.catalog import replay_complete
+from runlog.counterfactual_reuse import copy_request, find_full_run, judged_teacher_forced
+from runlog.errors import RecorderError
+from runlog.manifest import effective_status, read_manifest, sanitize_run_id
+from runlog.recorded_model import check_model
+from runlog.run import RunWriter
+from runlog.schema import COUNTERFACTUAL_KINDS
+from runlog.store import load_run, request_order
 
 __all__ = [
     "KINDS",
@@ -281,12 +280,10 @@ def load_parent(run_dir: str | Path, request: int = 0) -> ParentRequest:
     run_dir = Path(run_dir)
     run = load_run(run_dir, tables=("tokens", "requests"))
     tok = run["tokens"].to_pydict()
-    req = np.asarray(tok["request"])
-    sel = np.flatnonzero(req == request)
-    if not len(sel):
-        known = sorted(set(req.tolist()))
+    order = request_order(tok, request)
+    if not len(order):
+        known = sorted(set(tok["request"]))
         raise RecorderError(f"{run_dir}: run {run.run_id!r} has no request {request}; its requests are {known}")
-    order = sel[np.argsort(np.asarray(tok["position"])[sel])]
     ids = np.asarray(tok["token_id"])[order]
     prompt = np.asarray(tok["is_prompt"])[order]
     labels = [tok["evidence"][i] for i in order[prompt]]
@@ -692,7 +689,7 @@ class _Runner:
 
     def oracle_teacher(self, full_run: str) -> Any:
         if self.teacher is None:
-            from .oracle import OracleTeacher
+            from .oracle_runs import OracleTeacher
 
             self.teacher = OracleTeacher(
                 self.model,
@@ -780,7 +777,7 @@ def _existing(out: Path, parent: ParentRequest, kind: str) -> Outcome | None:
 
 def _note(run_dir: Path, **fields: Any) -> None:
     """Add the pass result to the counterfactual's manifest (``counterfactual.passed``)."""
-    from .manifest import write_manifest
+    from runlog.manifest import write_manifest
 
     manifest = read_manifest(run_dir)
     cf = dict(manifest.get("counterfactual") or {})
@@ -822,7 +819,7 @@ def explain_request(
     allow_other_model : re-run with a model whose fingerprint differs from the parent's (logged in
         each re-run's ``model_overrides``); without it such a model is refused before anything runs
     reuse_full : copy a full-cache run of the same prompt found under ``out``
-        (:func:`~recorders.counterfactual_reuse.find_full_run`) instead of generating one
+        (:func:`~runlog.counterfactual_reuse.find_full_run`) instead of generating one
 
     Returns
     -------

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from h2o_lens.config import H2OConfig
+from runlog.manifest import read_manifest
 
 from .counterfactual import (
     Explanation,
@@ -32,14 +33,13 @@ from .counterfactual import (
     load_parent,
     split_slots,
 )
-from .manifest import read_manifest
 
 __all__ = ["case_teacher_table", "case_passes", "explain_case"]
 
 
 def case_teacher_table(case: Any, gqa: str = "sum") -> Any:
     """The oracle's teacher table of a policy case: its own logits are the full-cache teacher."""
-    from h2o_lens.oracle import TeacherTable
+    from h2o_lens.hindsight import TeacherTable
     from h2o_lens.policies.oracle import remaining
 
     p, n = case.prompt_len, case.n
@@ -63,7 +63,7 @@ def case_passes(case: Any, config: H2OConfig) -> bool:
     answer step), on the FP64 runtime path, nothing written."""
     from contextlib import nullcontext
 
-    from h2o_lens.oracle import teacher_scores
+    from h2o_lens.hindsight import teacher_scores
 
     from .policy_cases import case_kept_sets
 
@@ -85,7 +85,7 @@ def case_passes(case: Any, config: H2OConfig) -> bool:
 
 
 def _link_case_run(run_dir: Path, parent: ParentRequest, kind: str, slots: int | None, **extra: Any) -> None:
-    from .manifest import write_manifest
+    from runlog.manifest import write_manifest
 
     manifest = read_manifest(run_dir)
     link = _link(parent, kind, slots, **extra)
@@ -113,7 +113,7 @@ def explain_case(
     to the slot, the pass test :func:`case_passes`). All are teacher-forced
     on the case's fixed tokens, as every policy case is.
     """
-    from h2o_lens.oracle import teacher_scores
+    from h2o_lens.hindsight import teacher_scores
 
     from .policy_cases import write_policy_case
 

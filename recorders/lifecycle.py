@@ -3,7 +3,7 @@
 A run's log says, per request, layer and KV set, which positions left the
 cache at which step, so it implies the kept set after every step (kept at
 step ``t``: the positions ``<= t`` not evicted at a step ``<= t``,
-:mod:`recorders.eviction_steps`). The check re-runs each request's accepted
+:mod:`runlog.eviction_steps`). The check re-runs each request's accepted
 token sequence (its prompt and generated tokens, from the ``tokens`` table)
 through the plain H2O runtime on its own: the prompt prefilled, then one
 token per step, on the torch path, with the run's policy, budget (the
@@ -50,12 +50,11 @@ import torch
 from h2o_lens import compat
 from h2o_lens.config import H2OConfig
 from h2o_lens.shape import model_shape
-
-from .errors import RecorderError
-from .eviction_steps import NEVER, evict_steps
-from .manifest import read_manifest, write_manifest
-from .recorded_model import check_model, log_override, model_source
-from .store import load_run
+from runlog.errors import RecorderError
+from runlog.eviction_steps import NEVER, evict_steps
+from runlog.manifest import read_manifest, write_manifest
+from runlog.recorded_model import check_model, log_override, model_source
+from runlog.store import load_run, request_order
 
 __all__ = ["check_lifecycle", "LifecycleResult", "RequestLifecycle", "TIE_ULPS", "tie_tolerance"]
 
@@ -169,7 +168,7 @@ def _config_for(manifest: dict, row: dict, prompt_len: int) -> H2OConfig:
 
 def _model_for(manifest: dict, model: Any, progress: bool) -> Any:
     """The checking model: ``model``, else the run's, loaded from where the manifest says it
-    was (:func:`~recorders.recorded_model.model_source`) in the run's dtype."""
+    was (:func:`~runlog.recorded_model.model_source`) in the run's dtype."""
     if model is not None:
         return model
     from h2o_lens.models import load_model
@@ -312,10 +311,9 @@ def check_lifecycle(
     wanted = sorted(set(req_col.tolist())) if requests is None else list(requests)
     results = []
     for request in wanted:
-        sel = np.flatnonzero(req_col == request)
-        if not len(sel):
+        order = request_order(tok, request)
+        if not len(order):
             raise RecorderError(f"{run_dir}: run {run.run_id!r} has no request {request}")
-        order = sel[np.argsort(np.asarray(tok["position"])[sel])]
         ids = np.asarray(tok["token_id"])[order]
         p = int(np.asarray(tok["is_prompt"])[order].sum())
         n = len(ids) - 1 if len(ids) > p else p  # the last generated token was never fed

@@ -42,12 +42,12 @@ from h2o_lens.errors import ImplementationError
 from h2o_lens.runtime import H2OSession
 from h2o_lens.shape import kv_sets
 from h2o_lens.tasks.attention_cases import PolicyCase
+from runlog.eviction_steps import evict_steps
+from runlog.manifest import read_manifest, write_manifest
+from runlog.run import RunWriter
+from runlog.store import load_run
 
-from .eviction_steps import evict_steps
-from .manifest import read_manifest, write_manifest
 from .recorder import Recording
-from .run import RunWriter
-from .store import load_run
 
 __all__ = ["write_policy_case", "case_kept_sets"]
 

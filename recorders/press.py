@@ -37,8 +37,7 @@ import torch
 
 from h2o_lens import presses as press_table
 from h2o_lens.errors import ConfigError
-
-from .errors import RecorderError, RecorderWarning
+from runlog.errors import RecorderError, RecorderWarning
 
 __all__ = ["is_press", "check_press", "press_spec", "build_press", "PressObserver", "prepare_press", "press_scope"]
 

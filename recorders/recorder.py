@@ -53,11 +53,11 @@ from h2o_lens.config import H2OConfig, pin_positions
 from h2o_lens.models import planned_positions, warn_past_context
 from h2o_lens.runtime import H2OSession, h2o
 from h2o_lens.speculative import SegmentEvent
+from runlog.errors import RecorderError
+from runlog.manifest import new_run_id
+from runlog.run import RunWriter
 
-from .errors import RecorderError
-from .manifest import new_run_id
 from .prompt_pass import PromptPass, PromptSink
-from .run import RunWriter
 
 __all__ = ["record", "record_teacher_forced", "Recording", "EvidenceSpec", "locate_evidence"]
 
@@ -884,7 +884,7 @@ class Recording:
 @contextlib.contextmanager
 def record(
     model: Any,
-    policy: Any = None,
+    config: Any = None,
     *,
     out: str,
     tokenizer: Any = None,
@@ -906,7 +906,7 @@ def record(
     Parameters
     ----------
     model : transformers causal LM
-    policy : H2OConfig (or its fields as keyword ``options``), or a kvpress press (or a
+    config : H2OConfig (or its fields as keyword ``options``), or a kvpress press (or a
         :class:`h2o_lens.presses.PressSpec`): the model then runs under ``with press(model):``
         and the run logs what the press kept, checked against its cache (DESIGN.md §17)
     out : runs root; the run is written to ``<out>/<run_id>/``
@@ -951,22 +951,22 @@ def record(
         rows_per_segment=rows_per_segment,
         annotate=annotate,
     )
-    if policy is None or isinstance(policy, H2OConfig):
+    if config is None or isinstance(config, H2OConfig):
         with _record(
-            model, policy, speculative=speculative, keep_prompt_pass=keep_prompt_pass, **common, **options
+            model, config, speculative=speculative, keep_prompt_pass=keep_prompt_pass, **common, **options
         ) as rec:
             yield rec
         return
     from .press import is_press, prepare_press, press_scope
 
-    if not is_press(policy):
-        raise RecorderError(f"record takes an H2OConfig or a kvpress press as its policy, got {type(policy).__name__}")
+    if not is_press(config):
+        raise RecorderError(f"record takes an H2OConfig or a kvpress press as its config, got {type(config).__name__}")
     pinned = pin_positions(options.pop("pinned", ()))
     if options:
         raise RecorderError(
             f"a press takes no keyword options but pinned (got {sorted(options)}); set its parameters on the press"
         )
-    press, manifest, prefix = prepare_press(policy)  # refused presses: before anything is written
+    press, manifest, prefix = prepare_press(config)  # refused presses: before anything is written
     if pinned:
         manifest["config"]["pinned"] = list(pinned)
     common["run_id"] = run_id if run_id is not None else new_run_id(prefix)
@@ -980,7 +980,7 @@ def record(
 @contextlib.contextmanager
 def _record(
     model: Any,
-    policy: H2OConfig | None = None,
+    given: H2OConfig | None = None,
     *,
     out: str,
     tokenizer: Any = None,
@@ -1003,9 +1003,9 @@ def _record(
     from h2o_lens.models import model_info
 
     compat.check_supported()  # before anything is written
-    config = policy if policy is not None else H2OConfig(**options)
-    if policy is not None and options:
-        raise RecorderError(f"give either a policy or keyword options, not both (got {sorted(options)})")
+    config = given if given is not None else H2OConfig(**options)
+    if given is not None and options:
+        raise RecorderError(f"give either a config or keyword options, not both (got {sorted(options)})")
     sizing = {"rows_per_segment": rows_per_segment} if rows_per_segment else {}
     manifest = dict(manifest or {})
     writer = RunWriter(
@@ -1079,7 +1079,7 @@ def _record(
 def record_teacher_forced(
     model: Any,
     source_dir: str | os.PathLike,
-    policy: H2OConfig,
+    config: H2OConfig,
     *,
     out: str,
     tokenizer: Any = None,
@@ -1094,7 +1094,7 @@ def record_teacher_forced(
     max, or two budgets) are compared on the same text. The new run carries
     ``source_run`` = the source run id and copies its evidence labels.
     """
-    from .store import load_run
+    from runlog.store import load_run, request_order
 
     src = load_run(source_dir, tables=("tokens",))
     tok = src["tokens"].to_pydict()
@@ -1102,10 +1102,9 @@ def record_teacher_forced(
     if not len(req):
         raise RecorderError(f"{source_dir}: the source run has no tokens to replay")
     info = {"source_run": src.run_id, "teacher_forced": True}
-    with record(model, policy, out=out, tokenizer=tokenizer, name=name, run_id=run_id, info=info, fsync=fsync) as rec:
+    with record(model, config, out=out, tokenizer=tokenizer, name=name, run_id=run_id, info=info, fsync=fsync) as rec:
         for r in sorted(set(req.tolist())):
-            sel = np.flatnonzero(req == r)
-            order = sel[np.argsort(np.asarray(tok["position"])[sel])]
+            order = request_order(tok, r)
             ids = np.asarray(tok["token_id"])[order]
             prompt = np.asarray(tok["is_prompt"])[order]
             labels = [tok["evidence"][i] for i in order[prompt]]

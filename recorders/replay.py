@@ -73,16 +73,16 @@ from h2o_lens.kernels import replay_masked_torch, replay_teacher_torch, resolve_
 from h2o_lens.kernels.replay import TEACHER_TILE_ROWS
 from h2o_lens.ops import prefill_attention
 from h2o_lens.shape import ModelShape, model_shape
+from runlog.contract import model_tag
+from runlog.errors import RecorderError
+from runlog.eviction_steps import evict_steps
+from runlog.manifest import read_manifest, write_manifest
+from runlog.recorded_model import check_model, model_source
+from runlog.schema import REPLAY_TABLES
+from runlog.segments import SEGMENT_RE, SegmentWriter, clean_temp_files, list_segments
+from runlog.store import load_run, request_order
 
-from .contract import model_tag
-from .errors import RecorderError
-from .eviction_steps import evict_steps
-from .manifest import read_manifest, write_manifest
 from .prompt_pass import PromptPass, PromptSink
-from .recorded_model import check_model, model_source
-from .schema import REPLAY_TABLES
-from .segments import SEGMENT_RE, SegmentWriter, clean_temp_files, list_segments
-from .store import load_run
 
 __all__ = [
     "replay",
@@ -382,10 +382,9 @@ def _new_state(run: _Run, shape: ModelShape, chunk: int, backend: str) -> _State
 def _request_tokens(run: _Run, request: int) -> tuple[np.ndarray, int, int]:
     """Token ids of ``request`` in position order, prompt length P and positions fed N."""
     tokens = run.tokens
-    sel = np.asarray(tokens["request"]) == request
-    pos = np.asarray(tokens["position"])[sel]
-    ids = np.asarray(tokens["token_id"])[sel][np.argsort(pos)]
-    p = int(np.asarray(tokens["is_prompt"])[sel].sum())
+    order = request_order(tokens, request)
+    ids = np.asarray(tokens["token_id"])[order]
+    p = int(np.asarray(tokens["is_prompt"])[order].sum())
     return ids, p, len(ids) - 1  # the last generated token was never fed to the model
 
 

@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from listing import relist
 
-from recorders import to_arrow, write_segment, write_synthetic_run
-from recorders.manifest import read_manifest, write_manifest
+from runlog import to_arrow, write_segment, write_synthetic_run
+from runlog.manifest import read_manifest, write_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = ("runs", "overview", "tokens", "heads", "dynamics", "evictions", "compare", "report", "sql")

@@ -25,8 +25,8 @@ def app_runs_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def large_root(tmp_path_factory) -> Path:
-    """A generated runs root of 300 runs (:func:`recorders.synthetic_root.make_root`)."""
-    from recorders.synthetic_root import make_root
+    """A generated runs root of 300 runs (:func:`runlog.synthetic_root.make_root`)."""
+    from runlog.synthetic_root import make_root
 
     return make_root(tmp_path_factory.mktemp("large") / "runs", 300, seed=1)
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from recorders.manifest import read_manifest, write_manifest
-from recorders.segments import SEGMENT_RE
+from runlog.manifest import read_manifest, write_manifest
+from runlog.segments import SEGMENT_RE
 
 
 def relist(run_dir: Path) -> None:

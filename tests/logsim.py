@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from recorders import RunWriter
+from runlog import RunWriter
 
 
 def random_attention(
@@ -242,7 +242,7 @@ def write_run(
     new_tokens: int | None = None,
     **info: Any,
 ) -> str:
-    """Write one run with :class:`recorders.RunWriter` from column dicts."""
+    """Write one run with :class:`runlog.RunWriter` from column dicts."""
     config = {"policy": policy, "heavy": heavy, "recent": recent, "gqa": gqa}
     if prompt_len is None:
         prompt_len = int(np.sum(tokens["is_prompt"]))

@@ -10,8 +10,8 @@ from listing import relist
 from logsim import h2o_log_from_attention, sim_tables, tokens_for, write_run
 
 import analyses
-from recorders import TABLES, open_runs, to_arrow
-from recorders.schema import META_SCHEMA_VERSION, SCHEMA_VERSION
+from runlog import TABLES, open_runs, to_arrow
+from runlog.schema import META_SCHEMA_VERSION, SCHEMA_VERSION
 
 
 def _replay(steps, masses, layer=0, q_heads=1):

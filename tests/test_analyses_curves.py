@@ -8,7 +8,7 @@ import pytest
 
 import analyses
 from analyses.curves import kv_footprint
-from recorders import RunWriter, open_runs
+from runlog import RunWriter, open_runs
 
 
 def _run(root, run_id, evicted, last, sets, policy="h2o"):

@@ -27,8 +27,8 @@ from tiny import tiny_model
 
 import recorders
 from h2o_lens import H2OConfig
-from recorders import open_runs
 from recorders.replay import replay
+from runlog import open_runs
 
 PROMPT, NEW, HEAVY, RECENT = 16, 12, 3, 3
 
@@ -232,7 +232,7 @@ def test_dropped_mass_and_head_coverage_percentiles(world):
 def test_promoted_and_left_recent_by_hand():
     """The worked example's step 11 with other weights: position 8 leaves the recent window
     with score 0.3 + 0.95 = 1.25 and survives; position 5 (1.2 + 0.04 = 1.24) is evicted."""
-    from h2o_lens import policy
+    from h2o_lens import eviction
 
     positions = torch.tensor([1, 3, 5, 8, 9, 10, 11])
     before = torch.tensor([2.4, 1.7, 1.2, 0.3, 0.2, 0.0, 0.0], dtype=torch.float64)
@@ -240,7 +240,7 @@ def test_promoted_and_left_recent_by_hand():
     scores = before + w  # 2.40, 1.70, 1.24, 1.25, 0.20, 0.00, 0.01
     eligible = positions <= 11 - 3
     victim = torch.tensor(2)  # position 5, the lowest eligible
-    stats = policy.step_stats(
+    stats = eviction.step_stats(
         scores[None], positions[None], eligible[None], victim[None], torch.tensor([True]), torch.tensor([11]), recent=3
     )
     assert stats.victim_position.item() == 5

@@ -11,8 +11,8 @@ from logsim import h2o_log_from_attention, random_attention, sim_tables, tokens_
 
 import analyses
 from analyses.errors import MissingColumnError, ParameterError, UnknownRunError
-from recorders import load_run, open_runs, to_arrow, write_synthetic_run
-from recorders.schema import META_SCHEMA_VERSION, SCHEMA_VERSION
+from runlog import load_run, open_runs, to_arrow, write_synthetic_run
+from runlog.schema import META_SCHEMA_VERSION, SCHEMA_VERSION
 
 N, P, HEAVY, RECENT, LAYERS, HQ, HKV = 48, 12, 4, 3, 2, 4, 2
 EVIDENCE = {3: "fact", 4: "fact", 9: "key"}

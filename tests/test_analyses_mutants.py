@@ -19,7 +19,7 @@ from logsim import tokens_for, write_run
 
 import analyses
 from analyses.errors import ParameterError
-from recorders import load_run, open_runs
+from runlog import load_run, open_runs
 
 # -- hand-built logs ---------------------------------------------------------------------------------
 

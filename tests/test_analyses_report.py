@@ -18,9 +18,9 @@ from plotly.offline import get_plotlyjs
 
 import analyses
 from analyses import ParameterError, Thresholds, build_report, report_data, write_report
-from recorders import open_runs, write_segment, write_synthetic_run
-from recorders.manifest import read_manifest, write_manifest
-from recorders.schema import TABLES
+from runlog import open_runs, write_segment, write_synthetic_run
+from runlog.manifest import read_manifest, write_manifest
+from runlog.schema import TABLES
 
 CHROMIUM = "/usr/bin/chromium"
 

@@ -25,7 +25,7 @@ from analyses import (
     run_sql,
     view_schemas,
 )
-from recorders import write_synthetic_run
+from runlog import write_synthetic_run
 
 
 @pytest.fixture(scope="module")

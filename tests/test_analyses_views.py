@@ -10,8 +10,8 @@ from listing import relist
 import analyses
 from analyses import views
 from analyses.errors import ParameterError
-from recorders import load_run, open_runs, to_arrow, write_segment, write_synthetic_run
-from recorders.manifest import read_manifest, write_manifest
+from runlog import load_run, open_runs, to_arrow, write_segment, write_synthetic_run
+from runlog.manifest import read_manifest, write_manifest
 
 SHAPE = dict(layers=3, kv_heads=2, steps=40, prompt_len=48, heavy=12, recent=12, fsync=False)
 

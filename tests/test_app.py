@@ -14,7 +14,7 @@ from app_runs import OUTSIDE, PAGES, REPO, TITLES
 from markdown_it import MarkdownIt
 
 from app.plain import code, md
-from recorders import write_synthetic_run
+from runlog import write_synthetic_run
 
 streamlit_testing = pytest.importorskip("streamlit.testing.v1")
 AppTest = streamlit_testing.AppTest
@@ -448,7 +448,7 @@ def test_the_server_warm_up_opens_the_root_the_first_session_uses(app_runs_root,
     def no_scan(*args, **kwargs):
         raise AssertionError("the warmed root was scanned again")
 
-    monkeypatch.setattr(state.recorders, "open_runs", no_scan)
+    monkeypatch.setattr(state.runlog, "open_runs", no_scan)
     assert state.connection.__wrapped__(root) is con and not state._WARM
 
 

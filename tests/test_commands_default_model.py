@@ -69,8 +69,8 @@ def test_real_model_budget_covering_sequence_equals_full_cache(smol, attn):
 
 
 def test_real_model_record_replay_and_evidence(smol, tmp_path):
-    from recorders import open_runs
     from recorders.replay import replay
+    from runlog import open_runs
 
     model, tok, enc = smol
     with recorders.record(
@@ -101,7 +101,7 @@ def test_real_model_padded_batch_replays_alike_from_its_prompt_pass_and_from_the
     the replay from the run folder alone, which forwards the prompts again as the same batch,
     write the same bits (DESIGN.md §6.1)."""
     from recorders.replay import replay
-    from recorders.store import load_run
+    from runlog.store import load_run
 
     model, tok, _ = smol
     side, tok.padding_side = tok.padding_side, "left"

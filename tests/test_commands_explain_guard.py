@@ -19,8 +19,8 @@ from commands.cli import main
 from h2o_lens import H2OConfig
 from h2o_lens.models import load_model
 from recorders.counterfactual import explain_request
-from recorders.manifest import read_manifest, write_manifest
 from recorders.replay import replay
+from runlog.manifest import read_manifest, write_manifest
 
 PROMPT = "Notes: the lab code is 4419. The cable goes to port 7. Lunch is at noon. What is the code?"
 

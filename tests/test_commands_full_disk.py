@@ -19,8 +19,8 @@ import pytest
 from tiny import save_tiny
 
 from commands.cli import main
-from recorders import read_manifest
-from recorders import segments as segments_module
+from runlog import read_manifest
+from runlog import segments as segments_module
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the quick brown fox jumps over the lazy dog and keeps running through the field "
@@ -147,7 +147,7 @@ def test_sweep_outputs_with_a_refused_rename_leave_no_temporary_file(tmp_path, m
     import pandas as pd
 
     from commands.jobs import write_sweep_outputs
-    from recorders import StorageError
+    from runlog import StorageError
 
     table = pd.DataFrame({"policy": ["h2o-sum"], "keep_ratio": [0.5], "accuracy": [1.0]})
     table.attrs.update(policy_of={"h2o-sum": "h2o"}, x="keep_ratio")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import analyses
-from recorders import open_runs
+from runlog import open_runs
 
 pytestmark = pytest.mark.model
 REPO = Path(__file__).resolve().parent.parent

@@ -16,9 +16,9 @@ from tiny import save_tiny
 
 from commands.cli import main
 from h2o_lens.models import model_fingerprint
-from recorders import read_manifest
-from recorders import recorded_model as recorded_model_module
-from recorders.manifest import write_manifest
+from runlog import read_manifest
+from runlog import recorded_model as recorded_model_module
+from runlog.manifest import write_manifest
 
 
 @pytest.fixture(scope="module")

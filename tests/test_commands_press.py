@@ -18,7 +18,7 @@ import time
 import pytest
 
 from h2o_lens.errors import ConfigError
-from recorders import open_runs
+from runlog import open_runs
 from tests.test_commands_sweep_grid import REPO, _cells_done, _cli, task_file, tiny_dir  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.compat
@@ -30,7 +30,7 @@ def kv():
 
 
 def test_press_policies_take_short_names_inline_arguments_and_press_args():
-    from commands.cli import sweep_grid
+    from commands.sweep import sweep_grid
 
     assert sweep_grid(["h2o,kvpress:snapkv,kvpress:streaming_llm"]) == (
         ("h2o", "sum"),
@@ -63,7 +63,7 @@ def test_press_policies_take_short_names_inline_arguments_and_press_args():
     ],
 )
 def test_bad_press_policies_are_refused_in_one_line(policies, press_args, message):
-    from commands.cli import sweep_grid
+    from commands.sweep import sweep_grid
 
     with pytest.raises(ConfigError) as err:
         sweep_grid(policies, None, press_args)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recorders import open_runs
+from runlog import open_runs
 from tests.tiny import tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -305,7 +305,7 @@ def test_a_cell_locked_by_another_sweep_is_left_to_it_and_a_failed_cell_is_redon
     # a failed run of the second cell, as a crashed earlier attempt leaves it
     (root / second.run_id).mkdir(parents=True)
     manifest = {"run_id": second.run_id, "status": "failed", "error": "boom", "error_type": "RuntimeError"}
-    from recorders.manifest import write_manifest
+    from runlog.manifest import write_manifest
 
     write_manifest(root / second.run_id, manifest)
     with _flock(root / LOCK_DIR / f"{first.run_id}.lock", wait=False) as mine:
@@ -324,7 +324,7 @@ def test_sweep_status_shows_a_failed_cell_with_its_error(tiny_dir, task_file, tm
     from h2o_lens.errors import ConfigError
     from h2o_lens.models import load_model
     from h2o_lens.tasks.builtins import resolve_tasks
-    from recorders.manifest import write_manifest
+    from runlog.manifest import write_manifest
 
     _, tok = load_model(tiny_dir, progress=False)
     grid = plan_grid(
@@ -379,8 +379,8 @@ def test_sweep_refuses_bad_input_before_loading_a_model(argv, message, tmp_path)
 
 
 def test_policy_lists_take_commas_repeats_and_gqa_lists():
-    from commands.cli import sweep_grid
     from commands.jobs import SWEEP_POLICIES
+    from commands.sweep import sweep_grid
 
     assert sweep_grid(None) == SWEEP_POLICIES  # the earlier default grid stays
     assert sweep_grid(["h2o,local", "sink"]) == (("h2o", "sum"), ("local", "sum"), ("sink", "sum"))
@@ -393,7 +393,7 @@ def test_policy_lists_take_commas_repeats_and_gqa_lists():
 
 
 def test_tasks_option_takes_a_spec_or_the_earlier_count(task_file):
-    from commands.cli import _task_source
+    from commands.options import task_source as _task_source
     from h2o_lens.errors import ConfigError
 
     assert _task_source(None, None, "builtin:demo") == ("builtin:demo", None)
@@ -496,7 +496,7 @@ def test_the_cells_of_a_batch_share_one_prompt_forward_and_record_what_they_woul
     from commands.grid import plan_grid, run_grid
     from h2o_lens.models import load_model
     from h2o_lens.tasks.builtins import resolve_tasks
-    from recorders.segments import list_segments
+    from runlog.segments import list_segments
 
     model, tok = load_model(tiny_dir, dtype=torch.float32, progress=False)
     tasks = resolve_tasks(str(task_file))

@@ -15,7 +15,7 @@ from commands import grid as grid_module
 from commands.grid import cell_state, grid_status, plan_grid, run_grid
 from h2o_lens.models import load_model
 from h2o_lens.tasks.taskfile import FileTask
-from recorders import open_runs, read_manifest, replay_complete
+from runlog import open_runs, read_manifest, replay_complete
 
 TASKS = [
     FileTask(name="code", prompt="Notes: the lab code is 4419. The cable goes to port 7. What is the code?",

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recorders import open_runs
+from runlog import open_runs
 from tests.test_commands_sweep_grid import REQUESTS, _byte_tokenizer, _per_request
 from tests.tiny import tiny_model
 
@@ -248,7 +248,7 @@ def test_bench_sweep_on_ray_prints_both_executors_the_ratio_and_the_overhead(ray
 def test_a_cell_whose_worker_was_lost_is_left_failed_with_the_error(tmp_path):
     from commands.grid import LOCK_DIR, _flock, cell_state, fail_cell, grid_status, plan_grid, write_plan
     from h2o_lens.tasks.builtins import resolve_tasks
-    from recorders.manifest import process_identity, read_manifest, write_manifest
+    from runlog.manifest import process_identity, read_manifest, write_manifest
 
     tasks = resolve_tasks(str(_task_file(tmp_path / "tasks.jsonl", REQUESTS)))
     tok = _byte_tokenizer()

@@ -296,7 +296,7 @@ def test_only_the_compatibility_module_asks_for_the_transformers_version():
     )
     found = [
         f"{path.relative_to(root)}:{n}"
-        for package in ("h2o_lens", "recorders", "analyses", "app", "commands")
+        for package in ("h2o_lens", "runlog", "recorders", "analyses", "app", "commands")
         for path in sorted((root / package).rglob("*.py"))
         if path.name != "compat.py" or path.parent.name != "h2o_lens"
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)

@@ -1,7 +1,7 @@
 """No import cycles inside the packages (docs/DESIGN.md §1), lazy imports included.
 
 The layer test keeps imports pointing down between packages; this one reads every import of
-every module of ``h2o_lens``, ``recorders``, ``analyses``, ``app`` and ``commands`` (at the top,
+every module of ``h2o_lens``, ``runlog``, ``recorders``, ``analyses``, ``app`` and ``commands`` (at the top,
 inside functions, under ``TYPE_CHECKING``, and ``importlib.import_module`` of a module path
 written in the source) into one graph of modules and fails on any cycle, naming its modules and
 the lines that import. A lazy import only hides a cycle from the interpreter; the modules still
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("h2o_lens", "recorders", "analyses", "app", "commands")
+PACKAGES = ("h2o_lens", "runlog", "recorders", "analyses", "app", "commands")
 
 
 def modules(root: Path, files: list[str] | None = None) -> dict[str, tuple[Path, bool]]:

@@ -48,10 +48,10 @@ def test_make_gpu_check_runs_the_script_alone():
 
 
 def test_kernel_tests_import_no_recorders_or_duckdb():
-    """The shared conftest pulls the dashboard's runs root (recorders, pyarrow, DuckDB) only in its fixture."""
+    """The shared conftest pulls the dashboard's runs root (runlog, recorders, pyarrow, DuckDB) only in its fixture."""
     code = (
         "import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import conftest; "
-        "print(sorted(m for m in ('app_runs', 'recorders', 'duckdb', 'pyarrow') if m in sys.modules))"
+        "print(sorted(m for m in ('app_runs', 'runlog', 'recorders', 'duckdb', 'pyarrow') if m in sys.modules))"
     )
     res = subprocess.run(
         [sys.executable, "-c", code, str(REPO / "tests"), str(REPO)], capture_output=True, text=True, check=True

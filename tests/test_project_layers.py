@@ -1,9 +1,11 @@
 """The dependency direction of the packages (docs/DESIGN.md §1), read from the source.
 
-``commands → app → analyses → recorders → h2o_lens``: a module may import its
-own layer and the layers below it, never one above, lazily (inside a function)
-or not, and never by a module path in a string (``importlib.import_module``).
-Only ``commands`` may import from every layer.
+``commands → app → analyses → recorders → runlog → h2o_lens``: a module may
+import its own layer and the layers below it, never one above, lazily (inside a
+function) or not, and never by a module path in a string
+(``importlib.import_module``). Only ``commands`` may import from every layer.
+``analyses`` and ``app`` read logs through ``runlog`` alone, never the model
+drivers of ``recorders``, and ``runlog`` never imports torch or transformers.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: rank of each top-level package; a module may import packages of rank <= its own
-LAYERS = {"h2o_lens": 0, "recorders": 1, "analyses": 2, "app": 3, "commands": 4}
+LAYERS = {"h2o_lens": 0, "runlog": 1, "recorders": 2, "analyses": 3, "app": 4, "commands": 5}
 _MODULE_PATH = re.compile(r"^({})(\.[A-Za-z_][A-Za-z0-9_]*)*$".format("|".join(LAYERS)))
 
 
@@ -76,6 +79,45 @@ def test_no_module_imports_a_layer_above_its_own():
     paths = _modules()
     assert len(paths) > 50, "the module list is suspiciously short"
     assert upward_imports(paths) == []
+
+
+def test_analyses_and_app_read_logs_through_runlog_never_the_drivers():
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in _modules()
+        if _package(path) in ("analyses", "app")
+        for line, pkg in imported_packages(path)
+        if pkg == "recorders"
+    ]
+    assert bad == []
+
+
+def _torch_imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+    heavy = ("torch", "transformers", "triton")
+    return [f"{path.relative_to(ROOT)} imports {n}" for n in names if n.split(".")[0] in heavy]
+
+
+def test_runlog_never_imports_torch():
+    paths = [p for p in _modules() if _package(p) == "runlog"]
+    assert len(paths) >= 10
+    assert [bad for p in paths for bad in _torch_imports(p)] == []
+    # nor through a module of the runtime: every runlog module imported, torch stays unloaded
+    names = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in paths)
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted({'torch', 'transformers', 'triton'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_commands_is_the_only_layer_that_reaches_every_other():

@@ -15,7 +15,7 @@ from pathlib import Path
 from h2o_lens import policies
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = ("h2o_lens", "recorders", "analyses", "app", "commands")
+LAYERS = ("h2o_lens", "runlog", "recorders", "analyses", "app", "commands")
 #: comparisons with a word that is a policy name but means something else there: (file, word)
 NOT_POLICIES = {("h2o_lens/kernels/aot.py", "full")}
 

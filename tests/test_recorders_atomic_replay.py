@@ -22,9 +22,9 @@ from tiny import save_tiny
 import recorders
 from h2o_lens import H2OConfig
 from h2o_lens.models import load_model
-from recorders import StorageError, open_runs, read_manifest, replay_complete
-from recorders import segments as segments_module
 from recorders.replay import replay
+from runlog import StorageError, open_runs, read_manifest, replay_complete
+from runlog import segments as segments_module
 
 REPO = Path(__file__).resolve().parents[1]
 

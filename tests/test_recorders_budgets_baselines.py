@@ -12,7 +12,7 @@ from tiny import tiny_model
 import h2o_lens
 import recorders
 from h2o_lens import H2OConfig
-from recorders import open_runs, read_manifest
+from runlog import open_runs, read_manifest
 
 LENS = (10, 30, 18)  # the request under test is the first; mates longer and shorter
 

@@ -20,6 +20,7 @@ from starvation import budget_starvation
 from tiny import tiny_model
 
 import recorders
+import runlog
 from analyses import budget_distribution, causal_verdicts, connect, counterfactual_runs
 from h2o_lens import H2OConfig
 from h2o_lens.tasks import policy_case
@@ -181,7 +182,7 @@ def test_a_crashing_counterfactual_leaves_the_parent_untouched_and_is_named(tmp_
     parent = tmp_path / run.run_id
     before = _tree_digest(parent)
 
-    from recorders.oracle import OracleTeacher
+    from recorders.oracle_runs import OracleTeacher
 
     def boom(self, *args, **kwargs):
         raise RuntimeError("the oracle blew up")
@@ -246,8 +247,8 @@ def test_explain_copies_the_roots_full_run_and_forwards_the_prompt_once(tmp_path
         hook.remove()
     full = ex.outcomes["full"]
     assert ex.full_copied_from == source.name and full.ran
-    copied = recorders.load_run(tmp_path / full.run_id, tables=("tokens", "requests"))
-    original = recorders.load_run(source, tables=("tokens", "requests"))
+    copied = runlog.load_run(tmp_path / full.run_id, tables=("tokens", "requests"))
+    original = runlog.load_run(source, tables=("tokens", "requests"))
     assert copied.manifest["copied_from"] == {"run": source.name, "request": 0}
     assert copied["tokens"]["token_id"].to_pylist() == original["tokens"]["token_id"].to_pylist()
     assert full.answer == original["requests"]["answer"][0].as_py()
@@ -268,10 +269,10 @@ def test_explain_copies_the_roots_full_run_and_forwards_the_prompt_once(tmp_path
 
 
 def test_a_full_run_with_other_decoding_is_not_copied(tmp_path):
-    from recorders.manifest import write_manifest
+    from runlog.manifest import write_manifest
 
     model, tok, source, parent = _tiny_runs(tmp_path)
-    manifest = recorders.read_manifest(source)
+    manifest = runlog.read_manifest(source)
     manifest["decoding"]["max_new_tokens"] = 9
     write_manifest(source, manifest)
     ex = explain_request(model, tok, parent, 0, bisect=False, replay=False)
@@ -284,7 +285,7 @@ def test_an_oracle_judged_teacher_forced_is_not_judged_and_is_recorded_again(tmp
     explaining again records the oracle's own answer."""
     from commands.explain import format_verdicts
     from recorders.counterfactual import _link, load_parent
-    from recorders.oracle import OracleTeacher
+    from recorders.oracle_runs import OracleTeacher
 
     model, tok, _, parent_dir = _tiny_runs(tmp_path, full=False)
     ex = explain_request(model, tok, parent_dir, 0, bisect=False, replay=False)
@@ -303,7 +304,7 @@ def test_an_oracle_judged_teacher_forced_is_not_judged_and_is_recorded_again(tmp
     line = next(x for x in shown.splitlines() if x.strip().startswith("oracle "))
     assert "NO" not in line.split() and "not judged: oracle" in shown
     again = explain_request(model, tok, parent_dir, 0, bisect=False, replay=False)
-    manifest = recorders.read_manifest(tmp_path / again.outcomes["oracle"].run_id)
+    manifest = runlog.read_manifest(tmp_path / again.outcomes["oracle"].run_id)
     assert manifest["oracle"]["answer"] == "own" and not manifest.get("teacher_forced")
     (v,) = causal_verdicts(connect(tmp_path), ex.parent_run)
     assert "oracle" in v.passes and not v.could_not_run

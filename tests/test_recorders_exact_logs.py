@@ -15,8 +15,6 @@ import h2o_lens
 import recorders
 from analyses import Thresholds
 from h2o_lens import H2OConfig
-from recorders import load_run, open_runs, read_manifest
-from recorders.errors import RecorderError
 from recorders.recorder import record_teacher_forced
 from recorders.replay import (
     DEFAULT_TOLERANCE,
@@ -24,6 +22,8 @@ from recorders.replay import (
     implementation_tolerance,
     replay,
 )
+from runlog import load_run, open_runs, read_manifest
+from runlog.errors import RecorderError
 
 CFG = H2OConfig(heavy=4, recent=3)
 

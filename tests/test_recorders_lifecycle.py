@@ -18,10 +18,11 @@ from tiny import tiny_model
 
 import analyses
 import recorders
+import runlog
 from h2o_lens import H2OConfig
-from recorders import list_segments, read_manifest
 from recorders.lifecycle import check_lifecycle
-from recorders.manifest import write_manifest
+from runlog import list_segments, read_manifest
+from runlog.manifest import write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,7 +164,7 @@ def test_the_check_refuses_to_run_where_caches_get_another_layer_class(tmp_path)
 
     model = tiny_model("llama")
     run = _record(model, H2OConfig(heavy=4, recent=3), tmp_path, new=4)
-    with inject("prefix_without_copy"), pytest.raises(recorders.RecorderError, match="FaultyLayer"):
+    with inject("prefix_without_copy"), pytest.raises(runlog.RecorderError, match="FaultyLayer"):
         check_lifecycle(run.run_dir, model)
     assert check_lifecycle(run.run_dir, model, tolerance=0.0).ok  # outside the block it runs
 
@@ -203,8 +204,8 @@ def test_cli_check_exit_codes(tmp_path):
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
 def test_a_negative_or_infinite_tolerance_is_refused_before_anything_is_read(tmp_path, bad):
-    from recorders.errors import RecorderError
     from recorders.lifecycle import check_lifecycle
+    from runlog.errors import RecorderError
 
     with pytest.raises(RecorderError, match="near-tie bound"):
         check_lifecycle(tmp_path / "no-such-run", tolerance=bad)

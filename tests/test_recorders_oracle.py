@@ -17,14 +17,15 @@ import torch
 from tiny import tiny_model
 
 import recorders
+import runlog
 from h2o_lens import H2OConfig
+from h2o_lens.hindsight import schedule, teacher_scores
 from h2o_lens.hooks import attention_implementation
-from h2o_lens.oracle import schedule, teacher_scores
 from h2o_lens.policies import oracle
-from recorders import load_run, read_manifest
-from recorders.eviction_steps import evict_steps
-from recorders.oracle import OracleTeacher
+from recorders.oracle_runs import OracleTeacher
 from recorders.replay import replay
+from runlog import load_run, read_manifest
+from runlog.eviction_steps import evict_steps
 
 PROMPT, NEW = 24, 12
 
@@ -160,15 +161,15 @@ def test_the_teacher_forward_runs_once_for_several_budgets(setup):
 
 def test_bad_input_is_refused(setup):
     model, _, full = setup
-    with pytest.raises(recorders.RecorderError, match="no request 3 in the run's tokens; it has \\[0\\]"):
+    with pytest.raises(runlog.RecorderError, match="no request 3 in the run's tokens; it has \\[0\\]"):
         OracleTeacher(model, full, request=3)
-    with pytest.raises(recorders.RecorderError, match="unknown gqa 'mean'"):
+    with pytest.raises(runlog.RecorderError, match="unknown gqa 'mean'"):
         OracleTeacher(model, full, gqa="mean")
-    with pytest.raises(recorders.RecorderError, match="unknown departure rule 'stop'; expected one of replan, h2o"):
+    with pytest.raises(runlog.RecorderError, match="unknown departure rule 'stop'; expected one of replan, h2o"):
         OracleTeacher(model, full, departure="stop")
     teacher = OracleTeacher(model, full)
     for bad in (0, 2.5, True):
-        with pytest.raises(recorders.RecorderError, match="slots must be a whole number >= 1"):
+        with pytest.raises(runlog.RecorderError, match="slots must be a whole number >= 1"):
             teacher.check(bad)
 
 

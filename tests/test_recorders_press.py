@@ -20,9 +20,10 @@ import torch
 from tiny import left_padded, tiny_model
 
 import recorders
+import runlog
 from h2o_lens import presses
 from h2o_lens.errors import ConfigError, MissingExtraError
-from recorders.errors import RecorderError
+from runlog.errors import RecorderError
 
 pytestmark = pytest.mark.compat
 
@@ -91,7 +92,7 @@ def test_kept_positions_are_the_keys_the_press_left(kv, model, name, tmp_path):
             input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0,
             return_dict_in_generate=True,
         )  # fmt: skip
-    run = recorders.load_run(rec.run_dir)
+    run = runlog.load_run(rec.run_dir)
     assert run.manifest["status"] == "complete"
     assert run.manifest["policy"] == presses.policy_text(type(press).__name__, recorders.press.press_spec(press).kwargs)
     full = _full_keys(model, ids, mask)
@@ -123,7 +124,7 @@ def test_a_press_spec_records_like_the_press_and_names_its_policy(kv, model, tmp
     ids, mask = left_padded([20], seed=1)
     with recorders.record(model, spec, out=tmp_path, fsync=False) as rec, torch.no_grad():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    con = recorders.open_runs(tmp_path)
+    con = runlog.open_runs(tmp_path)
     ((policy, keep, backend),) = con.sql("SELECT policy, keep_ratio, backend FROM runs").fetchall()
     assert policy == "kvpress:SnapKVPress(compression_ratio=0.6, window_size=4, kernel_size=5)"
     assert keep == pytest.approx(0.4) and backend == "kvpress"
@@ -140,7 +141,7 @@ def test_a_decoding_press_logs_its_decode_evictions(kv, model, tmp_path):
             input_ids=ids, attention_mask=mask, max_new_tokens=9, min_new_tokens=9, do_sample=False, pad_token_id=0,
             return_dict_in_generate=True,
         )  # fmt: skip
-    run = recorders.load_run(rec.run_dir)
+    run = runlog.load_run(rec.run_dir)
     ev = run["evictions"].to_pandas()
     assert set(ev.phase) == {"decode"}
     steps = run["steps"].to_pandas()
@@ -175,7 +176,7 @@ def test_a_press_keeping_other_keys_than_its_choice_fails_loudly(kv, model, tmp_
         with recorders.record(model, press, out=tmp_path, fsync=False), torch.no_grad():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
     (run_dir,) = tmp_path.iterdir()
-    assert recorders.read_manifest(run_dir)["status"] == "failed"
+    assert runlog.read_manifest(run_dir)["status"] == "failed"
     assert not {"score", "compress", "forward_hook"} & set(vars(press)), "the press is put back"
     assert "generate" not in vars(model) and not model.model.layers[0].self_attn._forward_hooks
 
@@ -234,7 +235,7 @@ def test_a_press_run_replays_within_the_implementation_check(kv, name, tmp_path)
     summary = replay(rec.run_dir, model=model, progress=False)
     assert summary.implementation_ok and summary.max_logit_diff <= summary.tolerance, summary
     assert summary.mean_dropped_mass > 0  # the generated rows lost attention to what the press dropped
-    con = recorders.open_runs(tmp_path)
+    con = runlog.open_runs(tmp_path)
     ((policy, diff),) = con.sql("SELECT policy, max_logit_diff FROM runs").fetchall()
     assert policy.startswith(f"kvpress:{type(press).__name__}(") and diff == pytest.approx(summary.max_logit_diff)
     assert con.sql("SELECT count(*) FROM replay WHERE dropped_mass > 0").fetchall()[0][0] > 0
@@ -247,7 +248,7 @@ def test_a_padded_batch_decoding_after_a_press_warns_and_fails_the_check(kv, tmp
 
     model = tiny_model("llama", q_heads=4, kv_heads=2)
     ids, mask = left_padded([30, 22], seed=5)
-    with pytest.warns(recorders.RecorderWarning, match="left-padded batch"):
+    with pytest.warns(runlog.RecorderWarning, match="left-padded batch"):
         with recorders.record(model, kv.SnapKVPress(compression_ratio=0.5, window_size=4), out=tmp_path) as rec:
             with torch.no_grad():
                 model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -283,7 +284,7 @@ def test_default_model_kept_sets_are_its_cache(kv, default_model, name, tmp_path
         out = model.generate(
             **enc, max_new_tokens=1, do_sample=False, pad_token_id=tok.pad_token_id, return_dict_in_generate=True
         )
-    run = recorders.load_run(rec.run_dir)
+    run = runlog.load_run(rec.run_dir)
     previous = model.config._attn_implementation
     if name == "observed_attention":  # it ran under eager attention (DESIGN.md §17): so must the reference
         model.set_attn_implementation("eager")
@@ -323,7 +324,7 @@ def test_default_model_snapkv_run_replays_within_the_implementation_check(kv, de
         model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
     summary = replay(rec.run_dir, model=model, progress=False)
     assert summary.implementation_ok and summary.max_logit_diff <= summary.tolerance, summary
-    con = recorders.open_runs(tmp_path)
+    con = runlog.open_runs(tmp_path)
     ((policy, ok),) = con.sql("SELECT policy, max_logit_diff <= logit_tolerance FROM runs").fetchall()
     assert policy == "kvpress:SnapKVPress(compression_ratio=0.6, window_size=64, kernel_size=5)" and ok
 
@@ -391,7 +392,7 @@ def test_explain_on_a_failed_snapkv_request_returns_a_verdict_with_its_runs(kv, 
     ):
         model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert replay(rec.run_dir, model=model, progress=False).implementation_ok
-    parent = recorders.load_run(rec.run_dir)
+    parent = runlog.load_run(rec.run_dir)
     slots = int(40 * (1 - 0.8))
 
     ex = explain_request(model, tok, rec.run_dir, 0, resolution=0.1)
@@ -401,7 +402,7 @@ def test_explain_on_a_failed_snapkv_request_returns_a_verdict_with_its_runs(kv, 
     assert pinned.ran and oracle.ran and budget.ran and ex.outcomes["oracle_budget"].ran
 
     # pinned: the same press at the same count, the evidence never evicted
-    runs = {k: recorders.load_run(tmp_path / o.run_id) for k, o in ex.outcomes.items() if o.run_id}
+    runs = {k: runlog.load_run(tmp_path / o.run_id) for k, o in ex.outcomes.items() if o.run_id}
     evidence = [12, 13, 14, 15]
     assert runs["pinned"].manifest["policy"] == parent.manifest["policy"]
     assert runs["pinned"].manifest["config"]["pinned"] == evidence
@@ -462,7 +463,7 @@ def test_default_model_explains_a_failed_snapkv_request(kv, default_model, tmp_p
     prompt_len = ex.prompt_len
     assert ex.slots == int(prompt_len * 0.5)
     assert ex.outcomes["full"].passed and ex.outcomes["pinned"].ran and ex.outcomes["oracle"].ran
-    pinned = recorders.load_run(tmp_path / ex.outcomes["pinned"].run_id)
+    pinned = runlog.load_run(tmp_path / ex.outcomes["pinned"].run_id)
     evidence = pinned.manifest["config"]["pinned"]
     assert evidence and not pinned["evictions"].to_pandas().position.isin(evidence).any()
     (v,) = causal_verdicts(connect(tmp_path), parent.run_id)

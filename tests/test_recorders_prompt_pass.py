@@ -16,10 +16,10 @@ from tiny import left_padded, tiny_model
 
 import recorders
 from h2o_lens import H2OConfig
-from recorders.manifest import read_manifest
 from recorders.prompt_pass import PromptPass
 from recorders.replay import replay
-from recorders.store import load_run
+from runlog.manifest import read_manifest
+from runlog.store import load_run
 
 TABLES = ("replay", "replay_steps", "oracle")
 

@@ -16,9 +16,9 @@ from tiny import tiny_model
 
 import recorders
 from h2o_lens import H2OConfig
-from recorders import list_runs, load_run, open_runs, read_manifest
 from recorders.recorder import locate_evidence, record_teacher_forced
 from recorders.replay import replay
+from runlog import list_runs, load_run, open_runs, read_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,8 +18,8 @@ from tiny import tiny_model
 import recorders
 from h2o_lens import H2OConfig
 from h2o_lens.hooks import attention_implementation
-from recorders import open_runs
 from recorders.replay import replay
+from runlog import open_runs
 
 NEVER = 10**9
 

@@ -2,8 +2,8 @@
 
 A brute-force oracle written with explicit loops over steps and candidates (no shared helper)
 pins the definition; the reference (:func:`h2o_lens.policies.oracle.simulate`), the schedule
-computed from a teacher table (:func:`h2o_lens.oracle.schedule`) and the torch runtime's
-prefill and decode step under :func:`h2o_lens.oracle.teacher_scores` must keep exactly its sets
+computed from a teacher table (:func:`h2o_lens.hindsight.schedule`) and the torch runtime's
+prefill and decode step under :func:`h2o_lens.hindsight.teacher_scores` must keep exactly its sets
 on random logits, in FP64.
 """
 
@@ -20,8 +20,8 @@ from runtime_utils import slot_kept_sets
 from tiny import tiny_model
 
 import h2o_lens
-from h2o_lens import ConfigError, H2OConfig, ops, policies, policy
-from h2o_lens.oracle import (
+from h2o_lens import ConfigError, H2OConfig, eviction, ops, policies
+from h2o_lens.hindsight import (
     NEVER,
     TeacherTable,
     active_table,
@@ -84,7 +84,7 @@ def runtime_sets(q, k, v, prefill: int, slots: int, gqa: str, table: TeacherTabl
     pos = torch.arange(prefill, dtype=torch.int32)[None, None]
     with teacher_scores(table):
         scores, _ = ops.prefill_scores(None, None, pos, args, dtype=torch.float64, group=q.shape[1])
-        keep = policy.prefill_keep(scores, pos, args.heavy, args.recent)
+        keep = eviction.prefill_keep(scores, pos, args.heavy, args.recent)
         return slot_kept_sets(q, k, v, prefill, args, scores, keep)
 
 

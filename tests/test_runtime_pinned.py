@@ -1,6 +1,6 @@
 """Pinned positions (DESIGN.md §2.11): never evicted, in slots taken out of the budget.
 
-The config's split rule and errors; the shared rules of ``h2o_lens.policy`` with pins; the
+The config's split rule and errors; the shared rules of ``h2o_lens.eviction`` with pins; the
 torch ops and the runtime against the FP64 references (h2o, heavy, tova, scissorhands) and
 against a direct model of the unscored policies (local, sink); invariants for every evicting
 policy; a recorded pinned run whose replay passes the implementation check.
@@ -20,11 +20,11 @@ from tiny import tiny_model
 
 import h2o_lens
 import recorders
-from h2o_lens import H2OConfig, ops, policies, policy
+from h2o_lens import H2OConfig, eviction, ops, policies
 from h2o_lens.config import pin
 from h2o_lens.errors import ConfigError
-from recorders import open_runs, read_manifest
 from recorders.replay import replay
+from runlog import open_runs, read_manifest
 
 VOCAB = 256
 REFERENCED = ("h2o", "heavy", "tova", "scissorhands")  # policies with an FP64 reference
@@ -134,11 +134,11 @@ def test_rules_never_choose_a_pinned_position():
     pos = torch.arange(10)
     pins = torch.tensor([0, 8])
     scores = torch.tensor([0.0, 1, 2, 3, 4, 9, 5, 6, 7, 8])
-    keep = policy.prefill_keep(scores, pos, heavy=1, recent=2, pinned=pins)
+    keep = eviction.prefill_keep(scores, pos, heavy=1, recent=2, pinned=pins)
     assert pos[keep].tolist() == [0, 5, 8, 9]  # pin 8 inside the window counts once
-    elig = policy.eligible_mask(pos, 9, 2, pinned=pins)
+    elig = eviction.eligible_mask(pos, 9, 2, pinned=pins)
     assert pos[elig].tolist() == [1, 2, 3, 4, 5, 6, 7]
-    victim, found = policy.select_victim(scores, pos, policy.eligible_mask(pos, 12, 0, pinned=pins))
+    victim, found = eviction.select_victim(scores, pos, eviction.eligible_mask(pos, 12, 0, pinned=pins))
     assert bool(found) and int(victim) == 1  # position 0 has the lowest score but is pinned
 
 
@@ -180,7 +180,7 @@ def test_torch_ops_equal_reference_with_pins(n, prefill, heavy, recent, group, g
     columns = ops.prefill_attention(qp, kp, vp, None, 1.0, gqa, chunk=5)[1] if spec.prefill == "columns" else None
     rows = ops.prefill_rows(qp, kp, None, 1.0, gqa, spec.prefill_rows) if spec.prefill == "rows" else None
     scores, hist = ops.prefill_scores(columns, rows, pos, args, dtype=torch.float64, group=group)
-    keep = policy.prefill_keep(scores, pos, heavy, recent, 0, args.pins(pos))
+    keep = eviction.prefill_keep(scores, pos, heavy, recent, 0, args.pins(pos))
     sets = slot_kept_sets(q, k, v, prefill, args, scores, keep, hist if spec.history else None)
     assert sets[0] == expected[0]
     for t in range(prefill, n):

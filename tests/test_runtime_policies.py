@@ -214,8 +214,9 @@ def test_analyses_read_scored_and_colours_from_the_registry():
 
 
 def test_sweep_grid_from_the_command_line(capsys):
-    from commands.cli import main, sweep_grid
+    from commands.cli import main
     from commands.jobs import SWEEP_POLICIES
+    from commands.sweep import sweep_grid
 
     assert (
         sweep_grid(None)

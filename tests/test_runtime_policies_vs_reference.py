@@ -16,7 +16,7 @@ from runtime_utils import KeptRecorder, assert_same_sets, capture_qk, reference_
 from tiny import tiny_model
 
 import h2o_lens
-from h2o_lens import H2OConfig, ops, policies, policy
+from h2o_lens import H2OConfig, eviction, ops, policies
 from h2o_lens.policies import scissorhands
 
 VOCAB = 256
@@ -144,7 +144,7 @@ def test_torch_ops_equal_reference(n, prefill, heavy, recent, group, gqa, name, 
     rows = ops.prefill_rows(q[:, :, :prefill], k[:, :, :prefill], None, 1.0, gqa, spec.prefill_rows)
     pos = torch.arange(prefill, dtype=torch.int32)[None, None]
     scores, hist = ops.prefill_scores(None, rows, pos, args, dtype=torch.float64, group=group)
-    keep = policy.prefill_keep(scores, pos, heavy, recent)
+    keep = eviction.prefill_keep(scores, pos, heavy, recent)
     sets = slot_kept_sets(q, k, v, prefill, args, scores, keep, hist if spec.history else None)
     assert sets[0] == expected[0]
     for t in range(prefill, n):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from runtime_utils import slot_kept_sets
 
-from h2o_lens import policy
+from h2o_lens import eviction
 from h2o_lens.config import H2OConfig
 from h2o_lens.errors import ConfigError
 from h2o_lens.ops import PolicyArgs, decode_step
@@ -23,13 +23,13 @@ def test_worked_example_through_policy():
     weights = torch.tensor([0.20, 0.05, 0.02, 0.08, 0.15, 0.30, 0.20], dtype=torch.float64)
     scores = scores + weights
     assert torch.allclose(scores, torch.tensor([2.60, 1.75, 1.22, 0.38, 0.35, 0.30, 0.20], dtype=torch.float64))
-    eligible = policy.eligible_mask(positions, 11, recent=3)
+    eligible = eviction.eligible_mask(positions, 11, recent=3)
     assert positions[eligible].tolist() == [1, 3, 5, 8]
-    victim, found = policy.select_victim(scores, positions, eligible)
+    victim, found = eviction.select_victim(scores, positions, eligible)
     assert bool(found) and positions[victim].item() == 8
     kept = sorted(set(positions.tolist()) - {8})
     assert kept == [1, 3, 5, 9, 10, 11]
-    stats = policy.step_stats(
+    stats = eviction.step_stats(
         scores[None], positions[None], eligible[None], victim[None], torch.tensor([True]), torch.tensor([11]), recent=3
     )
     assert stats.victim_position.item() == 8
@@ -88,9 +88,9 @@ def test_ties_evict_older_and_keep_newer():
     pos = torch.tensor([5, 2, 9, 7])
     s = torch.tensor([1.0, 1.0, 1.0, 3.0])
     el = torch.tensor([True, True, True, True])
-    v, _ = policy.select_victim(s, pos, el)
+    v, _ = eviction.select_victim(s, pos, el)
     assert pos[v].item() == 2
-    keep = policy.prefill_keep(torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0]), torch.arange(5), heavy=2, recent=1)
+    keep = eviction.prefill_keep(torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0]), torch.arange(5), heavy=2, recent=1)
     assert torch.arange(5)[keep].tolist() == [2, 3, 4]  # ties keep the newer: 3 and 2, recent: 4
     # the reference follows the same rules
     kept = simulate(np.zeros((1, 6, 6)), prefill=6, heavy=0, recent=2)
@@ -99,9 +99,9 @@ def test_ties_evict_older_and_keep_newer():
 
 def test_gqa_aggregation():
     w = torch.tensor([[[0.5, 0.5, 0.0], [0.1, 0.2, 0.7]]])  # (1, Hq=2, K=3)
-    assert torch.allclose(policy.aggregate_heads(w, 2, "sum"), torch.tensor([[[0.6, 0.7, 0.7]]]))
-    assert torch.allclose(policy.aggregate_heads(w, 2, "max"), torch.tensor([[[0.5, 0.5, 0.7]]]))
-    assert policy.aggregate_heads(w, 2, "none") is w
+    assert torch.allclose(eviction.aggregate_heads(w, 2, "sum"), torch.tensor([[[0.6, 0.7, 0.7]]]))
+    assert torch.allclose(eviction.aggregate_heads(w, 2, "max"), torch.tensor([[[0.5, 0.5, 0.7]]]))
+    assert eviction.aggregate_heads(w, 2, "none") is w
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)

@@ -185,9 +185,9 @@ def test_a_recording_from_a_reused_prompt_forward_is_the_recording_of_its_own(tm
     forwards again) and the replay tables are the same."""
     import pandas as pd
 
-    from recorders.manifest import read_manifest
     from recorders.replay import replay
-    from recorders.store import load_run
+    from runlog.manifest import read_manifest
+    from runlog.store import load_run
 
     model = tiny_model("llama", layers=3)
     ids, mask = _prompts()

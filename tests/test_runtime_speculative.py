@@ -278,8 +278,8 @@ def _rows(con, sql, run_id):
 def test_recorder_logs_only_what_stood_and_the_segments(tmp_path, recent, monkeypatch):
     """With a recent window of 4 the segments of 4 tokens are verified at once (DESIGN.md §14.1),
     with 2 step by step; either way the log is plain greedy's."""
-    from recorders import open_runs
     from recorders.replay import replay
+    from runlog import open_runs
 
     at_once = []
     run_batched = h2o_lens.speculative.run_batched
@@ -335,7 +335,7 @@ def test_recorder_logs_only_what_stood_and_the_segments(tmp_path, recent, monkey
 
 
 def test_spec_views_exist_over_runs_written_before_them():
-    from recorders import open_runs
+    from runlog import open_runs
 
     con = open_runs(Path(__file__).resolve().parents[1] / "sample_runs")
     assert con.execute("SELECT count(*) FROM spec_segments").fetchone() == (0,)

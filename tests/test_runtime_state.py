@@ -11,10 +11,11 @@ from runtime_utils import KeptRecorder
 from tiny import tiny_model
 
 import recorders
+import runlog
 from h2o_lens import H2OConfig, h2o
 from h2o_lens.errors import ConfigError
-from recorders import read_manifest
 from recorders.lifecycle import check_lifecycle
+from runlog import read_manifest
 
 FAMILIES = ["llama", "qwen2"]
 KW = dict(do_sample=False, pad_token_id=0)
@@ -108,7 +109,7 @@ def test_a_run_recorded_across_save_and_restore_is_analysable(tmp_path, family):
         cache = run.session.restore(tmp_path / "state.pt")
         rest = _generate(model, part, _extend(mask, part), 6, cache)
     assert rest.tolist() == full.tolist()
-    loaded = recorders.load_run(run.run_dir, tables=("tokens", "requests", "run_logits"))
+    loaded = runlog.load_run(run.run_dir, tables=("tokens", "requests", "run_logits"))
     assert loaded["requests"]["new_tokens"].to_pylist() == [10, 10, 10]
     tok = loaded["tokens"].to_pydict()
     row1 = [t for r, t in zip(tok["request"], tok["token_id"]) if r == 1]
@@ -130,7 +131,7 @@ def test_a_continued_generation_must_feed_the_recorded_tokens(tmp_path):
         cache = run.session.last_cache
         other = part.clone()
         other[0, -2] = (other[0, -2] + 1) % 256
-        with pytest.raises(recorders.RecorderError, match="do not start with the .* tokens recorded so far"):
+        with pytest.raises(runlog.RecorderError, match="do not start with the .* tokens recorded so far"):
             _generate(model, other, _extend(mask, other), 3, cache)
 
 
@@ -160,7 +161,7 @@ def test_cancel_frees_the_rows_and_leaves_the_others_byte_identical(tmp_path, fa
         with pytest.raises(ConfigError, match="not rows of this batch"):
             cache.cancel(5)
     assert rest.tolist() == full[keep].tolist()
-    loaded = recorders.load_run(run.run_dir, tables=("requests",))
+    loaded = runlog.load_run(run.run_dir, tables=("requests",))
     assert loaded["requests"]["new_tokens"].to_pylist() == [10, 4, 10]  # request 1 ended when cancelled
     events = read_manifest(run.run_dir)["state_events"]
     assert events == [{"seq": 0, "event": "cancel", "rows": [1], "requests": [1]}]
@@ -247,7 +248,7 @@ def test_a_shared_prefix_batch_equals_each_request_alone(tmp_path, family):
     events = read_manifest(run.run_dir)["state_events"]
     assert [e["event"] for e in events] == ["prefix_share", "prefix_copy"]
     assert events[1]["requests"] == [0, 1, 2, 3, 4] and events[1]["prefix_len"] == 12
-    loaded = recorders.load_run(run.run_dir, tables=("requests",))
+    loaded = runlog.load_run(run.run_dir, tables=("requests",))
     assert loaded["requests"]["prompt_len"].to_pylist() == [18, 21, 19, 20, 22]
     assert loaded["requests"]["new_tokens"].to_pylist() == [6] * 5
 

@@ -332,6 +332,7 @@ def test_a_file_with_every_field_records_labels_and_verdicts(tmp_path):
     from tiny import tiny_model
 
     import recorders
+    import runlog
     from h2o_lens.config import H2OConfig
 
     path = tmp_path / "every.jsonl"
@@ -368,7 +369,7 @@ def test_a_file_with_every_field_records_labels_and_verdicts(tmp_path):
         ):
             model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         run_ids[task.name] = run.run_id
-    con = recorders.open_runs(out)
+    con = runlog.open_runs(out)
     verdicts = []
     for task in tasks:
         rid = run_ids[task.name]

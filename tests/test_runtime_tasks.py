@@ -11,8 +11,8 @@ import pytest
 from h2o_lens.config import H2OConfig
 from h2o_lens.reference import trace
 from h2o_lens.tasks import CASES, KINDS, Task, get_task, policy_case, policy_cases, suite
-from recorders import open_runs
 from recorders.policy_cases import case_kept_sets, write_policy_case
+from runlog import open_runs
 
 # -- policy cases ----------------------------------------------------------------------------------
 

@@ -293,31 +293,31 @@ def test_decode_kernel_tie_rules_on_discrete_logits(gqa):
 
 
 def test_aggregate_heads_with_leading_dims_equals_per_group_brute_force():
-    from h2o_lens import policy
+    from h2o_lens import eviction
 
     w = torch.rand(2, 3, 6, 5, generator=torch.Generator().manual_seed(1))  # (b, L, Hq=6, K)
     for group in (2, 3):
         for mode, fn in (("sum", sum), ("max", lambda xs: torch.stack(xs).amax(0))):
-            got = policy.aggregate_heads(w, group, mode)
+            got = eviction.aggregate_heads(w, group, mode)
             assert got.shape == (2, 3, 6 // group, 5)
             for g in range(6 // group):
                 expected = fn([w[:, :, g * group + j] for j in range(group)])
                 assert torch.allclose(got[:, :, g], expected), (group, mode, g)
-    assert policy.aggregate_heads(w, 2, "none") is w
+    assert eviction.aggregate_heads(w, 2, "none") is w
     with pytest.raises(ValueError, match="unknown gqa mode"):
-        policy.aggregate_heads(w, 2, "mean")
+        eviction.aggregate_heads(w, 2, "mean")
 
 
 def test_select_victim_per_row_with_leading_dims():
     """Each row of a (2, 3, S) batch picks its own lowest eligible slot (tie: older position)."""
-    from h2o_lens import policy
+    from h2o_lens import eviction
 
     g = torch.Generator().manual_seed(2)
     scores = torch.randint(0, 3, (2, 3, 6), generator=g).float()  # small set: ties in most rows
     positions = torch.stack([torch.randperm(6, generator=g) for _ in range(6)]).view(2, 3, 6) + 10
     eligible = torch.rand(2, 3, 6, generator=g) < 0.7
     eligible[1, 2] = False  # a row with nothing eligible
-    index, found = policy.select_victim(scores, positions, eligible)
+    index, found = eviction.select_victim(scores, positions, eligible)
     assert index.shape == found.shape == (2, 3)
     for r in range(2):
         for c in range(3):
@@ -330,19 +330,19 @@ def test_select_victim_per_row_with_leading_dims():
 
 def test_eligible_mask_by_hand():
     """Eligible: a valid slot outside the ``recent`` newest positions and the first ``sink``."""
-    from h2o_lens import policy
+    from h2o_lens import eviction
 
     pos = torch.tensor([[0, 1, 5, 6, -1], [3, 0, 2, 7, 4]])
     step = torch.tensor([[7], [8]])
-    assert policy.eligible_mask(pos, step, recent=2).tolist() == [
+    assert eviction.eligible_mask(pos, step, recent=2).tolist() == [
         [True, True, True, False, False],
         [True, True, True, False, True],
     ]
-    assert policy.eligible_mask(pos, 7, recent=0, sink=2).tolist() == [
+    assert eviction.eligible_mask(pos, 7, recent=0, sink=2).tolist() == [
         [False, False, True, True, False],
         [True, False, True, True, True],
     ]
-    assert policy.eligible_mask(pos, 7, recent=2, sink=2).tolist() == [
+    assert eviction.eligible_mask(pos, 7, recent=2, sink=2).tolist() == [
         [False, False, True, False, False],
         [True, False, True, False, True],
     ]

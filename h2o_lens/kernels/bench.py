@@ -221,9 +221,9 @@ def bench_end_to_end(
     """
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
-    from ..benchtools import Decoder as _Decoder
     from ..config import H2OConfig
     from ..runtime import full_kv_bytes, h2o
+    from ..timing import Decoder as _Decoder
 
     device = torch.device(device)
     shape = dict(E2E_SHAPE if shape is None else shape)

@@ -4,7 +4,7 @@ A :class:`Policy` says, in one place, whether it evicts, whether attention drive
 choices, how it splits the slot count, how it scores the prompt and updates the scores
 at a decode step, which Triton kernels implement it, its FP64 reference and how it is
 shown. The rules every policy shares (GQA aggregation, eligibility, victim choice,
-prefill selection) stay in :mod:`h2o_lens.policy`; a policy only supplies the value it
+prefill selection) stay in :mod:`h2o_lens.eviction`; a policy only supplies the value it
 ranks slots by (DESIGN.md §2.9).
 
 This module and the policy files import neither torch nor numpy at module level, so the

@@ -6,7 +6,7 @@ query heads like the run (DESIGN.md §2.6). All B slots are free (split ``(B, 0,
 the new token competes at once); at prefill the top B prompt positions by ``R_{P−1}`` are
 kept, at each step the lowest ``R_t`` over D = C ∪ {t} leaves (a tie evicts the older), and
 an evicted position never returns. The values come from a teacher table installed with
-:func:`h2o_lens.oracle.teacher_scores`; it bounds what an online attention-scoring policy
+:func:`h2o_lens.hindsight.teacher_scores`; it bounds what an online attention-scoring policy
 could keep with these slots. Not a baseline and not an alternative: it needs a teacher.
 """
 
@@ -78,7 +78,7 @@ class RemainingAttention(Policy):
         return heavy + recent, 0, 0
 
     def prefill_scores(self, columns: Any, rows: Any, positions: Any, ctx: StepContext) -> tuple[Any, Any]:
-        from ..oracle import active_table
+        from ..hindsight import active_table
 
         table = active_table(self.name)
         if int(ctx.step.max()) != table.prompt_len - 1:
@@ -93,7 +93,7 @@ class RemainingAttention(Policy):
     def decode_scores(
         self, scores: Any, history: Any, weights: Any, positions: Any, ctx: StepContext
     ) -> tuple[Any, Any]:
-        from ..oracle import active_table
+        from ..hindsight import active_table
 
         table = active_table(self.name)
         scores.copy_(table.lookup(ctx.layer, ctx.step, positions))

@@ -1,11 +1,11 @@
-"""The eviction step per position that the replay and the policy-case writer rebuild (recorders.eviction_steps)."""
+"""The eviction step per position that the replay and the policy-case writer rebuild (runlog.eviction_steps)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from recorders.eviction_steps import NEVER, evict_steps
+from runlog.eviction_steps import NEVER, evict_steps
 
 
 @pytest.mark.parametrize("gqa_none", [False, True])

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import policy
+from . import eviction
 from .errors import ConfigError
 
 __all__ = [
@@ -36,7 +36,7 @@ __all__ = [
     "NEVER",
 ]
 
-#: eviction step of a position that never leaves the cache (as :data:`recorders.eviction_steps.NEVER`)
+#: eviction step of a position that never leaves the cache (as :data:`runlog.eviction_steps.NEVER`)
 NEVER = torch.iinfo(torch.int64).max // 2
 
 _ACTIVE: list[TeacherTable] = []  # installed tables, innermost last
@@ -142,8 +142,8 @@ def active_table(policy_name: str = "oracle") -> TeacherTable:
         raise ConfigError(
             f"policy {policy_name!r} ranks slots by the attention a full-cache teacher will still give "
             "them, so it runs only with a teacher table installed: build one with "
-            "recorders.oracle.OracleTeacher(model, full_run_dir) and record with its .record(slots, out=...), "
-            "or wrap the run in h2o_lens.oracle.teacher_scores(table)"
+            "recorders.oracle_runs.OracleTeacher(model, full_run_dir) and record with its .record(slots, out=...), "
+            "or wrap the run in h2o_lens.hindsight.teacher_scores(table)"
         )
     return _ACTIVE[-1]
 
@@ -168,7 +168,7 @@ def teacher_rows(query: torch.Tensor, key: torch.Tensor, scaling: float, gqa: st
         rows = torch.arange(n - m + s, n - m + e, device=query.device)[:, None]
         logits = torch.matmul(qg[..., s:e, :], kt) * scaling  # (b, Hs, G, c, N)
         w = torch.softmax(logits.masked_fill(cols > rows, float("-inf")), dim=-1)
-        out[:, :, s:e] = policy.aggregate_group(w, gqa, 2)
+        out[:, :, s:e] = eviction.aggregate_group(w, gqa, 2)
     return out
 
 
@@ -201,7 +201,7 @@ def schedule(table: TeacherTable, slots: int) -> list[torch.Tensor]:
     pos = torch.arange(n)
     out = torch.full((layers, hs, n), NEVER, dtype=torch.int64)
     prompt = pos[None, None, :p].expand(layers, hs, p)
-    keep = policy.prefill_keep(rem[:, :, 0, :p], prompt, slots, 0)  # (L, Hs, P)
+    keep = eviction.prefill_keep(rem[:, :, 0, :p], prompt, slots, 0)  # (L, Hs, P)
     out[:, :, :p][~keep] = p - 1
     kept = torch.zeros(layers, hs, n, dtype=torch.bool)
     kept[:, :, :p] = keep

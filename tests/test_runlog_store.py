@@ -7,11 +7,12 @@ import re
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from recorders import (
+from runlog import (
     TABLE_NAMES,
     VIEW_NAMES,
     DamagedFileError,
@@ -28,12 +29,13 @@ from recorders import (
     load_run,
     open_runs,
     query,
+    request_order,
     synthetic_tables,
     write_synthetic_run,
 )
-from recorders.manifest import read_manifest, write_manifest
-from recorders.schema import KEYS, RUNS, SCHEMA_VERSION, TABLES, duckdb_type
-from recorders.segments import file_metadata, segment_name, write_segment
+from runlog.manifest import read_manifest, write_manifest
+from runlog.schema import KEYS, RUNS, SCHEMA_VERSION, TABLES, duckdb_type
+from runlog.segments import file_metadata, segment_name, write_segment
 
 CONFIG = {"policy": "h2o", "heavy": 16, "recent": 8, "gqa": "max", "sink": 4, "seed": 7, "backend": "torch"}
 
@@ -395,3 +397,19 @@ def test_manifest_claiming_another_runs_id_hides_nothing(tmp_path):
     con = _others_still_work(tmp_path)
     runs = dict(con.execute("SELECT run_id, integrity FROM runs").fetchall())
     assert runs["run-good"] == "ok" and "differs from the folder" in runs["run-bad"]
+
+
+def test_request_order_gives_a_requests_rows_in_position_order():
+    """The rows of one request sorted by position, whatever order they were written in, against
+    a plain sort of (position, row) pairs; a request the run does not have gives no rows."""
+    rng = np.random.default_rng(3)
+    request = rng.integers(0, 3, 40)
+    position = np.zeros(40, dtype=np.int64)
+    for r in range(3):
+        sel = np.flatnonzero(request == r)
+        position[sel] = rng.permutation(len(sel))
+    tokens = {"request": request.tolist(), "position": position.tolist()}
+    for r in range(3):
+        want = [row for _, row in sorted((int(position[i]), i) for i in range(40) if request[i] == r)]
+        assert request_order(tokens, r).tolist() == want
+    assert request_order(tokens, 7).tolist() == []

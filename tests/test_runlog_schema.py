@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import recorders
-from recorders import manifest as mf
-from recorders.errors import DamagedFileError, ManifestError, RunIdError, SchemaError, SchemaVersionError
-from recorders.schema import KEYS, RUNS, SCHEMA_VERSION, TABLES, duckdb_type, schema_mismatches, to_arrow
+import runlog
+from runlog import manifest as mf
+from runlog.errors import DamagedFileError, ManifestError, RunIdError, SchemaError, SchemaVersionError
+from runlog.schema import KEYS, RUNS, SCHEMA_VERSION, TABLES, duckdb_type, schema_mismatches, to_arrow
 
 REPO = Path(__file__).resolve().parents[1]
 PROPS = settings(derandomize=True, max_examples=60, deadline=None)
@@ -188,12 +189,13 @@ def test_mark_interrupted_rewrites_only_dead_running_runs(tmp_path):
 
 
 def test_public_api_is_explicit():
-    assert set(recorders.__all__) <= set(dir(recorders))
-    assert "open_runs" in recorders.__all__ and "write_synthetic_run" in recorders.__all__
+    assert set(runlog.__all__) <= set(dir(runlog))
+    assert "open_runs" in runlog.__all__ and "write_synthetic_run" in runlog.__all__
+    assert set(recorders.__all__) == {"record", "record_teacher_forced", "replay", "check_lifecycle"}
 
 
 def test_no_model_dependencies_imported():
-    code = "import sys, recorders; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = "import sys, runlog, recorders; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.strip()

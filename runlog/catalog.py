@@ -12,7 +12,7 @@ A run is checked as a whole too: the manifest's fields must have their
 types, rows must carry the run's own id (the folder name), the segments the
 manifest lists are the run's (one it does not list is left out and named;
 DESIGN.md §5.1), the row counts it records must match the rows read, and
-every value must keep the value contract (:mod:`recorders.contract`,
+every value must keep the value contract (:mod:`runlog.contract`,
 DESIGN.md §5.5). Whatever fails marks
 the run: :attr:`RunEntry.integrity` (the ``runs.integrity`` column) says
 what is wrong, the ``problems`` view names the file. A file or manifest of a
@@ -95,7 +95,7 @@ class SegmentFile:
     schema_version: int
     run_ids: tuple[tuple[str | None, int], ...] = ()
     totals: tuple[tuple[str, float | None, int], ...] = ()
-    #: what the value contract needs of the file (:func:`recorders.contract.file_facts`)
+    #: what the value contract needs of the file (:func:`runlog.contract.file_facts`)
     facts: dict[str, Any] | None = dataclasses.field(default=None, hash=False, compare=False)
 
 
@@ -218,7 +218,7 @@ def _read_through(
 ) -> tuple[int, tuple[tuple[str | None, int], ...], tuple[tuple[str, float | None, int], ...], dict[str, Any] | None]:
     """Decode every page of an open file (verifying page checksums where the writer stored them);
     return its row count, its rows per ``run_id``, the :data:`TOTALS` of ``table`` and the
-    facts the value contract checks (:func:`recorders.contract.file_facts`)."""
+    facts the value contract checks (:func:`runlog.contract.file_facts`)."""
     counts: dict[str | None, int] = {}
     sums: dict[str, list] = {c: [None, 0] for c in TOTALS.get(table or "", ())}
     rows = 0
@@ -401,7 +401,7 @@ class _RootCache:
     def contract(
         self, run_dir: Path, manifest: dict[str, Any] | None, files: dict[str, list[SegmentFile]]
     ) -> list[Violation]:
-        """:func:`recorders.contract.check_run` through the cache: the findings are kept per run,
+        """:func:`runlog.contract.check_run` through the cache: the findings are kept per run,
         keyed by the run folder and the versions of its manifest and of every file it reads. A
         run whose key differs is checked again, its files read through for their facts when this
         scan took them from the cache (once per run change, as at its first scan)."""
@@ -458,7 +458,7 @@ def scan_run(
     type, a manifest ``run_id`` that differs from the folder, row counts
     that differ from the manifest's, segments the manifest does not list (left
     out) and values that break the value contract are problems in both modes
-    (the strict readers warn, :func:`recorders.check_run` raises).
+    (the strict readers warn, :func:`runlog.check_run` raises).
     :class:`SchemaVersionError` always raises.
     """
     run_dir = Path(run_dir)

@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from analyses import report_data
-from recorders import ContractError, check_run, open_runs, read_manifest, scan_root, write_synthetic_run
-from recorders.manifest import write_manifest
-from recorders.synthetic_root import make_root
+from runlog import ContractError, check_run, open_runs, read_manifest, scan_root, write_synthetic_run
+from runlog.manifest import write_manifest
+from runlog.synthetic_root import make_root
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sample_runs"
 RUN = "delayed-recall-0-h2o-20"  # the default model (30 layers, 3 KV heads), replayed
@@ -223,8 +223,8 @@ def test_manifest_segment_list_of_the_wrong_type_is_a_field_problem(tmp_path):
 def test_file_facts_match_a_plain_computation_in_any_row_order():
     import pandas as pd
 
-    from recorders import to_arrow
-    from recorders.contract import file_facts
+    from runlog import to_arrow
+    from runlog.contract import file_facts
 
     rng = np.random.default_rng(0)
     n = 400

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recorders import TABLES, check_run, load_run, open_runs, synthetic_tables, write_synthetic_run
+from runlog import TABLES, check_run, load_run, open_runs, synthetic_tables, write_synthetic_run
 
 PROPS = settings(derandomize=True, max_examples=25, deadline=None)
 

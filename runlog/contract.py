@@ -1,8 +1,8 @@
 """The value contract, checked at scan time (DESIGN.md §5.5).
 
-The contract itself is declared next to the schema (:data:`recorders.schema.RANGES`,
-:data:`~recorders.schema.BOUNDED_BY`, :data:`~recorders.schema.ROWS_PER_REQUEST`,
-:data:`~recorders.schema.UNIQUE`); this module applies it, in two steps:
+The contract itself is declared next to the schema (:data:`runlog.schema.RANGES`,
+:data:`~runlog.schema.BOUNDED_BY`, :data:`~runlog.schema.ROWS_PER_REQUEST`,
+:data:`~runlog.schema.UNIQUE`); this module applies it, in two steps:
 
 * :func:`file_facts`, while the catalog reads a file through (once per file version: the
   facts are kept in the root's catalog cache): each bounded column's lowest and highest value

@@ -29,7 +29,7 @@ from h2o_lens import policies
 from .errors import RecorderError
 from .manifest import MANIFEST_NAME, read_manifest
 from .run import RunWriter
-from .store import load_run
+from .store import load_run, request_order
 
 __all__ = ["find_full_run", "copy_request", "judged_teacher_forced"]
 
@@ -69,11 +69,12 @@ def _request_of(run_dir: Path, prompt: Sequence[int]) -> int | None:
     tok = load_run(run_dir, tables=("tokens",))["tokens"].to_pydict()
     req = np.asarray(tok["request"])
     is_prompt = np.asarray(tok["is_prompt"], dtype=bool)
-    pos, ids = np.asarray(tok["position"]), np.asarray(tok["token_id"])
+    ids = np.asarray(tok["token_id"])
     want = np.asarray(prompt)
     for r in np.unique(req[is_prompt]):
-        sel = np.flatnonzero((req == r) & is_prompt)
-        if len(sel) == len(want) and np.array_equal(ids[sel[np.argsort(pos[sel])]], want):
+        order = request_order(tok, r)
+        order = order[is_prompt[order]]  # the prompt comes first in position order
+        if len(order) == len(want) and np.array_equal(ids[order], want):
             return int(r)
     return None
 

@@ -116,7 +116,7 @@ def write_options(schema: pa.Schema) -> dict[str, Any]:
         "column_encoding": encoding,
         "row_group_size": ROW_GROUP_SIZE,
         "write_statistics": [f.name for f in schema if not pa.types.is_floating(f.type)],
-        "write_page_checksum": True,  # readers verify every page (recorders.catalog)
+        "write_page_checksum": True,  # readers verify every page (runlog.catalog)
     }
 
 
@@ -130,7 +130,7 @@ def _fsync_path(path: str | os.PathLike) -> None:
 
 def file_metadata(table: str, run_id: str | None, config_json: str, model: str | None = None) -> dict[str, str]:
     """Key-value metadata carried by every segment (``model``: the run's model tag,
-    :func:`recorders.contract.model_tag`)."""
+    :func:`runlog.contract.model_tag`)."""
     meta = {META_SCHEMA_VERSION: str(SCHEMA_VERSION), META_CONFIG: config_json, META_TABLE: table}
     if run_id is not None:
         meta[META_RUN_ID] = run_id
@@ -166,7 +166,7 @@ def write_segment(
     fsync : bool
         fsync the file and the folder (turn off only for throwaway data).
     model : str, optional
-        The run's model tag (:func:`recorders.contract.model_tag`), stored as ``h2o_lens.model``.
+        The run's model tag (:func:`runlog.contract.model_tag`), stored as ``h2o_lens.model``.
 
     Raises
     ------
@@ -229,7 +229,7 @@ class SegmentWriter:
         Name the segments ``<table>-NNNNN.<tag>.parquet``: files the readers count only once a
         manifest lists them (a replay's, switched to in one manifest rename; DESIGN.md §6.1).
     model : str, optional
-        The run's model tag (:func:`recorders.contract.model_tag`), stored in every file.
+        The run's model tag (:func:`runlog.contract.model_tag`), stored in every file.
 
     ``files`` maps the name of every segment written to its rows (the manifest's ``segments``).
     """
@@ -273,7 +273,7 @@ class SegmentWriter:
         """Buffer one batch of rows of ``table``.
 
         ``columns`` maps column names to arrays of shape (n,) or scalars (see
-        :func:`recorders.schema.to_arrow`), or is a table of the declared schema.
+        :func:`runlog.schema.to_arrow`), or is a table of the declared schema.
         """
         if self.closed:
             raise ValueError(f"segment writer of {self.run_dir} is closed; open a new one")

@@ -240,7 +240,7 @@ def _fsync_dir(path: Path) -> None:
 def write_manifest(run_dir: str | os.PathLike, manifest: Mapping[str, Any], *, in_place_if_full: bool = False) -> Path:
     """Write ``manifest.json`` atomically (temp file, fsync, rename, fsync folder).
 
-    Raises :class:`~recorders.errors.StorageError` when the file cannot be written (the old
+    Raises :class:`~runlog.errors.StorageError` when the file cannot be written (the old
     manifest is left as it was, the temporary file removed). ``in_place_if_full``: on a disk
     too full for the temporary file, rewrite the existing file in place instead (its blocks
     are reused): how a run is marked ``failed`` on a full disk. Not atomic: a kill during it

@@ -21,11 +21,12 @@ import datetime as dt
 import math
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -34,7 +35,7 @@ from .errors import ContractError, DamagedFileError, RecorderWarning
 from .manifest import mark_interrupted
 from .schema import RUNS, TABLE_NAMES, duckdb_type, table_schema
 
-__all__ = ["open_runs", "create_views", "list_runs", "check_run", "load_run", "RunCheck", "LoadedRun"]
+__all__ = ["open_runs", "create_views", "list_runs", "check_run", "load_run", "request_order", "RunCheck", "LoadedRun"]
 
 _PROBLEM_COLUMNS = ("path", "run_id", "table_name", "reason")
 
@@ -187,7 +188,7 @@ def create_views(con: duckdb.DuckDBPyConnection, catalog: Catalog) -> None:
     Besides the views, the schema ``h2o_lens_catalog`` holds the tables behind ``runs``
     and ``problems``, ``files`` (each readable segment: ``run_id, table_name, path,
     rows``) and ``totals`` (per segment, the sum and non-null count of the columns the
-    runs table averages, :data:`recorders.catalog.TOTALS`), both read during the scan.
+    runs table averages, :data:`runlog.catalog.TOTALS`), both read during the scan.
     """
     _rows_table(con, "runs", RUNS, (run_row(r) for r in catalog.runs))
     con.execute(f"CREATE OR REPLACE VIEW runs AS SELECT * FROM {CATALOG_SCHEMA}.runs")
@@ -364,6 +365,17 @@ def _conform(table: str, parts: list[pa.Table]) -> pa.Table:
             columns.append(data[name])
             fields.append(data.schema.field(name))
     return pa.Table.from_arrays(columns, schema=pa.schema(fields))
+
+
+def request_order(tokens: Mapping[str, Any], request: int) -> np.ndarray:
+    """Row indices of ``request``'s tokens in position order (empty when it has none).
+
+    ``tokens``: the tokens table as columns (``LoadedRun["tokens"].to_pydict()``, or arrays), at
+    least ``request`` and ``position``. ``np.asarray(tokens["token_id"])[order]`` is then the
+    request's prompt followed by its generated tokens, as the model saw them.
+    """
+    sel = np.flatnonzero(np.asarray(tokens["request"]) == request)
+    return sel[np.argsort(np.asarray(tokens["position"])[sel], kind="stable")]
 
 
 def load_run(run_dir: str | os.PathLike, tables: Iterable[str] | None = None) -> LoadedRun:

@@ -1,8 +1,8 @@
-"""A synthetic runs root of many small runs: ``python -m recorders.synthetic_root ROOT [--runs N]``.
+"""A synthetic runs root of many small runs: ``python -m runlog.synthetic_root ROOT [--runs N]``.
 
 Used by the large-root benchmark (``h2o-lens bench runs``) and its tests.
-Every run is written through :class:`recorders.run.RunWriter` with the rows
-of :func:`recorders.bench_logs.synthetic_tables`, so the catalog reads it
+Every run is written through :class:`runlog.run.RunWriter` with the rows
+of :func:`runlog.synthetic.synthetic_tables`, so the catalog reads it
 as any recorded run: a mix of policies, budgets, GQA aggregations and
 tasks; each run holds a few requests with answer-checker verdicts, its
 eviction and step logs, tokens and replay tables. About 1 % of the runs
@@ -24,10 +24,10 @@ import pyarrow as pa
 
 from h2o_lens import policies as registry
 
-from .bench_logs import synthetic_tables
 from .manifest import read_manifest, write_manifest
 from .run import RunWriter
 from .schema import table_schema
+from .synthetic import synthetic_tables
 
 __all__ = ["make_root", "POLICIES", "TASKS", "main"]
 
@@ -82,7 +82,7 @@ def make_root(
     seed : int
         Same seed, same rows.
     requests, layers, kv_heads, steps, prompt_len : int
-        Shape of each run (see :func:`recorders.bench_logs.write_synthetic_run`).
+        Shape of each run (see :func:`runlog.synthetic.write_synthetic_run`).
     failed_every, interrupted_every : int
         Every n-th run is ``failed`` / left ``running`` by a writer that is gone.
 
@@ -158,7 +158,7 @@ def make_root(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m recorders.synthetic_root", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m runlog.synthetic_root", description=__doc__.splitlines()[0])
     p.add_argument("root", help="runs root to write (created)")
     p.add_argument("--runs", type=int, default=5000)
     p.add_argument("--seed", type=int, default=0)

@@ -6,13 +6,13 @@
 
 :class:`OracleTeacher` forwards the full-cache run's tokens (the prompt, then its generated
 tokens) once with full attention, keeping per layer the aggregated attention rows of the
-generated queries as a :class:`~h2o_lens.oracle.TeacherTable` of remaining attention, and the
+generated queries as a :class:`~h2o_lens.hindsight.TeacherTable` of remaining attention, and the
 prompt's keys and values (or takes them from a recording's :class:`~recorders.prompt_pass.PromptPass`:
 no prompt forward at all). Every budget then reuses both:
 
 * :meth:`OracleTeacher.generate` is the oracle's own greedy answer. While its top-1 follows
   the teacher's tokens it ranks by the teacher's hindsight; its kept sets come from the table
-  alone (:func:`~h2o_lens.oracle.schedule`) and one masked forward of the generated tokens over
+  alone (:func:`~h2o_lens.hindsight.schedule`) and one masked forward of the generated tokens over
   the stored prompt gives its logits at every step, each query seeing what the oracle kept at
   its step, as the replay's masked forward does (DESIGN.md §6.1). At the first step whose
   top-1 departs from the teacher's token it *re-plans*: a fresh teacher pass continues its own
@@ -42,15 +42,14 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from h2o_lens import compat, policy
+from h2o_lens import compat, eviction
 from h2o_lens.config import H2OConfig
+from h2o_lens.hindsight import NEVER, TeacherTable, remaining_attention, schedule, teacher_rows, teacher_scores
 from h2o_lens.hooks import attention_implementation
-from h2o_lens.oracle import NEVER, TeacherTable, remaining_attention, schedule, teacher_rows, teacher_scores
 from h2o_lens.policies.oracle import ORACLE
 from h2o_lens.shape import model_shape
-
-from .errors import RecorderError
-from .store import load_run
+from runlog.errors import RecorderError
+from runlog.store import load_run, request_order
 
 __all__ = ["OracleTeacher", "OracleCheck", "OracleAnswer", "DEPARTURES"]
 
@@ -211,7 +210,7 @@ def _column_sums(state: _State, query: torch.Tensor, key: torch.Tensor, scaling:
         e = min(p, s + state.chunk)
         rows = torch.arange(s, e, device=query.device)[:, None]
         w = torch.softmax((torch.matmul(qg[..., s:e, :], kt) * scaling).masked_fill(cols > rows, float("-inf")), -1)
-        total += policy.aggregate_group(w, state.gqa, 2, rows=3)[0].double()  # (Hs, P)
+        total += eviction.aggregate_group(w, state.gqa, 2, rows=3)[0].double()  # (Hs, P)
     return total
 
 
@@ -232,7 +231,7 @@ def _h2o_step(state: _State, layer: int, query, key, value, scaling: float) -> t
     logits = torch.matmul(query.to(acc), k.transpose(-1, -2)) * scaling  # (1, Hq, 1, N)
     w = torch.softmax(logits.masked_fill(~per_q[None, :, None, :], float("-inf")), dim=-1)
     out = torch.matmul(w.to(v.dtype), v)  # (1, Hq, 1, d)
-    agg = policy.aggregate_group(w.reshape(b, hs, hq // hs, m, n), state.gqa, 2)[0, :, 0]  # (Hs, N)
+    agg = eviction.aggregate_group(w.reshape(b, hs, hq // hs, m, n), state.gqa, 2)[0, :, 0]  # (Hs, N)
     scores = state.scores[layer]
     scores[:, :n] += agg.double()
     if t >= state.switch:
@@ -274,7 +273,7 @@ class OracleTeacher:
 
     Attributes
     ----------
-    table : the :class:`~h2o_lens.oracle.TeacherTable` (remaining attention per layer)
+    table : the :class:`~h2o_lens.hindsight.TeacherTable` (remaining attention per layer)
     prompt, answer : token ids of the prompt (P) and of the full run's generated tokens (M)
     teacher : the :class:`OracleCheck` of the full cache itself (does the teacher reproduce
         the answer? it does unless the full run was sampled or tied)
@@ -301,12 +300,10 @@ class OracleTeacher:
             raise RecorderError(f"unknown departure rule {departure!r}; expected one of {', '.join(DEPARTURES)}")
         run = load_run(full_run_dir, tables=("tokens",))
         tok = run["tokens"].to_pydict()
-        req = np.asarray(tok["request"])
-        sel = np.flatnonzero(req == request)
-        if not len(sel):
-            known = sorted(set(req.tolist()))
+        order = request_order(tok, request)
+        if not len(order):
+            known = sorted(set(tok["request"]))
             raise RecorderError(f"{full_run_dir}: no request {request} in the run's tokens; it has {known}")
-        order = sel[np.argsort(np.asarray(tok["position"])[sel])]
         ids = np.asarray(tok["token_id"], dtype=np.int64)[order]
         is_prompt = np.asarray(tok["is_prompt"])[order]
         self.model = model

@@ -14,12 +14,12 @@ import pytest
 
 from analyses import kv_footprint, run_curve_points, runs_table
 from commands.cli import main
-from recorders import catalog as catalog_module
-from recorders import check_run, open_runs, scan_root, write_segment
-from recorders.catalog import CACHE_NAME
-from recorders.manifest import read_manifest, write_manifest
-from recorders.store import create_views
-from recorders.synthetic_root import POLICIES, make_root
+from runlog import catalog as catalog_module
+from runlog import check_run, open_runs, scan_root, write_segment
+from runlog.catalog import CACHE_NAME
+from runlog.manifest import read_manifest, write_manifest
+from runlog.store import create_views
+from runlog.synthetic_root import POLICIES, make_root
 
 
 def _cold_table(root: Path) -> pd.DataFrame:

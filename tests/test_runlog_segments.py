@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recorders import (
+from runlog import (
     RunWriter,
     SegmentWriter,
     check_run,
@@ -29,7 +29,7 @@ from recorders import (
     segments,
     synthetic_tables,
 )
-from recorders.schema import META_CONFIG, META_SCHEMA_VERSION, SCHEMA_VERSION, to_arrow
+from runlog.schema import META_CONFIG, META_SCHEMA_VERSION, SCHEMA_VERSION, to_arrow
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = {"policy": "h2o", "heavy": 8, "recent": 8, "gqa": "sum"}
@@ -120,7 +120,7 @@ def test_rows_come_back_in_order_whatever_the_batching(tmp_path_factory, sizes, 
 WRITER = """
 import sys
 import numpy as np
-from recorders import RunWriter
+from runlog import RunWriter
 root, run_id = sys.argv[1], sys.argv[2]
 n = 40_000
 with RunWriter(root, run_id, config={"policy": "h2o", "heavy": 8, "recent": 8},
@@ -218,7 +218,7 @@ def _torn_writer(calls):
 
 @pytest.mark.parametrize("fsync", [False, True])
 def test_writer_killed_mid_file_leaves_no_file_under_a_final_name(tmp_path, monkeypatch, fsync):
-    from recorders import segments
+    from runlog import segments
 
     calls: list[Path] = []
     with SegmentWriter(tmp_path, run_id="run-a", config=CONFIG, fsync=fsync) as writer:
@@ -249,7 +249,7 @@ def test_writer_killed_mid_file_leaves_no_file_under_a_final_name(tmp_path, monk
 
 def test_write_segment_renames_the_temporary_file_into_place(tmp_path, monkeypatch):
     """The final name appears only through ``os.replace`` of the finished temporary file."""
-    from recorders import segments
+    from runlog import segments
 
     renames: list[tuple[str, str, bool]] = []
     real = os.replace

@@ -1,0 +1,225 @@
+"""What several subcommands share: the policy and request options, loading the model, the
+requests of ``--tasks``, small parsers and printers."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+__all__ = [
+    "add_model_args",
+    "DEFAULT_PROMPT",
+    "add_policy_args",
+    "add_task_args",
+    "policy_config",
+    "mib",
+    "read_prompt",
+    "chat",
+    "print_replay",
+    "given_model",
+    "DTYPES",
+    "task_source",
+    "load_model_args",
+    "resolve_requests",
+    "split_list",
+    "press_items",
+    "number",
+]
+
+
+DEFAULT_PROMPT = (
+    "Read the notes and answer the question.\n"
+    "Notes: The orange cable goes to port 7. The backup server is called Heron. "
+    "Lunch is at noon on Fridays. The access code for the lab is 4419. "
+    "The printer on the second floor is out of toner. Maria moved to the Lisbon office in May.\n"
+    "Question: What is the access code for the lab, and where did Maria move?"
+)
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    from h2o_lens import policies
+
+    g = p.add_argument_group("policy")
+    g.add_argument(
+        "--policy",
+        default=policies.DEFAULT,
+        metavar="{" + ",".join(policies.names()) + "}",
+        help="; ".join(f"{q.name}: {q.summary}" for q in policies.all_policies()),
+    )
+    g.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots per layer and KV head")
+    g.add_argument("--recent", type=int, default=None, help="recent-window slots per layer and KV head")
+    g.add_argument("--ratio", type=float, default=None, help="total keep ratio of the prompt instead of slots")
+    g.add_argument("--gqa", default="sum", help="sum | max | none")
+    g.add_argument("--sink", type=int, default=4, help="first tokens kept by the sink policy")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random policy and of sampling")
+
+
+def add_task_args(p: argparse.ArgumentParser, default: str) -> None:
+    g = p.add_argument_group("requests and model")
+    g.add_argument(
+        "--tasks",
+        default=None,
+        metavar="FILE|builtin:NAME",
+        help=f"a JSONL task file or a built-in family (default: {default}); a number N is --count N",
+    )
+    g.add_argument("--count", type=int, default=None, help="take only the first N requests")
+    g.add_argument("--length", type=int, default=None, help="prompt tokens of a long-context built-in family")
+    g.add_argument(
+        "--seed", type=int, default=0, help="seed of the built-in families (and of the random policy in a sweep)"
+    )
+    g.add_argument("--model", default=None, help="HF id or local path (default: the packaged SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter dtype of the model")
+
+
+def policy_config(args: argparse.Namespace):
+    from h2o_lens import policies
+    from h2o_lens.config import H2OConfig
+
+    heavy, recent, ratio = args.heavy, args.recent, args.ratio
+    if not policies.get(args.policy).evicts:  # no slots: a budget given with it is ignored
+        heavy = recent = ratio = None
+    elif ratio is None and heavy is None and recent is None:
+        heavy, recent = 64, 64
+    return H2OConfig(
+        policy=args.policy, heavy=heavy, recent=recent, ratio=ratio, gqa=args.gqa, sink=args.sink, seed=args.seed
+    )
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    return args.prompt if args.prompt is not None else DEFAULT_PROMPT
+
+
+def chat(tok, prompt: str, raw: bool) -> str:
+    if not raw and getattr(tok, "chat_template", None):
+        return tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+    return prompt
+
+
+def print_replay(summary) -> None:
+    verdict = (
+        "ok" if summary.implementation_ok else "IMPLEMENTATION ERROR (the masked replay does not reproduce the run)"
+    )
+    print(
+        f"replay {summary.run_id}: {summary.requests} request(s), {summary.steps} steps "
+        f"in {summary.seconds:.1f} s | mean KL {summary.mean_kl:.4f} | "
+        f"top-1 agreement {summary.top1_agreement:.3f} | "
+        f"mean dropped mass {summary.mean_dropped_mass:.4f} | "
+        f"max |logit diff| {summary.max_logit_diff:.2e} ({verdict})"
+    )
+
+
+def given_model(args: argparse.Namespace, run_dir: str):
+    """The model of ``--model`` in the run's dtype, or None (the run's own is loaded then)."""
+    if args.model is None:
+        return None
+    import torch
+
+    from h2o_lens.models import load_model
+    from runlog import read_manifest
+
+    info = read_manifest(run_dir).get("model")
+    dtype = info.get("dtype") if isinstance(info, dict) else None
+    return load_model(args.model, dtype=getattr(torch, dtype) if dtype in (*DTYPES, "float64") else torch.float32)[0]
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def task_source(value: str | None, count: int | None, default: str) -> tuple[str, int | None]:
+    """``--tasks``: a spec (``builtin:NAME`` or a task file); a bare number N is the earlier
+    spelling of ``--count N`` on the default suite."""
+    from h2o_lens.errors import ConfigError
+
+    if value is not None and value.isdigit():
+        if count is not None:
+            raise ConfigError(f"--tasks {value} is a count and --count {count} is given too; keep one")
+        value, count = None, int(value)
+    spec = value or default
+    if count is not None and count < 1:
+        raise ConfigError(f"--count must be at least 1, got {count}")
+    if not spec.startswith("builtin:"):
+        if not os.path.isfile(spec):
+            raise ConfigError(
+                f"--tasks {spec!r} is neither builtin:NAME nor an existing task file; give a JSONL "
+                "task file (see h2o_lens.tasks.taskfile) or e.g. builtin:demo"
+            )
+    else:
+        from h2o_lens.tasks.builtins import FAMILIES
+
+        if spec.removeprefix("builtin:") not in FAMILIES:
+            raise ConfigError(f"--tasks {spec!r}: unknown built-in family; known: {', '.join(FAMILIES)}")
+    return spec, count
+
+
+def load_model_args(args: argparse.Namespace):
+    import torch
+
+    from h2o_lens.models import load_model
+
+    return load_model(args.model, dtype=getattr(torch, args.dtype))
+
+
+def resolve_requests(spec: str, args: argparse.Namespace, tokenizer):
+    from h2o_lens.errors import ConfigError
+    from h2o_lens.tasks.builtins import resolve_tasks
+
+    try:
+        return resolve_tasks(spec, seed=args.seed, length=args.length, count=args.count, tokenizer=tokenizer)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise ConfigError(f"--tasks {spec!r}: {exc}") from None
+
+
+def split_list(items: Sequence[str] | None) -> list[str]:
+    """``a,b c`` (comma lists and/or repeated options) → ``[a, b, c]``."""
+    return [part.strip() for item in items or () for part in item.split(",") if part.strip()]
+
+
+def press_items(items: Sequence[str] | None) -> list[str]:
+    """``--policies`` items split at commas outside a press's parentheses
+    (``kvpress:snapkv(window_size=32,kernel_size=3)`` stays one item)."""
+    out = []
+    for item in items or ():
+        depth, part = 0, ""
+        for ch in item:
+            depth += (ch == "(") - (ch == ")")
+            if ch == "," and depth == 0:
+                out.append(part.strip())
+                part = ""
+            else:
+                part += ch
+        out.append(part.strip())
+    return [p for p in out if p]
+
+
+def number(text: str, kind: type, option: str):
+    from h2o_lens.errors import ConfigError
+
+    try:
+        return kind(text)
+    except ValueError:
+        what = "whole slot counts, e.g. --slots 64,128" if kind is int else "keep ratios, e.g. --ratios 1,0.2,0.1"
+        raise ConfigError(f"{option}: {text!r} is not a number; give {what}") from None
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--allow-other-model`` of the commands that run a recorded run's model again."""
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the run's model (default: where its manifest says it was); one with another fingerprint is refused",
+    )
+    p.add_argument(
+        "--allow-other-model",
+        action="store_true",
+        help="use --model even though its fingerprint differs from the run's (logged in the manifest)",
+    )

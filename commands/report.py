@@ -1,0 +1,49 @@
+"""``h2o-lens report``: a run's failure report (HTML, Markdown or JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from .paths import run_dir as _run_dir
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    rep = sub.add_parser("report", help="export a run's failure report (HTML, Markdown or JSON)")
+    rep.add_argument("run", help="run folder, or run id under --root")
+    rep.add_argument("--root", default="runs")
+    rep.add_argument("--format", choices=["html", "md", "json"], default="html")
+    rep.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
+    rep.add_argument("--thresholds", default=None, help="JSON file of gate thresholds (see analyses.Thresholds)")
+    rep.add_argument("--gate", action="store_true", help="with --format json: exit 1 when the verdict fails")
+    rep.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from analyses import build_report
+
+    run_dir = _run_dir(args.run, args.root)
+    root, run_id = os.path.dirname(os.path.abspath(run_dir)), os.path.basename(os.path.normpath(run_dir))
+    thresholds = None
+    if args.thresholds:
+        with open(args.thresholds, encoding="utf-8") as f:
+            thresholds = json.load(f)
+    text = build_report(root, run_id, fmt=args.format, thresholds=thresholds)
+    if args.output:
+        from pathlib import Path
+
+        from .jobs import write_text_atomic
+
+        write_text_atomic(Path(args.output), text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        print(text)
+    if args.format == "json" and args.gate:
+        return 0 if json.loads(text)["verdict"]["pass"] else 1
+    return 0
