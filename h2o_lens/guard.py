@@ -379,6 +379,8 @@ class GuardState:
     #: seconds spent in the guard's own computations, and the steps scored
     seconds: float = 0.0
     scored: int = 0
+    #: the steps and events already written to a log (:mod:`recorders.guard_log`)
+    written: tuple[int, int] = (0, 0)
     _acc: torch.Tensor | None = None
     _budgets: tuple | None = None
 
@@ -492,10 +494,11 @@ class GuardState:
             self.cues = cues.to(self.cues.device, self.cues.dtype)
 
     # -- what the log gets --------------------------------------------------------------------------
-    def risk_rows(self) -> list[dict[str, Any]]:
-        """One row per request and scored step: ``request, step, risk`` and every signal."""
+    def risk_rows(self, start: int = 0) -> list[dict[str, Any]]:
+        """One row per request and scored step (from the ``start``-th step scored on):
+        ``request, step, risk`` and every signal."""
         out = []
-        for ids, step, signals, risk in self.steps:
+        for ids, step, signals, risk in self.steps[start:]:
             for r, rid in enumerate(ids):
                 row = {"request": int(rid), "step": int(step[r]), "risk": float(risk[r])}
                 row.update({name: float(signals[r, i]) for i, name in enumerate(SIGNALS)})
@@ -517,12 +520,16 @@ def grow_rows(cache: H2OCache, rows: list[int], slots: list[int]) -> None:
     The new slots are heavy slots (the recent window and the sink stay as they are); they start
     empty at the end of each row's storage, so the next steps fill them before anything is
     evicted again, as an H2O run whose slot count changed at this step. Positions evicted
-    before stay evicted. Call it between decode steps.
+    before stay evicted. Call it between decode steps. A listener's ``on_state`` hears a
+    ``raise`` event (rows, requests, slots) first.
     """
     first = cache.layers[0]
     if first.budget is None:
         raise ConfigError("grow_rows: the H2O cache has not seen a prompt yet")
     old_caps = cache.row_capacity(first.budget)  # (b,)
+    requests = [cache.request_ids[r] for r in rows] if cache.request_ids is not None else list(rows)
+    # a listener first hears the rows as they were (the recorder writes its pending steps)
+    cache._notify({"event": "raise", "rows": list(rows), "requests": requests, "slots": [int(n) for n in slots]})
     index = first.budget.clone()
     for r, n in zip(rows, slots):
         old = cache.budgets[int(index[r])]

@@ -55,6 +55,7 @@ from h2o_lens.runtime import H2OSession, h2o
 from h2o_lens.speculative import SegmentEvent
 
 from .errors import RecorderError
+from .guard_log import write_guard_rows
 from .manifest import new_run_id
 from .prompt_pass import PromptPass, PromptSink
 from .run import RunWriter
@@ -614,6 +615,8 @@ class Recording:
         try:
             out = original(*args, **kwargs)
             self.flush()
+            if cache is not None:
+                write_guard_rows(self.writer, cache)  # the guard's risk and actions (DESIGN.md §18.5)
         finally:
             hook.remove()
             self._watch = None
