@@ -785,6 +785,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
             length=args.length,
             sharing=args.sharing,
         )
+    if args.what == "guard":
+        from .bench_guard import bench_guard
+
+        return bench_guard(
+            model_name=args.model,
+            tasks=args.tasks,
+            ratio=args.ratio,
+            count=args.count,
+            length=args.length,
+            seed=args.seed,
+            fit_seed=args.seed + 1,
+        )
     if args.what == "press":
         from .bench_press import bench_press, bench_press_agreement
 
@@ -1014,7 +1026,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.set_defaults(func=cmd_app)
 
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    b.add_argument("what", choices=["decode", "record", "kernels", "sql", "runs", "explain", "sweep", "press"])
+    b.add_argument("what", choices=["decode", "record", "kernels", "sql", "runs", "explain", "sweep", "press", "guard"])
     b.add_argument("--model", default=None)
     b.add_argument(
         "--contexts", type=int, nargs="+", default=None, help="decode: context lengths (512 2048); press: (2048 4096)"
@@ -1045,7 +1057,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--runs", type=int, default=5000, help="runs: synthetic runs in the root")
     b.add_argument("--root", default=None, help="runs: reuse (or write once) this synthetic root")
     b.add_argument("--no-browser", action="store_true", help="runs: skip the dashboard timings")
-    b.add_argument("--tasks", default="builtin:full", help="sweep: the requests (FILE or builtin:NAME)")
+    b.add_argument("--tasks", default="builtin:full", help="sweep, guard: the requests (FILE or builtin:NAME)")
+    b.add_argument("--ratio", type=float, default=0.2, help="guard: the base keep ratio (DESIGN.md §18.6)")
+    b.add_argument("--seed", type=int, default=0, help="guard: the seed of the requests the guard runs on")
     b.add_argument("--count", type=int, default=16, help="sweep: requests of the grid")
     b.add_argument(
         "--length",
