@@ -19,6 +19,7 @@ TPR − FPR of the warning score at k = 4) and the guard runs on those of ``--se
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -364,4 +365,68 @@ def bench_guard(
     report = evaluate(model, tokenizer, run, fit, ratio=ratio, targets=targets, progress=progress)
     print(file=sys.stderr)
     print(format_report(report), flush=True)
+    return 0
+
+
+def bench_decode_guard(
+    model_name: str | None = None,
+    contexts: Sequence[int] = (4096,),
+    batches: Sequence[int] = (1, 8),
+    keep: float = 0.2,
+    steps: int = 8,
+    rounds: int = 3,
+    model: Any = None,
+) -> int:
+    """``bench decode --guard``: ms per decode step of H2O with the guard's signals ÷ without, per
+    context and batch size, measured in alternating rounds on the same prefilled state (the guarded
+    cache is a restored copy of the plain one, DESIGN.md §15.2); ``guard own`` is the share of
+    the guarded step spent in the guard's own code, ``same tokens`` whether both caches decoded
+    the same tokens. Returns 0."""
+    import statistics
+
+    from h2o_lens.benchtools import Decoder, median_time
+    from h2o_lens.config import H2OConfig
+    from h2o_lens.guard import GuardConfig, guarded
+    from h2o_lens.models import load_model
+    from h2o_lens.runtime import h2o
+
+    if model is None:
+        model, _ = load_model(model_name, progress=False)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    gen = torch.Generator().manual_seed(0)
+    cfg = H2OConfig(ratio=keep)
+    print(
+        f"guard overhead: H2O at {keep:.0%}, {steps} steps x {rounds} rounds alternating plain / guarded, "
+        f"medians; torch {torch.__version__}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
+    print(
+        f"{'context':>8} {'batch':>6} {'h2o ms/step':>12} {'guard ms/step':>14} {'ratio':>7} {'guard own':>10} "
+        f"{'same tokens':>12}"
+    )
+    for n in contexts:
+        for b in batches:
+            ctx = torch.randint(0, vocab, (b, n), generator=gen)
+            with h2o(model, cfg) as session:
+                plain = Decoder(model, session.new_cache(), ctx, last_logits_only=True)
+                header, tensors = plain.cache.export_state()
+                with guarded(GuardConfig()):
+                    cache = session.new_cache()
+                cache.import_state(header, {k: v.clone() for k, v in tensors.items()})
+                guard = Decoder.__new__(Decoder)
+                guard.model, guard.cache, guard.token = model, cache, plain.token.clone()
+                plain.run(2)
+                guard.run(2)  # warm-up; the guard's first step sizes its reservoir
+                t_plain, t_guard = [], []
+                before = cache.guard.seconds
+                for _ in range(rounds):
+                    t_plain.append(median_time(functools.partial(plain.run, steps), 1) / steps)
+                    t_guard.append(median_time(functools.partial(guard.run, steps), 1) / steps)
+                own = (cache.guard.seconds - before) / (rounds * steps)
+                same = "yes" if torch.equal(plain.token, guard.token) else "NO"  # the guard changes no step
+            tp, tg = statistics.median(t_plain), statistics.median(t_guard)
+            print(
+                f"{n:>8} {b:>6} {tp * 1e3:>12.2f} {tg * 1e3:>14.2f} {tg / tp:>7.3f} {own / tg:>10.1%} {same:>12}",
+                flush=True,
+            )
     return 0

@@ -735,6 +735,17 @@ def cmd_app(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
+    if args.what == "decode" and args.guard:
+        from .bench_guard import bench_decode_guard
+
+        return bench_decode_guard(
+            model_name=args.model,
+            contexts=tuple(args.contexts or (4096,)),
+            batches=tuple(args.batch),
+            keep=args.keep,
+            steps=args.steps,
+            rounds=args.rounds,
+        )
     if args.what == "decode" and args.assistant:
         return bench.bench_assistant(
             model_name=args.model,
@@ -1060,6 +1071,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tasks", default="builtin:full", help="sweep, guard: the requests (FILE or builtin:NAME)")
     b.add_argument("--ratio", type=float, default=0.2, help="guard: the base keep ratio (DESIGN.md §18.6)")
     b.add_argument("--seed", type=int, default=0, help="guard: the seed of the requests the guard runs on")
+    b.add_argument(
+        "--guard", action="store_true", help="decode: the guard's cost per decode step (default context 4096)"
+    )
     b.add_argument("--count", type=int, default=16, help="sweep: requests of the grid")
     b.add_argument(
         "--length",

@@ -58,6 +58,7 @@ __all__ = [
     "TokenCues",
     "guarded",
     "grow_rows",
+    "cue_masks",
     "combine",
 ]
 
@@ -575,18 +576,7 @@ class TokenCues:
 
     def __init__(self, guard: Guard, tokenizer: Any):
         self.guard = guard
-        vocab = len(tokenizer)
-        texts = tokenizer.convert_ids_to_tokens(list(range(vocab)))
-        structure = torch.zeros(vocab, dtype=torch.bool)
-        refer = torch.zeros(vocab, dtype=torch.bool)
-        words = set(REFER_WORDS)
-        for i, tok in enumerate(texts):
-            if tok is None:
-                continue
-            text = tokenizer.convert_tokens_to_string([tok])
-            structure[i] = any(m in text for m in STRUCTURE_MARKS)
-            refer[i] = text.strip().lower() in words
-        self.structure, self.refer = structure, refer
+        self.structure, self.refer = cue_masks(tokenizer)
         self._prompt: int | None = None
         self._refer: torch.Tensor | None = None
 
@@ -602,6 +592,24 @@ class TokenCues:
         structure = self.structure[recent].any(-1)
         state.set_cues(torch.stack([structure, self._refer], -1).float())
         return scores
+
+
+_MASKS: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+
+
+def cue_masks(tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(structure, refer)``: bool ``(vocab,)`` masks of the tokens whose text holds a mark of
+    :data:`STRUCTURE_MARKS`, and of those that are a word of :data:`REFER_WORDS`; computed once
+    per tokenizer (the whole vocabulary is decoded in one call)."""
+    hit = _MASKS.get(id(tokenizer))
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1], hit[2]
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    words = set(REFER_WORDS)
+    structure = torch.tensor([any(m in t for m in STRUCTURE_MARKS) for t in texts], dtype=torch.bool)
+    refer = torch.tensor([t.strip().lower() in words for t in texts], dtype=torch.bool)
+    _MASKS[id(tokenizer)] = (tokenizer, structure, refer)
+    return structure, refer
 
 
 # -- the scope --------------------------------------------------------------------------------------

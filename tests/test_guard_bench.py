@@ -13,6 +13,7 @@ from tiny import local_attention, tiny_model
 import h2o_lens
 from commands.bench_guard import (
     auroc,
+    bench_decode_guard,
     evaluate,
     first_wrong,
     fit_threshold,
@@ -121,3 +122,12 @@ def test_evaluate_end_to_end_on_a_tiny_model(model):
         assert set(by_k) == {1, 4} and all(math.isnan(v) or 0.0 <= v <= 1.0 for v in by_k.values())
     text = format_report(report)
     assert "AUROC" in text and "recovered" in text and "fixed 20%" in text
+
+
+def test_bench_decode_guard_rows(model, capsys):
+    """One row per context and batch, the guarded cache decoding the plain one's tokens."""
+    assert bench_decode_guard(model=model, contexts=(96,), batches=(1, 3), steps=2, rounds=1) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["96"]]
+    assert [r[1] for r in rows] == ["1", "3"]
+    for r in rows:
+        assert float(r[2]) > 0 and float(r[3]) > 0 and r[-1] == "yes"
