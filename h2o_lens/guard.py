@@ -13,7 +13,9 @@ of the :class:`GuardConfig` runs on the rows whose risk reached the threshold:
 
 - ``none``: the risk is only logged;
 - ``raise``: the row's slot count grows to its target for the rest of the generation
-  (:func:`grow_rows`); the positions evicted so far stay evicted and the event says how many.
+  (:func:`grow_rows`); the positions evicted so far stay evicted and the event says how many;
+- ``refill``: the row's prompt and generated tokens are prefilled again at its target and the
+  row goes on from that state (:mod:`h2o_lens.refill`; pass ``guard.refill(model)`` to ``generate``).
 
 The signals (:data:`SIGNALS`, each in [0, 1], all defined in DESIGN.md §18.1):
 
@@ -65,7 +67,7 @@ __all__ = [
 #: the signals, in the order of :attr:`GuardConfig.weights` and of the logged rows
 SIGNALS = ("margin", "trend", "uniform", "far", "entropy", "dropped", "structure", "refer")
 #: the actions a guard can take (DESIGN.md §18.2)
-ACTIONS = ("none", "raise")
+ACTIONS = ("none", "raise", "refill")
 #: per-layer signals, averaged over the layers and KV sets of a step
 _LAYER_SIGNALS = ("margin", "uniform", "far", "entropy", "dropped")
 
@@ -101,10 +103,12 @@ class GuardConfig:
 
     Parameters
     ----------
-    action : ``none`` (log the risk only) or ``raise`` (grow the slot count, DESIGN.md §18.2)
+    action : ``none`` (log the risk only), ``raise`` (grow the slot count) or ``refill`` (prefill
+        the tokens so far again at the target, DESIGN.md §18.2)
     threshold : the risk in [0, 1] at which the action runs on a row
-    raise_slots : slots per KV set after a raise (at least the row's current count), or
-    raise_ratio : a keep ratio of the row's prompt length after a raise (one of the two with ``raise``)
+    raise_slots : slots per KV set after a raise or refill (at least the row's current count), or
+    raise_ratio : a keep ratio of the row's prompt length after it (one of the two with ``raise``
+        and ``refill``)
     reservoir : the share of a row's slots kept as a sampled reservoir of evicted keys
         (0 turns the ``dropped`` signal off); the reservoir holds ``max(1, ⌈share · B⌉)`` keys
     weights, bias : the logistic combination of :data:`SIGNALS` into the risk
@@ -131,8 +135,10 @@ class GuardConfig:
             raise ConfigError(f"guard threshold={self.threshold} is outside [0, 1]; give a risk level such as 0.5")
         if self.raise_slots is not None and self.raise_ratio is not None:
             raise ConfigError("give the raise target as raise_slots or raise_ratio, not both")
-        if self.action == "raise" and self.raise_slots is None and self.raise_ratio is None:
-            raise ConfigError("guard action 'raise' needs a target: raise_slots=N or raise_ratio=R (0 < R <= 1)")
+        if self.action in ("raise", "refill") and self.raise_slots is None and self.raise_ratio is None:
+            raise ConfigError(
+                f"guard action {self.action!r} needs a target: raise_slots=N or raise_ratio=R (0 < R <= 1)"
+            )
         if self.raise_slots is not None and self.raise_slots < 2:
             raise ConfigError(f"raise_slots={self.raise_slots}; expected at least 2 slots")
         if self.raise_ratio is not None and not 0.0 < self.raise_ratio <= 1.0:
@@ -382,6 +388,10 @@ class GuardState:
     scored: int = 0
     #: the steps and events already written to a log (:mod:`recorders.guard_log`)
     written: tuple[int, int] = (0, 0)
+    #: refills marked at the last step, done by :class:`~h2o_lens.refill.Refill` before the next one
+    pending: list[dict[str, Any]] = field(default_factory=list)
+    refiller: bool = False
+    refill_seconds: float = 0.0
     _acc: torch.Tensor | None = None
     _budgets: tuple | None = None
 
@@ -451,31 +461,46 @@ class GuardState:
         risk = combine(signals, cfg.weights, cfg.bias)
         self.steps.append((self.request_ids(), step.clone(), signals.clone(), risk.clone()))
         self.scored += 1
-        if cfg.action == "raise":
+        if cfg.action != "none":
             hit = (risk >= cfg.threshold) & ~self.raised
             if bool(hit.any()):
                 rows = torch.nonzero(hit)[:, 0].tolist()
-                self._raise(rows, step, risk)
+                (self._raise if cfg.action == "raise" else self._mark_refill)(rows, step, risk)
 
-    def _raise(self, rows: list[int], step: torch.Tensor, risk: torch.Tensor) -> None:
-        cache = self.cache
-        caps = cache.row_capacity(cache.layers[0].budget).tolist()
-        targets = [self.config.target(caps[r], int(self.prompt_len[r])) for r in rows]
-        grow_rows(cache, rows, targets)
+    def _actions(self, rows: list[int], step: torch.Tensor, risk: torch.Tensor, action: str) -> list[dict[str, Any]]:
+        caps = self.cache.row_capacity(self.cache.layers[0].budget).tolist()
         ids = self.request_ids()
-        for r, n in zip(rows, targets):
+        out = []
+        for r in rows:
             self.raised[r] = True
-            self.events.append(
+            out.append(
                 {
                     "request": ids[r],
                     "step": int(step[r]),
                     "risk": float(risk[r]),
-                    "action": "raise",
+                    "action": action,
                     "slots_before": int(caps[r]),
-                    "slots_after": int(n),
+                    "slots_after": self.config.target(caps[r], int(self.prompt_len[r])),
                     "evicted": float(self.evicted[r]),
+                    "row": r,
                 }
             )
+        return out
+
+    def _raise(self, rows: list[int], step: torch.Tensor, risk: torch.Tensor) -> None:
+        acts = self._actions(rows, step, risk, "raise")
+        grow_rows(self.cache, rows, [a["slots_after"] for a in acts])
+        for a in acts:
+            a.pop("row")
+            self.events.append({**a, "seconds": 0.0})
+
+    def _mark_refill(self, rows: list[int], step: torch.Tensor, risk: torch.Tensor) -> None:
+        if not self.refiller:
+            raise ConfigError(
+                "guard action 'refill' re-prefills between steps from generate's logits processors; pass "
+                "logits_processor=[guard.refill(model)] to generate"
+            )
+        self.pending += self._actions(rows, step, risk, "refill")
 
     # -- rows and tokens ---------------------------------------------------------------------------
     def request_ids(self) -> list[int]:
@@ -507,7 +532,8 @@ class GuardState:
         return out
 
     def event_rows(self) -> list[dict[str, Any]]:
-        """The actions taken: ``request, step, risk, action, slots_before, slots_after, evicted``."""
+        """The actions taken: ``request, step, risk, action, slots_before, slots_after, evicted,
+        seconds`` (the recompute of a refill; 0 for a raise)."""
         return [dict(e) for e in self.events]
 
 
@@ -630,6 +656,12 @@ class Guard:
     def cues(self, tokenizer: Any) -> TokenCues:
         """The logits processor that feeds the token cues (:class:`TokenCues`)."""
         return TokenCues(self, tokenizer)
+
+    def refill(self, model: Any) -> Any:
+        """The logits processor that does the ``refill`` action (:class:`h2o_lens.refill.Refill`)."""
+        from .refill import Refill
+
+        return Refill(self, model)
 
 
 _ACTIVE: contextvars.ContextVar[Guard | None] = contextvars.ContextVar("h2o_lens_guard", default=None)

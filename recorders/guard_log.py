@@ -39,6 +39,7 @@ def write_guard_rows(writer: Any, cache: Any) -> int:
                 "slots_before": np.array([e["slots_before"] for e in events], np.int32),
                 "slots_after": np.array([e["slots_after"] for e in events], np.int32),
                 "evicted": np.array([e["evicted"] for e in events], np.float32),
+                "seconds": np.array([e.get("seconds", 0.0) for e in events], np.float32),
             },
         )
     state.written = (len(state.steps), len(state.events))

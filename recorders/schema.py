@@ -252,10 +252,11 @@ TABLES: dict[str, pa.Schema] = {
             _REQUEST,
             _f("step", pa.int64(), "decode step after which the guard acted"),
             _f("risk", pa.float32(), "the risk that reached the threshold"),
-            _f("action", pa.string(), "what the guard did: raise (DESIGN.md §18.2)"),
+            _f("action", pa.string(), "what the guard did: raise or refill (DESIGN.md §18.2)"),
             _f("slots_before", pa.int32(), "slots per layer and KV set before the action"),
             _f("slots_after", pa.int32(), "slots per layer and KV set after it"),
-            _f("evicted", pa.float32(), "positions already evicted, mean per layer and KV set: they stay evicted"),
+            _f("evicted", pa.float32(), "positions already evicted, mean per layer and KV set: a raise keeps them out"),
+            _f("seconds", pa.float32(), "recompute time of a refill (0 for a raise)", nullable=True),
         ]
     ),
 }
@@ -386,6 +387,7 @@ RANGES: dict[str, dict[str, Range]] = {
         "slots_before": _INDEX,
         "slots_after": _INDEX,
         "evicted": Range(0.0, None, FLOAT_SLACK),
+        "seconds": Range(0.0, None),
     },
 }
 
