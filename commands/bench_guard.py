@@ -10,11 +10,12 @@ no budget can save it. It prints:
   failure, for the combined risk and each signal alone (:func:`warning_score`);
 - accuracy against mean KV slots (a share of the full cache's) for the fixed budgets and the
   guard's policies, on the same requests;
-- how many of H2O's failures at ``--ratio`` each guard policy recovered, at what mean memory
-  and time per request.
+- how many of H2O's failures at ``--ratio`` each guard policy (``raise`` and ``refill`` to 50 % and
+  100 % of the prompt) recovered, at what mean memory and time per request.
 
-The guard's threshold is fitted on the requests of ``--fit-seed`` (the threshold with the best
-TPR − FPR of the warning score at k = 4) and the guard runs on those of ``--seed``.
+The guard's threshold is fitted on the requests of ``--seed + 1`` (the threshold with the best
+TPR − FPR of the warning score at k = 4; 1.0, never act, when none beats chance) and the guard
+runs on those of ``--seed``.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def warning_score(risks: Sequence[tuple[int, float]], prompt_len: int, wrong: in
 
 def fit_threshold(scores: Sequence[float], labels: Sequence[bool]) -> float:
     """The threshold among ``scores`` with the best TPR − FPR (the lowest of equals); 1.0 (never
-    act) when one class is empty."""
+    act) when one class is empty or no threshold does better than chance (TPR − FPR <= 0)."""
     pos = sum(labels)
     neg = len(labels) - pos
     if not pos or not neg:
@@ -93,7 +94,7 @@ def fit_threshold(scores: Sequence[float], labels: Sequence[bool]) -> float:
         fpr = sum(1 for s, y in zip(scores, labels) if not y and s >= t) / neg
         if tpr - fpr > best:
             best, best_t = tpr - fpr, t
-    return best_t
+    return best_t if best > 0 else 1.0
 
 
 @dataclass
@@ -143,6 +144,8 @@ def run_request(model: Any, tokenizer: Any, task: Any, config: Any = None, guard
             stack.enter_context(h2o(model, config, listener=slots))
         if g is not None:
             kw["logits_processor"] = [g.cues(tokenizer)]
+            if guard.action == "refill":
+                kw["logits_processor"].append(g.refill(model))
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids, **kw)
@@ -222,27 +225,30 @@ def evaluate(
     ratio: float = 0.2,
     budgets: Sequence[float] = BUDGETS,
     targets: Sequence[float] = (0.5, 1.0),
+    actions: Sequence[str] = ("raise", "refill"),
     ks: Sequence[int] = KS,
+    threshold: float | None = None,
     progress: Callable[[str], None] = lambda msg: None,
 ) -> GuardReport:
-    """Run the bench's generations and measure (the module docstring says what)."""
+    """Run the bench's generations and measure (the module docstring says what); ``threshold``
+    given: the guard acts at it, and ``fit_tasks`` only count."""
     from h2o_lens.config import H2OConfig
     from h2o_lens.guard import SIGNALS, GuardConfig
 
     logging = GuardConfig()
-    n_runs = 2 * len(fit_tasks) + len(tasks) * (2 + len(budgets) + len(targets))
+    n_runs = 2 * len(fit_tasks) + len(tasks) * (2 + len(budgets) + len(targets) * len(actions))
     done = [0]
 
     def tick():
         done[0] += 1
         progress(f"{done[0]}/{n_runs} generations")
 
-    threshold = 1.0
     fit = []
-    if fit_tasks:
+    if fit_tasks and threshold is None:
         _, _, fit = _base_pass(model, tokenizer, fit_tasks, ratio, logging, tick)
         fit = [o for o in fit if o is not None]
         threshold = fit_threshold(_scores(fit, 4), [o.failed for o in fit])
+    threshold = 1.0 if threshold is None else threshold
     teachers, bases, outcomes = _base_pass(model, tokenizer, tasks, ratio, logging, tick)
     kept = [i for i, o in enumerate(outcomes) if o is not None]
     outs = [outcomes[i] for i in kept]
@@ -268,13 +274,13 @@ def evaluate(
         table.append(_row(f"fixed {b:.0%}", runs, verdict))
     recovered = []
     failures = [i for i, o in zip(kept, outs) if o.failed]
-    for target in targets:
-        cfg = GuardConfig(action="raise", threshold=threshold, raise_ratio=target)
+    for action, target in [(a, t) for a in actions for t in targets]:
+        cfg = GuardConfig(action=action, threshold=threshold, raise_ratio=target)
         runs = {}
         for i in kept:
             runs[i] = run_request(model, tokenizer, tasks[i], H2OConfig(ratio=ratio), cfg)
             tick()
-        row = _row(f"guard raise->{target:.0%} @{threshold:.3f}", runs, verdict)
+        row = _row(f"guard {action}->{target:.0%} @{threshold:.3f}", runs, verdict)
         row["raised"] = sum(1 for r in runs.values() if r.events)
         table.append(row)
         saved = [i for i in failures if verdict(runs[i], i)]
@@ -349,9 +355,12 @@ def bench_guard(
     evaluate and print. Returns 0."""
     import sys
 
+    from h2o_lens.errors import ConfigError
     from h2o_lens.models import load_model
     from h2o_lens.tasks.builtins import resolve_tasks
 
+    if not 0.0 < ratio < 1.0:
+        raise ConfigError(f"bench guard --ratio {ratio}: expected a keep ratio between 0 and 1, such as 0.2")
     model, tokenizer = load_model(model_name, progress=False)
     run = resolve_tasks(tasks, seed=seed, length=length, count=count, tokenizer=tokenizer)
     fit = []

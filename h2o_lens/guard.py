@@ -446,7 +446,9 @@ class GuardState:
             self.prompt_len = step.to(torch.float32)  # the first decode step is at position P
             self.evicted = torch.zeros(b, device=dev)
             self.raised = torch.zeros(b, dtype=torch.bool, device=dev)
+        if self.cues is None or self.cues.shape[0] != b:  # the cue processor may have set them already
             self.cues = torch.zeros(b, 2, device=dev)
+        self.cues = self.cues.to(dev)
         table = torch.tensor([[a.capacity, a.recent, a.sink] for a in self.cache.budgets], device=dev)
         t = table[layer.budget.to(dev)]  # (b, 3)
         self._budgets = (t[:, 0], t[:, 1], t[:, 2])
@@ -516,8 +518,7 @@ class GuardState:
 
     def set_cues(self, cues: torch.Tensor) -> None:
         """``cues (b, 2)`` the ``structure`` and ``refer`` cues of each row, for the next steps."""
-        if self.cues is not None and self.cues.shape[0] == cues.shape[0]:
-            self.cues = cues.to(self.cues.device, self.cues.dtype)
+        self.cues = cues.float() if self.cues is None else cues.to(self.cues.device, self.cues.dtype)
 
     # -- what the log gets --------------------------------------------------------------------------
     def risk_rows(self, start: int = 0) -> list[dict[str, Any]]:

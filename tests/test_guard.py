@@ -239,3 +239,20 @@ def test_token_cues_read_the_prompt_and_the_last_generated_tokens():
         later = torch.cat([prompt, torch.tensor([[ix["{"], ix["x"], ix["x"]], [ix["x"], ix["="], ix["1"]]])], 1)
         cues(later, scores)
         assert state.cues.tolist() == [[0.0, 1.0], [1.0, 0.0]]  # "{" left the window of 2
+
+
+def test_token_cues_reach_every_scored_step():
+    """Through generate: a prompt with a refer-back word has ``refer`` = 1 from the first decode
+    step on; one without has 0."""
+    tokenizer, words = _word_tokenizer()
+    model = tiny_model("llama", layers=1, vocab=len(words))
+    ix = {w: i for i, w in enumerate(words)}
+    ids = torch.tensor(
+        [[ix["the"], ix["key"], ix["x"], ix["cat"]] * 3, [ix["the"], ix["key"], ix["mentioned"], ix["above"]] * 3]
+    )
+    with h2o_lens.h2o(model, H2OConfig(heavy=2, recent=2)), guarded(GuardConfig()) as g, torch.no_grad():
+        model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0, logits_processor=[g.cues(tokenizer)])
+    rows = g.last.risk_rows()
+    assert len(rows) == 8
+    assert [r["refer"] for r in rows if r["request"] == 1] == [1.0] * 4
+    assert [r["refer"] for r in rows if r["request"] == 0] == [0.0] * 4

@@ -68,6 +68,7 @@ def test_auroc_is_the_roc_area():
     assert auroc(scores, labels) == pytest.approx(area)
     assert math.isnan(auroc([0.1, 0.2], [True, True]))
     assert fit_threshold([0.1, 0.2, 0.7, 0.9], [False, False, True, True]) == 0.7
+    assert fit_threshold([0.9, 0.7, 0.2, 0.1], [False, False, True, True]) == 1.0  # worse than chance: never act
 
 
 def test_first_wrong_and_warning_score():
@@ -106,18 +107,23 @@ def test_harness_onset_is_the_teacher_divergence(model):
 
 
 def test_evaluate_end_to_end_on_a_tiny_model(model):
-    """The full cache's row is the teacher (all right, all memory); a raise to the full prompt at
-    threshold from the fit seed costs memory above the base budget's; every figure is a share."""
+    """The full cache's row is the teacher (all right, all memory); at threshold 0 both actions
+    act on every request, a raise costing at least the base budget's memory and a refill to the
+    whole prompt far more (one step at 20 %, then 40 slots of 41 to 53 tokens); every figure is a share."""
     tok = _tokenizer()
-    report = evaluate(model, tok, _tasks(1), _tasks(2), ratio=0.2, budgets=(0.2, 1.0), targets=(1.0,), ks=(1, 4))
+    report = evaluate(
+        model, tok, _tasks(1), [], ratio=0.2, budgets=(0.2, 1.0), targets=(1.0,), ks=(1, 4), threshold=0.0
+    )
     rows = {r["policy"]: r for r in report.table}
     assert rows["fixed 100%"]["accuracy"] == 1.0 and rows["fixed 100%"]["memory"] == 1.0
     base = rows["fixed 20%"]
-    guard = next(r for name, r in rows.items() if name.startswith("guard"))
-    assert base["memory"] < 0.5 and guard["memory"] >= base["memory"]
+    raised, refilled = rows["guard raise->100% @0.000"], rows["guard refill->100% @0.000"]
+    assert raised["raised"] == refilled["raised"] == 4
+    assert base["memory"] < 0.5 and raised["memory"] > base["memory"] and refilled["memory"] > 0.7
     assert report.requests == 4 and report.left_out == 0
-    (rec,) = report.recovered
-    assert rec["failures"] == round((1 - base["accuracy"]) * 4) and 0 <= rec["recovered"] <= rec["failures"]
+    assert [r["policy"] for r in report.recovered] == ["guard raise->100% @0.000", "guard refill->100% @0.000"]
+    for rec in report.recovered:
+        assert rec["failures"] == round((1 - base["accuracy"]) * 4) and 0 <= rec["recovered"] <= rec["failures"]
     for by_k in report.aurocs.values():
         assert set(by_k) == {1, 4} and all(math.isnan(v) or 0.0 <= v <= 1.0 for v in by_k.values())
     text = format_report(report)
@@ -131,3 +137,11 @@ def test_bench_decode_guard_rows(model, capsys):
     assert [r[1] for r in rows] == ["1", "3"]
     for r in rows:
         assert float(r[2]) > 0 and float(r[3]) > 0 and r[-1] == "yes"
+
+
+def test_cli_refuses_a_bad_ratio_in_one_line(capsys):
+    from commands.cli import main
+
+    assert main(["bench", "guard", "--ratio", "1.5"]) != 0
+    err = capsys.readouterr().err
+    assert "--ratio 1.5" in err and "between 0 and 1" in err and "Traceback" not in err
