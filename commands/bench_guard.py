@@ -385,12 +385,13 @@ def bench_decode_guard(
     steps: int = 8,
     rounds: int = 3,
     model: Any = None,
+    strides: Sequence[int] = (1, 8),
 ) -> int:
     """``bench decode --guard``: ms per decode step of H2O with the guard's signals ÷ without, per
     context and batch size, measured in alternating rounds on the same prefilled state (the guarded
     cache is a restored copy of the plain one, DESIGN.md §15.2); ``guard own`` is the share of
     the guarded step spent in the guard's own code, ``same tokens`` whether both caches decoded
-    the same tokens. Returns 0."""
+    the same tokens; one row per guard ``stride`` (signals from every ``stride``-th layer). Returns 0."""
     import statistics
 
     from h2o_lens.benchtools import Decoder, median_time
@@ -410,32 +411,46 @@ def bench_decode_guard(
         flush=True,
     )
     print(
-        f"{'context':>8} {'batch':>6} {'h2o ms/step':>12} {'guard ms/step':>14} {'ratio':>7} {'guard own':>10} "
-        f"{'same tokens':>12}"
+        f"{'context':>8} {'batch':>6} {'stride':>6} {'h2o ms/step':>12} {'guard ms/step':>14} {'ratio':>7} "
+        f"{'guard own':>10} {'same tokens':>12}"
     )
-    for n in contexts:
-        for b in batches:
-            ctx = torch.randint(0, vocab, (b, n), generator=gen)
-            with h2o(model, cfg) as session:
-                plain = Decoder(model, session.new_cache(), ctx, last_logits_only=True)
-                header, tensors = plain.cache.export_state()
-                with guarded(GuardConfig()):
+    for n, b in [(n, b) for n in contexts for b in batches]:
+        ctx = torch.randint(0, vocab, (b, n), generator=gen)
+        with h2o(model, cfg) as session:
+            plain = Decoder(model, session.new_cache(), ctx, last_logits_only=True)
+            header, tensors = plain.cache.export_state()
+            start = plain.token.clone()
+            plain.run(2)  # warm-up
+            for stride in strides:
+                with guarded(GuardConfig(stride=stride)):
                     cache = session.new_cache()
                 cache.import_state(header, {k: v.clone() for k, v in tensors.items()})
                 guard = Decoder.__new__(Decoder)
-                guard.model, guard.cache, guard.token = model, cache, plain.token.clone()
-                plain.run(2)
+                guard.model, guard.cache, guard.token = model, cache, start.clone()
                 guard.run(2)  # warm-up; the guard's first step sizes its reservoir
+                same = torch.equal(guard.token, _replay(model, header, tensors, start, 2, session))
                 t_plain, t_guard = [], []
                 before = cache.guard.seconds
                 for _ in range(rounds):
                     t_plain.append(median_time(functools.partial(plain.run, steps), 1) / steps)
                     t_guard.append(median_time(functools.partial(guard.run, steps), 1) / steps)
                 own = (cache.guard.seconds - before) / (rounds * steps)
-                same = "yes" if torch.equal(plain.token, guard.token) else "NO"  # the guard changes no step
-            tp, tg = statistics.median(t_plain), statistics.median(t_guard)
-            print(
-                f"{n:>8} {b:>6} {tp * 1e3:>12.2f} {tg * 1e3:>14.2f} {tg / tp:>7.3f} {own / tg:>10.1%} {same:>12}",
-                flush=True,
-            )
+                tp, tg = statistics.median(t_plain), statistics.median(t_guard)
+                print(
+                    f"{n:>8} {b:>6} {stride:>6} {tp * 1e3:>12.2f} {tg * 1e3:>14.2f} {tg / tp:>7.3f} "
+                    f"{own / tg:>10.1%} {'yes' if same else 'NO':>12}",
+                    flush=True,
+                )
     return 0
+
+
+def _replay(model: Any, header: dict, tensors: dict, token: torch.Tensor, steps: int, session: Any) -> torch.Tensor:
+    """The token after ``steps`` plain decode steps from a restored copy of a saved state."""
+    from h2o_lens.benchtools import Decoder
+
+    cache = session.new_cache()
+    cache.import_state(header, {k: v.clone() for k, v in tensors.items()})
+    dec = Decoder.__new__(Decoder)
+    dec.model, dec.cache, dec.token = model, cache, token.clone()
+    dec.run(steps)
+    return dec.token

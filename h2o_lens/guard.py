@@ -115,6 +115,8 @@ class GuardConfig:
     span : steps of the exponential average of ``trend``
     cue_window : the last generated tokens that the ``structure`` cue looks at
     seed : of the reservoir's sampling
+    stride : the layers that compute signals, ``0, stride, 2·stride, …`` (1: every layer); the
+        per-layer signals are averaged over those (fewer layers, less cost, DESIGN.md §18.1)
     """
 
     action: str = "none"
@@ -127,6 +129,7 @@ class GuardConfig:
     span: int = 8
     cue_window: int = 8
     seed: int = 0
+    stride: int = 1
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -150,8 +153,10 @@ class GuardConfig:
                 f"guard weights has {len(self.weights)} values; expected {len(SIGNALS)}, one per signal "
                 f"({', '.join(SIGNALS)})"
             )
-        if self.span < 1 or self.cue_window < 1:
-            raise ConfigError(f"span={self.span} and cue_window={self.cue_window} must be at least 1")
+        if self.span < 1 or self.cue_window < 1 or self.stride < 1:
+            raise ConfigError(
+                f"span={self.span}, cue_window={self.cue_window} and stride={self.stride} must be at least 1"
+            )
 
     def target(self, capacity: int, prompt_len: int) -> int:
         """Slots per KV set after a raise of a row that holds ``capacity`` slots."""
@@ -312,6 +317,11 @@ class GuardLayer(H2OCacheLayer):
         rows=None,
         journal=False,
     ):
+        if not self.scored:
+            self._last = None
+            return super()._step(
+                args, q, k, v, keys, values, scores, positions, step, fill, scaling, want, history, rows, journal
+            )
         journal = journal or self.owner.guard.config.reservoir > 0  # the reservoir samples the overwritten key
         res = super()._step(
             args, q, k, v, keys, values, scores, positions, step, fill, scaling, True, history, rows, journal
@@ -319,10 +329,18 @@ class GuardLayer(H2OCacheLayer):
         self._last = (q, k, scaling, res)
         return res
 
+    @property
+    def scored(self) -> bool:
+        """Whether this layer computes signals (:attr:`GuardConfig.stride`)."""
+        return self.layer_idx % self.owner.guard.config.stride == 0
+
     def decode_once(self, query, scaling, *, journal: bool = False, emit: bool = True):
         out = super().decode_once(query, scaling, journal=journal, emit=emit)
-        if self.segment is None and self._last is not None:  # a verification segment is not scored
-            self.owner.guard.observe(self, *self._last)
+        if self.segment is None:  # a verification segment is not scored
+            if self._last is not None:
+                self.owner.guard.observe(self, *self._last)
+            elif self.layer_idx == len(self.owner.layers) - 1:
+                self.owner.guard.close_step(self)
         self._last = None
         return out
 
@@ -433,10 +451,21 @@ class GuardState:
                 layer.sample_evicted(res.old_key, gone, layer.keys.shape[2])
         per = torch.cat([four, dropped[..., None].to(four.dtype)], -1).mean(1)  # (b, 5)
         self._acc += per.to(self._acc.dtype)
-        self.evicted += res.evicts.to(self.evicted.dtype).mean(1) / len(cache.layers)
+        self.evicted += res.evicts.to(self.evicted.dtype).mean(1) / self._scored_layers()
         if layer.layer_idx == len(cache.layers) - 1:
             self._finish_step(step)
         self.seconds += time.perf_counter() - t0
+
+    def close_step(self, layer: GuardLayer) -> None:
+        """Finish the step at the last layer when that layer computes no signals."""
+        if self._acc is None:
+            return
+        t0 = time.perf_counter()
+        self._finish_step(layer.next_pos - 1)
+        self.seconds += time.perf_counter() - t0
+
+    def _scored_layers(self) -> int:
+        return -(-len(self.cache.layers) // self.config.stride)
 
     def _start_step(self, layer: GuardLayer, step: torch.Tensor) -> None:
         b = step.shape[0]
@@ -456,7 +485,7 @@ class GuardState:
 
     def _finish_step(self, step: torch.Tensor) -> None:
         cfg = self.config
-        per = self._acc / len(self.cache.layers)  # (b, 5) margin, uniform, far, entropy, dropped
+        per = self._acc / self._scored_layers()  # (b, 5) margin, uniform, far, entropy, dropped
         alpha = 2.0 / (cfg.span + 1.0)
         self.ema = self.ema + alpha * (per[:, 0] - self.ema)
         signals = torch.cat([per[:, :1], self.ema[:, None], per[:, 1:], self.cues], -1)  # (b, 8) in SIGNALS order

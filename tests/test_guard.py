@@ -256,3 +256,19 @@ def test_token_cues_reach_every_scored_step():
     assert len(rows) == 8
     assert [r["refer"] for r in rows if r["request"] == 1] == [1.0] * 4
     assert [r["refer"] for r in rows if r["request"] == 0] == [0.0] * 4
+
+
+def test_stride_scores_every_other_layer_and_changes_nothing():
+    """stride=2 on a 2-layer model: layer 1 computes no signals and closes each step; the tokens
+    are the plain run's, every step has a risk, and the signals are layer 0's alone."""
+    model = local_attention(tiny_model("llama", layers=2))
+    ids = torch.randint(3, 250, (1, 24), generator=torch.Generator().manual_seed(2))
+    cfg = H2OConfig(heavy=5, recent=3)
+    plain, _, _ = _run(model, ids, cfg, new=10)
+    out, cache, g = _run(model, ids, cfg, GuardConfig(stride=2, reservoir=0.0), new=10)
+    _, _, every = _run(model, ids, cfg, GuardConfig(stride=1, reservoir=0.0), new=10)
+    assert torch.equal(plain, out)
+    assert not cache.layers[1].scored and cache.layers[0].scored
+    rows, all_rows = g.last.risk_rows(), every.last.risk_rows()
+    assert [r["step"] for r in rows] == list(range(24, 33))
+    assert any(abs(a["far"] - b["far"]) > 1e-6 for a, b in zip(rows, all_rows))  # one layer vs the mean of two

@@ -131,12 +131,12 @@ def test_evaluate_end_to_end_on_a_tiny_model(model):
 
 
 def test_bench_decode_guard_rows(model, capsys):
-    """One row per context and batch, the guarded cache decoding the plain one's tokens."""
-    assert bench_decode_guard(model=model, contexts=(96,), batches=(1, 3), steps=2, rounds=1) == 0
+    """One row per context, batch and stride, the guarded cache decoding the plain one's tokens."""
+    assert bench_decode_guard(model=model, contexts=(96,), batches=(1, 3), steps=2, rounds=1, strides=(1, 2)) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["96"]]
-    assert [r[1] for r in rows] == ["1", "3"]
+    assert [(r[1], r[2]) for r in rows] == [("1", "1"), ("1", "2"), ("3", "1"), ("3", "2")]
     for r in rows:
-        assert float(r[2]) > 0 and float(r[3]) > 0 and r[-1] == "yes"
+        assert float(r[3]) > 0 and float(r[4]) > 0 and r[-1] == "yes"
 
 
 def test_cli_refuses_a_bad_ratio_in_one_line(capsys):
