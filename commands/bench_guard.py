@@ -318,7 +318,7 @@ def format_report(report: GuardReport) -> str:
     lines = [
         f"base budget {report.ratio:.0%}: {report.requests} requests "
         f"({report.left_out} left out: the full cache fails them); threshold {report.threshold:.3f} "
-        f"fitted on {report.fit_requests} requests of the fit seed",
+        + (f"fitted on {report.fit_requests} requests of the fit seed" if report.fit_requests else "(not fitted)"),
         "",
         "AUROC of the warning score (highest risk >= k steps before the first wrong token) vs failure",
         f"{'signal':>10} " + " ".join(f"{'k=' + str(k):>7}" for k in next(iter(report.aurocs.values()))),
@@ -350,6 +350,7 @@ def bench_guard(
     seed: int = 0,
     fit_seed: int | None = 1,
     targets: Sequence[float] = (0.5, 1.0),
+    threshold: float | None = None,
 ) -> int:
     """The CLI's ``bench guard``: load the model, resolve the tasks (``seed`` and ``fit_seed``),
     evaluate and print. Returns 0."""
@@ -361,17 +362,20 @@ def bench_guard(
 
     if not 0.0 < ratio < 1.0:
         raise ConfigError(f"bench guard --ratio {ratio}: expected a keep ratio between 0 and 1, such as 0.2")
+    if threshold is not None and not 0.0 <= threshold <= 1.0:
+        raise ConfigError(f"bench guard --threshold {threshold}: expected a risk between 0 and 1, such as 0.5")
     model, tokenizer = load_model(model_name, progress=False)
     run = resolve_tasks(tasks, seed=seed, length=length, count=count, tokenizer=tokenizer)
     fit = []
-    if fit_seed is not None and tasks.startswith("builtin:"):
+    if fit_seed is not None and threshold is None and tasks.startswith("builtin:"):
         fit = resolve_tasks(tasks, seed=fit_seed, length=length, count=count, tokenizer=tokenizer)
 
     def progress(msg: str) -> None:
         print(f"\r{msg}", end="", file=sys.stderr, flush=True)
 
-    print(f"bench guard: {tasks} (seed {seed}, fit seed {fit_seed}), {len(run)} requests, ratio {ratio}", flush=True)
-    report = evaluate(model, tokenizer, run, fit, ratio=ratio, targets=targets, progress=progress)
+    fitted = f"fit seed {fit_seed}" if threshold is None else f"threshold {threshold} given"
+    print(f"bench guard: {tasks} (seed {seed}, {fitted}), {len(run)} requests, ratio {ratio}", flush=True)
+    report = evaluate(model, tokenizer, run, fit, ratio=ratio, targets=targets, threshold=threshold, progress=progress)
     print(file=sys.stderr)
     print(format_report(report), flush=True)
     return 0

@@ -807,6 +807,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             length=args.length,
             seed=args.seed,
             fit_seed=args.seed + 1,
+            threshold=args.threshold,
         )
     if args.what == "press":
         from .bench_press import bench_press, bench_press_agreement
@@ -1071,6 +1072,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tasks", default="builtin:full", help="sweep, guard: the requests (FILE or builtin:NAME)")
     b.add_argument("--ratio", type=float, default=0.2, help="guard: the base keep ratio (DESIGN.md §18.6)")
     b.add_argument("--seed", type=int, default=0, help="guard: the seed of the requests the guard runs on")
+    b.add_argument(
+        "--threshold", type=float, default=None, help="guard: act at this risk instead of fitting it on seed + 1"
+    )
     b.add_argument(
         "--guard", action="store_true", help="decode: the guard's cost per decode step (default context 4096)"
     )

@@ -145,3 +145,5 @@ def test_cli_refuses_a_bad_ratio_in_one_line(capsys):
     assert main(["bench", "guard", "--ratio", "1.5"]) != 0
     err = capsys.readouterr().err
     assert "--ratio 1.5" in err and "between 0 and 1" in err and "Traceback" not in err
+    assert main(["bench", "guard", "--threshold", "2"]) != 0
+    assert "--threshold 2.0: expected a risk between 0 and 1" in capsys.readouterr().err
