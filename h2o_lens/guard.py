@@ -297,7 +297,8 @@ class GuardLayer(H2OCacheLayer):
         self._last: tuple | None = None
 
     def _kernel_step(self, args, want: bool) -> bool:
-        return False  # the guard reads the torch step's weights
+        # a layer that computes signals reads the torch step's weights; the others keep the backend's step
+        return not self.scored and super()._kernel_step(args, want)
 
     def _step(
         self,
