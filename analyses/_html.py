@@ -308,6 +308,20 @@ def _why(data: dict[str, Any], figs: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def _guard(data: dict[str, Any]) -> str:
+    """The guard's requests and actions (DESIGN.md §18.5), when the run has them."""
+    guard = data.get("guard") or {}
+    if not guard.get("requests"):
+        return ""
+    actions = (
+        _table(guard["actions"], ("request", "step", "risk", "action", "slots_before", "slots_after", "evicted"))
+        if guard["actions"]
+        else "<p>No action was taken.</p>"
+    )
+    requests = _table(guard["requests"], ("request", "steps", "max_risk", "peak_step", "mean_risk", "actions"))
+    return f"<h2>Guard</h2><p>The online risk per request and the actions it took.</p>{requests}{actions}"
+
+
 def _lifecycle(data: dict[str, Any]) -> str:
     """The state lifecycle section (DESIGN.md §15.1)."""
     lc = data.get("lifecycle") or {}
@@ -416,6 +430,7 @@ heavy threshold rose and heavy slots aged; windows of {dyn['freezing']['window']
 {dyn['stale']['stale_victims']} of {dyn['stale']['heavy_evictions']} heavy-slot evictions were stale.</p>
 <div class="grid">{_fig('fig-freeze', figs)}{_fig('fig-margins', figs)}</div>
 <h2>Oracle agreement</h2>{oracle_html}
+{_guard(data)}
 {_lifecycle(data)}
 """
 

@@ -137,7 +137,24 @@ def _dynamics(data: dict[str, Any]) -> list[str]:
         if oracle["available"]
         else f"Not available: {text(oracle['reason'])}\n"
     )
+    out += guard_section(data)
     return out
+
+
+def guard_section(data: dict[str, Any]) -> list[str]:
+    """The guard's requests and actions (DESIGN.md §18.5), when the run has them."""
+    guard = data.get("guard") or {}
+    if not guard.get("requests"):
+        return []
+    return [
+        "\n## Guard\n",
+        "The online risk per request and the actions it took (slots per layer and KV set):\n",
+        table(guard["requests"], ("request", "steps", "max_risk", "peak_step", "mean_risk", "actions")),
+        "\n",
+        table(guard["actions"], ("request", "step", "risk", "action", "slots_before", "slots_after", "evicted"))
+        if guard["actions"]
+        else "No action was taken.\n",
+    ]
 
 
 def _failures(data: dict[str, Any]) -> list[str]:

@@ -44,6 +44,7 @@ from .divergence import divergence_summary, free_generation, replay_series
 from .dynamics import freeze_onset, margin_sensitivity
 from .errors import MissingColumnError, ParameterError
 from .evidence import evidence_held
+from .guard import guard_actions, guard_requests
 from .stale import stale_holders, stale_victims
 from .thresholds import Thresholds
 from .views import run_problems
@@ -231,6 +232,14 @@ def _oracle(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
     return {"available": True, "reason": None, "heads": records(heads)}
 
 
+def _guard(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
+    """The guard's requests and actions (DESIGN.md §18.5); empty lists for a run without the guard."""
+    return {
+        "requests": records(guard_requests(con, run_id).df()),
+        "actions": records(guard_actions(con, run_id).df()),
+    }
+
+
 def _why(con: duckdb.DuckDBPyConnection, run_id: str, th: Thresholds, attributions: list) -> dict[str, Any]:
     """The counterfactual verdicts of the run's explained requests and, when the root has several
     explained requests, the distribution of minimal passing budgets (DESIGN.md §6.10)."""
@@ -341,6 +350,7 @@ def report_data(
         "evidence": records(evidence_held(con, run_id).df()),
         "dynamics": _dynamics(con, run_id, totals, th),
         "oracle": _oracle(con, run_id),
+        "guard": _guard(con, run_id),
         "failures": [{"rank": i + 1, **plain(a.to_dict())} for i, a in enumerate(attributions)],
         **_why(con, run_id, th, attributions),
         "lifecycle": _lifecycle(info),

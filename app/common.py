@@ -43,7 +43,7 @@ def empty_root(root: Root, problems: pd.DataFrame | None = None) -> None:
         "or open the dashboard on another runs root:\n\n"
         "```bash\nh2o-lens app path/to/runs\n```\n"
         "A synthetic run (no model needed) shows what the pages look like:\n\n"
-        f"```bash\npython -c \"from recorders import write_synthetic_run; "
+        f"```bash\npython -c \"from runlog import write_synthetic_run; "
         f"write_synthetic_run('{path}', 'synthetic-demo')\"\n```"
     )
     if problems is not None and len(problems):

@@ -13,6 +13,7 @@ import streamlit as st
 
 import analyses
 from analyses import views
+from analyses.guard import guard_actions, guard_requests
 
 from .state import MAX_ROWS, Root, cursor
 
@@ -92,6 +93,13 @@ def dropped_mass_series(root: Root, run_id: str) -> pd.DataFrame:
 def divergence(root: Root, run_id: str) -> pd.DataFrame:
     with cursor(root) as cur:
         return analyses.divergence_summary(cur, run_id).df()
+
+
+@_cache
+def guard_log(root: Root, run_id: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The guard's requests and actions of a run (:mod:`analyses.guard`); empty without the guard."""
+    with cursor(root) as cur:
+        return guard_requests(cur, run_id).df(), guard_actions(cur, run_id).df()
 
 
 @_cache

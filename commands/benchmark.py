@@ -16,7 +16,7 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    b.add_argument("what", choices=["decode", "record", "kernels", "sql", "runs", "explain", "sweep", "press"])
+    b.add_argument("what", choices=["decode", "record", "kernels", "sql", "runs", "explain", "sweep", "press", "guard"])
     b.add_argument("--model", default=None)
     b.add_argument(
         "--contexts", type=int, nargs="+", default=None, help="decode: context lengths (512 2048); press: (2048 4096)"
@@ -47,7 +47,15 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--runs", type=int, default=5000, help="runs: synthetic runs in the root")
     b.add_argument("--root", default=None, help="runs: reuse (or write once) this synthetic root")
     b.add_argument("--no-browser", action="store_true", help="runs: skip the dashboard timings")
-    b.add_argument("--tasks", default="builtin:full", help="sweep: the requests (FILE or builtin:NAME)")
+    b.add_argument("--tasks", default="builtin:full", help="sweep, guard: the requests (FILE or builtin:NAME)")
+    b.add_argument("--ratio", type=float, default=0.2, help="guard: the base keep ratio (DESIGN.md §18.6)")
+    b.add_argument("--seed", type=int, default=0, help="guard: the seed of the requests the guard runs on")
+    b.add_argument(
+        "--threshold", type=float, default=None, help="guard: act at this risk instead of fitting it on seed + 1"
+    )
+    b.add_argument(
+        "--guard", action="store_true", help="decode: the guard's cost per decode step (default context 4096)"
+    )
     b.add_argument("--count", type=int, default=16, help="sweep: requests of the grid")
     b.add_argument(
         "--length",
@@ -102,6 +110,17 @@ def run(args: argparse.Namespace) -> int:
     from . import bench
     from .sweep import sweep_grid
 
+    if args.what == "decode" and args.guard:
+        from .bench_guard import bench_decode_guard
+
+        return bench_decode_guard(
+            model_name=args.model,
+            contexts=tuple(args.contexts or (4096,)),
+            batches=tuple(args.batch),
+            keep=args.keep,
+            steps=args.steps,
+            rounds=args.rounds,
+        )
     if args.what == "decode" and args.assistant:
         return bench.bench_assistant(
             model_name=args.model,
@@ -151,6 +170,19 @@ def run(args: argparse.Namespace) -> int:
             policies=sweep_grid(args.policies, args.gqa) if args.policies or args.gqa else (("h2o", "sum"),),
             length=args.length,
             sharing=args.sharing,
+        )
+    if args.what == "guard":
+        from .bench_guard import bench_guard
+
+        return bench_guard(
+            model_name=args.model,
+            tasks=args.tasks,
+            ratio=args.ratio,
+            count=args.count,
+            length=args.length,
+            seed=args.seed,
+            fit_seed=args.seed + 1,
+            threshold=args.threshold,
         )
     if args.what == "press":
         from .bench_press import bench_press, bench_press_agreement

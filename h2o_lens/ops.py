@@ -471,7 +471,8 @@ class DecodeResult:
     D = slots + new token ``(b, Hs, B + 1)`` after the score update, for the
     recorder; ``old_key``/``old_value (b, Hs, d)`` what ``slot`` held before the
     write (asked with ``journal``; meaningless where ``slot == B``), for a rollback
-    (DESIGN.md §14).
+    (DESIGN.md §14); ``weights (b, Hs, G, B + 1)`` the step's softmax weights per query head
+    (slots, then the new token) from the torch step, which the guard reads (DESIGN.md §18).
     """
 
     out: torch.Tensor
@@ -481,6 +482,7 @@ class DecodeResult:
     cand_positions: torch.Tensor | None = None
     old_key: torch.Tensor | None = None
     old_value: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -711,7 +713,8 @@ def decode_step(
         history=history,
         new_history=new_history,
     )
-    return DecodeResult(out=out.reshape(b, hs * qg.shape[2], d).to(query.dtype), slot=slot, evicts=evicts, **cands)
+    out = out.reshape(b, hs * qg.shape[2], d).to(query.dtype)
+    return DecodeResult(out=out, slot=slot, evicts=evicts, weights=w, **cands)
 
 
 def _beyond(capacity: torch.Tensor, cap: int) -> torch.Tensor:

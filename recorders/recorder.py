@@ -57,6 +57,7 @@ from runlog.errors import RecorderError
 from runlog.manifest import new_run_id
 from runlog.run import RunWriter
 
+from .guard_log import write_guard_rows
 from .prompt_pass import PromptPass, PromptSink
 
 __all__ = ["record", "record_teacher_forced", "Recording", "EvidenceSpec", "locate_evidence"]
@@ -614,6 +615,8 @@ class Recording:
         try:
             out = original(*args, **kwargs)
             self.flush()
+            if cache is not None:
+                write_guard_rows(self.writer, cache)  # the guard's risk and actions (DESIGN.md §18.5)
         finally:
             hook.remove()
             self._watch = None

@@ -49,8 +49,9 @@ __all__ = [
     "schema_mismatches",
 ]
 
-#: 2 adds the speculative tables ``spec_segments`` and ``spec_undone`` (DESIGN.md §14)
-SCHEMA_VERSION = 2
+#: 2 adds the speculative tables ``spec_segments`` and ``spec_undone`` (DESIGN.md §14);
+#: 3 adds the guard's tables ``guard_steps`` and ``guard_events`` (DESIGN.md §18.5)
+SCHEMA_VERSION = 3
 
 META_SCHEMA_VERSION = "h2o_lens.schema_version"
 META_CONFIG = "h2o_lens.config"
@@ -229,6 +230,35 @@ TABLES: dict[str, pa.Schema] = {
             _Q_HEAD_OPT,
         ]
     ),
+    "guard_steps": pa.schema(
+        [
+            _RUN_ID,
+            _REQUEST,
+            _f("step", pa.int64(), "decode step the guard scored"),
+            _f("risk", pa.float32(), "the guard's risk in [0, 1] after this step (DESIGN.md §18.3)"),
+            _f("margin", pa.float32(), "guard signal margin in [0, 1] (DESIGN.md §18.1)"),
+            _f("trend", pa.float32(), "guard signal trend in [0, 1] (DESIGN.md §18.1)"),
+            _f("uniform", pa.float32(), "guard signal uniform in [0, 1] (DESIGN.md §18.1)"),
+            _f("far", pa.float32(), "guard signal far in [0, 1] (DESIGN.md §18.1)"),
+            _f("entropy", pa.float32(), "guard signal entropy in [0, 1] (DESIGN.md §18.1)"),
+            _f("dropped", pa.float32(), "guard signal dropped in [0, 1] (DESIGN.md §18.1)"),
+            _f("structure", pa.float32(), "guard signal structure in [0, 1] (DESIGN.md §18.1)"),
+            _f("refer", pa.float32(), "guard signal refer in [0, 1] (DESIGN.md §18.1)"),
+        ]
+    ),
+    "guard_events": pa.schema(
+        [
+            _RUN_ID,
+            _REQUEST,
+            _f("step", pa.int64(), "decode step after which the guard acted"),
+            _f("risk", pa.float32(), "the risk that reached the threshold"),
+            _f("action", pa.string(), "what the guard did: raise or refill (DESIGN.md §18.2)"),
+            _f("slots_before", pa.int32(), "slots per layer and KV set before the action"),
+            _f("slots_after", pa.int32(), "slots per layer and KV set after it"),
+            _f("evicted", pa.float32(), "positions already evicted, mean per layer and KV set: a raise keeps them out"),
+            _f("seconds", pa.float32(), "recompute time of a refill (0 for a raise)", nullable=True),
+        ]
+    ),
 }
 TABLE_NAMES: tuple[str, ...] = tuple(TABLES)
 #: the tables a replay writes, all three replaced at once (DESIGN.md §6.1)
@@ -246,6 +276,8 @@ KEYS: dict[str, tuple[str, ...]] = {
     "requests": ("run_id", "request"),
     "spec_segments": ("run_id", "request", "segment"),
     "spec_undone": ("run_id", "request", "segment", "step", "layer", "kv_head", "position"),
+    "guard_steps": ("run_id", "request", "step"),
+    "guard_events": ("run_id", "request", "step", "action"),
 }
 
 
@@ -335,6 +367,28 @@ RANGES: dict[str, dict[str, Range]] = {
         "position": _INDEX,
         "segment": _INDEX,
     },
+    "guard_steps": {
+        "request": _INDEX,
+        "step": _INDEX,
+        "risk": Range(0.0, 1.0, FLOAT_SLACK),
+        "margin": Range(0.0, 1.0, FLOAT_SLACK),
+        "trend": Range(0.0, 1.0, FLOAT_SLACK),
+        "uniform": Range(0.0, 1.0, FLOAT_SLACK),
+        "far": Range(0.0, 1.0, FLOAT_SLACK),
+        "entropy": Range(0.0, 1.0, FLOAT_SLACK),
+        "dropped": Range(0.0, 1.0, FLOAT_SLACK),
+        "structure": Range(0.0, 1.0, FLOAT_SLACK),
+        "refer": Range(0.0, 1.0, FLOAT_SLACK),
+    },
+    "guard_events": {
+        "request": _INDEX,
+        "step": _INDEX,
+        "risk": Range(0.0, 1.0, FLOAT_SLACK),
+        "slots_before": _INDEX,
+        "slots_after": _INDEX,
+        "evicted": Range(0.0, None, FLOAT_SLACK),
+        "seconds": Range(0.0, None),
+    },
 }
 
 #: Columns bounded by a quantity of their request or of the run's model: ``span`` is the
@@ -360,10 +414,11 @@ ROWS_PER_REQUEST: dict[str, tuple[str, ...]] = {
     "run_logits": (),
     "replay": ("layers", "q_heads"),
     "steps": ("layers", "sets"),
+    "guard_steps": (),
 }
 
 #: Tables whose key (:data:`KEYS`, with ``q_head`` where the table has one) never repeats in a run.
-UNIQUE: tuple[str, ...] = ("tokens", "steps", "replay", "replay_steps", "run_logits", "requests")
+UNIQUE: tuple[str, ...] = ("tokens", "steps", "replay", "replay_steps", "run_logits", "requests", "guard_steps")
 
 
 def unique_key(table: str) -> tuple[str, ...]:

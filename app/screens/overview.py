@@ -84,6 +84,19 @@ def render() -> None:
             st.plotly_chart(fig, key="overview_curves")
             if len(div) > 1:
                 st.dataframe(div, hide_index=True, column_config=_DIVERGENCE)
+    with state.guard("the guard's log", run):
+        requests, actions = data.guard_log(root, run)
+        if not requests.empty:
+            st.subheader("Guard")
+            st.caption(
+                "The online risk of each request, computed while it ran without the teacher, and what the "
+                "guard did (DESIGN.md §18): a raise grows the request's slots for the rest of its generation."
+            )
+            st.dataframe(requests, hide_index=True, key="overview_guard_requests")
+            if actions.empty:
+                st.caption("No action was taken.")
+            else:
+                st.dataframe(actions, hide_index=True, key="overview_guard_actions")
     st.subheader("Attribution: the threshold estimate")
     st.caption(
         "Each failed request gets one estimated verdict from the logged measures against thresholds "

@@ -1,0 +1,460 @@
+"""``h2o-lens bench guard``: does the guard's risk see failures coming, and does a raise save them (DESIGN.md §18.6).
+
+For every request of ``--tasks`` (greedy, one request at a time): the full-cache teacher, H2O at
+``--ratio`` with the guard logging its risk, H2O at each fixed budget, and H2O under the guard's
+``raise`` at each target. A request fails when its checker says so (the teacher's first
+divergence where it has no checker); a request whose teacher fails its checker is left out, as
+no budget can save it. It prints:
+
+- the AUROC of the risk taken ``k`` steps before the first wrong token (k = 1, 4, 16) against
+  failure, for the combined risk and each signal alone (:func:`warning_score`);
+- accuracy against mean KV slots (a share of the full cache's) for the fixed budgets and the
+  guard's policies, on the same requests;
+- how many of H2O's failures at ``--ratio`` each guard policy (``raise`` and ``refill`` to 50 % and
+  100 % of the prompt) recovered, at what mean memory and time per request.
+
+The guard's threshold is fitted on the requests of ``--seed + 1`` (the threshold with the best
+TPR − FPR of the warning score at k = 4; 1.0, never act, when none beats chance) and the guard
+runs on those of ``--seed``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "KS",
+    "BUDGETS",
+    "auroc",
+    "first_wrong",
+    "warning_score",
+    "fit_threshold",
+    "RequestRun",
+    "run_request",
+    "evaluate",
+    "format_report",
+    "bench_guard",
+]
+
+KS = (1, 4, 16)
+BUDGETS = (0.05, 0.1, 0.2, 0.35, 0.5, 1.0)
+
+
+def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float:
+    """The area under the ROC curve of ``scores`` for the positive ``labels`` (a tie counts a half);
+    NaN when one class is empty."""
+    pos = [s for s, y in zip(scores, labels) if y]
+    neg = [s for s, y in zip(scores, labels) if not y]
+    if not pos or not neg:
+        return float("nan")
+    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def first_wrong(teacher: Sequence[int], run: Sequence[int]) -> int | None:
+    """Index of the first generated token where ``run`` leaves ``teacher`` (a sequence that ends
+    first diverges where it ends); None when they agree."""
+    for i, (a, b) in enumerate(zip(teacher, run)):
+        if a != b:
+            return i
+    return None if len(teacher) == len(run) else min(len(teacher), len(run))
+
+
+def warning_score(risks: Sequence[tuple[int, float]], prompt_len: int, wrong: int | None, k: int) -> float:
+    """The highest risk a guard had seen at least ``k`` steps before the first wrong token.
+
+    ``risks`` are ``(step, risk)`` of the scored decode steps; the step at position ``s`` gives
+    the token of index ``s − P + 1``, so generated token ``j`` follows the risks of the steps
+    ``s ≤ P + j − 1``; ``k`` steps before it, those ``s ≤ P + j − 1 − k``. A request without a
+    wrong token takes its highest risk over the whole generation: a guard that fires on it at
+    any step is a false alarm. 0 when no step qualifies.
+    """
+    last = math.inf if wrong is None else prompt_len + wrong - 1 - k
+    seen = [r for s, r in risks if s <= last]
+    return max(seen) if seen else 0.0
+
+
+def fit_threshold(scores: Sequence[float], labels: Sequence[bool]) -> float:
+    """The threshold among ``scores`` with the best TPR − FPR (the lowest of equals); 1.0 (never
+    act) when one class is empty or no threshold does better than chance (TPR − FPR <= 0)."""
+    pos = sum(labels)
+    neg = len(labels) - pos
+    if not pos or not neg:
+        return 1.0
+    best, best_t = -math.inf, 1.0
+    for t in sorted(set(scores)):
+        tpr = sum(1 for s, y in zip(scores, labels) if y and s >= t) / pos
+        fpr = sum(1 for s, y in zip(scores, labels) if not y and s >= t) / neg
+        if tpr - fpr > best:
+            best, best_t = tpr - fpr, t
+    return best_t if best > 0 else 1.0
+
+
+@dataclass
+class RequestRun:
+    """One generation of one request: its tokens, answer, verdict, cost and the guard's log."""
+
+    tokens: list[int]
+    answer: str
+    passed: bool | None
+    seconds: float
+    memory: float  # mean KV slots held over the decode steps, as a share of the full cache's
+    risks: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    guard_seconds: float = 0.0
+
+
+class _Slots:
+    """A cache listener that counts the slots layer 0's first KV set holds after each decode step."""
+
+    def __init__(self):
+        self.held: list[int] = []
+
+    def on_prefill(self, layer: int, ev: Any) -> None:
+        pass
+
+    def on_decode(self, layer: int, ev: Any) -> None:
+        if layer == 0:
+            self.held.append(int((ev.kept[0, 0] >= 0).sum()))
+
+
+def run_request(model: Any, tokenizer: Any, task: Any, config: Any = None, guard: Any = None) -> RequestRun:
+    """Generate ``task`` greedily: the full cache when ``config`` is None, else H2O under ``config``
+    (with the guard of ``guard``, a :class:`~h2o_lens.guard.GuardConfig`, when given)."""
+    import contextlib
+
+    from h2o_lens.guard import guarded
+    from h2o_lens.runtime import h2o
+
+    ids = tokenizer(task.chat_text(tokenizer), return_tensors="pt", add_special_tokens=False).input_ids
+    prompt_len = ids.shape[1]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    slots = _Slots()
+    kw = dict(max_new_tokens=task.max_new_tokens, do_sample=False, pad_token_id=pad)
+    with contextlib.ExitStack() as stack:
+        g = stack.enter_context(guarded(guard)) if guard is not None else None
+        if config is not None:
+            stack.enter_context(h2o(model, config, listener=slots))
+        if g is not None:
+            kw["logits_processor"] = [g.cues(tokenizer)]
+            if guard.action == "refill":
+                kw["logits_processor"].append(g.refill(model))
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, **kw)
+        seconds = time.perf_counter() - t0
+    tokens = out[0, prompt_len:].tolist()
+    answer = tokenizer.decode(tokens, skip_special_tokens=True)
+    full = [prompt_len + i + 1 for i in range(len(slots.held))]
+    memory = sum(slots.held) / sum(full) if config is not None and full else 1.0
+    run = RequestRun(tokens, answer, task.check(answer) if task.checked else None, seconds, memory)
+    if g is not None and g.last is not None:
+        run.risks, run.events, run.guard_seconds = g.last.risk_rows(), g.last.event_rows(), g.last.seconds
+    return run
+
+
+@dataclass
+class Outcome:
+    """A request's fate at the base budget: its failure label, first wrong token and risks."""
+
+    name: str
+    prompt_len: int
+    failed: bool
+    wrong: int | None
+    risks: list[dict[str, Any]]
+
+
+def _outcome(task: Any, prompt_len: int, teacher: RequestRun, base: RequestRun) -> Outcome | None:
+    """None when the teacher fails the checker (no budget can save the request)."""
+    if teacher.passed is False:
+        return None
+    wrong = first_wrong(teacher.tokens, base.tokens)
+    failed = (base.passed is False) if base.passed is not None else wrong is not None
+    return Outcome(task.name, prompt_len, failed, wrong, base.risks)
+
+
+def _scores(outcomes: list[Outcome], k: int, key: str = "risk") -> list[float]:
+    return [
+        warning_score([(r["step"], r[key]) for r in o.risks], o.prompt_len, o.wrong if o.failed else None, k)
+        for o in outcomes
+    ]
+
+
+@dataclass
+class GuardReport:
+    """What :func:`evaluate` measured (the fields :func:`format_report` prints)."""
+
+    ratio: float
+    requests: int
+    left_out: int
+    threshold: float
+    aurocs: dict[str, dict[int, float]]
+    table: list[dict[str, Any]]
+    recovered: list[dict[str, Any]]
+    fit_requests: int = 0
+
+
+def _base_pass(model, tokenizer, tasks, ratio, guard_cfg, progress) -> tuple[list, list, list]:
+    from h2o_lens.config import H2OConfig
+
+    teachers, bases, outcomes = [], [], []
+    for task in tasks:
+        teacher = run_request(model, tokenizer, task)
+        base = run_request(model, tokenizer, task, H2OConfig(ratio=ratio), guard_cfg)
+        p = len(tokenizer(task.chat_text(tokenizer), add_special_tokens=False).input_ids)
+        teachers.append(teacher)
+        bases.append(base)
+        outcomes.append(_outcome(task, p, teacher, base))
+        progress()
+    return teachers, bases, outcomes
+
+
+def evaluate(
+    model: Any,
+    tokenizer: Any,
+    tasks: list[Any],
+    fit_tasks: list[Any],
+    *,
+    ratio: float = 0.2,
+    budgets: Sequence[float] = BUDGETS,
+    targets: Sequence[float] = (0.5, 1.0),
+    actions: Sequence[str] = ("raise", "refill"),
+    ks: Sequence[int] = KS,
+    threshold: float | None = None,
+    progress: Callable[[str], None] = lambda msg: None,
+) -> GuardReport:
+    """Run the bench's generations and measure (the module docstring says what); ``threshold``
+    given: the guard acts at it, and ``fit_tasks`` only count."""
+    from h2o_lens.config import H2OConfig
+    from h2o_lens.guard import SIGNALS, GuardConfig
+
+    logging = GuardConfig()
+    n_runs = 2 * len(fit_tasks) + len(tasks) * (2 + len(budgets) + len(targets) * len(actions))
+    done = [0]
+
+    def tick():
+        done[0] += 1
+        progress(f"{done[0]}/{n_runs} generations")
+
+    fit = []
+    if fit_tasks and threshold is None:
+        _, _, fit = _base_pass(model, tokenizer, fit_tasks, ratio, logging, tick)
+        fit = [o for o in fit if o is not None]
+        threshold = fit_threshold(_scores(fit, 4), [o.failed for o in fit])
+    threshold = 1.0 if threshold is None else threshold
+    teachers, bases, outcomes = _base_pass(model, tokenizer, tasks, ratio, logging, tick)
+    kept = [i for i, o in enumerate(outcomes) if o is not None]
+    outs = [outcomes[i] for i in kept]
+    labels = [o.failed for o in outs]
+    aurocs = {name: {k: auroc(_scores(outs, k, name), labels) for k in ks} for name in ("risk", *SIGNALS)}
+
+    def verdict(run: RequestRun, i: int) -> bool:
+        if run.passed is not None:
+            return run.passed
+        return first_wrong(teachers[i].tokens, run.tokens) is None
+
+    table = []
+    for b in budgets:
+        runs = {}
+        for i in kept:
+            if b >= 1.0:
+                runs[i] = teachers[i]  # the full cache: the teacher's own run
+            elif b == ratio:
+                runs[i] = bases[i]
+            else:
+                runs[i] = run_request(model, tokenizer, tasks[i], H2OConfig(ratio=b))
+            tick()
+        table.append(_row(f"fixed {b:.0%}", runs, verdict))
+    recovered = []
+    failures = [i for i, o in zip(kept, outs) if o.failed]
+    for action, target in [(a, t) for a in actions for t in targets]:
+        cfg = GuardConfig(action=action, threshold=threshold, raise_ratio=target)
+        runs = {}
+        for i in kept:
+            runs[i] = run_request(model, tokenizer, tasks[i], H2OConfig(ratio=ratio), cfg)
+            tick()
+        row = _row(f"guard {action}->{target:.0%} @{threshold:.3f}", runs, verdict)
+        row["raised"] = sum(1 for r in runs.values() if r.events)
+        table.append(row)
+        saved = [i for i in failures if verdict(runs[i], i)]
+        recovered.append(
+            {
+                "policy": row["policy"],
+                "failures": len(failures),
+                "recovered": len(saved),
+                "memory": row["memory"],
+                "seconds": row["seconds"],
+                "guard_share": sum(r.guard_seconds for r in runs.values())
+                / max(1e-9, sum(r.seconds for r in runs.values())),
+            }
+        )
+    base_row = next((r for r in table if r["policy"] == f"fixed {ratio:.0%}"), None)
+    if base_row is None:
+        table.insert(0, _row(f"fixed {ratio:.0%}", {i: bases[i] for i in kept}, verdict))
+    return GuardReport(
+        ratio, len(kept), len(tasks) - len(kept), threshold, aurocs, table, recovered, fit_requests=len(fit)
+    )
+
+
+def _row(policy: str, runs: dict[int, RequestRun], verdict: Callable[[RequestRun, int], bool]) -> dict[str, Any]:
+    n = max(1, len(runs))
+    return {
+        "policy": policy,
+        "accuracy": sum(verdict(r, i) for i, r in runs.items()) / n,
+        "memory": sum(r.memory for r in runs.values()) / n,
+        "seconds": sum(r.seconds for r in runs.values()) / n,
+    }
+
+
+def format_report(report: GuardReport) -> str:
+    """The bench's printout."""
+    lines = [
+        f"base budget {report.ratio:.0%}: {report.requests} requests "
+        f"({report.left_out} left out: the full cache fails them); threshold {report.threshold:.3f} "
+        + (f"fitted on {report.fit_requests} requests of the fit seed" if report.fit_requests else "(not fitted)"),
+        "",
+        "AUROC of the warning score (highest risk >= k steps before the first wrong token) vs failure",
+        f"{'signal':>10} " + " ".join(f"{'k=' + str(k):>7}" for k in next(iter(report.aurocs.values()))),
+    ]
+    for name, by_k in report.aurocs.items():
+        lines.append(f"{name:>10} " + " ".join(f"{v:>7.3f}" for v in by_k.values()))
+    lines += ["", f"{'policy':>28} {'accuracy':>9} {'mean KV':>8} {'s/request':>10}"]
+    for row in report.table:
+        lines.append(
+            f"{row['policy']:>28} {row['accuracy']:>9.1%} {row['memory']:>8.1%} {row['seconds']:>10.2f}"
+            + (f"  raised {row['raised']}" if "raised" in row else "")
+        )
+    lines.append("")
+    for r in report.recovered:
+        share = r["recovered"] / r["failures"] if r["failures"] else float("nan")
+        lines.append(
+            f"{r['policy']}: recovered {r['recovered']} of {r['failures']} H2O failures ({share:.0%}) at mean KV "
+            f"{r['memory']:.1%}, {r['seconds']:.2f} s/request (guard {r['guard_share']:.1%} of it)"
+        )
+    return "\n".join(lines)
+
+
+def bench_guard(
+    model_name: str | None = None,
+    tasks: str = "builtin:small",
+    ratio: float = 0.2,
+    count: int | None = None,
+    length: int | None = None,
+    seed: int = 0,
+    fit_seed: int | None = 1,
+    targets: Sequence[float] = (0.5, 1.0),
+    threshold: float | None = None,
+) -> int:
+    """The CLI's ``bench guard``: load the model, resolve the tasks (``seed`` and ``fit_seed``),
+    evaluate and print. Returns 0."""
+    import sys
+
+    from h2o_lens.errors import ConfigError
+    from h2o_lens.models import load_model
+    from h2o_lens.tasks.builtins import resolve_tasks
+
+    if not 0.0 < ratio < 1.0:
+        raise ConfigError(f"bench guard --ratio {ratio}: expected a keep ratio between 0 and 1, such as 0.2")
+    if threshold is not None and not 0.0 <= threshold <= 1.0:
+        raise ConfigError(f"bench guard --threshold {threshold}: expected a risk between 0 and 1, such as 0.5")
+    model, tokenizer = load_model(model_name, progress=False)
+    run = resolve_tasks(tasks, seed=seed, length=length, count=count, tokenizer=tokenizer)
+    fit = []
+    if fit_seed is not None and threshold is None and tasks.startswith("builtin:"):
+        fit = resolve_tasks(tasks, seed=fit_seed, length=length, count=count, tokenizer=tokenizer)
+
+    def progress(msg: str) -> None:
+        print(f"\r{msg}", end="", file=sys.stderr, flush=True)
+
+    fitted = f"fit seed {fit_seed}" if threshold is None else f"threshold {threshold} given"
+    print(f"bench guard: {tasks} (seed {seed}, {fitted}), {len(run)} requests, ratio {ratio}", flush=True)
+    report = evaluate(model, tokenizer, run, fit, ratio=ratio, targets=targets, threshold=threshold, progress=progress)
+    print(file=sys.stderr)
+    print(format_report(report), flush=True)
+    return 0
+
+
+def bench_decode_guard(
+    model_name: str | None = None,
+    contexts: Sequence[int] = (4096,),
+    batches: Sequence[int] = (1, 8),
+    keep: float = 0.2,
+    steps: int = 8,
+    rounds: int = 3,
+    model: Any = None,
+    strides: Sequence[int] = (1, 8),
+) -> int:
+    """``bench decode --guard``: ms per decode step of H2O with the guard's signals ÷ without, per
+    context and batch size, measured in alternating rounds on the same prefilled state (the guarded
+    cache is a restored copy of the plain one, DESIGN.md §15.2); ``guard own`` is the share of
+    the guarded step spent in the guard's own code, ``same tokens`` whether both caches decoded
+    the same tokens; one row per guard ``stride`` (signals from every ``stride``-th layer). Returns 0."""
+    import statistics
+
+    from h2o_lens.config import H2OConfig
+    from h2o_lens.guard import GuardConfig, guarded
+    from h2o_lens.models import load_model
+    from h2o_lens.runtime import h2o
+    from h2o_lens.timing import Decoder, median_time
+
+    if model is None:
+        model, _ = load_model(model_name, progress=False)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    gen = torch.Generator().manual_seed(0)
+    cfg = H2OConfig(ratio=keep)
+    print(
+        f"guard overhead: H2O at {keep:.0%}, {steps} steps x {rounds} rounds alternating plain / guarded, "
+        f"medians; torch {torch.__version__}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
+    print(
+        f"{'context':>8} {'batch':>6} {'stride':>6} {'h2o ms/step':>12} {'guard ms/step':>14} {'ratio':>7} "
+        f"{'guard own':>10} {'same tokens':>12}"
+    )
+    for n, b in [(n, b) for n in contexts for b in batches]:
+        ctx = torch.randint(0, vocab, (b, n), generator=gen)
+        with h2o(model, cfg) as session:
+            plain = Decoder(model, session.new_cache(), ctx, last_logits_only=True)
+            header, tensors = plain.cache.export_state()
+            start = plain.token.clone()
+            plain.run(2)  # warm-up
+            for stride in strides:
+                with guarded(GuardConfig(stride=stride)):
+                    cache = session.new_cache()
+                cache.import_state(header, {k: v.clone() for k, v in tensors.items()})
+                guard = Decoder.__new__(Decoder)
+                guard.model, guard.cache, guard.token = model, cache, start.clone()
+                guard.run(2)  # warm-up; the guard's first step sizes its reservoir
+                same = torch.equal(guard.token, _replay(model, header, tensors, start, 2, session))
+                t_plain, t_guard = [], []
+                before = cache.guard.seconds
+                for _ in range(rounds):
+                    t_plain.append(median_time(functools.partial(plain.run, steps), 1) / steps)
+                    t_guard.append(median_time(functools.partial(guard.run, steps), 1) / steps)
+                own = (cache.guard.seconds - before) / (rounds * steps)
+                tp, tg = statistics.median(t_plain), statistics.median(t_guard)
+                print(
+                    f"{n:>8} {b:>6} {stride:>6} {tp * 1e3:>12.2f} {tg * 1e3:>14.2f} {tg / tp:>7.3f} "
+                    f"{own / tg:>10.1%} {'yes' if same else 'NO':>12}",
+                    flush=True,
+                )
+    return 0
+
+
+def _replay(model: Any, header: dict, tensors: dict, token: torch.Tensor, steps: int, session: Any) -> torch.Tensor:
+    """The token after ``steps`` plain decode steps from a restored copy of a saved state."""
+    from h2o_lens.timing import Decoder
+
+    cache = session.new_cache()
+    cache.import_state(header, {k: v.clone() for k, v in tensors.items()})
+    dec = Decoder.__new__(Decoder)
+    dec.model, dec.cache, dec.token = model, cache, token.clone()
+    dec.run(steps)
+    return dec.token

@@ -1,0 +1,149 @@
+"""The guard bench's harness on a tiny model (DESIGN.md §18.6): its onset of failure is the one a
+separate teacher and H2O generation give, its warning score reads only the steps before it, and
+its AUROC is the ROC area."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny import local_attention, tiny_model
+
+import h2o_lens
+from commands.bench_guard import (
+    auroc,
+    bench_decode_guard,
+    evaluate,
+    first_wrong,
+    fit_threshold,
+    format_report,
+    run_request,
+    warning_score,
+)
+from h2o_lens import H2OConfig
+from h2o_lens.guard import GuardConfig
+from h2o_lens.tasks.taskfile import FileTask
+
+WORDS = [f"w{i}" for i in range(256)]
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", pad_token="w0")
+
+
+def _tasks(seed: int, n: int = 4, length: int = 40) -> list[FileTask]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(3, 256, (length,), generator=gen).tolist()
+        out.append(FileTask(name=f"t{seed}-{i}", prompt=" ".join(WORDS[t] for t in ids), max_new_tokens=14))
+    return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    return local_attention(tiny_model("llama", layers=2))
+
+
+def test_auroc_is_the_roc_area():
+    """Against the trapezoid area of the ROC curve swept over every threshold."""
+    scores = [0.1, 0.4, 0.35, 0.8, 0.4, 0.9, 0.05, 0.4]
+    labels = [False, True, False, True, False, True, False, True]
+    pos, neg = sum(labels), len(labels) - sum(labels)
+    pts = [(0.0, 0.0)]
+    for t in sorted(set(scores), reverse=True):
+        pts.append(
+            (
+                sum(1 for s, y in zip(scores, labels) if not y and s >= t) / neg,
+                sum(1 for s, y in zip(scores, labels) if y and s >= t) / pos,
+            )
+        )
+    area = sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(pts, pts[1:]))
+    assert auroc(scores, labels) == pytest.approx(area)
+    assert math.isnan(auroc([0.1, 0.2], [True, True]))
+    assert fit_threshold([0.1, 0.2, 0.7, 0.9], [False, False, True, True]) == 0.7
+    assert fit_threshold([0.9, 0.7, 0.2, 0.1], [False, False, True, True]) == 1.0  # worse than chance: never act
+
+
+def test_first_wrong_and_warning_score():
+    assert first_wrong([1, 2, 3], [1, 2, 3]) is None
+    assert first_wrong([1, 2, 3], [1, 5, 3]) == 1
+    assert first_wrong([1, 2, 3], [1, 2]) == 2
+    risks = [(10, 0.1), (11, 0.9), (12, 0.3), (13, 0.95)]  # prompt of 10 tokens
+    # token 4 follows the steps 10..13; one step before it, 10..12; four steps before, none
+    assert warning_score(risks, 10, 4, 1) == 0.9
+    assert warning_score(risks, 10, 4, 2) == 0.9
+    assert warning_score(risks, 10, 4, 3) == 0.1
+    assert warning_score(risks, 10, 4, 4) == 0.0
+    assert warning_score(risks, 10, None, 4) == 0.95
+
+
+def test_harness_onset_is_the_teacher_divergence(model):
+    """The onset the harness finds is the first token where a separate H2O generation leaves a
+    separate full-cache generation of the same prompt; the guard's risks cover each decode step."""
+    tok = _tokenizer()
+    seen_failure = False
+    for task in _tasks(7, n=3):
+        ids = tok(task.prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            full = model.generate(ids, max_new_tokens=14, do_sample=False, pad_token_id=0)[0, 40:].tolist()
+            with h2o_lens.h2o(model, H2OConfig(ratio=0.2)):
+                small = model.generate(ids, max_new_tokens=14, do_sample=False, pad_token_id=0)[0, 40:].tolist()
+        onset = next((i for i, (a, b) in enumerate(zip(full, small)) if a != b), None)
+        teacher = run_request(model, tok, task)
+        base = run_request(model, tok, task, H2OConfig(ratio=0.2), GuardConfig())
+        assert teacher.tokens == full and base.tokens == small and teacher.memory == 1.0
+        assert first_wrong(teacher.tokens, base.tokens) == onset
+        assert [r["step"] for r in base.risks] == list(range(40, 40 + len(small) - 1))
+        assert 0.0 < base.memory < 0.5  # 8 slots of a 40-token prompt, and growing
+        seen_failure |= onset is not None
+    assert seen_failure  # 20 % of the prompt makes the tiny model diverge
+
+
+def test_evaluate_end_to_end_on_a_tiny_model(model):
+    """The full cache's row is the teacher (all right, all memory); at threshold 0 both actions
+    act on every request, a raise costing at least the base budget's memory and a refill to the
+    whole prompt far more (one step at 20 %, then 40 slots of 41 to 53 tokens); every figure is a share."""
+    tok = _tokenizer()
+    report = evaluate(
+        model, tok, _tasks(1), [], ratio=0.2, budgets=(0.2, 1.0), targets=(1.0,), ks=(1, 4), threshold=0.0
+    )
+    rows = {r["policy"]: r for r in report.table}
+    assert rows["fixed 100%"]["accuracy"] == 1.0 and rows["fixed 100%"]["memory"] == 1.0
+    base = rows["fixed 20%"]
+    raised, refilled = rows["guard raise->100% @0.000"], rows["guard refill->100% @0.000"]
+    assert raised["raised"] == refilled["raised"] == 4
+    assert base["memory"] < 0.5 and raised["memory"] > base["memory"] and refilled["memory"] > 0.7
+    assert report.requests == 4 and report.left_out == 0
+    assert [r["policy"] for r in report.recovered] == ["guard raise->100% @0.000", "guard refill->100% @0.000"]
+    for rec in report.recovered:
+        assert rec["failures"] == round((1 - base["accuracy"]) * 4) and 0 <= rec["recovered"] <= rec["failures"]
+    for by_k in report.aurocs.values():
+        assert set(by_k) == {1, 4} and all(math.isnan(v) or 0.0 <= v <= 1.0 for v in by_k.values())
+    text = format_report(report)
+    assert "AUROC" in text and "recovered" in text and "fixed 20%" in text
+
+
+def test_bench_decode_guard_rows(model, capsys):
+    """One row per context, batch and stride, the guarded cache decoding the plain one's tokens."""
+    assert bench_decode_guard(model=model, contexts=(96,), batches=(1, 3), steps=2, rounds=1, strides=(1, 2)) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["96"]]
+    assert [(r[1], r[2]) for r in rows] == [("1", "1"), ("1", "2"), ("3", "1"), ("3", "2")]
+    for r in rows:
+        assert float(r[3]) > 0 and float(r[4]) > 0 and r[-1] == "yes"
+
+
+def test_cli_refuses_a_bad_ratio_in_one_line(capsys):
+    from commands.cli import main
+
+    assert main(["bench", "guard", "--ratio", "1.5"]) != 0
+    err = capsys.readouterr().err
+    assert "--ratio 1.5" in err and "between 0 and 1" in err and "Traceback" not in err
+    assert main(["bench", "guard", "--threshold", "2"]) != 0
+    assert "--threshold 2.0: expected a risk between 0 and 1" in capsys.readouterr().err

@@ -1,0 +1,61 @@
+"""The guard's tables round-trip through a recorded run (DESIGN.md §18.5)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny import local_attention, tiny_model
+
+import recorders
+from h2o_lens import H2OConfig
+from h2o_lens.guard import SIGNALS, GuardConfig, guarded
+from runlog.schema import TABLES
+from runlog.store import check_run, load_run, open_runs
+
+
+def test_guard_rows_round_trip_with_manifest_counts(tmp_path):
+    """Two requests, 10 new tokens: 9 scored decode steps each in ``guard_steps``, equal to what the
+    guard computed; the raise of each request in ``guard_events``; the manifest counts both
+    tables' rows, the strict check passes and the SQL views read them."""
+    model = local_attention(tiny_model("llama", layers=2))
+    ids = torch.randint(3, 250, (2, 20), generator=torch.Generator().manual_seed(4))
+    gcfg = GuardConfig(action="raise", threshold=0.0, raise_slots=10)
+    with guarded(gcfg) as g, recorders.record(model, H2OConfig(heavy=4, recent=3), out=tmp_path, fsync=False) as run:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    state = g.last
+    loaded = load_run(tmp_path / run.run_id)
+    steps = loaded["guard_steps"].to_pandas().sort_values(["request", "step"]).reset_index(drop=True)
+    assert loaded["guard_steps"].schema.names == TABLES["guard_steps"].names
+    expected = sorted(state.risk_rows(), key=lambda r: (r["request"], r["step"]))
+    assert len(steps) == len(expected) == 2 * 9
+    for got, want in zip(steps.to_dict("records"), expected):
+        assert (got["request"], got["step"]) == (want["request"], want["step"])
+        for name in ("risk", *SIGNALS):
+            assert got[name] == pytest.approx(want[name], rel=1e-6, abs=1e-7)
+    events = loaded["guard_events"].to_pandas().sort_values("request")
+    assert events[["request", "step", "action", "slots_before", "slots_after"]].values.tolist() == [
+        [0, 20, "raise", 7, 10],
+        [1, 20, "raise", 7, 10],
+    ]
+    manifest = json.loads((tmp_path / run.run_id / "manifest.json").read_text())
+    assert manifest["rows"]["guard_steps"] == 18 and manifest["rows"]["guard_events"] == 2
+    checked = check_run(tmp_path / run.run_id)
+    assert checked.rows["guard_steps"] == 18 and checked.rows["guard_events"] == 2
+    con = open_runs(tmp_path)
+    assert con.execute("SELECT count(*), max(slots_after) FROM guard_events").fetchone() == (2, 10)
+    assert con.execute("SELECT count(*) FROM guard_steps WHERE risk BETWEEN 0 AND 1").fetchone() == (18,)
+
+
+def test_a_run_without_guard_has_empty_guard_views(tmp_path):
+    model = tiny_model("llama", layers=1)
+    ids = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(0))
+    with recorders.record(model, H2OConfig(heavy=3, recent=3), out=tmp_path, fsync=False) as run:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    manifest = json.loads((tmp_path / run.run_id / "manifest.json").read_text())
+    assert manifest["rows"]["guard_steps"] == 0 and manifest["rows"]["guard_events"] == 0
+    con = open_runs(tmp_path)
+    assert con.execute("SELECT count(*) FROM guard_events").fetchone() == (0,)

@@ -1,0 +1,83 @@
+"""The guard's log in the exported report and on the dashboard's Overview (DESIGN.md §18.5)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from tiny import local_attention, tiny_model
+
+import analyses
+import recorders
+from analyses.guard import guard_actions, guard_requests
+from h2o_lens import H2OConfig
+from h2o_lens.guard import GuardConfig, guarded
+from runlog.store import load_run, open_runs
+
+streamlit_testing = pytest.importorskip("streamlit.testing.v1")
+MAIN = Path(__file__).resolve().parents[1] / "app" / "main.py"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> tuple[Path, str, str]:
+    """A runs root with one guarded run (two requests, each raised once) and one plain run."""
+    out = tmp_path_factory.mktemp("guard-root")
+    model = local_attention(tiny_model("llama", layers=2))
+    ids = torch.randint(3, 250, (2, 20), generator=torch.Generator().manual_seed(5))
+    cfg = H2OConfig(heavy=4, recent=3)
+    with guarded(GuardConfig(action="raise", threshold=0.0, raise_slots=9)):
+        with recorders.record(model, cfg, out=out, fsync=False, run_id="guarded") as run:
+            model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with recorders.record(model, cfg, out=out, fsync=False, run_id="plain"):
+        model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out, run.run_id, "plain"
+
+
+def test_guard_relations_equal_pandas(root):
+    out, run, _ = root
+    con = open_runs(out)
+    steps = load_run(out / run)["guard_steps"].to_pandas()
+    events = load_run(out / run)["guard_events"].to_pandas()
+    got = guard_requests(con, run).df().set_index("request")
+    for request, g in steps.groupby("request"):
+        row = got.loc[request]
+        assert row["steps"] == len(g) and row["max_risk"] == pytest.approx(g.risk.max())
+        assert row["peak_step"] == g.loc[g.risk.idxmax(), "step"]
+        assert row["mean_risk"] == pytest.approx(g.risk.mean())
+        assert row["actions"] == (events.request == request).sum()
+    acts = guard_actions(con, run).df()
+    assert acts[["request", "slots_before", "slots_after"]].values.tolist() == [[0, 7, 9], [1, 7, 9]]
+    assert guard_requests(con, root[2]).df().empty
+
+
+def test_report_has_the_guard_section(root):
+    out, run, plain = root
+    data = analyses.report_data(out, run)
+    jsonschema.validate(json.loads(json.dumps(data)), analyses.report_schema())
+    assert [a["action"] for a in data["guard"]["actions"]] == ["raise", "raise"]
+    md = analyses.build_report(out, run, fmt="md")
+    assert "## Guard" in md and "slots_before" in md
+    html = analyses.build_report(out, run, fmt="html")
+    assert "<h2>Guard</h2>" in html
+    other = analyses.report_data(out, plain)
+    assert other["guard"] == {"requests": [], "actions": []}
+    assert "## Guard" not in analyses.build_report(out, plain, fmt="md")
+
+
+def test_overview_shows_the_guard(root, monkeypatch):
+    out, run, plain = root
+    monkeypatch.setenv("H2O_LENS_ROOT", str(out))
+    at = streamlit_testing.AppTest.from_file(str(MAIN), default_timeout=120)
+    at.query_params.update({"run": run, "page": "overview"})
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "Guard" in [s.value for s in at.subheader]
+    frames = [d.value for d in at.dataframe]
+    assert any("slots_after" in f.columns and f["slots_after"].tolist() == [9, 9] for f in frames)
+    at = streamlit_testing.AppTest.from_file(str(MAIN), default_timeout=120)
+    at.query_params.update({"run": plain, "page": "overview"})
+    at.run()
+    assert not at.exception and "Guard" not in [s.value for s in at.subheader]
