@@ -587,16 +587,17 @@ def _long_requests(model, tok, family: str, length: int, count: int = 3):
 
 
 def _explain_candidates(model, tok, task: str | None, length: int | None):
-    """The requests the bench tries, in order, and a line for its header: the built-in ``task``
-    (default ``delayed_recall_1``) without ``length``; with it, the requests of the long family
-    ``task``, or of every family the full cache solves (needle first) when ``task`` is None, at
-    ``length`` prompt tokens capped to the model's window less each request's new tokens."""
+    """The requests the bench tries, in order, and a line per family whose length was capped:
+    the built-in ``task`` (default ``delayed_recall_1``) without ``length``; with it, the
+    requests of the long family ``task``, or of every family the full cache solves (needle
+    first) when ``task`` is None, at ``length`` prompt tokens capped to the model's window less
+    each request's new tokens."""
     from h2o_lens.models import context_window
     from h2o_lens.tasks import get_task
     from h2o_lens.tasks.longctx import FULL_CACHE_SOLVES, LONG_FAMILIES
 
     if length is None:
-        return [get_task(task or "delayed_recall_1")], ""
+        return [get_task(task or "delayed_recall_1")], {}
     if task is not None and task not in LONG_FAMILIES:
         raise SystemExit(
             f"bench explain: --length takes a long-context family (--tasks builtin:NAME), got {task!r}; "
@@ -608,13 +609,11 @@ def _explain_candidates(model, tok, task: str | None, length: int | None):
         reqs, want = _long_requests(model, tok, family, length)
         candidates += reqs
         if want != length:
-            capped[family] = (want, reqs[0].max_new_tokens)
-    note = "; ".join(
-        f"{f}: --length {length} capped at {w} prompt tokens (the window of {context_window(model):,} "
-        f"positions less {new} new tokens)"
-        for f, (w, new) in capped.items()
-    )
-    return candidates, note
+            capped[family] = (
+                f"{family}: --length {length} capped at {want} prompt tokens (the window of "
+                f"{context_window(model):,} positions less {reqs[0].max_new_tokens} new tokens)"
+            )
+    return candidates, capped
 
 
 def _explain_request_task(model, tok, candidates, keep: float, root: str, what: str):
@@ -685,8 +684,8 @@ def bench_explain(
         _check_ints("explain", "length", length, 1)
     model, tok = load_model(model_name)
     candidates, capped = _explain_candidates(model, tok, task, length)
-    if capped:
-        print(capped, flush=True)
+    for line in capped.values():
+        print(line, flush=True)
     what = f"{task or 'the long families'} at {length} tokens" if length else candidates[0].name
     root = out or tempfile.mkdtemp(prefix="h2o-lens-bench-explain-")
     load = [os.getloadavg()[0]]
@@ -717,7 +716,7 @@ def bench_explain(
     print(
         f"model {type(model).__name__}, {torch.get_num_threads()} threads; {chosen.name}, keep {keep:.0%} "
         f"({req.slots} slots of a {req.prompt_len}-token prompt, {req.max_new_tokens} new tokens)"
-        + (f"; {capped}" if capped else ""),
+        + "".join(f"; {line}" for f, line in capped.items() if f == getattr(chosen, "meta", {}).get("family")),
         flush=True,
     )
     gen, spent, last = [generate()], [], None

@@ -35,7 +35,7 @@ def test_a_length_at_the_window_is_capped_so_each_prompt_and_its_new_tokens_fit(
     _, model, tok = tiny
     window = context_window(model)
     assert window == WINDOW
-    reqs, note = _explain_candidates(model, tok, None, window)
+    reqs, capped = _explain_candidates(model, tok, None, window)
     assert [r.meta["family"] for r in reqs] == [f for f in SOLVED for _ in range(3)]  # needle first
     for r in reqs:
         n = _prompt_tokens(tok, r)
@@ -44,17 +44,18 @@ def test_a_length_at_the_window_is_capped_so_each_prompt_and_its_new_tokens_fit(
         assert n >= (window - r.max_new_tokens) * (1 - 3 * TOLERANCE), (r.name, n)
     for family in SOLVED:
         new = next(r.max_new_tokens for r in reqs if r.meta["family"] == family)
-        assert f"{family}: --length {window} capped at " in note
-        assert f"(the window of {window:,} positions less {new} new tokens)" in note
+        assert capped[family].startswith(f"{family}: --length {window} capped at ")
+        assert capped[family].endswith(f"(the window of {window:,} positions less {new} new tokens)")
+    assert list(capped) == SOLVED
 
 
 def test_a_length_that_fits_is_not_capped_and_a_family_asked_for_is_the_only_one(tiny):
     _, model, tok = tiny
-    reqs, note = _explain_candidates(model, tok, "needle", 1500)
-    assert note == "" and [r.meta["family"] for r in reqs] == ["needle"] * 3
+    reqs, capped = _explain_candidates(model, tok, "needle", 1500)
+    assert capped == {} and [r.meta["family"] for r in reqs] == ["needle"] * 3
     assert all(abs(_prompt_tokens(tok, r) - 1500) <= TOLERANCE * 1500 for r in reqs)
-    (req,), note = _explain_candidates(model, tok, None, None)
-    assert req.name == "delayed_recall_1" and note == ""
+    (req,), capped = _explain_candidates(model, tok, None, None)
+    assert req.name == "delayed_recall_1" and capped == {}
 
 
 @pytest.mark.parametrize(
