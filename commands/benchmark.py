@@ -62,7 +62,7 @@ def add_parser(sub: Any) -> None:
         type=int,
         default=None,
         help="sweep, explain: prompt tokens of a long-context built-in family (explain: --tasks builtin:NAME, "
-        "default needle)",
+        "default each family the full cache solves; capped at the model's window less the new tokens)",
     )
     b.add_argument("--batch-size", type=int, default=8, help="sweep: batch size compared with one at a time")
     b.add_argument("--no-replay", action="store_true", help="sweep: record only")
