@@ -36,6 +36,9 @@ def sweep_html(table: Any, page_size: int, policy_of: Mapping[str, str], *, x: s
     scale = 100 if x == "keep_ratio" else 1
     axis = "keep ratio (%)" if x == "keep_ratio" else "slots per KV set (full cache: right end)"
     fig = make_subplots(
+        # the template named, not the process's default: importing Streamlit switches plotly's
+        # default template, and the page must not depend on what else the process has loaded
+        figure=go.Figure(layout={"template": "plotly"}),
         rows=2,
         cols=2,
         horizontal_spacing=0.08,

@@ -168,6 +168,26 @@ def _drop_html_columns(text: str) -> str:
     return re.sub(r"(<thead>.*?</thead>)(.*?</tbody>)", table, text, flags=re.S)
 
 
+def _plot_shapes(text: str) -> str:
+    """A sweep page's figure (``const f={...};``) with each trace's values reduced to their
+    count: the values are the sweep table's, compared through sweep.csv and the page's own
+    table, and the latency curve's are measured; names, axes, colours and layout stay."""
+    m = re.search(r"const f=(\{.*?\});Plotly", text, re.S)
+    if m is None:
+        return text
+    try:
+        fig = json.loads(m.group(1))
+    except ValueError:
+        return text
+    for trace in fig.get("data", []):
+        for axis in ("x", "y"):
+            if isinstance(trace.get(axis), list):
+                trace[axis] = len(trace[axis])
+            elif isinstance(trace.get(axis), dict):
+                trace[axis] = "values"
+    return text[: m.start(1)] + json.dumps(fig, sort_keys=True) + text[m.end(1) :]
+
+
 def _round(v: float) -> Any:
     if math.isnan(v) or math.isinf(v):
         return repr(v)
@@ -201,6 +221,7 @@ def _file(path: Path, norm: Normaliser) -> Any:
         return norm.value(json.loads(text))
     if path.suffix == ".html":
         text = norm.plot_arrays(_drop_html_columns(PLOTLY_JS.sub("<script>PLOTLY</script>", text)))
+        text = _plot_shapes(text)
     if path.suffix == ".csv":
         import pandas as pd
 

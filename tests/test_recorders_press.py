@@ -491,5 +491,5 @@ def test_the_speed_bench_times_each_press_alone_and_recorded(kv, model, capsys):
         f = row.split()
         assert f[3] == "alone" and f[6] == "recorded" and f[9] == "ratio"
         ratios.append(float(f[10]))
-        assert float(f[4]) > 0 and float(f[7]) > 0 and ratios[-1] > 0
+        assert float(f[4]) >= 0 and float(f[7]) >= 0 and ratios[-1] > 0  # a tiny model's generate may print 0.00 s
     assert lines[-1] == f"worst ratio {max(ratios):.3f}"
