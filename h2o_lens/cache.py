@@ -275,11 +275,12 @@ class H2OCacheLayer(CacheLayerMixin):
             step = owner.shape.copies(owner.config.gqa)  # the K/V were repeated per query head
             owner.prompt_sink(self.layer_idx, key[:, ::step], value[:, ::step], scores, valid)
 
-    def _keep_prompt(self, query, key, value, valid, scores, rows) -> None:
-        """Apply the policy's prefill keep rule to a whole prompt and lay the kept positions into slots.
+    def prompt_keep(self, query, key, valid, scores, rows):
+        """The policy's prefill keep rule over a whole prompt, without laying anything into slots.
 
-        ``key, value (b, Hs, P, d)`` the prompt's, ``scores (b, Hs, P)`` its column sums (or None),
-        ``rows`` its last rows' weights for a row-ranking policy (or None).
+        Arguments as :meth:`_keep_prompt`'s. Resolves the rows' budgets (once per cache) and returns
+        ``positions (b, Hs, P)``, ``count (b,)`` real tokens, ``drive (b, Hs, P)`` the scores that
+        drive the choice, ``history`` (or None), ``keep`` and ``eligible`` ``(b, Hs, P)`` bool.
         """
         b, hs, p, d = key.shape
         owner = self.owner
@@ -316,6 +317,17 @@ class H2OCacheLayer(CacheLayerMixin):
             pins = args.pins(positions)
             keep[sel] = eviction.prefill_keep(drive[sel], positions[sel], args.heavy, args.recent, args.sink, pins)
             eligible[sel] = eviction.eligible_mask(positions[sel], last[sel], args.recent, args.sink, pinned=pins)
+        return positions, count, drive, history, keep, eligible
+
+    def _keep_prompt(self, query, key, value, valid, scores, rows) -> None:
+        """Apply the policy's prefill keep rule to a whole prompt and lay the kept positions into slots.
+
+        ``key, value (b, Hs, P, d)`` the prompt's, ``scores (b, Hs, P)`` its column sums (or None),
+        ``rows`` its last rows' weights for a row-ranking policy (or None).
+        """
+        b, hs, p, d = key.shape
+        owner = self.owner
+        positions, count, drive, history, keep, eligible = self.prompt_keep(query, key, valid, scores, rows)
         caps = owner.row_capacity(self.budget)  # (b,)
         cap = max(args.capacity for _, args in self.groups())
         # slots hold the kept positions in ascending order, then empty slots

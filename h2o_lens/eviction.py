@@ -99,7 +99,7 @@ def eligible_mask(
     broadcastable to ``(..., 1)`` (per-request budgets). A slot is eligible when
     it holds a position outside the ``recent`` newest (``pos <= step - recent``),
     outside the first ``sink`` and not among the ``pinned`` positions (a 1-D
-    tensor, DESIGN.md §2.11). ``all_live`` says that no slot is empty (a full
+    tensor, or ``(b, 1, K)`` per row, DESIGN.md §2.11). ``all_live`` says that no slot is empty (a full
     cache), which spares the check.
     """
     ok = positions <= step - recent
@@ -108,7 +108,10 @@ def eligible_mask(
     if isinstance(sink, torch.Tensor) or sink:
         ok &= positions >= sink
     if pinned is not None and pinned.numel():
-        ok &= ~torch.isin(positions, pinned)
+        if pinned.dim() > 1:  # per row (b, 1, K)
+            ok &= ~(positions[..., None] == pinned[..., None, :]).any(-1)
+        else:
+            ok &= ~torch.isin(positions, pinned)
     return ok
 
 

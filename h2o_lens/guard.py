@@ -28,7 +28,13 @@ The signals (:data:`SIGNALS`, each in [0, 1], all defined in DESIGN.md §18.1):
 ``dropped``    the canary reservoir's estimate of the share of attention the evicted keys
                would take back, ``M / (1 + M)``;
 ``structure``  a structured-output token among the last generated ones (:class:`TokenCues`);
-``refer``      a "refer back" word in the prompt (:class:`TokenCues`).
+``refer``      a "refer back" word in the prompt (:class:`TokenCues`);
+``prefill``    the share of the prompt's last rows' attention (the question) on the positions the
+               prefill evicts, computed at the prefill, before anything is evicted.
+
+With ``raise`` or ``refill`` the prefill's risk is acted on before the prompt is evicted: a row
+whose prefill risk reaches the threshold keeps its prompt at the target from the start (a raise
+with nothing evicted yet, no recompute).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from typing import Any
 
 import torch
 
-from . import eviction
+from . import eviction, ops
 from .cache import H2OCache, H2OCacheLayer, use_layer_class
 from .errors import ConfigError
 from .events import decode_stats
@@ -65,14 +71,16 @@ __all__ = [
 ]
 
 #: the signals, in the order of :attr:`GuardConfig.weights` and of the logged rows
-SIGNALS = ("margin", "trend", "uniform", "far", "entropy", "dropped", "structure", "refer")
+SIGNALS = ("margin", "trend", "uniform", "far", "entropy", "dropped", "structure", "refer", "prefill")
 #: the actions a guard can take (DESIGN.md §18.2)
 ACTIONS = ("none", "raise", "refill")
 #: per-layer signals, averaged over the layers and KV sets of a step
 _LAYER_SIGNALS = ("margin", "uniform", "far", "entropy", "dropped")
 
+#: the neighbours on each side that a rescued position brings along (a fact spans a few tokens)
+_POOL = 7
 #: the weights and bias of the logistic combination (DESIGN.md §18.3)
-DEFAULT_WEIGHTS = (1.0, 2.0, 2.0, 2.0, 1.0, 4.0, 1.0, 1.0)
+DEFAULT_WEIGHTS = (1.0, 2.0, 2.0, 2.0, 1.0, 4.0, 1.0, 1.0, 8.0)
 DEFAULT_BIAS = -5.0
 
 #: text pieces of structured output (code, JSON, markup, tables) and "refer back" words
@@ -117,6 +125,10 @@ class GuardConfig:
     seed : of the reservoir's sampling
     stride : the layers that compute signals, ``0, stride, 2·stride, …`` (1: every layer); the
         per-layer signals are averaged over those (fewer layers, less cost, DESIGN.md §18.1)
+    tail : the prompt's last rows whose attention the ``prefill`` signal reads (0 turns it off)
+    rescue : at a raise at the prefill, the share of the prompt (at most the slots the raise adds)
+        pinned to the positions the prompt's last rows read most, pooled over ``±3`` neighbours
+        (0: the added slots are plain heavy slots, DESIGN.md §18.2)
     """
 
     action: str = "none"
@@ -130,6 +142,8 @@ class GuardConfig:
     cue_window: int = 8
     seed: int = 0
     stride: int = 1
+    tail: int = 32
+    rescue: float = 0.0
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -153,6 +167,10 @@ class GuardConfig:
                 f"guard weights has {len(self.weights)} values; expected {len(SIGNALS)}, one per signal "
                 f"({', '.join(SIGNALS)})"
             )
+        if not 0.0 <= self.rescue <= 1.0:
+            raise ConfigError(f"rescue={self.rescue} is outside [0, 1]; give a share of the prompt such as 0.05")
+        if self.tail < 0:
+            raise ConfigError(f"tail={self.tail}; expected the number of last prompt rows to read (0: off), e.g. 32")
         if self.span < 1 or self.cue_window < 1 or self.stride < 1:
             raise ConfigError(
                 f"span={self.span}, cue_window={self.cue_window} and stride={self.stride} must be at least 1"
@@ -270,6 +288,22 @@ def dropped_share(
     return torch.where(held > 0, (m / (1.0 + m)).mean(-1), 0.0).to(torch.float32)
 
 
+def prefill_signal(tail: torch.Tensor, keep: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``(b,)``: the ``prefill`` signal, the share of the prompt's last rows' attention that falls on
+    the positions the prefill evicts, averaged over the rows and KV sets (DESIGN.md §18.1).
+
+    ``tail (b, Hs, R, P)`` the last ``R`` prompt rows' attention weights aggregated per KV set
+    (:func:`h2o_lens.ops.prefill_rows`; padding rows and keys weigh 0), ``keep (b, Hs, P)`` the
+    prefill's keep mask, ``positions (b, Hs, P)`` the columns' positions (negative: padding).
+    """
+    acc = tail.dtype
+    gone = (~keep) & (positions >= 0)  # (b, Hs, P)
+    total = tail.sum(-1)  # (b, Hs, R)
+    lost = (tail * gone[:, :, None].to(acc)).sum(-1) / total.clamp_min(torch.finfo(acc).tiny)
+    real = (total > 0).to(acc)
+    return ((lost * real).sum((1, 2)) / real.sum((1, 2)).clamp_min(1.0)).clamp(0.0, 1.0).to(torch.float32)
+
+
 # -- the guard layer --------------------------------------------------------------------------------
 
 
@@ -295,6 +329,8 @@ class GuardLayer(H2OCacheLayer):
         self.evicted: torch.Tensor | None = None  # (b, Hs) keys evicted so far
         self._generator: torch.Generator | None = None
         self._last: tuple | None = None
+        self._scaling: float | None = None
+        self._deferred: tuple | None = None  # a prompt whose slots wait for the prefill's decision
 
     def _kernel_step(self, args, want: bool) -> bool:
         # a layer that computes signals reads the torch step's weights; the others keep the backend's step
@@ -329,6 +365,44 @@ class GuardLayer(H2OCacheLayer):
         )
         self._last = (q, k, scaling, res)
         return res
+
+    def prefill(self, query, valid, scaling):
+        self._scaling = scaling
+        return super().prefill(query, valid, scaling)
+
+    def adopt_prompt(self, query, key, value, scores, valid, scaling: float) -> None:
+        self._scaling = scaling
+        super().adopt_prompt(query, key, value, scores, valid, scaling)
+
+    def _keep_prompt(self, query, key, value, valid, scores, rows) -> None:
+        """The prefill's keep rule, with the ``prefill`` signal read first (DESIGN.md §18.1).
+
+        Under ``raise`` or ``refill`` the prompt's slots wait until every layer has given its
+        signal: the rows whose prefill risk reaches the threshold get their target slot count
+        before anything of their prompt is evicted (:meth:`GuardState.decide_prefill`)."""
+        state = self.owner.guard
+        cfg = state.config
+        if cfg.tail == 0 or self._scaling is None:
+            super()._keep_prompt(query, key, value, valid, scores, rows)
+            return
+        t0 = time.perf_counter()
+        r = min(cfg.tail, query.shape[2])
+        tail = ops.prefill_rows(query, key, valid, self._scaling, self.owner.config.gqa, r)  # (b, Hs, R, P)
+        positions, count, _, _, keep, _ = self.prompt_keep(query, key, valid, scores, rows)
+        state.add_prefill(self, prefill_signal(tail, keep, positions), count, tail, positions)
+        state.seconds += time.perf_counter() - t0
+        if cfg.action == "none":
+            super()._keep_prompt(query, key, value, valid, scores, rows)
+        else:
+            self._deferred = (query, key, value, valid, scores, rows)
+        if self.layer_idx == len(self.owner.layers) - 1:
+            state.decide_prefill()
+
+    def lay_prompt(self) -> None:
+        """Lay a prompt held back by :meth:`_keep_prompt` into slots, at the rows' budgets now."""
+        if self._deferred is not None:
+            args, self._deferred = self._deferred, None
+            H2OCacheLayer._keep_prompt(self, *args)
 
     @property
     def scored(self) -> bool:
@@ -399,6 +473,7 @@ class GuardState:
     evicted: torch.Tensor | None = None
     raised: torch.Tensor | None = None
     cues: torch.Tensor | None = None  # (b, 2) structure, refer
+    prefill: torch.Tensor | None = None  # (b,) the prefill signal, once the prompt is in
     #: the per-step log: (request ids, step (b,), signals (b, len(SIGNALS)), risk (b,))
     steps: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -413,6 +488,92 @@ class GuardState:
     refill_seconds: float = 0.0
     _acc: torch.Tensor | None = None
     _budgets: tuple | None = None
+    _prefill_sum: torch.Tensor | None = None
+    _prefill_layers: int = 0
+    _prompt_counts: torch.Tensor | None = None
+    _columns: torch.Tensor | None = None
+    _column_positions: torch.Tensor | None = None
+
+    # -- at the prefill -----------------------------------------------------------------------------
+    def add_prefill(
+        self, layer: GuardLayer, signal: torch.Tensor, count: torch.Tensor, tail: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """One layer's ``prefill`` signal ``(b,)``; ``count (b,)`` the rows' real prompt tokens;
+        ``tail (b, Hs, R, P)`` the last rows' weights and ``positions (b, Hs, P)`` their columns'."""
+        if layer.layer_idx == 0 or self._prefill_sum is None:
+            self._prefill_sum, self._prefill_layers = torch.zeros_like(signal).cpu(), 0
+            self._columns = None
+        self._prefill_sum += signal.cpu()
+        self._prefill_layers += 1
+        self._prompt_counts = count.cpu().to(torch.int64)
+        if self.config.rescue > 0 and self.config.action != "none":
+            mass = tail.sum(2).double()  # (b, Hs, P): the last rows' attention per column and KV set
+            mass = (mass / mass.sum(-1, keepdim=True).clamp_min(1e-300)).amax(1).cpu()  # the most-reading set
+            self._columns = mass if self._columns is None else torch.maximum(self._columns, mass)
+            self._column_positions = positions[:, 0].cpu()
+
+    def decide_prefill(self) -> None:
+        """After the last layer's prefill: the prefill's risk per row, logged at step ``P − 1``;
+        under ``raise`` or ``refill`` the rows that reach the threshold get their target slot
+        count before their prompts are laid into slots (nothing is evicted yet: no recompute)."""
+        t0 = time.perf_counter()
+        cfg = self.config
+        cache = self.cache
+        signal = self._prefill_sum / max(1, self._prefill_layers)
+        self._prefill_sum, self._prefill_layers = None, 0
+        b = signal.shape[0]
+        dev = cache.layers[0].budget.device
+        self.prefill = signal.float().to(dev)
+        step = self._prompt_counts.to(dev) - 1  # (b,) each row's last prompt position
+        # the per-row state starts here (the first decode step finds it)
+        self.ema = torch.zeros(b, device=dev)
+        self.prompt_len = (step + 1).float()
+        self.evicted = torch.zeros(b, device=dev)
+        self.raised = torch.zeros(b, dtype=torch.bool, device=dev)
+        signals = torch.zeros(b, len(SIGNALS), device=dev)
+        signals[:, SIGNALS.index("prefill")] = self.prefill
+        risk = combine(signals, cfg.weights, cfg.bias)
+        self.steps.append((self.request_ids(), step.clone(), signals, risk.clone()))
+        if cfg.action != "none":
+            rows = torch.nonzero(risk >= cfg.threshold)[:, 0].tolist()
+            if rows:
+                acts = self._actions(rows, step, risk, "raise")
+                pins = [self._rescue_positions(r, a["slots_after"] - a["slots_before"]) for r, a in zip(rows, acts)]
+                raise_prompt(cache, rows, [a["slots_after"] for a in acts], pins)
+                for a in acts:
+                    a.pop("row")
+                    self.events.append({**a, "seconds": 0.0})
+            for layer in cache.layers:
+                layer.lay_prompt()
+        self.seconds += time.perf_counter() - t0
+
+
+    def _rescue_positions(self, row: int, added: int) -> tuple[int, ...]:
+        """The prompt positions of ``row`` its last rows read most (summed over the layers, max-pooled
+        over ``±3`` neighbours), outside the recent window and the sink: ``⌈rescue · P⌉`` of them, at
+        most ``added``; () without ``rescue``."""
+        if self._columns is None or self.config.rescue <= 0 or added <= 0:
+            return ()
+        cache = self.cache
+        p = int(self._prompt_counts[row])
+        args = cache.budgets[int(cache._rows[row])]
+        n = min(added, math.ceil(self.config.rescue * p))
+        pos = self._column_positions[row]
+        mass = torch.zeros(p, dtype=torch.float64)
+        real = pos >= 0
+        mass[pos[real].long()] = self._columns[row][real]
+        pooled = torch.nn.functional.max_pool1d(mass[None, None], 2 * _POOL + 1, stride=1, padding=_POOL)[0, 0]
+        open_ = torch.ones(p, dtype=torch.bool)
+        open_[: args.sink] = False
+        open_[max(0, p - args.recent) :] = False
+        if args.pinned:
+            open_[list(args.pinned)] = False
+        pooled = pooled.masked_fill(~open_, -1.0)
+        n = min(n, int(open_.sum()))
+        if n <= 0:
+            return ()
+        top = torch.topk(pooled, n).indices
+        return tuple(sorted(set(args.pinned) | set(int(i) for i in top)))
 
     # -- per layer ------------------------------------------------------------------------------
     def observe(self, layer: GuardLayer, q: torch.Tensor, k: torch.Tensor, scaling: float, res: Any) -> None:
@@ -489,7 +650,8 @@ class GuardState:
         per = self._acc / self._scored_layers()  # (b, 5) margin, uniform, far, entropy, dropped
         alpha = 2.0 / (cfg.span + 1.0)
         self.ema = self.ema + alpha * (per[:, 0] - self.ema)
-        signals = torch.cat([per[:, :1], self.ema[:, None], per[:, 1:], self.cues], -1)  # (b, 8) in SIGNALS order
+        prefill = self.prefill if self.prefill is not None else torch.zeros_like(self.ema)
+        signals = torch.cat([per[:, :1], self.ema[:, None], per[:, 1:], self.cues, prefill[:, None]], -1)
         risk = combine(signals, cfg.weights, cfg.bias)
         self.steps.append((self.request_ids(), step.clone(), signals.clone(), risk.clone()))
         self.scored += 1
@@ -537,11 +699,15 @@ class GuardState:
     # -- rows and tokens ---------------------------------------------------------------------------
     def request_ids(self) -> list[int]:
         ids = self.cache.request_ids
-        return list(ids) if ids is not None else list(range(self.cache.batch_size))
+        if ids is not None:
+            return list(ids)
+        if self.cache.layers[0].keys is None and self._prompt_counts is not None:  # at the prefill, before the slots
+            return list(range(len(self._prompt_counts)))
+        return list(range(self.cache.batch_size))
 
     def move_rows(self, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """A row reorder, expansion or selection of the cache, applied to the per-row state."""
-        for name in ("ema", "prompt_len", "evicted", "raised", "cues"):
+        for name in ("ema", "prompt_len", "evicted", "raised", "cues", "prefill"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, move(t))
@@ -616,6 +782,37 @@ def grow_rows(cache: H2OCache, rows: list[int], slots: list[int]) -> None:
                 shape[2] = extra
                 setattr(layer, name, torch.cat([t, t.new_full(shape, value)], 2))
         layer.fill = fill.to(layer.keys.device)
+        layer._groups = layer._row_budgets = None
+
+
+def raise_prompt(
+    cache: H2OCache, rows: list[int], slots: list[int], pinned: list[tuple[int, ...]] | None = None
+) -> None:
+    """Give batch ``rows`` of ``cache`` ``slots`` per KV set before their prompts are laid into
+    slots: from the prefill on, each such row is an H2O run at its new slot count (the extra
+    slots are heavy slots), with ``pinned[i]`` (when given) its pinned positions (§2.11, taken
+    out of those slots). A listener's ``on_state`` hears a ``raise`` event first, as with
+    :func:`grow_rows`."""
+    from .config import pin
+
+    requests = [cache.request_ids[r] for r in rows] if cache.request_ids is not None else list(rows)
+    cache._notify({"event": "raise", "rows": list(rows), "requests": requests, "slots": [int(n) for n in slots]})
+    index = cache._rows.clone()
+    for i, (r, n) in enumerate(zip(rows, slots)):
+        old = cache.budgets[int(index[r])]
+        cfg = cache.request_configs[r]
+        cfg = dataclasses.replace(cfg, heavy=int(cfg.heavy) + n - old.capacity)
+        if pinned is not None and pinned[i]:
+            cfg = pin(cfg, pinned[i])
+        new = ops.PolicyArgs(cfg.policy, *cfg.split, cfg.gqa, cfg.seed, cfg.pinned)
+        if new not in cache.budgets:
+            cache.budgets.append(new)
+        index[r] = cache.budgets.index(new)
+        cache.request_configs[r] = cfg
+    cache._rows = index
+    for layer in cache.layers:
+        if layer.budget is not None:
+            layer.budget = index.to(layer.budget.device)
         layer._groups = layer._row_budgets = None
 
 

@@ -500,6 +500,9 @@ class RowBudgets:
     recent: torch.Tensor
     sink: torch.Tensor
     self_victim: bool
+    #: ``(b, 1, K)`` each row's pinned positions (padded with -2, no position), or None when the
+    #: budgets pin the same positions (a guard's rescue pins per row, DESIGN.md §18.2)
+    pinned: torch.Tensor | None = None
 
     @classmethod
     def of(cls, budgets: list[PolicyArgs], rows: torch.Tensor) -> RowBudgets:
@@ -507,7 +510,14 @@ class RowBudgets:
         table = torch.tensor([[a.capacity, a.recent, a.sink] for a in budgets], dtype=torch.int64)
         t = table.to(rows.device)[rows][:, :, None, None]  # (b, 3, 1, 1)
         used = set(rows.tolist())
-        return cls(t[:, 0], t[:, 1], t[:, 2], any(budgets[i].recent == 0 for i in used))
+        pinned = None
+        if len({budgets[i].pinned for i in used}) > 1:
+            width = max(len(budgets[i].pinned) for i in used)
+            pins = torch.full((len(budgets), width), -2, dtype=torch.int64)
+            for i, a in enumerate(budgets):
+                pins[i, : len(a.pinned)] = torch.tensor(a.pinned, dtype=torch.int64)
+            pinned = pins.to(rows.device)[rows][:, None, :]
+        return cls(t[:, 0], t[:, 1], t[:, 2], any(budgets[i].recent == 0 for i in used), pinned)
 
 
 #: Slots per block of the torch decode step. Every matmul and reduction over slots works on
@@ -669,7 +679,7 @@ def decode_step(
     ctx = policies.StepContext(step=step_col, layer=layer, seed=args.seed, gqa=args.gqa, group=qg.shape[2])
     new_score, new_history = spec.decode_scores(scores, history, agg, positions, ctx)  # (b,Hs,1)
 
-    pins = args.pins(positions)
+    pins = args.pins(positions) if rows is None or rows.pinned is None else rows.pinned.to(positions.dtype)
     if rows is None and args.recent > 0:  # one budget with a recent window: the new token is never a victim
         c_scores = c_pos = None
         elig = eviction.eligible_mask(positions, step_col, args.recent, args.sink, all_live=fill is None, pinned=pins)

@@ -50,8 +50,9 @@ __all__ = [
 ]
 
 #: 2 adds the speculative tables ``spec_segments`` and ``spec_undone`` (DESIGN.md §14);
-#: 3 adds the guard's tables ``guard_steps`` and ``guard_events`` (DESIGN.md §18.5)
-SCHEMA_VERSION = 3
+#: 3 adds the guard's tables ``guard_steps`` and ``guard_events`` (DESIGN.md §18.5);
+#: 4 adds ``guard_steps.prefill`` and the prefill's row of each request (DESIGN.md §18.1)
+SCHEMA_VERSION = 4
 
 META_SCHEMA_VERSION = "h2o_lens.schema_version"
 META_CONFIG = "h2o_lens.config"
@@ -234,7 +235,7 @@ TABLES: dict[str, pa.Schema] = {
         [
             _RUN_ID,
             _REQUEST,
-            _f("step", pa.int64(), "decode step the guard scored"),
+            _f("step", pa.int64(), "decode step the guard scored; the prefill's row carries prompt_len - 1"),
             _f("risk", pa.float32(), "the guard's risk in [0, 1] after this step (DESIGN.md §18.3)"),
             _f("margin", pa.float32(), "guard signal margin in [0, 1] (DESIGN.md §18.1)"),
             _f("trend", pa.float32(), "guard signal trend in [0, 1] (DESIGN.md §18.1)"),
@@ -244,6 +245,7 @@ TABLES: dict[str, pa.Schema] = {
             _f("dropped", pa.float32(), "guard signal dropped in [0, 1] (DESIGN.md §18.1)"),
             _f("structure", pa.float32(), "guard signal structure in [0, 1] (DESIGN.md §18.1)"),
             _f("refer", pa.float32(), "guard signal refer in [0, 1] (DESIGN.md §18.1)"),
+            _f("prefill", pa.float32(), "guard signal prefill in [0, 1] (DESIGN.md §18.1); null before v4", nullable=True),
         ]
     ),
     "guard_events": pa.schema(
@@ -379,6 +381,7 @@ RANGES: dict[str, dict[str, Range]] = {
         "dropped": Range(0.0, 1.0, FLOAT_SLACK),
         "structure": Range(0.0, 1.0, FLOAT_SLACK),
         "refer": Range(0.0, 1.0, FLOAT_SLACK),
+        "prefill": Range(0.0, 1.0, FLOAT_SLACK),
     },
     "guard_events": {
         "request": _INDEX,

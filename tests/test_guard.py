@@ -147,8 +147,8 @@ def test_dropped_share_equals_brute_force(seed):
 
 
 def test_combine_is_the_logistic_of_the_weighted_signals():
-    x = torch.tensor([[0.2, 0.4, 0.1, 0.9, 0.5, 0.05, 1.0, 0.0]], dtype=torch.float64)
-    w = (1.0, -2.0, 0.5, 3.0, 0.0, 7.0, 1.0, 2.0)
+    x = torch.tensor([[0.2, 0.4, 0.1, 0.9, 0.5, 0.05, 1.0, 0.0, 0.3]], dtype=torch.float64)
+    w = (1.0, -2.0, 0.5, 3.0, 0.0, 7.0, 1.0, 2.0, 4.0)
     z = -1.5 + sum(a * b for a, b in zip(x[0].tolist(), w))
     assert combine(x, w, -1.5).item() == pytest.approx(1 / (1 + math.exp(-z)))
 
@@ -192,7 +192,9 @@ def test_guard_without_action_changes_nothing():
     assert plain.kept == guarded_rec.kept
     assert isinstance(cache.layers[0], GuardLayer)
     state = g.last
-    assert state.scored == 15 and len(state.risk_rows()) == 30
+    # a row per request at the prefill (step P - 1), then per decode step
+    assert state.scored == 15 and len(state.risk_rows()) == 32
+    assert [r["step"] for r in state.risk_rows()[:2]] == [29, 29]
     assert state.seconds > 0 and not state.events
     for row in state.risk_rows():
         assert 0.0 <= row["risk"] <= 1.0 and set(SIGNALS) <= set(row)
@@ -252,7 +254,7 @@ def test_token_cues_reach_every_scored_step():
     )
     with h2o_lens.h2o(model, H2OConfig(heavy=2, recent=2)), guarded(GuardConfig()) as g, torch.no_grad():
         model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0, logits_processor=[g.cues(tokenizer)])
-    rows = g.last.risk_rows()
+    rows = [r for r in g.last.risk_rows() if r["step"] >= ids.shape[1]]  # the decode steps
     assert len(rows) == 8
     assert [r["refer"] for r in rows if r["request"] == 1] == [1.0] * 4
     assert [r["refer"] for r in rows if r["request"] == 0] == [0.0] * 4
@@ -270,5 +272,5 @@ def test_stride_scores_every_other_layer_and_changes_nothing():
     assert torch.equal(plain, out)
     assert not cache.layers[1].scored and cache.layers[0].scored
     rows, all_rows = g.last.risk_rows(), every.last.risk_rows()
-    assert [r["step"] for r in rows] == list(range(24, 33))
+    assert [r["step"] for r in rows] == list(range(23, 33))  # the prefill's row, then each decode step
     assert any(abs(a["far"] - b["far"]) > 1e-6 for a, b in zip(rows, all_rows))  # one layer vs the mean of two

@@ -21,7 +21,7 @@ def test_guard_rows_round_trip_with_manifest_counts(tmp_path):
     tables' rows, the strict check passes and the SQL views read them."""
     model = local_attention(tiny_model("llama", layers=2))
     ids = torch.randint(3, 250, (2, 20), generator=torch.Generator().manual_seed(4))
-    gcfg = GuardConfig(action="raise", threshold=0.0, raise_slots=10)
+    gcfg = GuardConfig(action="raise", threshold=0.0, raise_slots=10, tail=0)
     with guarded(gcfg) as g, recorders.record(model, H2OConfig(heavy=4, recent=3), out=tmp_path, fsync=False) as run:
         with torch.no_grad():
             model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)

@@ -96,7 +96,7 @@ def test_guard_raise_logs_the_event_and_stays_exact(model):
     the step, the slots before and after and the positions already gone; the kept sets then
     follow the reference raised from the next step."""
     rec = KeptRecorder()
-    cfg = GuardConfig(action="raise", threshold=0.0, raise_ratio=0.5)
+    cfg = GuardConfig(action="raise", threshold=0.0, raise_ratio=0.5, tail=0)
     with (
         h2o_lens.h2o(model, H2OConfig(heavy=HEAVY, recent=RECENT), listener=rec),
         guarded(cfg) as g,

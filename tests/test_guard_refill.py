@@ -31,7 +31,7 @@ def test_refill_continues_as_a_fresh_run_at_the_higher_budget(model, seed):
     those 25 tokens as its prompt, teacher-forced on them."""
     ids = _ids(seed)
     cfg = H2OConfig(heavy=4, recent=3)
-    with torch.no_grad(), h2o_lens.h2o(model, cfg), guarded(GuardConfig("refill", threshold=0.0, raise_slots=12)) as g:
+    with torch.no_grad(), h2o_lens.h2o(model, cfg), guarded(GuardConfig("refill", threshold=0.0, raise_slots=12, tail=0)) as g:
         out = model.generate(
             ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0, logits_processor=[g.refill(model)]
         )
@@ -48,6 +48,6 @@ def test_refill_continues_as_a_fresh_run_at_the_higher_budget(model, seed):
 
 def test_refill_needs_its_processor(model):
     with torch.no_grad(), h2o_lens.h2o(model, H2OConfig(heavy=4, recent=3)):
-        with guarded(GuardConfig("refill", threshold=0.0, raise_slots=12)):
+        with guarded(GuardConfig("refill", threshold=0.0, raise_slots=12, tail=0)):
             with pytest.raises(ConfigError, match=r"logits_processor=\[guard.refill\(model\)\]"):
                 model.generate(_ids(), max_new_tokens=4, do_sample=False, pad_token_id=0)

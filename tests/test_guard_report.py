@@ -28,7 +28,7 @@ def root(tmp_path_factory) -> tuple[Path, str, str]:
     model = local_attention(tiny_model("llama", layers=2))
     ids = torch.randint(3, 250, (2, 20), generator=torch.Generator().manual_seed(5))
     cfg = H2OConfig(heavy=4, recent=3)
-    with guarded(GuardConfig(action="raise", threshold=0.0, raise_slots=9)):
+    with guarded(GuardConfig(action="raise", threshold=0.0, raise_slots=9, tail=0)):
         with recorders.record(model, cfg, out=out, fsync=False, run_id="guarded") as run:
             model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
     with recorders.record(model, cfg, out=out, fsync=False, run_id="plain"):
