@@ -45,6 +45,8 @@ __all__ = [
 
 KS = (1, 4, 16)
 BUDGETS = (0.05, 0.1, 0.2, 0.35, 0.5, 1.0)
+#: the guard's policies the bench runs: (action, target keep ratio, rescue share), DESIGN.md §18.2
+POLICIES = (("raise", 0.35, 0.15), ("raise", 0.5, 0.0), ("refill", 1.0, 0.0))
 
 
 def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float:
@@ -70,15 +72,43 @@ def first_wrong(teacher: Sequence[int], run: Sequence[int]) -> int | None:
 def warning_score(risks: Sequence[tuple[int, float]], prompt_len: int, wrong: int | None, k: int) -> float:
     """The highest risk a guard had seen at least ``k`` steps before the first wrong token.
 
-    ``risks`` are ``(step, risk)`` of the scored decode steps; the step at position ``s`` gives
-    the token of index ``s − P + 1``, so generated token ``j`` follows the risks of the steps
-    ``s ≤ P + j − 1``; ``k`` steps before it, those ``s ≤ P + j − 1 − k``. A request without a
-    wrong token takes its highest risk over the whole generation: a guard that fires on it at
-    any step is a false alarm. 0 when no step qualifies.
+    ``risks`` are ``(step, risk)`` of the scored steps, the prefill's at ``P − 1``; the step at
+    position ``s`` gives the token of index ``s − P + 1``, so generated token ``j`` follows the
+    risks of the steps ``s ≤ P + j − 1``; ``k`` steps before it, those ``s ≤ P + j − 1 − k``.
+    The prefill's risk always counts: it comes before anything of the prompt is evicted, the
+    earliest point a guard can act, and a first wrong token within ``k`` of the prompt (token 0
+    never is: it reads the whole prompt) has nothing earlier. A request without a wrong token
+    takes its highest risk over the whole generation: a guard that fires on it at any step is a
+    false alarm. 0 when no step qualifies.
     """
-    last = math.inf if wrong is None else prompt_len + wrong - 1 - k
+    last = math.inf if wrong is None else max(prompt_len - 1, prompt_len + wrong - 1 - k)
     seen = [r for s, r in risks if s <= last]
     return max(seen) if seen else 0.0
+
+
+def fit_weights(features: Sequence[Sequence[float]], labels: Sequence[bool], l2: float = 0.05):
+    """``(weights, bias)`` of an L2-regularised logistic regression of ``labels`` on ``features``
+    (per request, each signal's warning score); None when one class is empty. The guard's
+    risk with these weights is the same logistic per step (DESIGN.md §18.3)."""
+    pos = sum(labels)
+    if not pos or pos == len(labels):
+        return None
+    x = torch.tensor(features, dtype=torch.float64)
+    y = torch.tensor([float(v) for v in labels], dtype=torch.float64)
+    w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
+    b = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=200, line_search_fn="strong_wolfe")
+
+    def loss():
+        opt.zero_grad()
+        z = x @ w + b
+        value = torch.nn.functional.binary_cross_entropy_with_logits(z, y) + l2 * (w * w).sum()
+        value.backward()
+        return value
+
+    with torch.enable_grad():
+        opt.step(loss)
+    return tuple(float(v) for v in w.detach()), float(b.detach())
 
 
 def fit_threshold(scores: Sequence[float], labels: Sequence[bool]) -> float:
@@ -180,11 +210,22 @@ def _outcome(task: Any, prompt_len: int, teacher: RequestRun, base: RequestRun) 
     return Outcome(task.name, prompt_len, failed, wrong, base.risks)
 
 
+def _score(o: Outcome, k: int, key: str = "risk") -> float:
+    return warning_score([(r["step"], r[key]) for r in o.risks], o.prompt_len, o.wrong if o.failed else None, k)
+
+
 def _scores(outcomes: list[Outcome], k: int, key: str = "risk") -> list[float]:
-    return [
-        warning_score([(r["step"], r[key]) for r in o.risks], o.prompt_len, o.wrong if o.failed else None, k)
-        for o in outcomes
-    ]
+    return [_score(o, k, key) for o in outcomes]
+
+
+def _rescore(outcomes: list[Outcome], weights: Sequence[float], bias: float) -> None:
+    """Add ``fitted``, the risk with ``weights`` and ``bias``, to every logged step."""
+    from h2o_lens.guard import SIGNALS
+
+    for o in outcomes:
+        for r in o.risks:
+            z = bias + sum(w * r[name] for w, name in zip(weights, SIGNALS))
+            r["fitted"] = 1.0 / (1.0 + math.exp(-max(-500.0, min(500.0, z))))
 
 
 @dataclass
@@ -199,6 +240,9 @@ class GuardReport:
     table: list[dict[str, Any]]
     recovered: list[dict[str, Any]]
     fit_requests: int = 0
+    weights: tuple[float, ...] | None = None  # fitted on the fit seed (None: the defaults)
+    bias: float | None = None
+    early: dict[int, int] = field(default_factory=dict)  # failures scored at the prefill alone, per k
 
 
 def _base_pass(model, tokenizer, tasks, ratio, guard_cfg, progress) -> tuple[list, list, list]:
@@ -224,8 +268,7 @@ def evaluate(
     *,
     ratio: float = 0.2,
     budgets: Sequence[float] = BUDGETS,
-    targets: Sequence[float] = (0.5, 1.0),
-    actions: Sequence[str] = ("raise", "refill"),
+    policies: Sequence[tuple[str, float, float]] = POLICIES,
     ks: Sequence[int] = KS,
     threshold: float | None = None,
     progress: Callable[[str], None] = lambda msg: None,
@@ -233,27 +276,35 @@ def evaluate(
     """Run the bench's generations and measure (the module docstring says what); ``threshold``
     given: the guard acts at it, and ``fit_tasks`` only count."""
     from h2o_lens.config import H2OConfig
-    from h2o_lens.guard import SIGNALS, GuardConfig
+    from h2o_lens.guard import DEFAULT_BIAS, DEFAULT_WEIGHTS, SIGNALS, GuardConfig
 
     logging = GuardConfig()
-    n_runs = 2 * len(fit_tasks) + len(tasks) * (2 + len(budgets) + len(targets) * len(actions))
+    fixed = [b for b in budgets if b < 1.0 and b != ratio]
+    n_runs = 2 * len(fit_tasks) + len(tasks) * (2 + len(fixed) + len(policies))
     done = [0]
 
     def tick():
         done[0] += 1
         progress(f"{done[0]}/{n_runs} generations")
 
-    fit = []
-    if fit_tasks and threshold is None:
+    fit, fitted = [], None
+    if fit_tasks:
         _, _, fit = _base_pass(model, tokenizer, fit_tasks, ratio, logging, tick)
         fit = [o for o in fit if o is not None]
-        threshold = fit_threshold(_scores(fit, 4), [o.failed for o in fit])
+        fitted = fit_weights([[_score(o, 4, name) for name in SIGNALS] for o in fit], [o.failed for o in fit])
+    weights, bias = fitted if fitted is not None else (DEFAULT_WEIGHTS, DEFAULT_BIAS)
+    if fit and threshold is None:
+        _rescore(fit, weights, bias)
+        threshold = fit_threshold(_scores(fit, 4, "fitted"), [o.failed for o in fit])
     threshold = 1.0 if threshold is None else threshold
     teachers, bases, outcomes = _base_pass(model, tokenizer, tasks, ratio, logging, tick)
     kept = [i for i, o in enumerate(outcomes) if o is not None]
     outs = [outcomes[i] for i in kept]
+    _rescore(outs, weights, bias)
     labels = [o.failed for o in outs]
-    aurocs = {name: {k: auroc(_scores(outs, k, name), labels) for k in ks} for name in ("risk", *SIGNALS)}
+    names = ("risk", *(("fitted",) if fitted is not None else ()), *SIGNALS)
+    aurocs = {name: {k: auroc(_scores(outs, k, name), labels) for k in ks} for name in names}
+    early = {k: sum(1 for o in outs if o.failed and o.wrong is not None and o.wrong < k) for k in ks}
 
     def verdict(run: RequestRun, i: int) -> bool:
         if run.passed is not None:
@@ -274,13 +325,16 @@ def evaluate(
         table.append(_row(f"fixed {b:.0%}", runs, verdict))
     recovered = []
     failures = [i for i, o in zip(kept, outs) if o.failed]
-    for action, target in [(a, t) for a in actions for t in targets]:
-        cfg = GuardConfig(action=action, threshold=threshold, raise_ratio=target)
+    for action, target, rescue in policies:
+        cfg = GuardConfig(
+            action=action, threshold=threshold, raise_ratio=target, rescue=rescue, weights=tuple(weights), bias=bias
+        )
         runs = {}
         for i in kept:
             runs[i] = run_request(model, tokenizer, tasks[i], H2OConfig(ratio=ratio), cfg)
             tick()
-        row = _row(f"guard {action}->{target:.0%} @{threshold:.3f}", runs, verdict)
+        pinned = f"+{rescue:.0%} pinned" if rescue else ""
+        row = _row(f"guard {action}->{target:.0%}{pinned} @{threshold:.3f}", runs, verdict)
         row["raised"] = sum(1 for r in runs.values() if r.events)
         table.append(row)
         saved = [i for i in failures if verdict(runs[i], i)]
@@ -299,7 +353,17 @@ def evaluate(
     if base_row is None:
         table.insert(0, _row(f"fixed {ratio:.0%}", {i: bases[i] for i in kept}, verdict))
     return GuardReport(
-        ratio, len(kept), len(tasks) - len(kept), threshold, aurocs, table, recovered, fit_requests=len(fit)
+        ratio,
+        len(kept),
+        len(tasks) - len(kept),
+        threshold,
+        aurocs,
+        table,
+        recovered,
+        fit_requests=len(fit),
+        weights=None if fitted is None else tuple(weights),
+        bias=None if fitted is None else bias,
+        early=early,
     )
 
 
@@ -320,15 +384,23 @@ def format_report(report: GuardReport) -> str:
         f"({report.left_out} left out: the full cache fails them); threshold {report.threshold:.3f} "
         + (f"fitted on {report.fit_requests} requests of the fit seed" if report.fit_requests else "(not fitted)"),
         "",
-        "AUROC of the warning score (highest risk >= k steps before the first wrong token) vs failure",
+        "AUROC of the warning score (highest risk >= k steps before the first wrong token; the prefill's "
+        "risk always counts) vs failure",
+        "failures first wrong within k tokens (scored at the prefill alone): "
+        + ", ".join(f"k={k}: {n}" for k, n in report.early.items()),
         f"{'signal':>10} " + " ".join(f"{'k=' + str(k):>7}" for k in next(iter(report.aurocs.values()))),
     ]
     for name, by_k in report.aurocs.items():
         lines.append(f"{name:>10} " + " ".join(f"{v:>7.3f}" for v in by_k.values()))
-    lines += ["", f"{'policy':>28} {'accuracy':>9} {'mean KV':>8} {'s/request':>10}"]
+    if report.weights is not None:
+        from h2o_lens.guard import SIGNALS
+
+        fitted = ", ".join(f"{n} {w:+.2f}" for n, w in zip(SIGNALS, report.weights))
+        lines += ["", f"weights fitted on the fit seed: bias {report.bias:+.2f}, {fitted}"]
+    lines += ["", f"{'policy':>38} {'accuracy':>9} {'mean KV':>8} {'s/request':>10}"]
     for row in report.table:
         lines.append(
-            f"{row['policy']:>28} {row['accuracy']:>9.1%} {row['memory']:>8.1%} {row['seconds']:>10.2f}"
+            f"{row['policy']:>38} {row['accuracy']:>9.1%} {row['memory']:>8.1%} {row['seconds']:>10.2f}"
             + (f"  raised {row['raised']}" if "raised" in row else "")
         )
     lines.append("")
@@ -349,7 +421,8 @@ def bench_guard(
     length: int | None = None,
     seed: int = 0,
     fit_seed: int | None = 1,
-    targets: Sequence[float] = (0.5, 1.0),
+    policies: Sequence[tuple[str, float, float]] = POLICIES,
+    budgets: Sequence[float] = BUDGETS,
     threshold: float | None = None,
 ) -> int:
     """The CLI's ``bench guard``: load the model, resolve the tasks (``seed`` and ``fit_seed``),
@@ -365,17 +438,36 @@ def bench_guard(
     if threshold is not None and not 0.0 <= threshold <= 1.0:
         raise ConfigError(f"bench guard --threshold {threshold}: expected a risk between 0 and 1, such as 0.5")
     model, tokenizer = load_model(model_name, progress=False)
-    run = resolve_tasks(tasks, seed=seed, length=length, count=count, tokenizer=tokenizer)
-    fit = []
-    if fit_seed is not None and threshold is None and tasks.startswith("builtin:"):
-        fit = resolve_tasks(tasks, seed=fit_seed, length=length, count=count, tokenizer=tokenizer)
+
+    def resolve(s: int) -> list[Any]:
+        if not tasks.startswith("builtin:"):
+            return resolve_tasks(tasks, seed=s, length=length, count=count, tokenizer=tokenizer)
+        names = tasks.removeprefix("builtin:").split(",")  # builtin:needle,delayed_reference: both families
+        return [
+            t
+            for n in names
+            for t in resolve_tasks(f"builtin:{n}", seed=s, length=length, count=count, tokenizer=tokenizer)
+        ]
+
+    run = resolve(seed)
+    fit = resolve(fit_seed) if fit_seed is not None and tasks.startswith("builtin:") else []
 
     def progress(msg: str) -> None:
         print(f"\r{msg}", end="", file=sys.stderr, flush=True)
 
     fitted = f"fit seed {fit_seed}" if threshold is None else f"threshold {threshold} given"
     print(f"bench guard: {tasks} (seed {seed}, {fitted}), {len(run)} requests, ratio {ratio}", flush=True)
-    report = evaluate(model, tokenizer, run, fit, ratio=ratio, targets=targets, threshold=threshold, progress=progress)
+    report = evaluate(
+        model,
+        tokenizer,
+        run,
+        fit,
+        ratio=ratio,
+        budgets=budgets,
+        policies=policies,
+        threshold=threshold,
+        progress=progress,
+    )
     print(file=sys.stderr)
     print(format_report(report), flush=True)
     return 0

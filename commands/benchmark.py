@@ -56,6 +56,21 @@ def add_parser(sub: Any) -> None:
     b.add_argument(
         "--guard", action="store_true", help="decode: the guard's cost per decode step (default context 4096)"
     )
+    b.add_argument(
+        "--guard-policies",
+        nargs="+",
+        default=None,
+        metavar="ACTION:TARGET[:RESCUE]",
+        help="guard: the guard's policies to run, e.g. raise:0.35:0.15 refill:1.0 "
+        "(default raise:0.35:0.15 raise:0.5 refill:1.0)",
+    )
+    b.add_argument(
+        "--fixed",
+        nargs="+",
+        type=float,
+        default=None,
+        help="guard: the fixed keep ratios of the accuracy table (default 0.05 0.1 0.2 0.35 0.5 1.0)",
+    )
     b.add_argument("--count", type=int, default=16, help="sweep: requests of the grid")
     b.add_argument(
         "--length",
@@ -172,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
             sharing=args.sharing,
         )
     if args.what == "guard":
-        from .bench_guard import bench_guard
+        from .bench_guard import BUDGETS, bench_guard
 
         return bench_guard(
             model_name=args.model,
@@ -183,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             fit_seed=args.seed + 1,
             threshold=args.threshold,
+            policies=guard_policies(args.guard_policies),
+            budgets=tuple(args.fixed) if args.fixed else BUDGETS,
         )
     if args.what == "press":
         from .bench_press import bench_press, bench_press_agreement
@@ -210,3 +227,34 @@ def run(args: argparse.Namespace) -> int:
         bench_kernels()
         return 0
     raise SystemExit(f"unknown benchmark {args.what!r}")
+
+
+def guard_policies(items: list[str] | None) -> tuple[tuple[str, float, float], ...]:
+    """``--guard-policies``: ``ACTION:TARGET[:RESCUE]`` items as ``(action, target, rescue)``
+    (the bench's defaults when None); a malformed item is a one-line error."""
+    from h2o_lens.errors import ConfigError
+
+    if not items:
+        from .bench_guard import POLICIES
+
+        return POLICIES
+    out = []
+    for item in items:
+        parts = item.split(":")
+        try:
+            if len(parts) not in (2, 3) or parts[0] not in ("raise", "refill"):
+                raise ValueError
+            target = float(parts[1])
+            rescue = float(parts[2]) if len(parts) == 3 else 0.0
+        except ValueError:
+            raise ConfigError(
+                f"bench guard --guard-policies {item!r}: expected ACTION:TARGET[:RESCUE] with ACTION raise or "
+                "refill, e.g. raise:0.35:0.15"
+            ) from None
+        if not 0.0 < target <= 1.0 or not 0.0 <= rescue <= 1.0:
+            raise ConfigError(
+                f"bench guard --guard-policies {item!r}: the target keep ratio must be in (0, 1] and the rescue "
+                "share in [0, 1]"
+            )
+        out.append((parts[0], target, rescue))
+    return tuple(out)

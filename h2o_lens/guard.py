@@ -30,7 +30,10 @@ The signals (:data:`SIGNALS`, each in [0, 1], all defined in DESIGN.md §18.1):
 ``structure``  a structured-output token among the last generated ones (:class:`TokenCues`);
 ``refer``      a "refer back" word in the prompt (:class:`TokenCues`);
 ``prefill``    the share of the prompt's last rows' attention (the question) on the positions the
-               prefill evicts, computed at the prefill, before anything is evicted.
+               prefill evicts, computed at the prefill, before anything is evicted;
+``canary``     under the ``canary`` action, ``KL / (1 + KL)`` of the row's next-token distribution
+               against its canary's (a copy at the target budget in the same batch), 1 once their
+               tokens differ; rows without a canary take the batch's mean (:class:`Canary`).
 
 With ``raise`` or ``refill`` the prefill's risk is acted on before the prompt is evicted: a row
 whose prefill risk reaches the threshold keeps its prompt at the target from the start (a raise
@@ -64,6 +67,7 @@ __all__ = [
     "GuardLayer",
     "GuardState",
     "TokenCues",
+    "Canary",
     "guarded",
     "grow_rows",
     "cue_masks",
@@ -71,16 +75,16 @@ __all__ = [
 ]
 
 #: the signals, in the order of :attr:`GuardConfig.weights` and of the logged rows
-SIGNALS = ("margin", "trend", "uniform", "far", "entropy", "dropped", "structure", "refer", "prefill")
+SIGNALS = ("margin", "trend", "uniform", "far", "entropy", "dropped", "structure", "refer", "prefill", "canary")
 #: the actions a guard can take (DESIGN.md §18.2)
-ACTIONS = ("none", "raise", "refill")
+ACTIONS = ("none", "raise", "refill", "canary")
 #: per-layer signals, averaged over the layers and KV sets of a step
 _LAYER_SIGNALS = ("margin", "uniform", "far", "entropy", "dropped")
 
 #: the neighbours on each side that a rescued position brings along (a fact spans a few tokens)
 _POOL = 7
 #: the weights and bias of the logistic combination (DESIGN.md §18.3)
-DEFAULT_WEIGHTS = (1.0, 2.0, 2.0, 2.0, 1.0, 4.0, 1.0, 1.0, 8.0)
+DEFAULT_WEIGHTS = (1.0, 2.0, 2.0, 2.0, 1.0, 4.0, 1.0, 1.0, 8.0, 6.0)
 DEFAULT_BIAS = -5.0
 
 #: text pieces of structured output (code, JSON, markup, tables) and "refer back" words
@@ -111,8 +115,9 @@ class GuardConfig:
 
     Parameters
     ----------
-    action : ``none`` (log the risk only), ``raise`` (grow the slot count) or ``refill`` (prefill
-        the tokens so far again at the target, DESIGN.md §18.2)
+    action : ``none`` (log the risk only), ``raise`` (grow the slot count), ``refill`` (prefill
+        the tokens so far again at the target) or ``canary`` (a share of the batch also runs at the
+        target; their KL and agreement feed the risk, DESIGN.md §18.2)
     threshold : the risk in [0, 1] at which the action runs on a row
     raise_slots : slots per KV set after a raise or refill (at least the row's current count), or
     raise_ratio : a keep ratio of the row's prompt length after it (one of the two with ``raise``
@@ -126,6 +131,8 @@ class GuardConfig:
     stride : the layers that compute signals, ``0, stride, 2·stride, …`` (1: every layer); the
         per-layer signals are averaged over those (fewer layers, less cost, DESIGN.md §18.1)
     tail : the prompt's last rows whose attention the ``prefill`` signal reads (0 turns it off)
+    canary_share : under ``canary``, the share of the batch's requests that get a canary copy
+        (at least one; :meth:`Guard.canary_batch` makes them)
     rescue : at a raise at the prefill, the share of the prompt (at most the slots the raise adds)
         pinned to the positions the prompt's last rows read most, pooled over ``±3`` neighbours
         (0: the added slots are plain heavy slots, DESIGN.md §18.2)
@@ -144,6 +151,7 @@ class GuardConfig:
     stride: int = 1
     tail: int = 32
     rescue: float = 0.0
+    canary_share: float = 0.125
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -152,7 +160,9 @@ class GuardConfig:
             raise ConfigError(f"guard threshold={self.threshold} is outside [0, 1]; give a risk level such as 0.5")
         if self.raise_slots is not None and self.raise_ratio is not None:
             raise ConfigError("give the raise target as raise_slots or raise_ratio, not both")
-        if self.action in ("raise", "refill") and self.raise_slots is None and self.raise_ratio is None:
+        if not 0.0 < self.canary_share <= 1.0:
+            raise ConfigError(f"canary_share={self.canary_share} is outside (0, 1]; give a share such as 0.125")
+        if self.action != "none" and self.raise_slots is None and self.raise_ratio is None:
             raise ConfigError(
                 f"guard action {self.action!r} needs a target: raise_slots=N or raise_ratio=R (0 < R <= 1)"
             )
@@ -324,6 +334,7 @@ class GuardLayer(H2OCacheLayer):
             owner.guard = state
             if guard is not None:
                 guard.states.append(state)
+                state.pairs = list(guard.pairs)
         self.reservoir: torch.Tensor | None = None  # (b, Hs, R, d)
         self.held: torch.Tensor | None = None  # (b, Hs) keys held
         self.evicted: torch.Tensor | None = None  # (b, Hs) keys evicted so far
@@ -379,17 +390,22 @@ class GuardLayer(H2OCacheLayer):
 
         Under ``raise`` or ``refill`` the prompt's slots wait until every layer has given its
         signal: the rows whose prefill risk reaches the threshold get their target slot count
-        before anything of their prompt is evicted (:meth:`GuardState.decide_prefill`)."""
+        before anything of their prompt is evicted (:meth:`GuardState.decide_prefill`); under
+        ``canary`` the canary rows get theirs."""
         state = self.owner.guard
         cfg = state.config
-        if cfg.tail == 0 or self._scaling is None:
+        if self._scaling is None or (cfg.tail == 0 and cfg.action != "canary"):
             super()._keep_prompt(query, key, value, valid, scores, rows)
             return
         t0 = time.perf_counter()
-        r = min(cfg.tail, query.shape[2])
-        tail = ops.prefill_rows(query, key, valid, self._scaling, self.owner.config.gqa, r)  # (b, Hs, R, P)
         positions, count, _, _, keep, _ = self.prompt_keep(query, key, valid, scores, rows)
-        state.add_prefill(self, prefill_signal(tail, keep, positions), count, tail, positions)
+        tail = None
+        signal = torch.zeros(key.shape[0])
+        if cfg.tail:
+            r = min(cfg.tail, query.shape[2])
+            tail = ops.prefill_rows(query, key, valid, self._scaling, self.owner.config.gqa, r)  # (b, Hs, R, P)
+            signal = prefill_signal(tail, keep, positions)
+        state.add_prefill(self, signal, count, tail, positions)
         state.seconds += time.perf_counter() - t0
         if cfg.action == "none":
             super()._keep_prompt(query, key, value, valid, scores, rows)
@@ -474,6 +490,9 @@ class GuardState:
     raised: torch.Tensor | None = None
     cues: torch.Tensor | None = None  # (b, 2) structure, refer
     prefill: torch.Tensor | None = None  # (b,) the prefill signal, once the prompt is in
+    canary: torch.Tensor | None = None  # (b,) the canary signal, set by :class:`Canary` for the next step
+    #: (row, its canary's row) of a batch made by :meth:`Guard.canary_batch`
+    pairs: list[tuple[int, int]] = field(default_factory=list)
     #: the per-step log: (request ids, step (b,), signals (b, len(SIGNALS)), risk (b,))
     steps: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -496,7 +515,12 @@ class GuardState:
 
     # -- at the prefill -----------------------------------------------------------------------------
     def add_prefill(
-        self, layer: GuardLayer, signal: torch.Tensor, count: torch.Tensor, tail: torch.Tensor, positions: torch.Tensor
+        self,
+        layer: GuardLayer,
+        signal: torch.Tensor,
+        count: torch.Tensor,
+        tail: torch.Tensor | None,
+        positions: torch.Tensor,
     ) -> None:
         """One layer's ``prefill`` signal ``(b,)``; ``count (b,)`` the rows' real prompt tokens;
         ``tail (b, Hs, R, P)`` the last rows' weights and ``positions (b, Hs, P)`` their columns'."""
@@ -506,7 +530,7 @@ class GuardState:
         self._prefill_sum += signal.cpu()
         self._prefill_layers += 1
         self._prompt_counts = count.cpu().to(torch.int64)
-        if self.config.rescue > 0 and self.config.action != "none":
+        if tail is not None and self.config.rescue > 0 and self.config.action in ("raise", "refill"):
             mass = tail.sum(2).double()  # (b, Hs, P): the last rows' attention per column and KV set
             mass = (mass / mass.sum(-1, keepdim=True).clamp_min(1e-300)).amax(1).cpu()  # the most-reading set
             self._columns = mass if self._columns is None else torch.maximum(self._columns, mass)
@@ -534,7 +558,32 @@ class GuardState:
         signals[:, SIGNALS.index("prefill")] = self.prefill
         risk = combine(signals, cfg.weights, cfg.bias)
         self.steps.append((self.request_ids(), step.clone(), signals, risk.clone()))
-        if cfg.action != "none":
+        if cfg.action == "canary":
+            if not self.pairs:
+                raise ConfigError(
+                    "guard action 'canary' runs copies of some requests in the batch; build the batch with "
+                    "guard.canary_batch(input_ids, attention_mask) and pass logits_processor=[guard.canary()]"
+                )
+            rows = [c for _, c in self.pairs]
+            caps = cache.row_capacity(cache._rows).tolist()
+            ids = self.request_ids()
+            slots = [cfg.target(caps[c], int(self.prompt_len[c])) for c in rows]
+            raise_prompt(cache, rows, slots)
+            for (base, c), n in zip(self.pairs, slots):
+                self.raised[c] = True
+                self.events.append(
+                    {
+                        "request": ids[base],
+                        "step": int(step[c]),
+                        "risk": float(risk[base]),
+                        "action": "canary",
+                        "slots_before": int(caps[c]),
+                        "slots_after": int(n),
+                        "evicted": 0.0,
+                        "seconds": 0.0,
+                    }
+                )
+        elif cfg.action != "none":
             rows = torch.nonzero(risk >= cfg.threshold)[:, 0].tolist()
             if rows:
                 acts = self._actions(rows, step, risk, "raise")
@@ -543,10 +592,9 @@ class GuardState:
                 for a in acts:
                     a.pop("row")
                     self.events.append({**a, "seconds": 0.0})
-            for layer in cache.layers:
-                layer.lay_prompt()
+        for layer in cache.layers:  # the prompts held back, at the budgets decided (a no-op without)
+            layer.lay_prompt()
         self.seconds += time.perf_counter() - t0
-
 
     def _rescue_positions(self, row: int, added: int) -> tuple[int, ...]:
         """The prompt positions of ``row`` its last rows read most (summed over the layers, max-pooled
@@ -651,11 +699,14 @@ class GuardState:
         alpha = 2.0 / (cfg.span + 1.0)
         self.ema = self.ema + alpha * (per[:, 0] - self.ema)
         prefill = self.prefill if self.prefill is not None else torch.zeros_like(self.ema)
-        signals = torch.cat([per[:, :1], self.ema[:, None], per[:, 1:], self.cues, prefill[:, None]], -1)
+        canary = self.canary.to(prefill.device) if self.canary is not None else torch.zeros_like(self.ema)
+        signals = torch.cat(
+            [per[:, :1], self.ema[:, None], per[:, 1:], self.cues, prefill[:, None], canary[:, None]], -1
+        )
         risk = combine(signals, cfg.weights, cfg.bias)
         self.steps.append((self.request_ids(), step.clone(), signals.clone(), risk.clone()))
         self.scored += 1
-        if cfg.action != "none":
+        if cfg.action in ("raise", "refill"):
             hit = (risk >= cfg.threshold) & ~self.raised
             if bool(hit.any()):
                 rows = torch.nonzero(hit)[:, 0].tolist()
@@ -707,7 +758,7 @@ class GuardState:
 
     def move_rows(self, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """A row reorder, expansion or selection of the cache, applied to the per-row state."""
-        for name in ("ema", "prompt_len", "evicted", "raised", "cues", "prefill"):
+        for name in ("ema", "prompt_len", "evicted", "raised", "cues", "prefill", "canary"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, move(t))
@@ -848,6 +899,47 @@ class TokenCues:
         return scores
 
 
+class Canary:
+    """A logits processor that compares each request with its canary (DESIGN.md §18.2).
+
+    At every step, for each pair (row, canary row): the KL divergence of the canary's next-token
+    distribution from the row's, as ``KL / (1 + KL)``, or 1 from the first step where their
+    tokens differ (from then on they read different texts). That is the row's ``canary`` signal
+    for the next step; a row without a canary takes the mean over the batch's pairs, and a canary
+    row 0. It leaves the scores as they are.
+    """
+
+    def __init__(self, guard: Guard):
+        self.guard = guard
+        self._parted: set[int] = set()
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        state = self.guard.last
+        if state is None or not state.pairs:
+            return scores
+        logp = torch.log_softmax(scores.double(), -1)
+        b = scores.shape[0]
+        signal = torch.zeros(b, dtype=torch.float32)
+        values = []
+        for row, can in state.pairs:
+            if int(input_ids[row, -1]) != int(input_ids[can, -1]):
+                self._parted.add(row)
+            if row in self._parted:
+                v = 1.0
+            else:
+                kl = float((logp[can].exp() * (logp[can] - logp[row])).sum().clamp_min(0.0))
+                v = kl / (1.0 + kl)
+            signal[row] = v
+            values.append(v)
+        paired = {r for pair in state.pairs for r in pair}
+        mean = sum(values) / len(values)
+        for r in range(b):
+            if r not in paired:
+                signal[r] = mean
+        state.canary = signal
+        return scores
+
+
 _MASKS: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
 
 
@@ -875,6 +967,34 @@ class Guard:
 
     config: GuardConfig
     states: list[GuardState] = field(default_factory=list)
+    #: (row, its canary's row) of the batch made by :meth:`canary_batch`; the requests it was given
+    pairs: list[tuple[int, int]] = field(default_factory=list)
+    batch: int | None = None
+
+    def canary_batch(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The batch for ``generate`` under the ``canary`` action: ``input_ids`` (and the mask) with
+        a copy of ``⌈canary_share · b⌉`` of its rows appended (spread over the batch), which the
+        guard runs at its target budget. Pass ``logits_processor=[guard.canary()]`` and take the
+        requests' rows back with :meth:`requests`. The copies are rows of the cache (and requests of
+        a recorded run); keep the batch's row order (no beam search)."""
+        b = input_ids.shape[0]
+        m = max(1, math.ceil(self.config.canary_share * b))
+        picks = sorted({min(b - 1, (i * b) // m) for i in range(m)})
+        self.pairs = [(r, b + i) for i, r in enumerate(picks)]
+        self.batch = b
+        ids = torch.cat([input_ids, input_ids[picks]], 0)
+        mask = None if attention_mask is None else torch.cat([attention_mask, attention_mask[picks]], 0)
+        return ids, mask
+
+    def requests(self, output: torch.Tensor) -> torch.Tensor:
+        """The rows of the requests given to :meth:`canary_batch`, without their canaries."""
+        return output if self.batch is None else output[: self.batch]
+
+    def canary(self) -> Canary:
+        """The logits processor that feeds the ``canary`` signal (:class:`Canary`)."""
+        return Canary(self)
 
     @property
     def last(self) -> GuardState | None:

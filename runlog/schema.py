@@ -51,7 +51,7 @@ __all__ = [
 
 #: 2 adds the speculative tables ``spec_segments`` and ``spec_undone`` (DESIGN.md §14);
 #: 3 adds the guard's tables ``guard_steps`` and ``guard_events`` (DESIGN.md §18.5);
-#: 4 adds ``guard_steps.prefill`` and the prefill's row of each request (DESIGN.md §18.1)
+#: 4 adds ``guard_steps.prefill`` and ``canary`` and the prefill's row of each request (DESIGN.md §18.1)
 SCHEMA_VERSION = 4
 
 META_SCHEMA_VERSION = "h2o_lens.schema_version"
@@ -245,7 +245,8 @@ TABLES: dict[str, pa.Schema] = {
             _f("dropped", pa.float32(), "guard signal dropped in [0, 1] (DESIGN.md §18.1)"),
             _f("structure", pa.float32(), "guard signal structure in [0, 1] (DESIGN.md §18.1)"),
             _f("refer", pa.float32(), "guard signal refer in [0, 1] (DESIGN.md §18.1)"),
-            _f("prefill", pa.float32(), "guard signal prefill in [0, 1] (DESIGN.md §18.1); null before v4", nullable=True),
+            _f("prefill", pa.float32(), "guard signal prefill in [0, 1] (§18.1); null before v4", nullable=True),
+            _f("canary", pa.float32(), "guard signal canary in [0, 1] (§18.1); null before v4", nullable=True),
         ]
     ),
     "guard_events": pa.schema(
@@ -254,7 +255,7 @@ TABLES: dict[str, pa.Schema] = {
             _REQUEST,
             _f("step", pa.int64(), "decode step after which the guard acted"),
             _f("risk", pa.float32(), "the risk that reached the threshold"),
-            _f("action", pa.string(), "what the guard did: raise or refill (DESIGN.md §18.2)"),
+            _f("action", pa.string(), "what the guard did: raise, refill or canary (DESIGN.md §18.2)"),
             _f("slots_before", pa.int32(), "slots per layer and KV set before the action"),
             _f("slots_after", pa.int32(), "slots per layer and KV set after it"),
             _f("evicted", pa.float32(), "positions already evicted, mean per layer and KV set: a raise keeps them out"),
@@ -382,6 +383,7 @@ RANGES: dict[str, dict[str, Range]] = {
         "structure": Range(0.0, 1.0, FLOAT_SLACK),
         "refer": Range(0.0, 1.0, FLOAT_SLACK),
         "prefill": Range(0.0, 1.0, FLOAT_SLACK),
+        "canary": Range(0.0, 1.0, FLOAT_SLACK),
     },
     "guard_events": {
         "request": _INDEX,

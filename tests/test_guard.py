@@ -154,8 +154,8 @@ def test_combine_is_the_logistic_of_the_weighted_signals():
 
 
 def test_config_errors_name_the_value_and_the_fix():
-    with pytest.raises(ConfigError, match="'canary' is not known; expected one of none, raise, refill"):
-        GuardConfig(action="canary")
+    with pytest.raises(ConfigError, match="'lift' is not known; expected one of none, raise, refill, canary"):
+        GuardConfig(action="lift")
     with pytest.raises(ConfigError, match="'raise' needs a target: raise_slots=N or raise_ratio"):
         GuardConfig(action="raise")
     with pytest.raises(ConfigError, match="'refill' needs a target"):

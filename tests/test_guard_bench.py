@@ -17,6 +17,7 @@ from commands.bench_guard import (
     evaluate,
     first_wrong,
     fit_threshold,
+    fit_weights,
     format_report,
     run_request,
     warning_score,
@@ -108,22 +109,31 @@ def test_harness_onset_is_the_teacher_divergence(model):
 
 def test_evaluate_end_to_end_on_a_tiny_model(model):
     """The full cache's row is the teacher (all right, all memory); at threshold 0 both actions
-    act on every request, a raise costing at least the base budget's memory and a refill to the
-    whole prompt far more (one step at 20 %, then 40 slots of 41 to 53 tokens); every figure is a share."""
+    act on every request at the prefill, before anything is evicted, so both keep the whole
+    prompt (40 slots of 41 to 53 tokens) and recover every failure; every figure is a share."""
     tok = _tokenizer()
     report = evaluate(
-        model, tok, _tasks(1), [], ratio=0.2, budgets=(0.2, 1.0), targets=(1.0,), ks=(1, 4), threshold=0.0
+        model,
+        tok,
+        _tasks(1),
+        [],
+        ratio=0.2,
+        budgets=(0.2, 1.0),
+        policies=(("raise", 1.0, 0.0), ("refill", 1.0, 0.0)),
+        ks=(1, 4),
+        threshold=0.0,
     )
     rows = {r["policy"]: r for r in report.table}
     assert rows["fixed 100%"]["accuracy"] == 1.0 and rows["fixed 100%"]["memory"] == 1.0
     base = rows["fixed 20%"]
     raised, refilled = rows["guard raise->100% @0.000"], rows["guard refill->100% @0.000"]
     assert raised["raised"] == refilled["raised"] == 4
-    assert base["memory"] < 0.5 and raised["memory"] > base["memory"] and refilled["memory"] > 0.7
+    assert base["memory"] < 0.5 and raised["memory"] > 0.7 and refilled["memory"] > 0.7
+    assert raised["accuracy"] == refilled["accuracy"] == 1.0
     assert report.requests == 4 and report.left_out == 0
     assert [r["policy"] for r in report.recovered] == ["guard raise->100% @0.000", "guard refill->100% @0.000"]
     for rec in report.recovered:
-        assert rec["failures"] == round((1 - base["accuracy"]) * 4) and 0 <= rec["recovered"] <= rec["failures"]
+        assert rec["failures"] == round((1 - base["accuracy"]) * 4) and rec["recovered"] == rec["failures"]
     for by_k in report.aurocs.values():
         assert set(by_k) == {1, 4} and all(math.isnan(v) or 0.0 <= v <= 1.0 for v in by_k.values())
     text = format_report(report)
@@ -147,3 +157,52 @@ def test_cli_refuses_a_bad_ratio_in_one_line(capsys):
     assert "--ratio 1.5" in err and "between 0 and 1" in err and "Traceback" not in err
     assert main(["bench", "guard", "--threshold", "2"]) != 0
     assert "--threshold 2.0: expected a risk between 0 and 1" in capsys.readouterr().err
+
+
+def test_warning_score_counts_the_prefill_for_an_early_onset():
+    """The prefill's risk (step P - 1) counts at every k; a decode step counts only k steps early."""
+    risks = [(9, 0.3), (10, 0.9), (11, 0.2)]  # P = 10: the prefill's row, then two decode steps
+    assert warning_score(risks, 10, 1, 4) == 0.3  # onset 1 < k: the prefill alone
+    assert warning_score(risks, 10, 6, 4) == 0.9  # steps <= 10 + 6 - 1 - 4 = 11
+    assert warning_score(risks, 10, 2, 1) == 0.9
+    assert warning_score(risks, 10, None, 4) == 0.9
+
+
+def test_fit_weights_finds_the_signal_that_separates():
+    """Requests whose second feature is high fail: its weight comes out positive and largest, and
+    the fitted logistic ranks the requests perfectly; one class alone gives None."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(40, 3, generator=gen)
+    y = (x[:, 1] > 0.5).tolist()
+    weights, bias = fit_weights(x.tolist(), y)
+    assert weights[1] > 0 and abs(weights[1]) > max(abs(weights[0]), abs(weights[2]))
+    z = [bias + sum(w * v for w, v in zip(weights, row)) for row in x.tolist()]
+    assert auroc(z, y) == 1.0
+    assert fit_weights(x.tolist(), [True] * 40) is None
+
+
+def test_evaluate_fits_weights_on_the_fit_seed(model):
+    """With fit requests the weights and the threshold come from them: the report carries the
+    fitted weights (or None when the fit seed has one class) and a ``fitted`` AUROC row then."""
+    tok = _tokenizer()
+    report = evaluate(
+        model, tok, _tasks(1), _tasks(2), ratio=0.2, budgets=(0.2,), policies=(("raise", 0.35, 0.15),), ks=(4,)
+    )
+    assert report.fit_requests == 4
+    assert 0.0 <= report.threshold <= 1.0
+    if report.weights is not None:
+        assert len(report.weights) == 9 and "fitted" in report.aurocs
+        assert "weights fitted on the fit seed" in format_report(report)
+    else:
+        assert "fitted" not in report.aurocs
+    assert [r["policy"] for r in report.recovered] == [f"guard raise->35%+15% pinned @{report.threshold:.3f}"]
+
+
+def test_cli_refuses_a_bad_guard_policy_in_one_line(capsys):
+    from commands.cli import main
+
+    assert main(["bench", "guard", "--guard-policies", "lift:0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--guard-policies 'lift:0.5'" in err and "ACTION:TARGET[:RESCUE]" in err and "Traceback" not in err
+    assert main(["bench", "guard", "--guard-policies", "raise:1.5"]) == 2
+    assert "target keep ratio must be in (0, 1]" in capsys.readouterr().err

@@ -137,7 +137,9 @@ def test_prefill_raise_is_a_fresh_run_at_the_target(model, rescue):
         out = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
     cache = session.last_cache
     events = g.last.event_rows()
-    assert [(e["request"], e["step"], e["action"], e["slots_before"], e["slots_after"], e["evicted"]) for e in events] == [
+    assert [
+        (e["request"], e["step"], e["action"], e["slots_before"], e["slots_after"], e["evicted"]) for e in events
+    ] == [
         (0, PROMPT - 1, "raise", 7, 12, 0.0),
         (1, PROMPT - 1, "raise", 7, 12, 0.0),
     ]
@@ -149,7 +151,9 @@ def test_prefill_raise_is_a_fresh_run_at_the_target(model, rescue):
             assert all(0 <= p < PROMPT - RECENT for p in pins)
         else:
             assert pins == ()
-        fresh = pin(H2OConfig(heavy=HEAVY + 5, recent=RECENT), pins) if pins else H2OConfig(heavy=HEAVY + 5, recent=RECENT)
+        fresh = (
+            pin(H2OConfig(heavy=HEAVY + 5, recent=RECENT), pins) if pins else H2OConfig(heavy=HEAVY + 5, recent=RECENT)
+        )
         assert raised.capacity == fresh.capacity == 12
         want, frec = _fresh(model, ids[r : r + 1], fresh, 10)
         assert torch.equal(out[r : r + 1], want)

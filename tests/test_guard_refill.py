@@ -31,7 +31,11 @@ def test_refill_continues_as_a_fresh_run_at_the_higher_budget(model, seed):
     those 25 tokens as its prompt, teacher-forced on them."""
     ids = _ids(seed)
     cfg = H2OConfig(heavy=4, recent=3)
-    with torch.no_grad(), h2o_lens.h2o(model, cfg), guarded(GuardConfig("refill", threshold=0.0, raise_slots=12, tail=0)) as g:
+    with (
+        torch.no_grad(),
+        h2o_lens.h2o(model, cfg),
+        guarded(GuardConfig("refill", threshold=0.0, raise_slots=12, tail=0)) as g,
+    ):
         out = model.generate(
             ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0, logits_processor=[g.refill(model)]
         )

@@ -1,0 +1,83 @@
+"""The guard's ``canary``: copies of some requests run at the target budget in the same batch, and
+their KL and agreement feed the risk (DESIGN.md §18.2)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny import local_attention, tiny_model
+
+import h2o_lens
+from h2o_lens import H2OConfig
+from h2o_lens.errors import ConfigError
+from h2o_lens.guard import SIGNALS, GuardConfig, guarded
+
+PROMPT, NEW = 24, 10
+
+
+@pytest.fixture(scope="module")
+def model():
+    return local_attention(tiny_model("llama", layers=2))
+
+
+def _ids(batch=4, seed=0):
+    return torch.randint(3, 250, (batch, PROMPT), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, ids, config, **kw):
+    with h2o_lens.h2o(model, config), torch.no_grad():
+        return model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None, **kw)
+
+
+def test_canary_rows_leave_the_requests_alone_and_feed_the_signal(model):
+    """A batch of 4 with one canary (row 0's copy at 12 slots): the requests' tokens are those of
+    the batch without it, the canary's those of row 0 alone at 12 slots; one ``canary`` event;
+    each step's ``canary`` signal is KL(canary ‖ row) / (1 + KL) of the previous step's logits,
+    1 once the tokens differ, and the mean of the pairs for the rows without a canary."""
+    ids = _ids()
+    cfg = H2OConfig(heavy=4, recent=3)
+    plain = _generate(model, ids, cfg)
+    gcfg = GuardConfig(action="canary", raise_slots=12, canary_share=0.25, tail=0)
+    with guarded(gcfg) as g:
+        batch, _ = g.canary_batch(ids)
+        assert batch.shape[0] == 5 and g.pairs == [(0, 4)]
+        out = _generate(
+            model, batch, cfg, logits_processor=[g.canary()], output_scores=True, return_dict_in_generate=True
+        )
+    assert torch.equal(g.requests(out.sequences), plain)
+    alone = _generate(model, ids[:1], H2OConfig(heavy=9, recent=3))
+    assert torch.equal(out.sequences[4:], alone)
+    events = g.last.event_rows()
+    assert [(e["request"], e["step"], e["action"], e["slots_before"], e["slots_after"]) for e in events] == [
+        (0, PROMPT - 1, "canary", 7, 12)
+    ]
+    rows = g.last.risk_rows()
+    parted = False
+    for t, scores in enumerate(out.scores[:-1]):
+        logp = torch.log_softmax(scores.double(), -1)
+        kl = float((logp[4].exp() * (logp[4] - logp[0])).sum())
+        parted |= int(out.sequences[0, PROMPT + t]) != int(out.sequences[4, PROMPT + t])
+        want = 1.0 if parted else kl / (1 + kl)
+        step = {r["request"]: r for r in rows if r["step"] == PROMPT + t}
+        assert step[0]["canary"] == pytest.approx(want, rel=1e-5, abs=1e-7), t
+        assert all(step[r]["canary"] == pytest.approx(want, rel=1e-5, abs=1e-7) for r in (1, 2, 3))
+        assert step[4]["canary"] == 0.0
+    assert any(r["canary"] > 0 for r in rows)
+    assert set(SIGNALS) <= set(rows[0])
+
+
+def test_canary_needs_its_batch():
+    model = local_attention(tiny_model("llama", layers=1))
+    with guarded(GuardConfig(action="canary", raise_ratio=1.0)), pytest.raises(ConfigError, match="canary_batch"):
+        _generate(model, _ids(2), H2OConfig(heavy=4, recent=3))
+    with pytest.raises(ConfigError, match="canary_share=0"):
+        GuardConfig(action="canary", raise_ratio=1.0, canary_share=0.0)
+    with pytest.raises(ConfigError, match="'canary' needs a target"):
+        GuardConfig(action="canary")
+    g = GuardConfig(action="canary", raise_ratio=1.0, canary_share=0.3)
+    with guarded(g) as guard:
+        ids, mask = guard.canary_batch(_ids(8), torch.ones(8, PROMPT, dtype=torch.long))
+    assert ids.shape[0] == mask.shape[0] == 8 + math.ceil(0.3 * 8)
+    assert [c for _, c in guard.pairs] == [8, 9, 10] and len({r for r, _ in guard.pairs}) == 3
