@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from h2o_lens import compat
+from h2o_lens.errors import ConfigError
 from h2o_lens.policies import half_split, ratio_slots
 from h2o_lens.shape import model_shape
 from h2o_lens.timing import Decoder as _Decoder
@@ -34,11 +35,11 @@ def _check_keep(what: str, keep: float) -> None:
 
 
 def _check_ints(what: str, name: str, values, low: int) -> list[int]:
-    """``values`` as a list of ints >= ``low``, or SystemExit naming the option."""
+    """``values`` as a list of ints >= ``low``, or a ConfigError naming the option."""
     values = [values] if isinstance(values, int) else list(values)
     bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < low]
     if not values or bad:
-        raise SystemExit(f"bench {what}: --{name} takes ints >= {low}, got {values!r}")
+        raise ConfigError(f"bench {what}: --{name} takes ints >= {low}, got {values!r}")
     return values
 
 
@@ -559,13 +560,13 @@ def _long_requests(model, tok, family: str, length: int, count: int = 3):
     """``count`` requests of the long-context ``family`` at ``length`` prompt tokens, the length
     capped so that each prompt and its new tokens fit the model's window (DESIGN.md §6.10).
     Returns the requests and the prompt length asked of the family (``length`` unless capped);
-    SystemExit naming the option when ``length`` is past the window or the cap leaves too little."""
+    a ConfigError naming the option when ``length`` is past the window or the cap leaves too little."""
     from h2o_lens.models import context_window
     from h2o_lens.tasks.longctx import LONG_FAMILIES
 
     window = context_window(model)
     if window is not None and length > window:
-        raise SystemExit(
+        raise ConfigError(
             f"bench explain: --length {length} is past the model's window of {window:,} positions "
             f"(config.max_position_embeddings); expected at most {window} (the prompt is capped at the "
             f"window less the request's new tokens)"
@@ -576,12 +577,12 @@ def _long_requests(model, tok, family: str, length: int, count: int = 3):
             reqs = LONG_FAMILIES[family](length=want, count=count, tokenizer=tok)
         except ValueError as exc:
             capped = f" (capped at {want} to fit the window of {window:,} positions)" if want != length else ""
-            raise SystemExit(f"bench explain: --length {length}{capped}: {exc}") from None
+            raise ConfigError(f"bench explain: --length {length}{capped}: {exc}") from None
         over = 0 if window is None else max(_prompt_tokens(tok, r) + r.max_new_tokens for r in reqs) - window
         if over <= 0:
             return reqs, want
         want, margin = want - over - margin, 2 * margin
-    raise SystemExit(
+    raise ConfigError(
         f"bench explain: cannot fit {family} requests of about {length} prompt tokens in {window:,} positions"
     )
 
@@ -599,7 +600,7 @@ def _explain_candidates(model, tok, task: str | None, length: int | None):
     if length is None:
         return [get_task(task or "delayed_recall_1")], {}
     if task is not None and task not in LONG_FAMILIES:
-        raise SystemExit(
+        raise ConfigError(
             f"bench explain: --length takes a long-context family (--tasks builtin:NAME), got {task!r}; "
             f"expected one of {', '.join(LONG_FAMILIES)}"
         )
@@ -682,6 +683,10 @@ def bench_explain(
     rounds = _check_ints("explain", "rounds", rounds, 1)[0]
     if length is not None:
         _check_ints("explain", "length", length, 1)
+        from h2o_lens.tasks.longctx import LONG_FAMILIES
+
+        if task is not None and task not in LONG_FAMILIES:  # before the model loads
+            _explain_candidates(None, None, task, length)
     model, tok = load_model(model_name)
     candidates, capped = _explain_candidates(model, tok, task, length)
     for line in capped.values():

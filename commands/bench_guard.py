@@ -1,21 +1,23 @@
 """``h2o-lens bench guard``: does the guard's risk see failures coming, and does a raise save them (DESIGN.md §18.6).
 
 For every request of ``--tasks`` (greedy, one request at a time): the full-cache teacher, H2O at
-``--ratio`` with the guard logging its risk, H2O at each fixed budget, and H2O under the guard's
-``raise`` at each target. A request fails when its checker says so (the teacher's first
-divergence where it has no checker); a request whose teacher fails its checker is left out, as
-no budget can save it. It prints:
+``--ratio`` with the guard logging its risk, H2O at each fixed budget, and H2O under each of the
+guard's policies (:data:`POLICIES`, ``--guard-policies``). A request fails when its checker says
+so (the teacher's first divergence where it has no checker); a request whose teacher fails its
+checker is left out, as no budget can save it. It prints:
 
 - the AUROC of the risk taken ``k`` steps before the first wrong token (k = 1, 4, 16) against
-  failure, for the combined risk and each signal alone (:func:`warning_score`);
+  failure, for the default weights, the fitted ones and each signal alone (:func:`warning_score`;
+  the prefill's risk always counts);
 - accuracy against mean KV slots (a share of the full cache's) for the fixed budgets and the
   guard's policies, on the same requests;
-- how many of H2O's failures at ``--ratio`` each guard policy (``raise`` and ``refill`` to 50 % and
-  100 % of the prompt) recovered, at what mean memory and time per request.
+- how many of H2O's failures at ``--ratio`` each guard policy recovered, at what mean memory and
+  time per request.
 
-The guard's threshold is fitted on the requests of ``--seed + 1`` (the threshold with the best
-TPR − FPR of the warning score at k = 4; 1.0, never act, when none beats chance) and the guard
-runs on those of ``--seed``.
+The weights (an L2-regularised logistic regression of failure on each signal's warning score at
+k = 4, :func:`fit_weights`) and the threshold (the best TPR − FPR of the fitted risk's warning
+score at k = 4; 1.0, never act, when none beats chance) are fitted on the requests of
+``--seed + 1``, and the guard runs with them on those of ``--seed`` (DESIGN.md §18.6).
 """
 
 from __future__ import annotations

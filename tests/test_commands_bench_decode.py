@@ -68,15 +68,21 @@ def test_bench_decode_cli_measures_prefill_peak_rss_in_fresh_processes(tiny_dir,
 
 
 @pytest.mark.parametrize("flag", [["--batch", "0"], ["--contexts", "1"], ["--steps", "0"]])
-def test_bench_decode_refuses_bad_sizes(flag):
-    with pytest.raises(SystemExit, match=re.escape(flag[0])):
-        main(["bench", "decode", "--model", "unused", *flag])
+def test_bench_decode_refuses_bad_sizes(flag, capsys):
+    assert main(["bench", "decode", "--model", "unused", *flag]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("h2o-lens: error: bench decode: " + flag[0]) and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("flag", [["--keep", "-1"], ["--keep", "1.5"], ["--rounds", "0"], ["--new-tokens", "1"]])
-def test_bench_assistant_refuses_bad_input_before_loading_a_model(flag):
-    with pytest.raises(SystemExit, match=re.escape(flag[0])):
-        main(["bench", "decode", "--assistant", "--model", "unused", *flag])
+def test_bench_assistant_refuses_bad_input_before_loading_a_model(flag, capsys):
+    code = None
+    try:
+        code = main(["bench", "decode", "--assistant", "--model", "unused", *flag])
+    except SystemExit as exc:  # a check of the assistant bench's own
+        assert flag[0] in str(exc.code)
+        return
+    assert code == 2 and flag[0] in capsys.readouterr().err
 
 
 @pytest.mark.slow

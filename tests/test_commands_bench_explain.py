@@ -67,12 +67,18 @@ def test_a_length_that_fits_is_not_capped_and_a_family_asked_for_is_the_only_one
         (["--length", "1500", "--tasks", "builtin:delayed_recall_1"], "--length takes a long-context family"),
     ],
 )
-def test_an_absurd_length_is_refused_in_one_line_before_anything_runs(tiny, tmp_path, argv, says):
+def test_an_absurd_length_is_refused_in_one_line_before_anything_runs(tiny, capsys, argv, says):
     path, _, _ = tiny
-    with pytest.raises(SystemExit) as exc:
-        main(["bench", "explain", "--model", path, "--rounds", "1", *argv])
-    text = str(exc.value.code)
-    assert says in text and "\n" not in text, text
+    assert main(["bench", "explain", "--model", path, "--rounds", "1", *argv]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the model's loading bar
+    assert last.startswith("h2o-lens: error: bench explain: ") and says in last, last
+
+
+def test_a_short_family_with_length_is_refused_before_the_model_loads(capsys):
+    """The family check needs no model: a model path that does not exist is never opened."""
+    argv = ["bench", "explain", "--model", "/nonexistent/model", "--length", "1500", "--tasks", "builtin:demo"]
+    assert main(argv) == 2
+    assert "--length takes a long-context family" in capsys.readouterr().err
 
 
 def test_a_model_whose_full_cache_answers_nothing_gets_one_line_and_no_figure(tiny, capsys, tmp_path):
