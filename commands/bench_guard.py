@@ -175,7 +175,7 @@ def run_request(model: Any, tokenizer: Any, task: Any, config: Any = None, guard
         if config is not None:
             stack.enter_context(h2o(model, config, listener=slots))
         if g is not None:
-            kw["logits_processor"] = [g.cues(tokenizer)]
+            kw["logits_processor"] = [g.cues(tokenizer, ids)]  # the prompt's cues count at the prefill
             if guard.action == "refill":
                 kw["logits_processor"].append(g.refill(model))
         t0 = time.perf_counter()

@@ -128,8 +128,9 @@ class GuardConfig:
     span : steps of the exponential average of ``trend``
     cue_window : the last generated tokens that the ``structure`` cue looks at
     seed : of the reservoir's sampling
-    stride : the layers that compute signals, ``0, stride, 2·stride, …`` (1: every layer); the
-        per-layer signals are averaged over those (fewer layers, less cost, DESIGN.md §18.1)
+    stride : the layers that compute decode-time signals, ``0, stride, 2·stride, …`` (1: every
+        layer; 8 by default); the per-layer signals are averaged over those (fewer layers, less
+        cost, DESIGN.md §18.1; the ``prefill`` signal reads every layer)
     tail : the prompt's last rows whose attention the ``prefill`` signal reads (0 turns it off)
     canary_share : under ``canary``, the share of the batch's requests that get a canary copy
         (at least one; :meth:`Guard.canary_batch` makes them)
@@ -148,7 +149,7 @@ class GuardConfig:
     span: int = 8
     cue_window: int = 8
     seed: int = 0
-    stride: int = 1
+    stride: int = 8
     tail: int = 32
     rescue: float = 0.0
     canary_share: float = 0.125
@@ -335,6 +336,8 @@ class GuardLayer(H2OCacheLayer):
             if guard is not None:
                 guard.states.append(state)
                 state.pairs = list(guard.pairs)
+                if guard.prompt_cues is not None:
+                    state.cues = guard.prompt_cues.clone()
         self.reservoir: torch.Tensor | None = None  # (b, Hs, R, d)
         self.held: torch.Tensor | None = None  # (b, Hs) keys held
         self.evicted: torch.Tensor | None = None  # (b, Hs) keys evicted so far
@@ -556,6 +559,8 @@ class GuardState:
         self.raised = torch.zeros(b, dtype=torch.bool, device=dev)
         signals = torch.zeros(b, len(SIGNALS), device=dev)
         signals[:, SIGNALS.index("prefill")] = self.prefill
+        if self.cues is not None and self.cues.shape[0] == b:  # the prompt's cues, when given up front
+            signals[:, SIGNALS.index("refer")] = self.cues[:, 1].to(dev)
         risk = combine(signals, cfg.weights, cfg.bias)
         self.steps.append((self.request_ids(), step.clone(), signals, risk.clone()))
         if cfg.action == "canary":
@@ -970,6 +975,8 @@ class Guard:
     #: (row, its canary's row) of the batch made by :meth:`canary_batch`; the requests it was given
     pairs: list[tuple[int, int]] = field(default_factory=list)
     batch: int | None = None
+    #: ``(b, 2)`` the cues known from the prompts (:meth:`cues` given ``input_ids``), for the prefill
+    prompt_cues: torch.Tensor | None = None
 
     def canary_batch(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
@@ -1001,9 +1008,16 @@ class Guard:
         """The state of the last cache built in the scope."""
         return self.states[-1] if self.states else None
 
-    def cues(self, tokenizer: Any) -> TokenCues:
-        """The logits processor that feeds the token cues (:class:`TokenCues`)."""
-        return TokenCues(self, tokenizer)
+    def cues(self, tokenizer: Any, input_ids: torch.Tensor | None = None) -> TokenCues:
+        """The logits processor that feeds the token cues (:class:`TokenCues`). Given the batch's
+        ``input_ids`` (the prompts ``generate`` gets), the ``refer`` cue is known at the prefill and
+        enters its risk; otherwise it starts at the first decode step."""
+        cues = TokenCues(self, tokenizer)
+        if input_ids is not None:
+            ids = input_ids.cpu().clamp(0, len(cues.refer) - 1)
+            cues._prompt, cues._refer = ids.shape[1], cues.refer[ids].any(-1)
+            self.prompt_cues = torch.stack([torch.zeros_like(cues._refer), cues._refer], -1).float()
+        return cues
 
     def refill(self, model: Any) -> Any:
         """The logits processor that does the ``refill`` action (:class:`h2o_lens.refill.Refill`)."""

@@ -274,3 +274,25 @@ def test_stride_scores_every_other_layer_and_changes_nothing():
     rows, all_rows = g.last.risk_rows(), every.last.risk_rows()
     assert [r["step"] for r in rows] == list(range(23, 33))  # the prefill's row, then each decode step
     assert any(abs(a["far"] - b["far"]) > 1e-6 for a, b in zip(rows, all_rows))  # one layer vs the mean of two
+
+
+def test_token_cues_given_the_prompts_reach_the_prefill():
+    """With the prompts given to ``cues``, the prefill's row already carries ``refer`` and its risk
+    counts it; the decode steps carry it as before."""
+    tokenizer, words = _word_tokenizer()
+    model = tiny_model("llama", layers=1, vocab=len(words))
+    ix = {w: i for i, w in enumerate(words)}
+    ids = torch.tensor(
+        [[ix["the"], ix["key"], ix["x"], ix["cat"]] * 3, [ix["the"], ix["key"], ix["mentioned"], ix["above"]] * 3]
+    )
+    cfg = GuardConfig()
+    with h2o_lens.h2o(model, H2OConfig(heavy=2, recent=2)), guarded(cfg) as g, torch.no_grad():
+        cues = g.cues(tokenizer, ids)
+        model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, logits_processor=[cues])
+    rows = g.last.risk_rows()
+    first = {r["request"]: r for r in rows if r["step"] == ids.shape[1] - 1}
+    assert first[0]["refer"] == 0.0 and first[1]["refer"] == 1.0
+    for r in (0, 1):
+        z = cfg.bias + sum(w * first[r][name] for w, name in zip(cfg.weights, SIGNALS))
+        assert first[r]["risk"] == pytest.approx(1 / (1 + math.exp(-z)), rel=1e-5)
+    assert [r["refer"] for r in rows if r["request"] == 1 and r["step"] >= ids.shape[1]] == [1.0, 1.0]
