@@ -846,7 +846,7 @@ def raise_prompt(
 ) -> None:
     """Give batch ``rows`` of ``cache`` ``slots`` per KV set before their prompts are laid into
     slots: from the prefill on, each such row is an H2O run at its new slot count (the extra
-    slots are heavy slots), with ``pinned[i]`` (when given) its pinned positions (§2.11, taken
+    slots are heavy slots), with ``pinned[i]`` (when given) its pinned positions (DESIGN.md §2.11, taken
     out of those slots). A listener's ``on_state`` hears a ``raise`` event first, as with
     :func:`grow_rows`."""
     from .config import pin

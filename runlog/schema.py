@@ -245,8 +245,15 @@ TABLES: dict[str, pa.Schema] = {
             _f("dropped", pa.float32(), "guard signal dropped in [0, 1] (DESIGN.md §18.1)"),
             _f("structure", pa.float32(), "guard signal structure in [0, 1] (DESIGN.md §18.1)"),
             _f("refer", pa.float32(), "guard signal refer in [0, 1] (DESIGN.md §18.1)"),
-            _f("prefill", pa.float32(), "guard signal prefill in [0, 1] (§18.1); null before v4", nullable=True),
-            _f("canary", pa.float32(), "guard signal canary in [0, 1] (§18.1); null before v4", nullable=True),
+            _f(
+                "prefill",
+                pa.float32(),
+                "guard signal prefill in [0, 1] (DESIGN.md §18.1), null before v4",
+                nullable=True,
+            ),
+            _f(
+                "canary", pa.float32(), "guard signal canary in [0, 1] (DESIGN.md §18.1), null before v4", nullable=True
+            ),
         ]
     ),
     "guard_events": pa.schema(
