@@ -122,8 +122,10 @@ class GuardConfig:
     raise_slots : slots per KV set after a raise or refill (at least the row's current count), or
     raise_ratio : a keep ratio of the row's prompt length after it (one of the two with ``raise``
         and ``refill``)
-    reservoir : the share of a row's slots kept as a sampled reservoir of evicted keys
-        (0 turns the ``dropped`` signal off); the reservoir holds ``max(1, ⌈share · B⌉)`` keys
+    reservoir : the share of a row's slots kept as a sampled reservoir of evicted keys, e.g. 0.02
+        (0, the default, turns the ``dropped`` signal off: it predicted no failure in
+        ``bench guard`` and its upkeep costs a few per cent of a decode step, DESIGN.md §18.3);
+        the reservoir holds ``max(1, ⌈share · B⌉)`` keys
     weights, bias : the logistic combination of :data:`SIGNALS` into the risk
     span : steps of the exponential average of ``trend``
     cue_window : the last generated tokens that the ``structure`` cue looks at
@@ -143,7 +145,7 @@ class GuardConfig:
     threshold: float = 0.5
     raise_slots: int | None = None
     raise_ratio: float | None = None
-    reservoir: float = 0.02
+    reservoir: float = 0.0
     weights: tuple[float, ...] = DEFAULT_WEIGHTS
     bias: float = DEFAULT_BIAS
     span: int = 8
