@@ -347,6 +347,7 @@ class GuardLayer(H2OCacheLayer):
         self._last: tuple | None = None
         self._scaling: float | None = None
         self._deferred: tuple | None = None  # a prompt whose slots wait for the prefill's decision
+        self._segmenting = False
 
     def _kernel_step(self, args, want: bool) -> bool:
         # a layer that computes signals reads the torch step's weights; the others keep the backend's step
@@ -390,6 +391,15 @@ class GuardLayer(H2OCacheLayer):
         self._scaling = scaling
         super().adopt_prompt(query, key, value, scores, valid, scaling)
 
+    def prefill_and_segment(self, query, valid, scaling, width):
+        # assisted decoding's first forward verifies a draft right after the prompt, in this layer:
+        # the prompt cannot wait for the other layers, so the prefill's risk is logged, not acted on
+        self._segmenting = True
+        try:
+            return super().prefill_and_segment(query, valid, scaling, width)
+        finally:
+            self._segmenting = False
+
     def _keep_prompt(self, query, key, value, valid, scores, rows) -> None:
         """The prefill's keep rule, with the ``prefill`` signal read first (DESIGN.md §18.1).
 
@@ -412,10 +422,11 @@ class GuardLayer(H2OCacheLayer):
             signal = prefill_signal(tail, keep, positions)
         state.add_prefill(self, signal, count, tail, positions)
         state.seconds += time.perf_counter() - t0
-        if cfg.action == "none":
-            super()._keep_prompt(query, key, value, valid, scores, rows)
-        else:
+        state.act_at_prefill = cfg.action != "none" and not self._segmenting
+        if state.act_at_prefill:
             self._deferred = (query, key, value, valid, scores, rows)
+        else:
+            super()._keep_prompt(query, key, value, valid, scores, rows)
         if self.layer_idx == len(self.owner.layers) - 1:
             state.decide_prefill()
 
@@ -515,6 +526,8 @@ class GuardState:
     _prefill_sum: torch.Tensor | None = None
     _prefill_layers: int = 0
     _prompt_counts: torch.Tensor | None = None
+    #: whether the prompts wait for the prefill's decision (not in assisted decoding's first forward)
+    act_at_prefill: bool = False
     _columns: torch.Tensor | None = None
     _column_positions: torch.Tensor | None = None
 
@@ -565,7 +578,9 @@ class GuardState:
             signals[:, SIGNALS.index("refer")] = self.cues[:, 1].to(dev)
         risk = combine(signals, cfg.weights, cfg.bias)
         self.steps.append((self.request_ids(), step.clone(), signals, risk.clone()))
-        if cfg.action == "canary":
+        if not self.act_at_prefill:
+            pass  # the prompts are in their slots already: the risk is logged, the decode steps act
+        elif cfg.action == "canary":
             if not self.pairs:
                 raise ConfigError(
                     "guard action 'canary' runs copies of some requests in the batch; build the batch with "

@@ -189,3 +189,20 @@ def test_rescue_pins_what_the_last_rows_read_most(model):
     cut = pooled[order[n - 1]]
     assert all(pooled[p] >= cut - 1e-9 for p in pins) and len(pins) == n
     assert set(j for j in range(PROMPT) if pooled[j] > cut + 1e-9) <= set(pins)
+
+
+def test_assisted_decoding_logs_the_prefill_risk_and_acts_later(model):
+    """Assisted decoding verifies a draft in the prompt's own forward, so the prompt cannot wait for
+    the prefill's decision: the prefill's row is logged, no action is taken there, and the run
+    completes."""
+    drafter = tiny_model("llama", layers=2, seed=7)
+    ids = _ids(batch=1, seed=11)
+    cfg = GuardConfig(action="raise", threshold=0.0, raise_slots=12, tail=TAIL)
+    with h2o_lens.h2o(model, H2OConfig(heavy=HEAVY, recent=RECENT)), guarded(cfg) as g, torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None, assistant_model=drafter
+        )
+    assert out.shape[1] == PROMPT + 6
+    rows = g.last.risk_rows()
+    assert rows[0]["step"] == PROMPT - 1 and rows[0]["prefill"] > 0
+    assert all(e["step"] >= PROMPT for e in g.last.event_rows())
