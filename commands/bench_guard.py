@@ -439,6 +439,9 @@ def bench_guard(
         raise ConfigError(f"bench guard --ratio {ratio}: expected a keep ratio between 0 and 1, such as 0.2")
     if threshold is not None and not 0.0 <= threshold <= 1.0:
         raise ConfigError(f"bench guard --threshold {threshold}: expected a risk between 0 and 1, such as 0.5")
+    bad = [b for b in budgets if not 0.0 < b <= 1.0]
+    if bad:
+        raise ConfigError(f"bench guard --fixed {bad[0]}: expected keep ratios in (0, 1], such as 0.2 0.35 1.0")
     model, tokenizer = load_model(model_name, progress=False)
 
     def resolve(s: int) -> list[Any]:

@@ -206,3 +206,5 @@ def test_cli_refuses_a_bad_guard_policy_in_one_line(capsys):
     assert "--guard-policies 'lift:0.5'" in err and "ACTION:TARGET[:RESCUE]" in err and "Traceback" not in err
     assert main(["bench", "guard", "--guard-policies", "raise:1.5"]) == 2
     assert "target keep ratio must be in (0, 1]" in capsys.readouterr().err
+    assert main(["bench", "guard", "--fixed", "0.2", "1.5"]) == 2
+    assert "--fixed 1.5: expected keep ratios in (0, 1]" in capsys.readouterr().err
