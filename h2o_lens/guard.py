@@ -137,7 +137,7 @@ class GuardConfig:
     canary_share : under ``canary``, the share of the batch's requests that get a canary copy
         (at least one; :meth:`Guard.canary_batch` makes them)
     rescue : at a raise at the prefill, the share of the prompt (at most the slots the raise adds)
-        pinned to the positions the prompt's last rows read most, pooled over ``±3`` neighbours
+        pinned to the positions the prompt's last rows read most, pooled over ``±7`` neighbours
         (0: the added slots are plain heavy slots, DESIGN.md §18.2)
     """
 
@@ -578,6 +578,8 @@ class GuardState:
             signals[:, SIGNALS.index("refer")] = self.cues[:, 1].to(dev)
         risk = combine(signals, cfg.weights, cfg.bias)
         self.steps.append((self.request_ids(), step.clone(), signals, risk.clone()))
+        logged = len(self.steps) - 1
+        acted: list[int] = []  # the row of each event taken here
         if not self.act_at_prefill:
             pass  # the prompts are in their slots already: the risk is logged, the decode steps act
         elif cfg.action == "canary":
@@ -593,6 +595,7 @@ class GuardState:
             raise_prompt(cache, rows, slots)
             for (base, c), n in zip(self.pairs, slots):
                 self.raised[c] = True
+                acted.append(base)
                 self.events.append(
                     {
                         "request": ids[base],
@@ -612,16 +615,21 @@ class GuardState:
                 pins = [self._rescue_positions(r, a["slots_after"] - a["slots_before"]) for r, a in zip(rows, acts)]
                 raise_prompt(cache, rows, [a["slots_after"] for a in acts], pins)
                 for a in acts:
-                    a.pop("row")
+                    acted.append(a.pop("row"))
                     self.events.append({**a, "seconds": 0.0})
         for layer in cache.layers:  # the prompts held back, at the budgets decided (a no-op without)
             layer.lay_prompt()
+        # a recorder names the rows' requests as their prompts are laid: the prefill's log takes them
+        ids = self.request_ids()
+        self.steps[logged] = (ids, *self.steps[logged][1:])
+        for event, row in zip(self.events[len(self.events) - len(acted) :], acted):
+            event["request"] = ids[row]
         self.seconds += time.perf_counter() - t0
 
     def _rescue_positions(self, row: int, added: int) -> tuple[int, ...]:
-        """The prompt positions of ``row`` its last rows read most (summed over the layers, max-pooled
-        over ``±3`` neighbours), outside the recent window and the sink: ``⌈rescue · P⌉`` of them, at
-        most ``added``; () without ``rescue``."""
+        """The prompt positions of ``row`` its last rows read most (per column the most-reading KV set
+        and layer, max-pooled over ``±7`` neighbours), outside the recent window and the sink:
+        ``⌈rescue · P⌉`` of them, at most ``added`` (and the pins it had); () without ``rescue``."""
         if self._columns is None or self.config.rescue <= 0 or added <= 0:
             return ()
         cache = self.cache

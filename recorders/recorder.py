@@ -276,6 +276,7 @@ class Recording:
         self.session: H2OSession | None = None
         self._pending = _Pending()
         self._request_base = 0  # requests recorded by earlier generate calls
+        self._raised: dict[int, int] = {}  # request -> slots after a guard's raise (DESIGN.md §18.5)
         self._prompt_base = 0  # prompts of earlier generate calls
         self._watch: _GenerateWatch | None = None
         self._ids: list[int] = []  # the request of each row of the events being converted
@@ -356,6 +357,11 @@ class Recording:
             self.generations += 1
             event = {k: v for k, v in event.items() if k != "prompts"}
             event = {**event, "requests": list(cache.request_ids)}
+        if event.get("event") == "raise":  # a guard's raise: the request's slot count from here on
+            ids = cache.request_ids  # None at a raise at the prefill: the rows are named just after
+            requests = [ids[r] if ids is not None else self._request_base + r for r in event["rows"]]
+            self._raised.update({req: int(n) for req, n in zip(requests, event["slots"])})
+            event = {**event, "requests": requests}
         entry = {k: v for k, v in event.items() if k != "index"}
         if "index" in event and cache.request_ids is not None:
             entry["requests"] = list(cache.request_ids)  # the request of each row after the reorder
@@ -852,6 +858,8 @@ class Recording:
         for request in sorted(self._reqs):
             info = self._reqs.pop(request)
             new, budget = info["new"], info["budget"]
+            if request in self._raised and budget.capacity is not None:  # its split at the end of the run
+                budget = dataclasses.replace(budget, heavy=int(budget.heavy) + self._raised.pop(request) - budget.capacity)
             answer = tok.decode(new, skip_special_tokens=True) if tok is not None else None
             extra = dict(self.annotate(request, answer)) if self.annotate is not None else {}
             full = not budget.spec.evicts

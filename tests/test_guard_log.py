@@ -40,6 +40,8 @@ def test_guard_rows_round_trip_with_manifest_counts(tmp_path):
         [0, 20, "raise", 7, 10],
         [1, 20, "raise", 7, 10],
     ]
+    # the requests table holds each request's split at the end of the run: the raised one
+    assert loaded["requests"].to_pandas().sort_values("request")[["heavy", "recent"]].values.tolist() == [[7, 3]] * 2
     manifest = json.loads((tmp_path / run.run_id / "manifest.json").read_text())
     assert manifest["rows"]["guard_steps"] == 18 and manifest["rows"]["guard_events"] == 2
     checked = check_run(tmp_path / run.run_id)
@@ -59,3 +61,27 @@ def test_a_run_without_guard_has_empty_guard_views(tmp_path):
     assert manifest["rows"]["guard_steps"] == 0 and manifest["rows"]["guard_events"] == 0
     con = open_runs(tmp_path)
     assert con.execute("SELECT count(*) FROM guard_events").fetchone() == (0,)
+
+
+def test_a_raise_at_the_prefill_is_logged_with_its_requests(tmp_path):
+    """A raise at the prefill, before the recorder has named the rows: the manifest's state event
+    and the guard's events name the requests of this generate call (the second call's rows are
+    requests 2 and 3), and the requests table holds the raised split."""
+    model = local_attention(tiny_model("llama", layers=2))
+    ids = torch.randint(3, 250, (2, 20), generator=torch.Generator().manual_seed(4))
+    gcfg = GuardConfig(action="raise", threshold=0.0, raise_slots=10)
+    with recorders.record(model, H2OConfig(heavy=4, recent=3), out=tmp_path, fsync=False) as run:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+            with guarded(gcfg):
+                model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    manifest = json.loads((tmp_path / run.run_id / "manifest.json").read_text())
+    raises = [e for e in manifest["state_events"] if e["event"] == "raise"]
+    assert [(e["requests"], e["slots"]) for e in raises] == [([2, 3], [10, 10])]
+    loaded = load_run(tmp_path / run.run_id)
+    events = loaded["guard_events"].to_pandas().sort_values("request")
+    assert events[["request", "step", "slots_after", "evicted"]].values.tolist() == [[2, 19, 10, 0.0], [3, 19, 10, 0.0]]
+    heavy = loaded["requests"].to_pandas().sort_values("request")["heavy"].tolist()
+    assert heavy == [4, 4, 7, 7]
+    checked = check_run(tmp_path / run.run_id)  # every file read in full, the counts as the manifest says
+    assert checked.status == "complete" and checked.rows["guard_events"] == 2 and not checked.leftover_temp_files
