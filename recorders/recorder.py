@@ -859,7 +859,9 @@ class Recording:
             info = self._reqs.pop(request)
             new, budget = info["new"], info["budget"]
             if request in self._raised and budget.capacity is not None:  # its split at the end of the run
-                budget = dataclasses.replace(budget, heavy=int(budget.heavy) + self._raised.pop(request) - budget.capacity)
+                budget = dataclasses.replace(
+                    budget, heavy=int(budget.heavy) + self._raised.pop(request) - budget.capacity
+                )
             answer = tok.decode(new, skip_special_tokens=True) if tok is not None else None
             extra = dict(self.annotate(request, answer)) if self.annotate is not None else {}
             full = not budget.spec.evicts
