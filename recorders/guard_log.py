@@ -11,14 +11,18 @@ from h2o_lens.guard import SIGNALS
 __all__ = ["write_guard_rows"]
 
 
-def write_guard_rows(writer: Any, cache: Any) -> int:
+def write_guard_rows(writer: Any, cache: Any, last_step: dict[int, int] | None = None) -> int:
     """Append what the guard of ``cache`` logged since the last call to ``writer``; returns the
-    ``guard_steps`` rows written. A cache without a guard writes nothing."""
+    ``guard_steps`` rows written. ``last_step`` maps a request to its last decode step that made a
+    token (``P + n − 2`` for ``n`` new tokens): the steps ``generate`` runs on a row after its EOS
+    are padding and are left out. A cache without a guard writes nothing."""
     state = getattr(cache, "guard", None)
     if state is None:
         return 0
     done_steps, done_events = getattr(state, "written", (0, 0))
     rows = state.risk_rows(start=done_steps)
+    if last_step:
+        rows = [r for r in rows if r["step"] <= last_step.get(r["request"], r["step"])]
     if rows:
         cols: dict[str, Any] = {
             "request": np.array([r["request"] for r in rows], np.int32),

@@ -621,8 +621,6 @@ class Recording:
         try:
             out = original(*args, **kwargs)
             self.flush()
-            if cache is not None:
-                write_guard_rows(self.writer, cache)  # the guard's risk and actions (DESIGN.md §18.5)
         finally:
             hook.remove()
             self._watch = None
@@ -641,6 +639,7 @@ class Recording:
             mask = kwargs.get("attention_mask")
             valid = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
             self._write_tokens(input_ids, valid, out, eos=_eos_ids(gen_config), requests=continued)
+            self._write_guard(cache)
             self.generations += 1
             if not want_logits:
                 out.logits = None
@@ -654,6 +653,7 @@ class Recording:
         self._write_tokens(
             watch.input_ids, watch.prompt_mask(), out, samples=rows // input_ids.shape[0], eos=_eos_ids(gen_config)
         )
+        self._write_guard(cache)
         if self._prompt_sink is not None:
             self._hear_prefill(watch.input_ids, watch.prompt_mask(), out)
         self._request_base += rows
@@ -734,6 +734,13 @@ class Recording:
         self._prompt_base += 1
         self.generations += 1
         return result
+
+    def _write_guard(self, cache: Any) -> None:
+        """The guard's risk and actions of this call (DESIGN.md §18.5), once its requests' tokens
+        are known: a row's steps after its last token (EOS, then padding) are left out."""
+        if cache is not None:
+            last = {req: len(info["prompt"]) + len(info["new"]) - 2 for req, info in self._reqs.items()}
+            write_guard_rows(self.writer, cache, last)
 
     def _write_tokens(
         self,

@@ -85,3 +85,30 @@ def test_a_raise_at_the_prefill_is_logged_with_its_requests(tmp_path):
     assert heavy == [4, 4, 7, 7]
     checked = check_run(tmp_path / run.run_id)  # every file read in full, the counts as the manifest says
     assert checked.status == "complete" and checked.rows["guard_events"] == 2 and not checked.leftover_temp_files
+
+
+def test_a_row_that_ends_early_logs_no_steps_after_its_last_token(tmp_path):
+    """generate keeps stepping a row after its EOS (padding): those steps are not the request's,
+    so ``guard_steps`` holds at most one row per new token (the prefill's and one per decode step
+    that made a token) and the run checks intact."""
+    model = local_attention(tiny_model("llama", layers=2))
+    ids = torch.randint(3, 250, (2, 20), generator=torch.Generator().manual_seed(4))
+    import h2o_lens
+
+    with torch.no_grad(), h2o_lens.h2o(model, H2OConfig(heavy=4, recent=3)):
+        free = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    eos = int(free[1, 22])  # row 1's third new token ends it
+    with (
+        guarded(GuardConfig()),
+        recorders.record(model, H2OConfig(heavy=4, recent=3), out=tmp_path, fsync=False) as run,
+    ):
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    loaded = load_run(tmp_path / run.run_id)
+    new = dict(loaded["requests"].to_pandas()[["request", "new_tokens"]].values.tolist())
+    assert min(new.values()) < 10  # a row ended early
+    steps = loaded["guard_steps"].to_pandas()
+    for request, n in new.items():
+        got = steps[steps["request"] == request]["step"].tolist()
+        assert got == list(range(19, 19 + n)), (request, n, got)
+    assert check_run(tmp_path / run.run_id).status == "complete"
