@@ -75,7 +75,13 @@ class Normaliser:
                     volatile |= {float(v) for v in frame[column] if isinstance(v, float) and not math.isnan(v)}
         texts = set()
         for v in volatile:
-            texts |= {repr(v), f"{v:.6f}"}
+            texts.add(repr(v))
+            # pandas' six decimals, only with five significant digits or more: a millisecond
+            # duration's "0.001169" would also blank a measured 0.001169 (a KL printed to four
+            # significant digits) when the two happen to agree
+            six = f"{v:.6f}"
+            if len(six.lstrip("-0.").replace(".", "")) >= 5:
+                texts.add(six)
         # long forms only (a short one could equal a number computed from the model); the tables
         # that print durations rounded are handled by their column (:func:`_drop_columns`)
         self.volatile = sorted(volatile)
