@@ -46,6 +46,24 @@ __all__ = ["PromptReuse", "reuse_prompts"]
 _PLAIN = {"input_ids", "attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep", "return_dict"}
 
 
+def _plain(name: str, value: Any, width: int) -> bool:
+    """Whether a keyword argument beyond :data:`_PLAIN` says nothing a fresh prompt forward does
+    not: ``generate`` before transformers 5.24 also passes the cache as ``past_key_values``,
+    ``inputs_embeds=None`` and ``cache_position = arange(width)`` (DESIGN.md §3.1)."""
+    if name == "past_key_values":
+        return True  # the cache itself, read through compat.cache_from
+    if name == "inputs_embeds":
+        return value is None
+    if name == "cache_position":
+        return (
+            isinstance(value, torch.Tensor)
+            and value.dim() == 1
+            and value.numel() == width
+            and bool((value == torch.arange(width, device=value.device)).all())
+        )
+    return False
+
+
 def _rows_needed() -> int:
     """The last prompt rows any registered policy ranks by (``prefill="rows"``)."""
     from . import policies
@@ -175,10 +193,12 @@ class PromptReuse:
     def _identity(self, cache: H2OCache, args: tuple, kwargs: dict) -> tuple | None:
         """What makes two prompt forwards the same (the aggregation aside), or None when this
         forward is not one to reuse."""
-        if args or set(kwargs) - _PLAIN:
+        if args:
             return None
         ids = kwargs.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] < 1:
+            return None
+        if any(not _plain(name, kwargs[name], ids.shape[1]) for name in set(kwargs) - _PLAIN):
             return None
         if any(layer.is_initialized or layer.shared is not None for layer in cache.layers) or cache.sharing:
             return None

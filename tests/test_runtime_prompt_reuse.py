@@ -116,6 +116,7 @@ def test_with_any_gqa_a_prompt_forward_serves_another_aggregation_with_the_bits_
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # generate calls the forward its own way on each release (DESIGN.md §3.1)
 def test_a_prompt_forward_is_reused_only_for_the_same_inputs_and_aggregation():
     model = tiny_model("llama", layers=2)
     ids, mask = _prompts()
@@ -180,6 +181,7 @@ def test_the_oldest_prompt_forward_goes_first_and_the_scope_restores_the_model()
 
 
 @pytest.mark.slow
+@pytest.mark.compat
 def test_a_recording_from_a_reused_prompt_forward_is_the_recording_of_its_own(tmp_path):
     """The recorder hears the same prefill (events, prompt pass for the replay, the batch a replay
     forwards again) and the replay tables are the same."""
