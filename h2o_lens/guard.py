@@ -136,9 +136,10 @@ class GuardConfig:
     tail : the prompt's last rows whose attention the ``prefill`` signal reads (0 turns it off)
     canary_share : under ``canary``, the share of the batch's requests that get a canary copy
         (at least one; :meth:`Guard.canary_batch` makes them)
-    rescue : at a raise at the prefill, the share of the prompt (at most the slots the raise adds)
-        pinned to the positions the prompt's last rows read most, pooled over ``±7`` neighbours
-        (0: the added slots are plain heavy slots, DESIGN.md §18.2)
+    rescue : at a raise at the prefill, the share of the prompt pinned to the positions the
+        prompt's last rows read most, pooled over ``±7`` neighbours; the pins come out of the
+        raised row's heavy slots (at most all of them), so a rescue larger than the raise trades
+        heavy hitters for what the question reads (0: no pins, DESIGN.md §18.2)
     """
 
     action: str = "none"
@@ -629,13 +630,14 @@ class GuardState:
     def _rescue_positions(self, row: int, added: int) -> tuple[int, ...]:
         """The prompt positions of ``row`` its last rows read most (per column the most-reading KV set
         and layer, max-pooled over ``±7`` neighbours), outside the recent window and the sink:
-        ``⌈rescue · P⌉`` of them, at most ``added`` (and the pins it had); () without ``rescue``."""
+        ``⌈rescue · P⌉`` of them, at most the raised row's heavy slots (its heavy slots and the
+        ``added`` ones; and the pins it had); () without ``rescue``."""
         if self._columns is None or self.config.rescue <= 0 or added <= 0:
             return ()
         cache = self.cache
         p = int(self._prompt_counts[row])
         args = cache.budgets[int(cache._rows[row])]
-        n = min(added, math.ceil(self.config.rescue * p))
+        n = min(args.heavy + added, math.ceil(self.config.rescue * p))  # pins come out of heavy slots
         pos = self._column_positions[row]
         mass = torch.zeros(p, dtype=torch.float64)
         real = pos >= 0

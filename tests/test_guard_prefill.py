@@ -120,12 +120,13 @@ def _fresh(model, ids, config, new):
     return out, rec
 
 
-@pytest.mark.parametrize("rescue", [0.0, 0.2])
+@pytest.mark.parametrize("rescue", [0.0, 0.2, 0.3, 0.5])
 def test_prefill_raise_is_a_fresh_run_at_the_target(model, rescue):
     """At threshold 0 each row is raised at the prefill from 7 to 12 slots, before its prompt is
     evicted: one event at step P - 1 with nothing evicted, and from then on the row is a fresh H2O
     run at 12 slots (with the rescued positions pinned under ``rescue``), token by token and at
-    every layer, KV set and step."""
+    every layer, KV set and step. The rescue may take more than the 5 added slots (0.3: 8 pins),
+    out of the heavy slots, up to all 9 of them (0.5 asks for 12)."""
     ids = _ids(seed=5)
     rec = KeptRecorder()
     cfg = GuardConfig(action="raise", threshold=0.0, raise_slots=12, rescue=rescue, tail=TAIL)
@@ -147,7 +148,7 @@ def test_prefill_raise_is_a_fresh_run_at_the_target(model, rescue):
         raised = cache.request_configs[r]
         pins = raised.pinned
         if rescue:
-            assert len(pins) == min(5, math.ceil(rescue * PROMPT))
+            assert len(pins) == min(HEAVY + 5, math.ceil(rescue * PROMPT))
             assert all(0 <= p < PROMPT - RECENT for p in pins)
         else:
             assert pins == ()
@@ -162,12 +163,12 @@ def test_prefill_raise_is_a_fresh_run_at_the_target(model, rescue):
             assert got == [step[0] for step in frec.kept[layer]], (r, layer)
 
 
-def test_rescue_pins_what_the_last_rows_read_most(model):
+@pytest.mark.parametrize("rescue", [0.2, 0.3])
+def test_rescue_pins_what_the_last_rows_read_most(model, rescue):
     """The rescued positions are the top ``⌈rescue · P⌉`` of the last rows' attention (normalised
     per KV set and layer, the most-reading set and layer taken, max-pooled over ±7 neighbours),
     outside the recent window, recomputed by brute force from the captured queries and keys."""
     ids = _ids(batch=1, seed=9)
-    rescue = 0.2
     cfg = GuardConfig(action="raise", threshold=0.0, raise_slots=12, rescue=rescue, tail=TAIL)
     with (
         h2o_lens.h2o(model, H2OConfig(heavy=HEAVY, recent=RECENT)) as session,
@@ -184,7 +185,7 @@ def test_rescue_pins_what_the_last_rows_read_most(model):
             best = np.maximum(best, col / col.sum())
     pooled = np.array([best[max(0, j - 7) : j + 8].max() for j in range(PROMPT)])
     pooled[PROMPT - RECENT :] = -1.0
-    n = min(5, math.ceil(rescue * PROMPT))
+    n = min(HEAVY + 5, math.ceil(rescue * PROMPT))
     order = sorted(range(PROMPT), key=lambda j: -pooled[j])
     cut = pooled[order[n - 1]]
     assert all(pooled[p] >= cut - 1e-9 for p in pins) and len(pins) == n
