@@ -907,8 +907,10 @@ class TokenCues:
 
     ``structure`` is 1 when one of the last :attr:`GuardConfig.cue_window` generated tokens
     holds a mark of structured output (:data:`STRUCTURE_MARKS`); ``refer`` is 1 when the
-    prompt holds a "refer back" word (:data:`REFER_WORDS`). Pass it to ``generate`` as
-    ``logits_processor=[guard.cues(tokenizer)]``; it leaves the scores as they are.
+    question, the prompt's last :attr:`GuardConfig.tail` tokens (the whole prompt with ``tail``
+    0), holds a "refer back" word (:data:`REFER_WORDS`): an instruction at the top of a long
+    prompt ("read the following text") is not the user asking about early content. Pass it to
+    ``generate`` as ``logits_processor=[guard.cues(tokenizer)]``; it leaves the scores as they are.
     """
 
     def __init__(self, guard: Guard, tokenizer: Any):
@@ -917,6 +919,13 @@ class TokenCues:
         self._prompt: int | None = None
         self._refer: torch.Tensor | None = None
 
+    def refers(self, prompts: torch.Tensor) -> torch.Tensor:
+        """``(b,)`` bool: whether each prompt's question (its last ``tail`` tokens; left padding
+        is not a word) holds a refer-back word."""
+        tail = self.guard.config.tail
+        ids = prompts.cpu().clamp(0, len(self.refer) - 1)
+        return self.refer[ids[:, -tail:] if tail else ids].any(-1)
+
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         state = self.guard.last
         if state is None:
@@ -924,7 +933,7 @@ class TokenCues:
         ids = input_ids.cpu().clamp(0, len(self.structure) - 1)
         if self._prompt is None or self._refer is None or self._refer.shape[0] != ids.shape[0]:
             self._prompt = ids.shape[1] - 1  # the first call sees the prompt and one new token
-            self._refer = self.refer[ids[:, : self._prompt]].any(-1)
+            self._refer = self.refers(ids[:, : self._prompt])
         recent = ids[:, max(self._prompt, ids.shape[1] - self.guard.config.cue_window) :]
         structure = self.structure[recent].any(-1)
         state.set_cues(torch.stack([structure, self._refer], -1).float())
@@ -1041,8 +1050,7 @@ class Guard:
         enters its risk; otherwise it starts at the first decode step."""
         cues = TokenCues(self, tokenizer)
         if input_ids is not None:
-            ids = input_ids.cpu().clamp(0, len(cues.refer) - 1)
-            cues._prompt, cues._refer = ids.shape[1], cues.refer[ids].any(-1)
+            cues._prompt, cues._refer = input_ids.shape[1], cues.refers(input_ids)
             self.prompt_cues = torch.stack([torch.zeros_like(cues._refer), cues._refer], -1).float()
         return cues
 

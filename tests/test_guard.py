@@ -243,6 +243,22 @@ def test_token_cues_read_the_prompt_and_the_last_generated_tokens():
         assert state.cues.tolist() == [[0.0, 1.0], [1.0, 0.0]]  # "{" left the window of 2
 
 
+def test_the_refer_cue_reads_the_question_not_the_top_of_the_prompt():
+    """``refer`` reads the prompt's last ``tail`` tokens: a refer-back word in the instruction at the
+    top of a prompt does not count, one in the question does; with ``tail`` 0 the whole prompt
+    counts. The same holds for the prompts given to ``guard.cues`` (the prefill's row)."""
+    tokenizer, words = _word_tokenizer()
+    ix = {w: i for i, w in enumerate(words)}
+    top = [ix["above"], ix["the"], ix["key"], ix["x"], ix["cat"], ix["x"], ix["cat"]]
+    question = [ix["the"], ix["key"], ix["x"], ix["cat"], ix["x"], ix["mentioned"], ix["cat"]]
+    prompts = torch.tensor([top, question])
+    for tail, want in ((4, [False, True]), (7, [True, True]), (0, [True, True])):
+        with guarded(GuardConfig(tail=tail)) as g:
+            cues = g.cues(tokenizer, prompts)
+            assert cues.refers(prompts).tolist() == want, tail
+            assert g.prompt_cues[:, 1].tolist() == [float(w) for w in want], tail
+
+
 def test_token_cues_reach_every_scored_step():
     """Through generate: a prompt with a refer-back word has ``refer`` = 1 from the first decode
     step on; one without has 0."""
