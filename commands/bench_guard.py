@@ -47,7 +47,8 @@ __all__ = [
 
 KS = (1, 4, 16)
 BUDGETS = (0.05, 0.1, 0.2, 0.35, 0.5, 1.0)
-#: the guard's policies the bench runs: (action, target keep ratio, rescue share), DESIGN.md §18.2
+#: the guard's policies the bench runs: (action, target keep ratio, rescue share[, threshold]), DESIGN.md
+#: §18.2; a policy with its own threshold acts at it instead of the fitted (or given) one
 POLICIES = (("raise", 0.35, 0.15), ("raise", 0.5, 0.0), ("refill", 1.0, 0.0))
 
 
@@ -270,7 +271,7 @@ def evaluate(
     *,
     ratio: float = 0.2,
     budgets: Sequence[float] = BUDGETS,
-    policies: Sequence[tuple[str, float, float]] = POLICIES,
+    policies: Sequence[tuple] = POLICIES,
     ks: Sequence[int] = KS,
     threshold: float | None = None,
     progress: Callable[[str], None] = lambda msg: None,
@@ -327,16 +328,17 @@ def evaluate(
         table.append(_row(f"fixed {b:.0%}", runs, verdict))
     recovered = []
     failures = [i for i, o in zip(kept, outs) if o.failed]
-    for action, target, rescue in policies:
+    for action, target, rescue, *own in policies:
+        level = own[0] if own else threshold
         cfg = GuardConfig(
-            action=action, threshold=threshold, raise_ratio=target, rescue=rescue, weights=tuple(weights), bias=bias
+            action=action, threshold=level, raise_ratio=target, rescue=rescue, weights=tuple(weights), bias=bias
         )
         runs = {}
         for i in kept:
             runs[i] = run_request(model, tokenizer, tasks[i], H2OConfig(ratio=ratio), cfg)
             tick()
         pinned = f"+{rescue:.0%} pinned" if rescue else ""
-        row = _row(f"guard {action}->{target:.0%}{pinned} @{threshold:.3f}", runs, verdict)
+        row = _row(f"guard {action}->{target:.0%}{pinned} @{level:.3f}", runs, verdict)
         row["raised"] = sum(1 for r in runs.values() if r.events)
         table.append(row)
         saved = [i for i in failures if verdict(runs[i], i)]
@@ -423,7 +425,7 @@ def bench_guard(
     length: int | None = None,
     seed: int = 0,
     fit_seed: int | None = 1,
-    policies: Sequence[tuple[str, float, float]] = POLICIES,
+    policies: Sequence[tuple] = POLICIES,
     budgets: Sequence[float] = BUDGETS,
     threshold: float | None = None,
 ) -> int:

@@ -60,8 +60,9 @@ def add_parser(sub: Any) -> None:
         "--guard-policies",
         nargs="+",
         default=None,
-        metavar="ACTION:TARGET[:RESCUE]",
-        help="guard: the guard's policies to run, e.g. raise:0.35:0.15 refill:1.0 "
+        metavar="ACTION:TARGET[:RESCUE][@THRESHOLD]",
+        help="guard: the guard's policies to run, e.g. raise:0.35:0.15 refill:1.0 raise:0.35:0.25@0 (@: act at "
+        "that risk instead of the fitted or --threshold one; 0: every request) "
         "(default raise:0.35:0.15 raise:0.5 refill:1.0)",
     )
     b.add_argument(
@@ -229,9 +230,10 @@ def run(args: argparse.Namespace) -> int:
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
-def guard_policies(items: list[str] | None) -> tuple[tuple[str, float, float], ...]:
-    """``--guard-policies``: ``ACTION:TARGET[:RESCUE]`` items as ``(action, target, rescue)``
-    (the bench's defaults when None); a malformed item is a one-line error."""
+def guard_policies(items: list[str] | None) -> tuple[tuple, ...]:
+    """``--guard-policies``: ``ACTION:TARGET[:RESCUE][@THRESHOLD]`` items as ``(action, target,
+    rescue)``, or ``(action, target, rescue, threshold)`` with ``@`` (the bench's defaults when
+    None); a malformed item is a one-line error."""
     from h2o_lens.errors import ConfigError
 
     if not items:
@@ -240,21 +242,25 @@ def guard_policies(items: list[str] | None) -> tuple[tuple[str, float, float], .
         return POLICIES
     out = []
     for item in items:
-        parts = item.split(":")
+        spec, at, level = item.partition("@")
+        parts = spec.split(":")
         try:
-            if len(parts) not in (2, 3) or parts[0] not in ("raise", "refill"):
+            if len(parts) not in (2, 3) or parts[0] not in ("raise", "refill") or (at and not level):
                 raise ValueError
             target = float(parts[1])
             rescue = float(parts[2]) if len(parts) == 3 else 0.0
+            threshold = float(level) if at else None
         except ValueError:
             raise ConfigError(
-                f"bench guard --guard-policies {item!r}: expected ACTION:TARGET[:RESCUE] with ACTION raise or "
-                "refill, e.g. raise:0.35:0.15"
+                f"bench guard --guard-policies {item!r}: expected ACTION:TARGET[:RESCUE][@THRESHOLD] with ACTION "
+                "raise or refill, e.g. raise:0.35:0.15 or raise:0.35:0.25@0"
             ) from None
         if not 0.0 < target <= 1.0 or not 0.0 <= rescue <= 1.0:
             raise ConfigError(
                 f"bench guard --guard-policies {item!r}: the target keep ratio must be in (0, 1] and the rescue "
                 "share in [0, 1]"
             )
-        out.append((parts[0], target, rescue))
+        if threshold is not None and not 0.0 <= threshold <= 1.0:
+            raise ConfigError(f"bench guard --guard-policies {item!r}: the threshold after @ must be in [0, 1]")
+        out.append((parts[0], target, rescue) if threshold is None else (parts[0], target, rescue, threshold))
     return tuple(out)

@@ -78,6 +78,8 @@ __all__ = [
 SIGNALS = ("margin", "trend", "uniform", "far", "entropy", "dropped", "structure", "refer", "prefill", "canary")
 #: the actions a guard can take (DESIGN.md §18.2)
 ACTIONS = ("none", "raise", "refill", "canary")
+#: what the ``canary`` action does to a request whose risk reaches the threshold (DESIGN.md §18.2)
+FALLBACKS = ("none", "raise", "refill")
 #: per-layer signals, averaged over the layers and KV sets of a step
 _LAYER_SIGNALS = ("margin", "uniform", "far", "entropy", "dropped")
 
@@ -117,7 +119,7 @@ class GuardConfig:
     ----------
     action : ``none`` (log the risk only), ``raise`` (grow the slot count), ``refill`` (prefill
         the tokens so far again at the target) or ``canary`` (a share of the batch also runs at the
-        target; their KL and agreement feed the risk, DESIGN.md §18.2)
+        target; their KL and agreement feed the risk, and ``fallback`` acts on it, DESIGN.md §18.2)
     threshold : the risk in [0, 1] at which the action runs on a row
     raise_slots : slots per KV set after a raise or refill (at least the row's current count), or
     raise_ratio : a keep ratio of the row's prompt length after it (one of the two with ``raise``
@@ -136,6 +138,9 @@ class GuardConfig:
     tail : the prompt's last rows whose attention the ``prefill`` signal reads (0 turns it off)
     canary_share : under ``canary``, the share of the batch's requests that get a canary copy
         (at least one; :meth:`Guard.canary_batch` makes them)
+    fallback : under ``canary``, what a request (not a canary) whose risk reaches the threshold
+        gets: ``none`` (the default: the risk is logged), ``raise`` or ``refill`` to the same target
+        as the canaries, as those actions do it (the safe fallback of DESIGN.md §18.2)
     rescue : at a raise at the prefill, the share of the prompt pinned to the positions the
         prompt's last rows read most, pooled over ``±7`` neighbours; the pins come out of the
         raised row's heavy slots (at most all of them), so a rescue larger than the raise trades
@@ -156,6 +161,7 @@ class GuardConfig:
     tail: int = 32
     rescue: float = 0.0
     canary_share: float = 0.125
+    fallback: str = "none"
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -164,6 +170,13 @@ class GuardConfig:
             raise ConfigError(f"guard threshold={self.threshold} is outside [0, 1]; give a risk level such as 0.5")
         if self.raise_slots is not None and self.raise_ratio is not None:
             raise ConfigError("give the raise target as raise_slots or raise_ratio, not both")
+        if self.fallback not in FALLBACKS:
+            raise ConfigError(f"guard fallback {self.fallback!r} is not known; expected one of {', '.join(FALLBACKS)}")
+        if self.fallback != "none" and self.action != "canary":
+            raise ConfigError(
+                f"guard fallback={self.fallback!r} is what the 'canary' action does to a risky request; with action "
+                f"{self.action!r} leave it out (action='{self.fallback}' acts on the risk itself)"
+            )
         if not 0.0 < self.canary_share <= 1.0:
             raise ConfigError(f"canary_share={self.canary_share} is outside (0, 1]; give a share such as 0.125")
         if self.action != "none" and self.raise_slots is None and self.raise_ratio is None:
@@ -189,6 +202,14 @@ class GuardConfig:
             raise ConfigError(
                 f"span={self.span}, cue_window={self.cue_window} and stride={self.stride} must be at least 1"
             )
+
+    @property
+    def acting(self) -> str:
+        """What a request whose risk reaches the threshold gets: ``raise``, ``refill`` or ``none``
+        (the action itself, or the ``canary`` action's fallback)."""
+        if self.action in ("raise", "refill"):
+            return self.action
+        return self.fallback if self.action == "canary" else "none"
 
     def target(self, capacity: int, prompt_len: int) -> int:
         """Slots per KV set after a raise of a row that holds ``capacity`` slots."""
@@ -549,7 +570,7 @@ class GuardState:
         self._prefill_sum += signal.cpu()
         self._prefill_layers += 1
         self._prompt_counts = count.cpu().to(torch.int64)
-        if tail is not None and self.config.rescue > 0 and self.config.action in ("raise", "refill"):
+        if tail is not None and self.config.rescue > 0 and self.config.acting != "none":
             mass = tail.sum(2).double()  # (b, Hs, P): the last rows' attention per column and KV set
             mass = (mass / mass.sum(-1, keepdim=True).clamp_min(1e-300)).amax(1).cpu()  # the most-reading set
             self._columns = mass if self._columns is None else torch.maximum(self._columns, mass)
@@ -594,10 +615,11 @@ class GuardState:
             ids = self.request_ids()
             slots = [cfg.target(caps[c], int(self.prompt_len[c])) for c in rows]
             raise_prompt(cache, rows, slots)
+            canaries: list[dict[str, Any]] = []
             for (base, c), n in zip(self.pairs, slots):
                 self.raised[c] = True
                 acted.append(base)
-                self.events.append(
+                canaries.append(
                     {
                         "request": ids[base],
                         "step": int(step[c]),
@@ -609,8 +631,10 @@ class GuardState:
                         "seconds": 0.0,
                     }
                 )
-        elif cfg.action != "none":
-            rows = torch.nonzero(risk >= cfg.threshold)[:, 0].tolist()
+            self.events += canaries
+        if self.act_at_prefill and cfg.acting != "none":
+            hit = (risk >= cfg.threshold) & ~self.raised  # a canary row is raised already
+            rows = torch.nonzero(hit)[:, 0].tolist()
             if rows:
                 acts = self._actions(rows, step, risk, "raise")
                 pins = [self._rescue_positions(r, a["slots_after"] - a["slots_before"]) for r, a in zip(rows, acts)]
@@ -738,11 +762,13 @@ class GuardState:
         risk = combine(signals, cfg.weights, cfg.bias)
         self.steps.append((self.request_ids(), step.clone(), signals.clone(), risk.clone()))
         self.scored += 1
-        if cfg.action in ("raise", "refill"):
+        if cfg.acting != "none":
             hit = (risk >= cfg.threshold) & ~self.raised
+            for _, c in self.pairs:  # a canary is never acted on
+                hit[c] = False
             if bool(hit.any()):
                 rows = torch.nonzero(hit)[:, 0].tolist()
-                (self._raise if cfg.action == "raise" else self._mark_refill)(rows, step, risk)
+                (self._raise if cfg.acting == "raise" else self._mark_refill)(rows, step, risk)
 
     def _actions(self, rows: list[int], step: torch.Tensor, risk: torch.Tensor, action: str) -> list[dict[str, Any]]:
         caps = self.cache.row_capacity(self.cache.layers[0].budget).tolist()

@@ -198,6 +198,37 @@ def test_evaluate_fits_weights_on_the_fit_seed(model):
     assert [r["policy"] for r in report.recovered] == [f"guard raise->35%+15% pinned @{report.threshold:.3f}"]
 
 
+def test_a_policy_with_its_own_threshold_acts_at_it(model):
+    """``raise:1.0@0`` acts on every request whatever the fitted or given threshold; the same
+    policy at the given threshold 1.0 acts only on a request whose risk reaches 1."""
+    tok = _tokenizer()
+    report = evaluate(
+        model,
+        tok,
+        _tasks(1),
+        [],
+        ratio=0.2,
+        budgets=(0.2,),
+        policies=(("raise", 1.0, 0.0, 0.0), ("raise", 1.0, 0.0)),
+        ks=(4,),
+        threshold=1.0,
+    )
+    rows = {r["policy"]: r for r in report.table}
+    assert rows["guard raise->100% @0.000"]["raised"] == 4
+    assert rows["guard raise->100% @1.000"]["raised"] == 0
+    assert rows["guard raise->100% @0.000"]["memory"] > rows["guard raise->100% @1.000"]["memory"]
+
+
+def test_guard_policies_parse_an_own_threshold():
+    from commands.benchmark import guard_policies
+
+    assert guard_policies(["raise:0.35:0.25@0", "refill:1.0", "raise:0.5@0.7"]) == (
+        ("raise", 0.35, 0.25, 0.0),
+        ("refill", 1.0, 0.0),
+        ("raise", 0.5, 0.0, 0.7),
+    )
+
+
 def test_cli_refuses_a_bad_guard_policy_in_one_line(capsys):
     from commands.cli import main
 
@@ -206,5 +237,9 @@ def test_cli_refuses_a_bad_guard_policy_in_one_line(capsys):
     assert "--guard-policies 'lift:0.5'" in err and "ACTION:TARGET[:RESCUE]" in err and "Traceback" not in err
     assert main(["bench", "guard", "--guard-policies", "raise:1.5"]) == 2
     assert "target keep ratio must be in (0, 1]" in capsys.readouterr().err
+    assert main(["bench", "guard", "--guard-policies", "raise:0.35@"]) == 2
+    assert "ACTION:TARGET[:RESCUE][@THRESHOLD]" in capsys.readouterr().err
+    assert main(["bench", "guard", "--guard-policies", "raise:0.35@1.5"]) == 2
+    assert "threshold after @ must be in [0, 1]" in capsys.readouterr().err
     assert main(["bench", "guard", "--fixed", "0.2", "1.5"]) == 2
     assert "--fixed 1.5: expected keep ratios in (0, 1]" in capsys.readouterr().err

@@ -3,6 +3,7 @@ their KL and agreement feed the risk (DESIGN.md §18.2)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -81,3 +82,98 @@ def test_canary_needs_its_batch():
         ids, mask = guard.canary_batch(_ids(8), torch.ones(8, PROMPT, dtype=torch.long))
     assert ids.shape[0] == mask.shape[0] == 8 + math.ceil(0.3 * 8)
     assert [c for _, c in guard.pairs] == [8, 9, 10] and len({r for r, _ in guard.pairs}) == 3
+
+
+def test_fallback_is_the_canary_actions_alone():
+    with pytest.raises(ConfigError, match="fallback 'lift' is not known"):
+        GuardConfig(action="canary", raise_ratio=1.0, fallback="lift")
+    with pytest.raises(ConfigError, match="leave it out"):
+        GuardConfig(action="raise", raise_ratio=1.0, fallback="raise")
+    assert GuardConfig(action="canary", raise_ratio=1.0, fallback="refill").acting == "refill"
+    assert GuardConfig(action="canary", raise_ratio=1.0).acting == "none"
+    assert GuardConfig(action="raise", raise_ratio=1.0).acting == "raise"
+
+
+def test_fallback_raise_at_the_prefill_is_the_raise_action(model):
+    """At threshold 0 every request is raised at the prefill besides its canary, before anything
+    is evicted: each request decodes as itself alone at 12 slots, and the log has one ``canary``
+    event per copy and one ``raise`` per request."""
+    ids = _ids()
+    cfg = H2OConfig(heavy=4, recent=3)
+    raised = torch.cat([_generate(model, ids[r : r + 1], H2OConfig(heavy=9, recent=3)) for r in range(4)])
+    gcfg = GuardConfig(action="canary", fallback="raise", threshold=0.0, raise_slots=12, canary_share=0.25, tail=0)
+    with guarded(gcfg) as g:
+        batch, _ = g.canary_batch(ids)
+        out = _generate(model, batch, cfg, logits_processor=[g.canary()])
+    assert torch.equal(g.requests(out), raised)
+    events = [(e["request"], e["step"], e["action"], e["slots_after"], e["evicted"]) for e in g.last.event_rows()]
+    assert events == [(0, PROMPT - 1, "canary", 12, 0.0)] + [(r, PROMPT - 1, "raise", 12, 0.0) for r in range(4)]
+
+
+class _GrowAt:
+    """A logits processor that grows ``rows`` to ``slots`` after the forward of position ``step``."""
+
+    def __init__(self, guard, step, rows, slots):
+        self.guard, self.step, self.rows, self.slots, self.calls = guard, step, rows, slots, 0
+
+    def __call__(self, input_ids, scores):
+        from h2o_lens.guard import grow_rows
+
+        if PROMPT - 1 + self.calls == self.step:
+            grow_rows(self.guard.last.cache, self.rows, [self.slots] * len(self.rows))
+        self.calls += 1
+        return scores
+
+
+def test_fallback_raise_acts_when_the_canary_disagrees(model):
+    """Only the ``canary`` signal counts (weight 1000, bias set between two of its values): the
+    requests are raised at the first step whose canary signal passes the level (every request: the
+    rows without a canary take the pair's value), never the canary; the run then equals the
+    canary run without fallback whose rows are grown by hand after that step's forward."""
+    ids = _ids()
+    cfg = H2OConfig(heavy=4, recent=3)
+    logging = GuardConfig(action="canary", raise_slots=12, canary_share=0.25, tail=0)
+    with guarded(logging) as g:
+        batch, _ = g.canary_batch(ids)
+        plain = _generate(model, batch, cfg, logits_processor=[g.canary()])
+    values = [(r["step"], r["canary"]) for r in g.last.risk_rows() if r["request"] == 0 and r["step"] >= PROMPT]
+    distinct = sorted({v for _, v in values})
+    assert len(distinct) >= 3, values  # the tiny model's canary drifts from its request
+    level = (distinct[-2] + distinct[-3]) / 2  # crossed at some step, not at the first
+    onset = next(s for s, v in values if v >= level)
+    weights = tuple(1000.0 if n == "canary" else 0.0 for n in SIGNALS)
+    gcfg = dataclasses.replace(logging, fallback="raise", weights=weights, bias=-1000.0 * level)
+    with guarded(gcfg) as g:
+        batch, _ = g.canary_batch(ids)
+        out = _generate(model, batch, cfg, logits_processor=[g.canary()])
+    events = g.last.event_rows()
+    assert [(e["request"], e["step"], e["action"]) for e in events] == [(0, PROMPT - 1, "canary")] + [
+        (r, onset, "raise") for r in range(4)
+    ]
+    assert all(e["risk"] >= 0.5 and (e["slots_before"], e["slots_after"]) == (7, 12) for e in events[1:])
+    with guarded(logging) as g:
+        batch, _ = g.canary_batch(ids)
+        by_hand = _generate(model, batch, cfg, logits_processor=[g.canary(), _GrowAt(g, onset, [0, 1, 2, 3], 12)])
+    assert torch.equal(out, by_hand)
+    assert torch.equal(out[:, : onset + 2], plain[:, : onset + 2])  # the same until the raise acts
+
+
+def test_fallback_refill_refills_the_risky_requests(model):
+    """Under ``fallback="refill"`` the requests whose risk passes the level are refilled at the
+    target (an event with its recompute's seconds); the canary row is not."""
+    ids = _ids()
+    cfg = H2OConfig(heavy=4, recent=3)
+    weights = tuple(1000.0 if n == "canary" else 0.0 for n in SIGNALS)
+    gcfg = GuardConfig(
+        action="canary", fallback="refill", raise_slots=12, canary_share=0.25, tail=0, weights=weights, bias=-1e-3
+    )
+    with guarded(gcfg) as g:
+        batch, _ = g.canary_batch(ids)
+        _generate(model, batch, cfg, logits_processor=[g.refill(model), g.canary()])
+    events = g.last.event_rows()
+    assert events[0]["action"] == "canary"
+    refills = events[1:]
+    assert refills and {e["action"] for e in refills} == {"refill"}
+    assert {e["request"] for e in refills} == {0, 1, 2, 3}  # any drift of the pair passes 1e-6
+    assert all(e["seconds"] > 0 and e["slots_after"] == 12 and e["step"] >= PROMPT for e in refills)
+    assert g.last.cache.row_capacity(g.last.cache.layers[0].budget).tolist() == [12] * 5
