@@ -234,33 +234,14 @@ def guard_policies(items: list[str] | None) -> tuple[tuple, ...]:
     """``--guard-policies``: ``ACTION:TARGET[:RESCUE][@THRESHOLD]`` items as ``(action, target,
     rescue)``, or ``(action, target, rescue, threshold)`` with ``@`` (the bench's defaults when
     None); a malformed item is a one-line error."""
-    from h2o_lens.errors import ConfigError
-
     if not items:
         from .bench_guard import POLICIES
 
         return POLICIES
+    from .options import guard_item
+
     out = []
     for item in items:
-        spec, at, level = item.partition("@")
-        parts = spec.split(":")
-        try:
-            if len(parts) not in (2, 3) or parts[0] not in ("raise", "refill") or (at and not level):
-                raise ValueError
-            target = float(parts[1])
-            rescue = float(parts[2]) if len(parts) == 3 else 0.0
-            threshold = float(level) if at else None
-        except ValueError:
-            raise ConfigError(
-                f"bench guard --guard-policies {item!r}: expected ACTION:TARGET[:RESCUE][@THRESHOLD] with ACTION "
-                "raise or refill, e.g. raise:0.35:0.15 or raise:0.35:0.25@0"
-            ) from None
-        if not 0.0 < target <= 1.0 or not 0.0 <= rescue <= 1.0:
-            raise ConfigError(
-                f"bench guard --guard-policies {item!r}: the target keep ratio must be in (0, 1] and the rescue "
-                "share in [0, 1]"
-            )
-        if threshold is not None and not 0.0 <= threshold <= 1.0:
-            raise ConfigError(f"bench guard --guard-policies {item!r}: the threshold after @ must be in [0, 1]")
-        out.append((parts[0], target, rescue) if threshold is None else (parts[0], target, rescue, threshold))
+        action, target, rescue, threshold = guard_item(item, "bench guard --guard-policies")
+        out.append((action, target, rescue) if threshold is None else (action, target, rescue, threshold))
     return tuple(out)

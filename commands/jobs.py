@@ -26,6 +26,8 @@ from h2o_lens.config import H2OConfig
 from h2o_lens.models import ContextWarning, context_message, context_window
 from h2o_lens.presses import PressSpec
 
+from .options import guard_scope, guard_summary
+
 __all__ = [
     "Task",
     "run_task",
@@ -73,6 +75,7 @@ class TaskRun:
     answer: str
     correct: bool
     seconds: float
+    guard: str = ""  # a guarded run's one-line summary (its highest risk and actions)
 
 
 def _config(policy: str, ratio: float | None, gqa: str = "sum") -> H2OConfig:
@@ -92,9 +95,11 @@ def run_task(
     replay: bool = True,
     name: str | None = None,
     run_id: str | None = None,
+    guard: Any = None,
 ) -> TaskRun:
     """Record ``task`` under ``config`` (an H2O policy or a kvpress press, DESIGN.md §17; and replay
-    it); the requests table carries the checker's verdict."""
+    it); the requests table carries the checker's verdict. ``guard`` (a ``GuardConfig``) runs the
+    request guarded, its risk and actions logged (DESIGN.md §18)."""
     from recorders.recorder import record
     from recorders.replay import replay as replay_run
 
@@ -122,6 +127,7 @@ def run_task(
     }
     with (
         torch.no_grad(),
+        guard_scope(guard, model, tok, enc["input_ids"]) as (processors, watch),
         record(
             model,
             config,
@@ -136,7 +142,13 @@ def run_task(
             keep_prompt_pass=replay and not isinstance(config, PressSpec),
         ) as run,
     ):
-        model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        model.generate(
+            **enc,
+            max_new_tokens=task.max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            logits_processor=processors,
+        )
     if replay:
         replay_run(run.run_dir, model=model, progress=False, prompt_passes=run.prompt_passes)
     pressed = isinstance(config, PressSpec)
@@ -150,6 +162,7 @@ def run_task(
         verdict.get("answer", ""),
         verdict.get("correct", False),
         time.perf_counter() - t0,
+        guard_summary(watch.last) if watch is not None and watch.last is not None else "",
     )
 
 

@@ -4,8 +4,10 @@ requests of ``--tasks``, small parsers and printers."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 __all__ = [
     "add_model_args",
@@ -25,6 +27,10 @@ __all__ = [
     "split_list",
     "press_items",
     "number",
+    "guard_item",
+    "guard_config",
+    "guard_summary",
+    "guard_scope",
 ]
 
 
@@ -223,3 +229,78 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="use --model even though its fingerprint differs from the run's (logged in the manifest)",
     )
+
+
+def guard_item(item: str, where: str) -> tuple[str, float, float, float | None]:
+    """A guard policy ``ACTION:TARGET[:RESCUE][@THRESHOLD]`` (ACTION ``raise`` or ``refill``) as
+    ``(action, target, rescue, threshold or None)``; ``where`` names the option in the one-line
+    error a malformed item gets (DESIGN.md §18.2)."""
+    from h2o_lens.errors import ConfigError
+
+    spec, at, level = item.partition("@")
+    parts = spec.split(":")
+    try:
+        if len(parts) not in (2, 3) or parts[0] not in ("raise", "refill") or (at and not level):
+            raise ValueError
+        target = float(parts[1])
+        rescue = float(parts[2]) if len(parts) == 3 else 0.0
+        threshold = float(level) if at else None
+    except ValueError:
+        raise ConfigError(
+            f"{where} {item!r}: expected ACTION:TARGET[:RESCUE][@THRESHOLD] with ACTION raise or refill, "
+            "e.g. raise:0.35:0.15 or raise:0.35:0.25@0"
+        ) from None
+    if not 0.0 < target <= 1.0 or not 0.0 <= rescue <= 1.0:
+        raise ConfigError(f"{where} {item!r}: the target keep ratio must be in (0, 1] and the rescue share in [0, 1]")
+    if threshold is not None and not 0.0 <= threshold <= 1.0:
+        raise ConfigError(f"{where} {item!r}: the threshold after @ must be in [0, 1]")
+    return parts[0], target, rescue, threshold
+
+
+def guard_config(item: str | None, where: str = "--guard"):
+    """``--guard``: ``log`` (the risk only) or a guard policy (:func:`guard_item`; without
+    ``@`` it acts at the default threshold) as a ``GuardConfig``; None when not given."""
+    from h2o_lens.guard import GuardConfig
+
+    if item is None:
+        return None
+    if item == "log":
+        return GuardConfig()
+    action, target, rescue, threshold = guard_item(item, where)
+    extra = {} if threshold is None else {"threshold": threshold}
+    return GuardConfig(action=action, raise_ratio=target, rescue=rescue, **extra)
+
+
+def guard_summary(state) -> str:
+    """One line on a guarded request: its highest risk and step, and what the guard did."""
+    rows = state.risk_rows()
+    if not rows:
+        return "guard: no step scored"
+    top = max(rows, key=lambda r: r["risk"])
+    acts = "; ".join(
+        f"{e['action']} at step {e['step']} ({e['slots_before']} -> {e['slots_after']} slots, "
+        f"{e['evicted']:.0f} positions already evicted)"
+        for e in state.event_rows()
+    )
+    return f"guard: highest risk {top['risk']:.3f} at step {top['step']} (threshold {state.config.threshold:.2f}); " + (
+        acts or "no action"
+    )
+
+
+@contextlib.contextmanager
+def guard_scope(config: Any, model: Any, tok: Any, input_ids: Any) -> Iterator[tuple[Any, Any]]:
+    """``(logits processors, guard)`` for one ``generate`` under ``config`` (a ``GuardConfig``):
+    the token cues, known for the prompt up front, and under ``refill`` the refill; ``(None,
+    None)`` without a config."""
+    if config is None:
+        yield None, None
+        return
+    from transformers import LogitsProcessorList
+
+    from h2o_lens.guard import guarded
+
+    with guarded(config) as g:
+        processors = [g.cues(tok, input_ids)]
+        if config.acting == "refill":
+            processors.append(g.refill(model))
+        yield LogitsProcessorList(processors), g

@@ -7,7 +7,16 @@ import os
 import sys
 from typing import Any
 
-from .options import add_policy_args, chat, policy_config, print_replay, read_prompt
+from .options import (
+    add_policy_args,
+    chat,
+    guard_config,
+    guard_scope,
+    guard_summary,
+    policy_config,
+    print_replay,
+    read_prompt,
+)
 from .paths import run_dir as _run_dir
 
 __all__ = ["add_parser", "run"]
@@ -38,6 +47,13 @@ def add_parser(sub: Any) -> None:
     )
     r.add_argument("--with-full", action="store_true", help="also record the full-cache generation")
     r.add_argument("--replay", action="store_true", help="replay against the full-cache teacher afterwards")
+    r.add_argument(
+        "--guard",
+        default=None,
+        metavar="log|ACTION:TARGET[:RESCUE][@THRESHOLD]",
+        help="run the request guarded, its risk and actions logged (DESIGN.md §18): log (the risk only), or "
+        "raise:0.35:0.15 (raise to 35 %% with 15 %% rescued when the risk reaches 0.5), refill:1.0@0.6, ...",
+    )
     add_policy_args(r)
     r.set_defaults(func=run)
 
@@ -50,12 +66,15 @@ def run(args: argparse.Namespace) -> int:
     from recorders.replay import replay
 
     config, task, prompt, evidence = _check_record(args)
+    guard = guard_config(args.guard)
     if task is not None:
         from .jobs import run_task
 
         model, tok = load_model(args.model)
-        done = run_task(model, tok, task, config, args.out, replay=args.replay, name=args.name)
+        done = run_task(model, tok, task, config, args.out, replay=args.replay, name=args.name, guard=guard)
         print(done.answer.strip())
+        if done.guard:
+            print(done.guard, file=sys.stderr)
         print(
             f"recorded {done.run_id} ({config.describe()}), task {task.name}: "
             f"{'correct' if done.correct else 'WRONG'} (expected {task.expected}): {done.run_dir}",
@@ -78,12 +97,17 @@ def run(args: argparse.Namespace) -> int:
         gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         with (
             torch.no_grad(),
+            guard_scope(guard, model, tok, enc["input_ids"]) as (processors, watch),
             record(
                 model, config, out=args.out, tokenizer=tok, evidence=evidence or None, name=args.name, prompts=[prompt]
             ) as rec,
         ):
-            out = model.generate(**enc, **gen, streamer=GenerationProgress(args.max_new_tokens, "record"))
+            out = model.generate(
+                **enc, **gen, streamer=GenerationProgress(args.max_new_tokens, "record"), logits_processor=processors
+            )
         print(tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip())
+        if watch is not None and watch.last is not None:
+            print(guard_summary(watch.last), file=sys.stderr)
         runs = [rec]
         if args.with_full and config.spec.evicts:
             from h2o_lens import policies
@@ -120,6 +144,11 @@ def _check_record(args: argparse.Namespace):
     from h2o_lens.errors import ConfigError
 
     config = policy_config(args)
+    guard = guard_config(args.guard)  # a malformed --guard is refused before the model loads
+    if guard is not None and args.teacher_force:
+        raise ConfigError("--guard runs a request as it is generated; it cannot be combined with --teacher-force")
+    if guard is not None and not config.spec.evicts:
+        raise ConfigError(f"--guard watches evictions; --policy {config.policy} keeps every token")
     if not config.spec.evicts and (args.heavy is not None or args.recent is not None or args.ratio is not None):
         print(
             f"h2o-lens: note: --policy {config.policy} keeps every token; --heavy/--recent/--ratio are ignored",

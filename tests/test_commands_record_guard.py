@@ -1,0 +1,92 @@
+"""``h2o-lens record --guard``: a request run guarded from the command line, its risk and actions in
+the run's log (DESIGN.md §18.5), and every refusal one line before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+from tiny import save_tiny
+
+from commands.cli import main
+from runlog.store import check_run, load_run
+
+PROMPT = "Read the notes. The lab code is 4419. The printer is out of toner. What is the lab code?"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    base = tmp_path_factory.mktemp("guard_model")
+    save_tiny(base / "m", seed=0)
+    return base
+
+
+def _record(folder, tmp_path, monkeypatch, *extra):
+    monkeypatch.chdir(folder)
+    out = tmp_path / "runs"
+    args = ["record", "--model", "./m", "--out", str(out), "--prompt", PROMPT, "--raw", "--max-new-tokens", "6"]
+    code = main([*args, "--heavy", "4", "--recent", "4", *extra])
+    return code, out
+
+
+def test_a_raise_at_threshold_0_acts_at_the_prefill_and_is_logged(folder, tmp_path, monkeypatch, capsys):
+    """Every request reaches threshold 0: raised at the prefill (step P - 1, nothing evicted) to the
+    whole prompt; one ``guard_steps`` row per step scored (the prefill's and 5 decode steps); the
+    strict check passes and the summary line names the action."""
+    code, out = _record(folder, tmp_path, monkeypatch, "--guard", "raise:1.0@0")
+    assert code == 0
+    (run_dir,) = out.iterdir()
+    check_run(run_dir)
+    run = load_run(run_dir)
+    prompt_len = run["requests"].to_pandas()["prompt_len"].iloc[0]
+    events = run["guard_events"].to_pandas()
+    assert events[["request", "step", "action", "slots_before", "slots_after", "evicted"]].values.tolist() == [
+        [0, prompt_len - 1, "raise", 8, prompt_len, 0.0]
+    ]
+    steps = run["guard_steps"].to_pandas()
+    assert steps["step"].tolist() == list(range(prompt_len - 1, prompt_len + 5))
+    assert ((steps["risk"] >= 0) & (steps["risk"] <= 1)).all()
+    evicted_at = run["evictions"].to_pandas()["step"]
+    assert evicted_at.min() >= prompt_len  # the prompt fits in the raised slots; only new tokens push out
+    err = capsys.readouterr().err
+    assert f"raise at step {prompt_len - 1} (8 -> {prompt_len} slots, 0 positions already evicted)" in err
+
+
+def test_log_only_logs(folder, tmp_path, monkeypatch, capsys):
+    code, out = _record(folder, tmp_path, monkeypatch, "--guard", "log")
+    assert code == 0
+    (run_dir,) = out.iterdir()
+    run = load_run(run_dir)
+    assert run["guard_events"].num_rows == 0 and run["guard_steps"].num_rows == 6
+    assert run["evictions"].to_pandas()["step"].min() == run["requests"].to_pandas()["prompt_len"].iloc[0] - 1
+    assert "(threshold 0.50); no action" in capsys.readouterr().err
+
+
+def test_refill_runs_with_its_processor(folder, tmp_path, monkeypatch, capsys):
+    """``refill`` needs the refill processor in ``generate``: the command passes it (a raise at the
+    prefill at threshold 0 here, as the refill action does before anything is evicted)."""
+    code, out = _record(folder, tmp_path, monkeypatch, "--guard", "refill:0.5@0")
+    assert code == 0
+    (run_dir,) = out.iterdir()
+    assert load_run(run_dir)["guard_events"].to_pandas()["action"].tolist() == ["raise"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--guard", "lift:0.5"], "--guard 'lift:0.5': expected ACTION:TARGET[:RESCUE][@THRESHOLD]"),
+        (["--guard", "raise:0.35@2"], "the threshold after @ must be in [0, 1]"),
+        (["--guard", "log", "--policy", "full"], "--guard watches evictions; --policy full keeps every token"),
+    ],
+)
+def test_bad_guard_options_are_one_line_and_write_nothing(folder, tmp_path, monkeypatch, capsys, extra, message):
+    code, out = _record(folder, tmp_path, monkeypatch, *extra)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_guard_and_teacher_force_are_refused(folder, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(folder)
+    code = main(["record", "--teacher-force", "x", "--out", str(tmp_path), "--guard", "log"])
+    assert code == 2
+    assert "cannot be combined with --teacher-force" in capsys.readouterr().err
