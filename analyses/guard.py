@@ -2,7 +2,8 @@
 
 ``guard_requests`` gives, per request, the steps the guard scored, the highest risk and the step
 it peaked at, the mean risk and the number of actions; ``guard_actions`` lists the actions
-(``guard_events``) in order. A run recorded without the guard has neither (empty relations).
+(``guard_events``) in order; ``guard_risk`` the risk per request and step, for a curve. A run
+recorded without the guard has neither (empty relations).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import duckdb
 
 from ._base import Source, connect, relation
 
-__all__ = ["guard_requests", "guard_actions"]
+__all__ = ["guard_requests", "guard_actions", "guard_risk"]
 
 
 def guard_requests(source: Source, run_id: str) -> duckdb.DuckDBPyRelation:
@@ -48,5 +49,16 @@ def guard_actions(source: Source, run_id: str) -> duckdb.DuckDBPyRelation:
         SELECT request, step, risk, action, slots_before, slots_after, evicted
         FROM guard_events WHERE run_id = $run ORDER BY request, step
         """,
+        run=run_id,
+    )
+
+
+def guard_risk(source: Source, run_id: str) -> duckdb.DuckDBPyRelation:
+    """The risk of each request at each step the guard scored: ``request, step, risk`` (the
+    prefill's row, at step ``P − 1``, first)."""
+    con = connect(source)
+    return relation(
+        con,
+        "SELECT request, step, risk FROM guard_steps WHERE run_id = $run ORDER BY request, step",
         run=run_id,
     )

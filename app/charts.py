@@ -21,6 +21,7 @@ __all__ = [
     "dynamics_figure",
     "compare_figure",
     "mark_step",
+    "guard_figure",
 ]
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
@@ -486,3 +487,44 @@ def budget_curves(dist: pd.DataFrame) -> go.Figure:
     fig.update_xaxes(title_text="keep ratio (%)")
     fig.update_yaxes(title_text="share of requests that pass", range=[-0.02, 1.02])
     return _layout(fig, "Minimal passing budgets", 360)
+
+
+def guard_figure(risk: pd.DataFrame, actions: pd.DataFrame) -> go.Figure:
+    """The guard's risk of each request over its steps (the prefill's point first), with a marker
+    where it acted (DESIGN.md §18)."""
+    fig = go.Figure()
+    for i, request in enumerate(_requests(risk)):
+        part = risk[risk["request"] == request]
+        color = PALETTE[i % len(PALETTE)]
+        fig.add_trace(
+            go.Scatter(
+                x=part["step"],
+                y=part["risk"],
+                mode="lines+markers" if len(part) < 40 else "lines",
+                name=f"request {request}",
+                line=dict(color=color, width=1.6),
+                marker=dict(size=4),
+            )
+        )
+        acts = actions[actions["request"] == request] if len(actions) else actions
+        if len(acts):
+            fig.add_trace(
+                go.Scatter(
+                    x=acts["step"],
+                    y=acts["risk"],
+                    mode="markers+text",
+                    name=f"action (request {request})",
+                    text=acts["action"],
+                    textposition="top center",
+                    marker=dict(symbol="triangle-up", size=12, color=color, line=dict(color="#222", width=1)),
+                    hovertext=[
+                        f"{a.action} at step {a.step}: {a.slots_before} -> {a.slots_after} slots"
+                        for a in acts.itertuples()
+                    ],
+                    hoverinfo="text",
+                    showlegend=False,
+                )
+            )
+    fig.update_xaxes(title_text="step (query position; the first point is the prefill's)")
+    fig.update_yaxes(title_text="risk", range=[0, 1.08])
+    return _layout(fig, "Guard: online risk per step, and where it acted", 300)

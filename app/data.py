@@ -13,7 +13,7 @@ import streamlit as st
 
 import analyses
 from analyses import views
-from analyses.guard import guard_actions, guard_requests
+from analyses.guard import guard_actions, guard_requests, guard_risk
 
 from .state import MAX_ROWS, Root, cursor
 
@@ -96,10 +96,11 @@ def divergence(root: Root, run_id: str) -> pd.DataFrame:
 
 
 @_cache
-def guard_log(root: Root, run_id: str) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The guard's requests and actions of a run (:mod:`analyses.guard`); empty without the guard."""
+def guard_log(root: Root, run_id: str) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The guard's requests, actions and risk per step of a run (:mod:`analyses.guard`); empty
+    without the guard."""
     with cursor(root) as cur:
-        return guard_requests(cur, run_id).df(), guard_actions(cur, run_id).df()
+        return guard_requests(cur, run_id).df(), guard_actions(cur, run_id).df(), guard_risk(cur, run_id).df()
 
 
 @_cache

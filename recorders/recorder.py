@@ -1082,6 +1082,9 @@ def _record(
             state_events=rec.state_events or None,
             prefill_batches=rec.prefill_batches or None,
         )
+        guard = getattr(cache, "guard", None) if cache is not None else None
+        if guard is not None:  # the guard's configuration, beside its tables (DESIGN.md §18.5)
+            writer.update(guard=dataclasses.asdict(guard.config))
         if rec.prompts_reused:  # the prefill time above leaves these generate calls out
             writer.update(prompt_forward_reused=rec.prompts_reused)
         if manifest:

@@ -44,6 +44,8 @@ def test_guard_rows_round_trip_with_manifest_counts(tmp_path):
     assert loaded["requests"].to_pandas().sort_values("request")[["heavy", "recent"]].values.tolist() == [[7, 3]] * 2
     manifest = json.loads((tmp_path / run.run_id / "manifest.json").read_text())
     assert manifest["rows"]["guard_steps"] == 18 and manifest["rows"]["guard_events"] == 2
+    assert manifest["guard"]["action"] == "raise" and manifest["guard"]["threshold"] == 0.0
+    assert manifest["guard"]["raise_slots"] == 10 and len(manifest["guard"]["weights"]) == len(SIGNALS)
     checked = check_run(tmp_path / run.run_id)
     assert checked.rows["guard_steps"] == 18 and checked.rows["guard_events"] == 2
     con = open_runs(tmp_path)

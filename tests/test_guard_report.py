@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 from tiny import local_attention, tiny_model
 
 import analyses
 import recorders
-from analyses.guard import guard_actions, guard_requests
+from analyses.guard import guard_actions, guard_requests, guard_risk
 from h2o_lens import H2OConfig
 from h2o_lens.guard import GuardConfig, guarded
 from runlog.store import load_run, open_runs
@@ -51,6 +53,10 @@ def test_guard_relations_equal_pandas(root):
     acts = guard_actions(con, run).df()
     assert acts[["request", "slots_before", "slots_after"]].values.tolist() == [[0, 7, 9], [1, 7, 9]]
     assert guard_requests(con, root[2]).df().empty
+    risk = guard_risk(con, run).df()
+    want = steps.sort_values(["request", "step"])[["request", "step", "risk"]].reset_index(drop=True)
+    assert risk[["request", "step"]].values.tolist() == want[["request", "step"]].values.tolist()
+    assert risk["risk"].tolist() == pytest.approx(want["risk"].tolist())
 
 
 def test_report_has_the_guard_section(root):
@@ -67,6 +73,13 @@ def test_report_has_the_guard_section(root):
     assert "## Guard" not in analyses.build_report(out, plain, fmt="md")
 
 
+def _values(data) -> list:
+    """A plotly JSON array: a list, or a typed array ``{"dtype", "bdata"}`` (base64)."""
+    if isinstance(data, dict):
+        return np.frombuffer(base64.b64decode(data["bdata"]), dtype=data["dtype"]).tolist()
+    return list(data)
+
+
 def test_overview_shows_the_guard(root, monkeypatch):
     out, run, plain = root
     monkeypatch.setenv("H2O_LENS_ROOT", str(out))
@@ -77,6 +90,15 @@ def test_overview_shows_the_guard(root, monkeypatch):
     assert "Guard" in [s.value for s in at.subheader]
     frames = [d.value for d in at.dataframe]
     assert any("slots_after" in f.columns and f["slots_after"].tolist() == [9, 9] for f in frames)
+    (chart,) = [c for c in at.get("plotly_chart") if "Guard: online risk" in c.proto.spec]
+    traces = json.loads(chart.proto.spec)["data"]
+    steps = load_run(out / run)["guard_steps"].to_pandas().sort_values(["request", "step"])
+    lines = [t for t in traces if t["name"].startswith("request ")]
+    marks = [t for t in traces if t["name"].startswith("action ")]
+    assert [t["name"] for t in lines] == ["request 0", "request 1"]
+    for t, (_, g) in zip(lines, steps.groupby("request")):
+        assert _values(t["x"]) == g["step"].tolist() and _values(t["y"]) == pytest.approx(g["risk"].tolist())
+    assert [m["text"] for m in marks] == [["raise"], ["raise"]]
     at = streamlit_testing.AppTest.from_file(str(MAIN), default_timeout=120)
     at.query_params.update({"run": plain, "page": "overview"})
     at.run()

@@ -85,13 +85,14 @@ def render() -> None:
             if len(div) > 1:
                 st.dataframe(div, hide_index=True, column_config=_DIVERGENCE)
     with state.guard("the guard's log", run):
-        requests, actions = data.guard_log(root, run)
+        requests, actions, risk = data.guard_log(root, run)
         if not requests.empty:
             st.subheader("Guard")
             st.caption(
                 "The online risk of each request, computed while it ran without the teacher, and what the "
                 "guard did (DESIGN.md §18): a raise grows the request's slots for the rest of its generation."
             )
+            st.plotly_chart(charts.guard_figure(risk, actions), key="overview_guard_risk")
             st.dataframe(requests, hide_index=True, key="overview_guard_requests")
             if actions.empty:
                 st.caption("No action was taken.")
