@@ -623,6 +623,29 @@ SAMPLE_TASKS = ("delayed_recall_0", "multi_fact_0", "long_passage_0")
 #: failed sample runs explained by counterfactual re-runs (budget searches included): the Why
 #: section has its re-runs and the budget curves two requests
 SAMPLE_EXPLAINED = ("delayed-recall-0-h2o-10", "multi-fact-0-h2o-20")
+#: a guarded sample run (DESIGN.md §18): the task, H2O's keep ratio, the guard's raise target and rescue
+SAMPLE_GUARDED = ("delayed_recall_0", 0.2, 0.35, 0.15)
+
+
+def make_guarded_sample(root: str | os.PathLike, model: Any, tokenizer: Any) -> TaskRun:
+    """The guarded sample run (:data:`SAMPLE_GUARDED`): H2O at its keep ratio under a guard that
+    raises to the target, with the rescue, when the risk reaches the default threshold; replayed."""
+    from h2o_lens.guard import GuardConfig
+    from h2o_lens.tasks import get_task
+
+    name, ratio, target, rescue = SAMPLE_GUARDED
+    pct = round(ratio * 100)
+    return run_task(
+        model,
+        tokenizer,
+        get_task(name),
+        _config("h2o", ratio),
+        root,
+        ratio=ratio,
+        name=f"{name} h2o {pct}% guarded (raise to {round(target * 100)}%)",
+        run_id=f"{name}-h2o-{pct}-guard".replace("_", "-"),
+        guard=GuardConfig(action="raise", raise_ratio=target, rescue=rescue),
+    )
 
 
 def make_sample_runs(
@@ -636,6 +659,7 @@ def make_sample_runs(
       20 % and 10 %, local at 20 %, and teacher-forced gqa ``max`` and
       ``none`` re-records of the H2O 20 % run (the paired runs behind the
       GQA overlap and Compare views). Every run is replayed;
+    * one guarded run (:func:`make_guarded_sample`), behind the Overview's Guard section;
     * the counterfactual re-runs of the failures in :data:`SAMPLE_EXPLAINED`
       (``h2o-lens explain``, budget searches at the default resolution), behind
       the Report page's Why section and budget curves.
@@ -697,6 +721,7 @@ def make_sample_runs(
             )
             replay_run(rec.run_dir, model=model, progress=False)
             made.append(rec.run_id)
+    made.append(make_guarded_sample(root, model, tokenizer).run_id)
     from analyses import counterfactual_runs
 
     from .explain import explain_run

@@ -103,3 +103,27 @@ def test_overview_shows_the_guard(root, monkeypatch):
     at.query_params.update({"run": plain, "page": "overview"})
     at.run()
     assert not at.exception and "Guard" not in [s.value for s in at.subheader]
+
+
+def test_the_shipped_guarded_sample_shows_its_guard(monkeypatch):
+    """``sample_runs/`` holds the guarded run :data:`SAMPLE_GUARDED` names, recorded under that
+    config, and the Overview shows its Guard section out of the box."""
+    from commands.jobs import SAMPLE_GUARDED
+
+    name, ratio, target, rescue = SAMPLE_GUARDED
+    run = f"{name}-h2o-{round(ratio * 100)}-guard".replace("_", "-")
+    samples = Path(__file__).resolve().parents[1] / "sample_runs"
+    manifest = json.loads((samples / run / "manifest.json").read_text())
+    assert manifest["task"] == name and manifest["keep_ratio"] == ratio
+    assert (manifest["guard"]["action"], manifest["guard"]["raise_ratio"], manifest["guard"]["rescue"]) == (
+        "raise",
+        target,
+        rescue,
+    )
+    monkeypatch.setenv("H2O_LENS_ROOT", str(samples))
+    at = streamlit_testing.AppTest.from_file(str(MAIN), default_timeout=120)
+    at.query_params.update({"run": run, "page": "overview"})
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "Guard" in [s.value for s in at.subheader]
+    assert any("Guard: online risk" in c.proto.spec for c in at.get("plotly_chart"))
