@@ -838,7 +838,9 @@ def bench_sweep(
         for size in (batch_size, 1)
     }
     with torch.no_grad():  # warm-up: the first generate of a process pays one-time costs
-        enc = tokenizer([reqs[0].chat_text(tokenizer)], return_tensors="pt", add_special_tokens=False)
+        enc = tokenizer(
+            [reqs[0].chat_text(tokenizer)], return_tensors="pt", add_special_tokens=False, return_token_type_ids=False
+        )
         model.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     if executor == "ray":
         return _bench_sweep_ray(model_name, model, tokenizer, reqs, grids[batch_size], rounds, workers)

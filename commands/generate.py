@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         text = prompt
-    enc = tok(text, return_tensors="pt", add_special_tokens=args.raw)
+    enc = tok(text, return_tensors="pt", add_special_tokens=args.raw, return_token_type_ids=False)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, pad_token_id=tok.pad_token_id)
     if args.sample:
         torch.manual_seed(args.seed)

@@ -111,7 +111,12 @@ def run_task(
         )
     else:
         text = task.prompt
-    enc = tok(text, return_tensors="pt", add_special_tokens=not getattr(tok, "chat_template", None))
+    enc = tok(
+        text,
+        return_tensors="pt",
+        add_special_tokens=not getattr(tok, "chat_template", None),
+        return_token_type_ids=False,  # a model that takes none refuses them in generate
+    )
     verdict: dict[str, Any] = {}
 
     def annotate(request: int, answer: str | None) -> dict[str, Any]:

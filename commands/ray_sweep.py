@@ -133,7 +133,7 @@ class SweepWorker:
 
         t0 = time.perf_counter()
         with torch.no_grad():
-            enc = self.tokenizer(["warm up"], return_tensors="pt")
+            enc = self.tokenizer(["warm up"], return_tensors="pt", return_token_type_ids=False)
             self.model.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=self.tokenizer.pad_token_id)
         return time.perf_counter() - t0
 

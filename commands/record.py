@@ -91,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
         runs = [rec]
     else:
         model, tok = load_model(args.model)
-        enc = tok(chat(tok, prompt, args.raw), return_tensors="pt", add_special_tokens=args.raw)
+        enc = tok(
+            chat(tok, prompt, args.raw), return_tensors="pt", add_special_tokens=args.raw, return_token_type_ids=False
+        )
         from h2o_lens.progress import GenerationProgress
 
         gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)

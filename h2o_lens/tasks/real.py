@@ -421,7 +421,9 @@ def _answer(model: Any, tokenizer: Any, task: Task, config: H2OConfig | None) ->
 
     from ..runtime import h2o
 
-    enc = tokenizer(task.chat_text(tokenizer), return_tensors="pt", add_special_tokens=False)
+    enc = tokenizer(
+        task.chat_text(tokenizer), return_tensors="pt", add_special_tokens=False, return_token_type_ids=False
+    )
     p = enc["input_ids"].shape[1]
     with torch.no_grad(), h2o(model, config) if config is not None else contextlib.nullcontext():
         ids = model.generate(
