@@ -27,6 +27,7 @@ def _record(folder, tmp_path, monkeypatch, *extra):
     return code, out
 
 
+@pytest.mark.compat
 def test_a_raise_at_threshold_0_acts_at_the_prefill_and_is_logged(folder, tmp_path, monkeypatch, capsys):
     """Every request reaches threshold 0: raised at the prefill (step P - 1, nothing evicted) to the
     whole prompt; one ``guard_steps`` row per step scored (the prefill's and 5 decode steps); the
@@ -60,6 +61,7 @@ def test_log_only_logs(folder, tmp_path, monkeypatch, capsys):
     assert "(threshold 0.50); no action" in capsys.readouterr().err
 
 
+@pytest.mark.compat
 def test_refill_runs_with_its_processor(folder, tmp_path, monkeypatch, capsys):
     """``refill`` needs the refill processor in ``generate``: the command passes it (a raise at the
     prefill at threshold 0 here, as the refill action does before anything is evicted)."""

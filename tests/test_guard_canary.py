@@ -125,6 +125,7 @@ class _GrowAt:
         return scores
 
 
+@pytest.mark.compat
 def test_fallback_raise_acts_when_the_canary_disagrees(model):
     """Only the ``canary`` signal counts (weight 1000, bias set between two of its values): the
     requests are raised at the first step whose canary signal passes the level (every request: the
