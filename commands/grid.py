@@ -204,6 +204,7 @@ def encode(tokenizer: Any, texts: Sequence[str]) -> Any:
         padding=True,
         padding_side="left",
         add_special_tokens=not getattr(tokenizer, "chat_template", None),
+        return_token_type_ids=False,  # a model that takes none refuses them in generate
     )
 
 

@@ -36,7 +36,7 @@ def model(tmp_path_factory):
 
 def _parent(model, root, *, replayed: bool = True):
     model, tok = model
-    enc = tok([PROMPT], return_tensors="pt")
+    enc = tok([PROMPT], return_tensors="pt", return_token_type_ids=False)
     with (
         torch.no_grad(),
         recorders.record(

@@ -41,7 +41,12 @@ def model(tmp_path_factory):
 
 def _record(model, root, *, replayed: bool = True):
     model, tok = model
-    enc = tok(["the lab code is 4419 and the cable goes to port 7", "say something"], return_tensors="pt", padding=True)
+    enc = tok(
+        ["the lab code is 4419 and the cable goes to port 7", "say something"],
+        return_tensors="pt",
+        padding=True,
+        return_token_type_ids=False,
+    )
     with (
         torch.no_grad(),
         recorders.record(model, H2OConfig(heavy=4, recent=4), out=root, tokenizer=tok, fsync=False) as rec,
