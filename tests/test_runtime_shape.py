@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny import FAMILIES, tiny_model
 
-from h2o_lens import H2OConfig, h2o
+from h2o_lens import H2OConfig, compat, h2o
 from h2o_lens.cache import H2OCache
 from h2o_lens.config import GQA_MODES
 from h2o_lens.errors import ConfigError, UnsupportedModelError
@@ -85,7 +85,7 @@ def test_the_helpers_agree_with_the_real_caches(family, q_heads, kv_heads):
     batch, tokens, budget = 2, 12, 6
     ids = torch.randint(3, 256, (batch, tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        full = model(input_ids=ids, use_cache=True).cache
+        full = model(input_ids=ids, use_cache=True).past_key_values
     assert len(full.layers) == shape.layers
     held = 0
     for layer in full.layers:
@@ -96,7 +96,7 @@ def test_the_helpers_agree_with_the_real_caches(family, q_heads, kv_heads):
         with h2o(model, H2OConfig(heavy=budget // 2, recent=budget // 2, gqa=gqa)) as session:
             cache = session.new_cache()
             with torch.no_grad():
-                model(input_ids=ids, cache=cache, use_cache=True)
+                model(input_ids=ids, use_cache=True, **compat.cache_kwargs(cache))
         assert len(cache.layers) == shape.layers
         sets = kv_sets(gqa, shape.q_heads, shape.kv_heads)
         assert sets == (q_heads if gqa == "none" else kv_heads)

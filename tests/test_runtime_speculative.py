@@ -240,7 +240,11 @@ def test_crop_errors_say_what_can_be_taken_back():
     cache.crop(0)  # nothing open: confirming nothing is fine
     with pytest.raises(UnsupportedModelError, match="no open verification segment"):
         cache.crop(-1)
-    with pytest.raises(UnsupportedModelError, match="negative count"):
+    from h2o_lens import compat
+
+    # crop(length) is a count of tokens to keep on releases to 5.14 (5 of the 10 seen: remove 5)
+    said = "negative count" if compat.crop_count(5, 10) is None else "no open verification segment"
+    with pytest.raises(UnsupportedModelError, match=said):
         cache.crop(5)
     layer.update(k[:, :, 10:], v[:, :, 10:], kwargs={})
     layer.decode_segment(q[:, :, 10:], 0.25)
