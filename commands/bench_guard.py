@@ -37,6 +37,7 @@ __all__ = [
     "auroc",
     "first_wrong",
     "warning_score",
+    "matched_auroc",
     "fit_threshold",
     "RequestRun",
     "run_request",
@@ -87,6 +88,31 @@ def warning_score(risks: Sequence[tuple[int, float]], prompt_len: int, wrong: in
     last = math.inf if wrong is None else max(prompt_len - 1, prompt_len + wrong - 1 - k)
     seen = [r for s, r in risks if s <= last]
     return max(seen) if seen else 0.0
+
+
+def matched_auroc(
+    risks: Sequence[Sequence[tuple[int, float]]],
+    prompt_lens: Sequence[int],
+    wrongs: Sequence[int | None],
+    labels: Sequence[bool],
+    k: int,
+) -> float:
+    """The AUROC with both classes scored over the same horizon: each (failing, passing) pair
+    compares the failure's :func:`warning_score` with the passing request's over the steps before
+    the failure's own first wrong token (``k`` early), so a signal that grows with the length of
+    the generation earns nothing from a passing request's longer window (a tie counts a half);
+    NaN when one class is empty. A failure without a wrong token compares whole generations."""
+    fails = [i for i, y in enumerate(labels) if y]
+    passes = [i for i, y in enumerate(labels) if not y]
+    if not fails or not passes:
+        return float("nan")
+    wins = 0.0
+    for f in fails:
+        sf = warning_score(risks[f], prompt_lens[f], wrongs[f], k)
+        for p in passes:
+            sp = warning_score(risks[p], prompt_lens[p], wrongs[f], k)
+            wins += (sf > sp) + 0.5 * (sf == sp)
+    return wins / (len(fails) * len(passes))
 
 
 def fit_weights(features: Sequence[Sequence[float]], labels: Sequence[bool], l2: float = 0.05):
@@ -221,6 +247,16 @@ def _scores(outcomes: list[Outcome], k: int, key: str = "risk") -> list[float]:
     return [_score(o, k, key) for o in outcomes]
 
 
+def _matched(outcomes: list[Outcome], k: int, key: str = "risk") -> float:
+    return matched_auroc(
+        [[(r["step"], r[key]) for r in o.risks] for o in outcomes],
+        [o.prompt_len for o in outcomes],
+        [o.wrong for o in outcomes],
+        [o.failed for o in outcomes],
+        k,
+    )
+
+
 def _rescore(outcomes: list[Outcome], weights: Sequence[float], bias: float) -> None:
     """Add ``fitted``, the risk with ``weights`` and ``bias``, to every logged step."""
     from h2o_lens.guard import SIGNALS
@@ -246,6 +282,9 @@ class GuardReport:
     weights: tuple[float, ...] | None = None  # fitted on the fit seed (None: the defaults)
     bias: float | None = None
     early: dict[int, int] = field(default_factory=dict)  # failures scored at the prefill alone, per k
+    matched: dict[str, dict[int, float]] = field(default_factory=dict)  # the same-horizon AUROC
+    outcomes: list[Outcome] = field(default_factory=list)  # the report seed's requests (for --dump)
+    fit_outcomes: list[Outcome] = field(default_factory=list)
 
 
 def _base_pass(model, tokenizer, tasks, ratio, guard_cfg, progress) -> tuple[list, list, list]:
@@ -307,6 +346,7 @@ def evaluate(
     labels = [o.failed for o in outs]
     names = ("risk", *(("fitted",) if fitted is not None else ()), *SIGNALS)
     aurocs = {name: {k: auroc(_scores(outs, k, name), labels) for k in ks} for name in names}
+    matched = {name: {k: _matched(outs, k, name) for k in ks} for name in names}
     early = {k: sum(1 for o in outs if o.failed and o.wrong is not None and o.wrong < k) for k in ks}
 
     def verdict(run: RequestRun, i: int) -> bool:
@@ -368,6 +408,9 @@ def evaluate(
         weights=None if fitted is None else tuple(weights),
         bias=None if fitted is None else bias,
         early=early,
+        matched=matched,
+        outcomes=outs,
+        fit_outcomes=fit,
     )
 
 
@@ -396,6 +439,14 @@ def format_report(report: GuardReport) -> str:
     ]
     for name, by_k in report.aurocs.items():
         lines.append(f"{name:>10} " + " ".join(f"{v:>7.3f}" for v in by_k.values()))
+    if report.matched:
+        lines += [
+            "",
+            "AUROC over the same horizon (each failing/passing pair scored over the steps before the failure's "
+            "first wrong token, k early)",
+        ]
+        for name, by_k in report.matched.items():
+            lines.append(f"{name:>10} " + " ".join(f"{v:>7.3f}" for v in by_k.values()))
     if report.weights is not None:
         from h2o_lens.guard import SIGNALS
 
@@ -428,9 +479,11 @@ def bench_guard(
     policies: Sequence[tuple] = POLICIES,
     budgets: Sequence[float] = BUDGETS,
     threshold: float | None = None,
+    dump: str | None = None,
 ) -> int:
     """The CLI's ``bench guard``: load the model, resolve the tasks (``seed`` and ``fit_seed``),
-    evaluate and print. Returns 0."""
+    evaluate and print; ``dump`` a JSON file that gets each request's outcome and per-step
+    signals (both seeds), for analyses of its own. Returns 0."""
     import sys
 
     from h2o_lens.errors import ConfigError
@@ -477,7 +530,29 @@ def bench_guard(
     )
     print(file=sys.stderr)
     print(format_report(report), flush=True)
+    if dump:
+        write_outcomes(dump, report)
+        print(f"outcomes of {len(report.outcomes)} + {len(report.fit_outcomes)} requests written to {dump}")
     return 0
+
+
+def write_outcomes(path: str, report: GuardReport) -> None:
+    """The report's requests as JSON: ``{"report": [...], "fit": [...]}``, each request's name,
+    prompt length, failure, first wrong token and per-step signals and risk; written whole to a
+    temporary file first, so an interrupted write leaves no half file."""
+    import dataclasses
+    import json
+    import os
+
+    data = {
+        "ratio": report.ratio,
+        "report": [dataclasses.asdict(o) for o in report.outcomes],
+        "fit": [dataclasses.asdict(o) for o in report.fit_outcomes],
+    }
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
 
 
 def bench_decode_guard(

@@ -62,8 +62,11 @@ def add_parser(sub: Any) -> None:
         default=None,
         metavar="ACTION:TARGET[:RESCUE][@THRESHOLD]",
         help="guard: the guard's policies to run, e.g. raise:0.35:0.15 refill:1.0 raise:0.35:0.25@0 (@: act at "
-        "that risk instead of the fitted or --threshold one; 0: every request) "
-        "(default raise:0.35:0.15 raise:0.5 refill:1.0)",
+        "that risk instead of the fitted or --threshold one; 0: every request; none: no policy, the AUROC "
+        "alone) (default raise:0.35:0.15 raise:0.5 refill:1.0)",
+    )
+    b.add_argument(
+        "--dump", default=None, metavar="FILE", help="guard: write each request's outcome and signals as JSON"
     )
     b.add_argument(
         "--fixed",
@@ -201,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
             threshold=args.threshold,
             policies=guard_policies(args.guard_policies),
             budgets=tuple(args.fixed) if args.fixed else BUDGETS,
+            dump=args.dump,
         )
     if args.what == "press":
         from .bench_press import bench_press, bench_press_agreement
@@ -238,6 +242,8 @@ def guard_policies(items: list[str] | None) -> tuple[tuple, ...]:
         from .bench_guard import POLICIES
 
         return POLICIES
+    if items == ["none"]:
+        return ()
     from .options import guard_item
 
     out = []

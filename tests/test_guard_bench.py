@@ -4,6 +4,7 @@ its AUROC is the ROC area."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -19,8 +20,10 @@ from commands.bench_guard import (
     fit_threshold,
     fit_weights,
     format_report,
+    matched_auroc,
     run_request,
     warning_score,
+    write_outcomes,
 )
 from h2o_lens import H2OConfig
 from h2o_lens.guard import GuardConfig
@@ -107,7 +110,7 @@ def test_harness_onset_is_the_teacher_divergence(model):
     assert seen_failure  # 20 % of the prompt makes the tiny model diverge
 
 
-def test_evaluate_end_to_end_on_a_tiny_model(model):
+def test_evaluate_end_to_end_on_a_tiny_model(model, tmp_path):
     """The full cache's row is the teacher (all right, all memory); at threshold 0 both actions
     act on every request at the prefill, before anything is evicted, so both keep the whole
     prompt (40 slots of 41 to 53 tokens) and recover every failure; every figure is a share."""
@@ -138,6 +141,14 @@ def test_evaluate_end_to_end_on_a_tiny_model(model):
         assert set(by_k) == {1, 4} and all(math.isnan(v) or 0.0 <= v <= 1.0 for v in by_k.values())
     text = format_report(report)
     assert "AUROC" in text and "recovered" in text and "fixed 20%" in text
+    assert "same horizon" in text and set(report.matched) == set(report.aurocs)
+    dump = tmp_path / "outcomes.json"
+    write_outcomes(str(dump), report)
+    data = json.loads(dump.read_text())
+    assert len(data["report"]) == report.requests and data["fit"] == []
+    for o, got in zip(report.outcomes, data["report"]):
+        assert (got["name"], got["failed"], got["wrong"]) == (o.name, o.failed, o.wrong)
+        assert [r["risk"] for r in got["risks"]] == pytest.approx([r["risk"] for r in o.risks])
 
 
 def test_bench_decode_guard_rows(model, capsys):
@@ -166,6 +177,33 @@ def test_warning_score_counts_the_prefill_for_an_early_onset():
     assert warning_score(risks, 10, 6, 4) == 0.9  # steps <= 10 + 6 - 1 - 4 = 11
     assert warning_score(risks, 10, 2, 1) == 0.9
     assert warning_score(risks, 10, None, 4) == 0.9
+
+
+def test_matched_auroc_scores_both_classes_over_the_same_horizon():
+    """A signal that grows with every step and is the same for every request: the any-step AUROC
+    calls it worse than chance (a passing request's whole generation holds its highest values),
+    over the same horizon it is a coin toss (0.5); one that is higher on the failures at every
+    step is perfect either way. Recomputed by brute force over the pairs."""
+    growing = [[(9 + s, 0.1 * s) for s in range(12)] for _ in range(4)]
+    lens, wrongs, labels = [10] * 4, [3, 5, None, None], [True, True, False, False]
+    plain = auroc([warning_score(r, 10, w if y else None, 1) for r, w, y in zip(growing, wrongs, labels)], labels)
+    assert plain == 0.0
+    assert matched_auroc(growing, lens, wrongs, labels, 1) == 0.5
+    higher = [[(s, v + (0.5 if y else 0.0)) for s, v in r] for r, y in zip(growing, labels)]
+    assert matched_auroc(higher, lens, wrongs, labels, 1) == 1.0
+    gen = torch.Generator().manual_seed(1)
+    noisy = [[(9 + s, float(torch.rand(1, generator=gen))) for s in range(12)] for _ in range(6)]
+    lens, wrongs, labels = [10] * 6, [2, 6, 9, None, None, 4], [True, True, True, False, False, False]
+    pairs = [
+        (warning_score(noisy[f], 10, wrongs[f], 4), warning_score(noisy[p], 10, wrongs[f], 4))
+        for f in range(6)
+        if labels[f]
+        for p in range(6)
+        if not labels[p]
+    ]
+    want = sum((a > b) + 0.5 * (a == b) for a, b in pairs) / len(pairs)
+    assert matched_auroc(noisy, lens, wrongs, labels, 4) == pytest.approx(want)
+    assert math.isnan(matched_auroc(noisy, lens, wrongs, [True] * 6, 4))
 
 
 def test_fit_weights_finds_the_signal_that_separates():
@@ -227,6 +265,7 @@ def test_guard_policies_parse_an_own_threshold():
         ("refill", 1.0, 0.0),
         ("raise", 0.5, 0.0, 0.7),
     )
+    assert guard_policies(["none"]) == ()  # the AUROC alone
 
 
 def test_cli_refuses_a_bad_guard_policy_in_one_line(capsys):
