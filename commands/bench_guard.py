@@ -115,15 +115,29 @@ def matched_auroc(
     return wins / (len(fails) * len(passes))
 
 
-def fit_weights(features: Sequence[Sequence[float]], labels: Sequence[bool], l2: float = 0.05):
+def fit_weights(
+    features: Sequence[Sequence[float]],
+    labels: Sequence[bool],
+    l2: float = 0.05,
+    sample_weights: Sequence[float] | None = None,
+):
     """``(weights, bias)`` of an L2-regularised logistic regression of ``labels`` on ``features``
-    (per request, each signal's warning score); None when one class is empty. The guard's
-    risk with these weights is the same logistic per step (DESIGN.md §18.3)."""
+    (per request, each signal's warning score), each row counted ``sample_weights`` times (once
+    without); None when one class is empty. The guard's risk with these weights is the same
+    logistic per step (DESIGN.md §18.3)."""
     pos = sum(labels)
     if not pos or pos == len(labels):
         return None
-    x = torch.tensor(features, dtype=torch.float64)
+    raw = torch.tensor(features, dtype=torch.float64)
     y = torch.tensor([float(v) for v in labels], dtype=torch.float64)
+    sw = torch.ones(len(labels), dtype=torch.float64) if sample_weights is None else torch.tensor(sample_weights)
+    sw = sw.to(torch.float64) / sw.sum() * len(labels)
+    # standardised features: the penalty weighs every signal alike, whatever its range (the prefill
+    # signal moves by hundredths); the weights are mapped back to the raw signals below
+    mean = (raw * sw[:, None]).sum(0) / sw.sum()
+    std = ((((raw - mean) ** 2) * sw[:, None]).sum(0) / sw.sum()).sqrt()
+    std = torch.where(std > 1e-12, std, torch.ones_like(std))
+    x = (raw - mean) / std
     w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
     b = torch.zeros((), dtype=torch.float64, requires_grad=True)
     opt = torch.optim.LBFGS([w, b], max_iter=200, line_search_fn="strong_wolfe")
@@ -131,13 +145,14 @@ def fit_weights(features: Sequence[Sequence[float]], labels: Sequence[bool], l2:
     def loss():
         opt.zero_grad()
         z = x @ w + b
-        value = torch.nn.functional.binary_cross_entropy_with_logits(z, y) + l2 * (w * w).sum()
+        value = torch.nn.functional.binary_cross_entropy_with_logits(z, y, weight=sw) + l2 * (w * w).sum()
         value.backward()
         return value
 
     with torch.enable_grad():
         opt.step(loss)
-    return tuple(float(v) for v in w.detach()), float(b.detach())
+    scaled = w.detach() / std
+    return tuple(float(v) for v in scaled), float(b.detach() - (scaled * mean).sum())
 
 
 def fit_threshold(scores: Sequence[float], labels: Sequence[bool]) -> float:
@@ -257,6 +272,25 @@ def _matched(outcomes: list[Outcome], k: int, key: str = "risk") -> float:
     )
 
 
+def matched_features(outcomes: list[Outcome], k: int = 4) -> tuple[list[list[float]], list[bool], list[float]]:
+    """The fit's rows over the same horizon (DESIGN.md §18.6): a failing request's warning score
+    of each signal before its own first wrong token (``k`` early), and a passing request's over
+    the same steps once per failure onset, each such row weighted ``1 / failures`` (a passing
+    request counts once in all). ``(features, labels, sample weights)``."""
+    from h2o_lens.guard import SIGNALS
+
+    onsets = [o.wrong for o in outcomes if o.failed]
+    rows, labels, weights = [], [], []
+    for o in outcomes:
+        for j in [o.wrong] if o.failed else onsets:
+            rows.append(
+                [warning_score([(r["step"], r[name]) for r in o.risks], o.prompt_len, j, k) for name in SIGNALS]
+            )
+            labels.append(o.failed)
+            weights.append(1.0 if o.failed else 1.0 / len(onsets))
+    return rows, labels, weights
+
+
 def _rescore(outcomes: list[Outcome], weights: Sequence[float], bias: float) -> None:
     """Add ``fitted``, the risk with ``weights`` and ``bias``, to every logged step."""
     from h2o_lens.guard import SIGNALS
@@ -333,7 +367,8 @@ def evaluate(
     if fit_tasks:
         _, _, fit = _base_pass(model, tokenizer, fit_tasks, ratio, logging, tick)
         fit = [o for o in fit if o is not None]
-        fitted = fit_weights([[_score(o, 4, name) for name in SIGNALS] for o in fit], [o.failed for o in fit])
+        rows, labels, weights = matched_features(fit, 4)  # each pair over the same horizon
+        fitted = fit_weights(rows, labels, sample_weights=weights)
     weights, bias = fitted if fitted is not None else (DEFAULT_WEIGHTS, DEFAULT_BIAS)
     if fit and threshold is None:
         _rescore(fit, weights, bias)

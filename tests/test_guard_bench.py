@@ -206,6 +206,49 @@ def test_matched_auroc_scores_both_classes_over_the_same_horizon():
     assert math.isnan(matched_auroc(noisy, lens, wrongs, [True] * 6, 4))
 
 
+def test_sample_weights_count_a_row_that_many_times():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.rand(12, 3, generator=gen).tolist()
+    y = [i % 3 == 0 for i in range(12)]
+    twice = fit_weights(x + x[:4], y + y[:4])
+    weighted = fit_weights(x, y, sample_weights=[2.0] * 4 + [1.0] * 8)
+    assert twice[0] == pytest.approx(weighted[0], abs=1e-6) and twice[1] == pytest.approx(weighted[1], abs=1e-6)
+
+
+def test_a_signal_that_moves_by_hundredths_is_not_shrunk_away():
+    """The fit standardises its features: a signal whose values differ by 0.01 between the classes
+    (as the prefill signal's do) ranks the requests perfectly once fitted, beside a noisy one of
+    range 1."""
+    gen = torch.Generator().manual_seed(3)
+    y = [i % 2 == 0 for i in range(30)]
+    x = [[0.12 + (0.005 if f else -0.005), float(torch.rand(1, generator=gen))] for f in y]
+    weights, bias = fit_weights(x, y)
+    assert weights[0] > 50 * abs(weights[1])
+    assert auroc([bias + weights[0] * a + weights[1] * b for a, b in x], y) == 1.0
+
+
+def test_matched_features_score_a_pass_at_each_failure_onset():
+    """Two failures (onsets 2 and 6) and one pass: the pass gives two rows, each over the steps
+    before one onset (k = 1) and weighted 1/2; every value is its signal's warning score there."""
+    from commands.bench_guard import Outcome, matched_features
+    from h2o_lens.guard import SIGNALS
+
+    def risks(base):
+        return [{"step": 9 + s, **{n: base + 0.01 * s + 0.1 * i for i, n in enumerate(SIGNALS)}} for s in range(9)]
+
+    outs = [
+        Outcome("a", 10, True, 2, risks(0.0)),
+        Outcome("b", 10, True, 6, risks(0.2)),
+        Outcome("c", 10, False, None, risks(0.1)),
+    ]
+    rows, labels, weights = matched_features(outs, 1)
+    assert labels == [True, True, False, False] and weights == [1.0, 1.0, 0.5, 0.5]
+    for row, (o, j) in zip(rows, [(outs[0], 2), (outs[1], 6), (outs[2], 2), (outs[2], 6)]):
+        want = [warning_score([(r["step"], r[n]) for r in o.risks], 10, j, 1) for n in SIGNALS]
+        assert row == pytest.approx(want)
+    assert rows[2][0] == pytest.approx(0.1 + 0.01 * 1)  # steps <= 10 + 2 - 1 - 1 = 10: the prefill's and one
+
+
 def test_fit_weights_finds_the_signal_that_separates():
     """Requests whose second feature is high fail: its weight comes out positive and largest, and
     the fitted logistic ranks the requests perfectly; one class alone gives None."""
