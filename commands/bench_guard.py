@@ -464,7 +464,7 @@ def format_report(report: GuardReport) -> str:
     lines = [
         f"base budget {report.ratio:.0%}: {report.requests} requests "
         f"({report.left_out} left out: the full cache fails them); threshold {report.threshold:.3f} "
-        + (f"fitted on {report.fit_requests} requests of the fit seed" if report.fit_requests else "(not fitted)"),
+        + (f"fitted on {report.fit_requests} other requests (the fit set)" if report.fit_requests else "(not fitted)"),
         "",
         "AUROC of the warning score (highest risk >= k steps before the first wrong token; the prefill's "
         "risk always counts) vs failure",
@@ -486,7 +486,7 @@ def format_report(report: GuardReport) -> str:
         from h2o_lens.guard import SIGNALS
 
         fitted = ", ".join(f"{n} {w:+.2f}" for n, w in zip(SIGNALS, report.weights))
-        lines += ["", f"weights fitted on the fit seed: bias {report.bias:+.2f}, {fitted}"]
+        lines += ["", f"weights fitted on the fit set: bias {report.bias:+.2f}, {fitted}"]
     lines += ["", f"{'policy':>38} {'accuracy':>9} {'mean KV':>8} {'s/request':>10}"]
     for row in report.table:
         lines.append(
@@ -515,9 +515,12 @@ def bench_guard(
     budgets: Sequence[float] = BUDGETS,
     threshold: float | None = None,
     dump: str | None = None,
+    fit_tasks: str | None = None,
 ) -> int:
     """The CLI's ``bench guard``: load the model, resolve the tasks (``seed`` and ``fit_seed``),
-    evaluate and print; ``dump`` a JSON file that gets each request's outcome and per-step
+    evaluate and print; ``fit_tasks`` the requests the weights and threshold are fitted on
+    (default: ``tasks`` at ``fit_seed`` when they are built-in; a task file has no seeds, so give
+    another file of one's own traffic); ``dump`` a JSON file that gets each request's outcome and per-step
     signals (both seeds), for analyses of its own. Returns 0."""
     import sys
 
@@ -534,23 +537,38 @@ def bench_guard(
         raise ConfigError(f"bench guard --fixed {bad[0]}: expected keep ratios in (0, 1], such as 0.2 0.35 1.0")
     model, tokenizer = load_model(model_name, progress=False)
 
-    def resolve(s: int) -> list[Any]:
-        if not tasks.startswith("builtin:"):
-            return resolve_tasks(tasks, seed=s, length=length, count=count, tokenizer=tokenizer)
-        names = tasks.removeprefix("builtin:").split(",")  # builtin:needle,delayed_reference: both families
+    def resolve(spec: str, s: int) -> list[Any]:
+        if not spec.startswith("builtin:"):
+            return resolve_tasks(spec, seed=s, length=length, count=count, tokenizer=tokenizer)
+        names = spec.removeprefix("builtin:").split(",")  # builtin:needle,delayed_reference: both families
         return [
             t
             for n in names
             for t in resolve_tasks(f"builtin:{n}", seed=s, length=length, count=count, tokenizer=tokenizer)
         ]
 
-    run = resolve(seed)
-    fit = resolve(fit_seed) if fit_seed is not None and tasks.startswith("builtin:") else []
+    run = resolve(tasks, seed)
+    if fit_tasks is not None:
+        fit = resolve(fit_tasks, fit_seed if fit_seed is not None else seed + 1)
+    else:
+        fit = resolve(tasks, fit_seed) if fit_seed is not None and tasks.startswith("builtin:") else []
+    if not fit and threshold is None:
+        print(
+            "bench guard: nothing to fit on (a task file has no seeds): the default weights and no action; "
+            "give --fit-tasks FILE (other requests of the same traffic) or --threshold",
+            file=sys.stderr,
+        )
 
     def progress(msg: str) -> None:
         print(f"\r{msg}", end="", file=sys.stderr, flush=True)
 
-    fitted = f"fit seed {fit_seed}" if threshold is None else f"threshold {threshold} given"
+    fitted = (
+        f"threshold {threshold} given"
+        if threshold is not None
+        else f"fit on {fit_tasks}"
+        if fit_tasks is not None
+        else f"fit seed {fit_seed}"
+    )
     print(f"bench guard: {tasks} (seed {seed}, {fitted}), {len(run)} requests, ratio {ratio}", flush=True)
     report = evaluate(
         model,

@@ -66,6 +66,13 @@ def add_parser(sub: Any) -> None:
         "alone) (default raise:0.35:0.15 raise:0.5 refill:1.0)",
     )
     b.add_argument(
+        "--fit-tasks",
+        default=None,
+        metavar="FILE|builtin:NAME",
+        help="guard: the requests the weights and threshold are fitted on (default: --tasks at seed + 1 when "
+        "built-in; a task file needs another file of the same traffic)",
+    )
+    b.add_argument(
         "--dump", default=None, metavar="FILE", help="guard: write each request's outcome and signals as JSON"
     )
     b.add_argument(
@@ -205,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
             policies=guard_policies(args.guard_policies),
             budgets=tuple(args.fixed) if args.fixed else BUDGETS,
             dump=args.dump,
+            fit_tasks=args.fit_tasks,
         )
     if args.what == "press":
         from .bench_press import bench_press, bench_press_agreement

@@ -15,6 +15,7 @@ import h2o_lens
 from commands.bench_guard import (
     auroc,
     bench_decode_guard,
+    bench_guard,
     evaluate,
     first_wrong,
     fit_threshold,
@@ -273,7 +274,7 @@ def test_evaluate_fits_weights_on_the_fit_seed(model):
     assert 0.0 <= report.threshold <= 1.0
     if report.weights is not None:
         assert len(report.weights) == 9 and "fitted" in report.aurocs
-        assert "weights fitted on the fit seed" in format_report(report)
+        assert "weights fitted on the fit set" in format_report(report)
     else:
         assert "fitted" not in report.aurocs
     assert [r["policy"] for r in report.recovered] == [f"guard raise->35%+15% pinned @{report.threshold:.3f}"]
@@ -325,3 +326,30 @@ def test_cli_refuses_a_bad_guard_policy_in_one_line(capsys):
     assert "threshold after @ must be in [0, 1]" in capsys.readouterr().err
     assert main(["bench", "guard", "--fixed", "0.2", "1.5"]) == 2
     assert "--fixed 1.5: expected keep ratios in (0, 1]" in capsys.readouterr().err
+
+
+def test_a_task_file_is_fitted_on_the_fit_tasks_given(tmp_path, capsys):
+    """A task file has no seeds: without ``--fit-tasks`` the bench says there is nothing to fit
+    on and uses the defaults; with another file it fits there (the report says on how many
+    requests) and reports on the first."""
+    from tiny import save_tiny
+
+    save_tiny(tmp_path / "m", seed=0)
+
+    def write(path, seed):
+        gen = torch.Generator().manual_seed(seed)
+        with open(path, "w") as f:
+            for i in range(4):
+                text = "".join(chr(int(c)) for c in torch.randint(97, 123, (60,), generator=gen))
+                f.write(json.dumps({"name": f"r{seed}-{i}", "prompt": text, "max_new_tokens": 8}) + "\n")
+
+    write(tmp_path / "run.jsonl", 1)
+    write(tmp_path / "fit.jsonl", 2)
+    common = dict(model_name=str(tmp_path / "m"), tasks=str(tmp_path / "run.jsonl"), policies=(), budgets=(0.2,))
+    assert bench_guard(**common) == 0
+    out = capsys.readouterr()
+    assert "nothing to fit on" in out.err and "(not fitted)" in out.out
+    assert bench_guard(**common, fit_tasks=str(tmp_path / "fit.jsonl")) == 0
+    out = capsys.readouterr()
+    assert f"fit on {tmp_path / 'fit.jsonl'}" in out.out and "nothing to fit on" not in out.err
+    assert "fitted on 4 other requests (the fit set)" in out.out
