@@ -207,6 +207,26 @@ def figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     dist = data.get("budget_distribution") or []
     if dist:
         figs["fig-budgets"] = budget_figure(dist)
+    guard = data.get("guard") or {}
+    if guard.get("risk"):
+        reqs = sorted({r["request"] for r in guard["risk"]})[:4]
+        acts = guard.get("actions") or []
+        figs["fig-guard"] = {
+            "data": _series(guard["risk"], "risk", "risk", reqs)
+            + [
+                {
+                    "type": "scatter",
+                    "mode": "markers+text",
+                    "name": "action",
+                    "marker": {"symbol": "triangle-up", "size": 11, "color": "#c23b32"},
+                    "text": [a["action"] for a in acts],
+                    "textposition": "top center",
+                    "x": [a["step"] for a in acts],
+                    "y": [a["risk"] for a in acts],
+                }
+            ],
+            "layout": _layout("Guard: online risk over steps (the first point is the prefill's)", "step", "risk"),
+        }
     return figs
 
 
@@ -308,8 +328,8 @@ def _why(data: dict[str, Any], figs: dict[str, Any]) -> str:
     return "".join(out)
 
 
-def _guard(data: dict[str, Any]) -> str:
-    """The guard's requests and actions (DESIGN.md §18.5), when the run has them."""
+def _guard(data: dict[str, Any], figs: dict[str, Any]) -> str:
+    """The guard's risk curve, requests and actions (DESIGN.md §18.5), when the run has them."""
     guard = data.get("guard") or {}
     if not guard.get("requests"):
         return ""
@@ -319,7 +339,10 @@ def _guard(data: dict[str, Any]) -> str:
         else "<p>No action was taken.</p>"
     )
     requests = _table(guard["requests"], ("request", "steps", "max_risk", "peak_step", "mean_risk", "actions"))
-    return f"<h2>Guard</h2><p>The online risk per request and the actions it took.</p>{requests}{actions}"
+    return (
+        "<h2>Guard</h2><p>The online risk per request and the actions it took.</p>"
+        f"{_fig('fig-guard', figs)}{requests}{actions}"
+    )
 
 
 def _lifecycle(data: dict[str, Any]) -> str:
@@ -430,7 +453,7 @@ heavy threshold rose and heavy slots aged; windows of {dyn['freezing']['window']
 {dyn['stale']['stale_victims']} of {dyn['stale']['heavy_evictions']} heavy-slot evictions were stale.</p>
 <div class="grid">{_fig('fig-freeze', figs)}{_fig('fig-margins', figs)}</div>
 <h2>Oracle agreement</h2>{oracle_html}
-{_guard(data)}
+{_guard(data, figs)}
 {_lifecycle(data)}
 """
 

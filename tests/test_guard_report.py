@@ -13,6 +13,7 @@ import torch
 from tiny import local_attention, tiny_model
 
 import analyses
+import analyses._html
 import recorders
 from analyses.guard import guard_actions, guard_requests, guard_risk
 from h2o_lens import H2OConfig
@@ -67,9 +68,14 @@ def test_report_has_the_guard_section(root):
     md = analyses.build_report(out, run, fmt="md")
     assert "## Guard" in md and "slots_before" in md
     html = analyses.build_report(out, run, fmt="html")
-    assert "<h2>Guard</h2>" in html
+    assert "<h2>Guard</h2>" in html and 'id="fig-guard"' in html
+    steps = load_run(out / run)["guard_steps"].to_pandas().sort_values(["request", "step"])
+    assert [[r["request"], r["step"]] for r in data["guard"]["risk"]] == steps[["request", "step"]].values.tolist()
+    fig = analyses._html.figures(data)["fig-guard"]
+    assert [t["name"] for t in fig["data"]] == ["risk r0", "risk r1", "action"]
+    assert fig["data"][2]["text"] == ["raise", "raise"]
     other = analyses.report_data(out, plain)
-    assert other["guard"] == {"requests": [], "actions": []}
+    assert other["guard"] == {"requests": [], "actions": [], "risk": []}
     assert "## Guard" not in analyses.build_report(out, plain, fmt="md")
 
 
