@@ -178,3 +178,22 @@ def test_fallback_refill_refills_the_risky_requests(model):
     assert {e["request"] for e in refills} == {0, 1, 2, 3}  # any drift of the pair passes 1e-6
     assert all(e["seconds"] > 0 and e["slots_after"] == 12 and e["step"] >= PROMPT for e in refills)
     assert g.last.cache.row_capacity(g.last.cache.layers[0].budget).tolist() == [12] * 5
+
+
+def test_a_recorded_canary_run_with_its_fallback_passes_the_strict_check(model, tmp_path):
+    """The copies are requests of the log, the canary raise and the requests' fallback raises at the
+    prefill are two state events, and the run's tables agree with its manifest."""
+    import recorders
+    from runlog.store import check_run, load_run
+
+    ids = _ids()
+    gcfg = GuardConfig(action="canary", fallback="raise", threshold=0.0, raise_slots=12, canary_share=0.25, tail=0)
+    with guarded(gcfg) as g, recorders.record(model, H2OConfig(heavy=4, recent=3), out=tmp_path, fsync=False) as run:
+        batch, _ = g.canary_batch(ids)
+        with torch.no_grad():
+            model.generate(batch, max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
+    check_run(tmp_path / run.run_id)
+    loaded = load_run(tmp_path / run.run_id)
+    events = loaded["guard_events"].to_pandas()
+    assert sorted(events["action"]) == ["canary"] + ["raise"] * 4
+    assert loaded["requests"].to_pandas()["heavy"].tolist() == [9] * 5  # every row raised to 12 slots
