@@ -535,6 +535,14 @@ def bench_guard(
     bad = [b for b in budgets if not 0.0 < b <= 1.0]
     if bad:
         raise ConfigError(f"bench guard --fixed {bad[0]}: expected keep ratios in (0, 1], such as 0.2 0.35 1.0")
+    if dump is not None:
+        import os
+
+        folder = os.path.dirname(os.path.abspath(dump))
+        if not os.path.isdir(folder) or os.path.isdir(dump):
+            raise ConfigError(
+                f"bench guard --dump {dump!r}: give a file path in an existing folder (checked before the runs)"
+            )
     model, tokenizer = load_model(model_name, progress=False)
 
     def resolve(spec: str, s: int) -> list[Any]:
@@ -603,9 +611,14 @@ def write_outcomes(path: str, report: GuardReport) -> None:
         "fit": [dataclasses.asdict(o) for o in report.fit_outcomes],
     }
     tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):  # a full disk or an interrupt leaves no half file behind
+            os.remove(tmp)
+        raise
 
 
 def bench_decode_guard(

@@ -150,6 +150,10 @@ def test_evaluate_end_to_end_on_a_tiny_model(model, tmp_path):
     for o, got in zip(report.outcomes, data["report"]):
         assert (got["name"], got["failed"], got["wrong"]) == (o.name, o.failed, o.wrong)
         assert [r["risk"] for r in got["risks"]] == pytest.approx([r["risk"] for r in o.risks])
+    (tmp_path / "a-folder").mkdir()
+    with pytest.raises(OSError):  # the write fails at the rename: no half file is left behind
+        write_outcomes(str(tmp_path / "a-folder"), report)
+    assert not (tmp_path / "a-folder.tmp").exists()
 
 
 def test_bench_decode_guard_rows(model, capsys):
@@ -324,6 +328,8 @@ def test_cli_refuses_a_bad_guard_policy_in_one_line(capsys):
     assert "ACTION:TARGET[:RESCUE][@THRESHOLD]" in capsys.readouterr().err
     assert main(["bench", "guard", "--guard-policies", "raise:0.35@1.5"]) == 2
     assert "threshold after @ must be in [0, 1]" in capsys.readouterr().err
+    assert main(["bench", "guard", "--dump", "/nowhere/at/all.json"]) == 2
+    assert "give a file path in an existing folder" in capsys.readouterr().err
     assert main(["bench", "guard", "--fixed", "0.2", "1.5"]) == 2
     assert "--fixed 1.5: expected keep ratios in (0, 1]" in capsys.readouterr().err
 
