@@ -14,10 +14,12 @@ checker is left out, as no budget can save it. It prints:
 - how many of H2O's failures at ``--ratio`` each guard policy recovered, at what mean memory and
   time per request.
 
-The weights (an L2-regularised logistic regression of failure on each signal's warning score at
-k = 4, :func:`fit_weights`) and the threshold (the best TPR − FPR of the fitted risk's warning
-score at k = 4; 1.0, never act, when none beats chance) are fitted on the requests of
-``--seed + 1``, and the guard runs with them on those of ``--seed`` (DESIGN.md §18.6).
+The heads the ``prefill`` signal reads (the ``--heads`` layers and KV sets whose lost share at the
+prefill best ranks the failures, :func:`select_heads`), the weights (an L2-regularised logistic
+regression of failure on each signal's warning score at k = 4, :func:`fit_weights`) and the
+threshold (the best TPR − FPR of the fitted risk's warning score at k = 4; 1.0, never act, when
+none beats chance) are fitted on the requests of ``--seed + 1``, and the guard runs with them on
+those of ``--seed`` (DESIGN.md §18.6).
 """
 
 from __future__ import annotations
@@ -39,11 +41,14 @@ __all__ = [
     "warning_score",
     "matched_auroc",
     "fit_threshold",
+    "select_heads",
     "RequestRun",
     "run_request",
     "evaluate",
     "format_report",
     "bench_guard",
+    "write_fit",
+    "read_fit",
 ]
 
 KS = (1, 4, 16)
@@ -51,6 +56,8 @@ BUDGETS = (0.05, 0.1, 0.2, 0.35, 0.5, 1.0)
 #: the guard's policies the bench runs: (action, target keep ratio, rescue share[, threshold]), DESIGN.md
 #: §18.2; a policy with its own threshold acts at it instead of the fitted (or given) one
 POLICIES = (("raise", 0.35, 0.15), ("raise", 0.5, 0.0), ("refill", 1.0, 0.0))
+#: the heads the fitted ``prefill`` signal reads (DESIGN.md §18.1)
+HEADS = 5
 
 
 def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float:
@@ -183,6 +190,8 @@ class RequestRun:
     risks: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     guard_seconds: float = 0.0
+    #: the guard's lost share at the prefill per layer and KV set (:attr:`GuardState.prefill_heads`)
+    heads: list[list[float]] = field(default_factory=list)
 
 
 class _Slots:
@@ -231,6 +240,8 @@ def run_request(model: Any, tokenizer: Any, task: Any, config: Any = None, guard
     run = RequestRun(tokens, answer, task.check(answer) if task.checked else None, seconds, memory)
     if g is not None and g.last is not None:
         run.risks, run.events, run.guard_seconds = g.last.risk_rows(), g.last.event_rows(), g.last.seconds
+        if g.last.prefill_heads is not None:
+            run.heads = g.last.prefill_heads[0].tolist()
     return run
 
 
@@ -243,6 +254,7 @@ class Outcome:
     failed: bool
     wrong: int | None
     risks: list[dict[str, Any]]
+    heads: list[list[float]] = field(default_factory=list)  # the lost share per layer and KV set
 
 
 def _outcome(task: Any, prompt_len: int, teacher: RequestRun, base: RequestRun) -> Outcome | None:
@@ -251,7 +263,7 @@ def _outcome(task: Any, prompt_len: int, teacher: RequestRun, base: RequestRun) 
         return None
     wrong = first_wrong(teacher.tokens, base.tokens)
     failed = (base.passed is False) if base.passed is not None else wrong is not None
-    return Outcome(task.name, prompt_len, failed, wrong, base.risks)
+    return Outcome(task.name, prompt_len, failed, wrong, base.risks, base.heads)
 
 
 def _score(o: Outcome, k: int, key: str = "risk") -> float:
@@ -291,6 +303,35 @@ def matched_features(outcomes: list[Outcome], k: int = 4) -> tuple[list[list[flo
     return rows, labels, weights
 
 
+def select_heads(outcomes: list[Outcome], count: int) -> tuple[tuple[int, int], ...]:
+    """The ``count`` ``(layer, KV set)`` pairs whose lost share at the prefill ranks ``outcomes``'
+    failures best (the highest AUROC; the lower index of equals), in that order: the heads that
+    read back for the fitted ``prefill`` signal (DESIGN.md §18.1); () when ``count`` is 0, the
+    outcomes carry no shares or one class is empty."""
+    have = [o for o in outcomes if o.heads]
+    labels = [o.failed for o in have]
+    if count <= 0 or not have or all(labels) or not any(labels):
+        return ()
+    n_sets = len(have[0].heads[0])
+    flat = [[v for layer in o.heads for v in layer] for o in have]
+    ranked = sorted(range(len(flat[0])), key=lambda j: (-auroc([f[j] for f in flat], labels), j))
+    return tuple((j // n_sets, j % n_sets) for j in ranked[:count])
+
+
+def _reprefill(outcomes: list[Outcome], heads: tuple[tuple[int, int], ...]) -> None:
+    """Give every logged step the ``prefill`` signal over ``heads`` (what a guard with those heads
+    logs), keeping the all-heads value as ``all heads``."""
+    from h2o_lens.guard import head_signal
+
+    for o in outcomes:
+        if not o.heads:
+            continue
+        value = float(head_signal(torch.tensor([o.heads]), heads)[0])
+        for r in o.risks:
+            r.setdefault("all heads", r["prefill"])
+            r["prefill"] = value
+
+
 def _rescore(outcomes: list[Outcome], weights: Sequence[float], bias: float) -> None:
     """Add ``fitted``, the risk with ``weights`` and ``bias``, to every logged step."""
     from h2o_lens.guard import SIGNALS
@@ -319,6 +360,7 @@ class GuardReport:
     matched: dict[str, dict[int, float]] = field(default_factory=dict)  # the same-horizon AUROC
     outcomes: list[Outcome] = field(default_factory=list)  # the report seed's requests (for --dump)
     fit_outcomes: list[Outcome] = field(default_factory=list)
+    heads: tuple[tuple[int, int], ...] = ()  # the prefill signal's heads, chosen on the fit set
 
 
 def _base_pass(model, tokenizer, tasks, ratio, guard_cfg, progress) -> tuple[list, list, list]:
@@ -347,10 +389,12 @@ def evaluate(
     policies: Sequence[tuple] = POLICIES,
     ks: Sequence[int] = KS,
     threshold: float | None = None,
+    heads: int = HEADS,
     progress: Callable[[str], None] = lambda msg: None,
 ) -> GuardReport:
     """Run the bench's generations and measure (the module docstring says what); ``threshold``
-    given: the guard acts at it, and ``fit_tasks`` only count."""
+    given: the guard acts at it, and ``fit_tasks`` only count; ``heads`` the layers and KV sets
+    the ``prefill`` signal reads, chosen on ``fit_tasks`` (0: all of them)."""
     from h2o_lens.config import H2OConfig
     from h2o_lens.guard import DEFAULT_BIAS, DEFAULT_WEIGHTS, SIGNALS, GuardConfig
 
@@ -363,10 +407,12 @@ def evaluate(
         done[0] += 1
         progress(f"{done[0]}/{n_runs} generations")
 
-    fit, fitted = [], None
+    fit, fitted, chosen = [], None, ()
     if fit_tasks:
         _, _, fit = _base_pass(model, tokenizer, fit_tasks, ratio, logging, tick)
         fit = [o for o in fit if o is not None]
+        chosen = select_heads(fit, heads)
+        _reprefill(fit, chosen)
         rows, labels, weights = matched_features(fit, 4)  # each pair over the same horizon
         fitted = fit_weights(rows, labels, sample_weights=weights)
     weights, bias = fitted if fitted is not None else (DEFAULT_WEIGHTS, DEFAULT_BIAS)
@@ -377,9 +423,10 @@ def evaluate(
     teachers, bases, outcomes = _base_pass(model, tokenizer, tasks, ratio, logging, tick)
     kept = [i for i, o in enumerate(outcomes) if o is not None]
     outs = [outcomes[i] for i in kept]
+    _reprefill(outs, chosen)
     _rescore(outs, weights, bias)
     labels = [o.failed for o in outs]
-    names = ("risk", *(("fitted",) if fitted is not None else ()), *SIGNALS)
+    names = ("risk", *(("fitted",) if fitted is not None else ()), *SIGNALS, *(("all heads",) if chosen else ()))
     aurocs = {name: {k: auroc(_scores(outs, k, name), labels) for k in ks} for name in names}
     matched = {name: {k: _matched(outs, k, name) for k in ks} for name in names}
     early = {k: sum(1 for o in outs if o.failed and o.wrong is not None and o.wrong < k) for k in ks}
@@ -406,7 +453,13 @@ def evaluate(
     for action, target, rescue, *own in policies:
         level = own[0] if own else threshold
         cfg = GuardConfig(
-            action=action, threshold=level, raise_ratio=target, rescue=rescue, weights=tuple(weights), bias=bias
+            action=action,
+            threshold=level,
+            raise_ratio=target,
+            rescue=rescue,
+            weights=tuple(weights),
+            bias=bias,
+            heads=chosen,
         )
         runs = {}
         for i in kept:
@@ -446,6 +499,7 @@ def evaluate(
         matched=matched,
         outcomes=outs,
         fit_outcomes=fit,
+        heads=chosen,
     )
 
 
@@ -487,6 +541,16 @@ def format_report(report: GuardReport) -> str:
 
         fitted = ", ".join(f"{n} {w:+.2f}" for n, w in zip(SIGNALS, report.weights))
         lines += ["", f"weights fitted on the fit set: bias {report.bias:+.2f}, {fitted}"]
+    if report.heads:
+        lines.append(
+            "prefill heads (layer.KV set) chosen on the fit set: " + " ".join(f"{a}.{b}" for a, b in report.heads)
+        )
+    if report.weights is not None:
+        cfg = (
+            f"weights=({', '.join(f'{w:.3g}' for w in report.weights)},), bias={report.bias:.3g}, "
+            f"heads={report.heads!r}, threshold={report.threshold:.3g}"
+        )
+        lines.append(f"to run the fitted guard: GuardConfig(action=..., raise_ratio=..., {cfg})")
     lines += ["", f"{'policy':>38} {'accuracy':>9} {'mean KV':>8} {'s/request':>10}"]
     for row in report.table:
         lines.append(
@@ -516,11 +580,15 @@ def bench_guard(
     threshold: float | None = None,
     dump: str | None = None,
     fit_tasks: str | None = None,
+    heads: int = HEADS,
+    save_fit: str | None = None,
 ) -> int:
     """The CLI's ``bench guard``: load the model, resolve the tasks (``seed`` and ``fit_seed``),
     evaluate and print; ``fit_tasks`` the requests the weights and threshold are fitted on
     (default: ``tasks`` at ``fit_seed`` when they are built-in; a task file has no seeds, so give
-    another file of one's own traffic); ``dump`` a JSON file that gets each request's outcome and per-step
+    another file of one's own traffic); ``heads`` the layers and KV sets the fitted ``prefill`` signal
+    reads (0: all); ``save_fit`` a JSON file that gets the fitted guard (:func:`write_fit`; 1 is
+    returned when nothing could be fitted); ``dump`` a JSON file that gets each request's outcome and per-step
     signals (both seeds), for analyses of its own. Returns 0."""
     import sys
 
@@ -532,17 +600,20 @@ def bench_guard(
         raise ConfigError(f"bench guard --ratio {ratio}: expected a keep ratio between 0 and 1, such as 0.2")
     if threshold is not None and not 0.0 <= threshold <= 1.0:
         raise ConfigError(f"bench guard --threshold {threshold}: expected a risk between 0 and 1, such as 0.5")
+    if heads < 0:
+        raise ConfigError(f"bench guard --heads {heads}: expected how many heads to choose (0: all of them), e.g. 5")
     bad = [b for b in budgets if not 0.0 < b <= 1.0]
     if bad:
         raise ConfigError(f"bench guard --fixed {bad[0]}: expected keep ratios in (0, 1], such as 0.2 0.35 1.0")
-    if dump is not None:
-        import os
+    import os
 
-        folder = os.path.dirname(os.path.abspath(dump))
-        if not os.path.isdir(folder) or os.path.isdir(dump):
+    for option, path in (("--dump", dump), ("--save-fit", save_fit)):
+        if path is not None and (not os.path.isdir(os.path.dirname(os.path.abspath(path))) or os.path.isdir(path)):
             raise ConfigError(
-                f"bench guard --dump {dump!r}: give a file path in an existing folder (checked before the runs)"
+                f"bench guard {option} {path!r}: give a file path in an existing folder (checked before the runs)"
             )
+    if save_fit is not None and threshold is not None:
+        raise ConfigError("bench guard --save-fit saves what is fitted; with --threshold nothing is, leave one out")
     model, tokenizer = load_model(model_name, progress=False)
 
     def resolve(spec: str, s: int) -> list[Any]:
@@ -587,6 +658,7 @@ def bench_guard(
         budgets=budgets,
         policies=policies,
         threshold=threshold,
+        heads=heads,
         progress=progress,
     )
     print(file=sys.stderr)
@@ -594,7 +666,82 @@ def bench_guard(
     if dump:
         write_outcomes(dump, report)
         print(f"outcomes of {len(report.outcomes)} + {len(report.fit_outcomes)} requests written to {dump}")
+    if save_fit:
+        if report.weights is None:
+            print(
+                f"bench guard: nothing fitted (the fit set needs failing and passing requests); {save_fit} not written",
+                file=sys.stderr,
+            )
+            return 1
+        about = {"model": model_name, "fit_tasks": fit_tasks or tasks, "fit_seed": fit_seed, "ratio": ratio}
+        write_fit(save_fit, report, about)
+        print(f"the fitted guard written to {save_fit} (h2o-lens record --guard ... --guard-fit {save_fit})")
     return 0
+
+
+#: the GuardConfig fields a fit file carries (:func:`write_fit`)
+FIT_FIELDS = ("weights", "bias", "heads", "threshold", "signal_rows")
+
+
+def write_fit(path: str, report: GuardReport, about: dict[str, Any]) -> None:
+    """The fitted guard as JSON, for ``h2o-lens record --guard-fit``: the weights, bias, heads,
+    threshold and the rows the ``prefill`` signal read, with ``about`` (the model, tasks, seed,
+    ratio); written whole to a temporary file first. Needs fitted weights."""
+    import json
+    import os
+
+    from h2o_lens.guard import GuardConfig
+
+    fit = {
+        "weights": list(report.weights),
+        "bias": report.bias,
+        "heads": [list(h) for h in report.heads],
+        "threshold": report.threshold,
+        "signal_rows": GuardConfig().signal_rows,
+        **about,
+    }
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(fit, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def read_fit(path: str, where: str = "--guard-fit") -> dict[str, Any]:
+    """A fit file of :func:`write_fit` as ``GuardConfig`` keyword arguments; a missing, malformed
+    or incomplete file is refused in one sentence (:class:`~h2o_lens.errors.ConfigError`)."""
+    import json
+
+    from h2o_lens.errors import ConfigError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{where} {path!r}: no such file; write one with h2o-lens bench guard --save-fit") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where} {path!r}: not a readable JSON fit file ({e})") from None
+    missing = [k for k in FIT_FIELDS if not isinstance(data, dict) or k not in data]
+    if missing:
+        raise ConfigError(
+            f"{where} {path!r}: the fit file lacks {', '.join(missing)}; write it with bench guard --save-fit"
+        )
+    try:
+        return {
+            "weights": tuple(float(w) for w in data["weights"]),
+            "bias": float(data["bias"]),
+            "heads": tuple((int(a), int(b)) for a, b in data["heads"]),
+            "threshold": float(data["threshold"]),
+            "signal_rows": int(data["signal_rows"]),
+        }
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{where} {path!r}: malformed values in the fit file; write it with bench guard --save-fit"
+        ) from None
 
 
 def write_outcomes(path: str, report: GuardReport) -> None:

@@ -73,6 +73,18 @@ def add_parser(sub: Any) -> None:
         "built-in; a task file needs another file of the same traffic)",
     )
     b.add_argument(
+        "--save-fit",
+        default=None,
+        metavar="FILE",
+        help="guard: write the fitted weights, heads and threshold as JSON (for record --guard-fit)",
+    )
+    b.add_argument(
+        "--heads",
+        type=int,
+        default=5,
+        help="guard: the layers and KV sets the prefill signal reads, chosen on the fit set (0: all of them)",
+    )
+    b.add_argument(
         "--dump", default=None, metavar="FILE", help="guard: write each request's outcome and signals as JSON"
     )
     b.add_argument(
@@ -213,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
             budgets=tuple(args.fixed) if args.fixed else BUDGETS,
             dump=args.dump,
             fit_tasks=args.fit_tasks,
+            heads=args.heads,
+            save_fit=args.save_fit,
         )
     if args.what == "press":
         from .bench_press import bench_press, bench_press_agreement

@@ -257,18 +257,29 @@ def guard_item(item: str, where: str) -> tuple[str, float, float, float | None]:
     return parts[0], target, rescue, threshold
 
 
-def guard_config(item: str | None, where: str = "--guard"):
+def guard_config(item: str | None, where: str = "--guard", fit: str | None = None):
     """``--guard``: ``log`` (the risk only) or a guard policy (:func:`guard_item`; without
-    ``@`` it acts at the default threshold) as a ``GuardConfig``; None when not given."""
+    ``@`` it acts at the default threshold, or at the fit's) as a ``GuardConfig``; ``fit`` a fit
+    file of ``bench guard --save-fit`` whose weights, bias, heads and threshold it takes; None
+    when not given."""
+    from h2o_lens.errors import ConfigError
     from h2o_lens.guard import GuardConfig
 
     if item is None:
+        if fit is not None:
+            raise ConfigError("--guard-fit FILE sets how a guard scores the risk; give --guard too (log or a policy)")
         return None
+    fitted = {}
+    if fit is not None:
+        from .bench_guard import read_fit
+
+        fitted = read_fit(fit)
     if item == "log":
-        return GuardConfig()
+        return GuardConfig(**fitted)
     action, target, rescue, threshold = guard_item(item, where)
-    extra = {} if threshold is None else {"threshold": threshold}
-    return GuardConfig(action=action, raise_ratio=target, rescue=rescue, **extra)
+    if threshold is not None:
+        fitted["threshold"] = threshold
+    return GuardConfig(action=action, raise_ratio=target, rescue=rescue, **fitted)
 
 
 def guard_summary(state) -> str:

@@ -54,6 +54,12 @@ def add_parser(sub: Any) -> None:
         help="run the request guarded, its risk and actions logged (DESIGN.md §18): log (the risk only), or "
         "raise:0.35:0.15 (raise to 35 %% with 15 %% rescued when the risk reaches 0.5), refill:1.0@0.6, ...",
     )
+    r.add_argument(
+        "--guard-fit",
+        default=None,
+        metavar="FILE",
+        help="the guard's weights, heads and threshold fitted by bench guard --save-fit (an @ threshold wins)",
+    )
     add_policy_args(r)
     r.set_defaults(func=run)
 
@@ -66,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from recorders.replay import replay
 
     config, task, prompt, evidence = _check_record(args)
-    guard = guard_config(args.guard)
+    guard = guard_config(args.guard, fit=args.guard_fit)
     if task is not None:
         from .jobs import run_task
 
@@ -146,7 +152,7 @@ def _check_record(args: argparse.Namespace):
     from h2o_lens.errors import ConfigError
 
     config = policy_config(args)
-    guard = guard_config(args.guard)  # a malformed --guard is refused before the model loads
+    guard = guard_config(args.guard, fit=args.guard_fit)  # a malformed --guard is refused before the model loads
     if guard is not None and args.teacher_force:
         raise ConfigError("--guard runs a request as it is generated; it cannot be combined with --teacher-force")
     if guard is not None and not config.spec.evicts:

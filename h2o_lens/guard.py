@@ -30,7 +30,9 @@ The signals (:data:`SIGNALS`, each in [0, 1], all defined in DESIGN.md §18.1):
 ``structure``  a structured-output token among the last generated ones (:class:`TokenCues`);
 ``refer``      a "refer back" word in the prompt (:class:`TokenCues`);
 ``prefill``    the share of the prompt's last rows' attention (the question) on the positions the
-               prefill evicts, computed at the prefill, before anything is evicted;
+               prefill evicts, computed at the prefill, before anything is evicted: over every
+               layer and KV set, or over the heads that read back (:attr:`GuardConfig.heads`,
+               fitted by ``bench guard``);
 ``canary``     under the ``canary`` action, ``KL / (1 + KL)`` of the row's next-token distribution
                against its canary's (a copy at the target budget in the same batch), 1 once their
                tokens differ; rows without a canary take the batch's mean (:class:`Canary`).
@@ -72,6 +74,8 @@ __all__ = [
     "grow_rows",
     "cue_masks",
     "combine",
+    "prefill_lost",
+    "head_signal",
 ]
 
 #: the signals, in the order of :attr:`GuardConfig.weights` and of the logged rows
@@ -86,7 +90,7 @@ _LAYER_SIGNALS = ("margin", "uniform", "far", "entropy", "dropped")
 #: the neighbours on each side that a rescued position brings along (a fact spans a few tokens)
 _POOL = 7
 #: the weights and bias of the logistic combination (DESIGN.md §18.3)
-DEFAULT_WEIGHTS = (1.0, 2.0, 2.0, 2.0, 1.0, 4.0, 1.0, 1.0, 8.0, 6.0)
+DEFAULT_WEIGHTS = (1.0, 2.0, 2.0, 2.0, 1.0, 4.0, 1.0, 1.0, 16.0, 6.0)
 DEFAULT_BIAS = -5.0
 
 #: text pieces of structured output (code, JSON, markup, tables) and "refer back" words
@@ -135,7 +139,13 @@ class GuardConfig:
     stride : the layers that compute decode-time signals, ``0, stride, 2·stride, …`` (1: every
         layer; 8 by default); the per-layer signals are averaged over those (fewer layers, less
         cost, DESIGN.md §18.1; the ``prefill`` signal reads every layer)
-    tail : the prompt's last rows whose attention the ``prefill`` signal reads (0 turns it off)
+    tail : the prompt's last rows whose attention the guard reads at the prefill (the rescue's
+        rows; 0 turns the ``prefill`` signal off)
+    signal_rows : the last of the ``tail`` rows that the ``prefill`` signal averages (the question's
+        rows; more rows reach into the text before it, which reads locally, DESIGN.md §18.1)
+    heads : ``(layer, KV set)`` pairs whose lost shares the ``prefill`` signal averages, the heads
+        that read back (``bench guard`` fits them on known failures and prints them); () averages
+        every layer and KV set
     canary_share : under ``canary``, the share of the batch's requests that get a canary copy
         (at least one; :meth:`Guard.canary_batch` makes them)
     fallback : under ``canary``, what a request (not a canary) whose risk reaches the threshold
@@ -159,6 +169,8 @@ class GuardConfig:
     seed: int = 0
     stride: int = 8
     tail: int = 32
+    signal_rows: int = 8
+    heads: tuple[tuple[int, int], ...] = ()
     rescue: float = 0.0
     canary_share: float = 0.125
     fallback: str = "none"
@@ -198,6 +210,14 @@ class GuardConfig:
             raise ConfigError(f"rescue={self.rescue} is outside [0, 1]; give a share of the prompt such as 0.05")
         if self.tail < 0:
             raise ConfigError(f"tail={self.tail}; expected the number of last prompt rows to read (0: off), e.g. 32")
+        if self.signal_rows < 1:
+            raise ConfigError(f"signal_rows={self.signal_rows}; expected at least 1 of the prompt's last rows, e.g. 8")
+        heads = tuple(self.heads)
+        if not all(len(h) == 2 and all(isinstance(v, int) and v >= 0 for v in h) for h in heads):
+            raise ConfigError(
+                f"heads={self.heads!r}: expected (layer, KV set) pairs of indices, such as ((12, 0), (17, 2))"
+            )
+        object.__setattr__(self, "heads", tuple(tuple(h) for h in heads))
         if self.span < 1 or self.cue_window < 1 or self.stride < 1:
             raise ConfigError(
                 f"span={self.span}, cue_window={self.cue_window} and stride={self.stride} must be at least 1"
@@ -323,20 +343,43 @@ def dropped_share(
     return torch.where(held > 0, (m / (1.0 + m)).mean(-1), 0.0).to(torch.float32)
 
 
-def prefill_signal(tail: torch.Tensor, keep: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``(b,)``: the ``prefill`` signal, the share of the prompt's last rows' attention that falls on
-    the positions the prefill evicts, averaged over the rows and KV sets (DESIGN.md §18.1).
+def prefill_lost(tail: torch.Tensor, keep: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``(b, Hs)``: per KV set, the share of the prompt's last rows' attention that falls on the
+    positions the prefill evicts, averaged over the rows (DESIGN.md §18.1).
 
     ``tail (b, Hs, R, P)`` the last ``R`` prompt rows' attention weights aggregated per KV set
-    (:func:`h2o_lens.ops.prefill_rows`; padding rows and keys weigh 0), ``keep (b, Hs, P)`` the
-    prefill's keep mask, ``positions (b, Hs, P)`` the columns' positions (negative: padding).
+    (:func:`h2o_lens.ops.prefill_rows`; padding rows and keys weigh 0, a padding row counts for
+    nothing), ``keep (b, Hs, P)`` the prefill's keep mask, ``positions (b, Hs, P)`` the columns'
+    positions (negative: padding).
     """
     acc = tail.dtype
     gone = (~keep) & (positions >= 0)  # (b, Hs, P)
     total = tail.sum(-1)  # (b, Hs, R)
     lost = (tail * gone[:, :, None].to(acc)).sum(-1) / total.clamp_min(torch.finfo(acc).tiny)
     real = (total > 0).to(acc)
-    return ((lost * real).sum((1, 2)) / real.sum((1, 2)).clamp_min(1.0)).clamp(0.0, 1.0).to(torch.float32)
+    return ((lost * real).sum(2) / real.sum(2).clamp_min(1.0)).clamp(0.0, 1.0).to(torch.float32)
+
+
+def prefill_signal(tail: torch.Tensor, keep: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``(b,)``: one layer's ``prefill`` signal over all its KV sets, the mean of
+    :func:`prefill_lost` (the arguments are the same)."""
+    return prefill_lost(tail, keep, positions).mean(1)
+
+
+def head_signal(heads: torch.Tensor, chosen: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+    """``(b,)``: the ``prefill`` signal from the lost shares ``heads (b, layers, Hs)``: their mean
+    over the ``chosen`` ``(layer, KV set)`` pairs, or over all of them when none are chosen."""
+    if not chosen:
+        return heads.mean((1, 2))
+    n_layers, n_sets = heads.shape[1], heads.shape[2]
+    bad = [(layer, s) for layer, s in chosen if layer >= n_layers or s >= n_sets]
+    if bad:
+        raise ConfigError(
+            f"guard heads {bad} are outside this model's {n_layers} layers and {n_sets} KV sets; "
+            "fit them on this model (h2o-lens bench guard prints them)"
+        )
+    idx = torch.tensor([layer * n_sets + s for layer, s in chosen])
+    return heads.flatten(1)[:, idx].mean(1)
 
 
 # -- the guard layer --------------------------------------------------------------------------------
@@ -437,12 +480,12 @@ class GuardLayer(H2OCacheLayer):
         t0 = time.perf_counter()
         positions, count, _, _, keep, _ = self.prompt_keep(query, key, valid, scores, rows)
         tail = None
-        signal = torch.zeros(key.shape[0])
+        lost = torch.zeros(key.shape[0], keep.shape[1])
         if cfg.tail:
             r = min(cfg.tail, query.shape[2])
             tail = ops.prefill_rows(query, key, valid, self._scaling, self.owner.config.gqa, r)  # (b, Hs, R, P)
-            signal = prefill_signal(tail, keep, positions)
-        state.add_prefill(self, signal, count, tail, positions)
+            lost = prefill_lost(tail[:, :, -cfg.signal_rows :], keep, positions)
+        state.add_prefill(self, lost, count, tail, positions)
         state.seconds += time.perf_counter() - t0
         state.act_at_prefill = cfg.action != "none" and not self._segmenting
         if state.act_at_prefill:
@@ -528,6 +571,8 @@ class GuardState:
     raised: torch.Tensor | None = None
     cues: torch.Tensor | None = None  # (b, 2) structure, refer
     prefill: torch.Tensor | None = None  # (b,) the prefill signal, once the prompt is in
+    #: (b, layers, Hs) each layer's and KV set's lost share at the prefill (:func:`prefill_lost`), rows as then
+    prefill_heads: torch.Tensor | None = None
     canary: torch.Tensor | None = None  # (b,) the canary signal, set by :class:`Canary` for the next step
     #: (row, its canary's row) of a batch made by :meth:`Guard.canary_batch`
     pairs: list[tuple[int, int]] = field(default_factory=list)
@@ -545,8 +590,7 @@ class GuardState:
     refill_seconds: float = 0.0
     _acc: torch.Tensor | None = None
     _budgets: tuple | None = None
-    _prefill_sum: torch.Tensor | None = None
-    _prefill_layers: int = 0
+    _prefill_lost: list[torch.Tensor] = field(default_factory=list)
     _prompt_counts: torch.Tensor | None = None
     #: whether the prompts wait for the prefill's decision (not in assisted decoding's first forward)
     act_at_prefill: bool = False
@@ -557,18 +601,18 @@ class GuardState:
     def add_prefill(
         self,
         layer: GuardLayer,
-        signal: torch.Tensor,
+        lost: torch.Tensor,
         count: torch.Tensor,
         tail: torch.Tensor | None,
         positions: torch.Tensor,
     ) -> None:
-        """One layer's ``prefill`` signal ``(b,)``; ``count (b,)`` the rows' real prompt tokens;
-        ``tail (b, Hs, R, P)`` the last rows' weights and ``positions (b, Hs, P)`` their columns'."""
-        if layer.layer_idx == 0 or self._prefill_sum is None:
-            self._prefill_sum, self._prefill_layers = torch.zeros_like(signal).cpu(), 0
+        """One layer's lost shares ``(b, Hs)`` (:func:`prefill_lost`); ``count (b,)`` the rows' real
+        prompt tokens; ``tail (b, Hs, R, P)`` the last rows' weights and ``positions (b, Hs, P)``
+        their columns'."""
+        if layer.layer_idx == 0:
+            self._prefill_lost = []
             self._columns = None
-        self._prefill_sum += signal.cpu()
-        self._prefill_layers += 1
+        self._prefill_lost.append(lost.float().cpu())
         self._prompt_counts = count.cpu().to(torch.int64)
         if tail is not None and self.config.rescue > 0 and self.config.acting != "none":
             mass = tail.sum(2).double()  # (b, Hs, P): the last rows' attention per column and KV set
@@ -583,8 +627,9 @@ class GuardState:
         t0 = time.perf_counter()
         cfg = self.config
         cache = self.cache
-        signal = self._prefill_sum / max(1, self._prefill_layers)
-        self._prefill_sum, self._prefill_layers = None, 0
+        self.prefill_heads = heads = torch.stack(self._prefill_lost, 1)  # (b, layers, Hs)
+        self._prefill_lost = []
+        signal = head_signal(heads, cfg.heads)
         b = signal.shape[0]
         dev = cache.layers[0].budget.device
         self.prefill = signal.float().to(dev)

@@ -92,3 +92,94 @@ def test_guard_and_teacher_force_are_refused(folder, tmp_path, monkeypatch, caps
     code = main(["record", "--teacher-force", "x", "--out", str(tmp_path), "--guard", "log"])
     assert code == 2
     assert "cannot be combined with --teacher-force" in capsys.readouterr().err
+
+
+def _fit_file(path, **over):
+    import json
+
+    from h2o_lens.guard import SIGNALS
+
+    fit = {
+        "weights": [0.0] * len(SIGNALS),
+        "bias": 3.0,  # a risk of 0.95 at every step
+        "heads": [[1, 0]],
+        "threshold": 0.9,
+        "signal_rows": 4,
+        "model": "./m",
+    }
+    fit.update(over)
+    path.write_text(json.dumps(fit))
+    return str(path)
+
+
+@pytest.mark.compat
+def test_a_fit_file_sets_the_guards_weights_heads_and_threshold(folder, tmp_path, monkeypatch, capsys):
+    """``--guard-fit`` takes the fitted weights, bias, heads, threshold and rows: a bias of 3 puts
+    every step at risk 0.953 >= the fit's threshold 0.9, so the raise acts at the prefill; the
+    manifest keeps the fitted config; an ``@`` threshold wins over the fit's."""
+    import json
+
+    fit = _fit_file(tmp_path / "fit.json")
+    code, out = _record(folder, tmp_path, monkeypatch, "--guard", "raise:1.0", "--guard-fit", fit)
+    assert code == 0
+    (run_dir,) = out.iterdir()
+    check_run(run_dir)
+    run = load_run(run_dir)
+    assert run["guard_events"].to_pandas()["action"].tolist() == ["raise"]
+    assert run["guard_steps"].to_pandas()["risk"].tolist() == pytest.approx([1 / (1 + 2.718281828**-3)] * 6)
+    guard = json.loads((run_dir / "manifest.json").read_text())["guard"]
+    assert (guard["bias"], guard["heads"], guard["threshold"], guard["signal_rows"]) == (3.0, [[1, 0]], 0.9, 4)
+    code, out2 = _record(folder, tmp_path / "b", monkeypatch, "--guard", "raise:1.0@0.99", "--guard-fit", fit)
+    assert code == 0
+    (run_dir,) = out2.iterdir()
+    assert load_run(run_dir)["guard_events"].num_rows == 0
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "no such file; write one with h2o-lens bench guard --save-fit"),
+        ("{not json", "not a readable JSON fit file"),
+        ('{"weights": [1, 2]}', "the fit file lacks bias, heads, threshold, signal_rows"),
+        ('{"weights": [1], "bias": 0, "heads": [], "threshold": 0.5, "signal_rows": 8}', "guard weights has 1 values"),
+        ('{"weights": "ab", "bias": 0, "heads": [[1]], "threshold": 0.5, "signal_rows": 8}', "malformed values"),
+    ],
+)
+def test_a_bad_fit_file_is_one_line_and_writes_nothing(folder, tmp_path, monkeypatch, capsys, content, message):
+    path = tmp_path / "fit.json"
+    if content is not None:
+        path.write_text(content)
+    code, out = _record(folder, tmp_path, monkeypatch, "--guard", "log", "--guard-fit", str(path))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_fit_file_without_a_guard_is_refused(folder, tmp_path, monkeypatch, capsys):
+    code, _ = _record(folder, tmp_path, monkeypatch, "--guard-fit", _fit_file(tmp_path / "fit.json"))
+    assert code == 2
+    assert "give --guard too" in capsys.readouterr().err
+
+
+def test_bench_writes_a_fit_file_record_reads():
+    """``write_fit`` then ``read_fit`` gives back the report's fitted weights, bias, heads and
+    threshold, and the rows the prefill signal read."""
+    import tempfile
+
+    from commands.bench_guard import GuardReport, read_fit, write_fit
+    from h2o_lens.guard import SIGNALS, GuardConfig
+
+    weights = tuple(0.1 * i for i in range(len(SIGNALS)))
+    report = GuardReport(0.2, 4, 0, 0.66, {}, [], [], fit_requests=4, weights=weights, bias=-1.5, heads=((3, 1),))
+    with tempfile.TemporaryDirectory() as d:
+        write_fit(f"{d}/fit.json", report, {"model": "m"})
+        got = read_fit(f"{d}/fit.json")
+    assert got == {
+        "weights": pytest.approx(weights),
+        "bias": -1.5,
+        "heads": ((3, 1),),
+        "threshold": 0.66,
+        "signal_rows": GuardConfig().signal_rows,
+    }
+    assert GuardConfig(**got).heads == ((3, 1),)

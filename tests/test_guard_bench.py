@@ -23,11 +23,13 @@ from commands.bench_guard import (
     format_report,
     matched_auroc,
     run_request,
+    select_heads,
     warning_score,
     write_outcomes,
 )
 from h2o_lens import H2OConfig
-from h2o_lens.guard import GuardConfig
+from h2o_lens.errors import ConfigError
+from h2o_lens.guard import SIGNALS, GuardConfig
 from h2o_lens.tasks.taskfile import FileTask
 
 WORDS = [f"w{i}" for i in range(256)]
@@ -277,7 +279,7 @@ def test_evaluate_fits_weights_on_the_fit_seed(model):
     assert report.fit_requests == 4
     assert 0.0 <= report.threshold <= 1.0
     if report.weights is not None:
-        assert len(report.weights) == 9 and "fitted" in report.aurocs
+        assert len(report.weights) == len(SIGNALS) and "fitted" in report.aurocs
         assert "weights fitted on the fit set" in format_report(report)
     else:
         assert "fitted" not in report.aurocs
@@ -359,3 +361,108 @@ def test_a_task_file_is_fitted_on_the_fit_tasks_given(tmp_path, capsys):
     out = capsys.readouterr()
     assert f"fit on {tmp_path / 'fit.jsonl'}" in out.out and "nothing to fit on" not in out.err
     assert "fitted on 4 other requests (the fit set)" in out.out
+    fit = tmp_path / "fit.json"
+    code = bench_guard(**common, fit_tasks=str(tmp_path / "fit.jsonl"), save_fit=str(fit))
+    out = capsys.readouterr()
+    assert code == 1 and "nothing fitted" in out.err and not fit.exists()  # the fit set passes all 4
+    with pytest.raises(ConfigError, match="--save-fit .*existing folder"):
+        bench_guard(**common, save_fit=str(tmp_path / "no-such" / "fit.json"))
+    with pytest.raises(ConfigError, match="with --threshold nothing is"):
+        bench_guard(**common, save_fit=str(fit), threshold=0.5)
+    with pytest.raises(ConfigError, match="--heads -1"):
+        bench_guard(**common, heads=-1)
+
+
+def _outcome(name, failed, heads, prefill=0.5):
+    from commands.bench_guard import Outcome
+
+    risks = [{"step": 9, "risk": 0.1, "prefill": prefill}, {"step": 10, "risk": 0.2, "prefill": prefill}]
+    return Outcome(name, 10, failed, 3 if failed else None, risks, heads)
+
+
+def test_select_heads_ranks_the_heads_that_read_back():
+    """The head whose lost share separates the failures comes first, then the next best; equals go
+    to the lower index; zero heads, no shares or one class choose nothing."""
+    gen = torch.Generator().manual_seed(0)
+    outs = []
+    for i in range(12):
+        failed = i % 3 == 0
+        heads = torch.rand(3, 2, generator=gen)
+        heads[2, 1] = 0.9 if failed else 0.1  # a perfect separator
+        heads[1, 0] = (0.6 if failed else 0.4) + 0.3 * heads[1, 0] - 0.15  # a good one
+        outs.append(_outcome(f"r{i}", failed, heads.tolist()))
+    got = select_heads(outs, 2)
+    assert got[0] == (2, 1)
+    flat = [[v for layer in o.heads for v in layer] for o in outs]
+    scores = [auroc([f[j] for f in flat], [o.failed for o in outs]) for j in range(6)]
+    second = max((j for j in range(6) if j != 5), key=lambda j: (scores[j], -j))
+    assert got[1] == (second // 2, second % 2)
+    assert select_heads(outs, 0) == ()
+    assert select_heads([o for o in outs if o.failed], 2) == ()
+    assert select_heads([_outcome("x", True, []), _outcome("y", False, [])], 2) == ()
+
+
+def test_reprefill_gives_every_step_the_chosen_heads_signal():
+    """Every step's ``prefill`` becomes the mean over the chosen heads; the logged value is kept
+    as ``all heads`` (once: a second pass does not overwrite it)."""
+    from commands.bench_guard import _reprefill
+
+    o = _outcome("a", True, [[0.1, 0.2], [0.3, 0.8]], prefill=0.35)
+    _reprefill([o], ((1, 1), (0, 1)))
+    assert [r["prefill"] for r in o.risks] == pytest.approx([0.5, 0.5])
+    assert [r["all heads"] for r in o.risks] == [0.35, 0.35]
+    _reprefill([o], ((1, 0),))
+    assert [r["prefill"] for r in o.risks] == pytest.approx([0.3, 0.3]) and o.risks[0]["all heads"] == 0.35
+
+
+def test_the_fitted_heads_reach_the_report_and_the_guard(model, monkeypatch):
+    """With a fit set whose failures a head ranks, the chosen heads are in the report, its
+    printout and the GuardConfig of every policy the bench runs."""
+    import commands.bench_guard as bg
+
+    seen = []
+    real = bg.run_request
+
+    def spy(model, tokenizer, task, config=None, guard=None):
+        seen.append(guard)
+        return real(model, tokenizer, task, config, guard)
+
+    monkeypatch.setattr(bg, "run_request", spy)
+    monkeypatch.setattr(bg, "select_heads", lambda outcomes, count: ((1, 0), (0, 1))[:count])
+    tok = _tokenizer()
+    report = evaluate(
+        model, tok, _tasks(1, n=2), _tasks(2, n=2), ratio=0.2, budgets=(0.2,), policies=(("raise", 0.35, 0.0),), ks=(4,)
+    )
+    assert report.heads == ((1, 0), (0, 1))
+    acting = [g for g in seen if g is not None and g.action == "raise"]
+    assert acting and all(g.heads == ((1, 0), (0, 1)) for g in acting)
+    for o in report.outcomes:
+        assert o.heads and len(o.heads) == 2
+        want = (o.heads[1][0] + o.heads[0][1]) / 2
+        assert all(r["prefill"] == pytest.approx(want) for r in o.risks)
+        assert "all heads" in o.risks[0]
+    assert "all heads" in report.aurocs
+    assert "prefill heads (layer.KV set) chosen on the fit set: 1.0 0.1" in format_report(report)
+
+
+def test_bench_saves_the_fit_it_printed(tmp_path, capsys, monkeypatch):
+    """With fitted weights, ``--save-fit`` writes the weights, heads and threshold the printout
+    shows, and ``record --guard-fit`` reads them back."""
+    from tiny import save_tiny
+
+    import commands.bench_guard as bg
+
+    save_tiny(tmp_path / "m", seed=0)
+    (tmp_path / "run.jsonl").write_text(json.dumps({"name": "a", "prompt": "w1 w2 w3", "max_new_tokens": 2}) + "\n")
+    weights = tuple(0.5 for _ in SIGNALS)
+    report = bg.GuardReport(0.2, 1, 0, 0.625, {"risk": {4: 0.5}}, [], [], 2, weights, -2.0, heads=((1, 0), (0, 1)))
+    monkeypatch.setattr(bg, "evaluate", lambda *a, **k: report)
+    fit = tmp_path / "fit.json"
+    args = dict(model_name=str(tmp_path / "m"), tasks=str(tmp_path / "run.jsonl"), policies=(), budgets=(0.2,))
+    assert bench_guard(**args, fit_tasks=str(tmp_path / "run.jsonl"), save_fit=str(fit)) == 0
+    out = capsys.readouterr().out
+    assert "prefill heads (layer.KV set) chosen on the fit set: 1.0 0.1" in out and f"written to {fit}" in out
+    got = bg.read_fit(str(fit))
+    assert got["weights"] == weights and got["bias"] == -2.0 and got["threshold"] == 0.625
+    assert got["heads"] == ((1, 0), (0, 1))
+    assert json.loads(fit.read_text())["fit_tasks"] == str(tmp_path / "run.jsonl")

@@ -97,6 +97,60 @@ def test_prefill_signal_by_brute_force(model):
     assert later and all(r["prefill"] == rows[r["request"]]["prefill"] for r in later)
 
 
+def _lost_by_brute_force(qk, request: int, rows: int) -> np.ndarray:
+    """``(layers, KV sets)``: the share of the last ``rows`` prompt rows' attention on the positions
+    the prefill evicts, by loops."""
+    out = []
+    for layer in range(2):
+        keeps = _prompt_keep(qk, layer, request, HEAVY)
+        per = []
+        for s, w in enumerate(_tail_weights(qk, layer, request, TAIL)):
+            gone = [j for j in range(PROMPT) if j not in keeps[s]]
+            per.append(np.mean([w[i, gone].sum() / w[i].sum() for i in range(TAIL - rows, TAIL)]))
+        out.append(per)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("heads", [(), ((1, 0),), ((0, 1), (1, 1))])
+def test_prefill_signal_over_the_last_rows_and_chosen_heads(model, heads):
+    """With ``signal_rows`` < ``tail`` the signal reads only the last rows; ``prefill_heads`` holds
+    every layer's and KV set's lost share, and the signal is their mean over the chosen heads
+    (over all of them when none are chosen), each recomputed by brute force."""
+    with (
+        h2o_lens.h2o(model, H2OConfig(heavy=HEAVY, recent=RECENT)),
+        guarded(GuardConfig(tail=TAIL, signal_rows=2, heads=heads)) as g,
+        capture_qk() as qk,
+        torch.no_grad(),
+    ):
+        model.generate(_ids(seed=3), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    rows = [r for r in g.last.risk_rows() if r["step"] == PROMPT - 1]
+    assert g.last.prefill_heads.shape == (2, 2, 2)
+    for r in range(2):
+        lost = _lost_by_brute_force(qk, r, 2)
+        np.testing.assert_allclose(g.last.prefill_heads[r].numpy(), lost, rtol=1e-5)
+        want = lost.mean() if not heads else np.mean([lost[a, b] for a, b in heads])
+        assert rows[r]["prefill"] == pytest.approx(float(want), rel=1e-5)
+    assert not np.allclose(_lost_by_brute_force(qk, 0, 2), _lost_by_brute_force(qk, 0, TAIL))  # the rows matter
+
+
+def test_prefill_heads_are_checked():
+    """Heads that are not (layer, KV set) index pairs are refused when the config is made; heads
+    outside the model's layers or KV sets when the prefill reads them, in one sentence."""
+    from h2o_lens.errors import ConfigError
+    from h2o_lens.guard import head_signal
+
+    for bad in (((1,),), ((0, -1),), ((0.5, 1),)):
+        with pytest.raises(ConfigError, match="layer, KV set"):
+            GuardConfig(heads=bad)
+    with pytest.raises(ConfigError, match="signal_rows"):
+        GuardConfig(signal_rows=0)
+    assert GuardConfig(heads=[[1, 0]]).heads == ((1, 0),)
+    lost = torch.rand(3, 2, 2, generator=torch.Generator().manual_seed(0))
+    assert head_signal(lost, ((1, 1), (0, 0))).tolist() == pytest.approx(((lost[:, 1, 1] + lost[:, 0, 0]) / 2).tolist())
+    with pytest.raises(ConfigError, match=r"outside this model's 2 layers and 2 KV sets"):
+        head_signal(lost, ((2, 0),))
+
+
 def test_prefill_signal_reads_padding_as_nothing():
     """Padding columns and rows weigh nothing: a padded copy of a case gives the unpadded value."""
     gen = torch.Generator().manual_seed(0)
