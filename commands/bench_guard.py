@@ -305,16 +305,22 @@ def matched_features(outcomes: list[Outcome], k: int = 4) -> tuple[list[list[flo
 
 def select_heads(outcomes: list[Outcome], count: int) -> tuple[tuple[int, int], ...]:
     """The ``count`` ``(layer, KV set)`` pairs whose lost share at the prefill ranks ``outcomes``'
-    failures best (the highest AUROC; the lower index of equals), in that order: the heads that
-    read back for the fitted ``prefill`` signal (DESIGN.md §18.1); () when ``count`` is 0, the
-    outcomes carry no shares or one class is empty."""
+    failures best, in that order: the highest AUROC, and among equals (a few requests give many)
+    the larger gap between the failing and passing means over their pooled standard deviation,
+    then the lower index. The heads that read back, for the fitted ``prefill`` signal (DESIGN.md
+    §18.1); () when ``count`` is 0, the outcomes carry no shares or one class is empty."""
     have = [o for o in outcomes if o.heads]
     labels = [o.failed for o in have]
     if count <= 0 or not have or all(labels) or not any(labels):
         return ()
     n_sets = len(have[0].heads[0])
-    flat = [[v for layer in o.heads for v in layer] for o in have]
-    ranked = sorted(range(len(flat[0])), key=lambda j: (-auroc([f[j] for f in flat], labels), j))
+    x = torch.tensor([[v for layer in o.heads for v in layer] for o in have], dtype=torch.float64)
+    y = torch.tensor(labels)
+    gap = x[y].mean(0) - x[~y].mean(0)
+    spread = ((x[y].var(0, correction=0) + x[~y].var(0, correction=0)) / 2).sqrt().clamp_min(1e-12)
+    effect = (gap / spread).tolist()
+    areas = [auroc(x[:, j].tolist(), labels) for j in range(x.shape[1])]
+    ranked = sorted(range(x.shape[1]), key=lambda j: (-areas[j], -effect[j], j))
     return tuple((j // n_sets, j % n_sets) for j in ranked[:count])
 
 

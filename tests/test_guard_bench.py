@@ -381,8 +381,9 @@ def _outcome(name, failed, heads, prefill=0.5):
 
 
 def test_select_heads_ranks_the_heads_that_read_back():
-    """The head whose lost share separates the failures comes first, then the next best; equals go
-    to the lower index; zero heads, no shares or one class choose nothing."""
+    """The head whose lost share separates the failures comes first, then the next best; among
+    equal AUROCs the larger separation in pooled standard deviations; zero heads, no shares or one
+    class choose nothing."""
     gen = torch.Generator().manual_seed(0)
     outs = []
     for i in range(12):
@@ -397,6 +398,13 @@ def test_select_heads_ranks_the_heads_that_read_back():
     scores = [auroc([f[j] for f in flat], [o.failed for o in outs]) for j in range(6)]
     second = max((j for j in range(6) if j != 5), key=lambda j: (scores[j], -j))
     assert got[1] == (second // 2, second % 2)
+    # three perfect separators: the classes furthest apart come first
+    for o in outs:
+        o.heads[0][0] = 0.7 if o.failed else 0.3
+        o.heads[0][1] = 0.55 if o.failed else 0.45
+    o = outs[1]
+    o.heads[0][1] = 0.46  # some spread, so the two gaps differ in their units too
+    assert select_heads(outs, 3) == ((2, 1), (0, 0), (0, 1))  # gaps 0.8, 0.4 without spread; 0.1 with
     assert select_heads(outs, 0) == ()
     assert select_heads([o for o in outs if o.failed], 2) == ()
     assert select_heads([_outcome("x", True, []), _outcome("y", False, [])], 2) == ()
