@@ -367,6 +367,7 @@ class GuardReport:
     outcomes: list[Outcome] = field(default_factory=list)  # the report seed's requests (for --dump)
     fit_outcomes: list[Outcome] = field(default_factory=list)
     heads: tuple[tuple[int, int], ...] = ()  # the prefill signal's heads, chosen on the fit set
+    saved: bool = False  # the weights, heads and threshold came from a saved fit (``--fit``)
 
 
 def _base_pass(model, tokenizer, tasks, ratio, guard_cfg, progress) -> tuple[list, list, list]:
@@ -396,11 +397,14 @@ def evaluate(
     ks: Sequence[int] = KS,
     threshold: float | None = None,
     heads: int = HEADS,
+    given: dict[str, Any] | None = None,
     progress: Callable[[str], None] = lambda msg: None,
 ) -> GuardReport:
     """Run the bench's generations and measure (the module docstring says what); ``threshold``
     given: the guard acts at it, and ``fit_tasks`` only count; ``heads`` the layers and KV sets
-    the ``prefill`` signal reads, chosen on ``fit_tasks`` (0: all of them)."""
+    the ``prefill`` signal reads, chosen on ``fit_tasks`` (0: all of them); ``given`` a fit made
+    elsewhere (:func:`read_fit`: weights, bias, heads, threshold), used instead of fitting
+    (``threshold`` still wins)."""
     from h2o_lens.config import H2OConfig
     from h2o_lens.guard import DEFAULT_BIAS, DEFAULT_WEIGHTS, SIGNALS, GuardConfig
 
@@ -414,7 +418,12 @@ def evaluate(
         progress(f"{done[0]}/{n_runs} generations")
 
     fit, fitted, chosen = [], None, ()
-    if fit_tasks:
+    if given is not None:
+        fitted, chosen = (given["weights"], given["bias"]), tuple(given["heads"])
+        threshold = given["threshold"] if threshold is None else threshold
+        if given["signal_rows"] != logging.signal_rows:
+            logging = GuardConfig(signal_rows=given["signal_rows"])
+    elif fit_tasks:
         _, _, fit = _base_pass(model, tokenizer, fit_tasks, ratio, logging, tick)
         fit = [o for o in fit if o is not None]
         chosen = select_heads(fit, heads)
@@ -422,7 +431,7 @@ def evaluate(
         rows, labels, weights = matched_features(fit, 4)  # each pair over the same horizon
         fitted = fit_weights(rows, labels, sample_weights=weights)
     weights, bias = fitted if fitted is not None else (DEFAULT_WEIGHTS, DEFAULT_BIAS)
-    if fit and threshold is None:
+    if fit and threshold is None and given is None:
         _rescore(fit, weights, bias)
         threshold = fit_threshold(_scores(fit, 4, "fitted"), [o.failed for o in fit])
     threshold = 1.0 if threshold is None else threshold
@@ -466,6 +475,7 @@ def evaluate(
             weights=tuple(weights),
             bias=bias,
             heads=chosen,
+            signal_rows=logging.signal_rows,
         )
         runs = {}
         for i in kept:
@@ -506,6 +516,7 @@ def evaluate(
         outcomes=outs,
         fit_outcomes=fit,
         heads=chosen,
+        saved=given is not None,
     )
 
 
@@ -524,7 +535,13 @@ def format_report(report: GuardReport) -> str:
     lines = [
         f"base budget {report.ratio:.0%}: {report.requests} requests "
         f"({report.left_out} left out: the full cache fails them); threshold {report.threshold:.3f} "
-        + (f"fitted on {report.fit_requests} other requests (the fit set)" if report.fit_requests else "(not fitted)"),
+        + (
+            "from the saved fit"
+            if report.saved
+            else f"fitted on {report.fit_requests} other requests (the fit set)"
+            if report.fit_requests
+            else "(not fitted)"
+        ),
         "",
         "AUROC of the warning score (highest risk >= k steps before the first wrong token; the prefill's "
         "risk always counts) vs failure",
@@ -546,10 +563,12 @@ def format_report(report: GuardReport) -> str:
         from h2o_lens.guard import SIGNALS
 
         fitted = ", ".join(f"{n} {w:+.2f}" for n, w in zip(SIGNALS, report.weights))
-        lines += ["", f"weights fitted on the fit set: bias {report.bias:+.2f}, {fitted}"]
+        where = "of the saved fit" if report.saved else "fitted on the fit set"
+        lines += ["", f"weights {where}: bias {report.bias:+.2f}, {fitted}"]
     if report.heads:
         lines.append(
-            "prefill heads (layer.KV set) chosen on the fit set: " + " ".join(f"{a}.{b}" for a, b in report.heads)
+            f"prefill heads (layer.KV set) {'of the saved fit' if report.saved else 'chosen on the fit set'}: "
+            + " ".join(f"{a}.{b}" for a, b in report.heads)
         )
     if report.weights is not None:
         cfg = (
@@ -588,13 +607,15 @@ def bench_guard(
     fit_tasks: str | None = None,
     heads: int = HEADS,
     save_fit: str | None = None,
+    fit_file: str | None = None,
 ) -> int:
     """The CLI's ``bench guard``: load the model, resolve the tasks (``seed`` and ``fit_seed``),
     evaluate and print; ``fit_tasks`` the requests the weights and threshold are fitted on
     (default: ``tasks`` at ``fit_seed`` when they are built-in; a task file has no seeds, so give
     another file of one's own traffic); ``heads`` the layers and KV sets the fitted ``prefill`` signal
     reads (0: all); ``save_fit`` a JSON file that gets the fitted guard (:func:`write_fit`; 1 is
-    returned when nothing could be fitted); ``dump`` a JSON file that gets each request's outcome and per-step
+    returned when nothing could be fitted); ``fit_file`` a fit saved so (by a run on other requests)
+    to measure here instead of fitting; ``dump`` a JSON file that gets each request's outcome and per-step
     signals (both seeds), for analyses of its own. Returns 0."""
     import sys
 
@@ -620,7 +641,18 @@ def bench_guard(
             )
     if save_fit is not None and threshold is not None:
         raise ConfigError("bench guard --save-fit saves what is fitted; with --threshold nothing is, leave one out")
+    given = None
+    if fit_file is not None:
+        if save_fit is not None or fit_tasks is not None:
+            raise ConfigError("bench guard --fit FILE measures a saved fit; leave out --save-fit and --fit-tasks")
+        given = read_fit(fit_file, "bench guard --fit")
     model, tokenizer = load_model(model_name, progress=False)
+    if given is not None and given["heads"]:
+        from h2o_lens.guard import head_signal
+
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        sets = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_signal(torch.zeros(1, cfg.num_hidden_layers, sets), given["heads"])  # heads of another model: refused
 
     def resolve(spec: str, s: int) -> list[Any]:
         if not spec.startswith("builtin:"):
@@ -633,11 +665,13 @@ def bench_guard(
         ]
 
     run = resolve(tasks, seed)
-    if fit_tasks is not None:
+    if given is not None:
+        fit = []
+    elif fit_tasks is not None:
         fit = resolve(fit_tasks, fit_seed if fit_seed is not None else seed + 1)
     else:
         fit = resolve(tasks, fit_seed) if fit_seed is not None and tasks.startswith("builtin:") else []
-    if not fit and threshold is None:
+    if not fit and threshold is None and given is None:
         print(
             "bench guard: nothing to fit on (a task file has no seeds): the default weights and no action; "
             "give --fit-tasks FILE (other requests of the same traffic) or --threshold",
@@ -648,7 +682,9 @@ def bench_guard(
         print(f"\r{msg}", end="", file=sys.stderr, flush=True)
 
     fitted = (
-        f"threshold {threshold} given"
+        f"the fit of {fit_file}"
+        if given is not None
+        else f"threshold {threshold} given"
         if threshold is not None
         else f"fit on {fit_tasks}"
         if fit_tasks is not None
@@ -665,6 +701,7 @@ def bench_guard(
         policies=policies,
         threshold=threshold,
         heads=heads,
+        given=given,
         progress=progress,
     )
     print(file=sys.stderr)

@@ -73,6 +73,12 @@ def add_parser(sub: Any) -> None:
         "built-in; a task file needs another file of the same traffic)",
     )
     b.add_argument(
+        "--fit",
+        default=None,
+        metavar="FILE",
+        help="guard: measure a fit saved by --save-fit (on other requests) instead of fitting here",
+    )
+    b.add_argument(
         "--save-fit",
         default=None,
         metavar="FILE",
@@ -227,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
             fit_tasks=args.fit_tasks,
             heads=args.heads,
             save_fit=args.save_fit,
+            fit_file=args.fit,
         )
     if args.what == "press":
         from .bench_press import bench_press, bench_press_agreement

@@ -474,3 +474,51 @@ def test_bench_saves_the_fit_it_printed(tmp_path, capsys, monkeypatch):
     assert got["weights"] == weights and got["bias"] == -2.0 and got["threshold"] == 0.625
     assert got["heads"] == ((1, 0), (0, 1))
     assert json.loads(fit.read_text())["fit_tasks"] == str(tmp_path / "run.jsonl")
+
+
+def test_a_saved_fit_is_measured_instead_of_fitting(tmp_path, capsys, monkeypatch):
+    """``--fit FILE`` runs no fit pass: the base pass logs the prefill over the file's rows, every
+    guard policy runs with the file's weights, bias, heads and threshold, and the printout says
+    where they came from; heads outside the model, or --fit with --save-fit, are refused before
+    any run."""
+    from tiny import save_tiny
+
+    import commands.bench_guard as bg
+
+    save_tiny(tmp_path / "m", seed=0)
+    (tmp_path / "run.jsonl").write_text(
+        "".join(
+            json.dumps({"name": f"a{i}", "prompt": f"w{i} w7 w9 w3 w4 " * 6, "max_new_tokens": 4}) + "\n"
+            for i in range(2)
+        )
+    )
+    weights = [0.0] * len(SIGNALS)
+    fit = {"weights": weights, "bias": 4.0, "heads": [[1, 0]], "threshold": 0.9, "signal_rows": 3}
+    (tmp_path / "fit.json").write_text(json.dumps(fit))
+    seen = []
+    real = bg.run_request
+
+    def spy(model, tokenizer, task, config=None, guard=None):
+        seen.append(guard)
+        return real(model, tokenizer, task, config, guard)
+
+    monkeypatch.setattr(bg, "run_request", spy)
+    args = dict(model_name=str(tmp_path / "m"), tasks=str(tmp_path / "run.jsonl"), budgets=(0.2,))
+    assert bench_guard(**args, policies=(("raise", 1.0, 0.0),), fit_file=str(tmp_path / "fit.json")) == 0
+    out = capsys.readouterr()
+    assert "the fit of" in out.out and "threshold 0.900 from the saved fit" in out.out
+    assert "prefill heads (layer.KV set) of the saved fit: 1.0" in out.out and "nothing to fit on" not in out.err
+    logging = [g for g in seen if g is not None and g.action == "none"]
+    acting = [g for g in seen if g is not None and g.action == "raise"]
+    assert len(logging) == 2 and all(g.signal_rows == 3 for g in logging)  # no fit pass: the two base runs
+    assert len(acting) == 2
+    assert all((g.heads, g.bias, g.threshold, g.signal_rows) == (((1, 0),), 4.0, 0.9, 3) for g in acting)
+    assert "raised 2" in out.out  # a bias of 4 puts every request over 0.9 at the prefill
+    fit["heads"] = [[7, 0]]
+    (tmp_path / "other.json").write_text(json.dumps(fit))
+    seen.clear()
+    with pytest.raises(ConfigError, match=r"outside this model's 2 layers"):
+        bench_guard(**args, policies=(), fit_file=str(tmp_path / "other.json"))
+    assert seen == []
+    with pytest.raises(ConfigError, match="leave out --save-fit"):
+        bench_guard(**args, fit_file=str(tmp_path / "fit.json"), save_fit=str(tmp_path / "x.json"))
