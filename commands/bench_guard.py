@@ -716,7 +716,16 @@ def bench_guard(
                 file=sys.stderr,
             )
             return 1
-        about = {"model": model_name, "fit_tasks": fit_tasks or tasks, "fit_seed": fit_seed, "ratio": ratio}
+        from h2o_lens.models import DEFAULT_MODEL
+
+        about = {
+            "model": model_name or DEFAULT_MODEL,
+            "fit_tasks": fit_tasks or tasks,
+            "fit_seed": fit_seed,
+            "length": length,
+            "count": count,
+            "ratio": ratio,
+        }
         write_fit(save_fit, report, about)
         print(f"the fitted guard written to {save_fit} (h2o-lens record --guard ... --guard-fit {save_fit})")
     return 0

@@ -473,7 +473,8 @@ def test_bench_saves_the_fit_it_printed(tmp_path, capsys, monkeypatch):
     got = bg.read_fit(str(fit))
     assert got["weights"] == weights and got["bias"] == -2.0 and got["threshold"] == 0.625
     assert got["heads"] == ((1, 0), (0, 1))
-    assert json.loads(fit.read_text())["fit_tasks"] == str(tmp_path / "run.jsonl")
+    about = json.loads(fit.read_text())
+    assert about["fit_tasks"] == str(tmp_path / "run.jsonl") and about["model"] == str(tmp_path / "m")
 
 
 def test_a_saved_fit_is_measured_instead_of_fitting(tmp_path, capsys, monkeypatch):
