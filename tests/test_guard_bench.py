@@ -423,9 +423,8 @@ def test_reprefill_gives_every_step_the_chosen_heads_signal():
     assert [r["prefill"] for r in o.risks] == pytest.approx([0.3, 0.3]) and o.risks[0]["all heads"] == 0.35
 
 
-def test_the_fitted_heads_reach_the_report_and_the_guard(model, monkeypatch):
-    """With a fit set whose failures a head ranks, the chosen heads are in the report, its
-    printout and the GuardConfig of every policy the bench runs."""
+def _spy_guards(monkeypatch) -> list:
+    """The GuardConfig (or None) of every request the bench runs from now on, in order."""
     import commands.bench_guard as bg
 
     seen = []
@@ -436,6 +435,15 @@ def test_the_fitted_heads_reach_the_report_and_the_guard(model, monkeypatch):
         return real(model, tokenizer, task, config, guard)
 
     monkeypatch.setattr(bg, "run_request", spy)
+    return seen
+
+
+def test_the_fitted_heads_reach_the_report_and_the_guard(model, monkeypatch):
+    """With a fit set whose failures a head ranks, the chosen heads are in the report, its
+    printout and the GuardConfig of every policy the bench runs."""
+    import commands.bench_guard as bg
+
+    seen = _spy_guards(monkeypatch)
     monkeypatch.setattr(bg, "select_heads", lambda outcomes, count: ((1, 0), (0, 1))[:count])
     tok = _tokenizer()
     report = evaluate(
@@ -484,8 +492,6 @@ def test_a_saved_fit_is_measured_instead_of_fitting(tmp_path, capsys, monkeypatc
     any run."""
     from tiny import save_tiny
 
-    import commands.bench_guard as bg
-
     save_tiny(tmp_path / "m", seed=0)
     (tmp_path / "run.jsonl").write_text(
         "".join(
@@ -496,14 +502,7 @@ def test_a_saved_fit_is_measured_instead_of_fitting(tmp_path, capsys, monkeypatc
     weights = [0.0] * len(SIGNALS)
     fit = {"weights": weights, "bias": 4.0, "heads": [[1, 0]], "threshold": 0.9, "signal_rows": 3}
     (tmp_path / "fit.json").write_text(json.dumps(fit))
-    seen = []
-    real = bg.run_request
-
-    def spy(model, tokenizer, task, config=None, guard=None):
-        seen.append(guard)
-        return real(model, tokenizer, task, config, guard)
-
-    monkeypatch.setattr(bg, "run_request", spy)
+    seen = _spy_guards(monkeypatch)
     args = dict(model_name=str(tmp_path / "m"), tasks=str(tmp_path / "run.jsonl"), budgets=(0.2,))
     assert bench_guard(**args, policies=(("raise", 1.0, 0.0),), fit_file=str(tmp_path / "fit.json")) == 0
     out = capsys.readouterr()
