@@ -731,6 +731,23 @@ def bench_guard(
     return 0
 
 
+def _write_json(path: str, data: Any, indent: int | None = None) -> None:
+    """``data`` as JSON at ``path``, written whole to a temporary file first and renamed into place,
+    so an interrupted or failed write (a full disk) leaves no half file behind."""
+    import json
+    import os
+
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=indent)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 #: the GuardConfig fields a fit file carries (:func:`write_fit`)
 FIT_FIELDS = ("weights", "bias", "heads", "threshold", "signal_rows")
 
@@ -739,8 +756,6 @@ def write_fit(path: str, report: GuardReport, about: dict[str, Any]) -> None:
     """The fitted guard as JSON, for ``h2o-lens record --guard-fit``: the weights, bias, heads,
     threshold and the rows the ``prefill`` signal read, with ``about`` (the model, tasks, seed,
     ratio); written whole to a temporary file first. Needs fitted weights."""
-    import json
-    import os
 
     from h2o_lens.guard import GuardConfig
 
@@ -752,15 +767,7 @@ def write_fit(path: str, report: GuardReport, about: dict[str, Any]) -> None:
         "signal_rows": GuardConfig().signal_rows,
         **about,
     }
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(fit, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    _write_json(path, fit, indent=1)
 
 
 def read_fit(path: str, where: str = "--guard-fit") -> dict[str, Any]:
@@ -801,23 +808,13 @@ def write_outcomes(path: str, report: GuardReport) -> None:
     prompt length, failure, first wrong token and per-step signals and risk; written whole to a
     temporary file first, so an interrupted write leaves no half file."""
     import dataclasses
-    import json
-    import os
 
     data = {
         "ratio": report.ratio,
         "report": [dataclasses.asdict(o) for o in report.outcomes],
         "fit": [dataclasses.asdict(o) for o in report.fit_outcomes],
     }
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):  # a full disk or an interrupt leaves no half file behind
-            os.remove(tmp)
-        raise
+    _write_json(path, data)
 
 
 def bench_decode_guard(
