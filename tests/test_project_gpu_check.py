@@ -109,3 +109,26 @@ def test_dry_run_fails_when_a_needed_wheel_is_missing(tmp_path):
     res = _gpu_check(tmp_path, GPU_CHECK_DRY="1", GPU_WHEELS=str(partial))
     assert res.returncode == 1
     assert "do not resolve from" in res.stderr and "CPython 3.10" in res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.kernel
+def test_cpu_rehearsal_runs_every_step_when_the_interpreter_holds_pytest(tmp_path):
+    """GPU_CHECK_ALLOW_CPU=1 with an empty wheels folder: this interpreter already holds pytest, so
+    the venv installs nothing, says so, and the check goes on to the kernel tests and the bench."""
+    empty = tmp_path / "wheels"
+    empty.mkdir()
+    out = tmp_path / "out"
+    res = _gpu_check(
+        tmp_path,
+        GPU_WHEELS=str(empty),
+        GPU_CHECK_ALLOW_CPU="1",
+        GPU_CHECK_PYTEST_ARGS="-k test_decode_ties_evict_the_older_position",
+        OUT=str(out),
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "nothing (the interpreter holds them all)" in res.stdout
+    assert "2 passed" in (out / "kernel-tests.log").read_text()
+    assert "Correctness summary in Triton's interpreter" in (out / "bench-kernels.log").read_text()
+    assert res.stdout.rstrip().endswith("gpu-check: all steps passed")
+    assert (out / "pytest.xml").is_file()
