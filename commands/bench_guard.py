@@ -368,6 +368,9 @@ class GuardReport:
     fit_outcomes: list[Outcome] = field(default_factory=list)
     heads: tuple[tuple[int, int], ...] = ()  # the prefill signal's heads, chosen on the fit set
     saved: bool = False  # the weights, heads and threshold came from a saved fit (``--fit``)
+    #: per policy row of :attr:`table` (fixed budgets and guard policies), each kept request's result:
+    #: ``{"name", "passed", "memory", "seconds", "raised"}`` (for --dump: which requests a policy saved)
+    per_request: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 def _base_pass(model, tokenizer, tasks, ratio, guard_cfg, progress) -> tuple[list, list, list]:
@@ -452,6 +455,20 @@ def evaluate(
         return first_wrong(teachers[i].tokens, run.tokens) is None
 
     table = []
+    per_request: dict[str, list[dict[str, Any]]] = {}
+
+    def results(policy: str, runs: dict[int, RequestRun]) -> None:
+        per_request[policy] = [
+            {
+                "name": outcomes[i].name,
+                "passed": bool(verdict(r, i)),
+                "memory": r.memory,
+                "seconds": r.seconds,
+                "raised": bool(r.events),
+            }
+            for i, r in runs.items()
+        ]
+
     for b in budgets:
         runs = {}
         for i in kept:
@@ -463,6 +480,7 @@ def evaluate(
                 runs[i] = run_request(model, tokenizer, tasks[i], H2OConfig(ratio=b))
             tick()
         table.append(_row(f"fixed {b:.0%}", runs, verdict))
+        results(table[-1]["policy"], runs)
     recovered = []
     failures = [i for i, o in zip(kept, outs) if o.failed]
     for action, target, rescue, *own in policies:
@@ -485,6 +503,7 @@ def evaluate(
         row = _row(f"guard {action}->{target:.0%}{pinned} @{level:.3f}", runs, verdict)
         row["raised"] = sum(1 for r in runs.values() if r.events)
         table.append(row)
+        results(row["policy"], runs)
         saved = [i for i in failures if verdict(runs[i], i)]
         recovered.append(
             {
@@ -500,6 +519,7 @@ def evaluate(
     base_row = next((r for r in table if r["policy"] == f"fixed {ratio:.0%}"), None)
     if base_row is None:
         table.insert(0, _row(f"fixed {ratio:.0%}", {i: bases[i] for i in kept}, verdict))
+        results(table[0]["policy"], {i: bases[i] for i in kept})
     return GuardReport(
         ratio,
         len(kept),
@@ -517,6 +537,7 @@ def evaluate(
         fit_outcomes=fit,
         heads=chosen,
         saved=given is not None,
+        per_request={row["policy"]: per_request[row["policy"]] for row in table},
     )
 
 
@@ -804,15 +825,17 @@ def read_fit(path: str, where: str = "--guard-fit") -> dict[str, Any]:
 
 
 def write_outcomes(path: str, report: GuardReport) -> None:
-    """The report's requests as JSON: ``{"report": [...], "fit": [...]}``, each request's name,
-    prompt length, failure, first wrong token and per-step signals and risk; written whole to a
-    temporary file first, so an interrupted write leaves no half file."""
+    """The report's requests as JSON: ``{"report": [...], "fit": [...], "policies": {...}}``, each
+    request's name, prompt length, failure, first wrong token and per-step signals and risk, and per
+    policy of the table each request's verdict, mean KV share, seconds and whether the guard acted;
+    written whole to a temporary file first, so an interrupted write leaves no half file."""
     import dataclasses
 
     data = {
         "ratio": report.ratio,
         "report": [dataclasses.asdict(o) for o in report.outcomes],
         "fit": [dataclasses.asdict(o) for o in report.fit_outcomes],
+        "policies": report.per_request,
     }
     _write_json(path, data)
 

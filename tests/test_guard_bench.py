@@ -152,6 +152,14 @@ def test_evaluate_end_to_end_on_a_tiny_model(model, tmp_path):
     for o, got in zip(report.outcomes, data["report"]):
         assert (got["name"], got["failed"], got["wrong"]) == (o.name, o.failed, o.wrong)
         assert [r["risk"] for r in got["risks"]] == pytest.approx([r["risk"] for r in o.risks])
+    # per policy, each request's verdict and memory: they add up to the table's rows
+    assert list(data["policies"]) == [r["policy"] for r in report.table]
+    for row in report.table:
+        got = data["policies"][row["policy"]]
+        assert [g["name"] for g in got] == [o.name for o in report.outcomes]
+        assert sum(g["passed"] for g in got) / len(got) == pytest.approx(row["accuracy"])
+        assert sum(g["memory"] for g in got) / len(got) == pytest.approx(row["memory"])
+        assert sum(g["raised"] for g in got) == row.get("raised", 0)
     (tmp_path / "a-folder").mkdir()
     with pytest.raises(OSError):  # the write fails at the rename: no half file is left behind
         write_outcomes(str(tmp_path / "a-folder"), report)
