@@ -379,12 +379,13 @@ def _base_pass(model, tokenizer, tasks, ratio, guard_cfg, progress) -> tuple[lis
     teachers, bases, outcomes = [], [], []
     for task in tasks:
         teacher = run_request(model, tokenizer, task)
+        progress()
         base = run_request(model, tokenizer, task, H2OConfig(ratio=ratio), guard_cfg)
+        progress()
         p = len(tokenizer(task.chat_text(tokenizer), add_special_tokens=False).input_ids)
         teachers.append(teacher)
         bases.append(base)
         outcomes.append(_outcome(task, p, teacher, base))
-        progress()
     return teachers, bases, outcomes
 
 
@@ -413,12 +414,14 @@ def evaluate(
 
     logging = GuardConfig()
     fixed = [b for b in budgets if b < 1.0 and b != ratio]
-    n_runs = 2 * len(fit_tasks) + len(tasks) * (2 + len(fixed) + len(policies))
-    done = [0]
+    fitting = given is None and bool(fit_tasks)
+    # the generations to run: the fit pass, the base pass, then per kept request the fixed budgets
+    # (the base ratio and the full cache are the base pass's own) and the policies
+    done, total = [0], [2 * len(fit_tasks) * fitting + len(tasks) * (2 + len(fixed) + len(policies))]
 
     def tick():
         done[0] += 1
-        progress(f"{done[0]}/{n_runs} generations")
+        progress(f"{done[0]}/{total[0]} generations")
 
     fit, fitted, chosen = [], None, ()
     if given is not None:
@@ -440,6 +443,7 @@ def evaluate(
     threshold = 1.0 if threshold is None else threshold
     teachers, bases, outcomes = _base_pass(model, tokenizer, tasks, ratio, logging, tick)
     kept = [i for i, o in enumerate(outcomes) if o is not None]
+    total[0] = done[0] + len(kept) * (len(fixed) + len(policies))  # the requests left out run no more
     outs = [outcomes[i] for i in kept]
     _reprefill(outs, chosen)
     _rescore(outs, weights, bias)
@@ -478,7 +482,7 @@ def evaluate(
                 runs[i] = bases[i]
             else:
                 runs[i] = run_request(model, tokenizer, tasks[i], H2OConfig(ratio=b))
-            tick()
+                tick()
         table.append(_row(f"fixed {b:.0%}", runs, verdict))
         results(table[-1]["policy"], runs)
     recovered = []

@@ -118,6 +118,7 @@ def test_evaluate_end_to_end_on_a_tiny_model(model, tmp_path):
     act on every request at the prefill, before anything is evicted, so both keep the whole
     prompt (40 slots of 41 to 53 tokens) and recover every failure; every figure is a share."""
     tok = _tokenizer()
+    messages = []
     report = evaluate(
         model,
         tok,
@@ -128,7 +129,11 @@ def test_evaluate_end_to_end_on_a_tiny_model(model, tmp_path):
         policies=(("raise", 1.0, 0.0), ("refill", 1.0, 0.0)),
         ks=(1, 4),
         threshold=0.0,
+        progress=messages.append,
     )
+    # the progress counts generations run: teacher and base per request, then the two policies (the
+    # 20 % and full-cache rows are the base pass's own runs)
+    assert messages == [f"{i}/16 generations" for i in range(1, 17)]
     rows = {r["policy"]: r for r in report.table}
     assert rows["fixed 100%"]["accuracy"] == 1.0 and rows["fixed 100%"]["memory"] == 1.0
     base = rows["fixed 20%"]
