@@ -24,6 +24,7 @@ those of ``--seed`` (DESIGN.md §18.6).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -192,6 +193,9 @@ class RequestRun:
     guard_seconds: float = 0.0
     #: the guard's lost share at the prefill per layer and KV set (:attr:`GuardState.prefill_heads`)
     heads: list[list[float]] = field(default_factory=list)
+    #: the generation stopped at the request's new-token limit, not at an end-of-sequence token: a
+    #: wrong verdict may be the limit's (an answer cut mid-number), not the cache's
+    cut: bool = False
 
 
 class _Slots:
@@ -238,11 +242,19 @@ def run_request(model: Any, tokenizer: Any, task: Any, config: Any = None, guard
     full = [prompt_len + i + 1 for i in range(len(slots.held))]
     memory = sum(slots.held) / sum(full) if config is not None and full else 1.0
     run = RequestRun(tokens, answer, task.check(answer) if task.checked else None, seconds, memory)
+    run.cut = len(tokens) >= task.max_new_tokens and not _ends(model, tokenizer, tokens)
     if g is not None and g.last is not None:
         run.risks, run.events, run.guard_seconds = g.last.risk_rows(), g.last.event_rows(), g.last.seconds
         if g.last.prefill_heads is not None:
             run.heads = g.last.prefill_heads[0].tolist()
     return run
+
+
+def _ends(model: Any, tokenizer: Any, tokens: list[int]) -> bool:
+    """Whether ``tokens`` end with one of the model's end-of-sequence tokens."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = set(eos if isinstance(eos, list | tuple) else [eos]) | {tokenizer.eos_token_id}
+    return bool(tokens) and tokens[-1] in eos - {None}
 
 
 @dataclass
@@ -469,6 +481,7 @@ def evaluate(
                 "memory": r.memory,
                 "seconds": r.seconds,
                 "raised": bool(r.events),
+                "cut": r.cut,
             }
             for i, r in runs.items()
         ]
@@ -518,6 +531,7 @@ def evaluate(
                 "seconds": row["seconds"],
                 "guard_share": sum(r.guard_seconds for r in runs.values())
                 / max(1e-9, sum(r.seconds for r in runs.values())),
+                "cut": sum(1 for i in failures if not verdict(runs[i], i) and runs[i].cut),
             }
         )
     base_row = next((r for r in table if r["policy"] == f"fixed {ratio:.0%}"), None)
@@ -547,11 +561,13 @@ def evaluate(
 
 def _row(policy: str, runs: dict[int, RequestRun], verdict: Callable[[RequestRun, int], bool]) -> dict[str, Any]:
     n = max(1, len(runs))
+    right = {i: verdict(r, i) for i, r in runs.items()}
     return {
         "policy": policy,
-        "accuracy": sum(verdict(r, i) for i, r in runs.items()) / n,
+        "accuracy": sum(right.values()) / n,
         "memory": sum(r.memory for r in runs.values()) / n,
         "seconds": sum(r.seconds for r in runs.values()) / n,
+        "cut": sum(1 for i, r in runs.items() if not right[i] and r.cut),  # wrong answers cut at the limit
     }
 
 
@@ -601,10 +617,16 @@ def format_report(report: GuardReport) -> str:
             f"heads={report.heads!r}, threshold={report.threshold:.3g}"
         )
         lines.append(f"to run the fitted guard: GuardConfig(action=..., raise_ratio=..., {cfg})")
-    lines += ["", f"{'policy':>38} {'accuracy':>9} {'mean KV':>8} {'s/request':>10}"]
+    lines += [
+        "",
+        "wrong, cut: of the wrong answers, those that stopped at the new-token limit (not at an end token)",
+        f"{'policy':>38} {'accuracy':>9} {'mean KV':>8} {'s/request':>10} {'wrong, cut':>11}",
+    ]
+    n = max(1, report.requests)
     for row in report.table:
+        wrong = f"{round((1 - row['accuracy']) * n)}, {row.get('cut', 0)}"
         lines.append(
-            f"{row['policy']:>38} {row['accuracy']:>9.1%} {row['memory']:>8.1%} {row['seconds']:>10.2f}"
+            f"{row['policy']:>38} {row['accuracy']:>9.1%} {row['memory']:>8.1%} {row['seconds']:>10.2f} {wrong:>11}"
             + (f"  raised {row['raised']}" if "raised" in row else "")
         )
     lines.append("")
@@ -613,6 +635,7 @@ def format_report(report: GuardReport) -> str:
         lines.append(
             f"{r['policy']}: recovered {r['recovered']} of {r['failures']} H2O failures ({share:.0%}) at mean KV "
             f"{r['memory']:.1%}, {r['seconds']:.2f} s/request (guard {r['guard_share']:.1%} of it)"
+            + (f"; {r['cut']} of the rest stopped at the new-token limit" if r.get("cut") else "")
         )
     return "\n".join(lines)
 
@@ -633,6 +656,7 @@ def bench_guard(
     heads: int = HEADS,
     save_fit: str | None = None,
     fit_file: str | None = None,
+    new_tokens: int | None = None,
 ) -> int:
     """The CLI's ``bench guard``: load the model, resolve the tasks (``seed`` and ``fit_seed``),
     evaluate and print; ``fit_tasks`` the requests the weights and threshold are fitted on
@@ -640,7 +664,8 @@ def bench_guard(
     another file of one's own traffic); ``heads`` the layers and KV sets the fitted ``prefill`` signal
     reads (0: all); ``save_fit`` a JSON file that gets the fitted guard (:func:`write_fit`; 1 is
     returned when nothing could be fitted); ``fit_file`` a fit saved so (by a run on other requests)
-    to measure here instead of fitting; ``dump`` a JSON file that gets each request's outcome and per-step
+    to measure here instead of fitting; ``new_tokens`` each request's new-token limit instead of its
+    task's (on both seeds); ``dump`` a JSON file that gets each request's outcome and per-step
     signals (both seeds), for analyses of its own. Returns 0."""
     import sys
 
@@ -654,6 +679,8 @@ def bench_guard(
         raise ConfigError(f"bench guard --threshold {threshold}: expected a risk between 0 and 1, such as 0.5")
     if heads < 0:
         raise ConfigError(f"bench guard --heads {heads}: expected how many heads to choose (0: all of them), e.g. 5")
+    if new_tokens is not None and new_tokens < 1:
+        raise ConfigError(f"bench guard --new-tokens {new_tokens}: expected at least 1 new token, such as 32")
     bad = [b for b in budgets if not 0.0 < b <= 1.0]
     if bad:
         raise ConfigError(f"bench guard --fixed {bad[0]}: expected keep ratios in (0, 1], such as 0.2 0.35 1.0")
@@ -681,13 +708,15 @@ def bench_guard(
 
     def resolve(spec: str, s: int) -> list[Any]:
         if not spec.startswith("builtin:"):
-            return resolve_tasks(spec, seed=s, length=length, count=count, tokenizer=tokenizer)
-        names = spec.removeprefix("builtin:").split(",")  # builtin:needle,delayed_reference: both families
-        return [
-            t
-            for n in names
-            for t in resolve_tasks(f"builtin:{n}", seed=s, length=length, count=count, tokenizer=tokenizer)
-        ]
+            got = resolve_tasks(spec, seed=s, length=length, count=count, tokenizer=tokenizer)
+        else:
+            names = spec.removeprefix("builtin:").split(",")  # builtin:needle,delayed_reference: both families
+            got = [
+                t
+                for n in names
+                for t in resolve_tasks(f"builtin:{n}", seed=s, length=length, count=count, tokenizer=tokenizer)
+            ]
+        return got if new_tokens is None else [dataclasses.replace(t, max_new_tokens=new_tokens) for t in got]
 
     run = resolve(tasks, seed)
     if given is not None:
@@ -750,6 +779,7 @@ def bench_guard(
             "length": length,
             "count": count,
             "ratio": ratio,
+            "new_tokens": new_tokens,
         }
         write_fit(save_fit, report, about)
         print(f"the fitted guard written to {save_fit} (h2o-lens record --guard ... --guard-fit {save_fit})")

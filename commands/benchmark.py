@@ -42,7 +42,7 @@ def add_parser(sub: Any) -> None:
         type=int,
         default=None,
         help="record: new tokens of that prompt (default 256); sweep: of each request (default 16); "
-        "decode --assistant: tokens generated (default 96)",
+        "decode --assistant: tokens generated (default 96); guard: each request's limit (default its task's)",
     )
     b.add_argument("--runs", type=int, default=5000, help="runs: synthetic runs in the root")
     b.add_argument("--root", default=None, help="runs: reuse (or write once) this synthetic root")
@@ -234,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
             heads=args.heads,
             save_fit=args.save_fit,
             fit_file=args.fit,
+            new_tokens=args.new_tokens,
         )
     if args.what == "press":
         from .bench_press import bench_press, bench_press_agreement

@@ -145,6 +145,8 @@ def test_evaluate_end_to_end_on_a_tiny_model(model, tmp_path):
     assert [r["policy"] for r in report.recovered] == ["guard raise->100% @0.000", "guard refill->100% @0.000"]
     for rec in report.recovered:
         assert rec["failures"] == round((1 - base["accuracy"]) * 4) and rec["recovered"] == rec["failures"]
+    # the tiny model has no end token: every wrong answer stopped at the limit, and the table says so
+    assert base["cut"] == round((1 - base["accuracy"]) * 4) > 0 and raised["cut"] == 0
     for by_k in report.aurocs.values():
         assert set(by_k) == {1, 4} and all(math.isnan(v) or 0.0 <= v <= 1.0 for v in by_k.values())
     text = format_report(report)
@@ -165,10 +167,63 @@ def test_evaluate_end_to_end_on_a_tiny_model(model, tmp_path):
         assert sum(g["passed"] for g in got) / len(got) == pytest.approx(row["accuracy"])
         assert sum(g["memory"] for g in got) / len(got) == pytest.approx(row["memory"])
         assert sum(g["raised"] for g in got) == row.get("raised", 0)
+        assert sum(g["cut"] and not g["passed"] for g in got) == row["cut"]
     (tmp_path / "a-folder").mkdir()
     with pytest.raises(OSError):  # the write fails at the rename: no half file is left behind
         write_outcomes(str(tmp_path / "a-folder"), report)
     assert not (tmp_path / "a-folder.tmp").exists()
+
+
+def test_a_run_cut_at_the_limit_is_told_from_one_that_ended(model):
+    """``cut``: the generation reached the request's limit without an end token. A run that ends
+    with the end token, before the limit or exactly at it, is not cut."""
+    import dataclasses
+
+    tok = _tokenizer()
+    task = _tasks(3, n=1)[0]
+    free = run_request(model, tok, task)
+    assert len(free.tokens) == task.max_new_tokens and free.cut  # no end token: runs to the limit
+    stop = free.tokens[3]
+    first = free.tokens.index(stop)
+    old = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = stop
+    try:
+        ended = run_request(model, tok, task)
+        assert ended.tokens == free.tokens[: first + 1] and not ended.cut
+        at_limit = run_request(model, tok, dataclasses.replace(task, max_new_tokens=first + 1))
+        assert len(at_limit.tokens) == first + 1 and not at_limit.cut
+        short = run_request(model, tok, dataclasses.replace(task, max_new_tokens=first))
+        assert short.tokens == free.tokens[:first] and short.cut
+    finally:
+        model.generation_config.eos_token_id = old
+
+
+def test_bench_guard_new_tokens_replace_each_task_limit(tmp_path, capsys, monkeypatch):
+    """``--new-tokens N`` gives every request of both seeds the limit N; below 1 it is refused
+    before any run."""
+    from tiny import save_tiny
+
+    import commands.bench_guard as bg
+
+    save_tiny(tmp_path / "m", seed=0)
+    for name in ("run", "fit"):
+        (tmp_path / f"{name}.jsonl").write_text(
+            json.dumps({"name": name, "prompt": "w1 w2 w3", "max_new_tokens": 2}) + "\n"
+        )
+    seen = []
+
+    def fake(model, tokenizer, tasks, fit_tasks, **kw):
+        seen.append([t.max_new_tokens for t in tasks + fit_tasks])
+        return bg.GuardReport(0.2, 1, 0, 1.0, {"risk": {4: 0.5}}, [], [])
+
+    monkeypatch.setattr(bg, "evaluate", fake)
+    args = dict(model_name=str(tmp_path / "m"), tasks=str(tmp_path / "run.jsonl"), policies=(), budgets=(0.2,))
+    assert bench_guard(**args, fit_tasks=str(tmp_path / "fit.jsonl")) == 0
+    assert bench_guard(**args, fit_tasks=str(tmp_path / "fit.jsonl"), new_tokens=7) == 0
+    assert seen == [[2, 2], [7, 7]]
+    with pytest.raises(ConfigError, match="--new-tokens 0"):
+        bench_guard(**args, new_tokens=0)
+    assert len(seen) == 2
 
 
 def test_bench_decode_guard_rows(model, capsys):
