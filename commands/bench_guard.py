@@ -567,7 +567,8 @@ def _row(policy: str, runs: dict[int, RequestRun], verdict: Callable[[RequestRun
         "accuracy": sum(right.values()) / n,
         "memory": sum(r.memory for r in runs.values()) / n,
         "seconds": sum(r.seconds for r in runs.values()) / n,
-        "cut": sum(1 for i, r in runs.items() if not right[i] and r.cut),  # wrong answers cut at the limit
+        "wrong": sum(1 for ok in right.values() if not ok),
+        "cut": sum(1 for i, r in runs.items() if not right[i] and r.cut),  # of them, cut at the limit
     }
 
 
@@ -622,9 +623,8 @@ def format_report(report: GuardReport) -> str:
         "wrong, cut: of the wrong answers, those that stopped at the new-token limit (not at an end token)",
         f"{'policy':>38} {'accuracy':>9} {'mean KV':>8} {'s/request':>10} {'wrong, cut':>11}",
     ]
-    n = max(1, report.requests)
     for row in report.table:
-        wrong = f"{round((1 - row['accuracy']) * n)}, {row.get('cut', 0)}"
+        wrong = f"{row.get('wrong', 0)}, {row.get('cut', 0)}"
         lines.append(
             f"{row['policy']:>38} {row['accuracy']:>9.1%} {row['memory']:>8.1%} {row['seconds']:>10.2f} {wrong:>11}"
             + (f"  raised {row['raised']}" if "raised" in row else "")

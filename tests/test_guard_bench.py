@@ -146,7 +146,9 @@ def test_evaluate_end_to_end_on_a_tiny_model(model, tmp_path):
     for rec in report.recovered:
         assert rec["failures"] == round((1 - base["accuracy"]) * 4) and rec["recovered"] == rec["failures"]
     # the tiny model has no end token: every wrong answer stopped at the limit, and the table says so
-    assert base["cut"] == round((1 - base["accuracy"]) * 4) > 0 and raised["cut"] == 0
+    assert base["cut"] == base["wrong"] == round((1 - base["accuracy"]) * 4) > 0 and raised["cut"] == 0
+    line = next(x for x in format_report(report).splitlines() if x.strip().startswith("fixed 20%"))
+    assert line.endswith(f"{base['wrong']}, {base['cut']}")
     for by_k in report.aurocs.values():
         assert set(by_k) == {1, 4} and all(math.isnan(v) or 0.0 <= v <= 1.0 for v in by_k.values())
     text = format_report(report)
