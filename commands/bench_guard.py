@@ -241,8 +241,8 @@ def run_request(model: Any, tokenizer: Any, task: Any, config: Any = None, guard
     answer = tokenizer.decode(tokens, skip_special_tokens=True)
     full = [prompt_len + i + 1 for i in range(len(slots.held))]
     memory = sum(slots.held) / sum(full) if config is not None and full else 1.0
-    run = RequestRun(tokens, answer, task.check(answer) if task.checked else None, seconds, memory)
-    run.cut = len(tokens) >= task.max_new_tokens and not _ends(model, tokenizer, tokens)
+    cut = len(tokens) >= task.max_new_tokens and not _ends(model, tokenizer, tokens)
+    run = RequestRun(tokens, answer, task.check(answer) if task.checked else None, seconds, memory, cut=cut)
     if g is not None and g.last is not None:
         run.risks, run.events, run.guard_seconds = g.last.risk_rows(), g.last.event_rows(), g.last.seconds
         if g.last.prefill_heads is not None:
