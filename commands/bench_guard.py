@@ -42,6 +42,7 @@ __all__ = [
     "warning_score",
     "matched_auroc",
     "fit_threshold",
+    "THRESHOLD_RULES",
     "select_heads",
     "RequestRun",
     "run_request",
@@ -163,9 +164,20 @@ def fit_weights(
     return tuple(float(v) for v in scaled), float(b.detach() - (scaled * mean).sum())
 
 
-def fit_threshold(scores: Sequence[float], labels: Sequence[bool]) -> float:
-    """The threshold among ``scores`` with the best TPR − FPR (the lowest of equals); 1.0 (never
-    act) when one class is empty or no threshold does better than chance (TPR − FPR <= 0)."""
+#: where the fitted threshold sits in the fit set's gap (DESIGN.md §18.6): ``midpoint``, halfway
+#: between the lowest score the best TPR − FPR flags and the highest one below it; ``lowest``, at
+#: the lowest flagged score (the rule of DESIGN.md §18.3's figures marked so)
+THRESHOLD_RULES = ("midpoint", "lowest")
+
+
+def fit_threshold(scores: Sequence[float], labels: Sequence[bool], rule: str = "midpoint") -> float:
+    """The threshold with the best TPR − FPR over ``scores`` (the lowest of equals), placed by
+    ``rule`` (:data:`THRESHOLD_RULES`): at the midpoint of the gap below that score, or at the score
+    itself. Both flag the same fit requests; the midpoint leaves a margin on either side for
+    requests the fit has not seen. 1.0 (never act) when one class is empty or no threshold does
+    better than chance (TPR − FPR <= 0)."""
+    if rule not in THRESHOLD_RULES:
+        raise ValueError(f"threshold rule {rule!r}: expected one of {', '.join(THRESHOLD_RULES)}")
     pos = sum(labels)
     neg = len(labels) - pos
     if not pos or not neg:
@@ -176,7 +188,10 @@ def fit_threshold(scores: Sequence[float], labels: Sequence[bool]) -> float:
         fpr = sum(1 for s, y in zip(scores, labels) if not y and s >= t) / neg
         if tpr - fpr > best:
             best, best_t = tpr - fpr, t
-    return best_t if best > 0 else 1.0
+    if best <= 0:
+        return 1.0
+    below = [s for s in scores if s < best_t]
+    return (max(below) + best_t) / 2 if rule == "midpoint" and below else best_t
 
 
 @dataclass
@@ -380,6 +395,7 @@ class GuardReport:
     fit_outcomes: list[Outcome] = field(default_factory=list)
     heads: tuple[tuple[int, int], ...] = ()  # the prefill signal's heads, chosen on the fit set
     saved: bool = False  # the weights, heads and threshold came from a saved fit (``--fit``)
+    threshold_rule: str = "midpoint"  # where a fitted threshold sits (:func:`fit_threshold`)
     #: per policy row of :attr:`table` (fixed budgets and guard policies), each kept request's result:
     #: ``{"name", "passed", "memory", "seconds", "raised"}`` (for --dump: which requests a policy saved)
     per_request: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -414,13 +430,15 @@ def evaluate(
     threshold: float | None = None,
     heads: int = HEADS,
     given: dict[str, Any] | None = None,
+    threshold_rule: str = "midpoint",
     progress: Callable[[str], None] = lambda msg: None,
 ) -> GuardReport:
     """Run the bench's generations and measure (the module docstring says what); ``threshold``
     given: the guard acts at it, and ``fit_tasks`` only count; ``heads`` the layers and KV sets
     the ``prefill`` signal reads, chosen on ``fit_tasks`` (0: all of them); ``given`` a fit made
     elsewhere (:func:`read_fit`: weights, bias, heads, threshold), used instead of fitting
-    (``threshold`` still wins)."""
+    (``threshold`` still wins); ``threshold_rule`` where a fitted threshold sits
+    (:func:`fit_threshold`)."""
     from h2o_lens.config import H2OConfig
     from h2o_lens.guard import DEFAULT_BIAS, DEFAULT_WEIGHTS, SIGNALS, GuardConfig
 
@@ -451,7 +469,7 @@ def evaluate(
     weights, bias = fitted if fitted is not None else (DEFAULT_WEIGHTS, DEFAULT_BIAS)
     if fit and threshold is None and given is None:
         _rescore(fit, weights, bias)
-        threshold = fit_threshold(_scores(fit, 4, "fitted"), [o.failed for o in fit])
+        threshold = fit_threshold(_scores(fit, 4, "fitted"), [o.failed for o in fit], threshold_rule)
     threshold = 1.0 if threshold is None else threshold
     teachers, bases, outcomes = _base_pass(model, tokenizer, tasks, ratio, logging, tick)
     kept = [i for i, o in enumerate(outcomes) if o is not None]
@@ -547,6 +565,7 @@ def evaluate(
         table,
         recovered,
         fit_requests=len(fit),
+        threshold_rule=threshold_rule,
         weights=None if fitted is None else tuple(weights),
         bias=None if fitted is None else bias,
         early=early,
@@ -575,25 +594,36 @@ def _row(policy: str, runs: dict[int, RequestRun], verdict: Callable[[RequestRun
 def format_report(report: GuardReport) -> str:
     """The bench's printout."""
     lines = [
-        f"base budget {report.ratio:.0%}: {report.requests} requests "
+        f"base budget {report.ratio:.0%}: {report.requests} request{'' if report.requests == 1 else 's'} "
         f"({report.left_out} left out: the full cache fails them); threshold {report.threshold:.3f} "
         + (
             "from the saved fit"
             if report.saved
-            else f"fitted on {report.fit_requests} other requests (the fit set)"
+            else f"fitted on {report.fit_requests} other requests"
+            + (
+                _one_class(report.fit_outcomes, "the fit set", ": it never acts")
+                or f" (the fit set; the {report.threshold_rule} of its gap)"
+            )
             if report.fit_requests
             else "(not fitted)"
         ),
         "",
-        "AUROC of the warning score (highest risk >= k steps before the first wrong token; the prefill's "
-        "risk always counts) vs failure",
-        "failures first wrong within k tokens (scored at the prefill alone): "
-        + ", ".join(f"k={k}: {n}" for k, n in report.early.items()),
-        f"{'signal':>10} " + " ".join(f"{'k=' + str(k):>7}" for k in next(iter(report.aurocs.values()))),
     ]
-    for name, by_k in report.aurocs.items():
-        lines.append(f"{name:>10} " + " ".join(f"{v:>7.3f}" for v in by_k.values()))
-    if report.matched:
+    undefined = _one_class(report.outcomes, "these requests", "")
+    if undefined:
+        # an AUROC ranks failing against passing requests: a table of nan would only hide why
+        lines.append(f"AUROC: not defined{undefined}")
+    else:
+        lines += [
+            "AUROC of the warning score (highest risk >= k steps before the first wrong token; the prefill's "
+            "risk always counts) vs failure",
+            "failures first wrong within k tokens (scored at the prefill alone): "
+            + ", ".join(f"k={k}: {n}" for k, n in report.early.items()),
+            f"{'signal':>10} " + " ".join(f"{'k=' + str(k):>7}" for k in next(iter(report.aurocs.values()))),
+        ]
+        for name, by_k in report.aurocs.items():
+            lines.append(f"{name:>10} " + " ".join(f"{v:>7.3f}" for v in by_k.values()))
+    if report.matched and not undefined:
         lines += [
             "",
             "AUROC over the same horizon (each failing/passing pair scored over the steps before the failure's "
@@ -631,13 +661,29 @@ def format_report(report: GuardReport) -> str:
         )
     lines.append("")
     for r in report.recovered:
-        share = r["recovered"] / r["failures"] if r["failures"] else float("nan")
+        cost = f"mean KV {r['memory']:.1%}, {r['seconds']:.2f} s/request (guard {r['guard_share']:.1%} of it)"
+        if not r["failures"]:
+            lines.append(f"{r['policy']}: no H2O failure to recover; {cost}")
+            continue
         lines.append(
-            f"{r['policy']}: recovered {r['recovered']} of {r['failures']} H2O failures ({share:.0%}) at mean KV "
-            f"{r['memory']:.1%}, {r['seconds']:.2f} s/request (guard {r['guard_share']:.1%} of it)"
+            f"{r['policy']}: recovered {r['recovered']} of {r['failures']} H2O failures "
+            f"({r['recovered'] / r['failures']:.0%}) at {cost}"
             + (f"; {r['cut']} of the rest stopped at the new-token limit" if r.get("cut") else "")
         )
     return "\n".join(lines)
+
+
+def _one_class(outcomes: list[Outcome], what: str, then: str) -> str:
+    """``""`` when ``outcomes`` hold failing and passing requests; else why a ranking of failure
+    against passing is not defined on them (``then``: what follows from that)."""
+    failing = sum(1 for o in outcomes if o.failed)
+    if outcomes and 0 < failing < len(outcomes):
+        return ""
+    n = len(outcomes)
+    if not n:
+        return f" ({what} keep no request: the full cache fails every one){then}"
+    verb = ("fail" if failing else "pass") + ("s" if n == 1 else "")
+    return f" ({what}: {n} {verb} at the base budget, none {'passes' if failing else 'fails'}){then}"
 
 
 def bench_guard(
@@ -657,6 +703,7 @@ def bench_guard(
     save_fit: str | None = None,
     fit_file: str | None = None,
     new_tokens: int | None = None,
+    threshold_rule: str | None = None,
 ) -> int:
     """The CLI's ``bench guard``: load the model, resolve the tasks (``seed`` and ``fit_seed``),
     evaluate and print; ``fit_tasks`` the requests the weights and threshold are fitted on
@@ -665,7 +712,8 @@ def bench_guard(
     reads (0: all); ``save_fit`` a JSON file that gets the fitted guard (:func:`write_fit`; 1 is
     returned when nothing could be fitted); ``fit_file`` a fit saved so (by a run on other requests)
     to measure here instead of fitting; ``new_tokens`` each request's new-token limit instead of its
-    task's (on both seeds); ``dump`` a JSON file that gets each request's outcome and per-step
+    task's (on both seeds); ``threshold_rule`` where the fitted threshold sits (:func:`fit_threshold`,
+    default ``midpoint``); ``dump`` a JSON file that gets each request's outcome and per-step
     signals (both seeds), for analyses of its own. Returns 0."""
     import sys
 
@@ -681,6 +729,13 @@ def bench_guard(
         raise ConfigError(f"bench guard --heads {heads}: expected how many heads to choose (0: all of them), e.g. 5")
     if new_tokens is not None and new_tokens < 1:
         raise ConfigError(f"bench guard --new-tokens {new_tokens}: expected at least 1 new token, such as 32")
+    if threshold_rule is not None and (threshold is not None or fit_file is not None):
+        given_by = "--threshold" if threshold is not None else "--fit"
+        raise ConfigError(f"bench guard --threshold-rule places a fitted threshold; with {given_by} none is fitted")
+    if threshold_rule is not None and threshold_rule not in THRESHOLD_RULES:
+        raise ConfigError(
+            f"bench guard --threshold-rule {threshold_rule}: expected one of {', '.join(THRESHOLD_RULES)}"
+        )
     bad = [b for b in budgets if not 0.0 < b <= 1.0]
     if bad:
         raise ConfigError(f"bench guard --fixed {bad[0]}: expected keep ratios in (0, 1], such as 0.2 0.35 1.0")
@@ -756,6 +811,7 @@ def bench_guard(
         threshold=threshold,
         heads=heads,
         given=given,
+        threshold_rule=threshold_rule or "midpoint",
         progress=progress,
     )
     print(file=sys.stderr)
@@ -780,6 +836,7 @@ def bench_guard(
             "count": count,
             "ratio": ratio,
             "new_tokens": new_tokens,
+            "threshold_rule": report.threshold_rule,
         }
         write_fit(save_fit, report, about)
         print(f"the fitted guard written to {save_fit} (h2o-lens record --guard ... --guard-fit {save_fit})")

@@ -85,6 +85,13 @@ def add_parser(sub: Any) -> None:
         help="guard: write the fitted weights, heads and threshold as JSON (for record --guard-fit)",
     )
     b.add_argument(
+        "--threshold-rule",
+        choices=["midpoint", "lowest"],
+        default=None,
+        help="guard: where the fitted threshold sits in the fit set's gap: halfway (midpoint, the default) "
+        "or at the lowest score it flags",
+    )
+    b.add_argument(
         "--heads",
         type=int,
         default=5,
@@ -235,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
             save_fit=args.save_fit,
             fit_file=args.fit,
             new_tokens=args.new_tokens,
+            threshold_rule=args.threshold_rule,
         )
     if args.what == "press":
         from .bench_press import bench_press, bench_press_agreement

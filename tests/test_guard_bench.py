@@ -74,8 +74,30 @@ def test_auroc_is_the_roc_area():
     area = sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(pts, pts[1:]))
     assert auroc(scores, labels) == pytest.approx(area)
     assert math.isnan(auroc([0.1, 0.2], [True, True]))
-    assert fit_threshold([0.1, 0.2, 0.7, 0.9], [False, False, True, True]) == 0.7
+    assert fit_threshold([0.1, 0.2, 0.7, 0.9], [False, False, True, True], "lowest") == 0.7
     assert fit_threshold([0.9, 0.7, 0.2, 0.1], [False, False, True, True]) == 1.0  # worse than chance: never act
+
+
+def test_the_fitted_threshold_sits_midway_in_the_gap_it_leaves():
+    """The midpoint flags exactly the fit requests that the lowest flagged score does (the same
+    TPR − FPR), halfway between that score and the highest score below it, whichever class that is;
+    with one class or no better than chance, 1.0."""
+    scores = [0.1, 0.2, 0.5, 0.7, 0.9, 0.55]
+    labels = [False, False, False, True, True, True]
+    low = fit_threshold(scores, labels, "lowest")
+    mid = fit_threshold(scores, labels)
+    assert low == 0.55 and mid == pytest.approx((0.5 + 0.55) / 2)
+    flagged = [s >= low for s in scores]
+    assert [s >= mid for s in scores] == flagged
+    # a pass above the lowest failure: the best cut keeps it flagged, the gap below is a failure's
+    scores, labels = [0.1, 0.3, 0.4, 0.6, 0.8], [False, True, False, True, True]
+    best = fit_threshold(scores, labels, "lowest")
+    assert best == 0.6 and fit_threshold(scores, labels) == pytest.approx(0.5)
+    assert fit_threshold([0.7, 0.9, 0.2], [True, True, False]) == pytest.approx(0.45)
+    assert fit_threshold([0.7, 0.7, 0.9], [True, False, True]) == pytest.approx(0.8)  # a tie at 0.7: below
+    assert fit_threshold([0.3, 0.6], [True, True]) == 1.0
+    with pytest.raises(ValueError, match="threshold rule 'edge'"):
+        fit_threshold([0.1, 0.9], [False, True], "edge")
 
 
 def test_first_wrong_and_warning_score():
@@ -152,8 +174,12 @@ def test_evaluate_end_to_end_on_a_tiny_model(model, tmp_path):
     for by_k in report.aurocs.values():
         assert set(by_k) == {1, 4} and all(math.isnan(v) or 0.0 <= v <= 1.0 for v in by_k.values())
     text = format_report(report)
-    assert "AUROC" in text and "recovered" in text and "fixed 20%" in text
-    assert "same horizon" in text and set(report.matched) == set(report.aurocs)
+    assert "recovered" in text and "fixed 20%" in text and set(report.matched) == set(report.aurocs)
+    failing = sum(o.failed for o in report.outcomes)
+    if 0 < failing < report.requests:
+        assert "AUROC of the warning score" in text and "same horizon" in text
+    else:  # one class: one line says why instead of a table of nan
+        assert "AUROC: not defined (these requests: " in text and "nan" not in text and "same horizon" not in text
     dump = tmp_path / "outcomes.json"
     write_outcomes(str(dump), report)
     data = json.loads(dump.read_text())
@@ -356,6 +382,43 @@ def test_evaluate_fits_weights_on_the_fit_seed(model):
     assert [r["policy"] for r in report.recovered] == [f"guard raise->35%+15% pinned @{report.threshold:.3f}"]
 
 
+def test_the_threshold_rule_reaches_the_fit_and_the_report(model, monkeypatch):
+    """``threshold_rule`` is the rule :func:`fit_threshold` places the fitted threshold by, and the
+    report's first line names it."""
+    import commands.bench_guard as bg
+
+    seen = []
+
+    def spy(scores, labels, rule="midpoint"):
+        seen.append(rule)
+        return 0.25  # a threshold both classes of any fit set are printed against
+
+    monkeypatch.setattr(bg, "fit_threshold", spy)
+    tok = _tokenizer()
+    for rule in ("lowest", "midpoint"):
+        report = evaluate(
+            model, tok, _tasks(1), _tasks(2), ratio=0.2, budgets=(0.2,), policies=(), ks=(4,), threshold_rule=rule
+        )
+        assert seen[-1] == rule and report.threshold == 0.25 and report.threshold_rule == rule
+        first = format_report(report).splitlines()[0]
+        assert "threshold 0.250 fitted on 4 other requests" in first
+        assert f"the {rule} of its gap" in first or "none passes" in first or "none fails" in first
+
+
+def test_cli_refuses_a_threshold_rule_with_nothing_to_fit(tmp_path, capsys):
+    from commands.cli import main
+
+    assert main(["bench", "guard", "--threshold", "0.5", "--threshold-rule", "lowest"]) != 0
+    err = capsys.readouterr().err
+    assert "--threshold-rule places a fitted threshold; with --threshold none is fitted" in err
+    assert "Traceback" not in err
+    assert main(["bench", "guard", "--fit", str(tmp_path / "fit.json"), "--threshold-rule", "midpoint"]) != 0
+    assert "with --fit none is fitted" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "guard", "--threshold-rule", "edge"])
+    assert "invalid choice: 'edge'" in capsys.readouterr().err
+
+
 def test_a_policy_with_its_own_threshold_acts_at_it(model):
     """``raise:1.0@0`` acts on every request whatever the fitted or given threshold; the same
     policy at the given threshold 1.0 acts only on a request whose risk reaches 1."""
@@ -430,7 +493,7 @@ def test_a_task_file_is_fitted_on_the_fit_tasks_given(tmp_path, capsys):
     assert bench_guard(**common, fit_tasks=str(tmp_path / "fit.jsonl")) == 0
     out = capsys.readouterr()
     assert f"fit on {tmp_path / 'fit.jsonl'}" in out.out and "nothing to fit on" not in out.err
-    assert "fitted on 4 other requests (the fit set)" in out.out
+    assert "fitted on 4 other requests (the fit set" in out.out
     fit = tmp_path / "fit.json"
     code = bench_guard(**common, fit_tasks=str(tmp_path / "fit.jsonl"), save_fit=str(fit))
     out = capsys.readouterr()
