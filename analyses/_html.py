@@ -30,6 +30,7 @@ from ._format import (
     worst,
 )
 from .causal import ORACLE_CURVE
+from .guard import guard_cost_line
 
 __all__ = ["render_html", "figures"]
 
@@ -339,9 +340,10 @@ def _guard(data: dict[str, Any], figs: dict[str, Any]) -> str:
         else "<p>No action was taken.</p>"
     )
     requests = _table(guard["requests"], ("request", "steps", "max_risk", "peak_step", "mean_risk", "actions"))
+    cost = f"<p>{html.escape(guard_cost_line(guard['cost']))}</p>" if guard.get("cost") else ""
     return (
         "<h2>Guard</h2><p>The online risk per request and the actions it took.</p>"
-        f"{_fig('fig-guard', figs)}{requests}{actions}"
+        f"{_fig('fig-guard', figs)}{requests}{actions}{cost}"
     )
 
 

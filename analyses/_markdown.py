@@ -26,6 +26,7 @@ from ._format import (
     why_rows,
     worst,
 )
+from .guard import guard_cost_line
 
 __all__ = ["render_markdown", "text"]
 
@@ -154,6 +155,7 @@ def guard_section(data: dict[str, Any]) -> list[str]:
         table(guard["actions"], ("request", "step", "risk", "action", "slots_before", "slots_after", "evicted"))
         if guard["actions"]
         else "No action was taken.\n",
+        *([f"\n{text(guard_cost_line(guard['cost']))}\n"] if guard.get("cost") else []),
     ]
 
 

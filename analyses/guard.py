@@ -3,16 +3,43 @@
 ``guard_requests`` gives, per request, the steps the guard scored, the highest risk and the step
 it peaked at, the mean risk and the number of actions; ``guard_actions`` lists the actions
 (``guard_events``) in order; ``guard_risk`` the risk per request and step, for a curve. A run
-recorded without the guard has neither (empty relations).
+recorded without the guard has neither (empty relations). ``guard_cost`` is what the guard's own
+computations cost, as the recorder stored it in the manifest.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import duckdb
 
-from ._base import Source, connect, relation
+from runlog import RecorderError, read_manifest
 
-__all__ = ["guard_requests", "guard_actions", "guard_risk"]
+from ._base import Source, connect, relation, run_info
+
+__all__ = ["guard_requests", "guard_actions", "guard_risk", "guard_cost", "guard_cost_line", "COST_FIELDS"]
+
+#: the manifest's ``guard_cost`` (DESIGN.md §18.5)
+COST_FIELDS = ("seconds", "refill_seconds", "steps_scored", "generate_seconds", "share")
+
+
+def guard_cost(source: Source, run_id: str) -> dict[str, Any] | None:
+    """The manifest's ``guard_cost`` of ``run_id``: the guard's own seconds, its refills' recompute,
+    the steps it scored, the generation's timed prefill and decode seconds and the guard's share of
+    them; ``None`` for a run without it (no guard, a run recorded before it was logged, a manifest
+    that cannot be read or an entry that is not five non-negative numbers: nothing is made up)."""
+    info = run_info(connect(source), run_id)
+    try:
+        manifest = read_manifest(info["path"]) if info.get("path") else {}
+    except (RecorderError, OSError):
+        return None
+    cost = manifest.get("guard_cost")
+    if not isinstance(cost, dict) or any(k not in cost for k in COST_FIELDS):
+        return None
+    numbers = [cost[k] for k in COST_FIELDS if not (k == "share" and cost[k] is None)]
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in numbers):
+        return None
+    return {k: cost[k] for k in COST_FIELDS}
 
 
 def guard_requests(source: Source, run_id: str) -> duckdb.DuckDBPyRelation:
@@ -61,4 +88,14 @@ def guard_risk(source: Source, run_id: str) -> duckdb.DuckDBPyRelation:
         con,
         "SELECT request, step, risk FROM guard_steps WHERE run_id = $run ORDER BY request, step",
         run=run_id,
+    )
+
+
+def guard_cost_line(cost: dict[str, Any]) -> str:
+    """One sentence on the guard's cost (DESIGN.md §18.5) from the report's ``guard.cost``."""
+    share = f", {cost['share']:.1%} of" if cost.get("share") is not None else " against"
+    refill = f"; its refills' recompute {cost['refill_seconds']:.3f} s" if cost["refill_seconds"] else ""
+    return (
+        f"The guard's own computations took {cost['seconds']:.3f} s over {cost['steps_scored']} scored steps"
+        f"{share} the {cost['generate_seconds']:.3f} s of timed prefill and decode steps{refill}."
     )

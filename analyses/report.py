@@ -44,7 +44,7 @@ from .divergence import divergence_summary, free_generation, replay_series
 from .dynamics import freeze_onset, margin_sensitivity
 from .errors import MissingColumnError, ParameterError
 from .evidence import evidence_held
-from .guard import guard_actions, guard_requests, guard_risk
+from .guard import guard_actions, guard_cost, guard_requests, guard_risk
 from .stale import stale_holders, stale_victims
 from .thresholds import Thresholds
 from .views import run_problems
@@ -233,12 +233,13 @@ def _oracle(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
 
 
 def _guard(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
-    """The guard's requests, actions and risk per step (DESIGN.md §18.5); empty lists for a run
-    without the guard."""
+    """The guard's requests, actions and risk per step (DESIGN.md §18.5), empty lists for a run
+    without the guard; and its cost as the manifest stored it (``None`` when it did not)."""
     return {
         "requests": records(guard_requests(con, run_id).df()),
         "actions": records(guard_actions(con, run_id).df()),
         "risk": records(guard_risk(con, run_id).df()),
+        "cost": guard_cost(con, run_id),
     }
 
 

@@ -14,6 +14,7 @@ import streamlit as st
 import analyses
 from analyses import views
 from analyses.guard import guard_actions, guard_requests, guard_risk
+from analyses.guard import guard_cost as analyses_guard_cost
 
 from .state import MAX_ROWS, Root, cursor
 
@@ -101,6 +102,13 @@ def guard_log(root: Root, run_id: str) -> tuple[pd.DataFrame, pd.DataFrame, pd.D
     without the guard."""
     with cursor(root) as cur:
         return guard_requests(cur, run_id).df(), guard_actions(cur, run_id).df(), guard_risk(cur, run_id).df()
+
+
+@_cache
+def guard_cost(root: Root, run_id: str) -> dict[str, Any] | None:
+    """What the guard's own computations cost in a run (:func:`analyses.guard.guard_cost`)."""
+    with cursor(root) as cur:
+        return analyses_guard_cost(cur, run_id)
 
 
 @_cache

@@ -293,8 +293,10 @@ def guard_summary(state) -> str:
         f"{e['evicted']:.0f} positions already evicted)"
         for e in state.event_rows()
     )
-    return f"guard: highest risk {top['risk']:.3f} at step {top['step']} (threshold {state.config.threshold:.2f}); " + (
-        acts or "no action"
+    return (
+        f"guard: highest risk {top['risk']:.3f} at step {top['step']} (threshold {state.config.threshold:.2f}); "
+        + (acts or "no action")
+        + f"; its own computations {state.seconds:.3f} s over {state.scored} decode steps"
     )
 
 

@@ -584,6 +584,8 @@ class GuardState:
     scored: int = 0
     #: the steps and events already written to a log (:mod:`recorders.guard_log`)
     written: tuple[int, int] = (0, 0)
+    #: ``(seconds, refill_seconds, scored)`` already counted in a log's ``guard_cost``
+    cost_written: tuple[float, float, int] = (0.0, 0.0, 0)
     #: refills marked at the last step, done by :class:`~h2o_lens.refill.Refill` before the next one
     pending: list[dict[str, Any]] = field(default_factory=list)
     refiller: bool = False

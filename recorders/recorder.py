@@ -290,6 +290,8 @@ class Recording:
         self.step_times: list[float] = []  # wall-clock seconds of each decode step
         self.prefill_seconds: list[float] = []
         self.prompts_reused = 0  # generate calls that started from a reused prompt forward (DESIGN.md §12.5)
+        #: the guard's own seconds, its refills' seconds and the steps it scored (DESIGN.md §18.5)
+        self.guard_cost: list[float] | None = None
         self.prompt_len = 0
         self.new_tokens = 0
         self.requests = 0
@@ -741,6 +743,12 @@ class Recording:
         if cache is not None:
             last = {req: len(info["prompt"]) + len(info["new"]) - 2 for req, info in self._reqs.items()}
             write_guard_rows(self.writer, cache, last)
+        state = getattr(cache, "guard", None)
+        if state is not None:  # what this call added to the guard's cost (a cache may serve several)
+            now = (state.seconds, state.refill_seconds, state.scored)
+            cost = self.guard_cost or [0.0, 0.0, 0]
+            self.guard_cost = [c + n - w for c, n, w in zip(cost, now, state.cost_written)]
+            state.cost_written = now
 
     def _write_tokens(
         self,
@@ -1085,6 +1093,18 @@ def _record(
         guard = getattr(cache, "guard", None) if cache is not None else None
         if guard is not None:  # the guard's configuration, beside its tables (DESIGN.md §18.5)
             writer.update(guard=dataclasses.asdict(guard.config))
+        if rec.guard_cost is not None:  # and what it cost, against the generation it ran in
+            generated = float(sum(rec.step_times) + sum(rec.prefill_seconds))
+            seconds, refill, scored = rec.guard_cost
+            writer.update(
+                guard_cost={
+                    "seconds": seconds,
+                    "refill_seconds": refill,
+                    "steps_scored": int(scored),
+                    "generate_seconds": generated,
+                    "share": seconds / generated if generated > 0 else None,
+                }
+            )
         if rec.prompts_reused:  # the prefill time above leaves these generate calls out
             writer.update(prompt_forward_reused=rec.prompts_reused)
         if manifest:

@@ -3,6 +3,8 @@ the run's log (DESIGN.md §18.5), and every refusal one line before anything is 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tiny import save_tiny
 
@@ -58,7 +60,10 @@ def test_log_only_logs(folder, tmp_path, monkeypatch, capsys):
     run = load_run(run_dir)
     assert run["guard_events"].num_rows == 0 and run["guard_steps"].num_rows == 6
     assert run["evictions"].to_pandas()["step"].min() == run["requests"].to_pandas()["prompt_len"].iloc[0] - 1
-    assert "(threshold 0.50); no action" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "(threshold 0.50); no action; its own computations " in err
+    cost = json.loads((run_dir / "manifest.json").read_text())["guard_cost"]
+    assert f"its own computations {cost['seconds']:.3f} s over 5 decode steps" in err and cost["steps_scored"] == 5
 
 
 @pytest.mark.compat
@@ -95,7 +100,6 @@ def test_guard_and_teacher_force_are_refused(folder, tmp_path, monkeypatch, caps
 
 
 def _fit_file(path, **over):
-    import json
 
     from h2o_lens.guard import SIGNALS
 
@@ -117,7 +121,6 @@ def test_a_fit_file_sets_the_guards_weights_heads_and_threshold(folder, tmp_path
     """``--guard-fit`` takes the fitted weights, bias, heads, threshold and rows: a bias of 3 puts
     every step at risk 0.953 >= the fit's threshold 0.9, so the raise acts at the prefill; the
     manifest keeps the fitted config; an ``@`` threshold wins over the fit's."""
-    import json
 
     fit = _fit_file(tmp_path / "fit.json")
     code, out = _record(folder, tmp_path, monkeypatch, "--guard", "raise:1.0", "--guard-fit", fit)

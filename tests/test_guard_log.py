@@ -114,3 +114,46 @@ def test_a_row_that_ends_early_logs_no_steps_after_its_last_token(tmp_path):
         got = steps[steps["request"] == request]["step"].tolist()
         assert got == list(range(19, 19 + n)), (request, n, got)
     assert check_run(tmp_path / run.run_id).status == "complete"
+
+
+def test_the_guard_cost_is_logged_summed_over_calls_and_reported(tmp_path):
+    """Two guarded ``generate`` calls in one run: the manifest's ``guard_cost`` is the sum of the two
+    guard states' own seconds and scored steps (each counted once), a share of the timed prefill and
+    decode seconds that hold it; the report carries it and says it in one sentence. A run without
+    the guard, or with a malformed entry, has none (nothing made up)."""
+    from analyses.guard import guard_cost
+    from analyses.report import build_report, report_data
+
+    model = local_attention(tiny_model("llama", layers=2))
+    ids = torch.randint(3, 250, (1, 20), generator=torch.Generator().manual_seed(4))
+    with (
+        guarded(GuardConfig()) as g,
+        recorders.record(model, H2OConfig(heavy=4, recent=3), out=tmp_path, fsync=False) as run,
+    ):
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+            model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert len(g.states) == 2
+    manifest_path = tmp_path / run.run_id / "manifest.json"
+    cost = json.loads(manifest_path.read_text())["guard_cost"]
+    assert cost["steps_scored"] == 5 + 3 == sum(s.scored for s in g.states)
+    assert cost["seconds"] == pytest.approx(sum(s.seconds for s in g.states)) and cost["seconds"] > 0
+    assert cost["refill_seconds"] == 0.0 and cost["seconds"] <= cost["generate_seconds"]
+    assert cost["share"] == pytest.approx(cost["seconds"] / cost["generate_seconds"])
+    con = open_runs(tmp_path)
+    assert guard_cost(con, run.run_id) == pytest.approx(cost)
+    assert report_data(con, run.run_id)["guard"]["cost"] == pytest.approx(cost)
+    md = build_report(con, run.run_id, fmt="md")
+    assert f"The guard's own computations took {cost['seconds']:.3f} s over 8 scored steps, {cost['share']:.1%}" in md
+
+    bad = json.loads(manifest_path.read_text())
+    bad["guard_cost"]["seconds"] = -1.0
+    manifest_path.write_text(json.dumps(bad))
+    assert guard_cost(open_runs(tmp_path), run.run_id) is None
+
+    plain = tmp_path / "plain"
+    with recorders.record(model, H2OConfig(heavy=4, recent=3), out=plain, fsync=False) as run2:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert "guard_cost" not in json.loads((plain / run2.run_id / "manifest.json").read_text())
+    assert guard_cost(open_runs(plain), run2.run_id) is None

@@ -75,7 +75,9 @@ def test_report_has_the_guard_section(root):
     assert [t["name"] for t in fig["data"]] == ["risk r0", "risk r1", "action"]
     assert fig["data"][2]["text"] == ["raise", "raise"]
     other = analyses.report_data(out, plain)
-    assert other["guard"] == {"requests": [], "actions": [], "risk": []}
+    assert other["guard"] == {"requests": [], "actions": [], "risk": [], "cost": None}
+    assert data["guard"]["cost"]["steps_scored"] > 0 and "The guard's own computations took" in md
+    assert "The guard&#x27;s own computations took" in html
     assert "## Guard" not in analyses.build_report(out, plain, fmt="md")
 
 
@@ -133,3 +135,6 @@ def test_the_shipped_guarded_sample_shows_its_guard(monkeypatch):
     assert not at.exception, [e.value for e in at.exception]
     assert "Guard" in [s.value for s in at.subheader]
     assert any("Guard: online risk" in c.proto.spec for c in at.get("plotly_chart"))
+    cost = manifest["guard_cost"]  # the guard's own time, logged by the recorder, under the tables
+    assert 0 < cost["seconds"] <= cost["generate_seconds"] and cost["steps_scored"] > 0
+    assert any(c.value.startswith("The guard's own computations took") for c in at.caption)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
+from analyses.guard import guard_cost_line
 from app import charts, common, data, state
 
 PAGE = "overview"
@@ -98,6 +99,9 @@ def render() -> None:
                 st.caption("No action was taken.")
             else:
                 st.dataframe(actions, hide_index=True, key="overview_guard_actions")
+            cost = data.guard_cost(root, run)
+            if cost is not None:
+                st.caption(guard_cost_line(cost))
     st.subheader("Attribution: the threshold estimate")
     st.caption(
         "Each failed request gets one estimated verdict from the logged measures against thresholds "
