@@ -65,3 +65,31 @@ def test_why_section_renders_on_the_shipped_sample_runs(tmp_path):
             page.screenshot(path=str(shots / "report-why-samples.png"), full_page=True)
         finally:
             page.close()
+
+
+def test_guard_section_renders_on_the_shipped_guarded_sample(tmp_path):
+    """The Overview of the shipped guarded run: its Guard section with the risk curve, the
+    requests and actions tables, and the guard's cost as the manifest logged it."""
+    from commands.jobs import SAMPLE_GUARDED
+
+    name, ratio, _, _ = SAMPLE_GUARDED
+    run = f"{name}-h2o-{round(ratio * 100)}-guard".replace("_", "-")
+    root = tmp_path / "sample_runs"
+    shutil.copytree(REPO / "sample_runs", root)
+    shots = Path(os.environ.get("H2O_LENS_SCREENSHOTS") or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
+    with serve(root, log=tmp_path / "streamlit.log") as url, browser() as b:
+        page = b.new_page(viewport={"width": 1500, "height": 1000})
+        try:
+            page.goto(f"{url}/overview?run={run}")
+            page.wait_for_selector(f"{DONE} h1", timeout=120_000)
+            main = page.locator("[data-testid=stMain]")
+            main.get_by_text("The guard's own computations took").wait_for(timeout=60_000)
+            assert page.locator("[data-testid=stException]").count() == 0
+            chart = main.locator(".js-plotly-plot").filter(has_text="Guard: online risk")
+            chart.first.wait_for(timeout=60_000)
+            assert "raise" in chart.first.inner_text()
+            main.get_by_text("The guard's own computations took").scroll_into_view_if_needed()
+            page.screenshot(path=str(shots / "overview-guard-sample.png"), full_page=False)
+        finally:
+            page.close()
