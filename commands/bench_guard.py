@@ -396,6 +396,7 @@ class GuardReport:
     heads: tuple[tuple[int, int], ...] = ()  # the prefill signal's heads, chosen on the fit set
     saved: bool = False  # the weights, heads and threshold came from a saved fit (``--fit``)
     threshold_rule: str = "midpoint"  # where a fitted threshold sits (:func:`fit_threshold`)
+    threshold_given: bool = False  # the threshold was given (``--threshold``), not fitted
     #: per policy row of :attr:`table` (fixed budgets and guard policies), each kept request's result:
     #: ``{"name", "passed", "memory", "seconds", "raised"}`` (for --dump: which requests a policy saved)
     per_request: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -454,6 +455,7 @@ def evaluate(
         progress(f"{done[0]}/{total[0]} generations")
 
     fit, fitted, chosen = [], None, ()
+    given_threshold = threshold is not None
     if given is not None:
         fitted, chosen = (given["weights"], given["bias"]), tuple(given["heads"])
         threshold = given["threshold"] if threshold is None else threshold
@@ -566,6 +568,7 @@ def evaluate(
         recovered,
         fit_requests=len(fit),
         threshold_rule=threshold_rule,
+        threshold_given=given_threshold,
         weights=None if fitted is None else tuple(weights),
         bias=None if fitted is None else bias,
         early=early,
@@ -597,7 +600,16 @@ def format_report(report: GuardReport) -> str:
         f"base budget {report.ratio:.0%}: {report.requests} request{'' if report.requests == 1 else 's'} "
         f"({report.left_out} left out: the full cache fails them); threshold {report.threshold:.3f} "
         + (
-            "from the saved fit"
+            "given; the weights "
+            + (
+                "of the saved fit"
+                if report.saved
+                else f"fitted on {report.fit_requests} other requests"
+                if report.fit_requests
+                else "by default"
+            )
+            if report.threshold_given
+            else "from the saved fit"
             if report.saved
             else f"fitted on {report.fit_requests} other requests"
             + (

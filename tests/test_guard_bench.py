@@ -438,6 +438,7 @@ def test_a_policy_with_its_own_threshold_acts_at_it(model):
     assert rows["guard raise->100% @0.000"]["raised"] == 4
     assert rows["guard raise->100% @1.000"]["raised"] == 0
     assert rows["guard raise->100% @0.000"]["memory"] > rows["guard raise->100% @1.000"]["memory"]
+    assert "; threshold 1.000 given; the weights by default" in format_report(report).splitlines()[0]
 
 
 def test_guard_policies_parse_an_own_threshold():
