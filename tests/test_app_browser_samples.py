@@ -7,6 +7,7 @@ Screenshots go to ``$H2O_LENS_SCREENSHOTS`` when set, else to the test's tempora
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -32,6 +33,22 @@ pytest.importorskip(
 pytestmark = pytest.mark.slow
 
 
+@contextlib.contextmanager
+def _sample_page(tmp_path: Path, root: Path, path: str):
+    """A Chromium page on ``path`` of the dashboard served over ``root``, drawn to the end (its
+    ``h1``), with the folder screenshots go to."""
+    shots = Path(os.environ.get("H2O_LENS_SCREENSHOTS") or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
+    with serve(root, log=tmp_path / "streamlit.log") as url, browser() as b:
+        page = b.new_page(viewport={"width": 1500, "height": 1000})
+        try:
+            page.goto(f"{url}/{path}")
+            page.wait_for_selector(f"{DONE} h1", timeout=120_000)
+            yield page, shots
+        finally:
+            page.close()
+
+
 def test_why_section_renders_on_the_shipped_sample_runs(tmp_path):
     root = tmp_path / "sample_runs"
     shutil.copytree(REPO / "sample_runs", root)
@@ -40,31 +57,23 @@ def test_why_section_renders_on_the_shipped_sample_runs(tmp_path):
     rerun_ids = [r["run_id"] for r in verdict.table if r["run_id"]]
     assert {r["variant"] for r in verdict.table} >= {"full", "pinned", "oracle", "policy_budget", "oracle_budget"}
     assert all((root / r).is_dir() for r in rerun_ids)  # the re-runs ship with the samples
-    shots = Path(os.environ.get("H2O_LENS_SCREENSHOTS") or tmp_path)
-    shots.mkdir(parents=True, exist_ok=True)
-    with serve(root, log=tmp_path / "streamlit.log") as url, browser() as b:
-        page = b.new_page(viewport={"width": 1500, "height": 1000})
-        try:
-            page.goto(f"{url}/report?run={run}")
-            page.wait_for_selector(f"{DONE} h1", timeout=120_000)
-            main = page.locator("[data-testid=stMain]")
-            main.get_by_text("Why: counterfactual re-runs").wait_for(timeout=60_000)
-            assert page.locator("[data-testid=stException]").count() == 0
-            text = main.inner_text()
-            assert "No counterfactual re-runs yet" not in text
-            assert f"Request {verdict.request}:" in text and verdict.reason in text
-            assert "decided by: " + ", ".join(verdict.decided_by) in text
-            # the variants table, a data grid, and the budget curves of the explained requests
-            card = main.locator("h4", has_text=f"Request {verdict.request}:").first
-            # Streamlit draws a data grid after the text around it: wait for it rather than count
-            card.locator("xpath=following::*[@data-testid='stDataFrame']").first.wait_for(timeout=60_000)
-            curves = main.locator(".js-plotly-plot").filter(has_text="Minimal passing budgets")
-            curves.first.wait_for(timeout=60_000)
-            assert "oracle" in curves.first.inner_text()
-            page.get_by_text("Why: counterfactual re-runs").scroll_into_view_if_needed()
-            page.screenshot(path=str(shots / "report-why-samples.png"), full_page=True)
-        finally:
-            page.close()
+    with _sample_page(tmp_path, root, f"report?run={run}") as (page, shots):
+        main = page.locator("[data-testid=stMain]")
+        main.get_by_text("Why: counterfactual re-runs").wait_for(timeout=60_000)
+        assert page.locator("[data-testid=stException]").count() == 0
+        text = main.inner_text()
+        assert "No counterfactual re-runs yet" not in text
+        assert f"Request {verdict.request}:" in text and verdict.reason in text
+        assert "decided by: " + ", ".join(verdict.decided_by) in text
+        # the variants table, a data grid, and the budget curves of the explained requests
+        card = main.locator("h4", has_text=f"Request {verdict.request}:").first
+        # Streamlit draws a data grid after the text around it: wait for it rather than count
+        card.locator("xpath=following::*[@data-testid='stDataFrame']").first.wait_for(timeout=60_000)
+        curves = main.locator(".js-plotly-plot").filter(has_text="Minimal passing budgets")
+        curves.first.wait_for(timeout=60_000)
+        assert "oracle" in curves.first.inner_text()
+        page.get_by_text("Why: counterfactual re-runs").scroll_into_view_if_needed()
+        page.screenshot(path=str(shots / "report-why-samples.png"), full_page=True)
 
 
 def test_guard_section_renders_on_the_shipped_guarded_sample(tmp_path):
@@ -76,20 +85,12 @@ def test_guard_section_renders_on_the_shipped_guarded_sample(tmp_path):
     run = f"{name}-h2o-{round(ratio * 100)}-guard".replace("_", "-")
     root = tmp_path / "sample_runs"
     shutil.copytree(REPO / "sample_runs", root)
-    shots = Path(os.environ.get("H2O_LENS_SCREENSHOTS") or tmp_path)
-    shots.mkdir(parents=True, exist_ok=True)
-    with serve(root, log=tmp_path / "streamlit.log") as url, browser() as b:
-        page = b.new_page(viewport={"width": 1500, "height": 1000})
-        try:
-            page.goto(f"{url}/overview?run={run}")
-            page.wait_for_selector(f"{DONE} h1", timeout=120_000)
-            main = page.locator("[data-testid=stMain]")
-            main.get_by_text("The guard's own computations took").wait_for(timeout=60_000)
-            assert page.locator("[data-testid=stException]").count() == 0
-            chart = main.locator(".js-plotly-plot").filter(has_text="Guard: online risk")
-            chart.first.wait_for(timeout=60_000)
-            assert "raise" in chart.first.inner_text()
-            main.get_by_text("The guard's own computations took").scroll_into_view_if_needed()
-            page.screenshot(path=str(shots / "overview-guard-sample.png"), full_page=False)
-        finally:
-            page.close()
+    with _sample_page(tmp_path, root, f"overview?run={run}") as (page, shots):
+        main = page.locator("[data-testid=stMain]")
+        main.get_by_text("The guard's own computations took").wait_for(timeout=60_000)
+        assert page.locator("[data-testid=stException]").count() == 0
+        chart = main.locator(".js-plotly-plot").filter(has_text="Guard: online risk")
+        chart.first.wait_for(timeout=60_000)
+        assert "raise" in chart.first.inner_text()
+        main.get_by_text("The guard's own computations took").scroll_into_view_if_needed()
+        page.screenshot(path=str(shots / "overview-guard-sample.png"), full_page=False)
