@@ -21,7 +21,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from runlog import open_runs
+from runlog import RecorderError, open_runs, read_manifest
 
 from .errors import MissingColumnError, ParameterError, UnknownRunError
 
@@ -31,6 +31,7 @@ __all__ = [
     "relation",
     "first_row",
     "run_info",
+    "manifest_at",
     "plain",
     "records",
     "columns",
@@ -97,6 +98,17 @@ def run_info(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
             f"{', '.join(known) or 'none'}. Check the run id and the runs root"
         )
     return dict(zip(rel.columns, row))
+
+
+def manifest_at(path: str | os.PathLike | None) -> dict[str, Any]:
+    """The manifest of the run folder ``path`` (a ``runs`` row's ``path``), or ``{}`` when there is
+    none or it cannot be read: what a reader takes from it is then absent, never made up."""
+    if not path:
+        return {}
+    try:
+        return read_manifest(path)
+    except (RecorderError, OSError):
+        return {}
 
 
 def columns(con: duckdb.DuckDBPyConnection, view: str) -> list[str]:

@@ -42,10 +42,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from runlog import read_manifest
-from runlog.errors import RecorderError
-
-from ._base import Source, columns, connect, first_row, plain, relation, run_info, sql_literal
+from ._base import Source, columns, connect, first_row, manifest_at, plain, relation, run_info, sql_literal
 from .divergence import divergence_summary
 from .evidence import evidence_evictions, evidence_held
 from .policies import scored_policy
@@ -116,11 +113,7 @@ def _recorded_checker(con: duckdb.DuckDBPyConnection, info: dict[str, Any], requ
         ).fetchall()
         if rows:
             return {int(r): not bool(c) for r, c in rows}
-    try:
-        manifest = read_manifest(info["path"]) if info.get("path") else {}
-    except (RecorderError, OSError):
-        manifest = {}
-    correct = manifest.get("answer_correct")
+    correct = manifest_at(info.get("path")).get("answer_correct")
     if isinstance(correct, bool):
         return {r: not correct for r in requests}
     if isinstance(correct, list):

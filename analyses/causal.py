@@ -39,12 +39,10 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from runlog import read_manifest
 from runlog.counterfactual_reuse import judged_teacher_forced
-from runlog.errors import RecorderError
 from runlog.schema import COUNTERFACTUAL_KINDS
 
-from ._base import Source, connect, first_row, plain, relation, run_info
+from ._base import Source, connect, first_row, manifest_at, plain, relation, run_info
 from .attribution import attribute
 from .evidence import evidence_evictions
 from .stale import stale_holders
@@ -137,17 +135,8 @@ def explained_requests(source: Source) -> duckdb.DuckDBPyRelation:
     return relation(connect(source), sql)
 
 
-def _manifest(path: str | None) -> dict[str, Any]:
-    if not path:
-        return {}
-    try:
-        return read_manifest(path)
-    except (RecorderError, OSError):
-        return {}
-
-
 def _bisection(path: str | None) -> dict[str, Any] | None:
-    bis = (_manifest(path).get("counterfactual") or {}).get("bisection")
+    bis = (manifest_at(path).get("counterfactual") or {}).get("bisection")
     return bis if isinstance(bis, dict) else None
 
 
@@ -166,7 +155,7 @@ def _outcomes(rows: pd.DataFrame) -> dict[str, dict[str, Any]]:
         rec = {k: plain(v) for k, v in row.items()}
         rec["bisection"] = rec["teacher_agreement"] = None
         if rec["kind"] in (ORACLE, *BUDGET_KINDS):
-            manifest = _manifest(rec.get("path"))
+            manifest = manifest_at(rec.get("path"))
             cf = manifest.get("counterfactual") or {}
             rec["bisection"] = cf.get("bisection") if isinstance(cf.get("bisection"), dict) else None
             rec["teacher_agreement"] = cf.get("teacher_agreement")

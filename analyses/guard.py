@@ -13,9 +13,7 @@ from typing import Any
 
 import duckdb
 
-from runlog import RecorderError, read_manifest
-
-from ._base import Source, connect, relation, run_info
+from ._base import Source, connect, manifest_at, relation, run_info
 
 __all__ = ["guard_requests", "guard_actions", "guard_risk", "guard_cost", "guard_cost_line", "COST_FIELDS"]
 
@@ -28,12 +26,7 @@ def guard_cost(source: Source, run_id: str) -> dict[str, Any] | None:
     the steps it scored, the generation's timed prefill and decode seconds and the guard's share of
     them; ``None`` for a run without it (no guard, a run recorded before it was logged, a manifest
     that cannot be read or an entry that is not five non-negative numbers: nothing is made up)."""
-    info = run_info(connect(source), run_id)
-    try:
-        manifest = read_manifest(info["path"]) if info.get("path") else {}
-    except (RecorderError, OSError):
-        return None
-    cost = manifest.get("guard_cost")
+    cost = manifest_at(run_info(connect(source), run_id).get("path")).get("guard_cost")
     if not isinstance(cost, dict) or any(k not in cost for k in COST_FIELDS):
         return None
     numbers = [cost[k] for k in COST_FIELDS if not (k == "share" and cost[k] is None)]

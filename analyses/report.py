@@ -26,7 +26,7 @@ from runlog import read_manifest
 from runlog.errors import RecorderError, storage_error
 from runlog.manifest import check_manifest
 
-from ._base import Source, connect, first_row, plain, records, relation, run_info
+from ._base import Source, connect, first_row, manifest_at, plain, records, relation, run_info
 from ._html import render_html
 from ._markdown import render_markdown
 from .agreement import oracle_agreement
@@ -255,10 +255,7 @@ def _why(con: duckdb.DuckDBPyConnection, run_id: str, th: Thresholds, attributio
 
 def _lifecycle(info: dict[str, Any]) -> dict[str, Any]:
     """The state lifecycle check stored in the manifest (DESIGN.md §15.1); never recomputed here."""
-    try:
-        manifest = read_manifest(info["path"]) if info.get("path") else {}
-    except (RecorderError, OSError):
-        manifest = {}
+    manifest = manifest_at(info.get("path"))
     events: dict[str, int] = {}  # saves, restores, cancels, reorders, prefix copies (DESIGN.md §15)
     for e in manifest.get("state_events") or []:
         if isinstance(e, dict) and isinstance(e.get("event"), str):
