@@ -385,6 +385,17 @@ def _integrity(run: dict[str, Any]) -> str:
     )
 
 
+def _gate(verdict: dict[str, Any]) -> str:
+    """The verdict in words, the failed checks named, then every check with its reason."""
+    failed = [c["name"] for c in verdict["checks"] if c.get("pass") is False]
+    line = (
+        f'<p class="verdict" id="gate-verdict">Verdict: {html.escape(verdict["status"].upper())}'
+        + (f" (failed: {html.escape(', '.join(failed))})" if failed else "")
+        + "</p>"
+    )
+    return line + _table(verdict["checks"], ("name", "value", "op", "threshold", "status", "reason"))
+
+
 def _body(data: dict[str, Any], figs: dict[str, Any]) -> str:
     run, verdict, cov, dyn = data["run"], data["verdict"], data["coverage"], data["dynamics"]
     oracle = data["oracle"]
@@ -405,7 +416,7 @@ def _body(data: dict[str, Any], figs: dict[str, Any]) -> str:
  · gqa {html.escape(str(run.get('gqa')))} · report schema {data['report_schema_version']}
  · generated {html.escape(data['generated_at'])}</p>
 {_integrity(run)}
-<h2>Gate</h2>{_table(verdict['checks'], ('name', 'value', 'op', 'threshold', 'status'))}
+<h2>Gate</h2>{_gate(verdict)}
 <div class="cols"><div><h2>Run</h2>{_pairs(run, PROVENANCE)}</div>
 <div><h2>Summary</h2>{_pairs(data['summary'], SUMMARY)}
 <p>Verdicts: {html.escape(verdicts)}</p></div></div>

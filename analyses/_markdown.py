@@ -237,6 +237,12 @@ def _integrity(run: dict[str, Any]) -> list[str]:
     ]
 
 
+def _failed_checks(verdict: dict[str, Any]) -> list[str]:
+    """The line naming the failed gate checks (none when the gate passes)."""
+    failed = [c["name"] for c in verdict["checks"] if c.get("pass") is False]
+    return [f"Failed checks: {text(', '.join(failed))}\n"] if failed else []
+
+
 def render_markdown(data: dict[str, Any]) -> str:
     """Markdown text of a report dict."""
     run, verdict = data["run"], data["verdict"]
@@ -245,7 +251,8 @@ def render_markdown(data: dict[str, Any]) -> str:
         f"**Verdict: {verdict['status'].upper()}** (report schema {data['report_schema_version']}, "
         f"generated {text(data['generated_at'])})\n",
         *_integrity(run),
-        table(verdict["checks"], ("name", "value", "op", "threshold", "status")),
+        *_failed_checks(verdict),
+        table(verdict["checks"], ("name", "value", "op", "threshold", "status", "reason")),
         "\n## Run\n",
         _pairs(run, PROVENANCE),
         "\n## Summary\n",

@@ -55,6 +55,7 @@ __all__ = [
     "FORMATS",
     "report_data",
     "build_report",
+    "render_report",
     "write_report",
     "report_schema",
 ]
@@ -291,26 +292,57 @@ def _lifecycle(info: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+#: why a gate check that has a threshold found nothing to compare, per check (DESIGN.md §9.2)
+_NO_DATA = {
+    "coverage_p5": "no replay rows: the run was not replayed or evicted nothing that was measured",
+    "kl_mean": "no replay steps: the run was not replayed (h2o-lens replay RUN)",
+    "top1_agreement": "no replay steps: the run was not replayed (h2o-lens replay RUN)",
+    "frozen_share": "no steps rows to tell frozen KV sets",
+    "max_logit_diff": "no implementation check: the run was not replayed (h2o-lens replay RUN)",
+    "lifecycle_errors": "the state lifecycle check has not run (h2o-lens check RUN; "
+    "gate_max_lifecycle_errors=null switches it off)",
+}
+
+
 def _check(name: str, value: Any, threshold: Any, op: str) -> dict[str, Any]:
+    """One gate check; with a threshold set, a value it cannot compare fails (no data, with the reason)."""
     value = plain(value)
+    out = {"name": name, "value": value, "threshold": threshold, "op": op}
     if threshold is None:
-        return {"name": name, "value": value, "threshold": None, "op": op, "status": "off", "pass": None}
+        return {**out, "status": "off", "pass": None, "reason": "switched off (threshold null)"}
     if value is None:
-        return {"name": name, "value": None, "threshold": threshold, "op": op, "status": "no data", "pass": None}
-    ok = value >= threshold if op == ">=" else value <= threshold
-    return {
-        "name": name,
-        "value": value,
-        "threshold": threshold,
-        "op": op,
-        "status": "pass" if ok else "fail",
-        "pass": bool(ok),
-    }
+        return {**out, "status": "no data", "pass": False, "reason": _NO_DATA.get(name, "no data")}
+    if op == "==":
+        ok = value == threshold
+    else:
+        ok = value >= threshold if op == ">=" else value <= threshold
+    reason = None if ok else f"{_shown(value)} is not {op} {_shown(threshold)}"
+    return {**out, "status": "pass" if ok else "fail", "pass": bool(ok), "reason": reason}
+
+
+def _shown(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _run_checks(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The checks of the run itself: it ended ``complete`` and it was replayed (a gate reads the replay)."""
+    status = data["run"].get("status")
+    state = _check("run_status", status or "unknown", "complete", "==")
+    if not state["pass"]:
+        error = data["run"].get("error")
+        state["reason"] = f"the run is {status or 'of unknown status'}, not complete" + (f" ({error})" if error else "")
+    steps = data["summary"].get("replay_steps") or 0
+    replayed = _check("replayed", steps, 1, ">=")
+    if not replayed["pass"]:
+        replayed["reason"] = "the run has no replay steps: it was never replayed (h2o-lens replay RUN)"
+    return [state, replayed]
 
 
 def _verdict(data: dict[str, Any], th: Thresholds) -> dict[str, Any]:
+    """Pass only when every check that is on passes: no data, an incomplete or unreplayed run fail."""
     totals, failures = data["summary"], data["failures"]
     checks = [
+        *_run_checks(data),
         _check("coverage_p5", data["coverage"]["overall"].get("p5"), th.gate_min_coverage_p5, ">="),
         _check("kl_mean", totals.get("kl_mean"), th.gate_max_kl_mean, "<="),
         _check("top1_agreement", totals.get("top1_agreement"), th.gate_min_top1_agreement, ">="),
@@ -322,13 +354,21 @@ def _verdict(data: dict[str, Any], th: Thresholds) -> dict[str, Any]:
             th.logit_bound(data["run"].get("logit_tolerance")),
             "<=",
         ),
-        # the logged kept sets against the single-request reference (null: the check was not run)
-        _check("lifecycle_errors", data["lifecycle"]["failed"] if data["lifecycle"]["checked"] else None, 0, "<="),
+        # the logged kept sets against the single-request reference (no data: the check was not run)
+        _check(
+            "lifecycle_errors",
+            data["lifecycle"]["failed"] if data["lifecycle"]["checked"] else None,
+            th.gate_max_lifecycle_errors,
+            "<=",
+        ),
         # numbers read from a damaged or incomplete run cannot pass a gate
         _check("problems", len(data["run"]["problems"]), 0, "<="),
     ]
+    if checks[-1]["pass"] is False:
+        checks[-1]["reason"] = f"the run's files are damaged or incomplete: {data['run'].get('integrity')}"
     passed = all(c["pass"] is not False for c in checks)
-    return {"pass": passed, "status": "pass" if passed else "fail", "checks": checks}
+    failed = [c["name"] for c in checks if c["pass"] is False]
+    return {"pass": passed, "status": "pass" if passed else "fail", "failed": failed, "checks": checks}
 
 
 def report_data(
@@ -388,7 +428,13 @@ def build_report(
     """The report of ``run_id`` as text: ``"html"`` (self-contained), ``"md"`` or ``"json"``."""
     if fmt not in FORMATS:
         raise ParameterError(f"unknown report format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    data = report_data(root, run_id, thresholds=thresholds, failed=failed)
+    return render_report(report_data(root, run_id, thresholds=thresholds, failed=failed), fmt)
+
+
+def render_report(data: dict[str, Any], fmt: str = "html") -> str:
+    """A report dict (:func:`report_data`) as text in ``fmt``; the verdict shows in each format."""
+    if fmt not in FORMATS:
+        raise ParameterError(f"unknown report format {fmt!r}; expected one of {', '.join(FORMATS)}")
     if fmt == "json":
         return json.dumps(data, indent=1, allow_nan=False)
     if fmt == "md":

@@ -25,7 +25,7 @@ _FRACTIONS = (
     "gate_max_frozen_share",
 )
 _NON_NEGATIVE = ("kl_high", "kl_fail", "logit_tolerance", "margin_tie", "gate_max_kl_mean")
-_COUNTS = ("dropped_mass_lookback", "lag_steps", "gate_max_failures")
+_COUNTS = ("dropped_mass_lookback", "lag_steps", "gate_max_failures", "gate_max_lifecycle_errors")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +58,10 @@ class Thresholds:
         ``gate_min_coverage_p5`` (P5 of coverage over all replay rows),
         ``gate_max_kl_mean``, ``gate_min_top1_agreement`` (over all steps),
         ``gate_max_failures`` (failed requests), ``gate_max_frozen_share``
-        (share of KV sets whose cache froze). An implementation error always
-        fails the gate.
+        (share of KV sets whose cache froze), ``gate_max_lifecycle_errors``
+        (requests the state lifecycle check failed). An implementation error always
+        fails the gate; a check that is on and finds no data fails, as does a run that is
+        not ``complete`` or was never replayed.
     """
 
     min_top1_agreement: float = 0.9
@@ -78,6 +80,7 @@ class Thresholds:
     gate_min_top1_agreement: float | None = 0.9
     gate_max_failures: int | None = 0
     gate_max_frozen_share: float | None = None
+    gate_max_lifecycle_errors: int | None = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -19,14 +19,18 @@ def add_parser(sub: Any) -> None:
     rep.add_argument("--format", choices=["html", "md", "json"], default="html")
     rep.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     rep.add_argument("--thresholds", default=None, help="JSON file of gate thresholds (see analyses.Thresholds)")
-    rep.add_argument("--gate", action="store_true", help="with --format json: exit 1 when the verdict fails")
+    rep.add_argument(
+        "--gate",
+        action="store_true",
+        help="exit 1 when the verdict fails (every format; the verdict and the failed checks go to stderr too)",
+    )
     rep.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from analyses import build_report
+    from analyses.report import render_report, report_data
 
     run_dir = _run_dir(args.run, args.root)
     root, run_id = os.path.dirname(os.path.abspath(run_dir)), os.path.basename(os.path.normpath(run_dir))
@@ -34,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     if args.thresholds:
         with open(args.thresholds, encoding="utf-8") as f:
             thresholds = json.load(f)
-    text = build_report(root, run_id, fmt=args.format, thresholds=thresholds)
+    data = report_data(root, run_id, thresholds=thresholds)
+    text = render_report(data, args.format)
     if args.output:
         from pathlib import Path
 
@@ -44,6 +49,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         print(text)
-    if args.format == "json" and args.gate:
-        return 0 if json.loads(text)["verdict"]["pass"] else 1
+    if args.gate:  # the same verdict in every format: the one the report shows
+        verdict = data["verdict"]
+        failed = [c for c in verdict["checks"] if c["pass"] is False]
+        print(f"gate: {verdict['status']}", file=sys.stderr)
+        for c in failed:
+            print(f"  {c['name']}: {c['status']}: {c['reason']}", file=sys.stderr)
+        return 0 if verdict["pass"] else 1
     return 0

@@ -32,6 +32,8 @@ def root(tmp_path_factory):
         root, "syn", layers=4, kv_heads=2, steps=64, prompt_len=96, heavy=24, recent=24, requests=2, fsync=False
     )
     write_synthetic_run(root, "bare", steps=16, prompt_len=32, tables=["tokens", "evictions", "steps"], fsync=False)
+    manifest = read_manifest(root / "syn")  # a synthetic replay has no implementation check: say it passed
+    write_manifest(root / "syn", {**manifest, "max_logit_diff": 0.0})
     return root
 
 
@@ -61,7 +63,8 @@ def test_json_report_without_a_replay(root):
     data = report_data(root, "bare", failed=True)
     assert data["coverage"]["heads"] == [] and data["summary"]["kl_mean"] is None
     checks = {c["name"]: c for c in data["verdict"]["checks"]}
-    assert checks["coverage_p5"]["status"] == "no data" and checks["coverage_p5"]["pass"] is None
+    assert checks["coverage_p5"]["status"] == "no data" and checks["coverage_p5"]["pass"] is False
+    assert "not replayed" in checks["kl_mean"]["reason"] and data["verdict"]["pass"] is False
     assert data["failures"][0]["verdict"] == "not_the_cache"
     assert "no teacher replay" in data["failures"][0]["summary"]
 
@@ -72,6 +75,7 @@ def test_gate_verdict_follows_ci_thresholds(root):
         "gate_max_kl_mean": 10.0,
         "gate_min_top1_agreement": 0.0,
         "gate_max_failures": None,
+        "gate_max_lifecycle_errors": None,
         "min_top1_agreement": 0.0,
         "kl_fail": None,
     }
