@@ -284,7 +284,7 @@ def inspect_file(path: str | os.PathLike, table: str | None = None) -> SegmentFi
 
 #: File of a runs root that keeps what :func:`scan_root` learnt about each file (DESIGN.md §7.4).
 CACHE_NAME = ".h2o-lens-catalog.json"
-_CACHE_FORMAT = 2  # 2: the value contract's facts per file
+_CACHE_FORMAT = 3  # 2: the value contract's facts per file; 3: the guard events and the run-wide checks
 _ERRORS: dict[str, type[RecorderError]] = {e.__name__: e for e in (DamagedFileError, SchemaError, ManifestError)}
 
 
@@ -409,7 +409,7 @@ class _RootCache:
             f"{run_dir.name}/{f.path.name}" for fs in files.values() for f in fs
         ]
         if any(n not in self.keys for n in names):
-            return check_contract(manifest, files)
+            return check_contract(manifest, files, run_dir)
         signature = repr((str(run_dir), names, [self.keys[n] for n in names]))  # names and int keys: stable
         rel, key = f"{run_dir.name}/#contract", [hashlib.sha256(signature.encode()).hexdigest()[:24]]
         hit = self._get(rel, key)
@@ -425,7 +425,7 @@ class _RootCache:
                     except RecorderError:
                         pass  # changed since: the next scan sees it
                 read[table].append(seg)
-        found = check_contract(manifest, read)
+        found = check_contract(manifest, read, run_dir)
         self._put(rel, key, [[v.path, v.table, v.reason, v.note] for v in found])
         return found
 
@@ -586,7 +586,7 @@ def scan_run(
     for name in sorted(gone) if gone else ():
         if m := SEGMENT_RE.fullmatch(name):
             missing.setdefault(m["table"], []).append(name)
-    for v in _cache.contract(run_dir, manifest, files) if _cache else check_contract(manifest, files):
+    for v in _cache.contract(run_dir, manifest, files) if _cache else check_contract(manifest, files, run_dir):
         problem(v.path, v.reason, v.note, v.table, error=None, kind="values")
     recorded = (manifest or {}).get("rows") or {}
     rows_read = {table: sum(f.rows for f in segs) for table, segs in files.items()}

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .consistency import Violation, check_consistency
 from .schema import BOUNDED_BY, RANGES, ROWS_PER_REQUEST, SPAN_EXEMPT, TABLES, UNIQUE, unique_key
 
 __all__ = ["META_MODEL", "Violation", "file_facts", "model_tag", "model_shape", "check_run"]
@@ -41,16 +42,6 @@ __all__ = ["META_MODEL", "Violation", "file_facts", "model_tag", "model_shape", 
 #: key-value metadata of a segment naming the model it was written for (``model_tag``)
 META_MODEL = "h2o_lens.model"
 _SPAN_COLUMNS = ("step", "position", "exiting_position")
-
-
-@dataclasses.dataclass(frozen=True)
-class Violation:
-    """One broken fact: the file (or run folder), its table, the full reason and a short note."""
-
-    path: str
-    table: str | None
-    reason: str
-    note: str
 
 
 # -- per file ----------------------------------------------------------------------------------
@@ -243,6 +234,11 @@ def file_facts(
                 data.column(names.index("new_tokens")).to_pylist() if "new_tokens" in names else [None] * rows,
             )
         ]
+    if table == "guard_events" and rows:  # a few rows per request: kept whole for the run's checks
+        facts["events"] = [
+            [e["request"], e["step"], e["risk"], e["action"], e["slots_before"], e["slots_after"]]
+            for e in data.select(["request", "step", "risk", "action", "slots_before", "slots_after"]).to_pylist()
+        ]
     if metadata is None:
         metadata = (md.metadata or {}) if md is not None else {}
     written_for = metadata.get(META_MODEL.encode())
@@ -319,14 +315,170 @@ def _file_key(path: os.PathLike | str) -> tuple[str, int, int]:
     return str(path), st.st_size, st.st_mtime_ns
 
 
-def check_run(manifest: Mapping[str, Any] | None, files: Mapping[str, Sequence[Any]]) -> list[Violation]:
+def _range_violations(table: str, path: str, facts: Mapping[str, Any]) -> list[Violation]:
+    """A file's columns outside their range, and NaNs where a number is due."""
+    ranges = RANGES.get(table, {})
+    lows, highs = facts.get("min", {}), facts.get("max", {})
+    out = []
+    for col, rng in ranges.items():
+        lo, hi = lows.get(col), highs.get(col)
+        if lo is None:
+            continue
+        if rng.lo is not None and lo < rng.lo - rng.slack:
+            found = f"{_shown(lo)} (its lowest value)"
+        elif rng.hi is not None and hi > rng.hi + rng.slack:
+            found = f"{_shown(hi)} (its highest value)"
+        else:
+            continue
+        out.append(
+            Violation(
+                path,
+                table,
+                f"{path}: column {table}.{col} holds {found}, outside its range "
+                f"{_range_text(rng.lo, rng.hi)}; the file was edited or written wrongly, so this "
+                "run's numbers cannot be trusted",
+                f"{table}.{col} out of range",
+            )
+        )
+    for col, n in facts.get("nan", {}).items():
+        if col in ranges:
+            out.append(
+                Violation(
+                    path,
+                    table,
+                    f"{path}: column {table}.{col} holds {n} NaN value(s); it must be a number in "
+                    f"{_range_text(ranges[col].lo, ranges[col].hi)}",
+                    f"{table}.{col} NaN",
+                )
+            )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunModel:
+    """What the files of a run are checked against: the model's shape, name and segment tag."""
+
+    shape: dict[str, int]
+    name: str
+    tag: str | None
+    digest: str | None
+
+
+def _model_violations(table: str, path: str, facts: Mapping[str, Any], model: _RunModel) -> list[Violation]:
+    """Indices beyond the model's layers and heads, repeated keys, a file written for another model."""
+    out = []
+    highs = facts.get("max", {})
+    for col, what in BOUNDED_BY.items():
+        limit = model.shape.get(what)
+        hi = highs.get(col)
+        if what == "span" or limit is None or hi is None or hi < limit:
+            continue
+        out.append(
+            Violation(
+                path,
+                table,
+                f"{path}: column {table}.{col} reaches {hi}, but the run's model ({model.name}) has "
+                f"{limit} {what.replace('_', ' ')}; the manifest names another model, or the file "
+                "was edited",
+                f"{table}.{col} beyond the model's {what.replace('_', ' ')}",
+            )
+        )
+    if facts.get("repeated"):
+        out.append(
+            Violation(
+                path,
+                table,
+                f"{path}: {facts['repeated']} row(s) of {table} repeat the key "
+                f"({', '.join(unique_key(table))}) of another row; a row is logged once",
+                f"{table} keys repeated",
+            )
+        )
+    written_for = facts.get("model")
+    if written_for is not None and model.digest is not None and written_for != model.digest:
+        out.append(
+            Violation(
+                path,
+                table,
+                f"{path}: written for another model than the manifest names ({model.tag}); the manifest "
+                "was edited or belongs to another run",
+                "manifest names another model",
+            )
+        )
+    return out
+
+
+def _request_violations(
+    table: str, totals: Mapping[int, list[Any]], spans: Mapping[int, tuple[int, int]], longest: int | None, shape
+) -> list[Violation]:
+    """Per request of a table: steps and positions inside its tokens, no more rows than it can have."""
+    out = []
+    for r, (rows, step, pos, path) in sorted(totals.items()):
+        span = spans[r][0] if r in spans else (None if spans else longest)
+        if table in SPAN_EXEMPT:
+            span = None
+        for col, value in (("step", step), ("position", pos)):
+            if span is not None and value is not None and value >= span:
+                out.append(
+                    Violation(
+                        path,
+                        table,
+                        f"{path}: request {r} has a {table} {col} of {value}, but its prompt and new "
+                        f"tokens span {span} positions (0 .. {span - 1})",
+                        f"{table}.{col} beyond request {r}'s tokens",
+                    )
+                )
+        factors = ROWS_PER_REQUEST.get(table)
+        if factors is None or r not in spans or any(f not in shape for f in factors):
+            continue
+        limit = spans[r][1] * math.prod(shape[f] for f in factors)
+        if rows > limit:
+            per = " x ".join(["new_tokens", *factors])
+            out.append(
+                Violation(
+                    path,
+                    table,
+                    f"{path}: request {r} has {rows} {table} rows, more than its {per} = {limit}; "
+                    "rows were added or repeated",
+                    f"{table}: too many rows for request {r}",
+                )
+            )
+    return out
+
+
+def _across_files(table: str, segs: Sequence[Any]) -> list[Violation]:
+    """Keys of a unique table repeated from one file of the run to another."""
+    if table not in UNIQUE or len(segs) < 2:
+        return []
+    key = unique_key(table)
+    try:
+        repeated = _repeated_across(tuple(_file_key(s.path) for s in segs), key)
+    except (OSError, pa.ArrowException, KeyError):
+        repeated = 0  # a file that cannot be read again is reported by the catalog
+    repeated -= sum((s.facts or {}).get("repeated", 0) for s in segs)  # each file's own: said above
+    if not repeated:
+        return []
+    return [
+        Violation(
+            str(segs[-1].path),
+            table,
+            f"{segs[-1].path}: {repeated} row(s) of {table} repeat the key ({', '.join(key)}) of "
+            "a row in another file of the run; a row is logged once",
+            f"{table} keys repeated across files",
+        )
+    ]
+
+
+def check_run(
+    manifest: Mapping[str, Any] | None, files: Mapping[str, Sequence[Any]], run_dir: str | os.PathLike | None = None
+) -> list[Violation]:
     """Check a run's files (``table -> [SegmentFile]``, each with its ``facts``) against the contract.
 
     ``manifest``: the run's (checked) manifest, or None; the model's shape, the longest request
-    (when the requests table is missing) and the model's identity come from it.
+    (when the requests table is missing) and the model's identity come from it. ``run_dir``: the
+    run folder (default: the folder of its files), named in the findings on the run as a whole
+    (:func:`runlog.consistency.check_consistency`).
     """
     manifest = manifest or {}
-    out: list[Violation] = []
     shape = model_shape(manifest)
     spans: dict[int, tuple[int, int]] = {}
     for seg in files.get("requests", ()):
@@ -337,133 +489,29 @@ def check_run(manifest: Mapping[str, Any] | None, files: Mapping[str, Sequence[A
     if isinstance(manifest.get("prompt_len"), int) and isinstance(manifest.get("new_tokens"), int):
         longest = manifest["prompt_len"] + manifest["new_tokens"]
     tag = model_tag(manifest.get("model"))
-    tag_digest = hashlib.sha256(tag.encode()).hexdigest()[:12] if tag is not None else None
     model = manifest.get("model")
-    model_name = (model.get("name") if isinstance(model, Mapping) else model) or "the model"
+    run_model = _RunModel(
+        shape,
+        (model.get("name") if isinstance(model, Mapping) else model) or "the model",
+        tag,
+        hashlib.sha256(tag.encode()).hexdigest()[:12] if tag is not None else None,
+    )
+    out: list[Violation] = []
     for table, segs in sorted(files.items()):
-        ranges = RANGES.get(table, {})
         totals: dict[int, list[Any]] = {}  # request -> [rows, highest step, highest position, file]
         for seg in segs:
             facts = seg.facts or {}
             path = str(seg.path)
-            lows, highs = facts.get("min", {}), facts.get("max", {})
-            for col, rng in ranges.items():
-                lo, hi = lows.get(col), highs.get(col)
-                if lo is None:
-                    continue
-                if rng.lo is not None and lo < rng.lo - rng.slack:
-                    found = f"{_shown(lo)} (its lowest value)"
-                elif rng.hi is not None and hi > rng.hi + rng.slack:
-                    found = f"{_shown(hi)} (its highest value)"
-                else:
-                    continue
-                out.append(
-                    Violation(
-                        path,
-                        table,
-                        f"{path}: column {table}.{col} holds {found}, outside its range "
-                        f"{_range_text(rng.lo, rng.hi)}; the file was edited or written wrongly, so this "
-                        "run's numbers cannot be trusted",
-                        f"{table}.{col} out of range",
-                    )
-                )
-            for col, n in facts.get("nan", {}).items():
-                if col in ranges:
-                    out.append(
-                        Violation(
-                            path,
-                            table,
-                            f"{path}: column {table}.{col} holds {n} NaN value(s); it must be a number in "
-                            f"{_range_text(ranges[col].lo, ranges[col].hi)}",
-                            f"{table}.{col} NaN",
-                        )
-                    )
-            for col, what in BOUNDED_BY.items():
-                limit = shape.get(what)
-                hi = highs.get(col)
-                if what == "span" or limit is None or hi is None or hi < limit:
-                    continue
-                out.append(
-                    Violation(
-                        path,
-                        table,
-                        f"{path}: column {table}.{col} reaches {hi}, but the run's model ({model_name}) has "
-                        f"{limit} {what.replace('_', ' ')}; the manifest names another model, or the file "
-                        "was edited",
-                        f"{table}.{col} beyond the model's {what.replace('_', ' ')}",
-                    )
-                )
-            if facts.get("repeated"):
-                out.append(
-                    Violation(
-                        path,
-                        table,
-                        f"{path}: {facts['repeated']} row(s) of {table} repeat the key "
-                        f"({', '.join(unique_key(table))}) of another row; a row is logged once",
-                        f"{table} keys repeated",
-                    )
-                )
-            written_for = facts.get("model")
-            if written_for is not None and tag_digest is not None and written_for != tag_digest:
-                out.append(
-                    Violation(
-                        path,
-                        table,
-                        f"{path}: written for another model than the manifest names ({tag}); the manifest "
-                        "was edited or belongs to another run",
-                        "manifest names another model",
-                    )
-                )
+            out += _range_violations(table, path, facts)
+            out += _model_violations(table, path, facts, run_model)
             for r, rows, step, pos, *_ in facts.get("requests", ()):
                 acc = totals.setdefault(r, [0, None, None, path])
                 acc[0] += rows
                 acc[1] = step if acc[1] is None or (step is not None and step > acc[1]) else acc[1]
                 acc[2] = pos if acc[2] is None or (pos is not None and pos > acc[2]) else acc[2]
-        for r, (rows, step, pos, path) in sorted(totals.items()):
-            span = spans[r][0] if r in spans else (None if spans else longest)
-            if table in SPAN_EXEMPT:
-                span = None
-            for col, value in (("step", step), ("position", pos)):
-                if span is not None and value is not None and value >= span:
-                    out.append(
-                        Violation(
-                            path,
-                            table,
-                            f"{path}: request {r} has a {table} {col} of {value}, but its prompt and new "
-                            f"tokens span {span} positions (0 .. {span - 1})",
-                            f"{table}.{col} beyond request {r}'s tokens",
-                        )
-                    )
-            factors = ROWS_PER_REQUEST.get(table)
-            if factors is None or r not in spans or any(f not in shape for f in factors):
-                continue
-            limit = spans[r][1] * math.prod(shape[f] for f in factors)
-            if rows > limit:
-                per = " x ".join(["new_tokens", *factors])
-                out.append(
-                    Violation(
-                        path,
-                        table,
-                        f"{path}: request {r} has {rows} {table} rows, more than its {per} = {limit}; "
-                        "rows were added or repeated",
-                        f"{table}: too many rows for request {r}",
-                    )
-                )
-        if table in UNIQUE and len(segs) > 1:
-            key = unique_key(table)
-            try:
-                repeated = _repeated_across(tuple(_file_key(s.path) for s in segs), key)
-            except (OSError, pa.ArrowException, KeyError):
-                repeated = 0  # a file that cannot be read again is reported by the catalog
-            repeated -= sum((s.facts or {}).get("repeated", 0) for s in segs)  # each file's own: said above
-            if repeated:
-                out.append(
-                    Violation(
-                        str(segs[-1].path),
-                        table,
-                        f"{segs[-1].path}: {repeated} row(s) of {table} repeat the key ({', '.join(key)}) of "
-                        "a row in another file of the run; a row is logged once",
-                        f"{table} keys repeated across files",
-                    )
-                )
-    return out
+        out += _request_violations(table, totals, spans, longest, shape)
+        out += _across_files(table, segs)
+    if run_dir is None:
+        first = next((s for segs in files.values() for s in segs), None)
+        run_dir = os.path.dirname(str(first.path)) if first is not None else "."
+    return out + check_consistency(manifest, files, str(run_dir), shape)
