@@ -446,6 +446,146 @@ class _RootCache:
 # -- one run and a whole root ----------------------------------------------------------
 
 
+class _RunScan:
+    """The problems and notes of one run's scan; :meth:`problem` raises instead in strict mode."""
+
+    def __init__(self, run_id: str, strict: bool) -> None:
+        self.run_id, self.strict = run_id, strict
+        self.problems: list[Problem] = []
+        self.notes: list[str] = []
+
+    def problem(
+        self,
+        path: str,
+        reason: str,
+        note: str,
+        table: str | None = None,
+        error: type[RecorderError] | None = DamagedFileError,
+        kind: str | None = None,
+    ) -> None:
+        if self.strict and error is not None:
+            raise error(reason if reason.startswith(path) else f"{path}: {reason}")
+        self.problems.append(Problem(path, reason, self.run_id, table, kind))
+        self.notes.append(note)
+
+
+def _scan_manifest(run_dir: Path, scan: _RunScan, cache: _RootCache | None) -> tuple[dict[str, Any] | None, str]:
+    """The run's checked manifest (None when missing or unreadable) and its effective status."""
+    manifest_path = str(run_dir / MANIFEST_NAME)
+    try:
+        manifest, issues = cache.manifest(run_dir) if cache else check_manifest(read_manifest(run_dir))
+    except (ManifestError, DamagedFileError) as exc:
+        note = "manifest missing" if isinstance(exc, ManifestError) else "manifest unreadable"
+        scan.problem(manifest_path, str(exc), note, error=type(exc))
+        return None, "unknown"
+    for issue in issues:  # never fatal: the rows can still be read
+        scan.problem(
+            manifest_path, f"{issue}; the field is ignored", f"manifest field {issue.split()[1]} invalid", error=None
+        )
+    named = manifest.get("run_id")
+    if isinstance(named, str) and named != scan.run_id:
+        scan.problem(
+            str(run_dir),
+            f"the manifest's run_id {named!r} differs from the folder name {scan.run_id!r}; "
+            f"rows are read as run {scan.run_id!r}. Rename the folder to {named!r} if it was moved",
+            "manifest run_id differs from the folder",
+            error=None,
+        )
+    return manifest, effective_status(manifest)
+
+
+def _scan_segment(
+    entry: os.DirEntry, table: str, listed: dict[str, Any] | None, scan: _RunScan, cache: _RootCache | None
+) -> SegmentFile | None:
+    """One listed segment of the run, validated; None (and a problem) when it is left out."""
+    run_id = scan.run_id
+    if table not in TABLE_NAMES:
+        scan.problem(
+            entry.path,
+            f"unknown table {table!r}; expected one of {', '.join(TABLE_NAMES)}",
+            f"{entry.name} left out (unknown table)",
+            table,
+            SchemaError,
+        )
+        return None
+    try:
+        seg = cache.segment(entry.path, f"{run_id}/{entry.name}", table) if cache else inspect_file(entry.path, table)
+    except SchemaVersionError:
+        raise
+    except RecorderError as exc:
+        if scan.strict:
+            raise
+        kind = "unreadable" if isinstance(exc, DamagedFileError) else "not a log segment"
+        scan.problems.append(Problem(entry.path, str(exc), run_id, table))
+        scan.notes.append(f"{entry.name} left out ({kind})")
+        return None
+    foreign = [(rid, n) for rid, n in seg.run_ids if rid != run_id]
+    if foreign:
+        shown = ", ".join(f"{n} row(s) of run {rid!r}" for rid, n in foreign[:3])
+        scan.problem(
+            entry.path,
+            f"{entry.path}: holds {shown}; this folder is run {run_id!r}. The file "
+            "is left out so no run counts rows that are not its own; move it to its run's "
+            "folder",
+            f"{entry.name} left out (rows of another run)",
+            table,
+            SchemaError,
+        )
+        return None
+    if listed is not None and entry.name not in listed:
+        scan.problem(
+            entry.path,
+            f"{entry.path}: the manifest does not list this segment; it was added after the run "
+            "was written (or copied in), so it is left out and this run's numbers are read without it. "
+            "Move it away if it does not belong to the run",
+            f"{entry.name} left out (not in the manifest)",
+            table,
+            error=None,
+            kind="unlisted",
+        )
+        return None
+    if listed is not None and listed[entry.name] != seg.rows:
+        scan.problem(
+            entry.path,
+            f"{entry.path}: the manifest lists this segment with {listed[entry.name]} rows, it holds "
+            f"{seg.rows}; it was replaced after the run was written. It is left out",
+            f"{entry.name} left out (rows differ from the manifest)",
+            table,
+            error=None,
+            kind="rows",
+        )
+        return None
+    return seg
+
+
+def _scan_segments(
+    run_dir: Path, manifest: dict[str, Any] | None, scan: _RunScan, cache: _RootCache | None
+) -> tuple[dict[str, list[SegmentFile]], dict[str, list[str]]]:
+    """The run's good segments per table, and per table the listed segments that are not there."""
+    files: dict[str, list[SegmentFile]] = {}
+    listed = (manifest or {}).get("segments")
+    listed = listed if isinstance(listed, dict) else None
+    superseded = (manifest or {}).get("superseded") or ()  # looked in only for unlisted files (rare)
+    present: set[str] = set()
+    for entry in sorted(os.scandir(run_dir), key=lambda e: e.name):
+        m = SEGMENT_RE.fullmatch(entry.name)
+        if not m:
+            continue
+        present.add(entry.name)
+        unlisted = listed is not None and entry.name not in listed
+        if m["tag"] is not None and (listed is None or unlisted) or unlisted and entry.name in superseded:
+            continue  # a replay's segments it never switched to, or ones a later replay replaced
+        seg = _scan_segment(entry, m["table"], listed, scan, cache)
+        if seg is not None:
+            files.setdefault(m["table"], []).append(seg)
+    missing: dict[str, list[str]] = {}  # table -> segments the manifest lists that are not there
+    gone = listed.keys() - present if listed is not None else ()
+    for name in sorted(gone) if gone else ():
+        if m := SEGMENT_RE.fullmatch(name):
+            missing.setdefault(m["table"], []).append(name)
+    return files, missing
+
+
 def scan_run(
     run_dir: str | os.PathLike, *, strict: bool = False, _cache: _RootCache | None = None
 ) -> tuple[RunEntry, list[Problem]]:
@@ -457,144 +597,24 @@ def scan_run(
     run is marked (:attr:`RunEntry.integrity`). Manifest fields of the wrong
     type, a manifest ``run_id`` that differs from the folder, row counts
     that differ from the manifest's, segments the manifest does not list (left
-    out) and values that break the value contract are problems in both modes
+    out) and values that break the value contract (its tables against each
+    other and the manifest too) are problems in both modes
     (the strict readers warn, :func:`runlog.check_run` raises).
     :class:`SchemaVersionError` always raises.
     """
     run_dir = Path(run_dir)
-    run_id = run_dir.name
-    problems: list[Problem] = []
-    notes: list[str] = []
-    manifest_path = str(run_dir / MANIFEST_NAME)
-
-    def problem(
-        path: str,
-        reason: str,
-        note: str,
-        table: str | None = None,
-        error: type[RecorderError] | None = DamagedFileError,
-        kind: str | None = None,
-    ) -> None:
-        if strict and error is not None:
-            raise error(reason if reason.startswith(path) else f"{path}: {reason}")
-        problems.append(Problem(path, reason, run_id, table, kind))
-        notes.append(note)
-
-    manifest: dict[str, Any] | None = None
-    status = "unknown"
-    try:
-        manifest, issues = _cache.manifest(run_dir) if _cache else check_manifest(read_manifest(run_dir))
-        status = effective_status(manifest)
-    except (ManifestError, DamagedFileError) as exc:
-        problem(
-            manifest_path,
-            str(exc),
-            "manifest missing" if isinstance(exc, ManifestError) else "manifest unreadable",
-            error=type(exc),
-        )
-        issues = []
-    for issue in issues:  # never fatal: the rows can still be read
-        problem(
-            manifest_path, f"{issue}; the field is ignored", f"manifest field {issue.split()[1]} invalid", error=None
-        )
-    named = (manifest or {}).get("run_id")
-    if isinstance(named, str) and named != run_id:
-        problem(
-            str(run_dir),
-            f"the manifest's run_id {named!r} differs from the folder name {run_id!r}; "
-            f"rows are read as run {run_id!r}. Rename the folder to {named!r} if it was moved",
-            "manifest run_id differs from the folder",
-            error=None,
-        )
-    files: dict[str, list[SegmentFile]] = {}
-    listed = (manifest or {}).get("segments")
-    listed = listed if isinstance(listed, dict) else None
-    superseded = (manifest or {}).get("superseded") or ()  # looked in only for unlisted files (rare)
-    present: set[str] = set()
-    for entry in sorted(os.scandir(run_dir), key=lambda e: e.name):
-        m = SEGMENT_RE.fullmatch(entry.name)
-        if not m:
-            continue
-        table = m["table"]
-        present.add(entry.name)
-        unlisted = listed is not None and entry.name not in listed
-        if m["tag"] is not None and (listed is None or unlisted) or unlisted and entry.name in superseded:
-            continue  # a replay's segments it never switched to, or ones a later replay replaced
-        if table not in TABLE_NAMES:
-            problem(
-                entry.path,
-                f"unknown table {table!r}; expected one of {', '.join(TABLE_NAMES)}",
-                f"{entry.name} left out (unknown table)",
-                table,
-                SchemaError,
-            )
-            continue
-        try:
-            seg = (
-                _cache.segment(entry.path, f"{run_id}/{entry.name}", table)
-                if _cache
-                else inspect_file(entry.path, table)
-            )
-        except SchemaVersionError:
-            raise
-        except RecorderError as exc:
-            if strict:
-                raise
-            kind = "unreadable" if isinstance(exc, DamagedFileError) else "not a log segment"
-            problems.append(Problem(entry.path, str(exc), run_id, table))
-            notes.append(f"{entry.name} left out ({kind})")
-            continue
-        foreign = [(rid, n) for rid, n in seg.run_ids if rid != run_id]
-        if foreign:
-            shown = ", ".join(f"{n} row(s) of run {rid!r}" for rid, n in foreign[:3])
-            problem(
-                entry.path,
-                f"{entry.path}: holds {shown}; this folder is run {run_id!r}. The file "
-                "is left out so no run counts rows that are not its own; move it to its run's "
-                "folder",
-                f"{entry.name} left out (rows of another run)",
-                table,
-                SchemaError,
-            )
-            continue
-        if unlisted:
-            problem(
-                entry.path,
-                f"{entry.path}: the manifest does not list this segment; it was added after the run "
-                "was written (or copied in), so it is left out and this run's numbers are read without it. "
-                "Move it away if it does not belong to the run",
-                f"{entry.name} left out (not in the manifest)",
-                table,
-                error=None,
-                kind="unlisted",
-            )
-            continue
-        if listed is not None and listed[entry.name] != seg.rows:
-            problem(
-                entry.path,
-                f"{entry.path}: the manifest lists this segment with {listed[entry.name]} rows, it holds "
-                f"{seg.rows}; it was replaced after the run was written. It is left out",
-                f"{entry.name} left out (rows differ from the manifest)",
-                table,
-                error=None,
-                kind="rows",
-            )
-            continue
-        files.setdefault(table, []).append(seg)
-    missing: dict[str, list[str]] = {}  # table -> segments the manifest lists that are not there
-    gone = listed.keys() - present if listed is not None else ()
-    for name in sorted(gone) if gone else ():
-        if m := SEGMENT_RE.fullmatch(name):
-            missing.setdefault(m["table"], []).append(name)
+    scan = _RunScan(run_dir.name, strict)
+    manifest, status = _scan_manifest(run_dir, scan, _cache)
+    files, missing = _scan_segments(run_dir, manifest, scan, _cache)
     for v in _cache.contract(run_dir, manifest, files) if _cache else check_contract(manifest, files, run_dir):
-        problem(v.path, v.reason, v.note, v.table, error=None, kind="values")
+        scan.problem(v.path, v.reason, v.note, v.table, error=None, kind="values")
     recorded = (manifest or {}).get("rows") or {}
     rows_read = {table: sum(f.rows for f in segs) for table, segs in files.items()}
     short = [(t, c, rows_read.get(t, 0)) for t, c in recorded.items() if rows_read.get(t, 0) != c]
     for table, count, read in sorted(short):
         gone = f" (missing: {', '.join(missing[table])})" if table in missing else ""
-        problem(
-            manifest_path,
+        scan.problem(
+            str(run_dir / MANIFEST_NAME),
             f"table {table!r}: the manifest records {count} rows, {read} were read "
             f"from the readable segments{gone}; this run's {table} numbers are incomplete or wrong "
             "(a segment is missing, damaged or was added later)",
@@ -603,7 +623,7 @@ def scan_run(
             error=None,
             kind="rows",
         )
-    return RunEntry(run_id, run_dir, manifest, status, files, notes), problems
+    return RunEntry(scan.run_id, run_dir, manifest, status, files, scan.notes), scan.problems
 
 
 def _is_run_folder(path: Path) -> bool:
