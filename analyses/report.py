@@ -292,7 +292,7 @@ def _lifecycle(info: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-#: why a gate check that has a threshold found nothing to compare, per check (DESIGN.md §9.2)
+#: why a gate check that has a threshold found nothing to compare, per check (DESIGN.md §6.10)
 _NO_DATA = {
     "coverage_p5": "no replay rows: the run was not replayed or evicted nothing that was measured",
     "kl_mean": "no replay steps: the run was not replayed (h2o-lens replay RUN)",

@@ -1,6 +1,6 @@
 """The report's gate fails closed: a run that is not ``complete``, was never replayed or lacks the
 data a check needs fails that check, with the reason, and ``report --gate`` exits 1 in every format
-(DESIGN.md §9.2)."""
+(DESIGN.md §6.10)."""
 
 from __future__ import annotations
 
