@@ -66,7 +66,7 @@ def test_a_run_that_did_not_complete_fails_the_gate(root, fmt, status, capsys):
     _set_status(root / GOOD, status)
     rc, out, err = _gate(root, GOOD, fmt, capsys, root.parent / "th.json")
     assert (rc, _shown_verdict(fmt, out)) == (1, "fail")
-    assert f"run_status: fail: the run is {status}, not complete" in err
+    assert f"run_complete: fail: the run is {status}, not complete" in err
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
