@@ -304,7 +304,8 @@ def _guard(manifest: Mapping[str, Any], files: Mapping[str, Sequence[Any]], run:
 
 
 def _raises(manifest: Mapping[str, Any], files: Mapping[str, Sequence[Any]], run: str, acted: Counter) -> list[Any]:
-    """The state events' raises per request: at least the guard's raises, at most its raises and refills."""
+    """The state events' raises per request: at least the guard's raises, at most its raises and refills
+    (a canary run's canaries are raised too)."""
     version = manifest.get("schema_version")
     events = manifest.get("state_events")
     if not (_number(version) and version >= 4) or not isinstance(events, list):
@@ -313,10 +314,13 @@ def _raises(manifest: Mapping[str, Any], files: Mapping[str, Sequence[Any]], run
     for e in events:
         if isinstance(e, Mapping) and e.get("event") == "raise" and isinstance(e.get("requests"), list):
             logged.update(r for r in e["requests"] if isinstance(r, int))
+    guard = manifest.get("guard") if isinstance(manifest.get("guard"), Mapping) else {}
+    # a canary is a copy of a request run at raised slots: its raise has no raise event of its own
+    canaries = guard.get("action") == "canary" or any(a == "canary" for _, a in acted)
     out = []
     for r in sorted(set(logged) | {r for r, _ in acted}):
         lo, hi = acted[r, "raise"], acted[r, "raise"] + acted[r, "refill"]
-        if lo <= logged[r] <= hi:
+        if lo <= logged[r] and (logged[r] <= hi or canaries):
             continue
         where = str(files["guard_events"][-1].path) if files.get("guard_events") else "state_events"
         out.append(
