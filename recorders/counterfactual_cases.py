@@ -21,18 +21,10 @@ import torch
 from h2o_lens.config import H2OConfig
 from runlog.manifest import read_manifest
 
-from .counterfactual import (
-    Explanation,
-    Outcome,
-    ParentRequest,
-    _failed_run,
-    _link,
-    _pinned,
-    bisect_budget,
-    counterfactual_id,
-    load_parent,
-    split_slots,
-)
+from .counterfactual import _pinned
+from .counterfactual_outcomes import Explanation, Outcome, _failed_run, _link, counterfactual_id
+from .counterfactual_parent import ParentRequest, load_parent
+from .counterfactual_search import bisect_budget, split_slots
 
 __all__ = ["case_teacher_table", "case_passes", "explain_case"]
 
