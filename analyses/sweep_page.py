@@ -44,11 +44,13 @@ def _axis(x: str) -> str:
     return "keep ratio (%)" if x == "keep_ratio" else "slots per KV set (full cache: right end)"
 
 
-def sweep_figure(table: Any, page_size: int, policy_of: Mapping[str, str], *, x: str = "keep_ratio") -> Any:
+def sweep_figure(
+    table: Any, page_size: int, policy_of: Mapping[str, str], *, x: str = "keep_ratio", title: str | None = None
+) -> Any:
     """The sweep's plotly figure: four panels (accuracy, KL, physical KV bytes per token with and
     without pages, latency), each policy in its registry colour across all of them (a second
     aggregation of the same policy dotted); each policy's curve starts from the full cache at
-    100 %. ``policy_of`` maps each curve label to its policy name.
+    100 %. ``policy_of`` maps each curve label to its policy name; ``title`` replaces the sweep's.
     """
     import pandas as pd
     import plotly.graph_objects as go
@@ -79,6 +81,8 @@ def sweep_figure(table: Any, page_size: int, policy_of: Mapping[str, str], *, x:
         _add_curves(fig, g, x, scale, label, _colour(name), "dot" if name in drawn else "solid")
         drawn.add(name)
     _axes(fig, table, x, scale)
+    if title is not None:
+        fig.update_layout(title=title)
     return fig
 
 
