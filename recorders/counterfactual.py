@@ -38,6 +38,14 @@ error ("could not run"); the parent run is only ever read.
 A kvpress press run is explained the same way (DESIGN.md §17.3): its slot count is the positions
 the press keeps, ``pinned`` raises the evidence positions' scores so that the press keeps them,
 and ``policy_budget`` searches the press's compression ratio (:func:`press_ratio`).
+
+This module runs the variants in order (:func:`explain_request`); the parts live beside it and
+are re-exported here: :mod:`.counterfactual_parent` (the request re-run: :func:`load_parent`,
+:func:`check_parent`, the answer checker), :mod:`.counterfactual_runner` (one re-run:
+:class:`~.counterfactual_runner.Runner`), :mod:`.counterfactual_search` (the budget search
+:func:`bisect_budget`, no model), :mod:`.counterfactual_budgets` (the policy's and the oracle's
+searches driven by re-runs) and :mod:`.counterfactual_outcomes` (:class:`Outcome`,
+:class:`Explanation`, the run folders of the re-runs).
 """
 
 from __future__ import annotations
