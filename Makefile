@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast compat bench gpu-wheels gpu-check samples mutate clean
+.PHONY: setup demo test test-fast compat bench gpu-wheels gpu-check samples screenshots mutate clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,16 @@ gpu-check:
 # regenerate the shipped sample runs (policy cases and three real tasks, replayed)
 samples: setup
 	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens samples --out sample_runs
+
+# the README's pictures in docs/img/: the dashboard's Overview of a shipped demo run and the demo's
+# three curves, as the browser tests of the shipped samples capture them (Debian's chromium)
+SHOTS ?= build/screenshots
+screenshots: setup
+	rm -rf $(SHOTS)
+	H2O_LENS_SCREENSHOTS=$(SHOTS) HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/test_app_browser_samples.py -k readme
+	mkdir -p docs/img
+	cp $(SHOTS)/dashboard.png $(SHOTS)/curves.png docs/img/
 
 # before a release, not in `make test` (slow): mutation testing of the core modules with the fast
 # tests (configuration: [tool.mutmut] in pyproject.toml). MUTANTS narrows it, e.g.

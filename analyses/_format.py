@@ -123,11 +123,16 @@ def why_rows(v: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def why_budgets(v: dict[str, Any]) -> str:
-    """One line: the minimal passing budget of the policy and of the oracle."""
+    """One line: the minimal passing budget of the policy and of the oracle (a search that was not
+    monotone: the counts it tried)."""
+    from .causal import describe_search
 
     def one(name: str) -> str:
         slots, ratio, mono = v["min_slots"].get(name), v["keep_ratio"].get(name), v["monotone"].get(name)
         if mono is False:
+            probes = (v.get("budget_probes") or {}).get(name)
+            if probes:
+                return f"{name}: {describe_search(probes)}"
             return f"{name}: the pass test is not monotone in the budget (no minimal budget stated)"
         if slots is None:
             return f"{name}: –"

@@ -33,7 +33,7 @@ that pass at each keep ratio, per policy, with the oracle as the upper bound.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import duckdb
@@ -58,6 +58,7 @@ __all__ = [
     "decide",
     "variant_table",
     "budget_distribution",
+    "describe_search",
 ]
 
 CAUSAL_VERDICTS = ("scoring", "budget", "not_the_cache", "implementation_error", "undecided")
@@ -99,6 +100,9 @@ class CausalVerdict:
     decided_by: tuple[str, ...]
     estimate: str | None
     table: tuple[dict[str, Any], ...] = ()
+    #: each search whose pass test was not monotone: every count it tried, ``[[slots, passed], ...]``
+    #: ascending (:func:`describe_search` says it in words); a monotone search has no entry
+    budget_probes: dict[str, list[list[Any]]] = dataclasses.field(default_factory=dict)
 
     @property
     def agrees(self) -> bool | None:
@@ -113,6 +117,8 @@ class CausalVerdict:
         out["table"] = [dict(r) for r in self.table]
         out["agrees"] = self.agrees
         out["counterfactual_runs"] = dict(self.runs)
+        if not self.budget_probes:
+            del out["budget_probes"]  # only a non-monotone search shows the counts it tried
         return out
 
 
@@ -324,14 +330,32 @@ def _same_text(a: Any, b: Any) -> bool:
     return isinstance(a, str) and isinstance(b, str) and a.strip() == b.strip()
 
 
-def _budget(o: Mapping[str, Any] | None, prompt_len: int | None) -> tuple[int | None, float | None, bool | None]:
+def _budget(
+    o: Mapping[str, Any] | None, prompt_len: int | None
+) -> tuple[int | None, float | None, bool | None, list[list[Any]] | None]:
+    """Minimal slots, keep ratio, monotone, and the counts tried when the search was not monotone."""
     if not o or o.get("status") != "complete":
-        return None, None, None
+        return None, None, None, None
     bis = o.get("bisection") or {}
     monotone = bis.get("monotone") if bis else None
     slots = bis.get("min_slots") if bis else o.get("slots")
     ratio = slots / prompt_len if slots is not None and prompt_len else None
-    return slots, ratio, monotone
+    probes = sorted([int(s), bool(p)] for s, p in bis.get("probes") or []) if monotone is False else None
+    return slots, ratio, monotone, probes
+
+
+def describe_search(probes: Sequence[Sequence[Any]]) -> str:
+    """A non-monotone budget search in words: every count it tried, pass or fail, and the smallest
+    count from which every count tried passes (``probes``: ``[[slots, passed], ...]``)."""
+    points = sorted((int(s), bool(p)) for s, p in probes)
+    tried = ", ".join(f"{s} {'pass' if p else 'fail'}" for s, p in points)
+    stable = None
+    for s, p in reversed(points):
+        if not p:
+            break
+        stable = s
+    tail = f"; every count tried from {stable} slots on passes" if stable is not None else ""
+    return f"not monotone in the budget: the search tried (slots) {tried}{tail}"
 
 
 def causal_verdicts(
@@ -370,9 +394,11 @@ def causal_verdicts(
         sub = _sub_label(con, run_id, r, d, th) if verdict == "scoring" else None
         plen = _prompt_len(con, run_id, r)
         slots = outcomes.get("pinned", outcomes.get("oracle", {})).get("slots")
-        mins, ratios, mono = {}, {}, {}
+        mins, ratios, mono, tried = {}, {}, {}, {}
         for name, kind in (("policy", "policy_budget"), ("oracle", "oracle_budget")):
-            mins[name], ratios[name], mono[name] = _budget(outcomes.get(kind), plen)
+            mins[name], ratios[name], mono[name], probes = _budget(outcomes.get(kind), plen)
+            if probes:
+                tried[name] = probes
         out.append(
             CausalVerdict(
                 run_id,
@@ -391,6 +417,7 @@ def causal_verdicts(
                 decided,
                 est.verdict if est else None,
                 variant_table(outcomes),
+                tried,
             )
         )
     return out

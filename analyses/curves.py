@@ -13,11 +13,16 @@ processed step, per request, layer and KV set.
 
 from __future__ import annotations
 
+from typing import Any
+
 import duckdb
 
-from ._base import Source, check_positive, connect, relation
+from ._base import Source, check_positive, connect, manifest_at, relation
 
-__all__ = ["kv_footprint", "run_curve_points"]
+__all__ = ["kv_footprint", "run_curve_points", "curve_runs", "curve_table"]
+
+#: bytes of one element of each dtype a manifest names
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def kv_footprint(source: Source, run_id: str, *, page_size: int = 16) -> duckdb.DuckDBPyRelation:
@@ -111,3 +116,62 @@ def run_curve_points(source: Source, run_ids: list[str], *, page_size: int = 16)
         ORDER BY ids.idx
     """
     return relation(con, sql, runs=list(run_ids))
+
+
+def curve_runs(source: Source) -> list[str]:
+    """The runs of a root that lie on its curves: complete, not a re-run of another, of a task,
+    without the guard (a guarded run holds another slot count than its keep ratio says)."""
+    con = connect(source)
+    rows = relation(
+        con,
+        "SELECT run_id, path FROM runs WHERE status = 'complete' AND parent_run IS NULL AND task IS NOT NULL "
+        "ORDER BY run_id",
+    ).fetchall()
+    return [run_id for run_id, path in rows if not manifest_at(path).get("guard")]
+
+
+def curve_table(source: Source, run_ids: list[str], *, page_size: int = 16) -> Any:
+    """The three curves of recorded runs (a demo root's, :func:`curve_runs`) as the sweep page
+    draws them (:func:`analyses.sweep_figure`): one row per policy and keep ratio (the full cache
+    at 1), with the means over its runs of accuracy, KL, dropped mass, kept and page shares,
+    their physical KV bytes per token (the full cache's from each run's model shape and dtype)
+    and the median per-token latency in ms.
+
+    Returns a pandas DataFrame, ``attrs["policy_of"]`` mapping each curve label to its policy.
+    """
+    con = connect(source)
+    points = run_curve_points(con, run_ids, page_size=page_size).df()
+    paths = dict(
+        relation(con, "SELECT run_id, path FROM runs WHERE list_contains($ids, run_id)", ids=run_ids).fetchall()
+    )
+    per_token = [_kv_bytes_per_token(manifest_at(paths.get(r)).get("model")) for r in points["run_id"]]
+    points = points.assign(
+        keep_ratio=points["keep_ratio"].fillna(1.0),  # the full cache keeps every position
+        kv_bytes=points["kept_share"] * per_token,
+        paged_bytes=points["page_share"] * per_token,
+    )
+    table = points.groupby(["policy", "keep_ratio"], as_index=False).agg(
+        accuracy=("accuracy", "mean"),
+        kl_mean=("kl_mean", "mean"),
+        dropped_mass=("dropped_mass", "mean"),
+        kv_share=("kept_share", "mean"),
+        page_share=("page_share", "mean"),
+        ms_per_token=("seconds_per_token", lambda s: 1e3 * s.median()),
+        kv_bytes_per_token=("kv_bytes", "mean"),
+        paged_bytes_per_token=("paged_bytes", "mean"),
+        runs=("run_id", "count"),
+    )
+    table = table.sort_values(["policy", "keep_ratio"], ascending=[True, False]).reset_index(drop=True)
+    table.attrs["policy_of"] = {p: p for p in table["policy"]}
+    return table
+
+
+def _kv_bytes_per_token(model: Any) -> float:
+    """K and V bytes of one position in a full cache, all layers, from a manifest's ``model``."""
+    if not isinstance(model, dict):
+        return float("nan")
+    try:
+        size = _ITEMSIZE[str(model.get("dtype"))]
+        return 2.0 * int(model["num_layers"]) * int(model["num_kv_heads"]) * int(model["head_dim"]) * size
+    except (KeyError, TypeError, ValueError):
+        return float("nan")

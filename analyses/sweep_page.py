@@ -12,29 +12,51 @@ from typing import Any
 from h2o_lens import policies as registry
 from h2o_lens import presses
 
-__all__ = ["sweep_html"]
+__all__ = ["sweep_html", "sweep_figure"]
 
 
 def sweep_html(table: Any, page_size: int, policy_of: Mapping[str, str], *, x: str = "keep_ratio") -> str:
     """The three curves over keep ratio (or slot count, ``x="slots"``) as one self-contained HTML page.
 
     ``table``: the sweep's per-configuration table (pandas; one row per curve label and budget,
-    the columns ``h2o-lens sweep`` writes to ``sweep.csv``).
+    the columns ``h2o-lens sweep`` writes to ``sweep.csv``); the figure is :func:`sweep_figure`,
+    the table below it. plotly.js is inlined once.
+    """
+    from plotly.offline import get_plotlyjs
 
-    plotly.js is inlined once.
+    axis = _axis(x)
+    body = sweep_figure(table, page_size, policy_of, x=x).to_json()
+    style = (
+        "body{font-family:sans-serif;margin:24px}table{border-collapse:collapse;font-size:13px}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f3f3f3}"
+    )
+    html = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>H2O Lens sweep</title>"
+        f"<style>{style}</style><script>{get_plotlyjs()}</script></head><body><div id='fig'></div>"
+        f"<script>const f={body};Plotly.newPlot('fig',f.data,f.layout);</script>"
+        f"<h3>Per policy and {axis} (means over runs; accuracy over checked requests; latency: median)</h3>"
+        f"{table.to_html(index=False, border=0, float_format=lambda v: f'{v:.4g}')}</body></html>"
+    )
+    return html
 
-    Four panels (accuracy, KL, physical KV bytes per token with and without pages,
-    latency), each policy in its registry colour across all of them (a second
-    aggregation of the same policy dotted); each policy's curve starts from the full
-    cache at 100 %. ``policy_of`` maps each curve label to its policy name.
+
+def _axis(x: str) -> str:
+    return "keep ratio (%)" if x == "keep_ratio" else "slots per KV set (full cache: right end)"
+
+
+def sweep_figure(
+    table: Any, page_size: int, policy_of: Mapping[str, str], *, x: str = "keep_ratio", title: str | None = None
+) -> Any:
+    """The sweep's plotly figure: four panels (accuracy, KL, physical KV bytes per token with and
+    without pages, latency), each policy in its registry colour across all of them (a second
+    aggregation of the same policy dotted); each policy's curve starts from the full cache at
+    100 %. ``policy_of`` maps each curve label to its policy name; ``title`` replaces the sweep's.
     """
     import pandas as pd
     import plotly.graph_objects as go
-    from plotly.offline import get_plotlyjs
     from plotly.subplots import make_subplots
 
     scale = 100 if x == "keep_ratio" else 1
-    axis = "keep ratio (%)" if x == "keep_ratio" else "slots per KV set (full cache: right end)"
     fig = make_subplots(
         # the template named, not the process's default: importing Streamlit switches plotly's
         # default template, and the page must not depend on what else the process has loaded
@@ -50,52 +72,64 @@ def sweep_html(table: Any, page_size: int, policy_of: Mapping[str, str], *, x: s
             "decode latency, ms per token",
         ),
     )
-
-    def evicts(policy: str) -> bool:
-        return presses.is_press_policy(policy) or registry.get(policy).evicts
-
-    def colour(policy: str) -> str:  # a press's from h2o_lens.presses (DESIGN.md §17)
-        return presses.colour(policy) if presses.is_press_policy(policy) else registry.get(policy).colour
-
-    is_full = table["policy"].map(lambda label: not evicts(policy_of[label]))
+    is_full = table["policy"].map(lambda label: not _evicts(policy_of[label]))
     full = table[is_full]
     drawn: set[str] = set()
     for label in dict.fromkeys(table["policy"][~is_full]):
         g = pd.concat([full, table[table["policy"] == label]], ignore_index=True).sort_values(x)
-        xs = g[x] * scale
         name = policy_of[label]
-        color, dash = colour(name), "dot" if name in drawn else "solid"
+        _add_curves(fig, g, x, scale, label, _colour(name), "dot" if name in drawn else "solid")
         drawn.add(name)
-        common = dict(x=xs, legendgroup=label, line={"color": color, "dash": dash}, marker={"color": color})
-        fig.add_trace(go.Scatter(y=g["accuracy"], name=label, mode="lines+markers", **common), row=1, col=1)
-        kl = g["kl_mean"].where(g["kl_mean"] > 0)  # log axis: the full cache's KL of 0 is left out
-        fig.add_trace(go.Scatter(y=kl, name=label, showlegend=False, mode="lines+markers", **common), row=1, col=2)
-        fig.add_trace(
-            go.Scatter(
-                y=g["kv_bytes_per_token"], name=f"{label} tokens", showlegend=False, mode="lines+markers", **common
-            ),
-            row=2,
-            col=1,
-        )
-        fig.add_trace(
-            go.Scatter(
-                y=g["paged_bytes_per_token"],
-                name=f"{label} pages",
-                showlegend=False,
-                mode="lines",
-                **{**common, "line": {"color": color, "dash": "dash"}},
-            ),
-            row=2,
-            col=1,
-        )
-        fig.add_trace(
-            go.Scatter(y=g["ms_per_token"], name=label, showlegend=False, mode="lines+markers", **common), row=2, col=2
-        )
+    _axes(fig, table, x, scale)
+    if title is not None:
+        fig.update_layout(title=title)
+    return fig
+
+
+def _evicts(policy: str) -> bool:
+    return presses.is_press_policy(policy) or registry.get(policy).evicts
+
+
+def _colour(policy: str) -> str:  # a press's from h2o_lens.presses (DESIGN.md §17)
+    return presses.colour(policy) if presses.is_press_policy(policy) else registry.get(policy).colour
+
+
+def _add_curves(fig: Any, g: Any, x: str, scale: int, label: str, color: str, dash: str) -> None:
+    """One curve label's four traces (its rows with the full cache's, sorted along ``x``)."""
+    import plotly.graph_objects as go
+
+    common = dict(x=g[x] * scale, legendgroup=label, line={"color": color, "dash": dash}, marker={"color": color})
+    fig.add_trace(go.Scatter(y=g["accuracy"], name=label, mode="lines+markers", **common), row=1, col=1)
+    kl = g["kl_mean"].where(g["kl_mean"] > 0)  # log axis: the full cache's KL of 0 is left out
+    fig.add_trace(go.Scatter(y=kl, name=label, showlegend=False, mode="lines+markers", **common), row=1, col=2)
+    fig.add_trace(
+        go.Scatter(y=g["kv_bytes_per_token"], name=f"{label} tokens", showlegend=False, mode="lines+markers", **common),
+        row=2,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            y=g["paged_bytes_per_token"],
+            name=f"{label} pages",
+            showlegend=False,
+            mode="lines",
+            **{**common, "line": {"color": color, "dash": "dash"}},
+        ),
+        row=2,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(y=g["ms_per_token"], name=label, showlegend=False, mode="lines+markers", **common), row=2, col=2
+    )
+
+
+def _axes(fig: Any, table: Any, x: str, scale: int) -> None:
+    """Log x axes ticked at the sweep's budgets; the y axes and the layout."""
     ticks = sorted({float(v) * scale for v in table[x]})
     for row in (1, 2):
         for col in (1, 2):
             fig.update_xaxes(
-                title_text=axis,
+                title_text=_axis(x),
                 type="log",
                 tickvals=ticks,
                 ticktext=[f"{t:g}" for t in ticks],
@@ -112,16 +146,3 @@ def sweep_html(table: Any, page_size: int, policy_of: Mapping[str, str], *, x: s
         title="H2O Lens budget sweep: quality, physical memory and latency against keep ratio",
         legend={"title": {"text": "policy"}},
     )
-    body = fig.to_json()
-    style = (
-        "body{font-family:sans-serif;margin:24px}table{border-collapse:collapse;font-size:13px}"
-        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f3f3f3}"
-    )
-    html = (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>H2O Lens sweep</title>"
-        f"<style>{style}</style><script>{get_plotlyjs()}</script></head><body><div id='fig'></div>"
-        f"<script>const f={body};Plotly.newPlot('fig',f.data,f.layout);</script>"
-        f"<h3>Per policy and {axis} (means over runs; accuracy over checked requests; latency: median)</h3>"
-        f"{table.to_html(index=False, border=0, float_format=lambda v: f'{v:.4g}')}</body></html>"
-    )
-    return html

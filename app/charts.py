@@ -98,90 +98,100 @@ def divergence_figure(series: pd.DataFrame, dropped: pd.DataFrame) -> go.Figure:
     many = len(requests) > 1
     for i, r in enumerate(requests):
         color = PALETTE[i % len(PALETTE)]
-        name = f"request {r}" if many else None
-        s = series[series["request"] == r]
-        if len(s):
-            kl = s["kl"].clip(lower=1e-9)
-            fig.add_trace(
-                go.Scatter(
-                    x=s["step"],
-                    y=kl,
-                    mode="lines",
-                    line=dict(color=color, width=1.4),
-                    name=name or "KL",
-                    legendgroup=str(r),
-                    showlegend=many,
-                    hovertemplate="KL %{y:.3g}",
-                ),
-                row=1,
-                col=1,
-            )
-            agree = s["top1_agree"].astype(float)
-            fig.add_trace(
-                go.Scatter(
-                    x=s["step"],
-                    y=agree.rolling(8, min_periods=1).mean(),
-                    mode="lines",
-                    line=dict(color=color, width=1.4),
-                    legendgroup=str(r),
-                    showlegend=False,
-                    name=name or "top-1",
-                    hovertemplate="agreement %{y:.2f}",
-                ),
-                row=2,
-                col=1,
-            )
-            miss = s[~s["top1_agree"].astype(bool)]
-            fig.add_trace(
-                go.Scatter(
-                    x=miss["step"],
-                    y=[0.0] * len(miss),
-                    mode="markers",
-                    marker=dict(symbol="line-ns-open", size=10, color=color),
-                    legendgroup=str(r),
-                    showlegend=False,
-                    name="disagreement",
-                    hovertemplate="top-1 differs",
-                ),
-                row=2,
-                col=1,
-            )
-        d = dropped[dropped["request"] == r]
-        if len(d):
-            fig.add_trace(
-                go.Scatter(
-                    x=d["step"],
-                    y=d["mean"],
-                    mode="lines",
-                    line=dict(color=color, width=1.6),
-                    legendgroup=str(r),
-                    showlegend=False,
-                    name="mean over heads",
-                    hovertemplate="mean %{y:.3g}",
-                ),
-                row=3,
-                col=1,
-            )
-            fig.add_trace(
-                go.Scatter(
-                    x=d["step"],
-                    y=d["max"],
-                    mode="lines",
-                    line=dict(color=color, width=0.8, dash="dot"),
-                    legendgroup=str(r),
-                    showlegend=False,
-                    name="worst head",
-                    hovertemplate="worst head %{y:.3g}",
-                ),
-                row=3,
-                col=1,
-            )
+        _divergence_traces(fig, series[series["request"] == r], r, color, many)
+        _dropped_traces(fig, dropped[dropped["request"] == r], r, color)
     fig.update_yaxes(type="log", dtick=1, title_text="KL", row=1, col=1)
     fig.update_yaxes(range=[-0.05, 1.05], title_text="agreement", row=2, col=1)
     fig.update_yaxes(rangemode="tozero", title_text="share of attention", row=3, col=1)
     fig.update_xaxes(title_text="step (query position)", row=3, col=1)
     fig.update_annotations(font_size=13)
     return _layout(fig, "", 640).update_layout(margin=dict(l=10, r=10, t=40, b=10))
+
+
+def _divergence_traces(fig: go.Figure, s: pd.DataFrame, r: int, color: str, many: bool) -> None:
+    """One request's KL (row 1), rolling top-1 agreement and disagreement ticks (row 2)."""
+    name = f"request {r}" if many else None
+    if not len(s):
+        return
+    kl = s["kl"].clip(lower=1e-9)
+    fig.add_trace(
+        go.Scatter(
+            x=s["step"],
+            y=kl,
+            mode="lines",
+            line=dict(color=color, width=1.4),
+            name=name or "KL",
+            legendgroup=str(r),
+            showlegend=many,
+            hovertemplate="KL %{y:.3g}",
+        ),
+        row=1,
+        col=1,
+    )
+    agree = s["top1_agree"].astype(float)
+    fig.add_trace(
+        go.Scatter(
+            x=s["step"],
+            y=agree.rolling(8, min_periods=1).mean(),
+            mode="lines",
+            line=dict(color=color, width=1.4),
+            legendgroup=str(r),
+            showlegend=False,
+            name=name or "top-1",
+            hovertemplate="agreement %{y:.2f}",
+        ),
+        row=2,
+        col=1,
+    )
+    miss = s[~s["top1_agree"].astype(bool)]
+    fig.add_trace(
+        go.Scatter(
+            x=miss["step"],
+            y=[0.0] * len(miss),
+            mode="markers",
+            marker=dict(symbol="line-ns-open", size=10, color=color),
+            legendgroup=str(r),
+            showlegend=False,
+            name="disagreement",
+            hovertemplate="top-1 differs",
+        ),
+        row=2,
+        col=1,
+    )
+
+
+def _dropped_traces(fig: go.Figure, d: pd.DataFrame, r: int, color: str) -> None:
+    """One request's dropped mass (row 3): mean over heads, solid; worst head, dotted."""
+    if not len(d):
+        return
+    fig.add_trace(
+        go.Scatter(
+            x=d["step"],
+            y=d["mean"],
+            mode="lines",
+            line=dict(color=color, width=1.6),
+            legendgroup=str(r),
+            showlegend=False,
+            name="mean over heads",
+            hovertemplate="mean %{y:.3g}",
+        ),
+        row=3,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=d["step"],
+            y=d["max"],
+            mode="lines",
+            line=dict(color=color, width=0.8, dash="dot"),
+            legendgroup=str(r),
+            showlegend=False,
+            name="worst head",
+            hovertemplate="worst head %{y:.3g}",
+        ),
+        row=3,
+        col=1,
+    )
 
 
 def heatmap(

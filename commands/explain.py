@@ -114,15 +114,7 @@ def format_verdicts(verdicts: list[Any], fmt: str = "table") -> str:
         status = {r["variant"]: r.get("status") for r in v.table}
         for kind, err in v.could_not_run.items():
             lines.append(f"  {'not judged' if status.get(kind) == 'not_judged' else 'could not run'}: {kind}: {err}")
-        pol, orc = v.min_slots.get("policy"), v.min_slots.get("oracle")
-        lines.append(
-            f"  minimal passing budget: policy {pol if pol is not None else '-'} slots "
-            f"({_pct(v.keep_ratio.get('policy'))}), oracle {orc if orc is not None else '-'} slots "
-            f"({_pct(v.keep_ratio.get('oracle'))}); run at {v.slots} slots of {v.prompt_len}"
-        )
-        for name, mono in v.monotone.items():
-            if mono is False:
-                lines.append(f"  {name}: the pass test is not monotone in the budget; no minimal budget stated")
+        lines += _budget_lines(v)
         rows = [
             [
                 r["variant"],
@@ -144,6 +136,26 @@ def format_verdicts(verdicts: list[Any], fmt: str = "table") -> str:
         lines.append(f"  decided by: {', '.join(v.decided_by) or '-'}")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def _budget_lines(v: Any) -> list[str]:
+    """The minimal passing budgets; a search that was not monotone shows every count it tried."""
+    from analyses.causal import describe_search
+
+    def one(name: str) -> str:
+        if v.monotone.get(name) is False:
+            return f"{name} not monotone (below)"
+        slots = v.min_slots.get(name)
+        return f"{name} {slots if slots is not None else '-'} slots ({_pct(v.keep_ratio.get(name))})"
+
+    lines = [f"  minimal passing budget: {one('policy')}, {one('oracle')}; run at {v.slots} slots of {v.prompt_len}"]
+    probes = getattr(v, "budget_probes", {}) or {}
+    for name, mono in v.monotone.items():
+        if mono is False and probes.get(name):
+            lines.append(f"  {name}: {describe_search(probes[name])}")
+        elif mono is False:
+            lines.append(f"  {name}: the pass test is not monotone in the budget; no minimal budget stated")
+    return lines
 
 
 def _agreement(kn: Any) -> str:
@@ -174,6 +186,7 @@ def _json(v: Any) -> dict[str, Any]:
         "min_slots": v.min_slots,
         "keep_ratio": v.keep_ratio,
         "monotone": v.monotone,
+        "budget_probes": v.budget_probes,
         "counterfactual_runs": v.runs,
         "decided_by": list(v.decided_by),
         "estimate": v.estimate,

@@ -21,18 +21,10 @@ import torch
 from h2o_lens.config import H2OConfig
 from runlog.manifest import read_manifest
 
-from .counterfactual import (
-    Explanation,
-    Outcome,
-    ParentRequest,
-    _failed_run,
-    _link,
-    _pinned,
-    bisect_budget,
-    counterfactual_id,
-    load_parent,
-    split_slots,
-)
+from .counterfactual import _pinned
+from .counterfactual_outcomes import Explanation, Outcome, _failed_run, _link, counterfactual_id
+from .counterfactual_parent import ParentRequest, load_parent
+from .counterfactual_search import bisect_budget, split_slots
 
 __all__ = ["case_teacher_table", "case_passes", "explain_case"]
 
@@ -166,8 +158,7 @@ def explain_case(
         return make
 
     outcomes["oracle"] = write("oracle", slots, oracle_run(slots), case_passes(case, oracle_config(slots)))
-    hi = case.n + 1
-    for kind, make_cfg, make_run, same in (
+    searches = (
         (
             "policy_budget",
             lambda s: dataclasses.replace(cfg, **dict(zip(("heavy", "recent"), split_slots(heavy, recent, s)))),
@@ -175,23 +166,31 @@ def explain_case(
             parent.correct,
         ),
         ("oracle_budget", oracle_config, oracle_run, outcomes["oracle"].passed),
-    ):
+    )
+    for kind, make_cfg, make_run, same in searches:
         if not outcomes["full"].passed:
             outcomes[kind] = Outcome(kind, None, None, False, error="the full cache does not pass: no budget does")
             continue
-        lo, top = (1, slots) if same else (slots, hi)
-        bis = bisect_budget(
-            lambda s, make_cfg=make_cfg: case_passes(case, make_cfg(s)),
-            lo,
-            top,
-            known={slots: bool(same)},
-            checks=checks,
-        )
-        at = bis.min_slots if bis.min_slots is not None else bis.smallest_pass
-        if at is None:
-            outcomes[kind] = Outcome(kind, None, None, True, False, bisection=bis)
-            continue
-        got = write(kind, at, make_run(at), True, bisection=bis.to_dict(), min_slots=bis.min_slots)
-        got.bisection = bis
-        outcomes[kind] = got
+        outcomes[kind] = _case_budget(case, kind, slots, bool(same), make_cfg, make_run, write, checks)
     return Explanation(parent.run_id, 0, slots, parent.prompt_len, outcomes, time.perf_counter() - t0)
+
+
+def _case_budget(
+    case: Any,
+    kind: str,
+    slots: int,
+    same: bool,
+    make_cfg: Callable[[int], H2OConfig],
+    make_run: Callable[[int], Callable[[str], Path]],
+    write: Callable[..., Outcome],
+    checks: int,
+) -> Outcome:
+    """One minimal-budget search of a policy case: bisection to the slot, the found count recorded."""
+    lo, top = (1, slots) if same else (slots, case.n + 1)
+    bis = bisect_budget(lambda s: case_passes(case, make_cfg(s)), lo, top, known={slots: same}, checks=checks)
+    at = bis.min_slots if bis.min_slots is not None else bis.smallest_pass
+    if at is None:
+        return Outcome(kind, None, None, True, False, bisection=bis)
+    got = write(kind, at, make_run(at), True, bisection=bis.to_dict(), min_slots=bis.min_slots)
+    got.bisection = bis
+    return got

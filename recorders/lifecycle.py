@@ -264,19 +264,7 @@ def check_lifecycle(
     ModelMismatchError
         The checking model is not the run's (its fingerprint differs); nothing is written.
     """
-    from h2o_lens.cache import H2OCacheLayer, current_layer_class
-
-    layer_class = current_layer_class()  # what the re-run's caches would be built with
-    if layer_class is not H2OCacheLayer:
-        raise RecorderError(
-            f"the lifecycle check must run on the plain runtime, but the caches built here get the layer "
-            f"class {layer_class.__qualname__} (a use_layer_class block); run the check outside that block"
-        )
-    if tolerance is not None and not (0 <= tolerance < float("inf")):
-        raise RecorderError(
-            f"tolerance={tolerance!r}: the near-tie bound is a relative margin >= 0 (0: identical kept sets); "
-            "leave it out for the bound derived from the dtype"
-        )
+    _check_arguments(tolerance)
     t0 = time.perf_counter()
     run_dir = Path(run_dir)
     run = load_run(run_dir, tables=("tokens", "evictions", "requests"))
@@ -287,26 +275,9 @@ def check_lifecycle(
         raise RecorderError(f"{run_dir}: the run has no tokens table; nothing to check")
     model = _model_for(manifest, model, progress)
     override = check_model(manifest, model, run=run.run_id, command="check", allow_other=allow_other_model)
-    shape = model_shape(model.config)
-    layers, hkv = shape.layers, shape.kv_heads
-    info = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
-    if info.get("num_layers") not in (None, layers) or info.get("num_kv_heads") not in (None, hkv):
-        raise RecorderError(
-            f"{run_dir}: the run's model has {info.get('num_layers')} layers and {info.get('num_kv_heads')} "
-            f"KV heads, the checking model {layers} and {hkv}; pass the model the run used"
-        )
-    gqa = (manifest.get("config") or {}).get("gqa") or H2OConfig.gqa
-    gqa_none, sets = gqa == "none", shape.sets(gqa)
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    run_dtype = _DTYPES.get(str(info.get("dtype")), dtype)
-    coarse = max((dtype, run_dtype), key=lambda d: torch.finfo(d).eps)
-    tol = tie_tolerance(coarse) if tolerance is None else float(tolerance)
-    ev_tab = run["evictions"]
-    ev = {k: np.asarray(ev_tab[k].to_pylist(), dtype=np.int64) for k in ("request", "step", "layer", "position")}
-    heads = ev_tab["q_head"] if gqa_none else ev_tab["kv_head"]
-    ev["kv_head"] = ev["q_head"] = np.asarray(heads.fill_null(-1).to_pylist(), dtype=np.int64)
-    margin = np.asarray(ev_tab["margin"].fill_null(float("nan")).to_pylist(), dtype=np.float64)
-    score = np.asarray(ev_tab["score"].fill_null(float("nan")).to_pylist(), dtype=np.float64)
+    layers, sets, gqa_none = _shape_of(run_dir, manifest, model)
+    coarse, tol = _tolerance(manifest, model, tolerance)
+    ev, margin, score = _logged(run["evictions"], gqa_none)
     rows = {r["request"]: r for r in run["requests"].to_pylist()}
     wanted = sorted(set(req_col.tolist())) if requests is None else list(requests)
     results = []
@@ -323,16 +294,8 @@ def check_lifecycle(
             results.append(RequestLifecycle(request=request, ok=len(mine) == 0, steps=n - p + 1))
             continue
         logged = evict_steps({k: v[mine] for k, v in ev.items()}, layers, sets, n, gqa_none)
-        margins = {
-            (int(ev["layer"][i]), int(ev["kv_head"][i]), int(ev["position"][i]), int(ev["step"][i])): (
-                margin[i],
-                score[i],
-            )
-            for i in mine
-            if np.isfinite(margin[i])
-        }
         ref = _reference(model, config, ids, p, n, layers, sets)
-        results.append(_compare(request, logged, ref, margins, p, n, tol))
+        results.append(_compare(request, logged, ref, _margins(ev, margin, score, mine), p, n, tol))
     result = LifecycleResult(
         run_id=run.run_id,
         ok=all(r.ok for r in results),
@@ -347,3 +310,63 @@ def check_lifecycle(
         log_override(m, override)
         write_manifest(run_dir, m)
     return result
+
+
+def _check_arguments(tolerance: float | None) -> None:
+    """Refuse a check inside a ``use_layer_class`` block and a tolerance that is not a margin."""
+    from h2o_lens.cache import H2OCacheLayer, current_layer_class
+
+    layer_class = current_layer_class()  # what the re-run's caches would be built with
+    if layer_class is not H2OCacheLayer:
+        raise RecorderError(
+            f"the lifecycle check must run on the plain runtime, but the caches built here get the layer "
+            f"class {layer_class.__qualname__} (a use_layer_class block); run the check outside that block"
+        )
+    if tolerance is not None and not (0 <= tolerance < float("inf")):
+        raise RecorderError(
+            f"tolerance={tolerance!r}: the near-tie bound is a relative margin >= 0 (0: identical kept sets); "
+            "leave it out for the bound derived from the dtype"
+        )
+
+
+def _shape_of(run_dir: Path, manifest: dict[str, Any], model: Any) -> tuple[int, int, bool]:
+    """The checking model's layers and score sets (the run's gqa), refused when not the run's shape."""
+    shape = model_shape(model.config)
+    layers, hkv = shape.layers, shape.kv_heads
+    info = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
+    if info.get("num_layers") not in (None, layers) or info.get("num_kv_heads") not in (None, hkv):
+        raise RecorderError(
+            f"{run_dir}: the run's model has {info.get('num_layers')} layers and {info.get('num_kv_heads')} "
+            f"KV heads, the checking model {layers} and {hkv}; pass the model the run used"
+        )
+    gqa = (manifest.get("config") or {}).get("gqa") or H2OConfig.gqa
+    return layers, shape.sets(gqa), gqa == "none"
+
+
+def _tolerance(manifest: dict[str, Any], model: Any, tolerance: float | None) -> tuple[torch.dtype, float]:
+    """The coarser of the run's and the model's dtype, and the near-tie bound (given, or of that dtype)."""
+    info = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    run_dtype = _DTYPES.get(str(info.get("dtype")), dtype)
+    coarse = max((dtype, run_dtype), key=lambda d: torch.finfo(d).eps)
+    return coarse, tie_tolerance(coarse) if tolerance is None else float(tolerance)
+
+
+def _logged(ev_tab: Any, gqa_none: bool) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """The logged evictions as arrays (the head column is the query head under ``gqa="none"``), their
+    margins and their scores (NaN where not logged)."""
+    ev = {k: np.asarray(ev_tab[k].to_pylist(), dtype=np.int64) for k in ("request", "step", "layer", "position")}
+    heads = ev_tab["q_head"] if gqa_none else ev_tab["kv_head"]
+    ev["kv_head"] = ev["q_head"] = np.asarray(heads.fill_null(-1).to_pylist(), dtype=np.int64)
+    margin = np.asarray(ev_tab["margin"].fill_null(float("nan")).to_pylist(), dtype=np.float64)
+    score = np.asarray(ev_tab["score"].fill_null(float("nan")).to_pylist(), dtype=np.float64)
+    return ev, margin, score
+
+
+def _margins(ev: dict[str, np.ndarray], margin: np.ndarray, score: np.ndarray, rows: np.ndarray) -> dict:
+    """(margin, score) of each logged eviction of ``rows`` by (layer, head, position, step)."""
+    return {
+        (int(ev["layer"][i]), int(ev["kv_head"][i]), int(ev["position"][i]), int(ev["step"][i])): (margin[i], score[i])
+        for i in rows
+        if np.isfinite(margin[i])
+    }

@@ -449,7 +449,29 @@ def write_synthetic_run(
         requests=requests,
         tables=tables,
     )
-    config = {
+    run = RunWriter(
+        root,
+        run_id,
+        config=_config(policy, heavy, recent, gqa, seed, evictions_per_step),
+        model={"name": model, "layers": layers, "kv_heads": kv_heads, "q_heads": q_heads},
+        rows_per_segment=rows_per_segment,
+        fsync=fsync,
+        prompt_len=prompt_len,
+        new_tokens=steps * evictions_per_step,
+        requests=requests,
+        name=f"synthetic {policy} seed {seed}",
+    )
+    run.start()
+    _write_tables(run, data, rows_per_segment)
+    if status == "running":
+        return run.run_dir
+    run.close(status, "synthetic failure" if status == "failed" else None)
+    return run.run_dir
+
+
+def _config(policy: str, heavy: int, recent: int, gqa: str, seed: int, evictions_per_step: int) -> dict[str, Any]:
+    """The manifest's ``config`` of a synthetic run."""
+    return {
         "policy": policy,
         "heavy": heavy,
         "recent": recent,
@@ -460,25 +482,11 @@ def write_synthetic_run(
         "synthetic": True,
         "evictions_per_step": evictions_per_step,
     }
-    model_info = {"name": model, "layers": layers, "kv_heads": kv_heads, "q_heads": q_heads}
-    run = RunWriter(
-        root,
-        run_id,
-        config=config,
-        model=model_info,
-        rows_per_segment=rows_per_segment,
-        fsync=fsync,
-        prompt_len=prompt_len,
-        new_tokens=steps * evictions_per_step,
-        requests=requests,
-        name=f"synthetic {policy} seed {seed}",
-    )
-    run.start()
+
+
+def _write_tables(run: RunWriter, data: dict[str, list[Any]], rows_per_segment: int) -> None:
+    """Every table part, in segments of at most ``rows_per_segment`` rows (empty parts write nothing)."""
     for name, parts in data.items():
-        for part in parts:  # empty parts write nothing
+        for part in parts:
             for start in range(0, part.num_rows, rows_per_segment):
                 run.write_table(name, part.slice(start, rows_per_segment))
-    if status == "running":
-        return run.run_dir
-    run.close(status, "synthetic failure" if status == "failed" else None)
-    return run.run_dir

@@ -160,3 +160,38 @@ def test_json_report_with_a_why_section_validates_against_the_schema(root):
     data = json.loads(build_report(root, made["budget_starvation"].parent_run, fmt="json"))
     assert data["why"] and data["budget_distribution"]
     jsonschema.validate(data, report_schema())
+
+
+def test_a_non_monotone_budget_search_shows_every_count_it_tried(tmp_path, capsys):
+    """At 8k on restated_fact_0 the policy passed at 2,451 slots, failed at 3,270 and passed at
+    3,884, and explain said only that no minimal budget was stated. The search's probes of such a
+    root (planted in the policy budget's manifest) are shown in explain's table, its JSON and the
+    report's Why section."""
+    from recorders.counterfactual_search import bisect_budget
+    from runlog.manifest import read_manifest, write_manifest
+
+    ex = explain_case(tmp_path, budget_starvation())
+    bis = bisect_budget(
+        lambda s: 20 <= s < 40 or s >= 60, ex.slots, 97, known={ex.slots: False}, checks=1, resolution=4
+    )
+    assert not bis.monotone
+    run_dir = tmp_path / ex.outcomes["policy_budget"].run_id
+    manifest = read_manifest(run_dir)
+    manifest["counterfactual"]["bisection"] = bis.to_dict()
+    write_manifest(run_dir, manifest)
+    tried = [[s, p] for s, p in sorted(bis.probes.items())]
+    assert any(p for s, p in tried if s < 40) and any(not p for s, p in tried if 40 <= s < 60)
+    words = ", ".join(f"{s} {'pass' if p else 'fail'}" for s, p in tried)
+
+    run = ex.parent_run
+    assert main(["explain", run, "--root", str(tmp_path), "--cached", "--quiet"]) == 0
+    table = capsys.readouterr().out
+    assert f"policy: not monotone in the budget: the search tried (slots) {words}" in table
+    assert "minimal passing budget: policy not monotone (below), oracle " in table
+    assert main(["explain", run, "--root", str(tmp_path), "--cached", "--format", "json", "--quiet"]) == 0
+    (got,) = json.loads(capsys.readouterr().out)
+    assert got["monotone"]["policy"] is False and got["budget_probes"] == {"policy": tried}
+    (why,) = report_data(tmp_path, run)["why"]
+    assert why["budget_probes"] == {"policy": tried}
+    for fmt in ("md", "html"):
+        assert words in build_report(tmp_path, run, fmt=fmt)

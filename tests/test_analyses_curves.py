@@ -80,3 +80,40 @@ def test_full_run_footprint_is_one(tmp_path):
     assert got.kept_share == 1.0 and got.page_share == 1.0
     pts = analyses.curves.run_curve_points(open_runs(tmp_path), ["full-run"]).df()
     assert pts.run_id.tolist() == ["full-run"] and pts.kept_share.iloc[0] == 1.0
+
+
+def test_curve_table_of_the_shipped_demo_runs_matches_pandas(tmp_path):
+    """The demo's curves (README): one row per policy and keep ratio, each the mean over the demo
+    tasks' runs, computed here from the runs' own ``requests`` tables and manifests."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    from analyses.curves import curve_runs, curve_table
+
+    root = tmp_path / "sample_runs"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "sample_runs", root)
+    runs = curve_runs(root)
+    assert "delayed-recall-0-h2o-20-guard" not in runs and not any("-r0-" in r for r in runs)
+    table = curve_table(root, runs).set_index(["policy", "keep_ratio"])
+    rows = []
+    for run in runs:
+        manifest = json.loads((root / run / "manifest.json").read_text())
+        correct = pd.concat([pq.read_table(p).to_pandas() for p in (root / run).glob("requests-*.parquet")])["correct"]
+        m = manifest["model"]
+        rows.append(
+            {
+                "policy": manifest["policy"],
+                "keep_ratio": manifest.get("keep_ratio") or 1.0,
+                "accuracy": correct.astype(float).mean(),
+                "full_bytes": 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 4,
+            }
+        )
+    want = pd.DataFrame(rows).groupby(["policy", "keep_ratio"]).mean()
+    assert list(table.index.sort_values()) == list(want.index.sort_values())
+    np.testing.assert_allclose(table.loc[want.index, "accuracy"], want["accuracy"])
+    got_full = table["kv_bytes_per_token"] / table["kv_share"]  # one model: the full cache's bytes
+    np.testing.assert_allclose(got_full.loc[want.index], want["full_bytes"])
+    assert table.loc[("full", 1.0), "kv_share"] == 1.0 and (table["runs"] == 3).all()

@@ -1,6 +1,8 @@
 """The shipped ``sample_runs/`` out of the box in a real browser (Debian's Chromium, Playwright):
 the Report page of an explained sample failure shows its Why section, one card per explained
-request with its counterfactual re-runs, and the budget curves of the root's explained requests.
+request with its counterfactual re-runs, and the budget curves of the root's explained requests;
+the Overview of a demo run and the three curves of the demo's runs draw, and are the README's
+pictures (``make screenshots`` copies ``dashboard.png`` and ``curves.png`` to ``docs/img/``).
 
 Screenshots go to ``$H2O_LENS_SCREENSHOTS`` when set, else to the test's temporary folder.
 """
@@ -94,3 +96,66 @@ def test_guard_section_renders_on_the_shipped_guarded_sample(tmp_path):
         assert "raise" in chart.first.inner_text()
         main.get_by_text("The guard's own computations took").scroll_into_view_if_needed()
         page.screenshot(path=str(shots / "overview-guard-sample.png"), full_page=False)
+
+
+#: the demo run the README shows on the dashboard: H2O at 10 % fails delayed recall
+README_RUN = "delayed-recall-0-h2o-10"
+
+
+def test_readme_dashboard_the_overview_of_a_shipped_demo_run_draws(tmp_path):
+    """The Overview of a failing demo run (its divergence curves): ``dashboard.png``."""
+    root = tmp_path / "sample_runs"
+    shutil.copytree(REPO / "sample_runs", root)
+    with _sample_page(tmp_path, root, f"overview?run={README_RUN}") as (page, shots):
+        main = page.locator("[data-testid=stMain]")
+        main.locator("[data-testid=stPlotlyChart] .main-svg").first.wait_for(timeout=60_000)
+        page.wait_for_function(
+            "() => !document.querySelector('[data-testid=stSkeletonElement], .stSkeleton')", timeout=60_000
+        )
+        assert page.locator("[data-testid=stException]").count() == 0
+        assert README_RUN in main.inner_text()
+        page.wait_for_timeout(500)  # the charts' transitions
+        page.screenshot(path=str(shots / "dashboard.png"), full_page=False)
+    assert (shots / "dashboard.png").stat().st_size > 20_000
+
+
+def test_readme_curves_the_three_curves_of_the_shipped_demo_runs_draw(tmp_path):
+    """Quality, physical KV and latency over keep ratio of the shipped demo runs (full cache,
+    H2O at 20 % and 10 %, ``local`` at 20 %; the guarded run is not on a curve): ``curves.png``."""
+    from analyses.curves import curve_runs, curve_table
+    from analyses.sweep_page import sweep_figure
+
+    root = tmp_path / "sample_runs"
+    shutil.copytree(REPO / "sample_runs", root)
+    runs = curve_runs(root)
+    assert runs and not any(r.endswith("-guard") for r in runs)
+    table = curve_table(root, runs)
+    assert set(zip(table["policy"], table["keep_ratio"])) == {
+        ("full", 1.0),
+        ("h2o", 0.2),
+        ("h2o", 0.1),
+        ("local", 0.2),
+    }
+    assert (table["runs"] == 3).all()  # three demo tasks
+    fig = sweep_figure(
+        table,
+        16,
+        table.attrs["policy_of"],
+        title="The demo's three curves (sample_runs/, SmolLM2-135M-Instruct): quality, physical KV, latency",
+    )
+    page_file = tmp_path / "curves.html"
+    page_file.write_text(fig.to_html(include_plotlyjs=True, full_html=True, div_id="fig"), encoding="utf-8")
+    shots = Path(os.environ.get("H2O_LENS_SCREENSHOTS") or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
+    with browser() as b:
+        page = b.new_page(viewport={"width": 1340, "height": 860})
+        try:
+            page.goto(page_file.as_uri())
+            page.wait_for_selector("#fig .main-svg", timeout=60_000)
+            # two evicting policies × four panels (the bytes panel twice: tokens and pages)
+            assert page.evaluate("document.getElementById('fig').data.length") == 2 * 5
+            assert "H2O" in page.locator("#fig").inner_text() or "h2o" in page.locator("#fig").inner_text()
+            page.locator("#fig").screenshot(path=str(shots / "curves.png"))
+        finally:
+            page.close()
+    assert (shots / "curves.png").stat().st_size > 20_000

@@ -1,11 +1,13 @@
 """The dependency direction of the packages (docs/DESIGN.md §1), read from the source.
 
-``commands → app → analyses → recorders → runlog → h2o_lens``: a module may
-import its own layer and the layers below it, never one above, lazily (inside a
-function) or not, and never by a module path in a string
-(``importlib.import_module``). Only ``commands`` may import from every layer.
-``analyses`` and ``app`` read logs through ``runlog`` alone, never the model
-drivers of ``recorders``, and ``runlog`` never imports torch or transformers.
+``commands → app → analyses → runlog → h2o_lens``, and ``recorders → runlog``
+beside ``analyses``: a module may import its own layer and the layers below it,
+never one above, lazily (inside a function) or not, and never by a module path
+in a string (``importlib.import_module``). ``analyses`` and ``recorders`` are
+siblings over ``runlog``: neither imports the other (the analyses and the
+dashboard read logs through ``runlog`` alone, never the model drivers; the
+drivers never read a measure). Only ``commands`` may import from every layer,
+and ``runlog`` never imports torch or transformers.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-#: rank of each top-level package; a module may import packages of rank <= its own
-LAYERS = {"h2o_lens": 0, "runlog": 1, "recorders": 2, "analyses": 3, "app": 4, "commands": 5}
+#: rank of each top-level package; a module may import packages of rank <= its own, except a sibling's
+LAYERS = {"h2o_lens": 0, "runlog": 1, "recorders": 2, "analyses": 2, "app": 3, "commands": 4}
+#: packages of one rank that never import each other (nor does ``app`` import ``recorders``)
+SIBLINGS = {"analyses": {"recorders"}, "recorders": {"analyses"}, "app": {"recorders"}}
 _MODULE_PATH = re.compile(r"^({})(\.[A-Za-z_][A-Za-z0-9_]*)*$".format("|".join(LAYERS)))
 
 
@@ -75,21 +79,49 @@ def upward_imports(paths: list[Path]) -> list[str]:
     return bad
 
 
+def sibling_imports(paths: list[Path]) -> list[str]:
+    """Imports between ``analyses`` and ``recorders`` (either way), and of ``recorders`` by ``app``."""
+    return [
+        f"{path.relative_to(ROOT)}:{line} imports {pkg}, a sibling of {_package(path)}"
+        for path in paths
+        for line, pkg in imported_packages(path)
+        if pkg in SIBLINGS.get(_package(path), ())
+    ]
+
+
 def test_no_module_imports_a_layer_above_its_own():
     paths = _modules()
     assert len(paths) > 50, "the module list is suspiciously short"
     assert upward_imports(paths) == []
 
 
-def test_analyses_and_app_read_logs_through_runlog_never_the_drivers():
-    bad = [
-        f"{path.relative_to(ROOT)}:{line}"
-        for path in _modules()
-        if _package(path) in ("analyses", "app")
-        for line, pkg in imported_packages(path)
-        if pkg == "recorders"
-    ]
-    assert bad == []
+def test_analyses_and_recorders_are_siblings_neither_imports_the_other():
+    paths = _modules()
+    assert {"analyses", "recorders", "app"} <= {_package(p) for p in paths}
+    assert sibling_imports(paths) == []
+
+
+@pytest.mark.parametrize(
+    "package, source, bad",
+    [
+        ("recorders", "def f():\n    from analyses import connect\n", True),
+        ("analyses", "from recorders.counterfactual import explain_request\n", True),
+        ("app", "import importlib\nimportlib.import_module('recorders.replay')\n", True),
+        ("analyses", "from runlog import load_run\n", False),
+        ("recorders", "from runlog import load_run\n", False),
+    ],
+)
+def test_the_checker_sees_a_sibling_import_either_way(tmp_path, package, source, bad):
+    pkg = tmp_path / package
+    pkg.mkdir()
+    mod = pkg / "planted.py"
+    mod.write_text(source)
+    globals()["ROOT"], saved = tmp_path, ROOT
+    try:
+        assert bool(sibling_imports([mod])) == bad
+        assert upward_imports([mod]) == []  # one rank: only the sibling rule sees it
+    finally:
+        globals()["ROOT"] = saved
 
 
 def _torch_imports(path: Path) -> list[str]:

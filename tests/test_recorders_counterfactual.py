@@ -65,6 +65,22 @@ def test_bisection_states_a_non_monotone_pass_test_instead_of_a_number():
     assert got.to_dict()["monotone"] is False
 
 
+def test_a_non_monotone_search_at_explains_resolution_is_told_by_the_counts_it_tried():
+    """restated_fact_0 at 8k (P = 8,190, the run at 1,638 slots, explain's 5 % resolution): 2,451
+    slots passed, 3,270 failed, 3,884 passed. The search's probes say so in words."""
+    from analyses.causal import describe_search
+
+    test = lambda s: 2400 <= s < 3000 or s >= 3800  # noqa: E731
+    got = bisect_budget(test, 1638, 8222, known={1638: False, 8222: True}, checks=1, resolution=410)
+    assert not got.monotone and got.min_slots is None
+    tried = got.to_dict()["probes"]
+    assert [p for _, p in tried] == [test(s) for s, _ in tried]
+    text = describe_search(tried)
+    assert text.startswith("not monotone in the budget: the search tried (slots) 1638 fail, 2461 pass, 3284 fail")
+    stable = min(s for s, _ in tried if all(p for t, p in tried if t >= s))
+    assert text.endswith(f"every count tried from {stable} slots on passes") and 3800 <= stable < 3800 + 410
+
+
 def test_split_slots_keeps_the_heavy_recent_ratio():
     assert split_slots(19, 19, 50) == (25, 25)
     assert split_slots(10, 30, 20) == (5, 15)
