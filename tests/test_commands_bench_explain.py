@@ -14,7 +14,7 @@ import json
 import pytest
 from tiny import save_tiny
 
-from commands.bench import _explain_candidates, _prompt_tokens, bench_explain
+from commands.benchmarks.explain import _explain_candidates, _prompt_tokens, bench_explain
 from commands.cli import main
 from h2o_lens.models import context_window, load_model
 from h2o_lens.tasks.longctx import FULL_CACHE_SOLVES, TOLERANCE
