@@ -36,6 +36,9 @@ __all__ = [
     "keep_share",
     "share",
     "positive_seconds",
+    "positive",
+    "nonnegative",
+    "port",
     "machine_count",
     "cpu_count",
 ]
@@ -77,7 +80,7 @@ def add_task_args(p: argparse.ArgumentParser, default: str) -> None:
         help=f"a JSONL task file or a built-in family (default: {default}); a number N is --count N",
     )
     g.add_argument("--count", type=int, default=None, help="take only the first N requests")
-    g.add_argument("--length", type=int, default=None, help="prompt tokens of a long-context built-in family")
+    g.add_argument("--length", type=at_least(1), default=None, help="prompt tokens of a long-context built-in family")
     g.add_argument(
         "--seed", type=int, default=0, help="seed of the built-in families (and of the random policy in a sweep)"
     )
@@ -375,6 +378,30 @@ def share(text: str) -> float:
     value = _finite(text)
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a keep ratio in (0, 1], such as 0.2; got {text}")
+    return value
+
+
+def nonnegative(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def positive(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 1 to 65535."""
+    value = at_least(1)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got {value}")
     return value
 
 
