@@ -416,18 +416,24 @@ def bench_assistant(
             f"same tokens: {'yes' if same else 'NO'}; {calls[fast]} verification forwards, "
             f"{per:.2f} tokens each"
         )
-    full_tokens, h2o_tokens = outs[ways[0]][0, ids.shape[1] :], outs[ways[2]][0, ids.shape[1] :]
-    if torch.equal(full_tokens, h2o_tokens):
-        print("H2O's tokens are the full cache's: the drafts are accepted alike, the ratio is the runtime's")
-    else:
-        first = int((full_tokens != h2o_tokens).nonzero()[0])
-        print(
-            f"H2O's tokens differ from the full cache's from new token {first} on, so its drafts are accepted "
-            f"differently ({calls[ways[3]]} against {calls[ways[1]]} forwards): the ratio mixes H2O's answer with "
-            "the runtime (DESIGN.md §14.1); a larger --keep gives both the same tokens"
-        )
+    _same_tokens(outs[ways[0]][0, ids.shape[1] :], outs[ways[2]][0, ids.shape[1] :], calls[ways[3]], calls[ways[1]])
     print(f"H2O keeps {h2o_up / full_up:.3f} of the full cache's speed-up (target >= 0.90)")
     return 0
+
+
+def _same_tokens(full_tokens, h2o_tokens, h2o_calls: int, full_calls: int) -> None:
+    """One line: whether H2O generated the full cache's tokens, so that its drafts were accepted alike."""
+    import torch
+
+    if torch.equal(full_tokens, h2o_tokens):
+        print("H2O's tokens are the full cache's: the drafts are accepted alike, the ratio is the runtime's")
+        return
+    first = int((full_tokens != h2o_tokens).nonzero()[0])
+    print(
+        f"H2O's tokens differ from the full cache's from new token {first} on, so its drafts are accepted "
+        f"differently ({h2o_calls} against {full_calls} forwards): the ratio mixes H2O's answer with "
+        "the runtime (DESIGN.md §14.1); a larger --keep gives both the same tokens"
+    )
 
 
 def bench_decode_guard(

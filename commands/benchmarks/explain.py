@@ -125,7 +125,7 @@ def _explain_request_task(model, tok, candidates, keep: float, root: str, what: 
     why there is none (no H2O run is made for a request the full cache gets wrong)."""
     from h2o_lens.config import H2OConfig
 
-    from .jobs import run_task
+    from ..jobs import run_task
 
     answered = 0
     for chosen in candidates:
@@ -169,8 +169,9 @@ def bench_explain(
     same process: a plain (unrecorded) generation under the parent's config, an explanation from
     scratch (its counterfactual folders removed first), ``rounds`` times, then a last
     generation; the ratio is of the medians, printed with each round and the load average seen
-    at the start and the end (a shared machine moves both sides). Returns 0 (1 when no request
-    fails, or the full cache answers none).
+    at the start and the end (a shared machine moves both sides). Returns 0; when no request
+    fails, or the full cache answers none, an :class:`~h2o_lens.errors.H2OLensError` says so in
+    one line (the command exits 2).
     """
     import os
     import shutil
@@ -237,6 +238,12 @@ def bench_explain(
         gen.append(generate())
         print(f"  round {i + 1}: generation {gen[i]:.2f} s, explain {spent[i]:.1f} s, generation {gen[i + 1]:.2f} s")
     load.append(os.getloadavg()[0])
+    _print_explain(gen, spent, load, last, root)
+    return 0
+
+
+def _print_explain(gen: list[float], spent: list[float], load: list[float], last, root: str) -> None:
+    """The medians of the generations and the explanations, their ratio and what the last explanation did."""
     g, e = statistics.median(gen), statistics.median(spent)
     ran = {k: o.slots for k, o in last.outcomes.items() if o.ran}
     print(f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end")
@@ -249,4 +256,3 @@ def bench_explain(
         f"full cache: {'copied from ' + last.full_copied_from if last.full_copied_from else 'generated'}; "
         f"re-runs recorded: {ran}; runs under {root}"
     )
-    return 0
