@@ -159,3 +159,11 @@ def test_runs_refuses_a_max_rows_below_1(capsys, tmp_path, rows):
 def test_other_commands_numbers(capsys, tmp_path):
     _refused(capsys, ["app", str(tmp_path), "--port", "70000"], "app: argument --port")
     _refused(capsys, ["check", "nothere", "--tolerance", "-1"], "check: argument --tolerance")
+
+
+def test_sweep_refuses_a_page_size_below_1(capsys, tmp_path):
+    out = tmp_path / "out"
+    _refused(
+        capsys, ["sweep", "--model", "/nonexistent", "--out", str(out), "--page-size", "0"], "argument --page-size"
+    )
+    assert not out.exists()
