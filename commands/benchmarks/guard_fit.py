@@ -7,10 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .guard_eval import GuardReport
+from typing import Any
 
 __all__ = [
     "auroc",
@@ -286,7 +283,7 @@ def _write_json(path: str, data: Any, indent: int | None = None) -> None:
 FIT_FIELDS = ("weights", "bias", "heads", "threshold", "signal_rows")
 
 
-def write_fit(path: str, report: GuardReport, about: dict[str, Any]) -> None:
+def write_fit(path: str, report: Any, about: dict[str, Any]) -> None:
     """The fitted guard as JSON, for ``h2o-lens record --guard-fit``: the weights, bias, heads,
     threshold and the rows the ``prefill`` signal read, with ``about`` (the model, tasks, seed,
     ratio); written whole to a temporary file first. Needs fitted weights."""
@@ -418,7 +415,7 @@ def check_heads(heads: Sequence[Sequence[int]], layers: int, sets: int, where: s
         )
 
 
-def write_outcomes(path: str, report: GuardReport) -> None:
+def write_outcomes(path: str, report: Any) -> None:
     """The report's requests as JSON: ``{"report": [...], "fit": [...], "policies": {...}}``, each
     request's name, prompt length, failure, first wrong token and per-step signals and risk, and per
     policy of the table each request's verdict, mean KV share, seconds and whether the guard acted;
