@@ -2,6 +2,6 @@
 
 The only package allowed to import from every layer (docs/DESIGN.md §1):
 :mod:`commands.cli` (the entry point), :mod:`commands.jobs` (demo, sweep,
-sample runs) and :mod:`commands.bench` (benchmarks that record or replay).
+sample runs) and :mod:`commands.benchmarks` (the `h2o-lens bench` benchmarks, one module each).
 ``h2o_lens``, ``recorders``, ``analyses`` and ``app`` never import it.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .options import add_model_args, given_model
+from .options import add_model_args, given_model, nonnegative
 from .paths import run_dir as _run_dir
 
 __all__ = ["add_parser", "run"]
@@ -19,7 +19,7 @@ def add_parser(sub: Any) -> None:
     ck.add_argument("--root", default="runs")
     ck.add_argument(
         "--tolerance",
-        type=float,
+        type=nonnegative,
         default=None,
         help="relative near-tie bound on a victim's margin (default: derived from the dtype; 0: exact)",
     )

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from . import (
     app,
-    benchmark,
+    benchmarks,
     check,
     demo,
     explain,
@@ -28,11 +28,40 @@ from . import (
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 #: the subcommands in the order ``h2o-lens --help`` lists them
-SUBCOMMANDS = (generate, record, replay, check, runs, sql, report, explain, demo, sweep, tasks, samples, app, benchmark)
+SUBCOMMANDS = (
+    generate,
+    record,
+    replay,
+    check,
+    runs,
+    sql,
+    report,
+    explain,
+    demo,
+    sweep,
+    tasks,
+    samples,
+    app,
+    benchmarks,
+)
+
+
+class UsageError(Exception):
+    """A command line argparse refuses: its message, already in the house form."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An argparse parser whose refusals are one line, ``h2o-lens: error: SUBCOMMAND: ...``
+    (exit 2), like every other refusal of bad input; its subcommands' parsers are of this class too."""
+
+    def error(self, message: str):  # type: ignore[override]
+        where = self.prog.removeprefix("h2o-lens").strip()
+        hint = f"h2o-lens {where} --help" if where else "h2o-lens --help"
+        raise UsageError(f"h2o-lens: error: {where + ': ' if where else ''}{message} (see {hint})")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="h2o-lens", description="Exact H2O KV-cache eviction, recorded and explained.")
+    p = Parser(prog="h2o-lens", description="Exact H2O KV-cache eviction, recorded and explained.")
     sub = p.add_subparsers(dest="command", required=True)
     for module in SUBCOMMANDS:
         module.add_parser(sub)
@@ -41,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
     from h2o_lens.errors import H2OLensError
 
     try:

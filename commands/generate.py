@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from .options import DEFAULT_PROMPT, add_policy_args, mib, policy_config
+from .options import DEFAULT_PROMPT, add_policy_args, at_least, mib, policy_config, positive, share
 
 __all__ = ["add_parser", "run"]
 
@@ -16,10 +16,10 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--prompt", default=None)
     g.add_argument("--prompt-file", default=None)
     g.add_argument("--model", default=None, help="HF id or local path (default: the packaged SmolLM2-135M-Instruct)")
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=at_least(1), default=64)
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=float, default=0.7)
-    g.add_argument("--top-p", type=float, default=0.9)
+    g.add_argument("--temperature", type=positive, default=0.7)
+    g.add_argument("--top-p", type=share, default=0.9)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_policy_args(g)
     g.set_defaults(func=run)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 __all__ = [
@@ -31,6 +32,15 @@ __all__ = [
     "guard_config",
     "guard_summary",
     "guard_scope",
+    "at_least",
+    "keep_share",
+    "share",
+    "positive_seconds",
+    "positive",
+    "nonnegative",
+    "port",
+    "machine_count",
+    "cpu_count",
 ]
 
 
@@ -70,7 +80,7 @@ def add_task_args(p: argparse.ArgumentParser, default: str) -> None:
         help=f"a JSONL task file or a built-in family (default: {default}); a number N is --count N",
     )
     g.add_argument("--count", type=int, default=None, help="take only the first N requests")
-    g.add_argument("--length", type=int, default=None, help="prompt tokens of a long-context built-in family")
+    g.add_argument("--length", type=at_least(1), default=None, help="prompt tokens of a long-context built-in family")
     g.add_argument(
         "--seed", type=int, default=0, help="seed of the built-in families (and of the random policy in a sweep)"
     )
@@ -257,11 +267,18 @@ def guard_item(item: str, where: str) -> tuple[str, float, float, float | None]:
     return parts[0], target, rescue, threshold
 
 
-def guard_config(item: str | None, where: str = "--guard", fit: str | None = None):
+def guard_config(
+    item: str | None,
+    where: str = "--guard",
+    fit: str | None = None,
+    model: Any = ...,
+    allow_other_model: bool = False,
+):
     """``--guard``: ``log`` (the risk only) or a guard policy (:func:`guard_item`; without
     ``@`` it acts at the default threshold, or at the fit's) as a ``GuardConfig``; ``fit`` a fit
-    file of ``bench guard --save-fit`` whose weights, bias, heads and threshold it takes; None
-    when not given."""
+    file of ``bench guard --save-fit`` whose weights, bias, heads and threshold it takes, made for
+    ``model`` (the name ``--model`` took; unchecked when not given) unless ``allow_other_model``;
+    None when not given."""
     from h2o_lens.errors import ConfigError
     from h2o_lens.guard import GuardConfig
 
@@ -271,9 +288,9 @@ def guard_config(item: str | None, where: str = "--guard", fit: str | None = Non
         return None
     fitted = {}
     if fit is not None:
-        from .bench_guard import read_fit
+        from .benchmarks.guard_fit import read_fit
 
-        fitted = read_fit(fit)
+        fitted = read_fit(fit, model=model, allow_other_model=allow_other_model)
     if item == "log":
         return GuardConfig(**fitted)
     action, target, rescue, threshold = guard_item(item, where)
@@ -317,3 +334,105 @@ def guard_scope(config: Any, model: Any, tok: Any, input_ids: Any) -> Iterator[t
         if config.acting == "refill":
             processors.append(g.refill(model))
         yield LogitsProcessorList(processors), g
+
+
+# -- argparse types: a bad number is one line (``h2o-lens: error: ...``, exit 2) at parse time ----
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``low`` (a size: tokens, rows, rounds, requests)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int_at_least_{low}"
+    return parse
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def keep_share(text: str) -> float:
+    """An argparse type: a kept share of a context, in (0, 1)."""
+    value = _finite(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a kept share of the context in (0, 1), such as 0.2; got {text}")
+    return value
+
+
+def share(text: str) -> float:
+    """An argparse type: a keep ratio in (0, 1] (1: the full cache)."""
+    value = _finite(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a keep ratio in (0, 1], such as 0.2; got {text}")
+    return value
+
+
+def nonnegative(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def positive(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 1 to 65535."""
+    value = at_least(1)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, such as 10; got {text}")
+    return value
+
+
+def cpu_count() -> int:
+    """The CPU cores this process may run on (its affinity where the system tells it)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def machine_count(what: str) -> Callable[[str], int]:
+    """An argparse type: a count of ``what`` (threads, workers) from 1 to this machine's cores, the
+    most it can run at once; more only oversubscribes it (or is killed for its memory)."""
+
+    def parse(text: str) -> int:
+        value = at_least(1)(text)
+        cores = cpu_count()
+        if value > cores:
+            raise argparse.ArgumentTypeError(
+                f"{value} {what} on a machine of {cores} CPU core{'s' if cores > 1 else ''}; give 1 to {cores}"
+            )
+        return value
+
+    parse.__name__ = "machine_count"
+    return parse

@@ -60,6 +60,11 @@ def add_parser(sub: Any) -> None:
         metavar="FILE",
         help="the guard's weights, heads and threshold fitted by bench guard --save-fit (an @ threshold wins)",
     )
+    r.add_argument(
+        "--allow-other-model",
+        action="store_true",
+        help="use a --guard-fit made for another model than --model (its heads must still lie inside this one)",
+    )
     add_policy_args(r)
     r.set_defaults(func=run)
 
@@ -71,8 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from recorders.recorder import record, record_teacher_forced
     from recorders.replay import replay
 
-    config, task, prompt, evidence = _check_record(args)
-    guard = guard_config(args.guard, fit=args.guard_fit)
+    config, task, prompt, evidence, guard = _check_record(args)
     if task is not None:
         from .jobs import run_task
 
@@ -146,13 +150,14 @@ def run(args: argparse.Namespace) -> int:
 def _check_record(args: argparse.Namespace):
     """Everything ``record`` can refuse, checked before the model loads.
 
-    Returns ``(config, task, prompt, evidence)``; raises :class:`ConfigError`
+    Returns ``(config, task, prompt, evidence, guard)``; raises :class:`ConfigError`
     with what was received and how to fix it.
     """
     from h2o_lens.errors import ConfigError
 
     config = policy_config(args)
-    guard = guard_config(args.guard, fit=args.guard_fit)  # a malformed --guard is refused before the model loads
+    # a malformed --guard, or a fit for another model, is refused before the model loads
+    guard = guard_config(args.guard, fit=args.guard_fit, model=args.model, allow_other_model=args.allow_other_model)
     if guard is not None and args.teacher_force:
         raise ConfigError("--guard runs a request as it is generated; it cannot be combined with --teacher-force")
     if guard is not None and not config.spec.evicts:
@@ -214,7 +219,7 @@ def _check_record(args: argparse.Namespace):
         raise ConfigError(
             "--evidence needs --prompt or --prompt-file (tasks and teacher-forced runs carry their own evidence labels)"
         )
-    return config, task, prompt, evidence
+    return config, task, prompt, evidence, guard
 
 
 def _parse_evidence(text: str) -> tuple[str, str]:

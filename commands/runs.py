@@ -6,6 +6,8 @@ import argparse
 import os
 from typing import Any
 
+from .options import at_least
+
 __all__ = ["add_parser", "run"]
 
 
@@ -13,7 +15,7 @@ def add_parser(sub: Any) -> None:
     ru = sub.add_parser("runs", help="list the runs of a runs root with headline numbers")
     ru.add_argument("root", nargs="?", default="runs")
     ru.add_argument("--format", choices=["table", "csv", "json"], default="table")
-    ru.add_argument("--max-rows", type=int, default=1000)
+    ru.add_argument("--max-rows", type=at_least(1), default=1000, help="rows printed at most (default 1000)")
     ru.set_defaults(func=run)
 
 

@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from .options import at_least, machine_count, positive_seconds
+
 __all__ = ["add_parser", "run"]
 
 
@@ -14,11 +16,13 @@ def add_parser(sub: Any) -> None:
     q.add_argument("root")
     q.add_argument("sql")
     q.add_argument("--format", choices=["table", "csv", "json"], default="table")
-    q.add_argument("--max-rows", type=int, default=1000)
-    q.add_argument("--timeout", type=float, default=10.0, help="seconds before the query is stopped")
+    q.add_argument("--max-rows", type=at_least(1), default=1000, help="rows returned at most (default 1000)")
+    q.add_argument("--timeout", type=positive_seconds, default=10.0, help="seconds before the query is stopped")
     q.add_argument("--max-bytes", default="64MB", help="largest result, e.g. 64MB; a bigger one is refused")
     q.add_argument("--memory-limit", default="1GB", help="memory the query may use, e.g. 1GB")
-    q.add_argument("--threads", type=int, default=2, help="DuckDB threads")
+    q.add_argument(
+        "--threads", type=machine_count("threads"), default=2, help="DuckDB threads (at most this machine's cores)"
+    )
     q.set_defaults(func=run)
 
 

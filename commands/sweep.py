@@ -8,7 +8,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .options import add_task_args, load_model_args, number, press_items, resolve_requests, split_list, task_source
+from .options import (
+    add_task_args,
+    at_least,
+    load_model_args,
+    number,
+    press_items,
+    resolve_requests,
+    split_list,
+    task_source,
+)
 
 __all__ = ["add_parser", "run", "sweep_grid"]
 
@@ -54,7 +63,7 @@ def add_parser(sub: Any) -> None:
     )
     sw.add_argument("--batch-size", type=int, default=8, help="requests per generate call and run (default 8)")
     sw.add_argument("--no-replay", action="store_true", help="record only (no KL or dropped mass in the curves)")
-    sw.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    sw.add_argument("--page-size", type=at_least(1), default=16, help="tokens per KV page")
     sw.add_argument(
         "--past-context",
         action="store_true",

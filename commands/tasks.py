@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Any
 
+from .options import at_least
+
 __all__ = ["add_parser", "run"]
 
 
@@ -15,9 +17,9 @@ def add_parser(sub: Any) -> None:
     ts = t.add_subparsers(dest="tasks_command", required=True)
     ex = ts.add_parser("export", help="write builtin:NAME (or a task file) as a JSONL task file")
     ex.add_argument("spec", metavar="builtin:NAME", help="a built-in family (see `h2o-lens tasks list`) or a file")
-    ex.add_argument("--length", type=int, default=None, help="prompt length in tokens (long-context families)")
+    ex.add_argument("--length", type=at_least(1), default=None, help="prompt length in tokens (long-context families)")
     ex.add_argument("--seed", type=int, default=0, help="seed of the generated requests")
-    ex.add_argument("--count", type=int, default=None, help="number of requests (default: the family's)")
+    ex.add_argument("--count", type=at_least(1), default=None, help="number of requests (default: the family's)")
     ex.add_argument("--model", default=None, help="tokenizer that counts --length (default: the packaged model)")
     ex.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     ex.set_defaults(func=run)

@@ -1,5 +1,5 @@
 """Timing helpers shared by the runtime's benchmarks (:mod:`h2o_lens.kernels.bench`) and
-the commands layer's (:mod:`commands.bench`): medians of paired rounds, a warm decoder."""
+the commands layer's (:mod:`commands.benchmarks`): medians of paired rounds, a warm decoder."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import pytest
 from test_commands_sweep_grid import _byte_tokenizer
 from tiny import tiny_model
 
-from commands.bench import bench_decode
+from commands.benchmarks.decode import bench_decode
 from commands.cli import main
 
 COLUMNS = ("batch", "full ms/step", "full tok/s", "h2o ms/step", "h2o tok/s", "h2o/full tok/s", "KV h2o/full")
@@ -71,7 +71,7 @@ def test_bench_decode_cli_measures_prefill_peak_rss_in_fresh_processes(tiny_dir,
 def test_bench_decode_refuses_bad_sizes(flag, capsys):
     assert main(["bench", "decode", "--model", "unused", *flag]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("h2o-lens: error: bench decode: " + flag[0]) and err.count("\n") == 1, err
+    assert err.startswith("h2o-lens: error: bench decode: argument " + flag[0]) and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("flag", [["--keep", "-1"], ["--keep", "1.5"], ["--rounds", "0"], ["--new-tokens", "1"]])
@@ -89,7 +89,7 @@ def test_bench_assistant_refuses_bad_input_before_loading_a_model(flag, capsys):
 def test_bench_assistant_prints_both_speed_ups_and_the_acceptance(capsys):
     """``bench decode --assistant`` on a tiny model: four ways, the forwards each speculative way
     needed, whether H2O's tokens are the full cache's, and the ratio (no timing asserted)."""
-    from commands.bench import bench_assistant
+    from commands.benchmarks.decode import bench_assistant
 
     tok = _byte_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

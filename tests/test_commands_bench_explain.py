@@ -10,11 +10,12 @@ in a folder, one token per byte, its window widened to 2,048 positions (a filler
 from __future__ import annotations
 
 import json
+import tempfile
 
 import pytest
 from tiny import save_tiny
 
-from commands.bench import _explain_candidates, _prompt_tokens, bench_explain
+from commands.benchmarks.explain import _explain_candidates, _prompt_tokens
 from commands.cli import main
 from h2o_lens.models import context_window, load_model
 from h2o_lens.tasks.longctx import FULL_CACHE_SOLVES, TOLERANCE
@@ -63,7 +64,7 @@ def test_a_length_that_fits_is_not_capped_and_a_family_asked_for_is_the_only_one
     [
         (["--length", "2049"], "--length 2049 is past the model's window of 2,048 positions"),
         (["--length", "100"], "length must be a whole number of prompt tokens in [256,"),
-        (["--length", "0"], "--length takes ints >= 1, got [0]"),
+        (["--length", "0"], "argument --length: expected a whole number >= 1, got 0"),
         (["--length", "1500", "--tasks", "builtin:delayed_recall_1"], "--length takes a long-context family"),
     ],
 )
@@ -81,12 +82,17 @@ def test_a_short_family_with_length_is_refused_before_the_model_loads(capsys):
     assert "--length takes a long-context family" in capsys.readouterr().err
 
 
-def test_a_model_whose_full_cache_answers_nothing_gets_one_line_and_no_figure(tiny, capsys, tmp_path):
+def test_a_model_whose_full_cache_answers_nothing_gets_one_line_and_no_figure(tiny, capsys, tmp_path, monkeypatch):
     path, _, _ = tiny
-    assert bench_explain(model_name=path, task="needle", length=1500, rounds=1, out=str(tmp_path)) == 1
-    out = capsys.readouterr().out
-    last = out.strip().splitlines()[-1]
-    assert last.startswith("bench explain: the full cache answers none of the 3 requests tried (needle at 1500 tokens)")
+    argv = ["bench", "explain", "--model", path, "--tasks", "builtin:needle", "--length", "1500", "--rounds", "1"]
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # the runs go under tmp_path
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(
+        "h2o-lens: error: bench explain: the full cache answers none of the 3 requests tried (needle at 1500 tokens)"
+    )
     assert [line for line in out.splitlines() if line.startswith("trying ")] == [
         f"trying needle_{i} (needle at 1500 tokens)" for i in range(3)
     ]

@@ -12,17 +12,15 @@ import torch
 from tiny import local_attention, tiny_model
 
 import h2o_lens
-from commands.bench_guard import (
+from commands.benchmarks.decode import bench_decode_guard
+from commands.benchmarks.guard import bench_guard
+from commands.benchmarks.guard_eval import evaluate, format_report, run_request
+from commands.benchmarks.guard_fit import (
     auroc,
-    bench_decode_guard,
-    bench_guard,
-    evaluate,
     first_wrong,
     fit_threshold,
     fit_weights,
-    format_report,
     matched_auroc,
-    run_request,
     select_heads,
     warning_score,
     write_outcomes,
@@ -231,7 +229,8 @@ def test_bench_guard_new_tokens_replace_each_task_limit(tmp_path, capsys, monkey
     before any run."""
     from tiny import save_tiny
 
-    import commands.bench_guard as bg
+    import commands.benchmarks.guard as bg
+    from commands.benchmarks.guard_eval import GuardReport
 
     save_tiny(tmp_path / "m", seed=0)
     for name in ("run", "fit"):
@@ -242,7 +241,7 @@ def test_bench_guard_new_tokens_replace_each_task_limit(tmp_path, capsys, monkey
 
     def fake(model, tokenizer, tasks, fit_tasks, **kw):
         seen.append([t.max_new_tokens for t in tasks + fit_tasks])
-        return bg.GuardReport(0.2, 1, 0, 1.0, {"risk": {4: 0.5}}, [], [])
+        return GuardReport(0.2, 1, 0, 1.0, {"risk": {4: 0.5}}, [], [])
 
     monkeypatch.setattr(bg, "evaluate", fake)
     args = dict(model_name=str(tmp_path / "m"), tasks=str(tmp_path / "run.jsonl"), policies=(), budgets=(0.2,))
@@ -266,11 +265,12 @@ def test_bench_decode_guard_rows(model, capsys):
 def test_cli_refuses_a_bad_ratio_in_one_line(capsys):
     from commands.cli import main
 
-    assert main(["bench", "guard", "--ratio", "1.5"]) != 0
+    assert main(["bench", "guard", "--ratio", "1.5"]) == 2
     err = capsys.readouterr().err
-    assert "--ratio 1.5" in err and "between 0 and 1" in err and "Traceback" not in err
-    assert main(["bench", "guard", "--threshold", "2"]) != 0
-    assert "--threshold 2.0: expected a risk between 0 and 1" in capsys.readouterr().err
+    assert err.startswith("h2o-lens: error: bench guard: argument --ratio: ") and err.count("\n") == 1
+    assert "in (0, 1), such as 0.2; got 1.5" in err
+    assert main(["bench", "guard", "--threshold", "2"]) == 2
+    assert "argument --threshold: expected a risk in [0, 1], such as 0.5; got 2" in capsys.readouterr().err
 
 
 def test_warning_score_counts_the_prefill_for_an_early_onset():
@@ -333,7 +333,7 @@ def test_a_signal_that_moves_by_hundredths_is_not_shrunk_away():
 def test_matched_features_score_a_pass_at_each_failure_onset():
     """Two failures (onsets 2 and 6) and one pass: the pass gives two rows, each over the steps
     before one onset (k = 1) and weighted 1/2; every value is its signal's warning score there."""
-    from commands.bench_guard import Outcome, matched_features
+    from commands.benchmarks.guard_fit import Outcome, matched_features
     from h2o_lens.guard import SIGNALS
 
     def risks(base):
@@ -385,7 +385,7 @@ def test_evaluate_fits_weights_on_the_fit_seed(model):
 def test_the_threshold_rule_reaches_the_fit_and_the_report(model, monkeypatch):
     """``threshold_rule`` is the rule :func:`fit_threshold` places the fitted threshold by, and the
     report's first line names it."""
-    import commands.bench_guard as bg
+    import commands.benchmarks.guard_eval as bg
 
     seen = []
 
@@ -414,9 +414,9 @@ def test_cli_refuses_a_threshold_rule_with_nothing_to_fit(tmp_path, capsys):
     assert "Traceback" not in err
     assert main(["bench", "guard", "--fit", str(tmp_path / "fit.json"), "--threshold-rule", "midpoint"]) != 0
     assert "with --fit none is fitted" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["bench", "guard", "--threshold-rule", "edge"])
-    assert "invalid choice: 'edge'" in capsys.readouterr().err
+    assert main(["bench", "guard", "--threshold-rule", "edge"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("h2o-lens: error: bench guard: ") and "invalid choice: 'edge'" in err
 
 
 def test_a_policy_with_its_own_threshold_acts_at_it(model):
@@ -442,7 +442,7 @@ def test_a_policy_with_its_own_threshold_acts_at_it(model):
 
 
 def test_guard_policies_parse_an_own_threshold():
-    from commands.benchmark import guard_policies
+    from commands.benchmarks.guard import guard_policies
 
     assert guard_policies(["raise:0.35:0.25@0", "refill:1.0", "raise:0.5@0.7"]) == (
         ("raise", 0.35, 0.25, 0.0),
@@ -467,7 +467,7 @@ def test_cli_refuses_a_bad_guard_policy_in_one_line(capsys):
     assert main(["bench", "guard", "--dump", "/nowhere/at/all.json"]) == 2
     assert "give a file path in an existing folder" in capsys.readouterr().err
     assert main(["bench", "guard", "--fixed", "0.2", "1.5"]) == 2
-    assert "--fixed 1.5: expected keep ratios in (0, 1]" in capsys.readouterr().err
+    assert "argument --fixed: expected a keep ratio in (0, 1], such as 0.2; got 1.5" in capsys.readouterr().err
 
 
 def test_a_task_file_is_fitted_on_the_fit_tasks_given(tmp_path, capsys):
@@ -508,7 +508,7 @@ def test_a_task_file_is_fitted_on_the_fit_tasks_given(tmp_path, capsys):
 
 
 def _outcome(name, failed, heads, prefill=0.5):
-    from commands.bench_guard import Outcome
+    from commands.benchmarks.guard_fit import Outcome
 
     risks = [{"step": 9, "risk": 0.1, "prefill": prefill}, {"step": 10, "risk": 0.2, "prefill": prefill}]
     return Outcome(name, 10, failed, 3 if failed else None, risks, heads)
@@ -547,7 +547,7 @@ def test_select_heads_ranks_the_heads_that_read_back():
 def test_reprefill_gives_every_step_the_chosen_heads_signal():
     """Every step's ``prefill`` becomes the mean over the chosen heads; the logged value is kept
     as ``all heads`` (once: a second pass does not overwrite it)."""
-    from commands.bench_guard import _reprefill
+    from commands.benchmarks.guard_fit import _reprefill
 
     o = _outcome("a", True, [[0.1, 0.2], [0.3, 0.8]], prefill=0.35)
     _reprefill([o], ((1, 1), (0, 1)))
@@ -559,7 +559,7 @@ def test_reprefill_gives_every_step_the_chosen_heads_signal():
 
 def _spy_guards(monkeypatch) -> list:
     """The GuardConfig (or None) of every request the bench runs from now on, in order."""
-    import commands.bench_guard as bg
+    import commands.benchmarks.guard_eval as bg
 
     seen = []
     real = bg.run_request
@@ -575,7 +575,7 @@ def _spy_guards(monkeypatch) -> list:
 def test_the_fitted_heads_reach_the_report_and_the_guard(model, monkeypatch):
     """With a fit set whose failures a head ranks, the chosen heads are in the report, its
     printout and the GuardConfig of every policy the bench runs."""
-    import commands.bench_guard as bg
+    import commands.benchmarks.guard_eval as bg
 
     seen = _spy_guards(monkeypatch)
     monkeypatch.setattr(bg, "select_heads", lambda outcomes, count: ((1, 0), (0, 1))[:count])
@@ -600,19 +600,21 @@ def test_bench_saves_the_fit_it_printed(tmp_path, capsys, monkeypatch):
     shows, and ``record --guard-fit`` reads them back."""
     from tiny import save_tiny
 
-    import commands.bench_guard as bg
+    import commands.benchmarks.guard as bg
+    from commands.benchmarks.guard_eval import GuardReport
+    from commands.benchmarks.guard_fit import read_fit
 
     save_tiny(tmp_path / "m", seed=0)
     (tmp_path / "run.jsonl").write_text(json.dumps({"name": "a", "prompt": "w1 w2 w3", "max_new_tokens": 2}) + "\n")
     weights = tuple(0.5 for _ in SIGNALS)
-    report = bg.GuardReport(0.2, 1, 0, 0.625, {"risk": {4: 0.5}}, [], [], 2, weights, -2.0, heads=((1, 0), (0, 1)))
+    report = GuardReport(0.2, 1, 0, 0.625, {"risk": {4: 0.5}}, [], [], 2, weights, -2.0, heads=((1, 0), (0, 1)))
     monkeypatch.setattr(bg, "evaluate", lambda *a, **k: report)
     fit = tmp_path / "fit.json"
     args = dict(model_name=str(tmp_path / "m"), tasks=str(tmp_path / "run.jsonl"), policies=(), budgets=(0.2,))
     assert bench_guard(**args, fit_tasks=str(tmp_path / "run.jsonl"), save_fit=str(fit)) == 0
     out = capsys.readouterr().out
     assert "prefill heads (layer.KV set) chosen on the fit set: 1.0 0.1" in out and f"written to {fit}" in out
-    got = bg.read_fit(str(fit))
+    got = read_fit(str(fit))
     assert got["weights"] == weights and got["bias"] == -2.0 and got["threshold"] == 0.625
     assert got["heads"] == ((1, 0), (0, 1))
     about = json.loads(fit.read_text())
@@ -635,6 +637,7 @@ def test_a_saved_fit_is_measured_instead_of_fitting(tmp_path, capsys, monkeypatc
     )
     weights = [0.0] * len(SIGNALS)
     fit = {"weights": weights, "bias": 4.0, "heads": [[1, 0]], "threshold": 0.9, "signal_rows": 3}
+    fit["model"] = str(tmp_path / "m")
     (tmp_path / "fit.json").write_text(json.dumps(fit))
     seen = _spy_guards(monkeypatch)
     args = dict(model_name=str(tmp_path / "m"), tasks=str(tmp_path / "run.jsonl"), budgets=(0.2,))

@@ -144,7 +144,10 @@ def test_a_fit_file_sets_the_guards_weights_heads_and_threshold(folder, tmp_path
         (None, "no such file; write one with h2o-lens bench guard --save-fit"),
         ("{not json", "not a readable JSON fit file"),
         ('{"weights": [1, 2]}', "the fit file lacks bias, heads, threshold, signal_rows"),
-        ('{"weights": [1], "bias": 0, "heads": [], "threshold": 0.5, "signal_rows": 8}', "guard weights has 1 values"),
+        (
+            '{"weights": [1], "bias": 0, "heads": [], "threshold": 0.5, "signal_rows": 8, "model": "./m"}',
+            "guard weights has 1 values",
+        ),
         ('{"weights": "ab", "bias": 0, "heads": [[1]], "threshold": 0.5, "signal_rows": 8}', "malformed values"),
     ],
 )
@@ -170,7 +173,8 @@ def test_bench_writes_a_fit_file_record_reads():
     threshold, and the rows the prefill signal read."""
     import tempfile
 
-    from commands.bench_guard import GuardReport, read_fit, write_fit
+    from commands.benchmarks.guard_eval import GuardReport
+    from commands.benchmarks.guard_fit import read_fit, write_fit
     from h2o_lens.guard import SIGNALS, GuardConfig
 
     weights = tuple(0.1 * i for i in range(len(SIGNALS)))

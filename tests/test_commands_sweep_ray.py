@@ -230,7 +230,7 @@ def test_ray_options_without_the_ray_executor_are_refused(capsys):
 
 
 def test_bench_sweep_on_ray_prints_both_executors_the_ratio_and_the_overhead(ray_cluster, tiny_dir, tmp_path, capsys):
-    from commands.bench import bench_sweep
+    from commands.benchmarks.sweep import bench_sweep
     from h2o_lens.models import load_model
 
     task_file = _task_file(tmp_path / "tasks.jsonl", REQUESTS[:4])

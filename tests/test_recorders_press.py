@@ -337,7 +337,7 @@ def test_observed_attention_and_tova_presses_against_the_toolkits_h2o_and_tova(k
     prefill by the reasons DESIGN.md §17.2 names, and by nothing else: with each reason undone in a
     subclass of the press, the kept sets are the same, set for set."""
 
-    from commands.bench_press import kept_sets, reason_presses, record_each, toolkit_sets
+    from commands.benchmarks.press import kept_sets, reason_presses, record_each, toolkit_sets
 
     reasons = reason_presses(kv)
     SummedObserved, GroupTOVA = reasons["summed_observed"], reasons["group_tova_self"]  # noqa: N806
@@ -479,7 +479,7 @@ def test_default_model_explains_a_failed_snapkv_request(kv, default_model, tmp_p
 def test_the_speed_bench_times_each_press_alone_and_recorded(kv, model, capsys):
     """``bench press`` on a tiny model: one line per press and length with both times and the ratio
     of the fastest rounds (the figure itself is the benchmark's; here only its accounting)."""
-    from commands.bench_press import bench_press
+    from commands.benchmarks.press import bench_press
 
     timed = (("SnapKVPress", {"window_size": 8}), ("StreamingLLMPress", {"n_sink": 2}))
     assert bench_press(contexts=(48,), new_tokens=2, rounds=2, model=model, timed=timed) == 0

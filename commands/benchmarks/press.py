@@ -11,13 +11,64 @@ each difference (:func:`reason_presses`).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bench_press", "bench_press_agreement", "reason_presses", "kept_sets", "record_each", "toolkit_sets"]
+from ..options import at_least, press_items
+
+__all__ = [
+    "add_arguments",
+    "run",
+    "bench_press",
+    "bench_press_agreement",
+    "reason_presses",
+    "kept_sets",
+    "record_each",
+    "toolkit_sets",
+]
+
+NAME = "press"
+HELP = "what recording a kvpress press costs; --agreement: how presses agree with H2O (DESIGN.md §17)"
+
+
+def add_arguments(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--model", default=None, help="HF id or local path (default: the packaged SmolLM2-135M-Instruct)")
+    b.add_argument("--contexts", type=at_least(2), nargs="+", default=None, help="prompt lengths (default 2048 4096)")
+    b.add_argument("--rounds", type=at_least(1), default=3, help="rounds in ABBA order")
+    b.add_argument("--new-tokens", type=at_least(1), default=None, help="new tokens of each prompt (default 16)")
+    b.add_argument(
+        "--policies",
+        action="extend",
+        nargs="+",
+        default=None,
+        metavar="kvpress:NAME",
+        help="the presses timed (default snapkv, streaming_llm, tova, observed_attention, knorm)",
+    )
+    b.add_argument(
+        "--agreement",
+        action="store_true",
+        help="kept-set agreement of ObservedAttention and TOVA presses with h2o and tova (DESIGN.md §17.2)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.agreement:
+        return bench_press_agreement(model_name=args.model)
+    from h2o_lens import presses
+
+    timed = tuple(presses.parse_sweep_policy(p) for p in press_items(args.policies)) or None
+    return bench_press(
+        model_name=args.model,
+        contexts=tuple(args.contexts or (2048, 4096)),
+        rounds=args.rounds,
+        new_tokens=args.new_tokens or 16,
+        **({"timed": timed} if timed else {}),
+    )
+
 
 #: the presses timed by default: their short names (h2o_lens.presses) and constructor arguments
 #: the press of the field and the registry policy it is measured against (DESIGN.md §17.2)

@@ -1,0 +1,224 @@
+"""``h2o-lens bench record``: recorder overhead, replay cost and log size side by side; with
+``--context`` or ``--new-tokens``, the time and peak RSS of recording one long prompt and of
+replaying it, each phase in a fresh process."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from ..options import at_least, keep_share
+from .common import check_ints, check_keep, fresh_env, halves, peak_rss_bytes
+
+__all__ = ["add_arguments", "run", "bench_record", "bench_record_memory"]
+
+NAME = "record"
+HELP = "recorder overhead, replay cost and log size; --context: peak RSS of a long record and its replay"
+
+
+def add_arguments(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--model", default=None, help="HF id or local path (default: the packaged SmolLM2-135M-Instruct)")
+    b.add_argument("--keep", type=keep_share, default=0.2, help="B as a share of the prompt, in (0, 1)")
+    b.add_argument("--rounds", type=at_least(1), default=3, help="rounds alternating with and without the recorder")
+    b.add_argument(
+        "--context",
+        type=at_least(2),
+        default=None,
+        help="time and peak RSS of recording, then replaying, one prompt of this many tokens (default 4096)",
+    )
+    b.add_argument("--new-tokens", type=at_least(1), default=None, help="new tokens of that prompt (default 256)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.context or args.new_tokens:
+        return bench_record_memory(
+            model_name=args.model, context=args.context or 4096, new_tokens=args.new_tokens or 256, keep=args.keep
+        )
+    return bench_record(model_name=args.model, keep=args.keep, rounds=args.rounds)
+
+
+def bench_record(
+    model_name: str | None = None,
+    prompt_tokens: int = 512,
+    new_tokens: int = 128,
+    keep: float = 0.2,
+    rounds: int = 3,
+    model=None,
+) -> int:
+    """Recorder overhead, replay cost and log size on one model, side by side.
+
+    Prints: decode with recorder ÷ decode without (same cache, same tokens),
+    replay time ÷ generation time, and Parquet bytes per eviction row.
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from h2o_lens.config import H2OConfig
+    from h2o_lens.models import load_model
+    from h2o_lens.runtime import h2o
+    from recorders.recorder import record
+    from recorders.replay import replay
+
+    check_keep("record", keep)
+    check_ints("record", "rounds", rounds, 1)
+    check_ints("record", "prompt-tokens", prompt_tokens, 2)
+    check_ints("record", "new-tokens", new_tokens, 1)
+    if model is None:
+        model, _ = load_model(model_name)
+    text = model.config.get_text_config(decoder=True)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, text.vocab_size, (1, prompt_tokens), generator=gen)
+    budget = max(2, int(round(keep * prompt_tokens)))
+    cfg = H2OConfig(**halves(budget))
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    root = Path(tempfile.mkdtemp(prefix="h2o-lens-bench-"))
+    t_plain, t_rec, t_close, runs = [], [], [], []
+    print(
+        f"{type(model).__name__}: prompt {prompt_tokens} tokens, {new_tokens} new, B={budget} "
+        f"({cfg.describe()}), {rounds} rounds alternating"
+    )
+    with torch.no_grad():
+        with h2o(model, cfg):
+            model.generate(ids, **dict(kw, max_new_tokens=4, min_new_tokens=4))  # warm-up
+        for _ in range(rounds):
+            with h2o(model, cfg):
+                t0 = time.perf_counter()
+                model.generate(ids, **kw)
+                t_plain.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with record(model, cfg, out=root) as run:
+                t1 = time.perf_counter()
+                model.generate(ids, **kw)
+                t2 = time.perf_counter()
+            t_rec.append(t2 - t1)
+            t_close.append(time.perf_counter() - t2)
+            runs.append(run)
+    plain, rec = statistics.median(t_plain), statistics.median(t_rec)
+    replay_times = [replay(r.run_dir, model=model, progress=False).seconds for r in runs[:2]]
+    rep = statistics.median(replay_times)
+    files = list(Path(runs[-1].run_dir).glob("evictions-*.parquet"))
+    import pyarrow.parquet as pq
+
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    size = sum(os.path.getsize(f) for f in files)
+    print(
+        f"generate without recorder {plain:.2f} s, with recorder {rec:.2f} s: ratio {rec / plain:.3f} "
+        f"(+ {statistics.median(t_close) * 1e3:.0f} ms to close the run: flush, fsync, manifest)"
+    )
+    print(f"replay {rep:.2f} s / generation {plain:.2f} s: ratio {rep / plain:.3f}")
+    print(f"evictions: {rows} rows, {size} bytes: {size / max(rows, 1):.2f} bytes per row")
+    return 0
+
+
+# -- peak memory of a long record and its replay ----------------------------------------------
+
+
+def _memory_phase(phase: str, model_name: str | None, root: str, context: int, new_tokens: int, keep: float) -> None:
+    """One phase of :func:`bench_record_memory`, in a fresh process; prints one JSON line.
+
+    ``seconds``: the generation alone (record) or the whole replay (replay), each after the
+    same short warm-up forward, so neither pays the process's first-call costs.
+    """
+    import json
+
+    import torch
+
+    from h2o_lens.config import H2OConfig
+    from h2o_lens.models import load_model
+
+    torch.set_grad_enabled(False)
+    model, _ = load_model(model_name, progress=False)
+    loaded = peak_rss_bytes()
+    model(input_ids=torch.zeros(1, 16, dtype=torch.long))  # warm-up
+    out: dict = {"phase": phase, "loaded_bytes": loaded}
+    if phase == "record":
+        from recorders.recorder import record
+
+        text = model.config.get_text_config(decoder=True)
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, text.vocab_size, (1, context), generator=gen)
+        cfg = H2OConfig(**halves(max(2, int(round(keep * context)))))
+        with record(model, cfg, out=root, run_id="bench-memory", fsync=False) as run:
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            out["seconds"] = time.perf_counter() - t0
+        out["run_dir"] = str(run.run_dir)
+        out["budget"] = cfg.describe()
+    else:
+        from recorders.replay import replay
+
+        t0 = time.perf_counter()
+        summary = replay(root, model=model, progress=False)
+        out["seconds"] = time.perf_counter() - t0
+        out["max_logit_diff"] = summary.max_logit_diff
+        out["implementation_ok"] = summary.implementation_ok
+    out["peak_bytes"] = peak_rss_bytes()
+    print(json.dumps(out, default=str), flush=True)
+
+
+def bench_record_memory(
+    model_name: str | None = None, context: int = 4096, new_tokens: int = 256, keep: float = 0.2
+) -> int:
+    """Generation time, replay time and peak RSS of recording one ``context``-token prompt with
+    ``new_tokens`` new tokens and of replaying that run, each phase in a fresh process (one
+    phase's peak cannot hide the other's).
+
+    Prints one line per phase, then replay ÷ generation and both peaks side by side; returns 0
+    when both phases ran.
+    """
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    import torch
+
+    check_ints("record", "context", context, 2)
+    check_ints("record", "new-tokens", new_tokens, 1)
+    check_keep("record", keep)
+    root = tempfile.mkdtemp(prefix="h2o-lens-bench-memory-")
+    try:
+        env = fresh_env()
+        print(
+            f"record and replay, each in a fresh process: prompt {context} tokens, {new_tokens} new, keep {keep:g}, "
+            f"model {model_name or 'default'}, torch {torch.__version__} on CPU ({torch.get_num_threads()} threads)"
+        )
+        target = root
+        res: dict[str, dict] = {}
+        for phase in ("record", "replay"):
+            code = (
+                "from commands.benchmarks.record import _memory_phase; "
+                f"_memory_phase({phase!r}, {model_name!r}, {target!r}, {context!r}, {new_tokens!r}, {keep!r})"
+            )
+            proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            if proc.returncode or not lines:
+                print(f"{phase}: failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+                return 1
+            res[phase] = r = json.loads(lines[-1])
+            what = "generation (recorded)" if phase == "record" else "replay"
+            print(
+                f"{phase:>7}: {what} {r['seconds']:.2f} s, peak RSS {r['peak_bytes'] / 2**30:.2f} GiB (model loaded: "
+                f"{r['loaded_bytes'] / 2**30:.2f} GiB)"
+                + (f", {r['budget']}" if "budget" in r else "")
+                + (f", max |logit diff| {r['max_logit_diff']:.3g}" if "max_logit_diff" in r else "")
+                + ("" if r.get("implementation_ok", True) else ", IMPLEMENTATION CHECK FAILED")
+            )
+            target = r.get("run_dir", target)
+        rec, rep = res["record"], res["replay"]
+        print(
+            f"replay {rep['seconds']:.2f} s / generation {rec['seconds']:.2f} s: ratio "
+            f"{rep['seconds'] / rec['seconds']:.3f}; peak RSS record {rec['peak_bytes'] / 2**30:.2f} GiB, "
+            f"replay {rep['peak_bytes'] / 2**30:.2f} GiB"
+        )
+    finally:  # the runs are only measured: nothing is left behind
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+# -- a runs root of thousands of runs ---------------------------------------------------------
