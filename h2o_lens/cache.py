@@ -17,19 +17,21 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import compat, eviction, ops
+from . import extension as _extension
 from . import speculative as _speculative
 from .compat import Cache, CacheLayerMixin
 from .config import H2OConfig
 from .errors import ConfigError, UnsupportedModelError
 from .events import CacheListener, DecodeEvent, PrefillEvent
 from .events import decode_stats as decode_stats  # defined in h2o_lens.events, also read from here
+from .extension import CacheExtension, PromptChoice, StepEvent, StepNeeds
 from .shape import model_shape
 
 __all__ = ["H2OCache", "H2OCacheLayer", "use_layer_class", "current_layer_class"]
@@ -77,6 +79,10 @@ class H2OCacheLayer(CacheLayerMixin):
         self.segment: _speculative.Segment | None = None  # open verification segment (DESIGN.md §14)
         #: a shared prompt prefix (DESIGN.md §15.4): its K, V ``(1, Hs, P0, d)`` and column sums ``(1, Hs, P0)``
         self.shared: SharedPrefix | None = None
+        self.scaling: float | None = None  # the attention scale of the last prefill
+        self.draft = False  # a draft to verify follows the prompt in this forward (DESIGN.md §14)
+        #: a prompt an extension held back after its keep rule (:meth:`lay_prompt` lays it)
+        self.held_prompt: tuple | None = None
 
     # -- transformers' CacheLayerMixin -------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -121,31 +127,37 @@ class H2OCacheLayer(CacheLayerMixin):
         self.fill = self.next_pos = self.budget = self._groups = self._row_budgets = self.segment = None
         self.seen = 0
         self.is_initialized = False
+        self.held_prompt = None
+        for ext in self.owner.extensions:
+            ext.reset(self)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: K, V, scores, positions and counters move together."""
         if self.keys is None:
             return
         idx = beam_idx.to(self.keys.device)
-        self._move_row_state(lambda t: t.index_select(0, idx))
+        self.move_rows(lambda t: t.index_select(0, idx), "reorder")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._move_row_state(lambda t: t.repeat_interleave(repeats, dim=0))
+        self.move_rows(lambda t: t.repeat_interleave(repeats, dim=0), "repeat")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._move_row_state(lambda t: t[indices])
+        self.move_rows(lambda t: t[indices], "select")
 
-    def _move_row_state(
-        self, move: Callable[[torch.Tensor], torch.Tensor], names: tuple[str, ...] = _ROW_STATE
+    def move_rows(
+        self, move: Callable[[torch.Tensor], torch.Tensor], kind: str, names: tuple[str, ...] = _ROW_STATE
     ) -> None:
-        """Apply a row reorder, expansion or selection to every tensor of the row state at once
-        (DESIGN.md §8.1), after confirming an open verification segment."""
+        """Apply a row reorder, expansion or selection (``kind``: ``reorder``, ``repeat``, ``select``)
+        to the tensors ``names`` of the row state at once (DESIGN.md §8.1), after confirming an open
+        verification segment; the extensions move theirs (:meth:`CacheExtension.rows_moved`)."""
         self.end_segment(0)
         self._groups = self._row_budgets = None
         for name in names:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, move(t))
+        for ext in self.owner.extensions:
+            ext.rows_moved(self, move, kind)
 
     def crop(self, tokens_to_remove: int) -> None:
         """``crop(-r)``: take back the last ``r`` tokens of the open verification segment
@@ -167,8 +179,15 @@ class H2OCacheLayer(CacheLayerMixin):
         return self.owner.speculative
 
     @property
-    def listener(self) -> CacheListener | None:
-        return self.owner.listener
+    def hears_decode(self) -> bool:
+        """Whether an extension hears the decode events (then a step builds them)."""
+        return self.owner.hears_decode
+
+    def announce(self, event: DecodeEvent) -> None:
+        """Hand a decode event to the extensions that hear them (:meth:`CacheExtension.on_decode`)."""
+        for ext in self.owner.extensions:
+            if ext.hears_decode:
+                ext.on_decode(self, event)
 
     def one_budget(self) -> ops.PolicyArgs | None:
         """The budget of every row, or None when the rows' budgets differ."""
@@ -220,6 +239,7 @@ class H2OCacheLayer(CacheLayerMixin):
         as the largest budget, and a request with fewer slots leaves the rest empty.
         """
         owner = self.owner
+        self.scaling = scaling
         if owner.sharing == "prefix":
             return self._stage_prefix(query, scaling)
         if self.shared is not None:
@@ -259,6 +279,7 @@ class H2OCacheLayer(CacheLayerMixin):
         self.lazy_initialization(key, value)
         self.seen = key.shape[2]
         self.pending = None
+        self.scaling = scaling
         spec = self.owner.config.spec
         if self.owner.prompt_sink is not None:
             self._hand_on_prompt(query, key, value, scores, valid)
@@ -320,14 +341,36 @@ class H2OCacheLayer(CacheLayerMixin):
         return positions, count, drive, history, keep, eligible
 
     def _keep_prompt(self, query, key, value, valid, scores, rows) -> None:
-        """Apply the policy's prefill keep rule to a whole prompt and lay the kept positions into slots.
+        """Apply the policy's prefill keep rule to a whole prompt and lay the kept positions into
+        slots, unless an extension holds the prompt back (:meth:`CacheExtension.prompt_chosen`).
 
         ``key, value (b, Hs, P, d)`` the prompt's, ``scores (b, Hs, P)`` its column sums (or None),
         ``rows`` its last rows' weights for a row-ranking policy (or None).
         """
+        kept = self.prompt_keep(query, key, valid, scores, rows)
+        choice = PromptChoice(query, key, valid, self.scaling, kept[0], kept[1], kept[4], self.draft)
+        # held while the extensions are asked: one that decides for every layer at the last one lays
+        # them all (:meth:`lay_prompt`), this one included
+        self.held_prompt = (query, key, value, valid, scores, rows)
+        held = False
+        for ext in self.owner.extensions:
+            held = ext.prompt_chosen(self, choice) or held
+        if not held and self.held_prompt is not None:
+            self.held_prompt = None
+            self._lay_prompt(key, value, kept)
+
+    def lay_prompt(self) -> None:
+        """Lay a prompt an extension held back into slots, with the rows' budgets as they are now
+        (the keep rule runs again); a no-op when none is held."""
+        if self.held_prompt is not None:
+            (query, key, value, valid, scores, rows), self.held_prompt = self.held_prompt, None
+            self._lay_prompt(key, value, self.prompt_keep(query, key, valid, scores, rows))
+
+    def _lay_prompt(self, key, value, kept) -> None:
+        """Lay the positions ``kept`` (what :meth:`prompt_keep` returned) into slots."""
         b, hs, p, d = key.shape
         owner = self.owner
-        positions, count, drive, history, keep, eligible = self.prompt_keep(query, key, valid, scores, rows)
+        positions, count, drive, history, keep, eligible = kept
         caps = owner.row_capacity(self.budget)  # (b,)
         cap = max(args.capacity for _, args in self.groups())
         # slots hold the kept positions in ascending order, then empty slots
@@ -353,11 +396,10 @@ class H2OCacheLayer(CacheLayerMixin):
         fill = keep[:, 0].sum(-1).to(torch.int64)  # (b,) the same for every KV set
         self.fill = None if bool((fill >= caps).all()) else fill
         self.is_initialized = True
-        if owner.listener is not None:
-            owner.listener.on_prefill(
-                self.layer_idx,
-                PrefillEvent(positions=positions, scores=drive, keep=keep, eligible=eligible, step=count - 1),
-            )
+        if owner.extensions:
+            event = PrefillEvent(positions=positions, scores=drive, keep=keep, eligible=eligible, step=count - 1)
+            for ext in owner.extensions:
+                ext.on_prefill(self, event)
 
     # -- a shared prompt prefix (DESIGN.md §15.4) -------------------------------------------------
     def _stage_prefix(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -403,7 +445,7 @@ class H2OCacheLayer(CacheLayerMixin):
         scores[:, :, p0:] = contrib[:, :, p0:]
         base = shared.scores[0]  # (Hs, P0), read-only
         for r in range(b):
-            mine = self._own_prefix_scores(base)
+            mine = self.own_prefix_scores(base)
             mine += contrib[r, :, :p0]
             scores[r, :, :p0] = mine
         self._keep_prompt(
@@ -411,7 +453,7 @@ class H2OCacheLayer(CacheLayerMixin):
         )
         return out
 
-    def _own_prefix_scores(self, shared: torch.Tensor) -> torch.Tensor:
+    def own_prefix_scores(self, shared: torch.Tensor) -> torch.Tensor:
         """A request's own copy of the shared prefix's column sums ``(Hs, P0)``, into which its
         suffix's share is added: the copy of copy-on-write (DESIGN.md §15.4)."""
         return shared.clone()
@@ -438,15 +480,17 @@ class H2OCacheLayer(CacheLayerMixin):
         """
         key, value = self.take_pending()  # (b, Hs, 1, d)
         owner = self.owner
-        listener = owner.listener
         step = self.next_pos  # (b,)
         q, k, v = query[:, :, 0].contiguous(), key[:, :, 0].contiguous(), value[:, :, 0].contiguous()
         args = owner.budgets[0]  # policy, gqa, seed and pins are the config's: the same for every budget
         rows = self.row_budgets()
-        want = listener is not None
+        needs = self.step_needs()
+        hears = owner.hears_decode
+        want = hears or needs.candidates
         if rows is not None and not journal and self._kernel_step(args, want):
             res = self._step_groups(self.groups(), q, k, v, step, scaling)
         else:
+            journal = journal or needs.journal
             res = self._step(
                 args,
                 q,
@@ -465,7 +509,7 @@ class H2OCacheLayer(CacheLayerMixin):
                 journal,
             )
         event = None
-        if want:
+        if hears:
             event = DecodeEvent(
                 step=step,
                 slot=res.slot,
@@ -475,14 +519,25 @@ class H2OCacheLayer(CacheLayerMixin):
                 kept=self.positions,
             )
             if emit:
-                listener.on_decode(self.layer_idx, event)
+                self.announce(event)
         self.next_pos = step + 1
         if self.fill is not None:
             caps = self.keys.shape[2] if rows is None else rows.capacity.view(-1)  # (b,) B_r
             self.fill = (self.fill + 1).clamp(max=caps) if rows is None else torch.minimum(self.fill + 1, caps)
             if bool((self.fill >= caps).all()):
                 self.fill = None
+        if owner.extensions:
+            taken = StepEvent(step, q, k, scaling, res, event, self.segment is not None)
+            for ext in owner.extensions:
+                ext.step_taken(self, taken)
         return res.out[:, None], res, event
+
+    def step_needs(self) -> StepNeeds:
+        """What the extensions need of the next decode step (:meth:`CacheExtension.step_needs`)."""
+        needs = StepNeeds()
+        for ext in self.owner.extensions:
+            needs = needs | ext.step_needs(self)
+        return needs
 
     # -- verification segments (DESIGN.md §14) --------------------------------------
     def decode_segment(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -513,7 +568,11 @@ class H2OCacheLayer(CacheLayerMixin):
         """
         key, value = self.take_pending()
         self.pending = (key[:, :, :width], value[:, :, :width])
-        out = self.prefill(query[:, :, :width], None if valid is None else valid[:, :width], scaling)
+        self.draft = True  # the prompt cannot wait for the other layers: the draft follows in this forward
+        try:
+            out = self.prefill(query[:, :, :width], None if valid is None else valid[:, :width], scaling)
+        finally:
+            self.draft = False
         self.pending = (key[:, :, width:], value[:, :, width:])
         return torch.cat([out, self.decode_segment(query[:, :, width:], scaling)], 1)
 
@@ -530,9 +589,8 @@ class H2OCacheLayer(CacheLayerMixin):
             return
         event = _speculative.end(self, seg, rolled_back)  # checks rolled_back before it changes anything
         self.segment = None
-        on_segment = getattr(self.owner.listener, "on_segment", None)
-        if on_segment is not None:
-            on_segment(self.layer_idx, event)
+        for ext in self.owner.extensions:
+            ext.on_segment(self, event)
 
     def row_budgets(self) -> ops.RowBudgets | None:
         """Per-row capacity, recent window and sink when the requests' budgets differ; None
@@ -639,13 +697,18 @@ class H2OCache(Cache):
         The model's (text) config: layer count and head counts.
     listener : CacheListener, optional
         Receives an event per layer at prefill and at every decode step (and
-        ``on_segment`` when a verification segment ends, if it has one).
+        ``on_segment`` when a verification segment ends, if it has one), through
+        :class:`~h2o_lens.extension.ListenerExtension`.
     speculative : str
         How a verification segment is taken back: ``rollback`` (default) or
         ``defer`` (DESIGN.md §14).
     layer_class : type, optional
         The class of the layers, a subclass of :class:`H2OCacheLayer` (DESIGN.md §15.5);
         default the class in effect (:func:`use_layer_class`), :class:`H2OCacheLayer` outside one.
+    extensions : sequence of CacheExtension, optional
+        What the layers call at their events (:mod:`h2o_lens.extension`, DESIGN.md §1.1), after the
+        listener's view; default one from each factory of the :func:`~h2o_lens.extension.use_extensions`
+        blocks in effect (a sequence, even empty, replaces those).
     """
 
     def __init__(
@@ -656,6 +719,7 @@ class H2OCache(Cache):
         prefill_chunk: int = 512,
         speculative: str = "rollback",
         layer_class: type[H2OCacheLayer] | None = None,
+        extensions: Sequence[CacheExtension] | None = None,
     ):
         if not config.spec.evicts:
             raise ConfigError(
@@ -692,7 +756,12 @@ class H2OCache(Cache):
         self.prompt_capture: Callable[..., None] | None = None
         #: the prefill was another configuration's prompt forward, reused (DESIGN.md §12.5)
         self.prompt_reused = False
+        #: what the layers call at their events (:mod:`h2o_lens.extension`); set once the layers exist
+        self.extensions: tuple[CacheExtension, ...] = ()
+        self.hears_decode = False  # whether an extension hears the decode events (then steps build them)
         super().__init__(layers=[layer_class(self, i) for i in range(self.shape.layers)])
+        self.extensions = tuple(_extension.build(self, listener, extensions))
+        self.hears_decode = any(ext.hears_decode for ext in self.extensions)
 
     @property
     def args(self) -> ops.PolicyArgs:
@@ -803,7 +872,7 @@ class H2OCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self._move_rows([int(i) for i in beam_idx.tolist()])
-        self._notify({"event": "reorder", "index": [int(i) for i in beam_idx.tolist()]})
+        self.notify({"event": "reorder", "index": [int(i) for i in beam_idx.tolist()]})
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
@@ -838,7 +907,7 @@ class H2OCache(Cache):
         keep = [r for r in range(b) if r not in gone]
         requests = [self.request_ids[r] for r in gone] if self.request_ids is not None else gone
         self.batch_select_indices(torch.tensor(keep, dtype=torch.int64, device=self.layers[0].keys.device))
-        self._notify({"event": "cancel", "rows": gone, "requests": requests})
+        self.notify({"event": "cancel", "rows": gone, "requests": requests})
         return keep
 
     # -- save and restore (DESIGN.md §15.2) -----------------------------------------------------
@@ -894,11 +963,16 @@ class H2OCache(Cache):
             layer.device, layer.dtype = layer.keys.device, layer.keys.dtype
             layer.is_initialized = True
 
-    def _notify(self, event: dict) -> None:
-        """Tell a listener that records state events (``on_state``) what happened to the rows."""
-        on_state = getattr(self.listener, "on_state", None)
-        if on_state is not None:
-            on_state(self, event)
+    def notify(self, event: dict) -> None:
+        """Tell the extensions a state event of the cache (:meth:`CacheExtension.on_state`)."""
+        for ext in self.extensions:
+            ext.on_state(self, event)
+
+    def slots_changed(self, rows: list[int], slots: list[int], kind: str) -> None:
+        """Tell the extensions that batch ``rows`` hold ``slots`` slots per KV set now (``kind``:
+        ``raise`` or ``refill``; :meth:`CacheExtension.slots_changed`)."""
+        for ext in self.extensions:
+            ext.slots_changed(self, list(rows), [int(n) for n in slots], kind)
 
     def nbytes(self) -> dict[str, int]:
         """Physical bytes held: ``kv`` (keys + values) and ``metadata`` (scores + positions)."""
