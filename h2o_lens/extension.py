@@ -42,7 +42,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -227,4 +227,3 @@ def build(
             raise ConfigError(f"{ext!r} is not a CacheExtension; subclass h2o_lens.extension.CacheExtension")
         out.append(ext)
     return out
-

@@ -275,7 +275,8 @@ def test_a_refill_at_the_prefill_is_logged_as_a_refill_with_nothing_recomputed(m
             outs.append(model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
         events.append(g.last.event_rows())
     assert torch.equal(outs[0], outs[1])
-    assert [(e["request"], e["step"], e["action"], e["slots_after"], e["evicted"], e["seconds"]) for e in events[1]] == [
+    fields = ("request", "step", "action", "slots_after", "evicted", "seconds")
+    assert [tuple(e[f] for f in fields) for e in events[1]] == [
         (0, PROMPT - 1, "refill", 12, 0.0, 0.0),
         (1, PROMPT - 1, "refill", 12, 0.0, 0.0),
     ]

@@ -47,7 +47,8 @@ def private_overrides(sources: dict[str, str]) -> list[str]:
                 classes.setdefault(node.name, []).append((path, node))
 
     def base_names(node: ast.ClassDef) -> set[str]:
-        return {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases if isinstance(b, ast.Name | ast.Attribute)}
+        named = [b for b in node.bases if isinstance(b, ast.Name | ast.Attribute)]
+        return {b.id if isinstance(b, ast.Name) else b.attr for b in named}
 
     layer_like = {"H2OCacheLayer"}
     grown = True
