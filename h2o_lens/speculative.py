@@ -364,25 +364,34 @@ def run_batched(
     seg.batch = batch
     hears = layer.hears_decode
     if hears:
-        new_pos = start[:, None, None].expand(b, hs, 1).to(pos0.dtype)
-        kept = [batch.positions(t) for t in range(m + 1)]
-        for i in range(m):
-            seg.events.append(
-                _decode_event(
-                    start + i,
-                    vic[..., i],
-                    torch.from_numpy(found[..., i]),
-                    torch.cat([batch.scores(i, candidates=True), agg[:, :, i, cap:]], -1),
-                    torch.cat([kept[i], new_pos + i], -1),
-                    kept[i + 1],
-                )
-            )
+        seg.events += _batch_events(batch, start, vic, found, agg, pos0.dtype)
     if seg.mode == "rollback":  # apply now (a later crop undoes from the journal)
         _apply(layer, batch, m)
         if hears:
             for event in seg.events:
                 layer.announce(event)
     return out.to(query.dtype)
+
+
+def _batch_events(batch: _Batch, start, vic, found, agg, pos_dtype) -> list[DecodeEvent]:
+    """The decode event of each of the ``m`` steps of a segment verified at once: ``vic (b, Hs, m)``
+    the victims, ``found`` whether each step had a candidate, ``agg (b, Hs, m, B + 1)`` the steps'
+    aggregated weights (the new token's last)."""
+    b, hs, m = vic.shape
+    cap = agg.shape[-1] - 1
+    new_pos = start[:, None, None].expand(b, hs, 1).to(pos_dtype)
+    kept = [batch.positions(t) for t in range(m + 1)]
+    return [
+        _decode_event(
+            start + i,
+            vic[..., i],
+            torch.from_numpy(found[..., i]),
+            torch.cat([batch.scores(i, candidates=True), agg[:, :, i, cap:]], -1),
+            torch.cat([kept[i], new_pos + i], -1),
+            kept[i + 1],
+        )
+        for i in range(m)
+    ]
 
 
 def _decode_event(step, slot, evicts, cand_scores, cand_positions, kept) -> DecodeEvent:
