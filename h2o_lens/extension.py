@@ -42,16 +42,16 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from .errors import ConfigError
 from .events import CacheListener, DecodeEvent, PrefillEvent, SegmentEvent
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .cache import H2OCache, H2OCacheLayer
-    from .ops import DecodeResult
+#: the types the events name, spelled out here: this module imports neither the cache nor ops
+#: (the cache imports it): an ``H2OCacheLayer``, an ``H2OCache`` and an ``ops.DecodeResult``
+H2OCacheLayer = H2OCache = DecodeResult = Any
 
 __all__ = [
     "CacheExtension",
@@ -189,7 +189,7 @@ class ListenerExtension(CacheExtension):
 
 
 #: makes an extension for a new cache, given the cache
-Factory = Callable[["H2OCache"], CacheExtension]
+Factory = Callable[[Any], CacheExtension]
 
 _FACTORIES: contextvars.ContextVar[tuple[Factory, ...]] = contextvars.ContextVar("h2o_lens_extensions", default=())
 
