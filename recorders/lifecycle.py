@@ -272,6 +272,13 @@ def check_lifecycle(
             f"the lifecycle check must run on the plain runtime, but the caches built here get the layer "
             f"class {layer_class.__qualname__} (a use_layer_class block); run the check outside that block"
         )
+    from h2o_lens.extension import current_extensions
+
+    if current_extensions():  # a guarded() or use_extensions block would attach them to the re-run's caches
+        raise RecorderError(
+            "the lifecycle check must run on the plain runtime, but the caches built here get extensions "
+            "(a guarded or use_extensions block); run the check outside that block"
+        )
     if tolerance is not None and not (0 <= tolerance < float("inf")):
         raise RecorderError(
             f"tolerance={tolerance!r}: the near-tie bound is a relative margin >= 0 (0: identical kept sets); "

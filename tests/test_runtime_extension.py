@@ -264,3 +264,15 @@ def test_the_design_documents_extension_runs_and_raises_rows():
     _, rec, cache = runs[2]
     assert cache.extensions[-1].raised == {0, 1} and rec.states == ["raise"]
     assert [c.capacity for c in cache.request_configs] == [7 + 8, 7 + 8]
+
+
+def test_the_lifecycle_check_refuses_to_run_where_new_caches_get_extensions(tmp_path):
+    """Its re-run must be the plain runtime: inside a guarded (or any use_extensions) block the
+    check refuses in one sentence before it reads anything."""
+    from h2o_lens.guard import GuardConfig, guarded
+    from recorders.lifecycle import check_lifecycle
+    from runlog.errors import RecorderError
+
+    for scope in (use_extensions(Log), guarded(GuardConfig())):
+        with scope, pytest.raises(RecorderError, match="get extensions .* outside that block"):
+            check_lifecycle(tmp_path / "no_run")
