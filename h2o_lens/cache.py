@@ -5,11 +5,15 @@ positions of its ``B`` slots per request and KV set, with a few verbs
 (prefill, decode, reorder). :class:`H2OCache` is the thin transformers
 ``Cache`` container. The attention weights exist only inside the attention
 function (:mod:`h2o_lens.hooks`); ``update`` hands the layer to it through
-the kwargs dict that the attention modules pass on (DESIGN.md §3). What the
-layers tell a listener is defined in :mod:`h2o_lens.events`; a verification
-segment (:mod:`h2o_lens.speculative`) works on a layer through
-:class:`~h2o_lens.speculative.SegmentLayer`. :func:`use_layer_class` builds the
-caches of a block with a subclass of the layer (DESIGN.md §15.5).
+the kwargs dict that the attention modules pass on (DESIGN.md §3). The layers
+call the cache's extensions at their events (:mod:`h2o_lens.extension`, the one
+way to extend the cache, DESIGN.md §1.1); what they tell a listener is defined
+in :mod:`h2o_lens.events`. A verification segment (:mod:`h2o_lens.speculative`)
+works on a layer through :class:`~h2o_lens.speculative.SegmentLayer`. The prompt's
+keep rule and slots are in :mod:`h2o_lens.prompt_slots`, the per-row bookkeeping in
+:mod:`h2o_lens.cache_rows`, save and restore in :mod:`h2o_lens.cache_state`.
+:func:`use_layer_class` builds the caches of a block with a subclass of the layer
+that overrides public verbs only (the tests' known bugs, DESIGN.md §15.5).
 """
 
 from __future__ import annotations
