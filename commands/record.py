@@ -162,6 +162,8 @@ def _check_record(args: argparse.Namespace):
         raise ConfigError("--guard runs a request as it is generated; it cannot be combined with --teacher-force")
     if guard is not None and not config.spec.evicts:
         raise ConfigError(f"--guard watches evictions; --policy {config.policy} keeps every token")
+    if guard is not None:
+        guard.check_base(config)  # a raise to no more slots than the base would do nothing
     if not config.spec.evicts and (args.heavy is not None or args.recent is not None or args.ratio is not None):
         print(
             f"h2o-lens: note: --policy {config.policy} keeps every token; --heavy/--recent/--ratio are ignored",

@@ -5,48 +5,48 @@ positions of its ``B`` slots per request and KV set, with a few verbs
 (prefill, decode, reorder). :class:`H2OCache` is the thin transformers
 ``Cache`` container. The attention weights exist only inside the attention
 function (:mod:`h2o_lens.hooks`); ``update`` hands the layer to it through
-the kwargs dict that the attention modules pass on (DESIGN.md §3). What the
-layers tell a listener is defined in :mod:`h2o_lens.events`; a verification
-segment (:mod:`h2o_lens.speculative`) works on a layer through
-:class:`~h2o_lens.speculative.SegmentLayer`. :func:`use_layer_class` builds the
-caches of a block with a subclass of the layer (DESIGN.md §15.5).
+the kwargs dict that the attention modules pass on (DESIGN.md §3). The layers
+call the cache's extensions at their events (:mod:`h2o_lens.extension`, the one
+way to extend the cache, DESIGN.md §1.1); what they tell a listener is defined
+in :mod:`h2o_lens.events`. A verification segment (:mod:`h2o_lens.speculative`)
+works on a layer through :class:`~h2o_lens.speculative.SegmentLayer`. The prompt's
+keep rule and slots are in :mod:`h2o_lens.prompt_slots`, the per-row bookkeeping in
+:mod:`h2o_lens.cache_rows`, save and restore in :mod:`h2o_lens.cache_state`.
+:func:`use_layer_class` builds the caches of a block with a subclass of the layer
+that overrides public verbs only (the tests' known bugs, DESIGN.md §15.5).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from . import compat, eviction, ops
+from . import cache_rows as _per_row
+from . import cache_state as _state
+from . import compat, ops
+from . import extension as _extension
+from . import prompt_slots as _slots
 from . import speculative as _speculative
+from .cache_state import ROW_STATE
 from .compat import Cache, CacheLayerMixin
 from .config import H2OConfig
 from .errors import ConfigError, UnsupportedModelError
-from .events import CacheListener, DecodeEvent, PrefillEvent
+from .events import CacheListener, DecodeEvent
+from .events import PrefillEvent as PrefillEvent  # defined in h2o_lens.events, also read from here
 from .events import decode_stats as decode_stats  # defined in h2o_lens.events, also read from here
+from .extension import CacheExtension, PromptChoice, StepEvent, StepNeeds
+from .prompt_slots import POS_DTYPE as POS_DTYPE  # defined in h2o_lens.prompt_slots, also read from here
+from .prompt_slots import SharedPrefix
 from .shape import model_shape
 
 __all__ = ["H2OCache", "H2OCacheLayer", "use_layer_class", "current_layer_class"]
 
-POS_DTYPE = torch.int32
 #: per-request state that moves with the batch rows (beam reorder, expansion, selection)
-_ROW_STATE = ("keys", "values", "scores", "history", "positions", "fill", "next_pos", "budget")
-
-
-@dataclass
-class SharedPrefix:
-    """A prompt prefix computed once (DESIGN.md §15.4): ``key, value (1, Hs, P0, d)``, ``scores (1, Hs, P0)``
-    the column sums of the prefix's own rows. Read-only: each request adds its suffix to a copy."""
-
-    key: torch.Tensor
-    value: torch.Tensor
-    scores: torch.Tensor
+_ROW_STATE = ROW_STATE
 
 
 class H2OCacheLayer(CacheLayerMixin):
@@ -77,6 +77,10 @@ class H2OCacheLayer(CacheLayerMixin):
         self.segment: _speculative.Segment | None = None  # open verification segment (DESIGN.md §14)
         #: a shared prompt prefix (DESIGN.md §15.4): its K, V ``(1, Hs, P0, d)`` and column sums ``(1, Hs, P0)``
         self.shared: SharedPrefix | None = None
+        self.scaling: float | None = None  # the attention scale of the last prefill
+        self.draft = False  # a draft to verify follows the prompt in this forward (DESIGN.md §14)
+        #: a prompt an extension held back after its keep rule (:meth:`lay_prompt` lays it)
+        self.held_prompt: tuple | None = None
 
     # -- transformers' CacheLayerMixin -------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -121,31 +125,37 @@ class H2OCacheLayer(CacheLayerMixin):
         self.fill = self.next_pos = self.budget = self._groups = self._row_budgets = self.segment = None
         self.seen = 0
         self.is_initialized = False
+        self.held_prompt = None
+        for ext in self.owner.extensions:
+            ext.reset(self)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: K, V, scores, positions and counters move together."""
         if self.keys is None:
             return
         idx = beam_idx.to(self.keys.device)
-        self._move_row_state(lambda t: t.index_select(0, idx))
+        self.move_rows(lambda t: t.index_select(0, idx), "reorder")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._move_row_state(lambda t: t.repeat_interleave(repeats, dim=0))
+        self.move_rows(lambda t: t.repeat_interleave(repeats, dim=0), "repeat")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._move_row_state(lambda t: t[indices])
+        self.move_rows(lambda t: t[indices], "select")
 
-    def _move_row_state(
-        self, move: Callable[[torch.Tensor], torch.Tensor], names: tuple[str, ...] = _ROW_STATE
+    def move_rows(
+        self, move: Callable[[torch.Tensor], torch.Tensor], kind: str, names: tuple[str, ...] = _ROW_STATE
     ) -> None:
-        """Apply a row reorder, expansion or selection to every tensor of the row state at once
-        (DESIGN.md §8.1), after confirming an open verification segment."""
+        """Apply a row reorder, expansion or selection (``kind``: ``reorder``, ``repeat``, ``select``)
+        to the tensors ``names`` of the row state at once (DESIGN.md §8.1), after confirming an open
+        verification segment; the extensions move theirs (:meth:`CacheExtension.rows_moved`)."""
         self.end_segment(0)
         self._groups = self._row_budgets = None
         for name in names:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, move(t))
+        for ext in self.owner.extensions:
+            ext.rows_moved(self, move, kind)
 
     def crop(self, tokens_to_remove: int) -> None:
         """``crop(-r)``: take back the last ``r`` tokens of the open verification segment
@@ -167,8 +177,15 @@ class H2OCacheLayer(CacheLayerMixin):
         return self.owner.speculative
 
     @property
-    def listener(self) -> CacheListener | None:
-        return self.owner.listener
+    def hears_decode(self) -> bool:
+        """Whether an extension hears the decode events (then a step builds them)."""
+        return self.owner.hears_decode
+
+    def announce(self, event: DecodeEvent) -> None:
+        """Hand a decode event to the extensions that hear them (:meth:`CacheExtension.on_decode`)."""
+        for ext in self.owner.extensions:
+            if ext.hears_decode:
+                ext.on_decode(self, event)
 
     def one_budget(self) -> ops.PolicyArgs | None:
         """The budget of every row, or None when the rows' budgets differ."""
@@ -220,33 +237,13 @@ class H2OCacheLayer(CacheLayerMixin):
         as the largest budget, and a request with fewer slots leaves the rest empty.
         """
         owner = self.owner
+        self.scaling = scaling
         if owner.sharing == "prefix":
             return self._stage_prefix(query, scaling)
         if self.shared is not None:
             return self._prefill_suffix(query, valid, scaling)
         key, value = self.take_pending()  # (b, Hs, P, d)
-        gqa = owner.config.gqa
-        spec = owner.config.spec
-        scores = None  # column sums, for a policy that ranks the prompt by them
-        if owner.resolve_backend(key.device) == "triton":
-            out, _ = ops.prefill_attention(query, key, value, valid, scaling, gqa, need_scores=False)
-            if spec.prefill == "columns":
-                from .kernels import prefill_scores_triton
-
-                scores = prefill_scores_triton(query.contiguous(), key.contiguous(), valid, scaling, gqa)
-        else:
-            lse = {} if owner.prompt_capture is not None else None
-            out, scores = ops.prefill_attention(
-                query, key, value, valid, scaling, gqa, chunk=owner.prefill_chunk, lse=lse
-            )
-            if owner.prompt_capture is not None:  # kept for the next configuration (DESIGN.md §12.5)
-                repeat = owner.shape.copies(gqa)  # K/V repeated per query head by update() under gqa="none"
-                owner.prompt_capture(self.layer_idx, query, key, value, scores, valid, scaling, repeat, lse.get("lse"))
-            if owner.prompt_sink is not None:
-                self._hand_on_prompt(query, key, value, scores, valid)
-            if spec.prefill != "columns":
-                scores = None
-        rows = ops.prefill_rows(query, key, valid, scaling, gqa, spec.prefill_rows) if spec.prefill == "rows" else None
+        out, scores, rows = _slots.prompt_attention(self, query, key, value, valid, scaling)
         self._keep_prompt(query, key, value, valid, scores, rows)
         return out
 
@@ -259,159 +256,70 @@ class H2OCacheLayer(CacheLayerMixin):
         self.lazy_initialization(key, value)
         self.seen = key.shape[2]
         self.pending = None
+        self.scaling = scaling
         spec = self.owner.config.spec
         if self.owner.prompt_sink is not None:
-            self._hand_on_prompt(query, key, value, scores, valid)
+            _slots.hand_on_prompt(self, query, key, value, scores, valid)
         rows = None
         if spec.prefill == "rows":
             rows = ops.prefill_rows(query, key, valid, scaling, self.owner.config.gqa, spec.prefill_rows)
         self._keep_prompt(query, key, value, valid, scores if spec.prefill == "columns" else None, rows)
 
-    def _hand_on_prompt(self, query, key, value, scores, valid) -> None:
-        """Give the prompt sink this layer's prompt K/V and column sums when they have the bits
-        of a replay's prompt forward: the row-by-row CPU path with the replay's row blocks."""
-        owner = self.owner
-        if owner.prefill_chunk >= ops.COLUMN_ROWS and ops.prefill_rowwise(query, valid):
-            step = owner.shape.copies(owner.config.gqa)  # the K/V were repeated per query head
-            owner.prompt_sink(self.layer_idx, key[:, ::step], value[:, ::step], scores, valid)
-
     def prompt_keep(self, query, key, valid, scores, rows):
-        """The policy's prefill keep rule over a whole prompt, without laying anything into slots.
+        """The policy's prefill keep rule over a whole prompt, without laying anything into slots
+        (:func:`h2o_lens.prompt_slots.keep_rule`): ``positions, count, drive, history, keep, eligible``."""
+        return _slots.keep_rule(self, query, key, valid, scores, rows)
 
-        Arguments as :meth:`_keep_prompt`'s. Resolves the rows' budgets (once per cache) and returns
-        ``positions (b, Hs, P)``, ``count (b,)`` real tokens, ``drive (b, Hs, P)`` the scores that
-        drive the choice, ``history`` (or None), ``keep`` and ``eligible`` ``(b, Hs, P)`` bool.
-        """
-        b, hs, p, d = key.shape
-        owner = self.owner
-        gqa = owner.config.gqa
-        spec = owner.config.spec
-        dtype = scores.dtype if scores is not None else torch.promote_types(query.dtype, torch.float32)
-        if valid is None:
-            pos = torch.arange(p, device=key.device, dtype=POS_DTYPE).expand(b, p)
-        else:
-            pos = (valid.cumsum(-1) - 1).to(POS_DTYPE).masked_fill(~valid, eviction.EMPTY)
-        positions = pos[:, None, :].expand(b, hs, p)  # (b, Hs, P)
-        count = pos.amax(-1).to(torch.int64) + 1  # (b,) real tokens
-        self.budget = owner.assign_budgets(count).to(key.device)
+    def forget_groups(self) -> None:
+        """Drop the rows' budget groups worked out so far (the budgets changed)."""
         self._groups = self._row_budgets = None
-        last = (count - 1)[:, None, None]  # (b,1,1)
-        drive = torch.empty(b, hs, p, dtype=dtype, device=key.device)  # the scores that drive the choice
-        history = torch.zeros(b, hs, p, dtype=torch.int64, device=key.device) if spec.history else None
-        keep = torch.empty(b, hs, p, dtype=torch.bool, device=key.device)
-        eligible = torch.empty_like(keep)
-        heads = owner.shape.heads_per_set(gqa)
-        for group_rows, args in self.groups():
-            sel = slice(None) if group_rows is None else group_rows
-            drive[sel], hist = ops.prefill_scores(
-                None if scores is None else scores[sel],
-                None if rows is None else rows[sel],
-                positions[sel],
-                args,
-                self.layer_idx,
-                dtype,
-                heads,
-            )
-            if history is not None:
-                history[sel] = hist
-            pins = args.pins(positions)
-            keep[sel] = eviction.prefill_keep(drive[sel], positions[sel], args.heavy, args.recent, args.sink, pins)
-            eligible[sel] = eviction.eligible_mask(positions[sel], last[sel], args.recent, args.sink, pinned=pins)
-        return positions, count, drive, history, keep, eligible
 
     def _keep_prompt(self, query, key, value, valid, scores, rows) -> None:
-        """Apply the policy's prefill keep rule to a whole prompt and lay the kept positions into slots.
+        """Apply the policy's prefill keep rule to a whole prompt and lay the kept positions into
+        slots, unless an extension holds the prompt back (:meth:`CacheExtension.prompt_chosen`).
 
         ``key, value (b, Hs, P, d)`` the prompt's, ``scores (b, Hs, P)`` its column sums (or None),
         ``rows`` its last rows' weights for a row-ranking policy (or None).
         """
-        b, hs, p, d = key.shape
-        owner = self.owner
-        positions, count, drive, history, keep, eligible = self.prompt_keep(query, key, valid, scores, rows)
-        caps = owner.row_capacity(self.budget)  # (b,)
-        cap = max(args.capacity for _, args in self.groups())
-        # slots hold the kept positions in ascending order, then empty slots
-        big = torch.iinfo(POS_DTYPE).max
-        order = torch.where(keep, positions, big).argsort(-1)[..., :cap]  # (b,Hs,min(P,B))
-        kept_pos = torch.where(keep.gather(-1, order), positions.gather(-1, order), eviction.EMPTY)
-        n = order.shape[-1]
-        self.keys = key.new_zeros(b, hs, cap, d)
-        self.values = value.new_zeros(b, hs, cap, d)
-        self.scores = drive.new_zeros(b, hs, cap)
-        self.positions = torch.full((b, hs, cap), eviction.EMPTY, dtype=POS_DTYPE, device=key.device)
-        gidx = order[..., None].expand(b, hs, n, d)
-        self.keys[:, :, :n] = key.gather(2, gidx)
-        self.values[:, :, :n] = value.gather(2, gidx)
-        self.scores[:, :, :n] = torch.where(kept_pos >= 0, drive.gather(-1, order), 0.0)
-        if history is not None:
-            self.history = history.new_zeros(b, hs, cap)
-            self.history[:, :, :n] = torch.where(kept_pos >= 0, history.gather(-1, order), 0)
-        self.positions[:, :, :n] = kept_pos
-        self.next_pos = count.to(POS_DTYPE)
-        # slots used: a pinned position inside the recent window (or the sink) counts once,
-        # so a long prompt may leave free slots, which the next steps fill (DESIGN.md §2.11)
-        fill = keep[:, 0].sum(-1).to(torch.int64)  # (b,) the same for every KV set
-        self.fill = None if bool((fill >= caps).all()) else fill
-        self.is_initialized = True
-        if owner.listener is not None:
-            owner.listener.on_prefill(
-                self.layer_idx,
-                PrefillEvent(positions=positions, scores=drive, keep=keep, eligible=eligible, step=count - 1),
-            )
+        kept = self.prompt_keep(query, key, valid, scores, rows)
+        choice = PromptChoice(query, key, valid, self.scaling, kept[0], kept[1], kept[4], self.draft)
+        # held while the extensions are asked: one that decides for every layer at the last one lays
+        # them all (:meth:`lay_prompt`), this one included
+        self.held_prompt = (query, key, value, valid, scores, rows)
+        held = False
+        for ext in self.owner.extensions:
+            held = ext.prompt_chosen(self, choice) or held
+        if not held and self.held_prompt is not None:
+            self.held_prompt = None
+            self._lay_prompt(key, value, kept)
+
+    def lay_prompt(self) -> None:
+        """Lay a prompt an extension held back into slots, with the rows' budgets as they are now
+        (the keep rule runs again); a no-op when none is held."""
+        if self.held_prompt is not None:
+            (query, key, value, valid, scores, rows), self.held_prompt = self.held_prompt, None
+            self._lay_prompt(key, value, self.prompt_keep(query, key, valid, scores, rows))
+
+    def _lay_prompt(self, key, value, kept) -> None:
+        _slots.lay(self, key, value, kept)
 
     # -- a shared prompt prefix (DESIGN.md §15.4) -------------------------------------------------
     def _stage_prefix(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The prefix forward: full causal attention, K, V and column sums kept whole, nothing evicted."""
         key, value = self.take_pending()  # (1, Hs, P0, d)
-        owner = self.owner
-        owner.backend = "torch"  # the shared path is the torch path (the keep rule is the same)
-        out, scores = ops.prefill_attention(
-            query, key, value, None, scaling, owner.config.gqa, chunk=owner.prefill_chunk
-        )
-        self.shared = SharedPrefix(key=key, value=value, scores=scores)
+        self.owner.backend = "torch"  # the shared path is the torch path (the keep rule is the same)
+        out, self.shared = _slots.prefix_forward(self, query, key, value, scaling)
         return out
 
     def _prefill_suffix(self, query: torch.Tensor, valid: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        """Each request's suffix against the shared prefix, then the keep rule over its whole prompt.
-
-        The suffix rows attend to the shared prefix K/V (read, never written) and to their
-        own suffix; their column sums are added to a copy of the prefix's column sums, one
-        copy per request (copy-on-write: the request's first write). The result equals the
-        prefill of ``prefix + suffix`` as one prompt, up to the summation order.
-        """
+        """Each request's suffix against the shared prefix, then the keep rule over its whole prompt
+        (:func:`h2o_lens.prompt_slots.suffix_prefill`)."""
         shared, self.shared = self.shared, None
-        key_s, value_s = self.take_pending()  # (b, Hs, S, d)
-        b, hs, s_len, d = key_s.shape
-        p0 = shared.key.shape[2]
-        gqa = self.owner.config.gqa
-        key = torch.cat([shared.key.expand(b, -1, -1, -1), key_s], 2)  # (b, Hs, P0 + S, d)
-        value = torch.cat([shared.value.expand(b, -1, -1, -1), value_s], 2)
-        ok = torch.ones(b, s_len, dtype=torch.bool, device=key.device) if valid is None else valid.bool()
-        valid_all = torch.cat([torch.ones(b, p0, dtype=torch.bool, device=key.device), ok], 1)
-        qg = ops._group_view(query, hs)  # (b, Hs, G, S, d)
-        acc = torch.promote_types(query.dtype, torch.float32)
-        logits = torch.matmul(qg, key.transpose(-1, -2)[:, :, None]) * scaling  # (b, Hs, G, S, P0 + S)
-        rows = torch.arange(p0, p0 + s_len, device=key.device)[:, None]
-        cols = torch.arange(p0 + s_len, device=key.device)[None, :]
-        masked = (cols > rows) | ~valid_all[:, None, None, None, :]
-        masked = masked & ~((cols == rows) & ~ok[:, None, None, :, None])  # a padding row sees itself
-        w = torch.softmax(logits.masked_fill(masked, ops._NEG), dim=-1, dtype=acc)
-        out = torch.matmul(w.to(value.dtype), value[:, :, None]).reshape(b, -1, s_len, d).transpose(1, 2)
-        w = w.masked_fill(~ok[:, None, None, :, None], 0.0)
-        contrib = eviction.aggregate_group(w, gqa, 2).sum(-2)  # (b, Hs, P0 + S): the suffix rows' share
-        scores = torch.empty(b, hs, p0 + s_len, dtype=acc, device=key.device)
-        scores[:, :, p0:] = contrib[:, :, p0:]
-        base = shared.scores[0]  # (Hs, P0), read-only
-        for r in range(b):
-            mine = self._own_prefix_scores(base)
-            mine += contrib[r, :, :p0]
-            scores[r, :, :p0] = mine
-        self._keep_prompt(
-            query, key, value, valid_all, scores if self.owner.config.spec.prefill == "columns" else None, None
-        )
+        out, key, value, valid_all, scores = _slots.suffix_prefill(self, shared, query, valid, scaling)
+        self._keep_prompt(query, key, value, valid_all, scores, None)
         return out
 
-    def _own_prefix_scores(self, shared: torch.Tensor) -> torch.Tensor:
+    def own_prefix_scores(self, shared: torch.Tensor) -> torch.Tensor:
         """A request's own copy of the shared prefix's column sums ``(Hs, P0)``, into which its
         suffix's share is added: the copy of copy-on-write (DESIGN.md §15.4)."""
         return shared.clone()
@@ -438,15 +346,17 @@ class H2OCacheLayer(CacheLayerMixin):
         """
         key, value = self.take_pending()  # (b, Hs, 1, d)
         owner = self.owner
-        listener = owner.listener
         step = self.next_pos  # (b,)
         q, k, v = query[:, :, 0].contiguous(), key[:, :, 0].contiguous(), value[:, :, 0].contiguous()
         args = owner.budgets[0]  # policy, gqa, seed and pins are the config's: the same for every budget
         rows = self.row_budgets()
-        want = listener is not None
+        needs = self.step_needs()
+        hears = owner.hears_decode
+        want = hears or needs.candidates
         if rows is not None and not journal and self._kernel_step(args, want):
             res = self._step_groups(self.groups(), q, k, v, step, scaling)
         else:
+            journal = journal or needs.journal
             res = self._step(
                 args,
                 q,
@@ -465,7 +375,7 @@ class H2OCacheLayer(CacheLayerMixin):
                 journal,
             )
         event = None
-        if want:
+        if hears:
             event = DecodeEvent(
                 step=step,
                 slot=res.slot,
@@ -475,14 +385,25 @@ class H2OCacheLayer(CacheLayerMixin):
                 kept=self.positions,
             )
             if emit:
-                listener.on_decode(self.layer_idx, event)
+                self.announce(event)
         self.next_pos = step + 1
         if self.fill is not None:
             caps = self.keys.shape[2] if rows is None else rows.capacity.view(-1)  # (b,) B_r
             self.fill = (self.fill + 1).clamp(max=caps) if rows is None else torch.minimum(self.fill + 1, caps)
             if bool((self.fill >= caps).all()):
                 self.fill = None
+        if owner.extensions:
+            taken = StepEvent(step, q, k, scaling, res, event, self.segment is not None)
+            for ext in owner.extensions:
+                ext.step_taken(self, taken)
         return res.out[:, None], res, event
+
+    def step_needs(self) -> StepNeeds:
+        """What the extensions need of the next decode step (:meth:`CacheExtension.step_needs`)."""
+        needs = StepNeeds()
+        for ext in self.owner.extensions:
+            needs = needs | ext.step_needs(self)
+        return needs
 
     # -- verification segments (DESIGN.md §14) --------------------------------------
     def decode_segment(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -513,7 +434,11 @@ class H2OCacheLayer(CacheLayerMixin):
         """
         key, value = self.take_pending()
         self.pending = (key[:, :, :width], value[:, :, :width])
-        out = self.prefill(query[:, :, :width], None if valid is None else valid[:, :width], scaling)
+        self.draft = True  # the prompt cannot wait for the other layers: the draft follows in this forward
+        try:
+            out = self.prefill(query[:, :, :width], None if valid is None else valid[:, :width], scaling)
+        finally:
+            self.draft = False
         self.pending = (key[:, :, width:], value[:, :, width:])
         return torch.cat([out, self.decode_segment(query[:, :, width:], scaling)], 1)
 
@@ -530,9 +455,8 @@ class H2OCacheLayer(CacheLayerMixin):
             return
         event = _speculative.end(self, seg, rolled_back)  # checks rolled_back before it changes anything
         self.segment = None
-        on_segment = getattr(self.owner.listener, "on_segment", None)
-        if on_segment is not None:
-            on_segment(self.layer_idx, event)
+        for ext in self.owner.extensions:
+            ext.on_segment(self, event)
 
     def row_budgets(self) -> ops.RowBudgets | None:
         """Per-row capacity, recent window and sink when the requests' budgets differ; None
@@ -594,28 +518,7 @@ class H2OCacheLayer(CacheLayerMixin):
         )
 
     def _step_groups(self, groups, q, k, v, step, scaling: float) -> ops.DecodeResult:
-        """The Triton step of a batch whose budgets differ: one launch per budget on its rows
-        and its first ``B_r`` slots, written back (the kernel takes one budget per launch;
-        the torch step takes per-row budgets in one computation)."""
-        b, hs, cap = self.positions.shape
-        out = q.new_empty(q.shape)
-        slot = torch.empty(b, hs, dtype=torch.int64, device=q.device)
-        evicts = torch.empty(b, hs, dtype=torch.bool, device=q.device)
-        for rows, args in groups:
-            sel = torch.arange(b, device=q.device) if rows is None else rows
-            c = args.capacity
-            stored = [self.keys, self.values, self.scores, self.positions]
-            state = [t[sel, :, :c].contiguous() for t in stored]
-            fill = None if self.fill is None else self.fill[sel]
-            if fill is not None and bool((fill >= c).all()):
-                fill = None
-            res = self._step(args, q[sel], k[sel], v[sel], *state, step[sel], fill, scaling, False)
-            for t, new in zip(stored, state):
-                t[sel, :, :c] = new
-            out[sel] = res.out
-            slot[sel] = torch.where(res.slot >= c, cap, res.slot)  # c: the new token itself
-            evicts[sel] = res.evicts
-        return ops.DecodeResult(out=out, slot=slot, evicts=evicts)
+        return _per_row.step_groups(self, self._step, groups, q, k, v, step, scaling)
 
     def nbytes(self) -> tuple[int, int]:
         """``(kv_bytes, metadata_bytes)`` physically held by this layer."""
@@ -639,13 +542,18 @@ class H2OCache(Cache):
         The model's (text) config: layer count and head counts.
     listener : CacheListener, optional
         Receives an event per layer at prefill and at every decode step (and
-        ``on_segment`` when a verification segment ends, if it has one).
+        ``on_segment`` when a verification segment ends, if it has one), through
+        :class:`~h2o_lens.extension.ListenerExtension`.
     speculative : str
         How a verification segment is taken back: ``rollback`` (default) or
         ``defer`` (DESIGN.md §14).
     layer_class : type, optional
         The class of the layers, a subclass of :class:`H2OCacheLayer` (DESIGN.md §15.5);
         default the class in effect (:func:`use_layer_class`), :class:`H2OCacheLayer` outside one.
+    extensions : sequence of CacheExtension, optional
+        What the layers call at their events (:mod:`h2o_lens.extension`, DESIGN.md §1.1), after the
+        listener's view; default one from each factory of the :func:`~h2o_lens.extension.use_extensions`
+        blocks in effect (a sequence, even empty, replaces those).
     """
 
     def __init__(
@@ -656,6 +564,7 @@ class H2OCache(Cache):
         prefill_chunk: int = 512,
         speculative: str = "rollback",
         layer_class: type[H2OCacheLayer] | None = None,
+        extensions: Sequence[CacheExtension] | None = None,
     ):
         if not config.spec.evicts:
             raise ConfigError(
@@ -692,7 +601,21 @@ class H2OCache(Cache):
         self.prompt_capture: Callable[..., None] | None = None
         #: the prefill was another configuration's prompt forward, reused (DESIGN.md §12.5)
         self.prompt_reused = False
+        #: what the layers call at their events (:mod:`h2o_lens.extension`); set once the layers exist
+        self.extensions: tuple[CacheExtension, ...] = ()
+        self.hears_decode = False  # whether an extension hears the decode events (then steps build them)
         super().__init__(layers=[layer_class(self, i) for i in range(self.shape.layers)])
+        self.extensions = tuple(_extension.build(self, listener, extensions))
+        self.hears_decode = any(ext.hears_decode for ext in self.extensions)
+
+    @property
+    def row_index(self) -> torch.Tensor | None:
+        """``(b,)`` int64 CPU: each row's index into :attr:`budgets` (None before the first prompt)."""
+        return self._rows
+
+    @row_index.setter
+    def row_index(self, index: torch.Tensor | None) -> None:
+        self._rows = index
 
     @property
     def args(self) -> ops.PolicyArgs:
@@ -716,31 +639,9 @@ class H2OCache(Cache):
         return cfgs[0] if cfgs and all(c == cfgs[0] for c in cfgs) else None
 
     def assign_budgets(self, prompt_lens: torch.Tensor) -> torch.Tensor:
-        """Resolve the budget of each request against its own prompt length, once.
-
-        ``prompt_lens (b,)`` unpadded prompt lengths. Returns ``(b,)`` int64
-        indices into :attr:`budgets` (the same for every layer).
-        """
-        if self._rows is None:
-            lens = prompt_lens.tolist()
-            pinned = self.config.pinned
-            if pinned and pinned[-1] >= min(lens):
-                rows = [r for r, n in enumerate(lens) if pinned[-1] >= n]
-                raise ConfigError(
-                    f"pinned position {pinned[-1]} is beyond the prompt of request {rows[0]} "
-                    f"({lens[rows[0]]} tokens, positions 0 to {lens[rows[0]] - 1}); pinned positions "
-                    "are 0-based positions of each request's real prompt tokens (padding excluded)"
-                )
-            cfgs = [self.config.resolve(n) for n in lens]
-            rows = []
-            for cfg in cfgs:
-                args = ops.PolicyArgs(cfg.policy, *cfg.split, cfg.gqa, cfg.seed, cfg.pinned)
-                if args not in self.budgets:
-                    self.budgets.append(args)
-                rows.append(self.budgets.index(args))
-            self.request_configs = cfgs
-            self._rows = torch.tensor(rows, dtype=torch.int64)
-        return self._rows
+        """Resolve the budget of each request against its own prompt length, once: ``prompt_lens (b,)``
+        → ``(b,)`` int64 indices into :attr:`budgets` (:func:`h2o_lens.cache_rows.assign_budgets`)."""
+        return _per_row.assign_budgets(self, prompt_lens)
 
     def groups(self, budget: torch.Tensor) -> list[tuple[torch.Tensor | None, ops.PolicyArgs]]:
         """``budget (b,)`` → ``[(rows, args), ...]`` per distinct budget; rows None means all."""
@@ -803,7 +704,7 @@ class H2OCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self._move_rows([int(i) for i in beam_idx.tolist()])
-        self._notify({"event": "reorder", "index": [int(i) for i in beam_idx.tolist()]})
+        self.notify({"event": "reorder", "index": [int(i) for i in beam_idx.tolist()]})
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
@@ -821,84 +722,30 @@ class H2OCache(Cache):
         return 0 if keys is None else keys.shape[0]
 
     def cancel(self, rows: int | list[int]) -> list[int]:
-        """Remove the batch rows ``rows`` (their requests end); the other rows keep their state.
-
-        Every layer drops the rows' keys, values, scores, positions and counters (the
-        tensors are rebuilt without them, so their memory is freed) and the remaining
-        rows move up in order, untouched. Returns the rows kept (their old indices): feed
-        the next step only those rows of ``input_ids`` and the attention mask.
-        """
-        gone = sorted({int(r) for r in ([rows] if isinstance(rows, int) else rows)})
-        b = self.batch_size
-        bad = [r for r in gone if not 0 <= r < b]
-        if bad or not gone:
-            raise ConfigError(f"cancel: rows {bad or gone} are not rows of this batch of {b}; give rows 0..{b - 1}")
-        if len(gone) == b:
-            raise ConfigError(f"cancel: removing all {b} rows leaves nothing to decode; drop the cache instead")
-        keep = [r for r in range(b) if r not in gone]
-        requests = [self.request_ids[r] for r in gone] if self.request_ids is not None else gone
-        self.batch_select_indices(torch.tensor(keep, dtype=torch.int64, device=self.layers[0].keys.device))
-        self._notify({"event": "cancel", "rows": gone, "requests": requests})
-        return keep
+        """Remove the batch rows ``rows`` (their requests end); the other rows keep their state and
+        move up in order. Returns the rows kept (their old indices; :func:`h2o_lens.cache_rows.cancel`)."""
+        return _per_row.cancel(self, rows)
 
     # -- save and restore (DESIGN.md §15.2) -----------------------------------------------------
     def export_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """``(header, tensors)``: everything a restored cache needs to continue exactly.
-
-        ``header`` is plain JSON (budgets, per-row budget choice, backend, columns seen,
-        request ids); ``tensors`` maps ``layer.<i>.<name>`` to each layer's row state
-        (:data:`_ROW_STATE`), on the CPU.
-        """
-        if self.batch_size == 0:
-            raise ConfigError("the H2O cache has not seen a prompt yet: there is no state to save")
-        self.end_segments()  # an open verification segment stands in full (DESIGN.md §14)
-        header = {
-            "budgets": [dataclasses.asdict(a) for a in self.budgets],
-            "rows": None if self._rows is None else self._rows.tolist(),
-            "request_configs": None if self.request_configs is None else [c.to_dict() for c in self.request_configs],
-            "request_ids": self.request_ids,
-            "backend": self.backend,
-            "prefill_chunk": self.prefill_chunk,
-            "seen": [layer.seen for layer in self.layers],
-            "batch": self.batch_size,
-            "next_pos": self.layers[0].next_pos.tolist(),
-        }
-        tensors = {}
-        for i, layer in enumerate(self.layers):
-            for name in _ROW_STATE:
-                t = getattr(layer, name)
-                if t is not None:
-                    tensors[f"layer.{i}.{name}"] = t.detach().cpu()
-        return header, tensors
+        """``(header, tensors)``: everything a restored cache needs to continue exactly
+        (:func:`h2o_lens.cache_state.export_state`)."""
+        return _state.export_state(self)
 
     def import_state(self, header: dict[str, Any], tensors: dict[str, torch.Tensor], device: Any = None) -> None:
         """Load what :meth:`export_state` returned into this (fresh) cache."""
-        if len(header["seen"]) != len(self.layers):
-            raise ConfigError(
-                f"the saved state has {len(header['seen'])} layers, this model {len(self.layers)}; "
-                "restore it into the model it was saved from"
-            )
-        self.budgets = [ops.PolicyArgs(**{**a, "pinned": tuple(a["pinned"])}) for a in header["budgets"]]
-        self._rows = None if header["rows"] is None else torch.tensor(header["rows"], dtype=torch.int64)
-        cfgs = header["request_configs"]
-        self.request_configs = None if cfgs is None else [H2OConfig(**c) for c in cfgs]
-        self.request_ids = None if header["request_ids"] is None else [int(r) for r in header["request_ids"]]
-        self.backend = header["backend"]
-        self.prefill_chunk = int(header["prefill_chunk"])
-        for i, layer in enumerate(self.layers):
-            layer.reset()
-            for name in _ROW_STATE:
-                t = tensors.get(f"layer.{i}.{name}")
-                setattr(layer, name, None if t is None else t.to(device) if device is not None else t)
-            layer.seen = int(header["seen"][i])
-            layer.device, layer.dtype = layer.keys.device, layer.keys.dtype
-            layer.is_initialized = True
+        _state.import_state(self, header, tensors, device)
 
-    def _notify(self, event: dict) -> None:
-        """Tell a listener that records state events (``on_state``) what happened to the rows."""
-        on_state = getattr(self.listener, "on_state", None)
-        if on_state is not None:
-            on_state(self, event)
+    def notify(self, event: dict) -> None:
+        """Tell the extensions a state event of the cache (:meth:`CacheExtension.on_state`)."""
+        for ext in self.extensions:
+            ext.on_state(self, event)
+
+    def slots_changed(self, rows: list[int], slots: list[int], kind: str) -> None:
+        """Tell the extensions that batch ``rows`` hold ``slots`` slots per KV set now (``kind``:
+        ``raise`` or ``refill``; :meth:`CacheExtension.slots_changed`)."""
+        for ext in self.extensions:
+            ext.slots_changed(self, list(rows), [int(n) for n in slots], kind)
 
     def nbytes(self) -> dict[str, int]:
         """Physical bytes held: ``kv`` (keys + values) and ``metadata`` (scores + positions)."""

@@ -6,8 +6,9 @@ listener has them: ``on_segment(layer_idx, SegmentEvent)`` when a verification s
 (DESIGN.md §14) and ``on_state(cache, event)`` when rows are reordered, cancelled, saved,
 restored or share a prompt prefix (DESIGN.md §15; ``event`` a plain dict with its ``"event"``
 name). The recorder
-(:mod:`recorders.recorder`) and the tests implement it. The events hold tensors the cache
-may reuse: copy what is kept.
+(:mod:`recorders.recorder`) and the tests implement it. A listener is the read-only view on the
+cache's extension point (:class:`h2o_lens.extension.ListenerExtension`, DESIGN.md §1.1). The
+events hold tensors the cache may reuse: copy what is kept.
 """
 
 from __future__ import annotations

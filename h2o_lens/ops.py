@@ -679,28 +679,7 @@ def decode_step(
     ctx = policies.StepContext(step=step_col, layer=layer, seed=args.seed, gqa=args.gqa, group=qg.shape[2])
     new_score, new_history = spec.decode_scores(scores, history, agg, positions, ctx)  # (b,Hs,1)
 
-    pins = args.pins(positions) if rows is None or rows.pinned is None else rows.pinned.to(positions.dtype)
-    if rows is None and args.recent > 0:  # one budget with a recent window: the new token is never a victim
-        c_scores = c_pos = None
-        elig = eviction.eligible_mask(positions, step_col, args.recent, args.sink, all_live=fill is None, pinned=pins)
-        victim, found = eviction.select_victim(scores, positions, elig)
-    else:  # D = slots + the new token, eligible only in a row without a recent window
-        recent, sink = (args.recent, args.sink) if rows is None else (rows.recent, rows.sink)
-        c_scores = torch.cat([scores, new_score], -1)  # (b,Hs,B+1)
-        c_pos = torch.cat([positions, new_pos], -1)
-        elig = eviction.eligible_mask(c_pos, step_col, recent, sink, pinned=pins)
-        # a slot past the row's capacity never wins the tie of "nothing eligible" either (the new
-        # token's position is above every slot's, so it wins it only where no slot does, as alone)
-        big = torch.iinfo(c_pos.dtype).max
-        tie_pos = c_pos if rows is None else c_pos.masked_fill(_beyond(rows.capacity, cap), big)
-        victim, found = eviction.select_victim(c_scores, tie_pos, elig)
-    if fill is None:
-        slot, evicts = victim, found
-    else:
-        full = (fill >= (cap if rows is None else rows.capacity[:, 0, 0]))[:, None]  # (b,1)
-        slot = torch.where(full, victim, fill[:, None].expand(b, hs))
-        evicts = full.expand(b, hs) & found
-
+    slot, evicts, c_scores, c_pos = _choose_slot(scores, positions, new_score, new_pos, step_col, fill, args, rows)
     cands = {}
     if want_candidates:
         if c_scores is None:
@@ -725,6 +704,34 @@ def decode_step(
     )
     out = out.reshape(b, hs * qg.shape[2], d).to(query.dtype)
     return DecodeResult(out=out, slot=slot, evicts=evicts, weights=w, **cands)
+
+
+def _choose_slot(scores, positions, new_score, new_pos, step_col, fill, args: PolicyArgs, rows: RowBudgets | None):
+    """The slot each row and KV set writes its new token into ``(b, Hs)`` and whether a position
+    leaves the cache there ``(b, Hs)``, with the candidate set D's scores and positions
+    ``(b, Hs, B + 1)`` when the choice built it (else None): the lowest eligible ranking value (tie:
+    older position; pinned positions are never eligible) once a row is full, its next free slot before."""
+    b, hs, cap = positions.shape
+    pins = args.pins(positions) if rows is None or rows.pinned is None else rows.pinned.to(positions.dtype)
+    if rows is None and args.recent > 0:  # one budget with a recent window: the new token is never a victim
+        c_scores = c_pos = None
+        elig = eviction.eligible_mask(positions, step_col, args.recent, args.sink, all_live=fill is None, pinned=pins)
+        victim, found = eviction.select_victim(scores, positions, elig)
+    else:  # D = slots + the new token, eligible only in a row without a recent window
+        recent, sink = (args.recent, args.sink) if rows is None else (rows.recent, rows.sink)
+        c_scores = torch.cat([scores, new_score], -1)  # (b,Hs,B+1)
+        c_pos = torch.cat([positions, new_pos], -1)
+        elig = eviction.eligible_mask(c_pos, step_col, recent, sink, pinned=pins)
+        # a slot past the row's capacity never wins the tie of "nothing eligible" either (the new
+        # token's position is above every slot's, so it wins it only where no slot does, as alone)
+        big = torch.iinfo(c_pos.dtype).max
+        tie_pos = c_pos if rows is None else c_pos.masked_fill(_beyond(rows.capacity, cap), big)
+        victim, found = eviction.select_victim(c_scores, tie_pos, elig)
+    if fill is None:
+        return victim, found, c_scores, c_pos
+    full = (fill >= (cap if rows is None else rows.capacity[:, 0, 0]))[:, None]  # (b,1)
+    slot = torch.where(full, victim, fill[:, None].expand(b, hs))
+    return slot, full.expand(b, hs) & found, c_scores, c_pos
 
 
 def _beyond(capacity: torch.Tensor, cap: int) -> torch.Tensor:

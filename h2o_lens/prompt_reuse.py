@@ -20,7 +20,8 @@ position ids; the same model dtype, prefill row block, backend (the torch prefil
 one is not kept) and attention implementation; the same aggregation, or any from the CPU flash
 path with ``any_gqa``; a fresh H2O cache of the plain layer class whose first forward is the
 prompt alone (a cache built with another layer class, :func:`h2o_lens.cache.use_layer_class`, may
-prefill its own way). Anything else runs its own prefill. The model's weights must not change
+prefill its own way), with no extension but observers (the guard reads its own prompt forward,
+:mod:`h2o_lens.extension`). Anything else runs its own prefill. The model's weights must not change
 inside the scope.
 """
 
@@ -206,6 +207,8 @@ class PromptReuse:
             return None  # assisted decoding's first forward: prompt and draft
         if any(type(layer) is not H2OCacheLayer for layer in cache.layers):
             return None  # another layer class may prefill its own way: only the plain one's is kept
+        if any(not ext.observer for ext in cache.extensions):
+            return None  # an extension that acts at the prefill (the guard) reads its own prompt forward
         mask = kwargs.get("attention_mask")
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
             return None

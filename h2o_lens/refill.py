@@ -37,7 +37,7 @@ def refill_rows(model: Any, cache: H2OCache, input_ids: torch.Tensor, rows: list
         seq = input_ids[r, input_ids.shape[1] - length :][None]  # (1, L)
         old = cache.request_configs[r]
         cfg = dataclasses.replace(old, heavy=int(old.heavy) + n - old.capacity)
-        fresh = H2OCache(cfg, model.config, layer_class=H2OCacheLayer)
+        fresh = H2OCache(cfg, model.config, layer_class=H2OCacheLayer, extensions=())
         with torch.no_grad():
             out = model(input_ids=seq, use_cache=True, logits_to_keep=1, **compat.cache_kwargs(fresh))
         logits.append(out.logits[0, -1])
@@ -79,10 +79,7 @@ def _adopt_row(cache: H2OCache, r: int, fresh: H2OCache, cfg: Any) -> None:
         layer.next_pos = layer.next_pos.clone()
         layer.next_pos[r] = new.next_pos[0]
         layer._groups = layer._row_budgets = None
-        for name in ("held", "evicted"):  # a guard layer's reservoir starts over for the row
-            t = getattr(layer, name, None)
-            if t is not None:
-                t[r] = 0
+    cache.slots_changed([r], [args.capacity], "refill")  # a guard's reservoir starts over for the row
 
 
 class Refill:

@@ -147,9 +147,7 @@ class H2OSession:
         tmp = path.with_name(path.name + ".tmp")
         torch.save({"format": STATE_FORMAT, "header": json.dumps(header), "tensors": tensors}, tmp)
         os.replace(tmp, path)
-        cache._notify(
-            {"event": "save", "path": str(path), "requests": cache.request_ids, "next_pos": state["next_pos"]}
-        )
+        cache.notify({"event": "save", "path": str(path), "requests": cache.request_ids, "next_pos": state["next_pos"]})
         return path
 
     def restore(
@@ -190,7 +188,7 @@ class H2OSession:
             device = next(self.model.parameters()).device
         cache = self.new_cache(listener=listener)
         cache.import_state(header["cache"], blob["tensors"], device=device)
-        cache._notify(
+        cache.notify(
             {
                 "event": "restore",
                 "path": os.fspath(path),
@@ -245,7 +243,7 @@ class H2OSession:
             mask_s[r, width - len(t) :] = 1
         cache = self.new_cache(listener=listener)
         prompts = [prefix[0].tolist() + t for t in tails]
-        cache._notify({"event": "prefix_share", "prefix_len": p0, "prompts": prompts})
+        cache.notify({"event": "prefix_share", "prefix_len": p0, "prompts": prompts})
         with torch.no_grad():
             cache.sharing = "prefix"
             try:
@@ -268,7 +266,7 @@ class H2OSession:
         for r, t in enumerate(prompts):
             ids[r, p0 + width - len(t) :] = torch.tensor(t, device=device)
             full_mask[r, p0 + width - len(t) :] = 1
-        cache._notify({"event": "prefix_copy", "prefix_len": p0, "requests": cache.request_ids or list(range(b))})
+        cache.notify({"event": "prefix_copy", "prefix_len": p0, "requests": cache.request_ids or list(range(b))})
         return cache, ids, full_mask, out.logits[:, -1]
 
     def _generate(self, original, *args: Any, **kwargs: Any):

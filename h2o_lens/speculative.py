@@ -17,8 +17,9 @@ so the cache is in the state after the last accepted token. Two modes:
     live slots from their stored query, key and value, so only confirmed tokens
     are ever scored or evict.
 
-The layer calls :func:`begin`, :func:`step` and :func:`end`; the listener hears
-one :class:`~h2o_lens.events.SegmentEvent` per layer when a segment ends. The segment
+The layer calls :func:`begin`, :func:`step` and :func:`end`; the cache's extensions hear
+one :class:`~h2o_lens.events.SegmentEvent` per layer when a segment ends, and the applied
+steps' decode events through :meth:`SegmentLayer.announce` (:mod:`h2o_lens.extension`). The segment
 reaches the layer through :class:`SegmentLayer` only, and picks each victim with
 :func:`h2o_lens.eviction.select_victim`, the decode step's own rule.
 """
@@ -34,7 +35,7 @@ import torch
 
 from . import eviction, ops
 from .errors import ConfigError, UnsupportedModelError
-from .events import CacheListener, DecodeEvent, SegmentEvent
+from .events import DecodeEvent, SegmentEvent
 
 __all__ = ["MODES", "SegmentLayer", "Segment", "check_mode", "begin", "step", "end", "batched", "run_batched"]
 
@@ -77,7 +78,13 @@ class SegmentLayer(Protocol):
         ...
 
     @property
-    def listener(self) -> CacheListener | None: ...
+    def hears_decode(self) -> bool:
+        """Whether an extension hears the decode events (a segment then builds them)."""
+        ...
+
+    def announce(self, event: DecodeEvent) -> None:
+        """Hand an applied step's decode event to the extensions that hear them."""
+        ...
 
     def one_budget(self) -> ops.PolicyArgs | None:
         """The budget of every row, or None when the rows' budgets differ."""
@@ -119,7 +126,7 @@ class Segment:
     scaling: float
     entries: list = field(default_factory=list)  # rollback: one _Entry per step
     inputs: list = field(default_factory=list)  # defer: (q, k, v) per step
-    events: list = field(default_factory=list)  # decode events per step (None without a listener)
+    events: list = field(default_factory=list)  # decode events per step (None when no extension hears them)
     live: dict | None = None  # defer: the live state, untouched while the copy runs
     batch: _Batch | None = None  # the whole segment verified at once (:func:`run_batched`)
 
@@ -191,10 +198,9 @@ def _end_batched(layer: SegmentLayer, seg: Segment, rolled_back: int) -> Segment
     accepted = batch.steps - rolled_back
     if batch.applied != accepted:
         _apply(layer, batch, accepted)
-    listener = layer.listener
-    if seg.mode == "defer" and listener is not None:
+    if seg.mode == "defer" and layer.hears_decode:
         for event in seg.events[:accepted]:
-            listener.on_decode(layer.layer_idx, event)
+            layer.announce(event)
     layer.rewind(rolled_back)
     return SegmentEvent(seg.start, batch.steps, accepted, seg.events[accepted:], seg.mode)
 
@@ -356,27 +362,36 @@ def run_batched(
         rounds,
     )
     seg.batch = batch
-    listener = layer.listener
-    if listener is not None:
-        new_pos = start[:, None, None].expand(b, hs, 1).to(pos0.dtype)
-        kept = [batch.positions(t) for t in range(m + 1)]
-        for i in range(m):
-            seg.events.append(
-                _decode_event(
-                    start + i,
-                    vic[..., i],
-                    torch.from_numpy(found[..., i]),
-                    torch.cat([batch.scores(i, candidates=True), agg[:, :, i, cap:]], -1),
-                    torch.cat([kept[i], new_pos + i], -1),
-                    kept[i + 1],
-                )
-            )
+    hears = layer.hears_decode
+    if hears:
+        seg.events += _batch_events(batch, start, vic, found, agg, pos0.dtype)
     if seg.mode == "rollback":  # apply now (a later crop undoes from the journal)
         _apply(layer, batch, m)
-        if listener is not None:
+        if hears:
             for event in seg.events:
-                listener.on_decode(layer.layer_idx, event)
+                layer.announce(event)
     return out.to(query.dtype)
+
+
+def _batch_events(batch: _Batch, start, vic, found, agg, pos_dtype) -> list[DecodeEvent]:
+    """The decode event of each of the ``m`` steps of a segment verified at once: ``vic (b, Hs, m)``
+    the victims, ``found`` whether each step had a candidate, ``agg (b, Hs, m, B + 1)`` the steps'
+    aggregated weights (the new token's last)."""
+    b, hs, m = vic.shape
+    cap = agg.shape[-1] - 1
+    new_pos = start[:, None, None].expand(b, hs, 1).to(pos_dtype)
+    kept = [batch.positions(t) for t in range(m + 1)]
+    return [
+        _decode_event(
+            start + i,
+            vic[..., i],
+            torch.from_numpy(found[..., i]),
+            torch.cat([batch.scores(i, candidates=True), agg[:, :, i, cap:]], -1),
+            torch.cat([kept[i], new_pos + i], -1),
+            kept[i + 1],
+        )
+        for i in range(m)
+    ]
 
 
 def _decode_event(step, slot, evicts, cand_scores, cand_positions, kept) -> DecodeEvent:

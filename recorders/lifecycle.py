@@ -313,7 +313,7 @@ def check_lifecycle(
 
 
 def _check_arguments(tolerance: float | None) -> None:
-    """Refuse a check inside a ``use_layer_class`` block and a tolerance that is not a margin."""
+    """Refuse a check inside a ``use_layer_class`` or extensions block and a tolerance that is not a margin."""
     from h2o_lens.cache import H2OCacheLayer, current_layer_class
 
     layer_class = current_layer_class()  # what the re-run's caches would be built with
@@ -321,6 +321,13 @@ def _check_arguments(tolerance: float | None) -> None:
         raise RecorderError(
             f"the lifecycle check must run on the plain runtime, but the caches built here get the layer "
             f"class {layer_class.__qualname__} (a use_layer_class block); run the check outside that block"
+        )
+    from h2o_lens.extension import current_extensions
+
+    if current_extensions():  # a guarded() or use_extensions block would attach them to the re-run's caches
+        raise RecorderError(
+            "the lifecycle check must run on the plain runtime, but the caches built here get extensions "
+            "(a guarded or use_extensions block); run the check outside that block"
         )
     if tolerance is not None and not (0 <= tolerance < float("inf")):
         raise RecorderError(

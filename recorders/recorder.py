@@ -34,13 +34,10 @@ This module imports torch (it listens to the runtime); the rest of
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import os
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,205 +45,31 @@ import torch
 from transformers import LogitsProcessorList
 
 from h2o_lens import compat
-from h2o_lens.cache import DecodeEvent, PrefillEvent, decode_stats
 from h2o_lens.config import H2OConfig, pin_positions
 from h2o_lens.models import planned_positions, warn_past_context
 from h2o_lens.runtime import H2OSession, h2o
-from h2o_lens.speculative import SegmentEvent
 from runlog.errors import RecorderError
 from runlog.manifest import new_run_id
 from runlog.run import RunWriter
 
+from .capture import Pending, StepCapture
 from .guard_log import write_guard_rows
 from .prompt_pass import PromptPass, PromptSink
+from .record_inputs import (
+    GenerateWatch,
+    StepTimer,
+    eos_ids,
+    generation_config,
+    locate_evidence,
+    refuse_inexact,
+    token_pieces,
+)
+from .record_options import EvidenceSpec, RecordOptions
 
-__all__ = ["record", "record_teacher_forced", "Recording", "EvidenceSpec", "locate_evidence"]
-
-#: evidence: {label: "substring" | (start, end)} for every request, or one such mapping per request
-EvidenceSpec = Mapping[str, "str | tuple[int, int]"] | Sequence[Mapping[str, "str | tuple[int, int]"]]
-
-
-def _token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
-    return [tokenizer.decode([int(i)], skip_special_tokens=False) for i in ids]
-
-
-def locate_evidence(pieces: Sequence[str], spans: Mapping[str, Any], prompt: str | None = None) -> list[str | None]:
-    """Label of the evidence span each prompt token belongs to (``None`` if none).
-
-    Parameters
-    ----------
-    pieces : the decoded text of each prompt token, in order
-    spans : ``{label: substring}`` (first occurrence in the prompt text) or
-        ``{label: (start, end)}`` character range of ``prompt`` (the user's
-        prompt, found inside the tokenized text, e.g. after a chat template)
-    """
-    text = "".join(pieces)
-    starts = np.cumsum([0] + [len(p) for p in pieces])  # char offset of each token
-    labels: list[str | None] = [None] * len(pieces)
-    for label, span in spans.items():
-        if isinstance(span, str):
-            begin = text.find(span)
-            if not span or begin < 0:
-                raise RecorderError(
-                    f"evidence {label!r}: {span!r} does not occur in the prompt text; "
-                    "give a substring of the prompt or a (start, end) character range"
-                )
-            end = begin + len(span)
-        else:
-            try:
-                a, b = (int(x) for x in span)
-            except (TypeError, ValueError):
-                raise RecorderError(
-                    f"evidence {label!r}: expected a substring or a (start, end) pair, got {span!r}"
-                ) from None
-            offset = 0
-            if prompt is not None:
-                offset = text.find(prompt)
-                if offset < 0:
-                    raise RecorderError(
-                        f"evidence {label!r}: the prompt text is not found in the "
-                        "tokenized input; give the evidence as a substring instead"
-                    )
-            if not 0 <= a < b or (prompt is not None and b > len(prompt)):
-                raise RecorderError(f"evidence {label!r}: character range {span!r} is empty or outside the prompt")
-            begin, end = offset + a, offset + b
-        hit = (starts[:-1] < end) & (starts[1:] > begin)
-        if not hit.any():
-            raise RecorderError(f"evidence {label!r} covers no prompt token")
-        for i in np.flatnonzero(hit):
-            labels[i] = label
-    return labels
+__all__ = ["record", "record_teacher_forced", "Recording", "RecordOptions", "EvidenceSpec", "locate_evidence"]
 
 
-def _generation_config(model: Any, kwargs: Mapping[str, Any]) -> Any:
-    """The generation config generate will use (its own merge of the config and the kwargs)."""
-    options = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
-    config = options.pop("generation_config", None)
-    prepare = getattr(model, "_prepare_generation_config", None)
-    if prepare is None:
-        config = copy.deepcopy(config or model.generation_config)
-        config.update(**options)
-        return config
-    return prepare(config, **options)[0]
-
-
-def _refuse_inexact(config: Any, kwargs: Mapping[str, Any]) -> None:
-    """Raise for generation modes whose evictions cannot be attributed to a returned sequence."""
-    if (getattr(config, "num_beams", 1) or 1) > 1:
-        raise RecorderError(
-            f"record does not support beam search (num_beams={config.num_beams}): beams reorder the "
-            "cache rows at every step, so an eviction cannot be attributed to a returned sequence "
-            "exactly; record greedy or sampled generation (num_beams=1), e.g. with "
-            "num_return_sequences for several samples per prompt"
-        )
-    if getattr(config, "stop_strings", None):
-        raise RecorderError(
-            "record does not support stop_strings: the recorder cannot observe where generate stopped "
-            "each row, so it would log the padding after the stop as generated; cut the answers "
-            "after generation instead"
-        )
-    if kwargs.get("stopping_criteria"):
-        raise RecorderError(
-            "record does not support custom stopping_criteria: rows they stop are padded by generate "
-            "in a way the recorder cannot tell from generated text; stop with eos_token_id or "
-            "max_new_tokens instead"
-        )
-
-
-def _eos_ids(config: Any) -> list[int]:
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
-class _GenerateWatch:
-    """Forward pre-hook on the model during one generate call.
-
-    Captures the prefill's ``input_ids`` and ``attention_mask`` (the expanded
-    rows and the mask generate really used) and, at each decode forward,
-    which rows are still generating: a row is finished once the token it is
-    fed is an EOS, or it was fed one before.
-    """
-
-    def __init__(self, eos: Sequence[int], ended: torch.Tensor | None = None, width: int | None = None):
-        self.eos = list(eos)
-        self.ended = ended  # (rows,) bool: rows of a continued generation whose request already ended
-        self.width = width  # prompt columns: assisted decoding's first forward adds a draft after them
-        self.input_ids: torch.Tensor | None = None
-        self.mask: torch.Tensor | None = None
-        self.finished: torch.Tensor | None = None  # (rows,) bool
-        self.alive: torch.Tensor | None = None  # (rows,) bool, rows whose current forward is real
-
-    def __call__(self, module: Any, args: tuple, kwargs: dict) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            return
-        if self.input_ids is None:
-            mask = kwargs.get("attention_mask")
-            if self.width is not None and ids.shape[1] > self.width:
-                ids = ids[:, : self.width]
-                mask = mask[:, : self.width] if mask is not None and mask.dim() == 2 else mask
-            self.input_ids, self.mask = ids, mask
-            self.finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-            self.alive = None
-            if self.ended is not None:  # a continued generation: its first forward is a decode step
-                self.finished = self.ended.to(ids.device)
-                self.alive = ~self.finished
-            return
-        fed = ids[:, 0]  # a verification forward's first token is confirmed, its draft may not be
-        if self.eos:
-            eos = torch.tensor(self.eos, dtype=fed.dtype, device=fed.device)
-            self.finished = self.finished | torch.isin(fed, eos)
-        self.alive = ~self.finished
-
-    def prompt_mask(self) -> torch.Tensor:
-        """``(rows, width)`` bool: the prompt columns generate attended to."""
-        ids, mask = self.input_ids, self.mask
-        if mask is None:
-            return torch.ones_like(ids, dtype=torch.bool)
-        if mask.dim() != 2 or mask.shape != ids.shape:
-            raise RecorderError(
-                f"record needs generate's 2-D padding mask, got an attention mask of shape "
-                f"{tuple(mask.shape)} for input_ids of shape {tuple(ids.shape)}; generate without a "
-                "static cache (cache_implementation='static' builds a 4-D mask)"
-            )
-        return mask.bool()
-
-
-class _StepTimer:
-    """A logits processor that only timestamps generate's steps (scores pass through)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self.t0 = 0.0
-        self.prefill: float | None = None
-
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        now = time.perf_counter()
-        if not self.times:
-            self.prefill = now - self.t0
-        self.times.append(now)
-        return scores
-
-    def decode_steps(self) -> list[float]:
-        return list(np.diff(self.times))
-
-
-@dataclass
-class _Pending:
-    """Raw decode events kept on the device until the next flush."""
-
-    layer: list[int] = field(default_factory=list)
-    events: list[DecodeEvent] = field(default_factory=list)
-    alive: list[torch.Tensor | None] = field(default_factory=list)  # (b,) rows still generating
-    ids: list[int] | None = None  # the request of each row when the events were raised
-
-
-class Recording:
+class Recording(StepCapture):
     """An active recording: a :class:`~h2o_lens.cache.CacheListener` plus the run writer.
 
     Attributes
@@ -274,11 +97,11 @@ class Recording:
         self.flush_every = flush_every
         self.model = model
         self.session: H2OSession | None = None
-        self._pending = _Pending()
+        self._pending = Pending()
         self._request_base = 0  # requests recorded by earlier generate calls
         self._raised: dict[int, int] = {}  # request -> slots after a guard's raise (DESIGN.md §18.5)
         self._prompt_base = 0  # prompts of earlier generate calls
-        self._watch: _GenerateWatch | None = None
+        self._watch: GenerateWatch | None = None
         self._ids: list[int] = []  # the request of each row of the events being converted
         self._group = 1
         self._last_layer = 0
@@ -340,7 +163,7 @@ class Recording:
             for r, prompt in enumerate(prompts):
                 request = self._request_base + r
                 info = self._new_request(request, list(prompt), self._prompt_base + r, 0)
-                pieces = _token_pieces(self.tokenizer, prompt) if self.tokenizer is not None else None
+                pieces = token_pieces(self.tokenizer, prompt) if self.tokenizer is not None else None
                 self.writer.append(
                     "tokens",
                     {
@@ -369,214 +192,6 @@ class Recording:
             entry["requests"] = list(cache.request_ids)  # the request of each row after the reorder
         self.state_events.append({"seq": len(self.state_events), **entry})
 
-    def on_prefill(self, layer: int, ev: PrefillEvent) -> None:
-        self._ids = self._row_ids()
-        recent, _, group = self._policy()
-        b, hs, p = ev.positions.shape
-        victims = (ev.positions >= 0) & ~ev.keep  # (b, Hs, P)
-        survivors = ev.keep & ev.eligible
-        inf = torch.finfo(ev.scores.dtype).max
-        low = torch.where(survivors, ev.scores, inf).amin(-1)  # (b, Hs)
-        low_ok = survivors.any(-1)
-        r, h, i = victims.nonzero(as_tuple=True)
-        step = ev.step[r].to(torch.int64)
-        pos = ev.positions[r, h, i].to(torch.int64)
-        score = ev.scores[r, h, i]
-        margin = torch.where(low_ok[r, h], low[r, h] - score, torch.full_like(score, float("nan")))
-        self._append_evictions(r, h, step, pos, score, margin, recent[r.cpu()], group, layer=layer, phase="prefill")
-        # one steps row per (request, set) at the last prompt position
-        kept = ev.keep.sum(-1)
-        heavy_pos = torch.where(survivors, ev.positions.to(torch.float32), float("nan"))
-        age = ev.step[:, None].float() - torch.nanmean(heavy_pos, -1)
-        rr, hh = torch.meshgrid(torch.arange(b), torch.arange(hs), indexing="ij")
-        self._append_steps(
-            rr.reshape(-1),
-            hh.reshape(-1),
-            ev.step[rr].reshape(-1).to(torch.int64),
-            torch.where(low_ok, low, float("nan")).reshape(-1),
-            None,
-            None,
-            kept.reshape(-1),
-            age.reshape(-1),
-            layer,
-            group,
-        )
-
-    def on_decode(self, layer: int, ev: DecodeEvent) -> None:
-        if self._pending.ids is None:
-            self._pending.ids = self._row_ids()
-        self._pending.layer.append(layer)
-        self._pending.events.append(ev)
-        self._pending.alive.append(self._watch.alive if self._watch is not None else None)
-        if (
-            layer == self._last_layer
-            and len(self._pending.events) >= self.flush_every * (self._last_layer + 1)
-            and self.session.last_cache.layers[layer].segment is None  # its steps may still be taken back
-        ):
-            self.flush()
-
-    def on_segment(self, layer: int, ev: SegmentEvent) -> None:
-        """A verification segment ended (DESIGN.md §14): the steps taken back leave the pending
-        events (evictions and steps hold only what stood) and go to ``spec_undone``; the last
-        layer writes the segment's ``spec_segments`` rows."""
-        if ev.mode == "rollback" and ev.undone:
-            gone = {id(e) for e in ev.undone}
-            pend = self._pending
-            keep = [i for i, e in enumerate(pend.events) if id(e) not in gone]
-            pend.layer = [pend.layer[i] for i in keep]
-            pend.events = [pend.events[i] for i in keep]
-            pend.alive = [pend.alive[i] for i in keep]
-        b = ev.step.shape[0]
-        ids = np.asarray(self._row_ids(), np.int32)
-        if layer == 0:
-            self._segment_no = np.array([self._segments.get(int(q), 0) for q in ids], np.int32)
-            self._segment_undone = torch.zeros(b, dtype=torch.int64)
-        if ev.undone:
-            self._segment_undone = self._segment_undone + self._append_undone(layer, ev.undone, ids)
-        if layer != self._last_layer:
-            return
-        for q in ids:
-            self._segments[int(q)] = self._segments.get(int(q), 0) + 1
-        self.writer.append(
-            "spec_segments",
-            {
-                "request": ids,
-                "segment": self._segment_no,
-                "step": ev.step.cpu().numpy().astype(np.int64),
-                "proposed": np.full(b, ev.proposed, np.int32),
-                "accepted": np.full(b, ev.accepted, np.int32),
-                "rolled_back": np.full(b, ev.rolled_back, np.int32),
-                "undone_evictions": self._segment_undone.numpy(),
-                "mode": ev.mode,
-            },
-        )
-
-    def _append_undone(self, layer: int, events: list[DecodeEvent], ids: np.ndarray) -> torch.Tensor:
-        """``spec_undone`` rows of one layer's rolled-back steps; returns ``(b,)`` counts."""
-        recent, sink, group = self._policy()
-        pinned = self.session.last_cache.pinned_positions()
-        stack = lambda name: torch.stack([getattr(e, name) for e in events]).cpu()  # noqa: E731
-        step = stack("step").to(torch.int64)  # (K, b)
-        slot, evicts = stack("slot"), stack("evicts")  # (K, b, Hs)
-        st = decode_stats(stack("cand_scores"), stack("cand_positions"), slot, evicts, step, recent, sink, pinned)
-        k, b, hs = slot.shape
-        req = torch.arange(b)[None, :, None].expand(k, b, hs)[evicts]
-        cols = {
-            "request": ids[req.numpy()],
-            "segment": self._segment_no[req.numpy()],
-            "step": step[:, :, None].expand(k, b, hs)[evicts].numpy(),
-            "layer": np.full(req.numel(), layer, np.int16),
-            **self._heads(torch.arange(hs)[None, None, :].expand(k, b, hs)[evicts], group),
-            "position": st.victim_position[evicts].to(torch.int64).numpy(),
-            "score": st.victim_score[evicts].float().numpy(),
-        }
-        if req.numel():
-            self.writer.append("spec_undone", cols)
-        return torch.bincount(req, minlength=b)
-
-    # -- conversion ------------------------------------------------------------
-    def flush(self) -> None:
-        """Turn the pending decode events into eviction and step rows (batched)."""
-        pend, self._pending = self._pending, _Pending()
-        if not pend.events:
-            return
-        recent, sink, group = self._policy()
-        self._ids = pend.ids if pend.ids is not None else self._row_ids()
-        pinned = self.session.last_cache.pinned_positions()
-        ev = pend.events
-        stack = lambda name: torch.stack([getattr(e, name) for e in ev])  # noqa: E731
-        step = stack("step").to(torch.int64)  # (K, b)
-        slot, evicts = stack("slot"), stack("evicts")  # (K, b, Hs)
-        c_scores, c_pos = stack("cand_scores"), stack("cand_positions")  # (K, b, Hs, B+1)
-        st = decode_stats(c_scores, c_pos, slot, evicts, step, recent.to(step.device), sink.to(step.device), pinned)
-        k, b, hs = slot.shape
-        layer = torch.tensor(pend.layer)[:, None, None].expand(k, b, hs)
-        step3 = step[:, :, None].expand(k, b, hs)
-        req = torch.arange(b)[None, :, None].expand(k, b, hs)
-        head = torch.arange(hs)[None, None, :].expand(k, b, hs)
-        ones = torch.ones(b, dtype=torch.bool, device=slot.device)
-        alive = torch.stack([ones if a is None else a for a in pend.alive])[:, :, None].expand(k, b, hs)
-        # evictions (none of a request that already ended: it fed its EOS or padding)
-        sel = evicts & alive
-        self._append_evictions(
-            req[sel],
-            head[sel],
-            step3[sel],
-            st.victim_position[sel].to(torch.int64),
-            st.victim_score[sel],
-            st.margin[sel],
-            recent[req[sel]],
-            group,
-            layer=layer[sel],
-            phase="decode",
-        )
-        # steps: kept count and mean age of the heavy slots after the step (the eligible survivors:
-        # outside the recent window, the sink and the pinned positions)
-        kept = (c_pos >= 0).sum(-1) - evicts.to(torch.int64)
-        heavy_pos = torch.where(st.survivors, c_pos.to(torch.float32), float("nan"))
-        age = step3.float() - torch.nanmean(heavy_pos, -1)
-        exiting = st.exiting_position.to(torch.int64)
-        has_exit = exiting >= 0
-        if not bool(alive.any()):
-            return
-        self._append_steps(
-            req[alive],
-            head[alive],
-            step3[alive],
-            st.min_heavy_score[alive],
-            st.promoted[alive],
-            exiting[alive],
-            kept[alive],
-            age[alive],
-            layer[alive],
-            group,
-            has_exit=has_exit[alive],
-        )
-
-    def _heads(self, h: torch.Tensor, group: int) -> dict[str, np.ndarray]:
-        h = h.numpy().astype(np.int16)
-        if self.config.gqa == "none" and group > 1:
-            return {"kv_head": h // group, "q_head": h}
-        return {"kv_head": h}
-
-    def _append_evictions(self, r, h, step, pos, score, margin, recent, group, *, layer=None, phase: str) -> None:
-        if r.numel() == 0:
-            return
-        step_np = step.numpy()
-        pos_np = pos.numpy()
-        cols = {
-            "request": np.asarray(self._ids, np.int32)[r.numpy()],
-            "step": step_np,
-            "layer": layer.numpy().astype(np.int16)
-            if isinstance(layer, torch.Tensor)
-            else np.full(len(pos_np), layer, np.int16),
-            **self._heads(h, group),
-            "position": pos_np,
-            "score": score.float().numpy(),
-            "margin": margin.float().numpy(),
-            "age": step_np - pos_np,
-            "left_recent": pos_np == step_np - recent.numpy(),
-            "phase": phase,
-        }
-        self.writer.append("evictions", cols)
-
-    def _append_steps(self, r, h, step, min_heavy, promoted, exiting, kept, age, layer, group, has_exit=None) -> None:
-        n = r.numel()
-        cols = {
-            "request": np.asarray(self._ids, np.int32)[r.numpy()],
-            "step": step.numpy(),
-            "layer": layer.numpy().astype(np.int16) if isinstance(layer, torch.Tensor) else np.full(n, layer, np.int16),
-            **self._heads(h, group),
-            "min_heavy_score": np.ma.masked_invalid(min_heavy.float().numpy()),
-            "kept": kept.numpy().astype(np.int32),
-            "heavy_age_mean": np.ma.masked_invalid(age.float().numpy()),
-        }
-        if promoted is not None:
-            mask = ~has_exit.numpy()
-            cols["promoted"] = np.ma.MaskedArray(promoted.numpy(), mask=mask)
-            cols["exiting_position"] = np.ma.MaskedArray(exiting.numpy(), mask=mask)
-        self.writer.append("steps", cols)
-
     # -- generate --------------------------------------------------------------
     def _generate(self, original, *args: Any, **kwargs: Any):
         want_dict = kwargs.get("return_dict_in_generate", False)
@@ -586,8 +201,8 @@ class Recording:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if input_ids is None:
             raise RecorderError("record needs model.generate(input_ids=..., ...) (token ids, not embeddings)")
-        gen_config = _generation_config(self.model, kwargs)
-        _refuse_inexact(gen_config, kwargs)
+        gen_config = generation_config(self.model, kwargs)
+        refuse_inexact(gen_config, kwargs)
         if self.session is None or not self.config.spec.evicts:  # else the H2O session warns
             warn_past_context(self.model, planned_positions(self.model, input_ids.shape[-1], kwargs), stacklevel=4)
         cache = None
@@ -607,9 +222,9 @@ class Recording:
                     "in the cache's row order, without num_return_sequences"
                 )
             ended = torch.tensor([self._reqs.get(q, {}).get("ended", False) for q in continued])
-        watch = _GenerateWatch(_eos_ids(gen_config), ended, input_ids.shape[-1])
-        self._pending = _Pending()
-        timer = _StepTimer()
+        watch = GenerateWatch(eos_ids(gen_config), ended, input_ids.shape[-1])
+        self._pending = Pending()
+        timer = StepTimer()
         kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), timer])
         timer.start()
         hook = self.model.register_forward_pre_hook(watch, with_kwargs=True)
@@ -640,7 +255,7 @@ class Recording:
         if continued is not None:
             mask = kwargs.get("attention_mask")
             valid = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
-            self._write_tokens(input_ids, valid, out, eos=_eos_ids(gen_config), requests=continued)
+            self._write_tokens(input_ids, valid, out, eos=eos_ids(gen_config), requests=continued)
             self._write_guard(cache)
             self.generations += 1
             if not want_logits:
@@ -653,7 +268,7 @@ class Recording:
                 "maps rows to prompts only for num_return_sequences expansion"
             )
         self._write_tokens(
-            watch.input_ids, watch.prompt_mask(), out, samples=rows // input_ids.shape[0], eos=_eos_ids(gen_config)
+            watch.input_ids, watch.prompt_mask(), out, samples=rows // input_ids.shape[0], eos=eos_ids(gen_config)
         )
         self._write_guard(cache)
         if self._prompt_sink is not None:
@@ -712,7 +327,7 @@ class Recording:
         else:
             cache = self.session.new_cache()
             self._last_layer = len(cache.layers) - 1
-        self._pending = _Pending()
+        self._pending = Pending()
         logits = []
         with torch.no_grad():
             out = model(input_ids=prompt, **compat.cache_kwargs(cache), use_cache=True)
@@ -806,7 +421,7 @@ class Recording:
             start = len(written)
             first = len(so_far)  # position of the first token generated here (earlier ones came without logits)
             all_ids = so_far + new
-            pieces = _token_pieces(tok, all_ids[start:]) if tok is not None else None
+            pieces = token_pieces(tok, all_ids[start:]) if tok is not None else None
             self.writer.append(
                 "tokens",
                 {
@@ -852,7 +467,7 @@ class Recording:
             if tok is None:
                 raise RecorderError("evidence needs the tokenizer: pass record(..., tokenizer=tok)")
             prompt_text = self.prompts[prompt_index] if self.prompts else None
-            labels = locate_evidence(_token_pieces(tok, prompt), spans, prompt_text)
+            labels = locate_evidence(token_pieces(tok, prompt), spans, prompt_text)
         budget = self.config.resolve(n_prompt)  # what the cache resolved for this row
         self.budgets.append(budget)
         info = {
@@ -966,7 +581,7 @@ def record(
     On an exception inside the block the run is marked ``failed`` with the
     error, and the model is restored; the exception propagates.
     """
-    common = dict(
+    opts = RecordOptions(
         out=out,
         tokenizer=tokenizer,
         evidence=evidence,
@@ -978,11 +593,13 @@ def record(
         fsync=fsync,
         rows_per_segment=rows_per_segment,
         annotate=annotate,
+        speculative=speculative,
+        keep_prompt_pass=keep_prompt_pass,
     )
     if config is None or isinstance(config, H2OConfig):
-        with _record(
-            model, config, speculative=speculative, keep_prompt_pass=keep_prompt_pass, **common, **options
-        ) as rec:
+        if config is not None and options:
+            raise RecorderError(f"give either a config or keyword options, not both (got {sorted(options)})")
+        with _record(model, config if config is not None else H2OConfig(**options), opts) as rec:
             yield rec
         return
     from .press import is_press, prepare_press, press_scope
@@ -997,61 +614,40 @@ def record(
     press, manifest, prefix = prepare_press(config)  # refused presses: before anything is written
     if pinned:
         manifest["config"]["pinned"] = list(pinned)
-    common["run_id"] = run_id if run_id is not None else new_run_id(prefix)
+    run = run_id if run_id is not None else new_run_id(prefix)
+    opts = dataclasses.replace(opts, run_id=run, speculative="rollback", keep_prompt_pass=False, manifest=manifest)
     # the full policy leaves the model to transformers' cache; the press's hooks compress it
-    with _record(model, H2OConfig(policy="full"), manifest=manifest, **common) as rec:
+    with _record(model, H2OConfig(policy="full"), opts) as rec:
         with press_scope(model, press, rec, pinned) as observer:
             rec.press_observer = observer
             yield rec
 
 
 @contextlib.contextmanager
-def _record(
-    model: Any,
-    given: H2OConfig | None = None,
-    *,
-    out: str,
-    tokenizer: Any = None,
-    evidence: EvidenceSpec | None = None,
-    name: str | None = None,
-    run_id: str | None = None,
-    prompts: Sequence[str] | None = None,
-    info: Mapping[str, Any] | None = None,
-    flush_every: int = 32,
-    fsync: bool = True,
-    rows_per_segment: int | None = None,
-    annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None,
-    speculative: str = "rollback",
-    keep_prompt_pass: bool = False,
-    manifest: Mapping[str, Any] | None = None,
-    **options: Any,
-) -> Iterator[Recording]:
-    """:func:`record` for an :class:`H2OConfig`; ``manifest`` (the press recording's) replaces the
-    run's config and manifest fields (``config``, ``policy`` ...) where it names them."""
+def _record(model: Any, config: H2OConfig, opts: RecordOptions) -> Iterator[Recording]:
+    """:func:`record` for an :class:`H2OConfig`; ``opts.manifest`` (the press recording's) replaces
+    the run's config and manifest fields (``config``, ``policy`` ...) where it names them."""
     from h2o_lens.models import model_info
 
     compat.check_supported()  # before anything is written
-    config = given if given is not None else H2OConfig(**options)
-    if given is not None and options:
-        raise RecorderError(f"give either a config or keyword options, not both (got {sorted(options)})")
-    sizing = {"rows_per_segment": rows_per_segment} if rows_per_segment else {}
-    manifest = dict(manifest or {})
+    sizing = {"rows_per_segment": opts.rows_per_segment} if opts.rows_per_segment else {}
+    manifest = dict(opts.manifest or {})
     writer = RunWriter(
-        out,
-        run_id,
+        opts.out,
+        opts.run_id,
         config=manifest.get("config", config.to_dict()),
         model=model_info(model),
-        fsync=fsync,
-        name=name,
+        fsync=opts.fsync,
+        name=opts.name,
         **sizing,
-        **dict(info or {}),
+        **dict(opts.info or {}),
     )
-    rec = Recording(writer, config, tokenizer, evidence, prompts, flush_every, model)
-    rec.annotate = annotate
-    rec.prompt_passes = {} if keep_prompt_pass else None
+    rec = Recording(writer, config, opts.tokenizer, opts.evidence, opts.prompts, opts.flush_every, model)
+    rec.annotate = opts.annotate
+    rec.prompt_passes = {} if opts.keep_prompt_pass else None
     writer.start()
     try:
-        with h2o(model, config, listener=rec, speculative=speculative) as session:
+        with h2o(model, config, listener=rec, speculative=opts.speculative) as session:
             rec.session = session
             inner = model.generate
             model.generate = functools.wraps(inner)(functools.partial(rec._generate, inner))
@@ -1064,51 +660,7 @@ def _record(
                     vars(model).pop("generate", None)
                 else:
                     model.generate = inner
-        cache = session.last_cache
-        # one budget for the run when every request shares it; else null here, and each
-        # request's own in the requests table (a keep ratio resolves per prompt length)
-        shared = rec.budgets[0] if rec.budgets and all(b == rec.budgets[0] for b in rec.budgets) else None
-        resolved = config if config.resolved else shared
-        if not config.spec.evicts:  # no slots: a budget given with it is ignored
-            resolved = dataclasses.replace(config, heavy=None, recent=None, ratio=None)
-        writer.update(
-            config=(resolved or config).to_dict(),
-            policy=config.policy,
-            heavy=resolved.heavy if resolved else None,
-            recent=resolved.recent if resolved else None,
-            budget_per_request=resolved is None,
-            gqa=config.gqa,
-            sink=config.sink,
-            seed=config.seed,
-            backend=cache.backend if cache is not None else "torch",
-            prompt_len=rec.prompt_len,
-            new_tokens=rec.new_tokens,
-            requests=rec.requests,
-            seconds_per_token=float(np.median(rec.step_times)) if rec.step_times else None,
-            prefill_seconds=float(np.median(rec.prefill_seconds)) if rec.prefill_seconds else None,
-            keep_ratio=config.ratio,
-            state_events=rec.state_events or None,
-            prefill_batches=rec.prefill_batches or None,
-        )
-        guard = getattr(cache, "guard", None) if cache is not None else None
-        if guard is not None:  # the guard's configuration, beside its tables (DESIGN.md §18.5)
-            writer.update(guard=dataclasses.asdict(guard.config))
-        if rec.guard_cost is not None:  # and what it cost, against the generation it ran in
-            generated = float(sum(rec.step_times) + sum(rec.prefill_seconds))
-            seconds, refill, scored = rec.guard_cost
-            writer.update(
-                guard_cost={
-                    "seconds": seconds,
-                    "refill_seconds": refill,
-                    "steps_scored": int(scored),
-                    "generate_seconds": generated,
-                    "share": seconds / generated if generated > 0 else None,
-                }
-            )
-        if rec.prompts_reused:  # the prefill time above leaves these generate calls out
-            writer.update(prompt_forward_reused=rec.prompts_reused)
-        if manifest:
-            writer.update(**manifest)
+        _write_manifest(writer, rec, config, session.last_cache, manifest)
     except BaseException as exc:
         if writer.status == "running":
             with contextlib.suppress(Exception):  # the requests seen so far, for the failed run's log
@@ -1117,6 +669,55 @@ def _record(
                 writer.close("failed", exc)
         raise
     writer.close("complete")
+
+
+def _write_manifest(writer: RunWriter, rec: Recording, config: H2OConfig, cache: Any, manifest: dict) -> None:
+    """The manifest fields known once the block ends: the budget, the timings, the state events,
+    the guard's configuration and cost (DESIGN.md §18.5), and ``manifest``'s own."""
+    # one budget for the run when every request shares it; else null here, and each
+    # request's own in the requests table (a keep ratio resolves per prompt length)
+    shared = rec.budgets[0] if rec.budgets and all(b == rec.budgets[0] for b in rec.budgets) else None
+    resolved = config if config.resolved else shared
+    if not config.spec.evicts:  # no slots: a budget given with it is ignored
+        resolved = dataclasses.replace(config, heavy=None, recent=None, ratio=None)
+    writer.update(
+        config=(resolved or config).to_dict(),
+        policy=config.policy,
+        heavy=resolved.heavy if resolved else None,
+        recent=resolved.recent if resolved else None,
+        budget_per_request=resolved is None,
+        gqa=config.gqa,
+        sink=config.sink,
+        seed=config.seed,
+        backend=cache.backend if cache is not None else "torch",
+        prompt_len=rec.prompt_len,
+        new_tokens=rec.new_tokens,
+        requests=rec.requests,
+        seconds_per_token=float(np.median(rec.step_times)) if rec.step_times else None,
+        prefill_seconds=float(np.median(rec.prefill_seconds)) if rec.prefill_seconds else None,
+        keep_ratio=config.ratio,
+        state_events=rec.state_events or None,
+        prefill_batches=rec.prefill_batches or None,
+    )
+    guard = getattr(cache, "guard", None) if cache is not None else None
+    if guard is not None:  # the guard's configuration, beside its tables (DESIGN.md §18.5)
+        writer.update(guard=dataclasses.asdict(guard.config))
+    if rec.guard_cost is not None:  # and what it cost, against the generation it ran in
+        generated = float(sum(rec.step_times) + sum(rec.prefill_seconds))
+        seconds, refill, scored = rec.guard_cost
+        writer.update(
+            guard_cost={
+                "seconds": seconds,
+                "refill_seconds": refill,
+                "steps_scored": int(scored),
+                "generate_seconds": generated,
+                "share": seconds / generated if generated > 0 else None,
+            }
+        )
+    if rec.prompts_reused:  # the prefill time above leaves these generate calls out
+        writer.update(prompt_forward_reused=rec.prompts_reused)
+    if manifest:
+        writer.update(**manifest)
 
 
 def record_teacher_forced(

@@ -2,7 +2,8 @@
 
 The lifecycle check and the reports must catch an implementation that gets the serving state
 wrong. :class:`FaultyLayer` is the H2O cache layer with some of these bugs, each overriding the
-one verb that does the work; :func:`inject` builds the caches of a block with it::
+one public verb that does the work (never a private method: the test of the cache's extension
+point says so); :func:`inject` builds the caches of a block with it::
 
     with inject("scores_not_rolled_back"):
         ...  # every H2O cache built here (h2o(...), record(...)) has the bug
@@ -41,12 +42,12 @@ class FaultyLayer(H2OCacheLayer):
             return super().reorder_cache(beam_idx)
         idx = beam_idx.to(self.keys.device)
         # K and V move; scores, positions and counters stay with the old rows
-        self._move_row_state(lambda t: t.index_select(0, idx), names=("keys", "values"))
+        self.move_rows(lambda t: t.index_select(0, idx), "reorder", names=("keys", "values"))
 
-    def _own_prefix_scores(self, shared: torch.Tensor) -> torch.Tensor:
+    def own_prefix_scores(self, shared: torch.Tensor) -> torch.Tensor:
         if "prefix_without_copy" in self.faults:
             return shared  # no copy: each request adds its suffix's share into the shared sums
-        return super()._own_prefix_scores(shared)
+        return super().own_prefix_scores(shared)
 
     def end_segment(self, rolled_back: int) -> None:
         seg = self.segment

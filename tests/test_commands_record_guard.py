@@ -68,12 +68,14 @@ def test_log_only_logs(folder, tmp_path, monkeypatch, capsys):
 
 @pytest.mark.compat
 def test_refill_runs_with_its_processor(folder, tmp_path, monkeypatch, capsys):
-    """``refill`` needs the refill processor in ``generate``: the command passes it (a raise at the
-    prefill at threshold 0 here, as the refill action does before anything is evicted)."""
+    """``refill`` needs the refill processor in ``generate``: the command passes it (at threshold 0
+    the row gets its target at the prefill, before anything is evicted: logged as the ``refill``
+    it is, with nothing recomputed)."""
     code, out = _record(folder, tmp_path, monkeypatch, "--guard", "refill:0.5@0")
     assert code == 0
     (run_dir,) = out.iterdir()
-    assert load_run(run_dir)["guard_events"].to_pandas()["action"].tolist() == ["raise"]
+    events = load_run(run_dir)["guard_events"].to_pandas()
+    assert events["action"].tolist() == ["refill"] and events["seconds"].tolist() == [0.0]
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Known state bugs live in a test-only layer subclass (tests/faulty.py), never in the live runtime.
 
-The runtime's only hook is the layer class a new cache gets (:func:`h2o_lens.cache.use_layer_class`):
+Besides the cache's extensions (which observe and never replace a verb, DESIGN.md §1.1), the tests'
+hook is the layer class a new cache gets (:func:`h2o_lens.cache.use_layer_class`):
 plain outside a block, the block's class inside it (in its own thread only), restored on exit and
 after an error. A fault-free subclass runs exactly as the plain layer.
 """

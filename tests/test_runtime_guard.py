@@ -16,7 +16,6 @@ from h2o_lens.errors import ConfigError
 from h2o_lens.guard import (
     SIGNALS,
     GuardConfig,
-    GuardLayer,
     GuardState,
     TokenCues,
     combine,
@@ -190,8 +189,8 @@ def test_guard_without_action_changes_nothing():
     out_b, cache, g = _run(model, ids, cfg, GuardConfig(reservoir=0.2), listener=guarded_rec)
     assert torch.equal(out_a, out_b)
     assert plain.kept == guarded_rec.kept
-    assert isinstance(cache.layers[0], GuardLayer)
     state = g.last
+    assert state in cache.extensions and cache.guard is state
     # a row per request at the prefill (step P - 1), then per decode step
     assert state.scored == 15 and len(state.risk_rows()) == 32
     assert [r["step"] for r in state.risk_rows()[:2]] == [29, 29]
@@ -199,20 +198,21 @@ def test_guard_without_action_changes_nothing():
     for row in state.risk_rows():
         assert 0.0 <= row["risk"] <= 1.0 and set(SIGNALS) <= set(row)
     layer = cache.layers[0]
-    assert layer.reservoir.shape[2] == math.ceil(0.2 * 10)
+    pool = state.reservoirs[0]
+    assert pool.keys.shape[2] == math.ceil(0.2 * 10)
     # each held key is the key of a position the layer no longer holds: layer 0's keys depend on
     # the token and its position only, so a prefill of the whole output with room for all gives them
     with h2o_lens.h2o(model, H2OConfig(heavy=1000, recent=4)) as full, torch.no_grad():
         model(out_b, use_cache=True, **compat.cache_kwargs(full.new_cache()))
     all_keys = full.last_cache.layers[0].keys  # (b, Hs, N, d): every position, in order
     for r in range(2):
-        for s in range(layer.reservoir.shape[1]):
+        for s in range(pool.keys.shape[1]):
             kept = set(layer.positions[r, s].tolist())
-            for j in range(int(layer.held[r, s])):
-                close = (all_keys[r, s] - layer.reservoir[r, s, j]).abs().amax(-1) < 1e-5
+            for j in range(int(pool.held[r, s])):
+                close = (all_keys[r, s] - pool.keys[r, s, j]).abs().amax(-1) < 1e-5
                 match = close.nonzero()[:, 0].tolist()
                 assert match and not (set(match) & kept), (r, s, j, match)
-    assert int(layer.evicted.min()) > 0
+    assert int(pool.evicted.min()) > 0
 
 
 def _word_tokenizer():
@@ -286,7 +286,7 @@ def test_stride_scores_every_other_layer_and_changes_nothing():
     out, cache, g = _run(model, ids, cfg, GuardConfig(stride=2, reservoir=0.0), new=10)
     _, _, every = _run(model, ids, cfg, GuardConfig(stride=1, reservoir=0.0), new=10)
     assert torch.equal(plain, out)
-    assert not cache.layers[1].scored and cache.layers[0].scored
+    assert not g.last.scores_layer(1) and g.last.scores_layer(0)
     rows, all_rows = g.last.risk_rows(), every.last.risk_rows()
     assert [r["step"] for r in rows] == list(range(23, 33))  # the prefill's row, then each decode step
     assert any(abs(a["far"] - b["far"]) > 1e-6 for a, b in zip(rows, all_rows))  # one layer vs the mean of two

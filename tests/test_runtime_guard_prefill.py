@@ -261,3 +261,23 @@ def test_assisted_decoding_logs_the_prefill_risk_and_acts_later(model):
     rows = g.last.risk_rows()
     assert rows[0]["step"] == PROMPT - 1 and rows[0]["prefill"] > 0
     assert all(e["step"] >= PROMPT for e in g.last.event_rows())
+
+
+def test_a_refill_at_the_prefill_is_logged_as_a_refill_with_nothing_recomputed(model):
+    """Under ``refill`` a row whose prefill risk reaches the threshold gets its target before its
+    prompt is evicted, as a raise does: the event says ``refill`` (the action the config asked for),
+    with nothing evicted and no recompute time; the tokens are those of the same run under ``raise``."""
+    ids = _ids(seed=5)
+    outs, events = [], []
+    for action in ("raise", "refill"):
+        cfg = GuardConfig(action=action, threshold=0.0, raise_slots=12, tail=TAIL)
+        with h2o_lens.h2o(model, H2OConfig(heavy=HEAVY, recent=RECENT)), guarded(cfg) as g, torch.no_grad():
+            outs.append(model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+        events.append(g.last.event_rows())
+    assert torch.equal(outs[0], outs[1])
+    fields = ("request", "step", "action", "slots_after", "evicted", "seconds")
+    assert [tuple(e[f] for f in fields) for e in events[1]] == [
+        (0, PROMPT - 1, "refill", 12, 0.0, 0.0),
+        (1, PROMPT - 1, "refill", 12, 0.0, 0.0),
+    ]
+    assert [e["action"] for e in events[0]] == ["raise", "raise"]

@@ -1,0 +1,95 @@
+"""What an H2O cache does per batch row (DESIGN.md §2.7, §15.3): resolving each request's budget,
+stepping rows of different budgets one launch per budget, and cancelling rows.
+
+Functions of an :class:`~h2o_lens.cache.H2OCache` (``cache``) or one of its layers (``layer``),
+split from the cache module; the cache's methods of the same names call them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import ops
+from .errors import ConfigError
+
+__all__ = ["assign_budgets", "step_groups", "cancel"]
+
+
+def assign_budgets(cache: Any, prompt_lens: torch.Tensor) -> torch.Tensor:
+    """Resolve the budget of each request against its own prompt length, once.
+
+    ``prompt_lens (b,)`` unpadded prompt lengths. Returns ``(b,)`` int64
+    indices into :attr:`budgets` (the same for every layer).
+    """
+    if cache.row_index is None:
+        lens = prompt_lens.tolist()
+        pinned = cache.config.pinned
+        if pinned and pinned[-1] >= min(lens):
+            rows = [r for r, n in enumerate(lens) if pinned[-1] >= n]
+            raise ConfigError(
+                f"pinned position {pinned[-1]} is beyond the prompt of request {rows[0]} "
+                f"({lens[rows[0]]} tokens, positions 0 to {lens[rows[0]] - 1}); pinned positions "
+                "are 0-based positions of each request's real prompt tokens (padding excluded)"
+            )
+        cfgs = [cache.config.resolve(n) for n in lens]
+        rows = []
+        for cfg in cfgs:
+            args = ops.PolicyArgs(cfg.policy, *cfg.split, cfg.gqa, cfg.seed, cfg.pinned)
+            if args not in cache.budgets:
+                cache.budgets.append(args)
+            rows.append(cache.budgets.index(args))
+        cache.request_configs = cfgs
+        cache.row_index = torch.tensor(rows, dtype=torch.int64)
+    return cache.row_index
+
+
+def step_groups(
+    layer: Any, step_fn: Callable[..., ops.DecodeResult], groups, q, k, v, step, scaling: float
+) -> ops.DecodeResult:
+    """The Triton step of a batch whose budgets differ: one launch per budget on its rows
+    and its first ``B_r`` slots, written back (the kernel takes one budget per launch;
+    the torch step takes per-row budgets in one computation)."""
+    b, hs, cap = layer.positions.shape
+    out = q.new_empty(q.shape)
+    slot = torch.empty(b, hs, dtype=torch.int64, device=q.device)
+    evicts = torch.empty(b, hs, dtype=torch.bool, device=q.device)
+    for rows, args in groups:
+        sel = torch.arange(b, device=q.device) if rows is None else rows
+        c = args.capacity
+        stored = [layer.keys, layer.values, layer.scores, layer.positions]
+        state = [t[sel, :, :c].contiguous() for t in stored]
+        fill = None if layer.fill is None else layer.fill[sel]
+        if fill is not None and bool((fill >= c).all()):
+            fill = None
+        res = step_fn(args, q[sel], k[sel], v[sel], *state, step[sel], fill, scaling, False)
+        for t, new in zip(stored, state):
+            t[sel, :, :c] = new
+        out[sel] = res.out
+        slot[sel] = torch.where(res.slot >= c, cap, res.slot)  # c: the new token itself
+        evicts[sel] = res.evicts
+    return ops.DecodeResult(out=out, slot=slot, evicts=evicts)
+
+
+def cancel(cache: Any, rows: int | list[int]) -> list[int]:
+    """Remove the batch rows ``rows`` (their requests end); the other rows keep their state.
+
+    Every layer drops the rows' keys, values, scores, positions and counters (the
+    tensors are rebuilt without them, so their memory is freed) and the remaining
+    rows move up in order, untouched. Returns the rows kept (their old indices): feed
+    the next step only those rows of ``input_ids`` and the attention mask.
+    """
+    gone = sorted({int(r) for r in ([rows] if isinstance(rows, int) else rows)})
+    b = cache.batch_size
+    bad = [r for r in gone if not 0 <= r < b]
+    if bad or not gone:
+        raise ConfigError(f"cancel: rows {bad or gone} are not rows of this batch of {b}; give rows 0..{b - 1}")
+    if len(gone) == b:
+        raise ConfigError(f"cancel: removing all {b} rows leaves nothing to decode; drop the cache instead")
+    keep = [r for r in range(b) if r not in gone]
+    requests = [cache.request_ids[r] for r in gone] if cache.request_ids is not None else gone
+    cache.batch_select_indices(torch.tensor(keep, dtype=torch.int64, device=cache.layers[0].keys.device))
+    cache.notify({"event": "cancel", "rows": gone, "requests": requests})
+    return keep

@@ -1,0 +1,229 @@
+"""The one way to extend the H2O cache: a :class:`CacheExtension` hears the cache's events (DESIGN.md §1.1).
+
+An extension is an object attached to one :class:`~h2o_lens.cache.H2OCache`; the cache's
+layers call it at fixed points of their verbs, and only there. Every method has a no-op
+default, so an extension overrides just the events it needs:
+
+===========================  ====================================================================
+``step_needs(layer)``        before a decode step: what the step must compute for the extension
+                             (:class:`StepNeeds`: the candidate set and weights, the overwritten K/V)
+``prompt_chosen(layer, c)``  after the prefill's keep rule (:class:`PromptChoice`), before the kept
+                             positions are laid into slots; ``True`` holds the prompt back until
+                             the extension calls ``layer.lay_prompt()``
+``on_prefill(layer, e)``     the prompt laid into slots (:class:`~h2o_lens.events.PrefillEvent`)
+``on_decode(layer, e)``      a decode step's eviction, announced: the victim slot, the candidate
+                             set and its scores (:class:`~h2o_lens.events.DecodeEvent`; a
+                             verification segment announces only its applied steps)
+``step_taken(layer, s)``     after each decode step, the counters updated (:class:`StepEvent`:
+                             the query, the new key, the step's raw result)
+``on_segment(layer, e)``     a verification segment ended (:class:`~h2o_lens.events.SegmentEvent`)
+``rows_moved(layer, m, k)``  the rows of a layer moved: ``m`` applied to every per-row tensor,
+                             ``k`` one of ``reorder``, ``select`` (a cancel selects), ``repeat``
+``slots_changed(c, r, n, k)``  rows ``r`` of cache ``c`` hold ``n`` slots now (``k``: ``raise``
+                             or ``refill``)
+``on_state(cache, event)``   a state event of the cache (reorder, cancel, raise, save, restore,
+                             prefix share; a plain dict with its ``"event"`` name, DESIGN.md §15)
+``reset(layer)``             the layer dropped its state
+===========================  ====================================================================
+
+An extension observes and asks; it never replaces a verb of the cache: the eviction itself
+(the FP64 reference, the torch step, the Triton kernels) is the same with or without it, and
+the kept sets of a run are the same bit for bit unless the extension changes a row's slot
+count through the cache's public verbs (:func:`h2o_lens.guard.grow_rows`). A cache gets its
+extensions from the ``extensions`` argument, or from the factories of a :func:`use_extensions`
+block (each called once per new cache). A :class:`~h2o_lens.events.CacheListener` is the
+read-only view: :class:`ListenerExtension` hands it the events it names, and the cache has no
+other way in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+from .events import CacheListener, DecodeEvent, PrefillEvent, SegmentEvent
+
+#: the types the events name, spelled out here: this module imports neither the cache nor ops
+#: (the cache imports it): an ``H2OCacheLayer``, an ``H2OCache`` and an ``ops.DecodeResult``
+H2OCacheLayer = H2OCache = DecodeResult = Any
+
+__all__ = [
+    "CacheExtension",
+    "StepNeeds",
+    "PromptChoice",
+    "StepEvent",
+    "ListenerExtension",
+    "use_extensions",
+    "current_extensions",
+]
+
+
+@dataclass(frozen=True)
+class StepNeeds:
+    """What a decode step computes for an extension: ``candidates`` the candidate set D, its
+    scores and the step's softmax weights (the torch step: a fused kernel gives none of them);
+    ``journal`` the K/V the step overwrites (``DecodeResult.old_key``, ``old_value``)."""
+
+    candidates: bool = False
+    journal: bool = False
+
+    def __or__(self, other: StepNeeds) -> StepNeeds:
+        return StepNeeds(self.candidates or other.candidates, self.journal or other.journal)
+
+
+NOTHING = StepNeeds()
+
+
+@dataclass
+class PromptChoice:
+    """One layer's prefill keep rule, before anything is laid into slots. Shapes ``(b, Hs, P)``
+    unless noted.
+
+    ``query (b, Hq, P, d)``, ``key (b, Hs, P, d)`` and ``valid (b, P)`` (or None) the prompt's;
+    ``scaling`` the attention scale; ``positions`` original positions (-1 padding); ``count (b,)``
+    real tokens per row; ``keep`` the positions the rule keeps; ``draft`` True when a draft to
+    verify follows the prompt in the same forward (assisted decoding's first forward: the prompt
+    cannot be held back).
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    valid: torch.Tensor | None
+    scaling: float | None
+    positions: torch.Tensor
+    count: torch.Tensor
+    keep: torch.Tensor
+    draft: bool
+
+
+@dataclass
+class StepEvent:
+    """One layer's decode step, as computed. ``step (b,)`` its query positions; ``query (b, Hq, d)``,
+    ``key (b, Hs, d)`` the new token's; ``result`` the step's :class:`~h2o_lens.ops.DecodeResult`
+    (``weights``, ``cand_scores``, ``cand_positions`` when a :class:`StepNeeds` asked for the
+    candidates; ``old_key`` when one asked for the journal); ``event`` the announced decode
+    event (None when no extension hears them); ``in_segment`` True for a step of a verification
+    segment (it may be taken back, DESIGN.md §14)."""
+
+    step: torch.Tensor
+    query: torch.Tensor
+    key: torch.Tensor
+    scaling: float
+    result: DecodeResult
+    event: DecodeEvent | None
+    in_segment: bool
+
+
+class CacheExtension:
+    """The events of the H2O cache, each a no-op here (module docstring). Subclass it and
+    override the events the extension needs; :attr:`observer` says that it only reads (a
+    prefill may then be another configuration's, reused, DESIGN.md §12.5)."""
+
+    #: True for an extension that changes nothing (the cache may reuse a prompt forward for it)
+    observer: bool = False
+    #: True when the extension hears :meth:`on_decode` (the cache then builds the decode events)
+    hears_decode: bool = False
+
+    def step_needs(self, layer: H2OCacheLayer) -> StepNeeds:
+        return NOTHING
+
+    def prompt_chosen(self, layer: H2OCacheLayer, choice: PromptChoice) -> bool:
+        return False
+
+    def on_prefill(self, layer: H2OCacheLayer, event: PrefillEvent) -> None:
+        pass
+
+    def on_decode(self, layer: H2OCacheLayer, event: DecodeEvent) -> None:
+        pass
+
+    def step_taken(self, layer: H2OCacheLayer, step: StepEvent) -> None:
+        pass
+
+    def on_segment(self, layer: H2OCacheLayer, event: SegmentEvent) -> None:
+        pass
+
+    def rows_moved(self, layer: H2OCacheLayer, move: Callable[[torch.Tensor], torch.Tensor], kind: str) -> None:
+        pass
+
+    def slots_changed(self, cache: H2OCache, rows: list[int], slots: list[int], kind: str) -> None:
+        pass
+
+    def on_state(self, cache: H2OCache, event: dict) -> None:
+        pass
+
+    def reset(self, layer: H2OCacheLayer) -> None:
+        pass
+
+
+class ListenerExtension(CacheExtension):
+    """A :class:`~h2o_lens.events.CacheListener` on the extension point: it hears ``on_prefill``
+    and ``on_decode`` per layer index, and ``on_segment`` and ``on_state`` when it has them."""
+
+    observer = True
+    hears_decode = True
+
+    def __init__(self, listener: CacheListener):
+        self.listener = listener
+        self._segment = getattr(listener, "on_segment", None)
+        self._state = getattr(listener, "on_state", None)
+
+    def on_prefill(self, layer: H2OCacheLayer, event: PrefillEvent) -> None:
+        self.listener.on_prefill(layer.layer_idx, event)
+
+    def on_decode(self, layer: H2OCacheLayer, event: DecodeEvent) -> None:
+        self.listener.on_decode(layer.layer_idx, event)
+
+    def on_segment(self, layer: H2OCacheLayer, event: SegmentEvent) -> None:
+        if self._segment is not None:
+            self._segment(layer.layer_idx, event)
+
+    def on_state(self, cache: H2OCache, event: dict) -> None:
+        if self._state is not None:
+            self._state(cache, event)
+
+
+#: makes an extension for a new cache, given the cache
+Factory = Callable[[Any], CacheExtension]
+
+_FACTORIES: contextvars.ContextVar[tuple[Factory, ...]] = contextvars.ContextVar("h2o_lens_extensions", default=())
+
+
+def current_extensions() -> tuple[Factory, ...]:
+    """The factories of the :func:`use_extensions` blocks in effect, outermost first."""
+    return _FACTORIES.get()
+
+
+@contextlib.contextmanager
+def use_extensions(*factories: Factory) -> Iterator[None]:
+    """Give every H2O cache built inside the block an extension from each of ``factories`` (a
+    callable taking the new cache, called once per cache), after those of the blocks around it.
+    The choice holds for the block, in its thread or task only (a context variable), and is
+    undone on exit, exceptions included; a cache that exists already keeps its extensions."""
+    bad = [f for f in factories if not callable(f)]
+    if bad:
+        raise ConfigError(f"use_extensions takes callables that make a CacheExtension from a cache, got {bad!r}")
+    token = _FACTORIES.set(_FACTORIES.get() + tuple(factories))
+    try:
+        yield
+    finally:
+        _FACTORIES.reset(token)
+
+
+def build(
+    cache: H2OCache, listener: CacheListener | None, given: Sequence[CacheExtension] | None
+) -> list[CacheExtension]:
+    """The extensions of a new cache: the listener's view first, then ``given``, or (``given`` None)
+    one from each factory in effect."""
+    out: list[CacheExtension] = [] if listener is None else [ListenerExtension(listener)]
+    made = [f(cache) for f in current_extensions()] if given is None else list(given)
+    for ext in made:
+        if not isinstance(ext, CacheExtension):
+            raise ConfigError(f"{ext!r} is not a CacheExtension; subclass h2o_lens.extension.CacheExtension")
+        out.append(ext)
+    return out
