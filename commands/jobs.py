@@ -188,9 +188,9 @@ def demo_verdicts(root: str | os.PathLike, runs: Iterable[TaskRun]) -> dict[str,
     An explained run (counterfactual re-runs under ``root``) shows the causal verdict
     with its sub-label, e.g. ``scoring (delayed_reference)``, source ``re-runs``. Any
     other failed run shows the threshold rules' fast estimate, labelled as one:
-    ``budget (estimate)``, source ``estimate``. A run can fail on the teacher's
-    measures (top-1 agreement, KL) while its answer is still right; its estimate then
-    says ``(estimate, answer right)``. ``ok`` (source None) when nothing failed.
+    ``budget (estimate)``, source ``estimate``. A right answer never shows a failure
+    cause: ``ok``, or ``ok (drifts from teacher)`` when the teacher's measures (top-1
+    agreement, KL) fail it all the same (source None in both).
     """
     from analyses import attribute, causal_verdicts, connect
 
@@ -200,16 +200,16 @@ def demo_verdicts(root: str | os.PathLike, runs: Iterable[TaskRun]) -> dict[str,
         if not registry.get(r.policy).evicts:
             out[r.run_id] = ("ok (teacher)" if r.correct else "full cache fails", None)
             continue
+        if r.correct:  # a right answer has no failure to explain, whatever the measures say
+            out[r.run_id] = ("ok (drifts from teacher)" if attribute(con, r.run_id) else "ok", None)
+            continue
         causal = causal_verdicts(con, r.run_id)
         if causal:
             v = causal[0]
             out[r.run_id] = (v.verdict + (f" ({v.sub_label})" if v.sub_label else ""), "re-runs")
             continue
         found = attribute(con, r.run_id)
-        if not found:
-            out[r.run_id] = ("ok", None)
-        else:
-            out[r.run_id] = (f"{found[0].verdict} (estimate{', answer right' if r.correct else ''})", "estimate")
+        out[r.run_id] = (f"{found[0].verdict} (estimate)", "estimate") if found else ("ok", None)
     return out
 
 
@@ -299,16 +299,43 @@ def demo(
     if explain:
         explain_failures(runs, {t.name: getattr(t, "kind", t.name) for t in tasks}, model, tokenizer, progress=progress)
     verdicts = demo_verdicts(root, runs)
-    head = _headline(root)
     if reports:
-        from analyses import write_report
+        _demo_reports(root, runs)
+    rows = _demo_table(root, runs, verdicts)
+    print(f"{len(runs)} runs in {time.perf_counter() - t0:.0f} s under {root}/ (reports in {root}/reports/)")
+    print(f"open the dashboard: h2o-lens app {root}")
+    write_text_atomic(
+        root / "demo_summary.json",
+        json.dumps(
+            [
+                {
+                    **dict(zip(["task", "policy", "budget", "correct", "kl", "dropped", "verdict", "run_id"], row)),
+                    "verdict_source": verdicts[r.run_id][1],
+                }
+                for row, r in zip(rows, runs)
+            ],
+            indent=1,
+        ),
+    )
+    sys.stdout.flush()
+    return runs
 
-        rep = root / "reports"
-        rep.mkdir(exist_ok=True)
-        for r in runs:
-            if r.policy == registry.DEFAULT:  # the method's runs
-                for fmt in ("html", "md", "json"):
-                    write_report(root, r.run_id, rep / f"{r.task}-{r.policy}-{int(r.ratio * 100)}.{fmt}")
+
+def _demo_reports(root: Path, runs: Sequence[TaskRun]) -> None:
+    """An HTML, Markdown and JSON report of each of the method's runs in ``<root>/reports``."""
+    from analyses import write_report
+
+    rep = root / "reports"
+    rep.mkdir(exist_ok=True)
+    for r in runs:
+        if r.policy == registry.DEFAULT:  # the method's runs
+            for fmt in ("html", "md", "json"):
+                write_report(root, r.run_id, rep / f"{r.task}-{r.policy}-{int(r.ratio * 100)}.{fmt}")
+
+
+def _demo_table(root: Path, runs: Sequence[TaskRun], verdicts: dict[str, tuple[str, str | None]]) -> list[list[Any]]:
+    """Print the demo's table (task × policy × budget) and its accuracy line; return the rows."""
+    head = _headline(root)
     rows = []
     for r in runs:
         h = head.get(r.run_id, {})
@@ -330,32 +357,15 @@ def demo(
             "verdict: decided by counterfactual re-runs where a run was explained; '(estimate)': the threshold "
             f"rules' fast estimate, nothing re-run (h2o-lens explain RUN --root {root} decides it)"
         )
-    acc = {}
+    acc: dict[tuple[str, float | None], list[bool]] = {}
     for r in runs:
-        key = (r.policy, r.ratio)
-        acc.setdefault(key, []).append(r.correct)
+        acc.setdefault((r.policy, r.ratio), []).append(r.correct)
     print()
     print(
         "accuracy: "
         + ", ".join(f"{p}@{'100%' if q is None else f'{q:.0%}'} {sum(v)}/{len(v)}" for (p, q), v in acc.items())
     )
-    print(f"{len(runs)} runs in {time.perf_counter() - t0:.0f} s under {root}/ (reports in {root}/reports/)")
-    print(f"open the dashboard: h2o-lens app {root}")
-    write_text_atomic(
-        root / "demo_summary.json",
-        json.dumps(
-            [
-                {
-                    **dict(zip(["task", "policy", "budget", "correct", "kl", "dropped", "verdict", "run_id"], row)),
-                    "verdict_source": verdicts[r.run_id][1],
-                }
-                for row, r in zip(rows, runs)
-            ],
-            indent=1,
-        ),
-    )
-    sys.stdout.flush()
-    return runs
+    return rows
 
 
 def sweep(
@@ -399,21 +409,12 @@ def sweep(
     :class:`~commands.ray_sweep.RaySweep` runs them on its Ray workers, which
     hold the model (``model`` is then not needed, only the tokenizer; DESIGN.md §13).
     """
-    from h2o_lens.models import load_model, load_tokenizer, model_info
     from h2o_lens.tasks.builtins import resolve_tasks
     from h2o_lens.tasks.taskfile import FileTask, from_builtin
 
     from .grid import plan_grid, prompt_lengths, run_grid
 
-    kv_per_token = None
-    if executor is not None:  # the workers load the model; the plan needs its name and dtype
-        info = executor.info or executor.start()
-        name, dtype, kv_per_token = info["name"], info["dtype"], info["kv_bytes_per_token"]
-        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(executor.model)
-    else:
-        if model is None:
-            model, tokenizer = load_model(progress=progress)
-        name, dtype = str(model_info(model)["name"]), str(model.dtype).removeprefix("torch.")
+    model, tokenizer, (name, dtype, kv_per_token) = _sweep_model(model, tokenizer, executor, progress)
     if tasks is None:
         tasks_spec = tasks_spec or "builtin:small"
         tasks = resolve_tasks(tasks_spec, tokenizer=tokenizer)
@@ -463,6 +464,21 @@ def sweep(
     print(f"\n{len(done)} runs under {root}/; curves in {root}/sweep.html, table in {root}/sweep.csv")
     _say_failed(root, report)
     return table
+
+
+def _sweep_model(model: Any, tokenizer: Any, executor: Any, progress: bool) -> tuple[Any, Any, tuple]:
+    """The sweep's model and tokenizer (the default model when none is given), and the model's
+    ``(name, dtype, kv_bytes_per_token)`` for the plan: a Ray executor's workers load the model,
+    which then says them (``kv_bytes_per_token`` None: read from the model here)."""
+    from h2o_lens.models import load_model, load_tokenizer, model_info
+
+    if executor is not None:  # the workers load the model; the plan needs its name and dtype
+        info = executor.info or executor.start()
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(executor.model)
+        return model, tokenizer, (info["name"], info["dtype"], info["kv_bytes_per_token"])
+    if model is None:
+        model, tokenizer = load_model(progress=progress)
+    return model, tokenizer, (str(model_info(model)["name"]), str(model.dtype).removeprefix("torch."), None)
 
 
 def _say_failed(root: Path, report: Any) -> None:
