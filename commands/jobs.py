@@ -266,6 +266,7 @@ def demo(
     reports: bool = True,
     explain: bool = True,
     progress: bool = True,
+    force: bool = False,
 ) -> list[TaskRun]:
     """Run the task suite with H2O at ``budgets`` and the baselines at the first budget.
 
@@ -274,13 +275,17 @@ def demo(
     gets an HTML, Markdown and JSON report in ``<out>/reports``. Prints the summary
     table (task × policy × budget: correct, KL, dropped mass, verdict: the causal one
     where re-runs exist, else the labelled estimate, :func:`demo_verdicts`) and the
-    command that opens the dashboard.
+    command that opens the dashboard. An ``out`` holding anything h2o-lens did not write is
+    refused in one line, before the model loads, unless ``force`` (DESIGN.md §5.1).
     """
     from tqdm.auto import tqdm
 
     from h2o_lens.models import load_model
     from h2o_lens.tasks import suite
 
+    from .paths import check_out_root
+
+    check_out_root(out, force=force)
     if model is None:
         model, tokenizer = load_model(progress=progress)
     tasks = list(tasks) if tasks is not None else suite(size="demo")
@@ -386,6 +391,7 @@ def sweep(
     progress: bool = True,
     executor: Any = None,
     past_context: bool = False,
+    force: bool = False,
 ) -> Any:
     """Keep ratio (or slots) × policy over the requests → the three curves (quality, physical KV, latency).
 
@@ -408,12 +414,17 @@ def sweep(
     ``executor``: ``None`` runs the cells in this process; a started or new
     :class:`~commands.ray_sweep.RaySweep` runs them on its Ray workers, which
     hold the model (``model`` is then not needed, only the tokenizer; DESIGN.md §13).
+
+    An ``out`` holding anything h2o-lens did not write is refused in one line, before the model
+    loads, unless ``force``; a cell is redone only in its own run folder (DESIGN.md §5.1).
     """
     from h2o_lens.tasks.builtins import resolve_tasks
     from h2o_lens.tasks.taskfile import FileTask, from_builtin
 
     from .grid import plan_grid, prompt_lengths, run_grid
+    from .paths import check_out_root
 
+    check_out_root(out, force=force)
     model, tokenizer, (name, dtype, kv_per_token) = _sweep_model(model, tokenizer, executor, progress)
     if tasks is None:
         tasks_spec = tasks_spec or "builtin:small"
@@ -447,12 +458,7 @@ def sweep(
         with warnings.catch_warnings():  # said once above, not once per cell
             warnings.simplefilter("ignore", ContextWarning)
             report = run_grid(root, grid, tasks, model, tokenizer, progress=progress)
-    print(
-        f"{len(grid.cells)} cells ({len(grid.batches)} batches of up to {batch_size} requests): "
-        f"{len(report.ran)} run, {len(report.done)} already done, {len(report.failed)} failed, "
-        f"{len(report.busy)} taken by another sweep, in {report.seconds:.0f} s"
-        + (f"; {report.prompts_reused} started from another cell's prompt forward" if report.prompts_reused else "")
-    )
+    _say_cells(grid, report, batch_size)
     done = [c for c in grid.cells if c.key in set(report.ran) | set(report.done)]
     if not done:
         print(f"no complete cell under {root}/ yet; no curves written")
@@ -479,6 +485,16 @@ def _sweep_model(model: Any, tokenizer: Any, executor: Any, progress: bool) -> t
     if model is None:
         model, tokenizer = load_model(progress=progress)
     return model, tokenizer, (str(model_info(model)["name"]), str(model.dtype).removeprefix("torch."), None)
+
+
+def _say_cells(grid: Any, report: Any, batch_size: int) -> None:
+    """The sweep's one line of cells run, done before, failed and taken."""
+    print(
+        f"{len(grid.cells)} cells ({len(grid.batches)} batches of up to {batch_size} requests): "
+        f"{len(report.ran)} run, {len(report.done)} already done, {len(report.failed)} failed, "
+        f"{len(report.busy)} taken by another sweep, in {report.seconds:.0f} s"
+        + (f"; {report.prompts_reused} started from another cell's prompt forward" if report.prompts_reused else "")
+    )
 
 
 def _say_failed(root: Path, report: Any) -> None:
@@ -670,9 +686,17 @@ def make_guarded_sample(root: str | os.PathLike, model: Any, tokenizer: Any) -> 
 
 
 def make_sample_runs(
-    out: str | os.PathLike = "sample_runs", *, model: Any = None, tokenizer: Any = None, progress: bool = True
+    out: str | os.PathLike = "sample_runs",
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    progress: bool = True,
+    force: bool = False,
 ) -> list[str]:
     """Regenerate the shipped sample runs (≤ 20 MB): policy cases and a few real tasks.
+
+    The run folders under ``out`` are replaced, nothing else; a folder holding anything
+    h2o-lens did not write is refused in one line unless ``force`` (DESIGN.md §5.1).
 
     * every synthetic policy case under H2O, plus the baselines that show its
       signature (local on the far hotspot, gqa max/none on the GQA split);
@@ -685,19 +709,18 @@ def make_sample_runs(
       (``h2o-lens explain``, budget searches at the default resolution), behind
       the Report page's Why section and budget curves.
     """
-    import shutil
-
     from h2o_lens.models import load_model
     from h2o_lens.tasks import get_task, policy_cases
     from recorders.policy_cases import write_policy_case
     from recorders.recorder import record_teacher_forced
     from recorders.replay import replay as replay_run
+    from runlog.ownership import replace_runs
+
+    from .paths import check_out_root
 
     root = Path(out)
-    if root.exists():
-        for child in root.iterdir():  # keep the folder (and a README in it); replace the runs
-            if child.is_dir():
-                shutil.rmtree(child)
+    check_out_root(root, force=force)
+    replace_runs(root)  # the runs only: whatever else --force wrote beside stays
     root.mkdir(parents=True, exist_ok=True)
     made = []
     for case in policy_cases():

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -60,6 +59,7 @@ from runlog.catalog import replay_complete
 from runlog.counterfactual_reuse import copy_request, find_full_run, judged_teacher_forced
 from runlog.errors import RecorderError
 from runlog.manifest import effective_status, read_manifest, sanitize_run_id
+from runlog.ownership import remove_run
 from runlog.recorded_model import check_model
 from runlog.run import RunWriter
 from runlog.schema import COUNTERFACTUAL_KINDS
@@ -495,7 +495,7 @@ def _fresh(out: Path, run_id: str, finish: Callable[[Path, dict], None] | None =
             bisection=_bisection_from(bis) if isinstance(bis, dict) else None,
             teacher_agreement=cf.get("teacher_agreement"),
         )
-    shutil.rmtree(run_dir)
+    remove_run(run_dir)  # a run of its own only: anything else in the way is refused (DESIGN.md §5.1)
     return None
 
 
@@ -996,8 +996,8 @@ def _ratio(runner: _Runner, slots: int) -> dict[str, float]:
 def _drop(out: Path, outcomes: Any) -> None:
     """Remove the run folders of bisection probes other than the one kept."""
     for o in list(outcomes):
-        if o.run_id and (out / o.run_id).exists():
-            shutil.rmtree(out / o.run_id)
+        if o.run_id:
+            remove_run(out / o.run_id)
 
 
 def _same_as_oracle(same: Outcome, bis: Bisection) -> Outcome:
