@@ -102,8 +102,8 @@ def _ours(entry: os.DirEntry, names: frozenset[str]) -> bool:
     name = entry.name
     if name in NEVER_TOUCHED:
         return False
-    if name in names or (name.endswith(".tmp") and name[:-4] in names):
-        return True
+    if name in names or (name.endswith(".tmp") and any(name.startswith(n + ".") for n in names)):
+        return True  # one of the command's files, or a temporary file of one a killed writer left
     try:
         return entry.is_dir(follow_symlinks=False) and (
             os.path.isfile(os.path.join(entry.path, MANIFEST_NAME)) or _leftover(Path(entry.path))
