@@ -146,9 +146,8 @@ def changed(tmp_path_factory):
     with open(weights, "r+b") as fh:  # 256 KiB of float32 0.5 where the file's middle tensors were
         fh.seek((size // 2) & ~7)
         fh.write(b"\x00\x00\x00\x3f" * 65536)
-    assert model_fingerprint(base / "b" / "m", partial=True)["digest"] == (
-        model_fingerprint(base / "a" / "m", partial=True)["digest"]
-    )
+    edges = [model_fingerprint(base / x / "m", partial=True)["digest"] for x in ("a", "b")]
+    assert edges[0] == edges[1]  # the older, partial fingerprint cannot tell them apart
     return base / "a" / "m", base / "b" / "m"
 
 
