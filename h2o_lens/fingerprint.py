@@ -188,3 +188,57 @@ def model_fingerprint(name_or_path: str | os.PathLike[str] | None, *, partial: b
         out["weights_read"] = FULL
     out["digest"] = digest(json.dumps(out, sort_keys=True).encode())
     return {"path": str(folder), **out}
+
+
+def fingerprint_timings(folder: str | os.PathLike[str], *, repeats: int = 5) -> dict[str, float]:
+    """Seconds of :func:`model_fingerprint` on ``folder``, measured side by side in one process:
+    ``first`` (no cached digest, the weight files dropped from the page cache where the system
+    allows: a read from disk), ``later`` (the median of ``repeats`` uses with the digests cached),
+    ``partial`` (the median of the older, partial fingerprint) and ``bytes`` (of weights read)."""
+    import statistics
+    import time
+
+    folder = pathlib.Path(folder).resolve()
+    weights = [p for p in sorted(folder.iterdir()) if p.name.endswith(_WEIGHT_SUFFIXES) and p.is_file()]
+    for path in weights:
+        with open(path, "rb") as fh:  # a first use reads from the disk, not the page cache
+            with contextlib.suppress(AttributeError, OSError):
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    cache = digest_cache_path()
+    files = {k: v for k, v in _read_cache(cache).items() if pathlib.Path(k).parent != folder}
+    with contextlib.suppress(OSError):  # forget this folder's digests
+        cache.write_text(json.dumps({"format": _CACHE_FORMAT, "files": files}), encoding="utf-8")
+    t0 = time.perf_counter()
+    model_fingerprint(folder)
+    first = time.perf_counter() - t0
+
+    def median(**kw: Any) -> float:
+        runs = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            model_fingerprint(folder, **kw)
+            runs.append(time.perf_counter() - t)
+        return statistics.median(runs)
+
+    return {
+        "first": first,
+        "later": median(),
+        "partial": median(partial=True),
+        "bytes": float(sum(p.stat().st_size for p in weights)),
+    }
+
+
+if __name__ == "__main__":  # python -m h2o_lens.fingerprint [FOLDER]: the timings of the default model's
+    import sys
+
+    if len(sys.argv) > 1:
+        where = pathlib.Path(sys.argv[1])
+    else:
+        from .models import _default_model_folder
+
+        where = _default_model_folder(None, progress=True)
+    got = fingerprint_timings(where)
+    print(
+        f"model fingerprint of {where} ({got['bytes'] / 2**20:.0f} MiB of weights): first use {got['first']:.2f} s, "
+        f"later uses {got['later'] * 1e3:.1f} ms (median of 5), the older partial one {got['partial'] * 1e3:.1f} ms"
+    )
