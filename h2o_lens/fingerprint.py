@@ -228,15 +228,12 @@ def fingerprint_timings(folder: str | os.PathLike[str], *, repeats: int = 5) -> 
     }
 
 
-if __name__ == "__main__":  # python -m h2o_lens.fingerprint [FOLDER]: the timings of the default model's
+if __name__ == "__main__":  # python -m h2o_lens.fingerprint MODEL_FOLDER: its fingerprint's timings
     import sys
 
-    if len(sys.argv) > 1:
-        where = pathlib.Path(sys.argv[1])
-    else:
-        from .models import _default_model_folder
-
-        where = _default_model_folder(None, progress=True)
+    if len(sys.argv) != 2 or not pathlib.Path(sys.argv[1]).is_dir():
+        sys.exit("usage: python -m h2o_lens.fingerprint MODEL_FOLDER (e.g. the converted default model's folder)")
+    where = pathlib.Path(sys.argv[1])
     got = fingerprint_timings(where)
     print(
         f"model fingerprint of {where} ({got['bytes'] / 2**20:.0f} MiB of weights): first use {got['first']:.2f} s, "
