@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from .options import add_task_args, load_model_args, resolve_requests, task_source
+from .paths import add_force_arg, check_out_root
 
 __all__ = ["add_parser", "run"]
 
@@ -20,12 +21,14 @@ def add_parser(sub: Any) -> None:
         help="skip the counterfactual re-runs of one H2O failure per task family (the table then shows estimates)",
     )
     add_task_args(d, "the demo suite")
+    add_force_arg(d, "into --out")
     d.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from .jobs import demo
 
+    check_out_root(args.out, force=args.force)  # before any model loads
     spec, args.count = task_source(args.tasks, args.count, "builtin:demo")
     if args.tasks is None or args.tasks.isdigit():
         if args.length is not None:
@@ -42,5 +45,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         model, tok = load_model_args(args)
         tasks = resolve_requests(spec, args, tok)
-    demo(args.out, tasks=tasks, model=model, tokenizer=tok, reports=not args.no_reports, explain=not args.no_explain)
+    demo(
+        args.out,
+        tasks=tasks,
+        model=model,
+        tokenizer=tok,
+        reports=not args.no_reports,
+        explain=not args.no_explain,
+        force=args.force,
+    )
     return 0

@@ -33,7 +33,6 @@ import hashlib
 import itertools
 import json
 import os
-import shutil
 import sys
 import time
 import traceback
@@ -515,6 +514,7 @@ def run_cell(
     """
     t0 = time.perf_counter()
     from recorders.replay import replay as replay_run
+    from runlog.ownership import remove_run
 
     root = Path(root)
     out = CellOutcome(cell.key, "ran")
@@ -528,7 +528,7 @@ def run_cell(
             passes = None
             if state != "unreplayed":
                 if state != "todo":  # failed, or left by a killed writer: start the cell afresh
-                    shutil.rmtree(root / cell.run_id)
+                    remove_run(root / cell.run_id)  # its own run folder only (DESIGN.md §5.1)
                     out.redone = True
                 t1 = time.perf_counter()
                 hits = 0
@@ -597,15 +597,17 @@ def _mark_failed(run_dir: Path, exc: BaseException) -> bool:
     ``running`` (its manifest could not be closed, on a full disk say) gets its error; a cell
     that failed before its run folder was written (a request the tokenizer refuses) gets a
     folder with a ``failed`` manifest, so ``--status`` shows the error the sweep reported.
-    Returns whether the folder now says ``failed``.
+    Returns whether the folder now says ``failed``. A folder in the way that is not the cell's
+    run (no manifest, and not empty) is left as it is: False.
     """
     from runlog import RunWriter
     from runlog.errors import RecorderError
     from runlog.manifest import MANIFEST_NAME, read_manifest, write_manifest
+    from runlog.ownership import remove_run
 
     try:
         if not (run_dir / MANIFEST_NAME).exists():
-            shutil.rmtree(run_dir, ignore_errors=True)
+            remove_run(run_dir)  # a folder a killed writer left empty; anything else raises
             writer = RunWriter(run_dir.parent, run_dir.name, fsync=False, name=run_dir.name)
             writer.start()
             writer.close("failed", exc)

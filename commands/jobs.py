@@ -188,9 +188,9 @@ def demo_verdicts(root: str | os.PathLike, runs: Iterable[TaskRun]) -> dict[str,
     An explained run (counterfactual re-runs under ``root``) shows the causal verdict
     with its sub-label, e.g. ``scoring (delayed_reference)``, source ``re-runs``. Any
     other failed run shows the threshold rules' fast estimate, labelled as one:
-    ``budget (estimate)``, source ``estimate``. A run can fail on the teacher's
-    measures (top-1 agreement, KL) while its answer is still right; its estimate then
-    says ``(estimate, answer right)``. ``ok`` (source None) when nothing failed.
+    ``budget (estimate)``, source ``estimate``. A right answer never shows a failure
+    cause: ``ok``, or ``ok (drifts from teacher)`` when the teacher's measures (top-1
+    agreement, KL) fail it all the same (source None in both).
     """
     from analyses import attribute, causal_verdicts, connect
 
@@ -200,16 +200,16 @@ def demo_verdicts(root: str | os.PathLike, runs: Iterable[TaskRun]) -> dict[str,
         if not registry.get(r.policy).evicts:
             out[r.run_id] = ("ok (teacher)" if r.correct else "full cache fails", None)
             continue
+        if r.correct:  # a right answer has no failure to explain, whatever the measures say
+            out[r.run_id] = ("ok (drifts from teacher)" if attribute(con, r.run_id) else "ok", None)
+            continue
         causal = causal_verdicts(con, r.run_id)
         if causal:
             v = causal[0]
             out[r.run_id] = (v.verdict + (f" ({v.sub_label})" if v.sub_label else ""), "re-runs")
             continue
         found = attribute(con, r.run_id)
-        if not found:
-            out[r.run_id] = ("ok", None)
-        else:
-            out[r.run_id] = (f"{found[0].verdict} (estimate{', answer right' if r.correct else ''})", "estimate")
+        out[r.run_id] = (f"{found[0].verdict} (estimate)", "estimate") if found else ("ok", None)
     return out
 
 
@@ -266,6 +266,7 @@ def demo(
     reports: bool = True,
     explain: bool = True,
     progress: bool = True,
+    force: bool = False,
 ) -> list[TaskRun]:
     """Run the task suite with H2O at ``budgets`` and the baselines at the first budget.
 
@@ -274,13 +275,17 @@ def demo(
     gets an HTML, Markdown and JSON report in ``<out>/reports``. Prints the summary
     table (task × policy × budget: correct, KL, dropped mass, verdict: the causal one
     where re-runs exist, else the labelled estimate, :func:`demo_verdicts`) and the
-    command that opens the dashboard.
+    command that opens the dashboard. An ``out`` holding anything h2o-lens did not write is
+    refused in one line, before the model loads, unless ``force`` (DESIGN.md §5.1).
     """
     from tqdm.auto import tqdm
 
     from h2o_lens.models import load_model
     from h2o_lens.tasks import suite
 
+    from .paths import check_out_root
+
+    check_out_root(out, force=force)
     if model is None:
         model, tokenizer = load_model(progress=progress)
     tasks = list(tasks) if tasks is not None else suite(size="demo")
@@ -299,16 +304,43 @@ def demo(
     if explain:
         explain_failures(runs, {t.name: getattr(t, "kind", t.name) for t in tasks}, model, tokenizer, progress=progress)
     verdicts = demo_verdicts(root, runs)
-    head = _headline(root)
     if reports:
-        from analyses import write_report
+        _demo_reports(root, runs)
+    rows = _demo_table(root, runs, verdicts)
+    print(f"{len(runs)} runs in {time.perf_counter() - t0:.0f} s under {root}/ (reports in {root}/reports/)")
+    print(f"open the dashboard: h2o-lens app {root}")
+    write_text_atomic(
+        root / "demo_summary.json",
+        json.dumps(
+            [
+                {
+                    **dict(zip(["task", "policy", "budget", "correct", "kl", "dropped", "verdict", "run_id"], row)),
+                    "verdict_source": verdicts[r.run_id][1],
+                }
+                for row, r in zip(rows, runs)
+            ],
+            indent=1,
+        ),
+    )
+    sys.stdout.flush()
+    return runs
 
-        rep = root / "reports"
-        rep.mkdir(exist_ok=True)
-        for r in runs:
-            if r.policy == registry.DEFAULT:  # the method's runs
-                for fmt in ("html", "md", "json"):
-                    write_report(root, r.run_id, rep / f"{r.task}-{r.policy}-{int(r.ratio * 100)}.{fmt}")
+
+def _demo_reports(root: Path, runs: Sequence[TaskRun]) -> None:
+    """An HTML, Markdown and JSON report of each of the method's runs in ``<root>/reports``."""
+    from analyses import write_report
+
+    rep = root / "reports"
+    rep.mkdir(exist_ok=True)
+    for r in runs:
+        if r.policy == registry.DEFAULT:  # the method's runs
+            for fmt in ("html", "md", "json"):
+                write_report(root, r.run_id, rep / f"{r.task}-{r.policy}-{int(r.ratio * 100)}.{fmt}")
+
+
+def _demo_table(root: Path, runs: Sequence[TaskRun], verdicts: dict[str, tuple[str, str | None]]) -> list[list[Any]]:
+    """Print the demo's table (task × policy × budget) and its accuracy line; return the rows."""
+    head = _headline(root)
     rows = []
     for r in runs:
         h = head.get(r.run_id, {})
@@ -330,32 +362,15 @@ def demo(
             "verdict: decided by counterfactual re-runs where a run was explained; '(estimate)': the threshold "
             f"rules' fast estimate, nothing re-run (h2o-lens explain RUN --root {root} decides it)"
         )
-    acc = {}
+    acc: dict[tuple[str, float | None], list[bool]] = {}
     for r in runs:
-        key = (r.policy, r.ratio)
-        acc.setdefault(key, []).append(r.correct)
+        acc.setdefault((r.policy, r.ratio), []).append(r.correct)
     print()
     print(
         "accuracy: "
         + ", ".join(f"{p}@{'100%' if q is None else f'{q:.0%}'} {sum(v)}/{len(v)}" for (p, q), v in acc.items())
     )
-    print(f"{len(runs)} runs in {time.perf_counter() - t0:.0f} s under {root}/ (reports in {root}/reports/)")
-    print(f"open the dashboard: h2o-lens app {root}")
-    write_text_atomic(
-        root / "demo_summary.json",
-        json.dumps(
-            [
-                {
-                    **dict(zip(["task", "policy", "budget", "correct", "kl", "dropped", "verdict", "run_id"], row)),
-                    "verdict_source": verdicts[r.run_id][1],
-                }
-                for row, r in zip(rows, runs)
-            ],
-            indent=1,
-        ),
-    )
-    sys.stdout.flush()
-    return runs
+    return rows
 
 
 def sweep(
@@ -376,6 +391,7 @@ def sweep(
     progress: bool = True,
     executor: Any = None,
     past_context: bool = False,
+    force: bool = False,
 ) -> Any:
     """Keep ratio (or slots) × policy over the requests → the three curves (quality, physical KV, latency).
 
@@ -398,22 +414,18 @@ def sweep(
     ``executor``: ``None`` runs the cells in this process; a started or new
     :class:`~commands.ray_sweep.RaySweep` runs them on its Ray workers, which
     hold the model (``model`` is then not needed, only the tokenizer; DESIGN.md §13).
+
+    An ``out`` holding anything h2o-lens did not write is refused in one line, before the model
+    loads, unless ``force``; a cell is redone only in its own run folder (DESIGN.md §5.1).
     """
-    from h2o_lens.models import load_model, load_tokenizer, model_info
     from h2o_lens.tasks.builtins import resolve_tasks
     from h2o_lens.tasks.taskfile import FileTask, from_builtin
 
     from .grid import plan_grid, prompt_lengths, run_grid
+    from .paths import check_out_root
 
-    kv_per_token = None
-    if executor is not None:  # the workers load the model; the plan needs its name and dtype
-        info = executor.info or executor.start()
-        name, dtype, kv_per_token = info["name"], info["dtype"], info["kv_bytes_per_token"]
-        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(executor.model)
-    else:
-        if model is None:
-            model, tokenizer = load_model(progress=progress)
-        name, dtype = str(model_info(model)["name"]), str(model.dtype).removeprefix("torch.")
+    check_out_root(out, force=force)
+    model, tokenizer, (name, dtype, kv_per_token) = _sweep_model(model, tokenizer, executor, progress)
     if tasks is None:
         tasks_spec = tasks_spec or "builtin:small"
         tasks = resolve_tasks(tasks_spec, tokenizer=tokenizer)
@@ -446,12 +458,7 @@ def sweep(
         with warnings.catch_warnings():  # said once above, not once per cell
             warnings.simplefilter("ignore", ContextWarning)
             report = run_grid(root, grid, tasks, model, tokenizer, progress=progress)
-    print(
-        f"{len(grid.cells)} cells ({len(grid.batches)} batches of up to {batch_size} requests): "
-        f"{len(report.ran)} run, {len(report.done)} already done, {len(report.failed)} failed, "
-        f"{len(report.busy)} taken by another sweep, in {report.seconds:.0f} s"
-        + (f"; {report.prompts_reused} started from another cell's prompt forward" if report.prompts_reused else "")
-    )
+    _say_cells(grid, report, batch_size)
     done = [c for c in grid.cells if c.key in set(report.ran) | set(report.done)]
     if not done:
         print(f"no complete cell under {root}/ yet; no curves written")
@@ -463,6 +470,31 @@ def sweep(
     print(f"\n{len(done)} runs under {root}/; curves in {root}/sweep.html, table in {root}/sweep.csv")
     _say_failed(root, report)
     return table
+
+
+def _sweep_model(model: Any, tokenizer: Any, executor: Any, progress: bool) -> tuple[Any, Any, tuple]:
+    """The sweep's model and tokenizer (the default model when none is given), and the model's
+    ``(name, dtype, kv_bytes_per_token)`` for the plan: a Ray executor's workers load the model,
+    which then says them (``kv_bytes_per_token`` None: read from the model here)."""
+    from h2o_lens.models import load_model, load_tokenizer, model_info
+
+    if executor is not None:  # the workers load the model; the plan needs its name and dtype
+        info = executor.info or executor.start()
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(executor.model)
+        return model, tokenizer, (info["name"], info["dtype"], info["kv_bytes_per_token"])
+    if model is None:
+        model, tokenizer = load_model(progress=progress)
+    return model, tokenizer, (str(model_info(model)["name"]), str(model.dtype).removeprefix("torch."), None)
+
+
+def _say_cells(grid: Any, report: Any, batch_size: int) -> None:
+    """The sweep's one line of cells run, done before, failed and taken."""
+    print(
+        f"{len(grid.cells)} cells ({len(grid.batches)} batches of up to {batch_size} requests): "
+        f"{len(report.ran)} run, {len(report.done)} already done, {len(report.failed)} failed, "
+        f"{len(report.busy)} taken by another sweep, in {report.seconds:.0f} s"
+        + (f"; {report.prompts_reused} started from another cell's prompt forward" if report.prompts_reused else "")
+    )
 
 
 def _say_failed(root: Path, report: Any) -> None:
@@ -654,9 +686,17 @@ def make_guarded_sample(root: str | os.PathLike, model: Any, tokenizer: Any) -> 
 
 
 def make_sample_runs(
-    out: str | os.PathLike = "sample_runs", *, model: Any = None, tokenizer: Any = None, progress: bool = True
+    out: str | os.PathLike = "sample_runs",
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    progress: bool = True,
+    force: bool = False,
 ) -> list[str]:
     """Regenerate the shipped sample runs (≤ 20 MB): policy cases and a few real tasks.
+
+    The run folders under ``out`` are replaced, nothing else; a folder holding anything
+    h2o-lens did not write is refused in one line unless ``force`` (DESIGN.md §5.1).
 
     * every synthetic policy case under H2O, plus the baselines that show its
       signature (local on the far hotspot, gqa max/none on the GQA split);
@@ -669,19 +709,18 @@ def make_sample_runs(
       (``h2o-lens explain``, budget searches at the default resolution), behind
       the Report page's Why section and budget curves.
     """
-    import shutil
-
     from h2o_lens.models import load_model
     from h2o_lens.tasks import get_task, policy_cases
     from recorders.policy_cases import write_policy_case
     from recorders.recorder import record_teacher_forced
     from recorders.replay import replay as replay_run
+    from runlog.ownership import replace_runs
+
+    from .paths import check_out_root
 
     root = Path(out)
-    if root.exists():
-        for child in root.iterdir():  # keep the folder (and a README in it); replace the runs
-            if child.is_dir():
-                shutil.rmtree(child)
+    check_out_root(root, force=force)
+    replace_runs(root)  # the runs only: whatever else --force wrote beside stays
     root.mkdir(parents=True, exist_ok=True)
     made = []
     for case in policy_cases():

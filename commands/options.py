@@ -122,9 +122,7 @@ def chat(tok, prompt: str, raw: bool) -> str:
 
 
 def print_replay(summary) -> None:
-    verdict = (
-        "ok" if summary.implementation_ok else "IMPLEMENTATION ERROR (the masked replay does not reproduce the run)"
-    )
+    verdict = "ok" if summary.implementation_ok else "FAILED: the masked replay does not reproduce the run"
     print(
         f"replay {summary.run_id}: {summary.requests} request(s), {summary.steps} steps "
         f"in {summary.seconds:.1f} s | mean KL {summary.mean_kl:.4f} | "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from .options import add_model_args, given_model, print_replay
@@ -43,4 +44,12 @@ def run(args: argparse.Namespace) -> int:
         allow_other_model=args.allow_other_model,
     )
     print_replay(summary)
-    return 0 if summary.implementation_ok else 3
+    if summary.implementation_ok:
+        return 0
+    kept = "the earlier replay, which passed, was kept" if summary.kept_earlier else "its tables say so"
+    print(
+        f"h2o-lens: error: the replay of {summary.run_id} does not reproduce the run (max |logit diff| "
+        f"{summary.max_logit_diff:.2e} > {summary.tolerance:.2e}): the model, the code or the log differ; {kept}",
+        file=sys.stderr,
+    )
+    return 3

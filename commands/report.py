@@ -11,6 +11,9 @@ from .paths import run_dir as _run_dir
 
 __all__ = ["add_parser", "run"]
 
+#: what the head of a report h2o-lens wrote holds (HTML title, Markdown heading, JSON key)
+REPORT_MARKERS = (b"H2O Lens report", b'"report_schema_version"')
+
 
 def add_parser(sub: Any) -> None:
     rep = sub.add_parser("report", help="export a run's failure report (HTML, Markdown or JSON)")
@@ -18,6 +21,7 @@ def add_parser(sub: Any) -> None:
     rep.add_argument("--root", default="runs")
     rep.add_argument("--format", choices=["html", "md", "json"], default="html")
     rep.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
+    rep.add_argument("--force", action="store_true", help="replace the -o file even though h2o-lens did not write it")
     rep.add_argument("--thresholds", default=None, help="JSON file of gate thresholds (see analyses.Thresholds)")
     rep.add_argument(
         "--gate",
@@ -32,6 +36,10 @@ def run(args: argparse.Namespace) -> int:
 
     from analyses.report import render_report, report_data
 
+    if args.output:  # a file the toolkit did not write is not replaced (DESIGN.md §5.1)
+        from runlog.ownership import check_output_file
+
+        check_output_file(args.output, markers=REPORT_MARKERS, force=args.force)
     run_dir = _run_dir(args.run, args.root)
     root, run_id = os.path.dirname(os.path.abspath(run_dir)), os.path.basename(os.path.normpath(run_dir))
     thresholds = None

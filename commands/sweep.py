@@ -18,6 +18,7 @@ from .options import (
     split_list,
     task_source,
 )
+from .paths import add_force_arg, check_out_root
 
 __all__ = ["add_parser", "run", "sweep_grid"]
 
@@ -64,6 +65,7 @@ def add_parser(sub: Any) -> None:
     sw.add_argument("--batch-size", type=int, default=8, help="requests per generate call and run (default 8)")
     sw.add_argument("--no-replay", action="store_true", help="record only (no KL or dropped mass in the curves)")
     sw.add_argument("--page-size", type=at_least(1), default=16, help="tokens per KV page")
+    add_force_arg(sw, "into --out")
     sw.add_argument(
         "--past-context",
         action="store_true",
@@ -110,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ConfigError(f"--out {args.out!r} is an existing file; give a folder for the sweep's runs")
+    check_out_root(args.out, force=args.force)  # before the model loads
     spec, args.count = task_source(args.tasks, args.count, f"builtin:{args.size}")
     ratios = slots = None
     if args.slots:
@@ -146,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
             command=["h2o-lens", *sys.argv[1:]] if sys.argv[1:2] == ["sweep"] else [],
             executor=executor,
             past_context=args.past_context,
+            force=args.force,
         )
     finally:
         if executor is not None:

@@ -38,6 +38,7 @@ import torch
 
 from . import compat
 from .errors import DefaultModelMissingError, H2OLensError, ImplementationError, UnsupportedModelError
+from .fingerprint import model_fingerprint
 from .shape import model_shape
 
 if TYPE_CHECKING:
@@ -241,90 +242,6 @@ def model_info(model: PreTrainedModel) -> dict[str, Any]:
         "dtype": str(model.dtype).removeprefix("torch."),
         "num_parameters": int(sum(p.numel() for p in model.parameters())),
     }
-
-
-#: config keys that say how a file was written, not what the model is
-_VOLATILE_CONFIG = ("transformers_version", "dtype", "torch_dtype")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "spiece.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "added_tokens.json",
-    "special_tokens_map.json",
-)
-_EDGE = 2**20  # bytes of each weight file's start and end that its checksum reads
-
-
-def model_fingerprint(name_or_path: str | os.PathLike[str] | None) -> dict[str, Any] | None:
-    """The identity of a model folder, cheap to compute (DESIGN.md §5.1).
-
-    Parameters
-    ----------
-    name_or_path : a local model folder (relative to the working directory) or a Hugging Face
-        id already in the local cache; what ``model.config._name_or_path`` holds
-
-    Returns
-    -------
-    dict or None
-        ``path`` (the folder, absolute), ``config`` (SHA-256 of ``config.json`` without the keys
-        that say how it was written: ``transformers_version``, ``dtype``, private ``_`` keys),
-        ``tokenizer`` (SHA-256 of the tokenizer's vocabulary files, None when it has none),
-        ``weights`` (per weight file: name, size in bytes and the SHA-256 of its first and last
-        MiB) and ``digest`` (SHA-256 of the three, what runs compare). Hashes are cut to 16 hex
-        digits. None when no such folder is found (a model built in memory).
-    """
-    import hashlib
-
-    if not name_or_path:
-        return None
-    folder = pathlib.Path(name_or_path).expanduser()
-    if not folder.is_dir():
-        try:
-            from huggingface_hub import snapshot_download
-
-            folder = pathlib.Path(snapshot_download(str(name_or_path), local_files_only=True))
-        except Exception:  # noqa: BLE001 - not a cached id either: nothing to fingerprint
-            return None
-    folder = folder.resolve()
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        names = sorted(os.listdir(folder))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
-        return None
-
-    def digest(data: bytes) -> str:
-        return hashlib.sha256(data).hexdigest()[:16]
-
-    kept = {k: v for k, v in config.items() if k not in _VOLATILE_CONFIG and not k.startswith("_")}
-    tokenizer = hashlib.sha256()
-    found = False
-    weights = []
-    for name in names:
-        path = folder / name
-        if name in _TOKENIZER_FILES and path.is_file():
-            tokenizer.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-            found = True
-        elif name.endswith(_WEIGHT_SUFFIXES) and path.is_file():
-            size = path.stat().st_size
-            with open(path, "rb") as fh:
-                edges = fh.read(_EDGE)
-                if size > 2 * _EDGE:
-                    fh.seek(size - _EDGE)
-                edges += fh.read()[-_EDGE:] if size > _EDGE else b""
-            weights.append([name, size, digest(edges)])
-    out: dict[str, Any] = {
-        "config": digest(json.dumps(kept, sort_keys=True).encode()),
-        "tokenizer": tokenizer.hexdigest()[:16] if found else None,
-        "weights": weights,
-    }
-    out["digest"] = digest(json.dumps(out, sort_keys=True).encode())
-    return {"path": str(folder), **out}
 
 
 class ContextWarning(UserWarning):

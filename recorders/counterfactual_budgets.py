@@ -7,12 +7,12 @@ and all but the one kept are removed, the oracle's are judged without a run fold
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from runlog.errors import RecorderError
+from runlog.ownership import remove_run
 
 from .counterfactual_outcomes import ORACLE_BUDGET, POLICY_BUDGET, Outcome, _existing, _note
 from .counterfactual_runner import Runner
@@ -72,8 +72,8 @@ def _ratio(runner: Runner, slots: int) -> dict[str, float]:
 def _drop(out: Path, outcomes: Any) -> None:
     """Remove the run folders of bisection probes other than the one kept."""
     for o in list(outcomes):
-        if o.run_id and (out / o.run_id).exists():
-            shutil.rmtree(out / o.run_id)
+        if o.run_id:
+            remove_run(out / o.run_id)
 
 
 def _same_as_oracle(same: Outcome, bis: Bisection) -> Outcome:

@@ -9,7 +9,6 @@ records one that could not start (:func:`_failed_run`).
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from runlog.counterfactual_reuse import judged_teacher_forced
 from runlog.errors import RecorderError
 from runlog.manifest import read_manifest, sanitize_run_id
+from runlog.ownership import remove_run
 from runlog.run import RunWriter
 from runlog.schema import COUNTERFACTUAL_KINDS
 from runlog.store import load_run
@@ -139,7 +139,7 @@ def _fresh(out: Path, run_id: str, finish: Callable[[Path, dict], None] | None =
             bisection=bisection_from(bis) if isinstance(bis, dict) else None,
             teacher_agreement=cf.get("teacher_agreement"),
         )
-    shutil.rmtree(run_dir)
+    remove_run(run_dir)  # a run of its own only: anything else in the way is refused (DESIGN.md §5.1)
     return None
 
 

@@ -16,8 +16,8 @@ For each request, one prompt pass and two passes over the generated rows
 * the **masked** forward: the generated rows again, each query seeing only
   the positions the run kept (rebuilt from the evictions table). It must
   reproduce the run's own logits; the largest difference goes into the
-  manifest (``max_logit_diff``) and a mismatch is reported as an
-  implementation error.
+  manifest (``max_logit_diff``) and a mismatch is reported as a failed check:
+  the model, the code or the log differ (an earlier replay that passed is kept).
 
 The implementation tolerance depends on the dtype. The run and the masked
 replay compute the same attention in a different order (slots against
@@ -151,6 +151,8 @@ class ReplaySummary:
     tolerance: float = DEFAULT_TOLERANCE
     prompts_from_run: int = 0  # requests started from the recording's prompt pass (DESIGN.md §6.1)
     prompts_as_batch: int = 0  # requests whose prompt was forwarded again in its prefill batch
+    #: the check failed and an earlier replay that passed it was kept: nothing was written
+    kept_earlier: bool = False
 
 
 class _State:
@@ -699,7 +701,9 @@ def replay(
         (logged in the manifest's ``model_overrides``); without it such a model is refused
 
     The new tables replace an earlier replay's in one manifest rename (:func:`_commit`): a
-    failure leaves the earlier replay, or none, never a mix.
+    failure leaves the earlier replay, or none, never a mix. A replay whose implementation check
+    fails (the model, the code or the log differ) never replaces an earlier one that passed it:
+    nothing is written and the summary says ``kept_earlier``.
 
     Raises
     ------
@@ -739,6 +743,10 @@ def replay(
                 setattr(rows, source, getattr(rows, source) + 1)
     bar.close()
     summary = _summarize(run, model, rows, tolerance, time.perf_counter() - t0)
+    earlier = run.manifest.get("replay")
+    if not summary.implementation_ok and isinstance(earlier, Mapping) and earlier.get("implementation_ok") is True:
+        summary.kept_earlier = True  # the model, the code or the log differ: the good replay stays
+        return summary
     fields = _replay_fields(summary, state.backend)
     if override:
         fields["model_overrides"] = [*(run.manifest.get("model_overrides") or []), override]

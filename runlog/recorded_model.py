@@ -17,6 +17,8 @@ import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+from h2o_lens.fingerprint import is_partial, model_fingerprint
+
 from .errors import ModelMismatchError
 from .manifest import iso_utc, utc_now
 
@@ -24,6 +26,7 @@ __all__ = ["recorded_model", "model_source", "check_model", "log_override"]
 
 _DEFAULT_NAMES = ("default", "smollm2-135m-instruct")
 _said_unchecked = False
+_said_partial: set[str] = set()
 
 
 def recorded_model(manifest: Mapping[str, Any]) -> dict[str, Any]:
@@ -70,7 +73,9 @@ def check_model(
 
     Returns None when it is (or when either side has no fingerprint: a manifest written before
     fingerprints were kept, said once on stderr; a model built in memory), else, with
-    ``allow_other``, the override to log (:func:`log_override`).
+    ``allow_other``, the override to log (:func:`log_override`). A run recorded with the older,
+    partial fingerprint is compared with the partial fingerprint of the model in use, and said
+    once per run on stderr.
 
     Raises
     ------
@@ -95,7 +100,20 @@ def check_model(
                 file=sys.stderr,
             )
         return None
-    if not isinstance(ours, Mapping) or ours.get("digest") == theirs.get("digest"):
+    if not isinstance(ours, Mapping):
+        return None
+    partial = is_partial(theirs)
+    if partial:  # recorded before whole weight files were read: compare like with like
+        ours = model_fingerprint(info.get("path"), partial=True) or ours
+    if ours.get("digest") == theirs.get("digest"):
+        if partial and run not in _said_partial:
+            _said_partial.add(run)
+            print(
+                f"h2o-lens: note: run {run} was recorded with the older, partial model fingerprint (each weight "
+                "file's size and first and last MiB): a change elsewhere in the weights cannot be told; record it "
+                "again for a fingerprint of every byte",
+                file=sys.stderr,
+            )
         return None
     if allow_other:
         return {

@@ -34,5 +34,8 @@ def test_demo_table_shows_the_causal_verdict_and_labels_the_estimate(tmp_path):
     assert got[explained] == (label, "re-runs")
     assert label.startswith("scoring") and "estimate" not in label
     assert got[alone] == (f"{estimate.verdict} (estimate)", "estimate")
-    # a run whose answer is right but whose teacher measures fail it: still an estimate, said so
-    assert demo_verdicts(tmp_path, runs[2:])[alone] == (f"{estimate.verdict} (estimate, answer right)", "estimate")
+    # a run whose answer is right but whose teacher measures fail it shows no failure cause, only
+    # that it drifts; nor does an explained run whose answer is right
+    assert demo_verdicts(tmp_path, runs[2:])[alone] == ("ok (drifts from teacher)", None)
+    got = demo_verdicts(tmp_path, [_run(tmp_path, explained, correct=True)])[explained]
+    assert got == ("ok (drifts from teacher)", None) and estimate.verdict not in got[0]

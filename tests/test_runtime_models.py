@@ -175,7 +175,7 @@ def test_model_info_of_the_default_model(converted):
     model, _ = load_model(DEFAULT_MODEL, cache_dir=cache_dir, dtype=torch.bfloat16, progress=False)
     info = model_info(model)
     fingerprint = info.pop("fingerprint")
-    assert set(fingerprint) == {"config", "tokenizer", "weights", "digest"}
+    assert set(fingerprint) == {"config", "tokenizer", "weights", "weights_read", "digest"}
     weights = dict((name, size) for name, size, *_ in fingerprint["weights"])
     folder = cache_dir / FAMILY / DEFAULT_MODEL
     assert weights == {p.name: p.stat().st_size for p in folder.glob("*.safetensors")}
