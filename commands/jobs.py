@@ -639,7 +639,7 @@ def write_sweep_outputs(root: Path, table: Any, page_size: int) -> None:
     policy_of, x = table.attrs["policy_of"], table.attrs["x"]
     for name, text in (
         ("sweep.csv", table.to_csv(index=False)),
-        ("sweep.md", table.to_markdown(index=False, floatfmt=".4g") if _has_tabulate() else table.to_string()),
+        ("sweep.md", _markdown_table(table)),
     ):
         write_text_atomic(root / name, text)
     from analyses import sweep_html
@@ -647,12 +647,20 @@ def write_sweep_outputs(root: Path, table: Any, page_size: int) -> None:
     write_text_atomic(root / "sweep.html", sweep_html(table, page_size, policy_of, x=x))
 
 
-def _has_tabulate() -> bool:
-    try:
-        import tabulate  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _markdown_table(table: Any) -> str:
+    """The sweep table as a Markdown pipe table, numbers to 4 significant digits (written here, not
+    by an optional formatter, so the file reads the same on every install)."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return "" if v != v else f"{v:.4g}"
+        return str(v)
+
+    head = [str(c) for c in table.columns]
+    rows = [[cell(v) for v in row] for row in table.itertuples(index=False)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
 
 
 #: real tasks shipped in sample_runs/ (first instance of each kind)

@@ -139,7 +139,8 @@ def _drop_columns(text: str) -> str:
     lines = text.split("\n")
     header: list[str] | None = None
     for i, line in enumerate(lines):
-        fields = line.split()
+        piped = line.lstrip().startswith("|")  # a Markdown pipe table: cells between the bars
+        fields = [f.strip() for f in line.strip().strip("|").split("|")] if piped else line.split()
         if any(_volatile_key(f) for f in fields):
             header = fields
             continue
@@ -152,7 +153,7 @@ def _drop_columns(text: str) -> str:
         for j, name in enumerate(header):
             if _volatile_key(name):
                 fields[j + extra] = "T"
-        lines[i] = " ".join(fields)
+        lines[i] = (" | " if piped else " ").join(fields)
     return "\n".join(lines)
 
 
