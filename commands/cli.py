@@ -13,6 +13,7 @@ from . import (
     benchmark,
     check,
     demo,
+    eval,
     explain,
     generate,
     record,
@@ -28,7 +29,7 @@ from . import (
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 #: the subcommands in the order ``h2o-lens --help`` lists them
-SUBCOMMANDS = (generate, record, replay, check, runs, sql, report, explain, demo, sweep, tasks, samples, app, benchmark)
+SUBCOMMANDS = (generate, record, replay, check, runs, sql, report, explain, demo, sweep, eval, tasks, samples, app, benchmark)
 
 
 def build_parser() -> argparse.ArgumentParser:
