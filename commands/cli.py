@@ -29,7 +29,8 @@ from . import (
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 #: the subcommands in the order ``h2o-lens --help`` lists them
-SUBCOMMANDS = (generate, record, replay, check, runs, sql, report, explain, demo, sweep, eval, tasks, samples, app, benchmark)
+SUBCOMMANDS = (generate, record, replay, check, runs, sql, report, explain, demo, sweep, tasks, samples, app, benchmark)
+SUBCOMMANDS += (eval,)  # lm-evaluation-harness tasks under each policy (DESIGN.md §20.1)
 
 
 def build_parser() -> argparse.ArgumentParser:

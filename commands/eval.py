@@ -88,11 +88,10 @@ def _cell_id(label: str, ratio: float) -> str:
 
 def _check_tasks(names: Sequence[str], include_path: str | None) -> Any:
     """lm-eval's task manager, every name of ``names`` known to it (else one line naming it)."""
-    from lm_eval.tasks import TaskManager
-
     from h2o_lens.errors import ConfigError
+    from recorders.harness import task_manager
 
-    manager = TaskManager(include_path=include_path)
+    manager = task_manager(include_path)
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
         raise ConfigError(
@@ -123,9 +122,8 @@ def evaluate(
     ``results``, one row per generated request in ``requests``). Cells already done under ``out``
     are read back, not run again."""
     from lm_eval import evaluator
-    from lm_eval.tasks import TaskManager
 
-    from recorders.harness import LensLM
+    from recorders.harness import LensLM, task_manager
 
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
@@ -155,7 +153,7 @@ def evaluate(
             model=lm,
             tasks=list(tasks),
             limit=limit,
-            task_manager=TaskManager(include_path=include_path),
+            task_manager=task_manager(include_path),
             log_samples=False,
             verbosity="ERROR",
         )

@@ -33,12 +33,13 @@ from h2o_lens.errors import ConfigError
 
 try:
     import lm_eval
+    import lm_eval.models  # lm-eval's own models first: its registry loads them only while it is empty
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ConfigError(f"lm-eval is not installed ({exc}); pip install 'h2o-lens[eval]'") from None
 
-__all__ = ["LensLM", "NO_EVICTION", "policy_config", "run_name", "verdict_of"]
+__all__ = ["LensLM", "NO_EVICTION", "policy_config", "run_name", "task_manager", "verdict_of"]
 
 #: lm-eval request types scored with one forward (no generation, so nothing is evicted)
 NO_EVICTION = ("loglikelihood", "loglikelihood_rolling", "multiple_choice")
@@ -199,11 +200,13 @@ class LensLM(TemplateLM):
     def _task(self, name: str) -> Any:
         """lm-eval's task object of ``name`` (its filters and ``process_results`` score a request)."""
         if name not in self._tasks:
-            from lm_eval.tasks import TaskManager, get_task_dict
+            manager = task_manager(self.include_path)
+            if hasattr(manager, "load"):  # lm-eval 0.4.10 and later
+                self._tasks[name] = manager.load([name])["tasks"][name]
+            else:
+                from lm_eval.tasks import get_task_dict
 
-            manager = TaskManager(include_path=self.include_path)
-            found = get_task_dict([name], manager)
-            self._tasks[name] = next(t for k, t in _leaves(found) if k == name)
+                self._tasks[name] = next(t for k, t in _leaves(get_task_dict([name], manager)) if k == name)
         return self._tasks[name]
 
     def _score(self, req: Any, text: str) -> tuple[str | None, Any, str]:
@@ -358,6 +361,18 @@ class LensLM(TemplateLM):
 
         shutil.rmtree(run_dir)
         return None
+
+
+_MANAGERS: dict[str | None, Any] = {}
+
+
+def task_manager(include_path: str | None) -> Any:
+    """lm-eval's task index with ``include_path`` (built once per folder: it reads every task's YAML)."""
+    if include_path not in _MANAGERS:
+        from lm_eval.tasks import TaskManager
+
+        _MANAGERS[include_path] = TaskManager(include_path=include_path)
+    return _MANAGERS[include_path]
 
 
 def _plain_value(value: Any) -> Any:

@@ -140,7 +140,8 @@ def test_h2o_every_request_has_run_replay_verdict_and_resumes(local_task, tmp_pa
 def test_loglikelihood_tasks_are_named_as_not_showing_eviction(local_task, tmp_path, capsys):
     folder, tasks = local_task
     docs = tmp_path / "mc.jsonl"
-    docs.write_text("".join(json.dumps({"q": f"pick {i}", "choices": ["a", "b"], "gold": i % 2}) + "\n" for i in range(4)))
+    rows = [{"q": f"pick {i}", "choices": ["a", "b"], "gold": i % 2} for i in range(4)]
+    docs.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "lens_mc.yaml").write_text(
         "task: lens_mc\ndataset_path: json\n"
         f"dataset_kwargs:\n  data_files:\n    test: {docs}\n"

@@ -98,7 +98,7 @@ def test_ruler_round_trip_scores_as_string_match_all_and_labels_its_needles(tmp_
     assert first.prompt.endswith("lucky are") and first.max_new_tokens == 128
     assert first.meta["length"] == 2048 and first.meta["outputs"] == ["7391", "1122"]
     spans = [first.prompt[a:b] for a, b in first.evidence.values()]
-    assert spans == ["One of the special magic numbers for lucky-0 is: 7391.", "One of the special magic numbers for lucky-0 is: 1122."]
+    assert spans == [f"One of the special magic numbers for lucky-0 is: {v}." for v in ("7391", "1122")]
     for pred in PREDICTIONS:
         assert first.check(pred) == (ruler_all(pred, ["7391", "1122"]) == 1.0), pred
     part = import_tasks(path, "ruler", match="part")[0]
@@ -192,8 +192,9 @@ def test_kvpress_parquet_round_trip(tmp_path):
 
 def test_niah_inserts_the_needle_at_its_depth_and_labels_it(tmp_path):
     needle = "The best thing to do in San Francisco is eat a sandwich in Dolores Park."
-    row = {"context": HAYSTACK, "needle": needle, "depth_percent": 50,
-           "retrieval_question": "What is the best thing to do in San Francisco?", "answer": "Dolores Park"}  # fmt: skip
+    question = "What is the best thing to do in San Francisco?"
+    row = {"context": HAYSTACK, "needle": needle, "depth_percent": 50, "retrieval_question": question,
+           "answer": "Dolores Park"}  # fmt: skip
     inside = dict(row, context=HAYSTACK[:100] + needle + " " + HAYSTACK[100:], depth_percent=25)
     inserted, given = import_tasks(_jsonl(tmp_path / "niah.jsonl", [row, inside]), "niah")
     (a, b), (c, d) = inserted.evidence["needle"], given.evidence["needle"]

@@ -89,7 +89,7 @@ def substring_regex(items: Sequence[str], *, every: bool = True) -> str:
 def _read_rows(path: str, parquet: bool) -> Iterator[tuple[int, Any]]:
     """The (number, decoded value) of each line of a JSONL file, or each row of a Parquet file."""
     if not os.path.isfile(path):
-        raise TaskFileError(f"{path!r} does not exist or is not a file; give the path of a local data file", source=path)
+        raise TaskFileError(f"{path!r} is not a file; give the path of a local data file", source=path)
     if parquet:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -184,9 +184,7 @@ def _classification_regex(truths: Sequence[str], classes: Sequence[str]) -> str:
     parts = []
     for truth in truths:
         others = [c for c in classes if c != truth and c not in truth]
-        parts.append(
-            r"\A\n*(?=[^\n]*" + re.escape(truth) + ")" + "".join(rf"(?![^\n]*{re.escape(c)})" for c in others)
-        )
+        parts.append(r"\A\n*(?=[^\n]*" + re.escape(truth) + ")" + "".join(rf"(?![^\n]*{re.escape(c)})" for c in others))
     return "|".join(f"(?:{p})" for p in parts)
 
 

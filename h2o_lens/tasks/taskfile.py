@@ -448,7 +448,16 @@ def summarise_tasks(tasks: Sequence[FileTask]) -> list[tuple[str, str]]:
     groups: dict[str, list[FileTask]] = {}
     for t in tasks:
         groups.setdefault(t.kind, []).append(t)
-    order = ("prompt", "messages", "answer text", "answer any-of", "answer regex", "answer all/none", "answer f1", "no answer")
+    order = (
+        "prompt",
+        "messages",
+        "answer text",
+        "answer any-of",
+        "answer regex",
+        "answer all/none",
+        "answer f1",
+        "no answer",
+    )
     order += ("evidence substring", "evidence range")
     out = []
     for kind, group in groups.items():
