@@ -104,8 +104,8 @@ def _lm_eval_part(out: Path, tasks: Path, docs: int, model: Any, tok: Any, folde
 
     con = connect(str(root))
     report["h2o_runs"] = len([p for p in root.iterdir() if p.is_dir()])
-    report["h2o_verdicts"] = con.sql("SELECT count(correct) FROM requests").fetchone()[0]
-    report["h2o_replays"] = con.sql("SELECT count(DISTINCT run_id) FROM replay").fetchone()[0]
+    report["h2o_verdicts"] = con.sql("SELECT count(correct) FROM requests").fetchall()[0][0]
+    report["h2o_replays"] = con.sql("SELECT count(DISTINCT run_id) FROM replay").fetchall()[0][0]
     report["docs"] = docs
     return report
 

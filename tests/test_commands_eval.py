@@ -118,9 +118,9 @@ def test_h2o_every_request_has_run_replay_verdict_and_resumes(local_task, tmp_pa
     runs = sorted(p.name for p in (out / "h2o-sum_r0.2").iterdir())
     assert len(runs) == 6
     con = connect(str(out / "h2o-sum_r0.2"))
-    got = con.sql("SELECT count(*), count(correct) FROM requests").fetchone()
+    got = con.sql("SELECT count(*), count(correct) FROM requests").fetchall()[0]
     assert got == (6, 6)
-    assert con.sql("SELECT count(DISTINCT run_id) FROM replay").fetchone()[0] == 6
+    assert con.sql("SELECT count(DISTINCT run_id) FROM replay").fetchall()[0][0] == 6
     # run again: the cell is done, nothing is recorded again, the same table is printed
     stamps = {r: (out / "h2o-sum_r0.2" / r / "manifest.json").stat().st_mtime_ns for r in runs}
     code, second, _ = _eval(capsys, *argv)
