@@ -44,7 +44,7 @@ def _arith_task(folder: Path, docs: int) -> Path:
         'doc_to_target: "{{answer}}"\ntarget_delimiter: ""\n'
         'generation_kwargs:\n  until: ["\\n", "Question:"]\n  max_gen_toks: 8\n  do_sample: false\n'
         "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
-        "    ignore_whitespace: true\n"
+        "    ignore_case: true\n"
     )
     return folder
 

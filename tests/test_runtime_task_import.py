@@ -250,3 +250,18 @@ def test_cli_import_writes_a_task_file_tasks_check_accepts(tmp_path, capsys):
     assert text.startswith(f"wrote 3 requests to {out}\n  ruler: 3 requests | prompt 3 | answer regex 3")
     assert [t.max_new_tokens for t in load_tasks(out)] == [16, 16, 16]
     assert main(["tasks", "check", str(out)]) == 0
+
+
+@pytest.mark.parametrize(
+    "answer, needle",
+    [
+        ({"f1": ["a b"]}, "an F1 answer has keys f1, min and optionally first_line"),
+        ({"f1": ["a b"], "min": 0}, "'min' is 0; expected a number in (0, 1]"),
+        ({"f1": [], "min": 0.5}, "'f1' is []"),
+        ({"f1": ["a"], "min": 0.5, "first_line": "yes"}, "'first_line' is"),
+    ],
+)
+def test_f1_answers_are_checked_in_task_files(tmp_path, answer, needle):
+    path = _jsonl(tmp_path / "t.jsonl", [{"prompt": "p", "answer": answer}])
+    with pytest.raises(TaskFileError, match=re.escape(needle)):
+        load_tasks(path)
