@@ -128,6 +128,7 @@ def evaluate(
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     spec = {"tasks": list(tasks), "limit": limit, "model": model_name, "include_path": include_path}
+    spec |= {"replay": replay, "record": record, "threshold": threshold}
     done: dict[str, dict[str, Any]] = {}
     for label, policy, ratio in _cells(policies, ratios):
         cell = _cell_id(label, ratio)

@@ -110,7 +110,7 @@ def _lm_eval_part(out: Path, tasks: Path, docs: int, model: Any, tok: Any, folde
     return report
 
 
-def _timing(out: Path, tasks: Path, model: Any, tok: Any, rounds: int = 2) -> dict[str, Any]:
+def _timing(out: Path, tasks: Path, model: Any, tok: Any, rounds: int = 2, limit: int | None = None) -> dict[str, Any]:
     """The lm-eval run at H2O 20 %, recorder off and on, alternated; each a fresh root."""
     from lm_eval import simple_evaluate
 
@@ -122,7 +122,9 @@ def _timing(out: Path, tasks: Path, model: Any, tok: Any, rounds: int = 2) -> di
             lm = LensLM(model=model, tokenizer=tok, policy="h2o", ratio=0.2, out=str(out / f"timing_{r}_{rec}"),
                         record=rec, replay=False, include_path=str(tasks))  # fmt: skip
             t0 = time.perf_counter()
-            simple_evaluate(model=lm, tasks=["lens_sums"], task_manager=task_manager(str(tasks)), log_samples=False)
+            simple_evaluate(
+                model=lm, tasks=["lens_sums"], task_manager=task_manager(str(tasks)), log_samples=False, limit=limit
+            )
             times[rec].append(time.perf_counter() - t0)
     off, on = min(times[False]), min(times[True])
     return {"plain_s": times[False], "recorded_s": times[True], "ratio": on / off}
@@ -177,6 +179,7 @@ def main() -> None:
     p.add_argument("--niah", type=int, default=6)
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--parts", default="lm_eval,timing,niah")
+    p.add_argument("--timing-docs", type=int, default=None, help="documents of the timed runs (default: --docs)")
     args = p.parse_args()
     from h2o_lens.models import load_model
 
@@ -191,12 +194,12 @@ def main() -> None:
         report["lm_eval"] = _lm_eval_part(out, tasks, args.docs, model, tok, folder)
         print(json.dumps(report["lm_eval"], default=str), flush=True)
     if "timing" in parts:
-        report["timing"] = _timing(out, tasks, model, tok)
+        report["timing"] = _timing(out, tasks, model, tok, limit=args.timing_docs)
         print(json.dumps(report["timing"]), flush=True)
     if "niah" in parts:
         report["niah"] = _niah_part(out, args.niah, args.length, model, tok)
         print(json.dumps(report["niah"], default=str), flush=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / f"report_{'_'.join(parts)}.json").write_text(json.dumps(report, indent=1, default=str))
 
 
 if __name__ == "__main__":
