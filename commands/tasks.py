@@ -1,4 +1,5 @@
-"""``h2o-lens tasks``: task files: export the built-in families, check a file, list families."""
+"""``h2o-lens tasks``: task files: export the built-in families, check a file, list families, import a
+benchmark's data file."""
 
 from __future__ import annotations
 
@@ -28,10 +29,61 @@ def add_parser(sub: Any) -> None:
     ch.set_defaults(func=run)
     ls = ts.add_parser("list", help="the built-in task families")
     ls.set_defaults(func=run)
+    _add_import(ts)
+
+
+def _add_import(ts: Any) -> None:
+    im = ts.add_parser(
+        "import",
+        help="a local RULER, LongBench, kvpress or needle-in-a-haystack file as a task file (DESIGN.md §20.2)",
+    )
+    im.add_argument("file", help="the data file (JSONL; kvpress also Parquet); nothing is downloaded")
+    im.add_argument("--from", dest="fmt", required=True, choices=["ruler", "longbench", "kvpress", "niah"])
+    im.add_argument("-o", "--output", required=True, help="task file to write")
+    im.add_argument(
+        "--match", choices=["all", "part"], default="all", help="ruler: every output must occur (default) or any one"
+    )
+    im.add_argument("--dataset", default=None, help="longbench: the data set of lines without a 'dataset' field")
+    im.add_argument(
+        "--f1-min", type=float, default=0.5, help="longbench: token F1 from which an answer is correct (default 0.5)"
+    )
+    im.add_argument("--max-new-tokens", type=int, default=None, help="generation length (default: the format's)")
+    im.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"export": _export, "check": _check, "list": _list}[args.tasks_command](args)
+    return {"export": _export, "check": _check, "list": _list, "import": _import}[args.tasks_command](args)
+
+
+def _import(args: argparse.Namespace) -> int:
+    """``tasks import FILE --from FORMAT -o OUT``: a benchmark's local data file as a task file."""
+    from h2o_lens.errors import ConfigError
+    from h2o_lens.tasks.importers import import_tasks
+    from h2o_lens.tasks.taskfile import summarise_tasks, write_tasks
+
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise ConfigError(f"-o {args.output!r}: its folder does not exist; create it or give another path")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    tasks = import_tasks(
+        args.file,
+        args.fmt,
+        match=args.match,
+        dataset=args.dataset,
+        f1_min=args.f1_min,
+        max_new_tokens=args.max_new_tokens,
+    )
+    write_tasks(tasks, args.output)
+    print(f"wrote {len(tasks)} requests to {args.output}")
+    for kind, summary in summarise_tasks(tasks):
+        print(f"  {kind}: {summary}")
+    unchecked = sorted({t.kind for t in tasks if t.answer is None})
+    if unchecked:
+        print(
+            f"  no checker for {', '.join(unchecked)} (its metric is not a string match or F1): "
+            "verdicts are null, explain compares with the full-cache answer"
+        )
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -55,6 +55,8 @@ from ..config import H2OConfig
 from ..policies import DEFAULT, half_split, ratio_slots
 
 __all__ = [
+    "token_f1",
+    "f1_tokens",
     "Task",
     "KINDS",
     "SIZES",
@@ -179,6 +181,36 @@ def _contains(norm_answer: str, item: str) -> bool:
     if not needle:
         return False
     return re.search(rf"(?<![0-9a-z]){re.escape(needle)}(?![0-9a-z])", norm_answer) is not None
+
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_ASCII_PUNCTUATION = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+
+
+def f1_tokens(text: str) -> list[str]:
+    """The words a token F1 compares: lower case, ASCII punctuation removed, the articles a, an and
+    the dropped, split on white space (the normalisation of SQuAD-style QA scoring)."""
+    text = "".join(ch for ch in text.lower() if ch not in _ASCII_PUNCTUATION)
+    return _ARTICLES.sub(" ", text).split()
+
+
+def token_f1(answer: str, reference: str) -> float:
+    """Token F1 of ``answer`` against ``reference`` over :func:`f1_tokens` (each word counted with
+    its multiplicity): ``2 p r / (p + r)`` with p the share of the answer's words found in the
+    reference and r the share of the reference's words found in the answer; 0 when none is shared."""
+    pred, ref = f1_tokens(answer), f1_tokens(reference)
+    counts: dict[str, int] = {}
+    for w in ref:
+        counts[w] = counts.get(w, 0) + 1
+    shared = 0
+    for w in pred:
+        if counts.get(w, 0) > 0:
+            counts[w] -= 1
+            shared += 1
+    if shared == 0:
+        return 0.0
+    precision, recall = shared / len(pred), shared / len(ref)
+    return 2 * precision * recall / (precision + recall)
 
 
 def check_answer(answer: str, required: Sequence[str], distractors: Sequence[str] = ()) -> bool:

@@ -26,6 +26,7 @@ __all__ = [
 ]
 
 #: an answer spec: str | tuple of str | {"regex": str} | {"all": [...], "none": [...]}
+#: | {"f1": [...], "min": float, "first_line": bool}
 Answer = Any
 
 #: the fields of a task-file line, in the order :meth:`~h2o_lens.tasks.taskfile.FileTask.to_json` writes them
@@ -86,7 +87,9 @@ def json_type(value: Any) -> str:
     return type(value).__name__
 
 
-_ANSWER_FORMS = 'a string, a list of strings, {"regex": PATTERN} or {"all": [...], "none": [...]}'
+_ANSWER_FORMS = (
+    'a string, a list of strings, {"regex": PATTERN}, {"all": [...], "none": [...]} or {"f1": [...], "min": 0.5}'
+)
 
 Fail = Callable[[str | None, str], NoReturn]
 
@@ -101,6 +104,27 @@ def _answer_item(item: Any, where: str, fail: Fail) -> str:
             "(answers match as whole words after lower-casing and dropping punctuation)",
         )
     return item
+
+
+def _f1_answer(value: Mapping[str, Any], fail: Fail) -> dict[str, Any]:
+    """``{"f1": [references], "min": threshold, "first_line": bool}``: correct when the token F1
+    (:func:`~h2o_lens.tasks.real.token_f1`) against some reference reaches ``min``."""
+    keys = set(value)
+    if keys - {"f1", "min", "first_line"} or "min" not in keys:
+        fail("answer", f'an F1 answer has keys f1, min and optionally first_line; got keys {sorted(keys)}')
+    refs = value["f1"]
+    if not isinstance(refs, list) or not refs:
+        fail("answer", f"'f1' is {shown(refs)}; expected a non-empty list of reference strings")
+    out: dict[str, Any] = {"f1": [_answer_item(v, f"answer.f1[{i}]", fail) for i, v in enumerate(refs)]}
+    threshold = value["min"]
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 < threshold <= 1:
+        fail("answer", f"'min' is {shown(threshold)}; expected a number in (0, 1], the F1 a correct answer reaches")
+    out["min"] = float(threshold)
+    if "first_line" in keys:
+        if not isinstance(value["first_line"], bool):
+            fail("answer", f"'first_line' is {shown(value['first_line'])}; expected true or false")
+        out["first_line"] = value["first_line"]
+    return out
 
 
 def _answer(value: Any, fail: Fail) -> Answer:
@@ -123,6 +147,8 @@ def _answer(value: Any, fail: Fail) -> Answer:
             except re.error as exc:
                 fail("answer", f"'regex' {shown(pattern)} does not compile: {exc}")
             return {"regex": pattern}
+        if "f1" in keys:
+            return _f1_answer(value, fail)
         if keys - {"all", "none"} or "all" not in keys:
             fail(
                 "answer",

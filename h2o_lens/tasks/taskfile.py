@@ -8,6 +8,7 @@ A line is an object with these fields::
      "answer": "Lisbon",                       # or ["Lisbon", "lisboa"] (any of them)
                                                # or {"regex": "\\b6604\\b"}
                                                # or {"all": ["Oslo", "Lima"], "none": ["Cairo"]}
+                                               # or {"f1": ["in Lisbon"], "min": 0.5}
      "evidence": {"city": "moved to Lisbon"},  # label -> substring, or label -> [start, end]
      "max_new_tokens": 16,                     # optional (default 32)
      "meta": {...}}                            # free, carried to the run's info
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .real import check_answer
+from .real import check_answer, token_f1
 from .taskcheck import (
     DEFAULT_MAX_NEW_TOKENS,
     FIELDS,
@@ -98,7 +99,7 @@ class FileTask:
         if isinstance(a, list | tuple):
             a = tuple(a)
         elif isinstance(a, Mapping):
-            a = {k: v if isinstance(v, str) else list(v) for k, v in a.items()}
+            a = {k: list(v) if isinstance(v, list | tuple) else v for k, v in a.items()}
         object.__setattr__(self, "answer", a)
         evidence = {k: v if isinstance(v, str) else tuple(v) for k, v in self.evidence.items()}
         object.__setattr__(self, "evidence", evidence)
@@ -117,6 +118,8 @@ class FileTask:
         if isinstance(a, Mapping):
             if "regex" in a:
                 return f"/{a['regex']}/"
+            if "f1" in a:
+                return f"F1 >= {a['min']:g} with " + " | ".join(a["f1"])
             return " and ".join(a.get("all", ()))
         return " | ".join(a)
 
@@ -136,6 +139,9 @@ class FileTask:
         if isinstance(a, Mapping):
             if "regex" in a:
                 return re.search(a["regex"], answer) is not None
+            if "f1" in a:
+                text = answer.lstrip("\n").split("\n")[0] if a.get("first_line") else answer
+                return max(token_f1(text, ref) for ref in a["f1"]) >= a["min"]
             return check_answer(answer, tuple(a.get("all", ())), tuple(a.get("none", ())))
         return any(check_answer(answer, (item,)) for item in a)
 
@@ -430,6 +436,8 @@ def _answer_form(a: Answer) -> str:
     if isinstance(a, str):
         return "answer text"
     if isinstance(a, Mapping):
+        if "f1" in a:
+            return "answer f1"
         return "answer regex" if "regex" in a else "answer all/none"
     return "answer any-of"
 
@@ -440,7 +448,16 @@ def summarise_tasks(tasks: Sequence[FileTask]) -> list[tuple[str, str]]:
     groups: dict[str, list[FileTask]] = {}
     for t in tasks:
         groups.setdefault(t.kind, []).append(t)
-    order = ("prompt", "messages", "answer text", "answer any-of", "answer regex", "answer all/none", "no answer")
+    order = (
+        "prompt",
+        "messages",
+        "answer text",
+        "answer any-of",
+        "answer regex",
+        "answer all/none",
+        "answer f1",
+        "no answer",
+    )
     order += ("evidence substring", "evidence range")
     out = []
     for kind, group in groups.items():
