@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .options import DTYPES, load_model_args, number, split_list
+from .paths import add_force_arg
 
 __all__ = ["add_parser", "run", "evaluate", "format_table", "INSTALL_HINT"]
 
@@ -45,6 +46,7 @@ def add_parser(sub: Any) -> None:
         "--ratios", action="extend", nargs="+", default=None, help="keep ratios, comma list (default 1,0.2)"
     )
     ev.add_argument("--out", default="eval_runs", help="runs root (default ./eval_runs)")
+    add_force_arg(ev, "into --out")
     ev.add_argument("--limit", type=int, default=None, help="the first N documents of each task")
     ev.add_argument("--no-replay", action="store_true", help="record only, no replay against the full cache")
     ev.add_argument(
@@ -84,6 +86,19 @@ def _cells(policies: Sequence[tuple[str, str]], ratios: Sequence[float]) -> list
 
 def _cell_id(label: str, ratio: float) -> str:
     return label if ratio >= 1.0 else f"{label}_r{ratio:g}".replace(":", "_")
+
+
+def _check_out(out: str, cells: Sequence[str], force: bool) -> None:
+    """Refuse, in one line, an ``--out`` (or a cell's folder in it) holding anything h2o-lens did not
+    write, unless ``force`` (DESIGN.md §5.1): the root holds the cells' folders and result files."""
+    from runlog.ownership import check_output_root
+
+    from .paths import ROOT_OUTPUTS
+
+    names = (*ROOT_OUTPUTS, *cells, *(f"eval_{c}.json" for c in cells))
+    check_output_root(out, names=names, force=force)
+    for cell in cells:
+        check_output_root(Path(out) / cell, names=ROOT_OUTPUTS, force=force, option=f"--out cell {cell!r}:")
 
 
 def _check_tasks(names: Sequence[str], include_path: str | None) -> Any:
@@ -216,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         raise ConfigError(f"--ratios {bad[0]:g}: a keep ratio is in (0, 1]")
     grid = sweep_grid(args.policies or ["h2o"])  # ConfigError naming the known policies
+    _check_out(args.out, [_cell_id(label, ratio) for label, _, ratio in _cells(grid, ratios)], args.force)
     _check_tasks(names, args.include_path)
     model, tok = load_model_args(args)
     cells = evaluate(

@@ -357,9 +357,9 @@ class LensLM(TemplateLM):
         done = manifest.get("status") == "complete" and "lm_eval" in manifest
         if done and (not self.replay or replay_complete(run_dir)):
             return str(manifest["lm_eval"]["response"])
-        import shutil
+        from runlog.ownership import remove_run
 
-        shutil.rmtree(run_dir)
+        remove_run(run_dir)  # a run of its own only: anything else in the way is refused (DESIGN.md §5.1)
         return None
 
 

@@ -54,8 +54,9 @@ def _one_error(err: str) -> str:
         ["samples", "--out", "{out}"],
         ["demo", "--out", "{out}", "--count", "1"],
         ["sweep", "--out", "{out}", "--count", "1", "--ratios", "0.5", "--policies", "h2o"],
+        ["eval", "--out", "{out}", "--tasks", "any_task", "--policies", "h2o", "--ratios", "1,0.2"],
     ],
-    ids=["samples", "demo", "sweep"],
+    ids=["samples", "demo", "sweep", "eval"],
 )
 def test_a_project_folder_is_refused_in_one_line_before_any_model_loads(tmp_path, capsys, argv):
     out = project(tmp_path / "project")
