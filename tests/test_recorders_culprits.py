@@ -202,3 +202,33 @@ def test_bad_input_is_refused_in_one_line(tmp_path):
         explain_culprits(model, tok, parent, 0)
     assert "\n" not in str(e.value)
     shutil.rmtree(tmp_path / "b")
+
+
+@pytest.mark.slow
+def test_explain_shows_the_set_in_its_table_and_json(tmp_path):
+    import json
+
+    from commands.explain import explain_run, format_verdicts
+
+    model, tok, parent = _tiny_parent(tmp_path)
+    (v,) = explain_run(
+        str(parent), model=model, tokenizer=tok, bisect=False, replay=False, progress=False, culprits="auto"
+    )
+    assert v.verdict != "not_the_cache" and v.culprits and v.culprits["found"]
+    (got,) = json.loads(format_verdicts([v], "json"))
+    assert [c["position"] for c in got["culprits"]] == [c["position"] for c in v.culprits["culprits"]]
+    assert all(set(c) >= {"position", "text", "step", "held"} for c in got["culprits"])
+    assert got["culprit_search"]["minimal"] is True
+    text = format_verdicts([v])
+    assert "culprits:" in text and "1-minimal" in text and "left " in text
+    # the variants' table and the verdict rules leave the culprits run out
+    assert "culprits" not in {r["variant"] for r in v.table} and "culprits" not in v.passes
+
+
+def test_explain_with_culprits_refuses_a_run_not_replayed_before_loading_a_model(tmp_path, capsys):
+    from commands.cli import main
+
+    model, tok, parent = _tiny_parent(tmp_path, replayed=False)
+    code = main(["explain", str(parent), "--culprits", "--force", "--model", "no/such-model"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("h2o-lens: error: ") and "no complete replay" in err and "\n" not in err
