@@ -106,7 +106,7 @@ class CausalVerdict:
     @property
     def agrees(self) -> bool | None:
         """Whether the threshold estimate says the same (None: no estimate)."""
-        if self.estimate is None:
+        if self.estimate is None or self.estimate == "unknown":  # the estimate named no cause
             return None
         return _SAME.get(self.estimate, self.estimate) == self.verdict
 

@@ -209,7 +209,8 @@ def demo_verdicts(root: str | os.PathLike, runs: Iterable[TaskRun]) -> dict[str,
         if not found:
             out[r.run_id] = ("ok", None)
         else:
-            out[r.run_id] = (f"{found[0].verdict} (estimate{', answer right' if r.correct else ''})", "estimate")
+            said = "unknown (run explain" if found[0].verdict == "unknown" else f"{found[0].verdict} (estimate"
+            out[r.run_id] = (f"{said}{', answer right' if r.correct else ''})", "estimate")
     return out
 
 
