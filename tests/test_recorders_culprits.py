@@ -157,7 +157,9 @@ def _tiny_parent(root, replayed=True, spec=None):
         with torch.no_grad():
             model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     if replayed:
-        recorders.replay(root / run.run_id, model=model, progress=False)
+        from recorders.replay import replay
+
+        replay(root / run.run_id, model=model, progress=False)
     return model, tok, root / run.run_id
 
 
