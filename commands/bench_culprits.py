@@ -66,7 +66,8 @@ def _one(model: Any, tok: Any, task: Any, keep: float, root: str, max_runs: int,
     explain_request(model, tok, run.run_dir, 0, bisect=False, replay=False)
     t_explain = time.perf_counter() - t0
     (v,) = causal_verdicts(connect(root), run.run_id)
-    row = {"task": task.name, "verdict": v.verdict, "slots": parent.slots, "prompt_len": parent.prompt_len}
+    row = {"task": task.name, "verdict": v.verdict, "estimate": v.estimate, "slots": parent.slots}
+    row["prompt_len"] = parent.prompt_len
     row.update(generation_s=gen, explain_s=t_explain)
     if v.verdict != "scoring":
         return row
@@ -95,9 +96,13 @@ def _summary(rows: list[dict]) -> list[str]:
     tokens = sum(r["size"] for r in small)
     inside = sum(r["inside"] for r in small)
     ratios = [(r["explain_s"] + r["culprits_s"]) / r["generation_s"] for r in scoring]
+    named = [r for r in rows if r.get("estimate") not in (None, "unknown")]
+    same = sum(1 for r in named if {"scoring_lag": "scoring"}.get(r["estimate"], r["estimate"]) == r["verdict"])
     out = [
         f"failures explained: {sum(1 for r in rows if 'verdict' in r)}; scoring: {len(scoring)}; "
         f"full cache fails: {sum(1 for r in rows if r.get('skipped'))}",
+        f"fast estimate: names a cause for {len(named)}, agrees with explain on {same}; "
+        f"'unknown (run explain)' for {sum(1 for r in rows if r.get('estimate') == 'unknown')}",
     ]
     if scoring:
         out += [
