@@ -234,3 +234,20 @@ def test_explain_with_culprits_refuses_a_run_not_replayed_before_loading_a_model
     code = main(["explain", str(parent), "--culprits", "--force", "--model", "no/such-model"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("h2o-lens: error: ") and "no complete replay" in err and "\n" not in err
+
+
+@pytest.mark.slow
+def test_the_searchs_re_runs_share_one_prompt_forward(tmp_path):
+    model, tok, parent = _tiny_parent(tmp_path)
+    widths = []  # positions of each forward the decoder really ran (a reused prompt forward runs none)
+    hook = model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        got = explain_culprits(model, tok, parent, 0)
+    finally:
+        hook.remove()
+    assert got.runs >= 3
+    # the full cache's own forward (transformers' cache) and one H2O prompt forward for every probe
+    # and the recorded re-run
+    assert widths.count(24) == 2, widths
