@@ -544,7 +544,7 @@ RUNS = pa.schema(
         _f(
             "counterfactual_kind",
             pa.string(),
-            "full | pinned | oracle | policy_budget | oracle_budget (DESIGN.md §6.10) | culprits (§19)",
+            "full | pinned | oracle | policy_budget | oracle_budget (DESIGN.md §6.10) | culprits (DESIGN.md §19)",
             nullable=True,
         ),
         _f("counterfactual_request", pa.int32(), "request of the parent run re-run", nullable=True),
