@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from h2o_lens.errors import ConfigError
 from runlog.errors import RecorderError
 from runlog.schema import CULPRITS_KIND
 
@@ -322,10 +323,9 @@ def _num(x: Any) -> float | None:
 
 def _max_size(config: Any) -> int:
     """The most positions a set may pin: the heavy slots (pins give way there first, DESIGN.md §2.11),
-    so the recent window stays whole; one slot less than the budget for a policy without heavy slots."""
+    so the recent window stays whole; one slot less than the budget for a policy without heavy slots
+    (a set whose pins leave the policy no usable split fails its test)."""
     heavy, recent = int(config.heavy or 0), int(config.recent or 0)
-    if config.policy == "sink":
-        return max(0, heavy)
     return heavy if heavy > 0 else max(0, heavy + recent - 1)
 
 
@@ -457,7 +457,10 @@ def _search(runner: Any, max_runs: int, seconds: float | None, say: Callable[[st
 
     def test(subset: frozenset[int]) -> bool:
         say(f"culprits: {len(subset)} restored")
-        config = pin(parent.config, sorted(subset))
+        try:
+            config = pin(parent.config, sorted(subset))
+        except ConfigError:  # the pins leave the policy no usable split: not a fix within the slots
+            return False
         with torch.no_grad(), h2o_lens.h2o(runner.model, config):
             got = runner.model.generate(
                 input_ids=ids,
