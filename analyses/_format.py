@@ -91,6 +91,7 @@ VERDICT_TEXT = {
     "scoring_lag": "scoring lag: the evidence was evicted right after the recent window, before it was read",
     "not_the_cache": "not the cache: the cache does not explain the failure",
     "implementation_error": "implementation error: the replay does not reproduce the run",
+    "unknown": "unknown (run explain): the thresholds cannot tell; counterfactual re-runs decide (h2o-lens explain)",
 }
 
 

@@ -304,6 +304,20 @@ def _failures(data: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def _culprits(v: dict[str, Any]) -> str:
+    """The request's culprit tokens (DESIGN.md §19), one line each, when a search ran."""
+    from .culprits import culprit_summary, why_left
+
+    line = culprit_summary(v.get("culprits"))
+    if line is None:
+        return ""
+    items = "".join(
+        f"<li><code>{c['position']}</code> {html.escape(repr(c.get('text')))}: {html.escape(why_left(c))}</li>"
+        for c in v["culprits"].get("culprits") or []
+    )
+    return f"<p>Culprit tokens: {html.escape(line)}.</p>" + (f"<ul>{items}</ul>" if items else "")
+
+
 def _why(data: dict[str, Any], figs: dict[str, Any]) -> str:
     why = data.get("why") or []
     if not why:
@@ -322,7 +336,7 @@ def _why(data: dict[str, Any], figs: dict[str, Any]) -> str:
             + disagree
             + _table(why_rows(v), WHY_COLUMNS)
             + f"<p>{html.escape(why_budgets(v))}. Decided by: "
-            f"{html.escape(', '.join(v.get('decided_by') or []) or '–')}.</p></div>"
+            f"{html.escape(', '.join(v.get('decided_by') or []) or '–')}.</p>" + _culprits(v) + "</div>"
         )
     if "fig-budgets" in figs:
         out.append("<h3>Minimal passing budgets across the root</h3>" + _fig("fig-budgets", figs))

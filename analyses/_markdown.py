@@ -176,6 +176,18 @@ def _failures(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def culprit_lines(v: dict[str, Any]) -> list[str]:
+    """The request's culprit tokens (DESIGN.md §19), one bullet each, when a search ran."""
+    from .culprits import culprit_summary, why_left
+
+    line = culprit_summary(v.get("culprits"))
+    if line is None:
+        return []
+    out = [f"Culprit tokens: {text(line)}.\n"]
+    out += [f"- `{c['position']}` {text(repr(c.get('text')))}: {text(why_left(c))}" for c in v["culprits"]["culprits"]]
+    return out + ([""] if len(out) > 1 else [])
+
+
 def why_section(data: dict[str, Any]) -> list[str]:
     """The counterfactual verdicts (``h2o-lens explain``), when the run has any."""
     why = data.get("why") or []
@@ -195,6 +207,7 @@ def why_section(data: dict[str, Any]) -> list[str]:
             "\n" + text(why_budgets(v)) + ".\n",
             f"Decided by: {text(', '.join(v.get('decided_by') or []) or '–')}.\n",
         ]
+        out += culprit_lines(v)
     dist = data.get("budget_distribution") or []
     if dist:
         out += [

@@ -28,9 +28,16 @@ Verdicts, first match wins:
 ``budget``
     evidence was evicted before ``d`` and the dropped mass around ``d`` is
     high; or the run labels no evidence and the dropped mass is high.
+``unknown`` (shown as ``unknown (run explain)``)
+    the thresholds cannot tell: evidence was evicted before ``d`` but the
+    dropped mass around ``d`` is low (a few evicted tokens can carry an answer
+    with little of the heads' mass: the long recall failures that the re-runs
+    decide as ``scoring``), or no evidence is labelled and neither the dropped
+    mass nor the KL points anywhere. ``h2o-lens explain`` decides (DESIGN.md
+    §6.10, §19).
 ``not_the_cache``
-    everything else: low dropped mass (with high KL the cause is a value
-    direction, positions or an earlier divergence), or evidence still held.
+    everything else: low dropped mass with high KL and no evidence evicted (a
+    value direction, positions or an earlier divergence), or evidence still held.
 """
 
 from __future__ import annotations
@@ -50,7 +57,9 @@ from .thresholds import Thresholds
 
 __all__ = ["VERDICTS", "Fact", "Attribution", "failed_requests", "attribute", "evidence_sql"]
 
-VERDICTS = ("budget", "scoring_lag", "not_the_cache", "implementation_error")
+VERDICTS = ("budget", "scoring_lag", "not_the_cache", "implementation_error", "unknown")
+#: how the estimate's ``unknown`` is shown: it names no cause, the re-runs decide
+UNKNOWN_TEXT = "unknown (run explain)"
 
 FailedArg = bool | Mapping[int, bool] | Sequence[int] | None
 
@@ -287,18 +296,21 @@ def _verdict(
         return "budget", f"the evidence was evicted and the teacher needed evicted positions ({dm_text})"
     if not has_evidence and high_dm:
         return "budget", f"no evidence is labelled; the teacher needed evicted positions ({dm_text})"
+    if evicted:
+        return "unknown", (
+            f"evidence was evicted, but the teacher put little attention on evicted positions ({dm_text}): "
+            "the thresholds cannot tell whether it mattered; h2o-lens explain decides"
+        )
     if dm is not None and not high_dm and kl_d is not None and kl_d >= th.kl_high:
         return "not_the_cache", (
             f"low dropped mass but high KL ({kl_d:.3g} >= {th.kl_high:g}): value "
             "direction, positions or an earlier divergence"
         )
-    if evicted:
-        return "not_the_cache", (
-            f"evidence was evicted, but the teacher put little attention on evicted positions ({dm_text})"
-        )
     if has_evidence:
         return "not_the_cache", f"the evidence was still in the cache ({dm_text})"
-    return "not_the_cache", f"no cache fact explains the failure ({dm_text})"
+    return "unknown", (
+        f"no evidence is labelled and no cache fact explains the failure ({dm_text}); h2o-lens explain decides"
+    )
 
 
 def _decision_step(

@@ -40,10 +40,11 @@ import duckdb
 import pandas as pd
 
 from runlog.counterfactual_reuse import judged_teacher_forced
-from runlog.schema import COUNTERFACTUAL_KINDS
+from runlog.schema import COUNTERFACTUAL_KINDS, CULPRITS_KIND
 
 from ._base import Source, connect, first_row, manifest_at, plain, relation, run_info
 from .attribution import attribute
+from .culprits import culprit_sets
 from .evidence import evidence_evictions
 from .stale import stale_holders
 from .thresholds import Thresholds
@@ -103,11 +104,13 @@ class CausalVerdict:
     #: each search whose pass test was not monotone: every count it tried, ``[[slots, passed], ...]``
     #: ascending (:func:`describe_search` says it in words); a monotone search has no entry
     budget_probes: dict[str, list[list[Any]]] = dataclasses.field(default_factory=dict)
+    #: the culprit search of the request, when one ran (:func:`analyses.culprits.culprit_sets`, DESIGN.md §19)
+    culprits: dict[str, Any] | None = None
 
     @property
     def agrees(self) -> bool | None:
         """Whether the threshold estimate says the same (None: no estimate)."""
-        if self.estimate is None:
+        if self.estimate is None or self.estimate == "unknown":  # the estimate named no cause
             return None
         return _SAME.get(self.estimate, self.estimate) == self.verdict
 
@@ -382,9 +385,10 @@ def causal_verdicts(
     by_request = {a.request: a for a in found}
     diff, tol = info.get("max_logit_diff"), th.logit_bound(info.get("logit_tolerance"))
     impl = diff is not None and diff > tol
+    searches = culprit_sets(con, run_id) if (rows["kind"] == CULPRITS_KIND).any() else {}
     out = []
     for r in sorted(int(x) for x in rows["request"].unique()):
-        outcomes = _outcomes(rows[rows["request"] == r])
+        outcomes = _outcomes(rows[(rows["request"] == r) & (rows["kind"] != CULPRITS_KIND)])
         est = by_request.get(r)
         dm = next((f.value for f in est.facts if f.kind == "dropped_mass"), None) if est else None
         verdict, reason, decided = decide(
@@ -418,6 +422,7 @@ def causal_verdicts(
                 est.verdict if est else None,
                 variant_table(outcomes),
                 tried,
+                searches.get((run_id, r)),
             )
         )
     return out

@@ -196,6 +196,11 @@ _VERDICTS = {
     ),
     "not_the_cache": ("Not the cache", "blue", "the cache does not explain the failure"),
     "implementation_error": ("Implementation error", "violet", "the replay does not reproduce the run"),
+    "unknown": (
+        "Unknown (run explain)",
+        "gray",
+        "the thresholds cannot tell; counterfactual re-runs decide (h2o-lens explain)",
+    ),
 }
 
 

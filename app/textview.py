@@ -21,6 +21,7 @@ __all__ = ["token_html", "legend_html"]
 _STEP_SCALE = "YlOrRd"
 _SHARE_SCALE = "Reds"
 _EVIDENCE = "#1f77b4"
+_CULPRIT = "#d62728"  # the culprit tokens of a search (DESIGN.md §19)
 
 
 def _color(scale: str, t: float) -> str:
@@ -40,9 +41,16 @@ def _shown(text: object) -> str:
 
 
 def token_html(
-    df: pd.DataFrame, *, mode: str, step_range: tuple[int, int], at_step: int | None, selected: int | None
+    df: pd.DataFrame,
+    *,
+    mode: str,
+    step_range: tuple[int, int],
+    at_step: int | None,
+    selected: int | None,
+    culprits: dict[int, str] | None = None,
 ) -> str:
-    """HTML of the tokens of ``df`` (:func:`analyses.views.token_evictions` rows)."""
+    """HTML of the tokens of ``df`` (:func:`analyses.views.token_evictions` rows); ``culprits``
+    (position -> when and why it left, DESIGN.md §19) are boxed in red, the reason in their hover."""
     lo, hi = step_range
     span = max(hi - lo, 1)
     parts = [
@@ -80,6 +88,9 @@ def token_html(
         if isinstance(row.evidence, str):
             style.append(f"border-bottom: 3px solid {_EVIDENCE}")
             what += f" · evidence {row.evidence!r}"
+        if culprits and pos in culprits:
+            style.append(f"box-shadow: 0 0 0 2px {_CULPRIT}")
+            what += f" · culprit: {culprits[pos]}"
         if selected is not None and pos == selected:
             style.append("outline: 2px solid #000; outline-offset: 1px")
         title = html.escape(f"position {pos} · {what}", quote=True)

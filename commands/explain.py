@@ -42,6 +42,9 @@ def explain_run(
     force: bool = False,
     model_name: str | None = None,
     allow_other_model: bool = False,
+    culprits: str = "off",
+    max_runs: int = 40,
+    culprit_seconds: float = 900.0,
 ) -> list[Any]:
     """Explain the failed requests of a run (or ``requests``): re-run, then decide.
 
@@ -49,6 +52,9 @@ def explain_run(
     (:func:`recorders.counterfactual.check_parent`) unless ``force``. The model is ``model``,
     else loaded from ``model_name``, else from where the parent's manifest says it was; one
     whose fingerprint differs from the parent's is refused unless ``allow_other_model``.
+    ``culprits`` (``off``, ``auto``: requests without evidence spans, ``on``) adds the culprit
+    search of DESIGN.md §19 (:mod:`commands.explain_culprits`), at most ``max_runs`` re-runs and
+    ``culprit_seconds`` per request.
 
     Returns the :class:`analyses.CausalVerdict` of each explained request.
     """
@@ -62,6 +68,10 @@ def explain_run(
     root, run_id = os.path.dirname(run_dir), os.path.basename(os.path.normpath(run_dir))
     if not force:
         check_parent(run_dir)
+    if rerun:
+        from .explain_culprits import check_request
+
+        check_request(run_dir, culprits)  # culprit search: refused before any model loads
     todo = list(requests) if requests is not None else _failed(root, run_id)
     if rerun and todo:
         from recorders.counterfactual import explain_request
@@ -89,6 +99,19 @@ def explain_run(
                     progress=say,
                     allow_other_model=allow_other_model,
                 )
+            from .explain_culprits import search_failures
+
+            search_failures(
+                model,
+                tokenizer,
+                run_dir,
+                todo,
+                mode=culprits,
+                max_runs=max_runs,
+                seconds=culprit_seconds,
+                say=lambda r, label: (bar.set_description_str(f"request {r}, {label}"), bar.update(1)),
+                allow_other_model=allow_other_model,
+            )
         finally:
             bar.close()
     found = causal_verdicts(connect(root), run_id)
@@ -101,6 +124,8 @@ def _pct(x: float | None) -> str:
 
 def format_verdicts(verdicts: list[Any], fmt: str = "table") -> str:
     """The verdicts as JSON (one object per request) or as text tables."""
+    from .explain_culprits import culprit_lines
+
     if fmt == "json":
         return json.dumps([_json(v) for v in verdicts], indent=1)
     if not verdicts:
@@ -134,6 +159,7 @@ def format_verdicts(verdicts: list[Any], fmt: str = "table") -> str:
                 "teacher's at k of n steps)"
             )
         lines.append(f"  decided by: {', '.join(v.decided_by) or '-'}")
+        lines += culprit_lines(v)
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 
@@ -173,6 +199,8 @@ def _grid(rows: list[list[str]], header: list[str]) -> str:
 
 
 def _json(v: Any) -> dict[str, Any]:
+    from .explain_culprits import culprit_json
+
     return {
         "run_id": v.run_id,
         "request": v.request,
@@ -192,6 +220,7 @@ def _json(v: Any) -> dict[str, Any]:
         "estimate": v.estimate,
         "estimate_agrees": v.agrees,
         "table": [dict(r) for r in v.table],
+        **culprit_json(v),
     }
 
 
@@ -211,6 +240,8 @@ def explainable_runs(root: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .explain_culprits import culprit_mode
+
     if (args.run is None) == (not args.all):
         raise SystemExit("h2o-lens explain: give a RUN, or --all to explain every failed run under --root")
     options = dict(
@@ -222,6 +253,9 @@ def run(args: argparse.Namespace) -> int:
         force=args.force,
         model_name=args.model,
         allow_other_model=args.allow_other_model,
+        culprits=culprit_mode(args),
+        max_runs=args.max_runs,
+        culprit_seconds=args.culprit_seconds,
     )
     if not args.all:
         verdicts = explain_run(run_dir(args.run, args.root), requests=args.request, **options)
@@ -277,5 +311,8 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="explain a run that is not complete with a replayed log (failed, interrupted, not replayed)",
     )
+    from .explain_culprits import add_culprit_args
+
+    add_culprit_args(ex)
     add_model_args(ex)
     ex.set_defaults(func=run)

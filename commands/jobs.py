@@ -209,7 +209,11 @@ def demo_verdicts(root: str | os.PathLike, runs: Iterable[TaskRun]) -> dict[str,
             out[r.run_id] = (v.verdict + (f" ({v.sub_label})" if v.sub_label else ""), "re-runs")
             continue
         found = attribute(con, r.run_id)
-        out[r.run_id] = (f"{found[0].verdict} (estimate)", "estimate") if found else ("ok", None)
+        if not found:
+            out[r.run_id] = ("ok", None)
+        else:
+            said = "unknown (run explain)" if found[0].verdict == "unknown" else f"{found[0].verdict} (estimate)"
+            out[r.run_id] = (said, "estimate")
     return out
 
 

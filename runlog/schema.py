@@ -33,6 +33,7 @@ __all__ = [
     "RUNS",
     "VIEW_NAMES",
     "COUNTERFACTUAL_KINDS",
+    "CULPRITS_KIND",
     "KEYS",
     "Range",
     "FLOAT_SLACK",
@@ -51,8 +52,9 @@ __all__ = [
 
 #: 2 adds the speculative tables ``spec_segments`` and ``spec_undone`` (DESIGN.md §14);
 #: 3 adds the guard's tables ``guard_steps`` and ``guard_events`` (DESIGN.md §18.5);
-#: 4 adds ``guard_steps.prefill`` and ``canary`` and the prefill's row of each request (DESIGN.md §18.1)
-SCHEMA_VERSION = 4
+#: 4 adds ``guard_steps.prefill`` and ``canary`` and the prefill's row of each request (DESIGN.md §18.1);
+#: 5 adds the culprit search's table ``culprits`` (DESIGN.md §19)
+SCHEMA_VERSION = 5
 
 META_SCHEMA_VERSION = "h2o_lens.schema_version"
 META_CONFIG = "h2o_lens.config"
@@ -269,6 +271,29 @@ TABLES: dict[str, pa.Schema] = {
             _f("seconds", pa.float32(), "recompute time of a refill (0 for a raise)", nullable=True),
         ]
     ),
+    "culprits": pa.schema(
+        [
+            _RUN_ID,
+            _REQUEST,
+            _f("position", pa.int64(), "prompt position of a culprit token: restored, it brings the answer back"),
+            _f("text", pa.string(), "decoded text of the token", nullable=True),
+            _f("rank", pa.int32(), "its rank among the search's candidates (0: most attended after eviction)"),
+            _f("step", pa.int64(), "step of its first eviction in the parent run"),
+            _LAYER,
+            _KV_HEAD,
+            _f("sets", pa.int32(), "layer/KV sets of the parent that evicted it before the first wrong token"),
+            _f("phase", pa.string(), "'prefill' or 'decode': when it first left", nullable=True),
+            _f("held", pa.string(), "'recent' (it left the recent window) or 'heavy' (lost its heavy slot)"),
+            _f("score", pa.float32(), "its score at that eviction (evictions.score)", nullable=True),
+            _f("margin", pa.float32(), "lowest surviving score - its score at that eviction", nullable=True),
+            _f(
+                "future_mass",
+                pa.float32(),
+                "full-cache teacher weight on it after its evictions, summed over the sets (the ranking)",
+                nullable=True,
+            ),
+        ]
+    ),
 }
 TABLE_NAMES: tuple[str, ...] = tuple(TABLES)
 #: the tables a replay writes, all three replaced at once (DESIGN.md §6.1)
@@ -288,6 +313,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "spec_undone": ("run_id", "request", "segment", "step", "layer", "kv_head", "position"),
     "guard_steps": ("run_id", "request", "step"),
     "guard_events": ("run_id", "request", "step", "action"),
+    "culprits": ("run_id", "request", "position"),
 }
 
 
@@ -401,6 +427,17 @@ RANGES: dict[str, dict[str, Range]] = {
         "evicted": Range(0.0, None, FLOAT_SLACK),
         "seconds": Range(0.0, None),
     },
+    "culprits": {
+        "request": _INDEX,
+        "position": _INDEX,
+        "rank": _INDEX,
+        "step": _INDEX,
+        "layer": _INDEX,
+        "kv_head": _INDEX,
+        "sets": Range(1, None),
+        "margin": Range(0.0, None, FLOAT_SLACK),
+        "future_mass": Range(0.0, None, FLOAT_SLACK),
+    },
 }
 
 #: Columns bounded by a quantity of their request or of the run's model: ``span`` is the
@@ -430,7 +467,16 @@ ROWS_PER_REQUEST: dict[str, tuple[str, ...]] = {
 }
 
 #: Tables whose key (:data:`KEYS`, with ``q_head`` where the table has one) never repeats in a run.
-UNIQUE: tuple[str, ...] = ("tokens", "steps", "replay", "replay_steps", "run_logits", "requests", "guard_steps")
+UNIQUE: tuple[str, ...] = (
+    "tokens",
+    "steps",
+    "replay",
+    "replay_steps",
+    "run_logits",
+    "requests",
+    "guard_steps",
+    "culprits",
+)
 
 
 def unique_key(table: str) -> tuple[str, ...]:
@@ -498,7 +544,7 @@ RUNS = pa.schema(
         _f(
             "counterfactual_kind",
             pa.string(),
-            "full | pinned | oracle | policy_budget | oracle_budget (DESIGN.md §6.10)",
+            "full | pinned | oracle | policy_budget | oracle_budget (DESIGN.md §6.10) | culprits (DESIGN.md §19)",
             nullable=True,
         ),
         _f("counterfactual_request", pa.int32(), "request of the parent run re-run", nullable=True),
@@ -510,6 +556,8 @@ VIEW_NAMES: tuple[str, ...] = ("runs",) + TABLE_NAMES
 
 #: ``runs.counterfactual_kind``: the re-runs of a failed request (DESIGN.md §6.10), in the order they run
 COUNTERFACTUAL_KINDS: tuple[str, ...] = ("full", "pinned", "oracle", "policy_budget", "oracle_budget")
+#: ``runs.counterfactual_kind`` of the culprit search's re-run: the 1-minimal set restored (DESIGN.md §19)
+CULPRITS_KIND = "culprits"
 
 _DUCKDB_TYPES = {
     pa.bool_(): "BOOLEAN",

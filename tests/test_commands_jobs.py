@@ -71,7 +71,8 @@ def test_demo_command_records_replays_reports_and_summarises(tmp_path):
             continue
         # a wrong answer always gets a verdict; a right one never a failure cause (DESIGN.md §6.10)
         if row["correct"] == "NO":
-            assert verdict in analyses.VERDICTS and note == "(estimate)" and row["verdict_source"] == "estimate", row
+            note_ok = note == ("(run explain)" if verdict == "unknown" else "(estimate)")
+            assert verdict in analyses.VERDICTS and note_ok and row["verdict_source"] == "estimate", row
         else:
             assert row["verdict"] in ("ok", "ok (drifts from teacher)") and row["verdict_source"] is None, row
         assert float(row["dropped"]) > 0.0  # every compressed run lost some teacher attention

@@ -52,8 +52,9 @@ def test_declared_types():
     assert ev.field("score").type == ev.field("margin").type == pa.float32()
     assert ev.field("left_recent").type == pa.bool_()
     assert TABLES["tokens"].field("evidence").nullable
-    # 2: the speculative tables (DESIGN.md §14); 3: the guard tables (DESIGN.md §18.5); 4: guard_steps.prefill
-    assert SCHEMA_VERSION == 4
+    # 2: the speculative tables (DESIGN.md §14); 3: the guard tables (DESIGN.md §18.5); 4: guard_steps.prefill;
+    # 5: the culprits table (DESIGN.md §19)
+    assert SCHEMA_VERSION == 5
     for table, keys in KEYS.items():
         assert set(keys) <= set(TABLES[table].names)
 

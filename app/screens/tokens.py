@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import charts, common, data, state, textview
+from app import charts, common, culprits_view, data, state, textview
 from app.plain import md
 
 PAGE = "tokens"
@@ -120,11 +120,18 @@ def render() -> None:
         else:
             st.markdown(f"Colour: the share of the **{shape['sets']} KV sets** that had evicted the token.")
         st.html(textview.legend_html(mode=mode, step_range=ctl["range"]))
-        st.html(textview.token_html(df, mode=mode, step_range=ctl["range"], at_step=ctl["at_step"], selected=token))
+        culprits, search = culprits_view.culprits_of(root, run, ctl["request"])
+        st.html(
+            textview.token_html(
+                df, mode=mode, step_range=ctl["range"], at_step=ctl["at_step"], selected=token, culprits=culprits
+            )
+        )
         st.caption(
             f"Positions {positions[0]}–{positions[-1]}; hover a token for its position and eviction. "
             "Evidence spans are underlined."
         )
+        if culprits_view.caption(search):
+            st.caption(culprits_view.caption(search))
     with state.guard("the token lifetime", run):
         life = data.lifetime(root, run, ctl["request"], token)
         text = df.loc[df["position"] == token, "text"]

@@ -1,0 +1,173 @@
+"""The culprit search measured on the long families (DESIGN.md §19, docs/BENCHMARKS.md).
+
+``python -m commands.bench_culprits [--length 2048] [--count 4] [--tasks needle,delayed_reference,
+restated_fact] [--keep 0.2] [--max-runs 40] [--out DIR]``: for each request of each family at that
+prompt length, the full cache is run (a request it fails is left out) and H2O at ``keep``
+(replayed); each H2O failure is explained (the variants without budget searches) and, when its
+verdict is ``scoring``, its culprits are searched with the evidence labels hidden from the search
+(the search never reads them: :func:`recorders.culprits.culprit_candidates` ranks by the replay's
+teacher attention). The labels only score the result: the share of the culprit tokens inside the
+family's evidence span. Printed per failure and in total: the set's size, 1-minimal or not, the
+re-runs, the seconds of explain (variants and search) against one generation of the request
+measured on the same process next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+__all__ = ["bench_culprits", "main"]
+
+FAMILIES = ("needle", "delayed_reference", "restated_fact")
+
+
+def _generation_seconds(model: Any, tok: Any, parent: Any) -> float:
+    """One plain (unrecorded) generation of the parent's request under its config."""
+    import torch
+
+    from h2o_lens.runtime import h2o
+
+    ids = torch.tensor([parent.prompt_ids])
+    t0 = time.perf_counter()
+    with torch.no_grad(), h2o(model, parent.config):
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=parent.max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+    return time.perf_counter() - t0
+
+
+def _one(model: Any, tok: Any, task: Any, keep: float, root: str, max_runs: int, seconds: float) -> dict | None:
+    """One request: None when the full cache fails it or H2O passes it; else its row."""
+    from analyses import causal_verdicts, connect
+    from h2o_lens.config import H2OConfig
+    from recorders.counterfactual import explain_request, load_parent
+    from recorders.culprits import explain_culprits
+
+    from .jobs import run_task
+
+    full = run_task(model, tok, task, H2OConfig(policy="full"), root, replay=False, name=f"{task.name} full")
+    if not full.correct:
+        return {"task": task.name, "skipped": "the full cache fails"}
+    run = run_task(model, tok, task, H2OConfig(ratio=keep), root, ratio=keep, replay=True)
+    if run.correct:
+        return None
+    parent = load_parent(run.run_dir, 0)
+    gen = _generation_seconds(model, tok, parent)
+    t0 = time.perf_counter()
+    explain_request(model, tok, run.run_dir, 0, bisect=False, replay=False)
+    t_explain = time.perf_counter() - t0
+    (v,) = causal_verdicts(connect(root), run.run_id)
+    row = {"task": task.name, "verdict": v.verdict, "estimate": v.estimate, "slots": parent.slots}
+    row["prompt_len"] = parent.prompt_len
+    row.update(generation_s=gen, explain_s=t_explain)
+    if v.verdict != "scoring":
+        return row
+    t0 = time.perf_counter()
+    got = explain_culprits(model, tok, run.run_dir, 0, max_runs=max_runs, seconds=seconds)
+    row["culprits_s"] = time.perf_counter() - t0
+    evidence = set(parent.evidence_positions)
+    inside = sum(1 for p in got.culprits if p in evidence)
+    row.update(
+        found=got.found,
+        minimal=got.minimal,
+        size=len(got.culprits) if got.found else None,
+        inside=inside if got.found else None,
+        runs=got.runs,
+        candidates=got.candidates,
+        stopped=got.stopped,
+        culprits=list(got.culprits) if got.found else [],
+        evidence=len(evidence),
+    )
+    return row
+
+
+def _summary(rows: list[dict]) -> list[str]:
+    scoring = [r for r in rows if r.get("verdict") == "scoring"]
+    small = [r for r in scoring if r.get("found") and r.get("minimal") and r["size"] <= 16]
+    tokens = sum(r["size"] for r in small)
+    inside = sum(r["inside"] for r in small)
+    ratios = [(r["explain_s"] + r["culprits_s"]) / r["generation_s"] for r in scoring]
+    named = [r for r in rows if r.get("estimate") not in (None, "unknown")]
+    same = sum(1 for r in named if {"scoring_lag": "scoring"}.get(r["estimate"], r["estimate"]) == r["verdict"])
+    out = [
+        f"failures explained: {sum(1 for r in rows if 'verdict' in r)}; scoring: {len(scoring)}; "
+        f"full cache fails: {sum(1 for r in rows if r.get('skipped'))}",
+        f"fast estimate: names a cause for {len(named)}, agrees with explain on {same}; "
+        f"'unknown (run explain)' for {sum(1 for r in rows if r.get('estimate') == 'unknown')}",
+    ]
+    if scoring:
+        out += [
+            f"1-minimal set of <= 16 tokens found: {len(small)} of {len(scoring)} ({len(small) / len(scoring):.0%})",
+            f"culprit tokens inside the evidence span: {inside} of {tokens}"
+            + (f" ({inside / tokens:.0%})" if tokens else ""),
+            f"re-runs per search: mean {statistics.mean(r['runs'] for r in scoring):.1f}, "
+            f"max {max(r['runs'] for r in scoring)}",
+            f"explain with culprits / one generation: median {statistics.median(ratios):.1f}x, max {max(ratios):.1f}x",
+        ]
+    return out
+
+
+def bench_culprits(
+    model_name: str | None = None,
+    families: tuple[str, ...] = FAMILIES,
+    length: int = 2048,
+    count: int = 4,
+    keep: float = 0.2,
+    max_runs: int = 40,
+    seconds: float = 900.0,
+    out: str | None = None,
+) -> int:
+    """Measure the culprit search on ``count`` requests of each long family at ``length`` prompt
+    tokens under H2O at ``keep`` (module docstring). Prints one line per request and the totals;
+    returns 0."""
+    import torch
+
+    from h2o_lens.models import load_model
+
+    from .bench import _long_requests
+
+    model, tok = load_model(model_name)
+    root = out or tempfile.mkdtemp(prefix="h2o-lens-bench-culprits-")
+    print(f"model {type(model).__name__}, {torch.get_num_threads()} threads; keep {keep:.0%}; runs under {root}")
+    rows: list[dict] = []
+    for family in families:
+        reqs, want = _long_requests(model, tok, family, length, count)
+        for task in reqs:
+            row = _one(model, tok, task, keep, root, max_runs, seconds)
+            if row is None:
+                print(f"  {task.name}: H2O answers right", flush=True)
+                continue
+            rows.append(row)
+            print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+            sys.stdout.flush()
+    for line in _summary(rows):
+        print(line)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m commands.bench_culprits", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--tasks", default=",".join(FAMILIES), help="long families, comma-separated")
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--count", type=int, default=4)
+    p.add_argument("--keep", type=float, default=0.2)
+    p.add_argument("--max-runs", type=int, default=40)
+    p.add_argument("--seconds", type=float, default=900.0)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    families = tuple(f.strip() for f in a.tasks.split(",") if f.strip())
+    return bench_culprits(a.model, families, a.length, a.count, a.keep, a.max_runs, a.seconds, a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

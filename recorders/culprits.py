@@ -1,0 +1,535 @@
+"""Culprit tokens: which evicted prompt tokens, restored, bring a failed answer back (DESIGN.md §19).
+
+The counterfactual re-runs of :mod:`recorders.counterfactual` say whether the cache caused a
+failure; pinning the evidence says it lost the evidence, when a task labels one. Without labels
+the question stays: *which* deleted tokens broke the answer? The culprit search answers it from
+the run alone:
+
+* candidates: the prompt positions the policy evicted (in any layer or KV set) before the first
+  wrong token, ranked by the full-cache teacher's attention to them after their eviction
+  (``oracle.teacher_future_mass`` of the replay, summed over the sets that evicted them);
+* the test of a set: re-run the request with the set pinned (:func:`h2o_lens.config.pin`) inside
+  the run's slot count, judged by the request's checker, else by agreement with the full cache's
+  answer;
+* the search (:func:`search_culprits`, a pure function of the ranking and a ``test(set) -> bool``):
+  growing prefixes of the ranking (1, 2, 4 ... positions) until one passes, the smallest passing
+  prefix between the last two, then adaptive group testing (bisection for one needed position at a
+  time) down to a 1-minimal set: it passes, and without any one of its positions it fails;
+* limits: ``max_runs`` re-runs and ``seconds`` of search; a search stopped by either reports the
+  passing set it holds (not proven 1-minimal), or, when nothing passed, the largest set it tried.
+
+:func:`explain_culprits` runs it on a recorded run: every probe generates without writing
+(inside one :func:`~h2o_lens.prompt_reuse.reuse_prompts`: one prompt forward for all of them), and
+the set found is recorded as a counterfactual run of kind ``culprits`` (its manifest's
+``counterfactual.search`` holds every probe) with a ``culprits`` table: one row per culprit with
+when and why it left the parent's cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from h2o_lens.errors import ConfigError
+from runlog.errors import RecorderError
+from runlog.schema import CULPRITS_KIND
+
+__all__ = [
+    "MAX_RUNS",
+    "SECONDS",
+    "Probe",
+    "CulpritSearch",
+    "search_culprits",
+    "Candidate",
+    "culprit_candidates",
+    "first_wrong_step",
+    "explain_culprits",
+]
+
+#: default cap on the search's re-runs (``explain --max-runs``)
+MAX_RUNS = 40
+#: default time budget of one search, seconds (``explain --culprit-seconds``)
+SECONDS = 900.0
+
+
+# ----------------------------------------------------------------------------- the search
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """One test of the search: the positions restored and whether the answer came back."""
+
+    positions: tuple[int, ...]
+    passed: bool
+    seconds: float = dataclasses.field(default=0.0, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class CulpritSearch:
+    """The result of :func:`search_culprits`.
+
+    Attributes
+    ----------
+    culprits : the passing set found (in ranking order); the largest set tried when none passed
+    found : some tested set passed
+    minimal : ``culprits`` is 1-minimal: it passes and fails without any one of its positions
+    stopped : ``"max_runs"`` or ``"seconds"`` when a limit ended the search, else None
+    probes : every test, in order (a set is tested once)
+    candidates : how many candidates the ranking held
+    """
+
+    culprits: tuple[int, ...]
+    found: bool
+    minimal: bool
+    stopped: str | None
+    probes: tuple[Probe, ...]
+    candidates: int
+
+    @property
+    def runs(self) -> int:
+        return len(self.probes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "culprits": list(self.culprits),
+            "found": self.found,
+            "minimal": self.minimal,
+            "stopped": self.stopped,
+            "runs": self.runs,
+            "candidates": self.candidates,
+            "probes": [[list(p.positions), p.passed, round(p.seconds, 3)] for p in self.probes],
+        }
+
+
+class _Stop(Exception):
+    """A limit of the search was reached."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
+
+
+class _Tests:
+    """The memoised test with the search's limits (the empty set is the parent: it fails)."""
+
+    def __init__(self, test: Callable[[frozenset[int]], bool], order: Mapping[int, int], max_runs: int, seconds):
+        self.test, self.order, self.max_runs, self.seconds = test, order, max_runs, seconds
+        self.known: dict[frozenset[int], bool] = {frozenset(): False}
+        self.probes: list[Probe] = []
+        self.t0 = time.perf_counter()
+
+    def __call__(self, subset: Sequence[int]) -> bool:
+        key = frozenset(subset)
+        if key in self.known:
+            return self.known[key]
+        if len(self.probes) >= self.max_runs:
+            raise _Stop("max_runs")
+        if self.seconds is not None and time.perf_counter() - self.t0 >= self.seconds:
+            raise _Stop("seconds")
+        t = time.perf_counter()
+        ok = bool(self.test(key))
+        self.known[key] = ok
+        self.probes.append(Probe(tuple(sorted(key, key=self.order.__getitem__)), ok, time.perf_counter() - t))
+        return ok
+
+
+def _shrink(passing: list[int], test: _Tests, lo: int = 0) -> list[int]:
+    """A passing set (in ranking order) cut down to a 1-minimal one, by adaptive group testing.
+
+    Each round finds, by bisection, the shortest prefix of the remaining positions that passes
+    together with the positions already kept (``lo``: a prefix length known to fail, for the first
+    round); its last position is needed and is kept, the positions after it are dropped. The rounds
+    end when the kept positions pass alone: about ``k · log2(n)`` tests for ``k`` culprits among
+    ``n``. A final check removes each kept position in turn (the test need not be monotone): one
+    whose removal still passes is dropped and the check starts again.
+    """
+    kept: list[int] = []
+    rest = list(passing)
+    while rest and not (kept and test(kept)):
+        a, b = lo, len(rest)  # kept + rest[:a] fails, kept + rest[:b] passes
+        while b - a > 1:
+            m = (a + b) // 2
+            a, b = (a, m) if test(kept + rest[:m]) else (m, b)
+        kept.append(rest[b - 1])
+        rest, lo = rest[: b - 1], 0
+    changed = True
+    while changed:
+        changed = False
+        for p in list(kept):
+            without = [q for q in kept if q != p]
+            if without and test(without):
+                kept, changed = without, True
+                break
+    return kept
+
+
+def search_culprits(
+    ranked: Sequence[int],
+    test: Callable[[frozenset[int]], bool],
+    *,
+    max_runs: int = MAX_RUNS,
+    seconds: float | None = SECONDS,
+    max_size: int | None = None,
+) -> CulpritSearch:
+    """A 1-minimal set of ``ranked`` candidates whose restoring passes ``test`` (DESIGN.md §19).
+
+    Parameters
+    ----------
+    ranked : candidate positions, the most likely culprit first (distinct)
+    test : set of positions -> whether the answer comes back with them restored; the empty set
+        (the parent run) is taken to fail. Called at most once per set.
+    max_runs : the most calls of ``test``
+    seconds : time budget of the search (None: none)
+    max_size : the largest set tested (the slots the pins may take)
+
+    The search is deterministic in ``ranked`` and ``test``: prefixes of the ranking of 1, 2, 4 ...
+    positions up to ``max_size`` until one passes, then adaptive group testing on it down to a
+    1-minimal set (:func:`_shrink`).
+    """
+    ranked = list(dict.fromkeys(int(p) for p in ranked))
+    order = {p: k for k, p in enumerate(ranked)}
+    top = len(ranked) if max_size is None else max(0, min(int(max_size), len(ranked)))
+    tests = _Tests(test, order, int(max_runs), seconds)
+    passing: list[int] | None = None
+    tried: list[int] = []
+    stopped = None
+    try:
+        sizes, k = [], 1
+        while k < top:
+            sizes.append(k)
+            k *= 2
+        if top:
+            sizes.append(top)
+        lo = 0
+        for k in sizes:
+            ok = tests(ranked[:k])
+            tried = ranked[:k]  # the largest set tried (a stop above leaves the one before)
+            if ok:
+                passing = tried
+                break
+            lo = k
+        if passing is not None:
+            passing = _shrink(passing, tests, lo)
+    except _Stop as stop:
+        stopped = stop.why
+        if passing is not None:  # the smallest passing set tested so far
+            passing = min((list(s) for s, ok in tests.known.items() if ok), key=lambda s: (len(s), sorted(s)))
+    if passing is None:
+        return CulpritSearch(tuple(tried), False, False, stopped, tuple(tests.probes), len(ranked))
+    culprits = tuple(sorted(passing, key=order.__getitem__))
+    minimal = stopped is None or all(tests.known.get(frozenset(culprits) - {p}) is False for p in culprits)
+    return CulpritSearch(culprits, True, minimal, stopped, tuple(tests.probes), len(ranked))
+
+
+# ----------------------------------------------------------------------------- the candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """An evicted prompt position and when and why it left the parent's cache."""
+
+    position: int
+    text: str | None
+    rank: int
+    future_mass: float | None
+    step: int
+    layer: int
+    kv_head: int
+    sets: int
+    phase: str | None
+    held: str
+    score: float | None
+    margin: float | None
+
+    def row(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def first_wrong_step(replay_steps: Any, request: int) -> int | None:
+    """The first step whose teacher-forced top-1 departs from the run's token (None: none did)."""
+    if replay_steps is None or not len(replay_steps):
+        return None
+    rows = replay_steps[(replay_steps["request"] == request) & ~replay_steps["top1_agree"].astype(bool)]
+    return int(rows["step"].min()) if len(rows) else None
+
+
+def culprit_candidates(run_dir: str | Path, request: int = 0) -> tuple[list[Candidate], int | None]:
+    """The culprit candidates of one request of a replayed run, ranked (DESIGN.md §19).
+
+    Returns the candidates (prompt positions evicted before the first wrong step, most attended
+    by the teacher after their eviction first; ties by position) and that step (None: no step
+    departs, every eviction counts).
+    """
+    from runlog.store import load_run
+
+    run = load_run(run_dir, tables=("tokens", "evictions", "oracle", "replay_steps"))
+    tok = run["tokens"].to_pandas()
+    tok = tok[tok["request"] == request]
+    prompt_len = int(tok["is_prompt"].sum())
+    text = dict(zip(tok["position"].astype(int), tok["text"]))
+    d = first_wrong_step(run["replay_steps"].to_pandas(), request)
+    ev = run["evictions"].to_pandas()
+    ev = ev[(ev["request"] == request) & (ev["position"] < prompt_len)]
+    if d is not None:
+        ev = ev[ev["step"] < d]
+    if not len(ev):
+        return [], d
+    orc = run["oracle"].to_pandas()
+    orc = orc[(orc["request"] == request) & orc["position"].isin(ev["position"].unique())]
+    if d is not None:
+        orc = orc[orc["step"] < d]
+    mass = orc.groupby("position")["teacher_future_mass"].sum() if len(orc) else None
+    set_cols = ["layer", "kv_head"] + (["q_head"] if ev["q_head"].notna().any() else [])
+    ev = ev.sort_values(["position", "step", "layer", "kv_head"], kind="stable")
+    first = ev.drop_duplicates("position", keep="first").set_index("position")
+    sets = ev.drop_duplicates(["position", *set_cols]).groupby("position").size()
+    positions = [int(p) for p in first.index]
+    key = {p: (-(float(mass.get(p, 0.0)) if mass is not None else 0.0), -int(sets[p]), p) for p in positions}
+    out = []
+    for rank, p in enumerate(sorted(positions, key=key.__getitem__)):
+        row = first.loc[p]
+        out.append(
+            Candidate(
+                p,
+                text.get(p),
+                rank,
+                float(mass.get(p, 0.0)) if mass is not None else None,
+                int(row["step"]),
+                int(row["layer"]),
+                int(row["kv_head"]),
+                int(sets[p]),
+                None if row["phase"] is None or row["phase"] != row["phase"] else str(row["phase"]),
+                "recent" if bool(row["left_recent"]) else "heavy",
+                _num(row["score"]),
+                _num(row["margin"]),
+            )
+        )
+    return out, d
+
+
+def _num(x: Any) -> float | None:
+    return None if x is None or x != x else float(x)
+
+
+# ----------------------------------------------------------------------------- on a recorded run
+
+
+def _max_size(config: Any) -> int:
+    """The most positions a set may pin: the heavy slots (pins give way there first, DESIGN.md §2.11),
+    so the recent window stays whole; one slot less than the budget for a policy without heavy slots
+    (a set whose pins leave the policy no usable split fails its test)."""
+    heavy, recent = int(config.heavy or 0), int(config.recent or 0)
+    return heavy if heavy > 0 else max(0, heavy + recent - 1)
+
+
+def _refuse_unreplayed(run_dir: Path) -> None:
+    from runlog.catalog import replay_complete
+
+    if not replay_complete(run_dir):
+        raise RecorderError(
+            f"run {run_dir.name} has no complete replay: the culprit search ranks the evicted tokens by the "
+            f"teacher's attention after their eviction, which the replay measures. Replay it first "
+            f"(h2o-lens replay {run_dir})"
+        )
+
+
+def check_culprit_parent(run_dir: str | Path) -> None:
+    """Refuse, in one line, a parent the culprit search cannot run on: not replayed, or a press run."""
+    from runlog.manifest import read_manifest
+
+    run_dir = Path(run_dir)
+    _refuse_unreplayed(run_dir)
+    config = read_manifest(run_dir).get("config") or {}
+    if isinstance(config, dict) and isinstance(config.get("press"), dict):
+        raise RecorderError(
+            f"run {run_dir.name} is a kvpress press run: the culprit search pins positions of an evicting "
+            "policy (DESIGN.md §19); explain it without --culprits"
+        )
+
+
+def explain_culprits(
+    model: Any,
+    tokenizer: Any,
+    run_dir: str | Path,
+    request: int = 0,
+    *,
+    out: str | Path | None = None,
+    max_runs: int = MAX_RUNS,
+    seconds: float | None = SECONDS,
+    replay: bool = False,
+    progress: Callable[[str], None] | None = None,
+    allow_other_model: bool = False,
+) -> CulpritSearch:
+    """Search the culprit tokens of one failed request of a recorded run, and record the result.
+
+    The full-cache counterfactual is reused when an earlier ``explain`` recorded it (else it is
+    generated and recorded as ``explain`` would). Refused in one line (:class:`RecorderError`): a
+    run without a complete replay, a press run, a request the full cache fails too, a request that
+    passes. The set found (or the largest tried) is recorded as the ``culprits`` counterfactual
+    (``<run>-r<request>-culprits``, replayed with ``replay``) with its ``culprits`` table; a
+    complete one recorded earlier is read back instead of searched again.
+    """
+    from h2o_lens.prompt_reuse import reuse_prompts
+    from runlog.recorded_model import check_model
+
+    from .counterfactual import FULL, _answer_of, _fresh, _Runner, counterfactual_id, load_parent
+
+    run_dir = Path(run_dir)
+    check_culprit_parent(run_dir)
+    parent = load_parent(run_dir, request)
+    if not parent.config.spec.evicts:
+        raise RecorderError(f"run {parent.run_id!r} keeps the full cache: no evicted token can be a culprit")
+    override = check_model(parent.manifest, model, run=parent.run_id, command="explain", allow_other=allow_other_model)
+    out = Path(out) if out is not None else run_dir.resolve().parent
+    earlier = _earlier(out, counterfactual_id(parent.run_id, request, CULPRITS_KIND))
+    if earlier is not None:
+        return earlier
+    say = progress or (lambda label: None)
+    runner = _Runner(model, tokenizer, parent, out, replay=replay, override=override)
+    with reuse_prompts(model):
+        say("full cache")
+        full = _fresh(out, counterfactual_id(parent.run_id, request, FULL))
+        if full is None:
+            from h2o_lens.config import H2OConfig
+
+            full = runner.record_free(FULL, lambda: H2OConfig(policy="full", gqa=parent.config.gqa), None)
+        if not full.ran:
+            raise RecorderError(f"the full-cache re-run of request {request} could not run: {full.error}")
+        runner.teacher_text = full.answer if full.answer is not None else _answer_of(out / full.run_id)
+        judged = runner.judge(runner.teacher_text)
+        if judged is False:
+            raise RecorderError(
+                f"request {request} of run {parent.run_id}: the full cache fails too "
+                f"(answer {(runner.teacher_text or '')[:40]!r}): no evicted token is its culprit"
+            )
+        if parent.answer is not None and runner.passes(parent.answer):
+            raise RecorderError(f"request {request} of run {parent.run_id} passes: there is no failure to explain")
+        found = _search(runner, max_runs, seconds, say)
+    return found
+
+
+def _earlier(out: Path, run_id: str) -> CulpritSearch | None:
+    """The search recorded by an earlier explain (complete), else None."""
+    from runlog.manifest import read_manifest
+
+    if not (out / run_id).exists():
+        return None
+    try:
+        manifest = read_manifest(out / run_id)
+    except RecorderError:
+        return None
+    search = (manifest.get("counterfactual") or {}).get("search")
+    if manifest.get("status") != "complete" or not isinstance(search, dict):
+        return None
+    return search_from_dict(search)
+
+
+def search_from_dict(d: Mapping[str, Any]) -> CulpritSearch:
+    """A :class:`CulpritSearch` from its ``to_dict`` (a manifest's ``counterfactual.search``)."""
+    probes = tuple(Probe(tuple(int(p) for p in s), bool(ok), float(t)) for s, ok, t in d.get("probes") or ())
+    return CulpritSearch(
+        tuple(int(p) for p in d.get("culprits") or ()),
+        bool(d.get("found")),
+        bool(d.get("minimal")),
+        d.get("stopped"),
+        probes,
+        int(d.get("candidates") or 0),
+    )
+
+
+def _search(runner: Any, max_runs: int, seconds: float | None, say: Callable[[str], None]) -> CulpritSearch:
+    """The search on the runner's parent, then the recorded ``culprits`` re-run with its table."""
+    import h2o_lens
+    from h2o_lens.config import pin
+
+    parent = runner.parent
+    cands, _ = culprit_candidates(parent.run_dir, parent.request)
+    by_pos = {c.position: c for c in cands}
+    ids = torch.tensor([parent.prompt_ids], dtype=torch.long)
+    pad = getattr(runner.tok, "pad_token_id", None)
+
+    def test(subset: frozenset[int]) -> bool:
+        say(f"culprits: {len(subset)} restored")
+        try:
+            config = pin(parent.config, sorted(subset))
+        except ConfigError:  # the pins leave the policy no usable split: not a fix within the slots
+            return False
+        with torch.no_grad(), h2o_lens.h2o(runner.model, config):
+            got = runner.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=parent.max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        new = got[0, ids.shape[1] :].tolist()
+        text = runner.tok.decode(new, skip_special_tokens=True) if runner.tok is not None else ""
+        return bool(runner.passes(text))
+
+    result = search_culprits(
+        [c.position for c in cands], test, max_runs=max_runs, seconds=seconds, max_size=_max_size(parent.config)
+    )
+    _record(runner, result, [by_pos[p] for p in result.culprits if p in by_pos])
+    return result
+
+
+def _record(runner: Any, result: CulpritSearch, rows: list[Candidate]) -> None:
+    """The ``culprits`` counterfactual: the set re-run and recorded, its rows in the ``culprits`` table."""
+    from h2o_lens.config import pin
+
+    parent = runner.parent
+    positions = list(result.culprits)
+    slots = int(parent.slots)
+    got = runner.record_free(
+        CULPRITS_KIND,
+        lambda: pin(parent.config, sorted(positions)) if positions else parent.config,
+        slots,
+        pinned=sorted(positions),
+        search=result.to_dict(),
+    )
+    if got.ran and rows and result.found:
+        write_culprit_rows(runner.out / got.run_id, rows)
+
+
+def write_culprit_rows(run_dir: Path, rows: Sequence[Candidate]) -> None:
+    """Append the ``culprits`` table to a finished run folder (tagged segments, then the manifest)."""
+    from runlog.contract import model_tag
+    from runlog.manifest import read_manifest, write_manifest
+    from runlog.segments import SegmentWriter
+
+    manifest = read_manifest(run_dir)
+    writer = SegmentWriter(
+        run_dir,
+        run_id=manifest.get("run_id") or run_dir.name,
+        config=manifest.get("config") or {},
+        fsync=False,
+        tag=secrets.token_hex(4),
+        model=model_tag(manifest.get("model")),
+    )
+    cols = {
+        "request": np.zeros(len(rows), np.int32),
+        "position": np.array([r.position for r in rows], np.int64),
+        "text": np.array([r.text for r in rows], object),
+        "rank": np.array([r.rank for r in rows], np.int32),
+        "step": np.array([r.step for r in rows], np.int64),
+        "layer": np.array([r.layer for r in rows], np.int16),
+        "kv_head": np.array([r.kv_head for r in rows], np.int16),
+        "sets": np.array([r.sets for r in rows], np.int32),
+        "phase": np.array([r.phase for r in rows], object),
+        "held": np.array([r.held for r in rows], object),
+        "score": [r.score for r in rows],
+        "margin": [None if r.margin is None else max(r.margin, 0.0) for r in rows],
+        "future_mass": [r.future_mass for r in rows],
+    }
+    writer.append("culprits", cols)
+    writer.close()
+    manifest["segments"] = {**(manifest.get("segments") or {}), **writer.files}
+    manifest["rows"] = {**(manifest.get("rows") or {}), "culprits": writer.rows_written.get("culprits", 0)}
+    write_manifest(run_dir, manifest)
