@@ -167,3 +167,16 @@ def test_sweep_refuses_a_page_size_below_1(capsys, tmp_path):
         capsys, ["sweep", "--model", "/nonexistent", "--out", str(out), "--page-size", "0"], "argument --page-size"
     )
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--count", "0"], "argument --count"),
+        (["--keep", "0"], "argument --keep"),
+        (["--max-runs", "-1"], "argument --max-runs"),
+        (["--tasks", "needle,nope"], "expected long families"),
+    ],
+)
+def test_bench_culprits_refuses_bad_sizes_and_families(capsys, tmp_path, argv, says):
+    _refused(capsys, ["bench", "culprits", "--model", _config_only(tmp_path / "m"), *argv], "bench culprits", says)

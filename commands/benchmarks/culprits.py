@@ -1,6 +1,6 @@
 """The culprit search measured on the long families (DESIGN.md §19, docs/BENCHMARKS.md).
 
-``python -m commands.bench_culprits [--length 2048] [--count 4] [--tasks needle,delayed_reference,
+``h2o-lens bench culprits [--length 2048] [--count 4] [--tasks needle,delayed_reference,
 restated_fact] [--keep 0.2] [--max-runs 40] [--out DIR]``: for each request of each family at that
 prompt length, the full cache is run (a request it fails is left out) and H2O at ``keep``
 (replayed); each H2O failure is explained (the variants without budget searches) and, when its
@@ -21,7 +21,7 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = ["bench_culprits", "main"]
+__all__ = ["bench_culprits", "HELP", "add_arguments", "run"]
 
 FAMILIES = ("needle", "delayed_reference", "restated_fact")
 
@@ -52,7 +52,7 @@ def _one(model: Any, tok: Any, task: Any, keep: float, root: str, max_runs: int,
     from recorders.counterfactual import explain_request, load_parent
     from recorders.culprits import explain_culprits
 
-    from .jobs import run_task
+    from ..jobs import run_task
 
     full = run_task(model, tok, task, H2OConfig(policy="full"), root, replay=False, name=f"{task.name} full")
     if not full.correct:
@@ -133,7 +133,7 @@ def bench_culprits(
 
     from h2o_lens.models import load_model
 
-    from .bench import _long_requests
+    from .explain import _long_requests
 
     model, tok = load_model(model_name)
     root = out or tempfile.mkdtemp(prefix="h2o-lens-bench-culprits-")
@@ -154,20 +154,34 @@ def bench_culprits(
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m commands.bench_culprits", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None)
-    p.add_argument("--tasks", default=",".join(FAMILIES), help="long families, comma-separated")
-    p.add_argument("--length", type=int, default=2048)
-    p.add_argument("--count", type=int, default=4)
-    p.add_argument("--keep", type=float, default=0.2)
-    p.add_argument("--max-runs", type=int, default=40)
-    p.add_argument("--seconds", type=float, default=900.0)
-    p.add_argument("--out", default=None)
-    a = p.parse_args(argv)
-    families = tuple(f.strip() for f in a.tasks.split(",") if f.strip())
-    return bench_culprits(a.model, families, a.length, a.count, a.keep, a.max_runs, a.seconds, a.out)
+HELP = "the culprit search on the long families: set size, share inside the evidence, re-runs, time"
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def add_arguments(b: argparse.ArgumentParser) -> None:
+    from ..options import at_least, share
+
+    b.add_argument("--model", default=None, help="HF id or local path (default: the packaged default model)")
+    b.add_argument("--tasks", default=",".join(FAMILIES), help="long families, comma-separated")
+    b.add_argument("--length", type=at_least(1), default=2048, help="prompt tokens (default 2048)")
+    b.add_argument("--count", type=at_least(1), default=4, help="requests per family (default 4)")
+    b.add_argument("--keep", type=share, default=0.2, help="H2O's keep ratio (default 0.2)")
+    b.add_argument("--max-runs", type=at_least(1), default=40, help="re-runs per search (default 40)")
+    b.add_argument("--seconds", type=float, default=900.0, help="time budget per search (default 900)")
+    b.add_argument("--out", default=None, help="runs root (default: a temporary folder)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from h2o_lens.errors import ConfigError
+    from h2o_lens.tasks.longctx import LONG_FAMILIES as KNOWN
+
+    families = tuple(f.strip() for f in args.tasks.split(",") if f.strip())
+    unknown = [f for f in families if f not in KNOWN]
+    if not families or unknown:
+        raise ConfigError(f"bench culprits: --tasks {args.tasks!r}: expected long families of {', '.join(KNOWN)}")
+    if args.out is not None:
+        from ..paths import check_out_root
+
+        check_out_root(args.out)
+    return bench_culprits(
+        args.model, families, args.length, args.count, args.keep, args.max_runs, args.seconds, args.out
+    )
