@@ -336,13 +336,14 @@ class H2OCacheLayer(CacheLayerMixin):
         return self.decode_once(query, scaling)[0]
 
     def decode_once(
-        self, query: torch.Tensor, scaling: float, *, journal: bool = False, emit: bool = True
+        self, query: torch.Tensor, scaling: float, *, emit: bool = True
     ) -> tuple[torch.Tensor, ops.DecodeResult, DecodeEvent | None]:
         """One decode step of the staged token: ``(out (b, 1, Hq, d), result, event)``.
 
-        ``journal`` asks the step for the K/V it overwrites; ``emit`` False keeps the
-        event from the listener (a ``defer`` segment's working copy). The event is
-        None without a listener.
+        What the step computes beyond its eviction (the candidate set, the overwritten K/V of
+        a rollback's journal) is what the extensions ask (:meth:`step_needs`); ``emit`` False
+        keeps the event from them (a ``defer`` segment's working copy). The event is None
+        when no extension hears the decode events.
         """
         key, value = self.take_pending()  # (b, Hs, 1, d)
         owner = self.owner
@@ -353,27 +354,12 @@ class H2OCacheLayer(CacheLayerMixin):
         needs = self.step_needs()
         hears = owner.hears_decode
         want = hears or needs.candidates
+        journal = needs.journal
         if rows is not None and not journal and self._kernel_step(args, want):
             res = self._step_groups(self.groups(), q, k, v, step, scaling)
         else:
-            journal = journal or needs.journal
-            res = self._step(
-                args,
-                q,
-                k,
-                v,
-                self.keys,
-                self.values,
-                self.scores,
-                self.positions,
-                step,
-                self.fill,
-                scaling,
-                want,
-                self.history,
-                rows,
-                journal,
-            )
+            slots = (self.keys, self.values, self.scores, self.positions)
+            res = self._step(args, q, k, v, *slots, step, self.fill, scaling, want, self.history, rows, journal)
         event = None
         if hears:
             event = DecodeEvent(
@@ -398,8 +384,13 @@ class H2OCacheLayer(CacheLayerMixin):
                 ext.step_taken(self, taken)
         return res.out[:, None], res, event
 
+    def journal(self) -> _speculative.Journal:
+        """The cache's rollback journal (:class:`h2o_lens.speculative.Journal`), attached on first use."""
+        return self.owner.extension_of(_speculative.Journal)
+
     def step_needs(self) -> StepNeeds:
-        """What the extensions need of the next decode step (:meth:`CacheExtension.step_needs`)."""
+        """What the extensions need of the next decode step (:meth:`CacheExtension.step_needs`,
+        the before-step event: called once per step)."""
         needs = StepNeeds()
         for ext in self.owner.extensions:
             needs = needs | ext.step_needs(self)
@@ -607,6 +598,15 @@ class H2OCache(Cache):
         super().__init__(layers=[layer_class(self, i) for i in range(self.shape.layers)])
         self.extensions = tuple(_extension.build(self, listener, extensions))
         self.hears_decode = any(ext.hears_decode for ext in self.extensions)
+
+    def extension_of(self, kind: type[CacheExtension]) -> CacheExtension:
+        """The cache's extension of class ``kind``, a new ``kind()`` attached after the others if none."""
+        found = next((ext for ext in self.extensions if type(ext) is kind), None)
+        if found is None:
+            found = _extension.build(self, None, [kind()])[0]
+            self.extensions += (found,)
+            self.hears_decode = self.hears_decode or found.hears_decode
+        return found
 
     @property
     def row_index(self) -> torch.Tensor | None:

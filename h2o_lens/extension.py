@@ -5,8 +5,9 @@ layers call it at fixed points of their verbs, and only there. Every method has 
 default, so an extension overrides just the events it needs:
 
 ===========================  ====================================================================
-``step_needs(layer)``        before a decode step: what the step must compute for the extension
-                             (:class:`StepNeeds`: the candidate set and weights, the overwritten K/V)
+``step_needs(layer)``        before a decode step, once per step: what the step must compute for
+                             the extension (:class:`StepNeeds`: the candidate set and weights, the
+                             overwritten K/V, as :class:`~h2o_lens.speculative.Journal` asks)
 ``prompt_chosen(layer, c)``  after the prefill's keep rule (:class:`PromptChoice`), before the kept
                              positions are laid into slots; ``True`` holds the prompt back until
                              the extension calls ``layer.lay_prompt()``

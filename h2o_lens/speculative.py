@@ -7,10 +7,10 @@ decoding of the same tokens does. ``crop(-r)`` then takes the last ``r`` steps b
 so the cache is in the state after the last accepted token. Two modes:
 
 ``rollback``
-    the steps are applied to the live slots; each step journals what it overwrote
-    (the victim slot's K/V, and copies of the scores, positions, history, fill and
-    next position before the step) and the undo copies them back, newest first:
-    bit-exact, never a subtraction.
+    the steps are applied to the live slots; the cache's :class:`Journal` (an extension,
+    :mod:`h2o_lens.extension`) records what each step overwrote (the victim slot's K/V,
+    and copies of the scores, positions, history, fill and next position before the
+    step) and the undo copies them back, newest first: bit-exact, never a subtraction.
 ``defer``
     the live slots stay as they were; the steps run on a working copy (the
     temporary capacity) and on confirmation the accepted steps are applied to the
@@ -36,8 +36,20 @@ import torch
 from . import eviction, ops
 from .errors import ConfigError, UnsupportedModelError
 from .events import DecodeEvent, SegmentEvent
+from .extension import NOTHING, CacheExtension, StepEvent, StepNeeds
 
-__all__ = ["MODES", "SegmentLayer", "Segment", "check_mode", "begin", "step", "end", "batched", "run_batched"]
+__all__ = [
+    "MODES",
+    "SegmentLayer",
+    "Segment",
+    "Journal",
+    "check_mode",
+    "begin",
+    "step",
+    "end",
+    "batched",
+    "run_batched",
+]
 
 MODES = ("rollback", "defer")
 
@@ -60,7 +72,8 @@ class SegmentLayer(Protocol):
     The segment reads the slot storage and the per-request counters, writes the victims'
     K/V, positions and ranking values into the storage tensors in place, and changes the
     layer's fields only through :meth:`stage`, :meth:`decode_once`, :meth:`load_state` and
-    :meth:`rewind`. Shapes: ``b`` rows, ``Hs`` KV sets, ``B`` slots, head size ``d``.
+    :meth:`rewind`; a ``rollback`` segment's journal is its cache's :class:`Journal` extension
+    (:meth:`journal`). Shapes: ``b`` rows, ``Hs`` KV sets, ``B`` slots, head size ``d``.
     """
 
     layer_idx: int
@@ -94,8 +107,12 @@ class SegmentLayer(Protocol):
         """Stage the next step's new K/V ``(b, Hs, 1, d)``, as ``update`` does."""
         ...
 
+    def journal(self) -> Journal:
+        """The cache's :class:`Journal` extension, attached on first use."""
+        ...
+
     def decode_once(
-        self, query: torch.Tensor, scaling: float, *, journal: bool = False, emit: bool = True
+        self, query: torch.Tensor, scaling: float, *, emit: bool = True
     ) -> tuple[torch.Tensor, ops.DecodeResult, DecodeEvent | None]:
         """One decode step of the staged token (:meth:`h2o_lens.cache.H2OCacheLayer.decode_once`)."""
         ...
@@ -119,12 +136,54 @@ class _Entry:
     old_value: torch.Tensor | None = None
 
 
+class Journal(CacheExtension):
+    """Speculative decoding's journal, on the cache's extension point (DESIGN.md §14).
+
+    While a layer's ``rollback`` segment is open (:meth:`open` … :meth:`take`), the step's
+    before-step event (:meth:`step_needs`, once per step) copies the small state the step
+    rebinds or updates (:data:`_META`) and asks the step for the K/V it overwrites; the
+    after-step event (:meth:`step_taken`) records the slot written and what it held. The
+    segment's undo reads the entries back, newest first. It changes nothing itself
+    (an observer), and asks nothing of a layer with no open segment."""
+
+    observer = True
+
+    def __init__(self) -> None:
+        self._open: dict[int, list[_Entry]] = {}  # layer index → its open segment's entries
+        self._before: dict[int, dict] = {}  # layer index → the state before the step under way
+
+    def open(self, layer: SegmentLayer) -> None:
+        """Start journaling ``layer``'s steps (an empty journal)."""
+        self._open[layer.layer_idx] = []
+        self._before.pop(layer.layer_idx, None)
+
+    def take(self, layer: SegmentLayer) -> list[_Entry]:
+        """Stop journaling ``layer``; its entries, oldest first (empty when none was open)."""
+        self._before.pop(layer.layer_idx, None)
+        return self._open.pop(layer.layer_idx, [])
+
+    def step_needs(self, layer: Any) -> StepNeeds:
+        if layer.layer_idx not in self._open:
+            return NOTHING
+        self._before[layer.layer_idx] = {name: _clone(t) for name, t in _state(layer, _META).items()}
+        return StepNeeds(journal=True)
+
+    def step_taken(self, layer: Any, step: StepEvent) -> None:
+        entries = self._open.get(layer.layer_idx)
+        if entries is not None:
+            res = step.result
+            entries.append(_Entry(self._before.pop(layer.layer_idx), res.slot, res.old_key, res.old_value))
+
+    def reset(self, layer: Any) -> None:
+        self.take(layer)
+
+
 @dataclass
 class Segment:
     mode: str
     start: torch.Tensor  # (b,) first query position
     scaling: float
-    entries: list = field(default_factory=list)  # rollback: one _Entry per step
+    journal: Journal | None = None  # rollback, step by step: the cache's journal, open for the layer
     inputs: list = field(default_factory=list)  # defer: (q, k, v) per step
     events: list = field(default_factory=list)  # decode events per step (None when no extension hears them)
     live: dict | None = None  # defer: the live state, untouched while the copy runs
@@ -147,6 +206,9 @@ def begin(layer: SegmentLayer, scaling: float, at_once: bool = False) -> Segment
     """Open a segment on ``layer``; in ``defer`` mode its steps run on a working copy (not
     needed when the segment is verified ``at_once``, :func:`run_batched`)."""
     seg = Segment(layer.segment_mode, layer.next_pos.clone(), scaling)
+    if seg.mode == "rollback" and not at_once:
+        seg.journal = layer.journal()
+        seg.journal.open(layer)
     if seg.mode == "defer" and not at_once:
         seg.live = _state(layer, _SLOTS + ("fill", "next_pos"))
         layer.load_state({name: _clone(seg.live[name]) for name in _SLOTS})
@@ -158,14 +220,11 @@ def step(
 ) -> torch.Tensor:
     """One token of the segment as a plain decode step; returns its attention output ``(b, 1, Hq, d)``."""
     layer.stage(key, value)
-    if seg.mode == "rollback":
-        entry = _Entry({name: _clone(t) for name, t in _state(layer, _META).items()})
-        out, res, event = layer.decode_once(query, seg.scaling, journal=True, emit=True)
-        entry.slot, entry.old_key, entry.old_value = res.slot, res.old_key, res.old_value
-        seg.entries.append(entry)
+    if seg.mode == "rollback":  # the cache's journal records the step (:class:`Journal`)
+        out, _, event = layer.decode_once(query, seg.scaling, emit=True)
     else:
         seg.inputs.append((query, key, value))
-        out, _, event = layer.decode_once(query, seg.scaling, journal=False, emit=False)
+        out, _, event = layer.decode_once(query, seg.scaling, emit=False)
     seg.events.append(event)
     return out
 
@@ -182,13 +241,13 @@ def end(layer: SegmentLayer, seg: Segment, rolled_back: int) -> SegmentEvent:
     if seg.batch is not None:
         return _end_batched(layer, seg, rolled_back)
     if seg.mode == "rollback":
-        for entry in reversed(seg.entries[accepted:]):
+        for entry in reversed(seg.journal.take(layer)[accepted:]):
             _undo(layer, entry)
     else:
         layer.load_state(seg.live)
         for query, key, value in seg.inputs[:accepted]:
             layer.stage(key, value)
-            layer.decode_once(query, seg.scaling, journal=False, emit=True)
+            layer.decode_once(query, seg.scaling, emit=True)
     layer.rewind(rolled_back)
     return SegmentEvent(seg.start, seg.steps, accepted, seg.events[accepted:], seg.mode)
 

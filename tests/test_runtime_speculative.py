@@ -8,6 +8,7 @@ modes, with an assistant that is mostly wrong; the injected fault (tests/faulty.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 from collections import defaultdict
@@ -230,6 +231,30 @@ def test_the_segment_changes_the_layer_only_through_its_interface(mode, recent):
     assert _Watched.by_segment == []
     with pytest.raises(KeyError, match="not row state"):
         layer.load_state({"seen": 3})
+
+
+@pytest.mark.parametrize("mode", ["rollback", "defer"])
+def test_the_rollback_journal_is_an_extension_of_the_cache(mode):
+    """A step-by-step ``rollback`` segment journals through the cache's extension point: one
+    :class:`~h2o_lens.speculative.Journal` is attached at the first segment and kept, it holds
+    nothing once the segment closes, and the decode step takes no journal flag of its own;
+    ``defer`` attaches none."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 4, 18, 8) * 2, torch.randn(1, 2, 18, 8) * 2, torch.randn(1, 2, 18, 8)
+    cache = _cache(H2OConfig(heavy=4, recent=2), mode)
+    layer = cache.layers[0]
+    assert cache.extensions == ()
+    _prefill(layer, q[:, :, :10], k[:, :, :10], v[:, :, :10])
+    for lo, hi, back in ((10, 14, 2), (12, 16, 1), (15, 18, 3)):
+        layer.update(k[:, :, lo:hi], v[:, :, lo:hi], kwargs={})
+        layer.decode_segment(q[:, :, lo:hi], 0.25)
+        journals = [ext for ext in cache.extensions if isinstance(ext, h2o_lens.speculative.Journal)]
+        assert len(journals) == (mode == "rollback") == len(cache.extensions)
+        if journals:
+            assert len(journals[0]._open[0]) == hi - lo  # one entry per step, from the step events
+        cache.crop(-back)
+        assert all(not j._open and not j._before for j in journals)
+    assert "journal" not in inspect.signature(H2OCacheLayer.decode_once).parameters
 
 
 def test_crop_errors_say_what_can_be_taken_back():
