@@ -45,7 +45,7 @@ def _export(args: argparse.Namespace) -> int:
 
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise ConfigError(f"-o {args.output!r}: its folder does not exist; create it or give another path")
-    if args.output:  # a file of the user's is not replaced, an earlier export is (DESIGN.md §5.1)
+    if args.output and not os.path.isdir(args.output):  # a file of the user's is not replaced (DESIGN.md §5.1)
         from runlog.ownership import check_output_file
 
         check_output_file(args.output, markers=(), force=args.force or exported(args.output))
