@@ -135,7 +135,7 @@ def _record_rounds(model, ids, cfg, kw: dict, root, rounds: int, budget: int, pr
     )
     print(
         f"the model's fingerprint (digests cached): {printed * 1e3:.1f} ms, {printed / opened:.0%} of opening the run, "
-        f"{printed / (opened + rec + statistics.median(t_close)):.2%} of the whole record"
+        f"{printed / (opened + rec + statistics.median(t_close)):.3%} of the whole record"
     )
     print(f"replay {rep:.2f} s / generation {plain:.2f} s: ratio {rep / plain:.3f}")
     print(f"evictions: {rows} rows, {size} bytes: {size / max(rows, 1):.2f} bytes per row")
