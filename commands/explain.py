@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from .options import add_model_args
+from .options import add_model_args, at_least, fraction
 from .paths import run_dir
 
 __all__ = ["explain_run", "explainable_runs", "add_parser", "run", "format_verdicts"]
@@ -294,14 +294,16 @@ def add_parser(sub: Any) -> None:
     ex.add_argument("run", nargs="?", default=None, help="run folder, or run id under --root")
     ex.add_argument("--all", action="store_true", help="explain every failed run under --root (e.g. a sweep)")
     ex.add_argument("--root", default="runs")
-    ex.add_argument("--request", type=int, nargs="+", default=None, help="requests to explain (default: the failed)")
+    ex.add_argument(
+        "--request", type=at_least(0), nargs="+", default=None, help="requests to explain (default: the failed)"
+    )
     ex.add_argument("--format", choices=["table", "json"], default="table")
     ex.add_argument("--no-bisect", action="store_true", help="skip the minimal-budget searches")
     ex.add_argument("--no-replay", action="store_true", help="skip the teacher replay of the re-runs (no KL)")
     ex.add_argument("--cached", action="store_true", help="re-run nothing: show the verdicts of earlier re-runs")
     ex.add_argument(
         "--resolution",
-        type=float,
+        type=fraction,
         default=0.05,
         help="budget searches stop within this share of the prompt (default 0.05; 0: to the slot)",
     )

@@ -35,6 +35,7 @@ __all__ = [
     "at_least",
     "keep_share",
     "share",
+    "fraction",
     "positive_seconds",
     "positive",
     "nonnegative",
@@ -63,11 +64,11 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
         metavar="{" + ",".join(policies.names()) + "}",
         help="; ".join(f"{q.name}: {q.summary}" for q in policies.all_policies()),
     )
-    g.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots per layer and KV head")
-    g.add_argument("--recent", type=int, default=None, help="recent-window slots per layer and KV head")
-    g.add_argument("--ratio", type=float, default=None, help="total keep ratio of the prompt instead of slots")
+    g.add_argument("--heavy", type=at_least(0), default=None, help="heavy-hitter slots per layer and KV head")
+    g.add_argument("--recent", type=at_least(0), default=None, help="recent-window slots per layer and KV head")
+    g.add_argument("--ratio", type=share, default=None, help="total keep ratio of the prompt instead of slots")
     g.add_argument("--gqa", default="sum", help="sum | max | none")
-    g.add_argument("--sink", type=int, default=4, help="first tokens kept by the sink policy")
+    g.add_argument("--sink", type=at_least(0), default=4, help="first tokens kept by the sink policy")
     g.add_argument("--seed", type=int, default=0, help="seed of the random policy and of sampling")
 
 
@@ -216,13 +217,18 @@ def press_items(items: Sequence[str] | None) -> list[str]:
 
 
 def number(text: str, kind: type, option: str):
+    """One item of ``--slots`` (``int``: a slot count >= 1) or ``--ratios`` (``float``: a keep
+    ratio in (0, 1]); anything else is a :class:`~h2o_lens.errors.ConfigError` naming ``option``."""
     from h2o_lens.errors import ConfigError
 
+    what = "whole slot counts >= 1, e.g. --slots 64,128" if kind is int else "keep ratios in (0, 1], e.g. 1,0.2"
     try:
-        return kind(text)
+        value = kind(text)
     except ValueError:
-        what = "whole slot counts, e.g. --slots 64,128" if kind is int else "keep ratios, e.g. --ratios 1,0.2,0.1"
         raise ConfigError(f"{option}: {text!r} is not a number; give {what}") from None
+    if not (value >= 1 if kind is int else 0.0 < value <= 1.0):  # NaN fails both
+        raise ConfigError(f"{option}: {text!r} is out of range; give {what}")
+    return value
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -376,6 +382,14 @@ def share(text: str) -> float:
     value = _finite(text)
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a keep ratio in (0, 1], such as 0.2; got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a share in [0, 1]."""
+    value = _finite(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1], such as 0.05; got {text}")
     return value
 
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from .options import add_model_args, given_model, print_replay
+from .options import add_model_args, given_model, nonnegative, print_replay
 from .paths import run_dir as _run_dir
 
 __all__ = ["add_parser", "run"]
@@ -18,7 +18,7 @@ def add_parser(sub: Any) -> None:
     rp.add_argument("--root", default="runs")
     rp.add_argument(
         "--tolerance",
-        type=float,
+        type=nonnegative,
         default=None,
         help="largest accepted |logit diff| of the check (default: derived from the dtype)",
     )

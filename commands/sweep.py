@@ -11,7 +11,9 @@ from typing import Any
 from .options import (
     add_task_args,
     at_least,
+    cpu_count,
     load_model_args,
+    nonnegative,
     number,
     press_items,
     resolve_requests,
@@ -62,7 +64,7 @@ def add_parser(sub: Any) -> None:
         help="parameters of the grid's kvpress presses (kvpress:NAME in --policies), comma list or repeated, set "
         "on every press that takes them, e.g. window_size=32; compression_ratio comes from each keep ratio",
     )
-    sw.add_argument("--batch-size", type=int, default=8, help="requests per generate call and run (default 8)")
+    sw.add_argument("--batch-size", type=at_least(1), default=8, help="requests per generate call and run (default 8)")
     sw.add_argument("--no-replay", action="store_true", help="record only (no KL or dropped mass in the curves)")
     sw.add_argument("--page-size", type=at_least(1), default=16, help="tokens per KV page")
     add_force_arg(sw, "into --out")
@@ -85,13 +87,14 @@ def add_parser(sub: Any) -> None:
     )
     ray.add_argument(
         "--workers",
-        type=int,
+        type=at_least(1),
         default=None,
-        help="ray: worker actors, each loading the model once (default: fill the cluster)",
+        help="ray: worker actors, each loading the model once (default: fill the cluster; without --address, "
+        "at most this machine's CPU cores)",
     )
-    ray.add_argument("--gpus-per-worker", type=float, default=0.0, help="ray: GPUs per worker (0: CPU workers)")
+    ray.add_argument("--gpus-per-worker", type=nonnegative, default=0.0, help="ray: GPUs per worker (0: CPU workers)")
     ray.add_argument(
-        "--retries", type=int, default=1, help="ray: times a cell whose worker died is run again (default 1)"
+        "--retries", type=at_least(0), default=1, help="ray: times a cell whose worker died is run again (default 1)"
     )
     sw.set_defaults(func=run)
 
@@ -108,8 +111,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     executor = _sweep_executor(args)  # ConfigError (Ray missing, bad options): exit 2 before any load
     grid = sweep_grid(args.policies, args.gqa, args.press_args)  # ConfigError: exit 2 before the model loads
-    if args.batch_size < 1:
-        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ConfigError(f"--out {args.out!r} is an existing file; give a folder for the sweep's runs")
     check_out_root(args.out, force=args.force)  # before the model loads
@@ -231,6 +232,13 @@ def _sweep_executor(args: argparse.Namespace):
             verb = "applies" if len(given) == 1 else "apply"
             raise ConfigError(f"{', '.join(given)} only {verb} to a Ray sweep; add --executor ray")
         return None
+    if args.address is None and args.workers is not None and args.workers > cpu_count():
+        cores = cpu_count()
+        raise ConfigError(
+            f"--workers {args.workers}: the local Ray cluster runs on this machine of {cores} CPU "
+            f"core{'s' if cores > 1 else ''}, which cannot start more workers than that; give 1 to {cores}, "
+            "or --address of a cluster that has them"
+        )
     from .ray_sweep import RayOptions, RaySweep, require_ray
 
     require_ray()

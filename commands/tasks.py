@@ -23,6 +23,9 @@ def add_parser(sub: Any) -> None:
     ex.add_argument("--count", type=at_least(1), default=None, help="number of requests (default: the family's)")
     ex.add_argument("--model", default=None, help="tokenizer that counts --length (default: the packaged model)")
     ex.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
+    ex.add_argument(
+        "--force", action="store_true", help="replace the -o file even though it is not a task file h2o-lens wrote"
+    )
     ex.set_defaults(func=run)
     ch = ts.add_parser("check", help="validate a task file and summarise it per kind")
     ch.add_argument("file")
@@ -94,6 +97,10 @@ def _export(args: argparse.Namespace) -> int:
 
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise ConfigError(f"-o {args.output!r}: its folder does not exist; create it or give another path")
+    if args.output and not os.path.isdir(args.output):  # a file of the user's is not replaced (DESIGN.md §5.1)
+        from runlog.ownership import check_output_file
+
+        check_output_file(args.output, markers=(), force=args.force or exported(args.output))
     if args.spec.startswith("builtin:"):  # an unknown family fails before a model loads
         from h2o_lens.tasks.builtins import family
 
@@ -114,6 +121,25 @@ def _export(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(dumps_tasks(tasks, source="<stdout>"))
     return 0
+
+
+def exported(path: str) -> bool:
+    """Whether ``path`` is a task file as ``tasks export`` writes it: it loads, and its text is
+    exactly what the export writes for those tasks (a file written by hand, or any other file,
+    is not)."""
+    import json
+
+    from h2o_lens.tasks.taskfile import dumps_tasks, load_tasks
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        again = dumps_tasks(load_tasks(path), source=path)
+    except Exception:  # noqa: BLE001 - unreadable, or not a task file: not one the export wrote
+        return False
+    if path.endswith(".json"):
+        again = json.dumps([json.loads(line) for line in again.splitlines()], ensure_ascii=False, indent=1) + "\n"
+    return text == again
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -180,3 +180,74 @@ def test_sweep_refuses_a_page_size_below_1(capsys, tmp_path):
 )
 def test_bench_culprits_refuses_bad_sizes_and_families(capsys, tmp_path, argv, says):
     _refused(capsys, ["bench", "culprits", "--model", _config_only(tmp_path / "m"), *argv], "bench culprits", says)
+
+
+        (["--ratios", "0"], "--ratios: '0' is out of range; give keep ratios in (0, 1]"),
+        (["--ratios", "0.2,1.5"], "--ratios: '1.5' is out of range"),
+        (["--ratios", "nan"], "--ratios: 'nan' is out of range"),
+        (["--ratios", "inf"], "--ratios: 'inf' is out of range"),
+        (["--ratios", "-1"], "--ratios: '-1' is out of range"),
+        (["--slots", "0"], "--slots: '0' is out of range; give whole slot counts >= 1"),
+        (["--slots", "-1"], "--slots: '-1' is out of range"),
+        (["--batch-size", "0"], "argument --batch-size: expected a whole number >= 1, got 0"),
+        (["--batch-size", "-1"], "argument --batch-size"),
+        (["--executor", "ray", "--workers", "0"], "argument --workers: expected a whole number >= 1, got 0"),
+        (["--executor", "ray", "--workers", "1.5"], "argument --workers"),
+        (["--executor", "ray", "--retries", "-1"], "argument --retries"),
+        (["--executor", "ray", "--gpus-per-worker", "nan"], "argument --gpus-per-worker"),
+    ],
+)
+def test_sweep_refuses_sizes_below_1_and_ratios_outside_0_1(capsys, tmp_path, argv, says):
+    out = tmp_path / "out"
+    _refused(capsys, ["sweep", "--model", "/nonexistent", "--out", str(out), *argv], says)
+    assert not out.exists()
+
+
+def test_sweep_workers_beyond_this_machines_cores_are_refused_for_a_local_cluster_only(capsys, tmp_path):
+    many = str(cpu_count() + 1)
+    argv = ["sweep", "--model", "/nonexistent", "--out", str(tmp_path / "out"), "--executor", "ray"]
+    _refused(
+        capsys,
+        [*argv, "--workers", many],
+        f"--workers {many}: the local Ray cluster runs on this machine of {cpu_count()} CPU core",
+    )
+    main([*argv, "--workers", many, "--address", "head:6379"])  # a remote cluster's count is its own
+    assert "--workers" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["explain", "somerun", "--request", "-1"], "explain: argument --request"),
+        (["explain", "somerun", "--request", "0.5"], "explain: argument --request"),
+        (["explain", "somerun", "--resolution", "nan"], "explain: argument --resolution"),
+        (["explain", "somerun", "--resolution", "-1"], "explain: argument --resolution"),
+        (["explain", "somerun", "--resolution", "2"], "explain: argument --resolution"),
+        (["replay", "somerun", "--tolerance", "nan"], "replay: argument --tolerance"),
+        (["replay", "somerun", "--tolerance", "-1"], "replay: argument --tolerance"),
+        (["replay", "somerun", "--tolerance", "inf"], "replay: argument --tolerance"),
+        (["check", "somerun", "--tolerance", "nan"], "check: argument --tolerance"),
+    ],
+)
+def test_a_runs_numbers_are_refused_before_the_run_is_looked_up(capsys, tmp_path, argv, says):
+    _refused(capsys, [*argv, "--root", str(tmp_path)], says)
+
+
+@pytest.mark.parametrize("command", ["record", "generate"])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--heavy", "-1"),
+        ("--recent", "1.5"),
+        ("--ratio", "nan"),
+        ("--ratio", "0"),
+        ("--ratio", "1e12"),
+        ("--sink", "-1"),
+    ],
+)
+def test_policy_numbers_name_their_option(capsys, tmp_path, command, option, value):
+    _refused(capsys, [command, "--model", "/nonexistent", option, value], f"{command}: argument {option}")
+
+
+def test_bench_runs_refuses_a_model_that_is_not_there(capsys):
+    _refused(capsys, ["bench", "runs", "--runs", "5", "--model", "/nonexistent"], "bench runs: --model '/nonexistent'")

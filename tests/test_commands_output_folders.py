@@ -142,3 +142,40 @@ def test_report_replaces_its_own_file_but_not_one_of_the_users(tmp_path, capsys)
     assert main(["report", run, "-o", str(tmp_path / ".git" / "r.html"), "--force"]) == 2
     assert "version-control" in _one_error(capsys.readouterr().err)
     assert not (tmp_path / ".git" / "r.html").exists()
+
+
+def test_bench_explain_removes_its_earlier_re_runs_but_not_a_folder_in_their_way(tmp_path):
+    from test_runlog_ownership import run
+
+    from commands.benchmarks.explain import clear_reruns
+    from runlog.ownership import OutputFolderError
+
+    mine = run(tmp_path, "parent-r0-full")  # a re-run an earlier round wrote
+    assert clear_reruns(str(tmp_path), "parent") == ["parent-r0-full"] and not mine.exists()
+    theirs = project(tmp_path / "parent-r0-notes")
+    before = tree(theirs)
+    with pytest.raises(OutputFolderError, match="not a run folder h2o-lens wrote"):
+        clear_reruns(str(tmp_path), "parent")
+    assert tree(theirs) == before
+
+
+def test_tasks_export_replaces_its_own_file_but_not_one_of_the_users(tmp_path, capsys):
+    spec = ["tasks", "export", "builtin:demo", "--count", "2", "-o"]
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine\n")
+    hand = tmp_path / "hand.jsonl"  # a task file written by hand: it loads, but the export did not write it
+    hand.write_text(json.dumps(REQUEST, indent=None, separators=(",", ":")) + "\n")
+    for path in (mine, hand):
+        before = path.read_text()
+        assert main([*spec, str(path)]) == 2
+        assert "is not a file h2o-lens wrote" in _one_error(capsys.readouterr().err)
+        assert path.read_text() == before
+    for name in ("t.jsonl", "t.json"):  # a new file, then its own export again
+        for count in ("2", "3"):
+            assert main([*spec[:-3], "--count", count, "-o", str(tmp_path / name)]) == 0
+    assert (
+        len((tmp_path / "t.jsonl").read_text().splitlines()) == 3
+        and len(json.loads((tmp_path / "t.json").read_text())) == 3
+    )
+    assert main([*spec, str(mine), "--force"]) == 0
+    assert mine.read_text().startswith('{"name": ')

@@ -12,7 +12,7 @@ from h2o_lens.errors import ConfigError, H2OLensError
 from ..options import at_least, keep_share
 from .common import check_ints, check_keep, model_config
 
-__all__ = ["add_arguments", "run", "bench_explain"]
+__all__ = ["add_arguments", "run", "bench_explain", "clear_reruns"]
 
 NAME = "explain"
 HELP = "explaining one failed request / one generation of it (DESIGN.md §6.10)"
@@ -45,6 +45,21 @@ def run(args: argparse.Namespace) -> int:
         length=args.length,
         rounds=args.rounds,
     )
+
+
+def clear_reruns(root: str, run_id: str) -> list[str]:
+    """Remove the re-runs a previous round wrote under ``root`` for the parent ``run_id``
+    (``RUN_ID-r0-*``), each through :func:`runlog.ownership.remove_run`: a folder of that name
+    that is not a run h2o-lens wrote is refused in one line and left as it is."""
+    from pathlib import Path
+
+    from runlog.ownership import remove_run
+
+    gone = []
+    for done in sorted(Path(root).glob(f"{run_id}-r0-*")):
+        remove_run(done)
+        gone.append(done.name)
+    return gone
 
 
 def _past_window(length: int, window: int | None) -> None:
@@ -174,9 +189,7 @@ def bench_explain(
     one line (the command exits 2).
     """
     import os
-    import shutil
     import tempfile
-    from pathlib import Path
 
     import torch
 
@@ -220,8 +233,7 @@ def bench_explain(
         return time.perf_counter() - t0
 
     def explain():
-        for done in Path(root).glob(f"{req.run_id}-r0-*"):
-            shutil.rmtree(done)
+        clear_reruns(root, req.run_id)
         return explain_request(model, tok, parent.run_dir, 0, resolution=resolution)
 
     print(

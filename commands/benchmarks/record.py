@@ -11,7 +11,7 @@ import time
 from ..options import at_least, keep_share
 from .common import check_ints, check_keep, fresh_env, halves, peak_rss_bytes
 
-__all__ = ["add_arguments", "run", "bench_record", "bench_record_memory"]
+__all__ = ["add_arguments", "run", "bench_record", "bench_record_memory", "replay_verdict"]
 
 NAME = "record"
 HELP = "recorder overhead, replay cost and log size; --context: peak RSS of a long record and its replay"
@@ -51,7 +51,7 @@ def bench_record(
     Prints: decode with recorder ÷ decode without (same cache, same tokens),
     replay time ÷ generation time, and Parquet bytes per eviction row.
     """
-    import os
+    import shutil
     import tempfile
     from pathlib import Path
 
@@ -59,9 +59,6 @@ def bench_record(
 
     from h2o_lens.config import H2OConfig
     from h2o_lens.models import load_model
-    from h2o_lens.runtime import h2o
-    from recorders.recorder import record
-    from recorders.replay import replay
 
     check_keep("record", keep)
     check_ints("record", "rounds", rounds, 1)
@@ -76,7 +73,30 @@ def bench_record(
     cfg = H2OConfig(**halves(budget))
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     root = Path(tempfile.mkdtemp(prefix="h2o-lens-bench-"))
-    t_plain, t_rec, t_close, runs = [], [], [], []
+    try:
+        _record_rounds(model, ids, cfg, kw, root, rounds, budget, prompt_tokens, new_tokens)
+    finally:  # the runs are only measured: nothing is left behind (the folder is the bench's own)
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+def _record_rounds(model, ids, cfg, kw: dict, root, rounds: int, budget: int, prompt_tokens: int, new_tokens: int):
+    """:func:`bench_record`'s rounds under ``root`` and its printout; the opening of each run
+    (its manifest's model description, the model's fingerprint among it) is timed beside the
+    fingerprint alone."""
+    import os
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+    import torch
+
+    from h2o_lens.fingerprint import model_fingerprint
+    from h2o_lens.runtime import h2o
+    from recorders.recorder import record
+    from recorders.replay import replay
+
+    folder = getattr(model.config, "_name_or_path", None)
+    t_plain, t_rec, t_open, t_close, t_print, runs = [], [], [], [], [], []
     print(
         f"{type(model).__name__}: prompt {prompt_tokens} tokens, {new_tokens} new, B={budget} "
         f"({cfg.describe()}), {rounds} rounds alternating"
@@ -94,24 +114,31 @@ def bench_record(
                 t1 = time.perf_counter()
                 model.generate(ids, **kw)
                 t2 = time.perf_counter()
+            t_open.append(t1 - t0)
             t_rec.append(t2 - t1)
             t_close.append(time.perf_counter() - t2)
             runs.append(run)
+            t0 = time.perf_counter()
+            model_fingerprint(folder)
+            t_print.append(time.perf_counter() - t0)
     plain, rec = statistics.median(t_plain), statistics.median(t_rec)
     replay_times = [replay(r.run_dir, model=model, progress=False).seconds for r in runs[:2]]
     rep = statistics.median(replay_times)
     files = list(Path(runs[-1].run_dir).glob("evictions-*.parquet"))
-    import pyarrow.parquet as pq
-
     rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
     size = sum(os.path.getsize(f) for f in files)
+    opened, printed = statistics.median(t_open), statistics.median(t_print)
     print(
         f"generate without recorder {plain:.2f} s, with recorder {rec:.2f} s: ratio {rec / plain:.3f} "
-        f"(+ {statistics.median(t_close) * 1e3:.0f} ms to close the run: flush, fsync, manifest)"
+        f"(+ {opened * 1e3:.0f} ms to open the run, {statistics.median(t_close) * 1e3:.0f} ms to close it: "
+        "flush, fsync, manifest)"
+    )
+    print(
+        f"the model's fingerprint (digests cached): {printed * 1e3:.1f} ms, {printed / opened:.0%} of opening the run, "
+        f"{printed / (opened + rec + statistics.median(t_close)):.3%} of the whole record"
     )
     print(f"replay {rep:.2f} s / generation {plain:.2f} s: ratio {rep / plain:.3f}")
     print(f"evictions: {rows} rows, {size} bytes: {size / max(rows, 1):.2f} bytes per row")
-    return 0
 
 
 # -- peak memory of a long record and its replay ----------------------------------------------
@@ -158,6 +185,15 @@ def _memory_phase(phase: str, model_name: str | None, root: str, context: int, n
         out["implementation_ok"] = summary.implementation_ok
     out["peak_bytes"] = peak_rss_bytes()
     print(json.dumps(out, default=str), flush=True)
+
+
+def replay_verdict(phase: dict) -> str:
+    """What a phase's line adds about its replay: nothing when it reproduced the run (or was no
+    replay), else that the model, the code or the log differ (as ``h2o-lens replay`` says: a
+    failed check does not tell which)."""
+    if phase.get("implementation_ok", True):
+        return ""
+    return "; the replay does not reproduce the run: the model, the code or the log differ"
 
 
 def bench_record_memory(
@@ -207,7 +243,7 @@ def bench_record_memory(
                 f"{r['loaded_bytes'] / 2**30:.2f} GiB)"
                 + (f", {r['budget']}" if "budget" in r else "")
                 + (f", max |logit diff| {r['max_logit_diff']:.3g}" if "max_logit_diff" in r else "")
-                + ("" if r.get("implementation_ok", True) else ", IMPLEMENTATION CHECK FAILED")
+                + replay_verdict(r)
             )
             target = r.get("run_dir", target)
         rec, rep = res["record"], res["replay"]
@@ -218,7 +254,7 @@ def bench_record_memory(
         )
     finally:  # the runs are only measured: nothing is left behind
         shutil.rmtree(root, ignore_errors=True)
-    return 0
+    return 0 if rep.get("implementation_ok", True) else 3
 
 
 # -- a runs root of thousands of runs ---------------------------------------------------------
