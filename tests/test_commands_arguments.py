@@ -172,16 +172,6 @@ def test_sweep_refuses_a_page_size_below_1(capsys, tmp_path):
 @pytest.mark.parametrize(
     "argv, says",
     [
-        (["--count", "0"], "argument --count"),
-        (["--keep", "0"], "argument --keep"),
-        (["--max-runs", "-1"], "argument --max-runs"),
-        (["--tasks", "needle,nope"], "expected long families"),
-    ],
-)
-def test_bench_culprits_refuses_bad_sizes_and_families(capsys, tmp_path, argv, says):
-    _refused(capsys, ["bench", "culprits", "--model", _config_only(tmp_path / "m"), *argv], "bench culprits", says)
-
-
         (["--ratios", "0"], "--ratios: '0' is out of range; give keep ratios in (0, 1]"),
         (["--ratios", "0.2,1.5"], "--ratios: '1.5' is out of range"),
         (["--ratios", "nan"], "--ratios: 'nan' is out of range"),
@@ -251,3 +241,16 @@ def test_policy_numbers_name_their_option(capsys, tmp_path, command, option, val
 
 def test_bench_runs_refuses_a_model_that_is_not_there(capsys):
     _refused(capsys, ["bench", "runs", "--runs", "5", "--model", "/nonexistent"], "bench runs: --model '/nonexistent'")
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--count", "0"], "argument --count"),
+        (["--keep", "0"], "argument --keep"),
+        (["--max-runs", "-1"], "argument --max-runs"),
+        (["--tasks", "needle,nope"], "expected long families"),
+    ],
+)
+def test_bench_culprits_refuses_bad_sizes_and_families(capsys, tmp_path, argv, says):
+    _refused(capsys, ["bench", "culprits", "--model", _config_only(tmp_path / "m"), *argv], "bench culprits", says)
