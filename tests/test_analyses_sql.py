@@ -281,6 +281,7 @@ def _cli(*args: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow  # more than a few seconds on an idle 2-core machine (docs/TESTING.md)
 def test_cli_closed_pipe_ends_quietly(root):
     proc = _cli("sql", str(root), "SELECT i, 'row ' || i AS label FROM range(200000) t(i)", "--max-rows", "200000")
     first = proc.stdout.readline()

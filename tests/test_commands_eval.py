@@ -137,6 +137,7 @@ def test_h2o_every_request_has_run_replay_verdict_and_resumes(local_task, tmp_pa
     assert sorted(r["reused"] for r in saved["requests"]) == [False] + [True] * 5
 
 
+@pytest.mark.slow  # more than a few seconds on an idle 2-core machine (docs/TESTING.md)
 def test_loglikelihood_tasks_are_named_as_not_showing_eviction(local_task, tmp_path, capsys):
     folder, tasks = local_task
     docs = tmp_path / "mc.jsonl"
@@ -159,11 +160,12 @@ def test_loglikelihood_tasks_are_named_as_not_showing_eviction(local_task, tmp_p
     assert "0 recorded requests" in out
 
 
+@pytest.mark.slow  # more than a few seconds on an idle 2-core machine (docs/TESTING.md)
 @pytest.mark.parametrize(
     "argv, needle",
     [
         (["--tasks", "no_such_task_xyz"], "no_such_task_xyz: not an lm-eval task"),
-        (["--tasks", "lens_gen", "--ratios", "0"], "--ratios 0: a keep ratio is in (0, 1]"),
+        (["--tasks", "lens_gen", "--ratios", "0"], "--ratios: '0' is out of range; give keep ratios in (0, 1]"),
         (["--tasks", "lens_gen", "--policies", "nope"], "nope"),
         (["--tasks", "lens_gen", "--limit", "0"], "--limit must be at least 1"),
         (["--tasks", "lens_gen", "--include-path", "/no/such/folder"], "is not a folder of lm-eval YAML tasks"),

@@ -84,6 +84,7 @@ def _assert_failed_with(out: Path, line: str) -> None:
     assert _temporaries(out) == []
 
 
+@pytest.mark.slow  # more than a few seconds on an idle 2-core machine (docs/TESTING.md)
 def test_record_on_a_full_disk_says_so_in_one_line_and_leaves_a_failed_run(tiny, small_disk):
     out = small_disk(12) / "runs"  # room for the manifest, not for the segments
     done = _cli(*_record_args(tiny, out), cwd=REPO)
@@ -119,6 +120,7 @@ def _tasks(folder: Path, n: int = 4) -> Path:
     return path
 
 
+@pytest.mark.slow  # more than a few seconds on an idle 2-core machine (docs/TESTING.md)
 def test_a_sweep_cell_on_a_full_disk_is_failed_alike_in_the_summary_and_the_status(tiny, tmp_path, small_disk):
     out = small_disk(32) / "sweep"  # the plan and a cell's manifest fit, its eviction log does not
     done = _cli("sweep", "--tasks", str(_tasks(tmp_path)), "--model", str(tiny), "--out", str(out),
@@ -133,6 +135,7 @@ def test_a_sweep_cell_on_a_full_disk_is_failed_alike_in_the_summary_and_the_stat
     assert _temporaries(out) == []
 
 
+@pytest.mark.slow  # more than a few seconds on an idle 2-core machine (docs/TESTING.md)
 def test_sweep_outputs_on_a_full_disk_are_one_line_and_no_temporary_file(tiny, tmp_path, small_disk):
     out = small_disk(1024) / "sweep"  # the cells fit; the curves' page (plotly inlined, ~5 MB) does not
     done = _cli("sweep", "--tasks", str(_tasks(tmp_path, 2)), "--model", str(tiny), "--out", str(out),

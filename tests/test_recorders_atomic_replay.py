@@ -132,6 +132,7 @@ module.replay(sys.argv[1], model=model, progress=False)
 """
 
 
+@pytest.mark.slow  # more than a few seconds on an idle 2-core machine (docs/TESTING.md)
 def test_a_kill_at_the_switch_is_invisible_and_the_next_replay_clears_it(model, tmp_path):
     run_dir = _record(model, tmp_path)
     before = _state(tmp_path, run_dir)

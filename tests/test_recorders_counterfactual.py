@@ -251,6 +251,7 @@ def _tiny_runs(root, max_new=8, full=True):
     return model, tok, source, root / run.run_id
 
 
+@pytest.mark.slow  # more than a few seconds on an idle 2-core machine (docs/TESTING.md)
 def test_explain_copies_the_roots_full_run_and_forwards_the_prompt_once(tmp_path):
     model, tok, source, parent = _tiny_runs(tmp_path)
     widths = []  # positions of each forward the decoder really ran (a reused prompt forward runs none)

@@ -197,6 +197,7 @@ def tiny_roots(tmp_path_factory) -> Path:
     return base
 
 
+@pytest.mark.slow  # more than a few seconds on an idle 2-core machine (docs/TESTING.md)
 @pytest.mark.parametrize("where", ["demo", "sweep", "guarded"])
 def test_untouched_demo_sweep_and_guarded_roots_have_no_problem(tiny_roots, where):
     catalog = scan_root(tiny_roots / where, cache=False)
