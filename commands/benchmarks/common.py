@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
+    "generation_seconds",
     "halves",
     "check_keep",
     "check_ints",
@@ -143,3 +145,23 @@ def check_memory(what: str, option: str, value: int, needed: int, about: str) ->
             f"bench {what}: {option} {value} needs at least {needed / 2**30:,.1f} GiB ({about}), more than the "
             f"{have / 2**30:,.1f} GiB this machine has available; give a smaller {option}"
         )
+
+
+def generation_seconds(model: Any, tok: Any, parent: Any) -> float:
+    """Seconds of one plain (unrecorded) greedy generation of a recorded request (``parent``, a
+    :class:`recorders.counterfactual.ParentRequest`) under its own config."""
+    import torch
+
+    from h2o_lens.runtime import h2o
+
+    ids = torch.tensor([parent.prompt_ids])
+    t0 = time.perf_counter()
+    with torch.no_grad(), h2o(model, parent.config):
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=parent.max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+    return time.perf_counter() - t0

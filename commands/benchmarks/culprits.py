@@ -23,26 +23,9 @@ from typing import Any
 
 __all__ = ["bench_culprits", "HELP", "add_arguments", "run"]
 
+from .common import generation_seconds
+
 FAMILIES = ("needle", "delayed_reference", "restated_fact")
-
-
-def _generation_seconds(model: Any, tok: Any, parent: Any) -> float:
-    """One plain (unrecorded) generation of the parent's request under its config."""
-    import torch
-
-    from h2o_lens.runtime import h2o
-
-    ids = torch.tensor([parent.prompt_ids])
-    t0 = time.perf_counter()
-    with torch.no_grad(), h2o(model, parent.config):
-        model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=parent.max_new_tokens,
-            do_sample=False,
-            pad_token_id=tok.pad_token_id,
-        )
-    return time.perf_counter() - t0
 
 
 def _one(model: Any, tok: Any, task: Any, keep: float, root: str, max_runs: int, seconds: float) -> dict | None:
@@ -61,7 +44,7 @@ def _one(model: Any, tok: Any, task: Any, keep: float, root: str, max_runs: int,
     if run.correct:
         return None
     parent = load_parent(run.run_dir, 0)
-    gen = _generation_seconds(model, tok, parent)
+    gen = generation_seconds(model, tok, parent)
     t0 = time.perf_counter()
     explain_request(model, tok, run.run_dir, 0, bisect=False, replay=False)
     t_explain = time.perf_counter() - t0

@@ -10,7 +10,7 @@ import time
 from h2o_lens.errors import ConfigError, H2OLensError
 
 from ..options import at_least, keep_share
-from .common import check_ints, check_keep, model_config
+from .common import check_ints, check_keep, generation_seconds, model_config
 
 __all__ = ["add_arguments", "run", "bench_explain", "clear_reruns"]
 
@@ -194,7 +194,6 @@ def bench_explain(
     import torch
 
     from h2o_lens.models import load_model
-    from h2o_lens.runtime import h2o
     from recorders.counterfactual import explain_request, load_parent
 
     rounds = check_ints("explain", "rounds", rounds, 1)[0]
@@ -218,19 +217,9 @@ def bench_explain(
     if parent is None:
         raise H2OLensError(chosen)
     req = load_parent(parent.run_dir, 0)
-    ids = torch.tensor([req.prompt_ids])
 
     def generate() -> float:
-        t0 = time.perf_counter()
-        with torch.no_grad(), h2o(model, req.config):
-            model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=req.max_new_tokens,
-                do_sample=False,
-                pad_token_id=tok.pad_token_id,
-            )
-        return time.perf_counter() - t0
+        return generation_seconds(model, tok, req)
 
     def explain():
         clear_reruns(root, req.run_id)
