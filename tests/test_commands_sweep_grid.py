@@ -365,7 +365,7 @@ def test_sweep_status_shows_a_failed_cell_with_its_error(tiny_dir, task_file, tm
         (["--ratios", "1,0.2", "--slots", "64"], "not allowed with argument"),
         (["--dtype", "float8"], "invalid choice: 'float8'"),
         (["--ratios", "1,abc"], "'abc' is not a number"),
-        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--batch-size", "0"], "argument --batch-size: expected a whole number >= 1, got 0"),
         (["--tasks", "no/such/file.jsonl"], "neither builtin:NAME nor an existing task file"),
         (["--tasks", "builtin:nope"], "unknown built-in family"),
     ],
