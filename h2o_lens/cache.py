@@ -349,17 +349,20 @@ class H2OCacheLayer(CacheLayerMixin):
         owner = self.owner
         step = self.next_pos  # (b,)
         q, k, v = query[:, :, 0].contiguous(), key[:, :, 0].contiguous(), value[:, :, 0].contiguous()
-        args = owner.budgets[0]  # policy, gqa, seed and pins are the config's: the same for every budget
+        args = owner.budgets[0]  # policy, gqa and seed are the config's: the same for every budget
         rows = self.row_budgets()
         needs = self.step_needs()
+        protected = self.protected()
         hears = owner.hears_decode
         want = hears or needs.candidates
         journal = needs.journal
-        if rows is not None and not journal and self._kernel_step(args, want):
-            res = self._step_groups(self.groups(), q, k, v, step, scaling)
+        if rows is not None and not journal and protected is None and self._kernel_step(args, want):
+            res = _per_row.step_groups(self, self._step, self.groups(), q, k, v, step, scaling)
         else:
             slots = (self.keys, self.values, self.scores, self.positions)
-            res = self._step(args, q, k, v, *slots, step, self.fill, scaling, want, self.history, rows, journal)
+            res = self._step(
+                args, q, k, v, *slots, step, self.fill, scaling, want, self.history, rows, journal, protected
+            )
         event = None
         if hears:
             event = DecodeEvent(
@@ -369,6 +372,7 @@ class H2OCacheLayer(CacheLayerMixin):
                 cand_scores=res.cand_scores,
                 cand_positions=res.cand_positions,
                 kept=self.positions,
+                protected=protected,
             )
             if emit:
                 self.announce(event)
@@ -387,6 +391,15 @@ class H2OCacheLayer(CacheLayerMixin):
     def journal(self) -> _speculative.Journal:
         """The cache's rollback journal (:class:`h2o_lens.speculative.Journal`), attached on first use."""
         return self.owner.extension_of(_speculative.Journal)
+
+    def protected(self) -> torch.Tensor | None:
+        """``(b, 1, K)`` int64 on the slots' device: what the extensions keep from eviction, per row
+        (-2 pads; :meth:`CacheExtension.protected`, the pins, DESIGN.md §2.11), or None."""
+        parts = [p for ext in self.owner.extensions if (p := ext.protected(self)) is not None]
+        if not parts:
+            return None
+        device = parts[0].device if self.keys is None else self.keys.device
+        return torch.cat([p.to(device) for p in parts], -1)[:, None, :]
 
     def step_needs(self) -> StepNeeds:
         """What the extensions need of the next decode step (:meth:`CacheExtension.step_needs`,
@@ -458,10 +471,11 @@ class H2OCacheLayer(CacheLayerMixin):
             self._row_budgets = ops.RowBudgets.of(self.owner.budgets, self.budget)
         return self._row_budgets
 
-    def _kernel_step(self, args: ops.PolicyArgs, want: bool) -> bool:
+    def _kernel_step(self, args: ops.PolicyArgs, want: bool, protected: torch.Tensor | None = None) -> bool:
         """Whether the fused Triton step runs: the backend and the policy have one
-        (``Policy.kernels``), no listener needs the candidate set and nothing is pinned."""
-        return not want and self.owner.backend == "triton" and "decode" in args.spec.kernels and not args.pinned
+        (``Policy.kernels``), no listener needs the candidate set and nothing is protected
+        (the kernels know no protected positions, DESIGN.md §2.11)."""
+        return not want and protected is None and self.owner.backend == "triton" and "decode" in args.spec.kernels
 
     def _step(
         self,
@@ -480,10 +494,12 @@ class H2OCacheLayer(CacheLayerMixin):
         history: torch.Tensor | None = None,
         rows: ops.RowBudgets | None = None,
         journal: bool = False,
+        protected: torch.Tensor | None = None,
     ) -> ops.DecodeResult:
         """The fused Triton step when :meth:`_kernel_step` allows it (one budget, and no
-        rollback needs the overwritten K/V), the torch step otherwise (any per-row budgets)."""
-        if rows is None and not journal and self._kernel_step(args, want):
+        rollback needs the overwritten K/V), the torch step otherwise (any per-row budgets,
+        ``protected`` positions)."""
+        if rows is None and not journal and self._kernel_step(args, want, protected):
             from .kernels import decode_step_triton
 
             return decode_step_triton(
@@ -506,10 +522,8 @@ class H2OCacheLayer(CacheLayerMixin):
             want_candidates=want,
             rows=rows,
             journal=journal,
+            protected=protected,
         )
-
-    def _step_groups(self, groups, q, k, v, step, scaling: float) -> ops.DecodeResult:
-        return _per_row.step_groups(self, self._step, groups, q, k, v, step, scaling)
 
     def nbytes(self) -> tuple[int, int]:
         """``(kv_bytes, metadata_bytes)`` physically held by this layer."""
@@ -668,10 +682,6 @@ class H2OCache(Cache):
         table = torch.tensor([[a.heavy, a.recent, a.sink] for a in self.budgets], dtype=torch.int64)
         t = table[budget.cpu()]
         return {"heavy": t[:, 0], "recent": t[:, 1], "sink": t[:, 2]}
-
-    def pinned_positions(self) -> torch.Tensor | None:
-        """The positions never evicted (DESIGN.md §2.11), an int64 CPU tensor; None if none."""
-        return torch.tensor(self.config.pinned, dtype=torch.int64) if self.config.pinned else None
 
     def resolve_backend(self, device: torch.device) -> str:
         """``auto`` → Triton on CUDA, torch elsewhere; resolved once, on the first prefill."""

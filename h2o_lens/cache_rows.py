@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import ops
+from . import ops, pins
 from .errors import ConfigError
 
 __all__ = ["assign_budgets", "step_groups", "cancel"]
@@ -43,6 +43,7 @@ def assign_budgets(cache: Any, prompt_lens: torch.Tensor) -> torch.Tensor:
             rows.append(cache.budgets.index(args))
         cache.request_configs = cfgs
         cache.row_index = torch.tensor(rows, dtype=torch.int64)
+        pins.attach(cache)
     return cache.row_index
 
 

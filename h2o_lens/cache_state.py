@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import ops
+from . import ops, pins
 from .config import H2OConfig
 from .errors import ConfigError
 
@@ -55,6 +55,7 @@ def import_state(cache: Any, header: dict[str, Any], tensors: dict[str, torch.Te
             "restore it into the model it was saved from"
         )
     cache.budgets = [ops.PolicyArgs(**{**a, "pinned": tuple(a["pinned"])}) for a in header["budgets"]]
+    pins.attach(cache)
     cache.row_index = None if header["rows"] is None else torch.tensor(header["rows"], dtype=torch.int64)
     cfgs = header["request_configs"]
     cache.request_configs = None if cfgs is None else [H2OConfig(**c) for c in cfgs]

@@ -51,7 +51,9 @@ class DecodeEvent:
     the new token); ``slot (b, Hs)`` the slot overwritten (``B``: the new token
     was its own victim); ``evicts (b, Hs)`` whether a position left the cache;
     ``kept (b, Hs, B)`` the live slot positions after the step (copy it to keep
-    it). :meth:`stats` derives the recorder's facts, batched if wanted.
+    it); ``protected (b, 1, K)`` the positions that were not eligible whatever their score (the
+    pins, padded with -2, DESIGN.md §2.11), or None. :meth:`stats` derives the recorder's facts,
+    batched if wanted.
     """
 
     step: torch.Tensor
@@ -60,12 +62,11 @@ class DecodeEvent:
     cand_scores: torch.Tensor
     cand_positions: torch.Tensor
     kept: torch.Tensor
+    protected: torch.Tensor | None = None
 
-    def stats(
-        self, recent: torch.Tensor | int, sink: torch.Tensor | int = 0, pinned: torch.Tensor | None = None
-    ) -> eviction.StepStats:
+    def stats(self, recent: torch.Tensor | int, sink: torch.Tensor | int = 0) -> eviction.StepStats:
         return decode_stats(
-            self.cand_scores, self.cand_positions, self.slot, self.evicts, self.step, recent, sink, pinned
+            self.cand_scores, self.cand_positions, self.slot, self.evicts, self.step, recent, sink, self.protected
         )
 
 
@@ -83,7 +84,8 @@ def decode_stats(
 
     ``cand_* (..., Hs, B + 1)``, ``slot, evicts (..., Hs)``, ``step (...)``;
     ``recent`` and ``sink`` ints, or per-request tensors broadcastable to ``step``;
-    ``pinned`` the 1-D tensor of positions never eligible (DESIGN.md §2.11), or None.
+    ``pinned`` the positions never eligible (DESIGN.md §2.11): a 1-D tensor, or per request
+    ``(..., 1, K)`` padded with -2 (a :class:`DecodeEvent`'s ``protected``), or None.
     """
 
     def col(x, n):  # an int, or a tensor with n trailing unit dims
@@ -91,7 +93,7 @@ def decode_stats(
 
     step_col = step[..., None, None]
     if pinned is not None:
-        pinned = pinned.to(cand_positions.device, cand_positions.dtype)
+        pinned = pinned.to(cand_positions.device)
     eligible = eviction.eligible_mask(cand_positions, step_col, col(recent, 2), col(sink, 2), pinned=pinned)
     return eviction.step_stats(cand_scores, cand_positions, eligible, slot, evicts, step[..., None], col(recent, 1))
 

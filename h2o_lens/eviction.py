@@ -108,11 +108,16 @@ def eligible_mask(
     if isinstance(sink, torch.Tensor) or sink:
         ok &= positions >= sink
     if pinned is not None and pinned.numel():
-        if pinned.dim() > 1:  # per row (b, 1, K)
-            ok &= ~(positions[..., None] == pinned[..., None, :]).any(-1)
-        else:
-            ok &= ~torch.isin(positions, pinned)
+        ok &= ~_among(positions, pinned)
     return ok
+
+
+def _among(positions: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
+    """``positions (..., S)`` that are among ``pinned``: a 1-D tensor for every row, or
+    ``(b, 1, K)`` per row (padded with -2, which no slot holds)."""
+    if pinned.dim() > 1:
+        return (positions[..., None] == pinned[..., None, :]).any(-1)
+    return torch.isin(positions, pinned.to(positions.dtype))
 
 
 def select_victim(
@@ -159,7 +164,8 @@ def prefill_keep(
     scores : Tensor ``(..., P)`` float, column sums of the prefill attention
     positions : Tensor ``(..., P)`` int64, ``-1`` for padding
     heavy, recent, sink : int
-    pinned : 1-D Tensor of positions never evicted, or None
+    pinned : positions never evicted: a 1-D Tensor, or ``(b, 1, K)`` per row (padded with
+        -2) for ``scores (b, Hs, P)``; None: none
 
     Returns
     -------
@@ -171,7 +177,7 @@ def prefill_keep(
     if sink:
         keep |= valid & (positions < sink)
     if pinned is not None and pinned.numel():
-        keep |= valid & torch.isin(positions, pinned)
+        keep |= valid & _among(positions, pinned)
     if heavy:
         rest = valid & ~keep
         # order: score descending, then position descending (newer wins a tie)

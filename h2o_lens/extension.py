@@ -8,6 +8,9 @@ default, so an extension overrides just the events it needs:
 ``step_needs(layer)``        before a decode step, once per step: what the step must compute for
                              the extension (:class:`StepNeeds`: the candidate set and weights, the
                              overwritten K/V, as :class:`~h2o_lens.speculative.Journal` asks)
+``protected(layer)``         before every eviction choice (the prefill's keep rule, each decode
+                             step): the positions the extension keeps from eviction, per row
+                             (``(b, K)`` int64 padded with -2, or None; :class:`~h2o_lens.pins.Pins`)
 ``prompt_chosen(layer, c)``  after the prefill's keep rule (:class:`PromptChoice`), before the kept
                              positions are laid into slots; ``True`` holds the prompt back until
                              the extension calls ``layer.lay_prompt()``
@@ -29,8 +32,9 @@ default, so an extension overrides just the events it needs:
 
 An extension observes and asks; it never replaces a verb of the cache: the eviction itself
 (the FP64 reference, the torch step, the Triton kernels) is the same with or without it, and
-the kept sets of a run are the same bit for bit unless the extension changes a row's slot
-count through the cache's public verbs (:func:`h2o_lens.guard.grow_rows`). A cache gets its
+the kept sets of a run are the same bit for bit unless the extension protects positions
+(:meth:`CacheExtension.protected`, as :class:`~h2o_lens.pins.Pins` does) or changes a row's
+slot count through the cache's public verbs (:func:`h2o_lens.guard.grow_rows`). A cache gets its
 extensions from the ``extensions`` argument, or from the factories of a :func:`use_extensions`
 block (each called once per new cache). A :class:`~h2o_lens.events.CacheListener` is the
 read-only view: :class:`ListenerExtension` hands it the events it names, and the cache has no
@@ -133,6 +137,15 @@ class CacheExtension:
 
     def step_needs(self, layer: H2OCacheLayer) -> StepNeeds:
         return NOTHING
+
+    def protected(self, layer: H2OCacheLayer) -> torch.Tensor | None:
+        """The positions this extension keeps from eviction in ``layer``: ``(b, K)`` int64, one
+        row per batch row, padded with -2 (no position); None protects nothing. Asked before
+        each eviction choice: a protected prompt position is kept by the prefill's keep rule,
+        and a slot holding one is never a decode step's victim. The slots they take are the
+        row's budget's: an extension that protects makes room through the budget (pins count in
+        ``PolicyArgs.capacity``), or a full row has fewer positions to choose a victim from."""
+        return None
 
     def prompt_chosen(self, layer: H2OCacheLayer, choice: PromptChoice) -> bool:
         return False

@@ -13,6 +13,7 @@ import torch
 from . import eviction, ops
 from .cache import H2OCache
 from .errors import ConfigError
+from .pins import attach as attach_pins
 
 __all__ = ["grow_rows", "raise_prompt"]
 
@@ -94,7 +95,8 @@ def raise_prompt(
     for layer in cache.layers:
         if layer.budget is not None:
             layer.budget = index.to(layer.budget.device)
-        layer._groups = layer._row_budgets = None
+        layer.forget_groups()
+    attach_pins(cache)  # the rescue's pins are kept by the cache's Pins extension (DESIGN.md §2.11)
     cache.slots_changed(rows, slots, "raise")
 
 

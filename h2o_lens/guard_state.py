@@ -340,7 +340,7 @@ class GuardState(CacheExtension):
             self.prompt_len,
             cache.config.gqa,
             spec.accumulates,
-            cache.pinned_positions(),
+            layer.protected(),
         )  # (b, Hs, 4)
         dropped = torch.zeros(b, hs, device=four.device)
         if self.config.reservoir > 0:

@@ -46,26 +46,14 @@ class PolicyArgs:
     sink: int
     gqa: str  # sum | max | none
     seed: int = 0  # of the random policy
-    pinned: tuple[int, ...] = ()  # positions never evicted, inside the capacity (DESIGN.md §2.11)
+    #: positions never evicted, inside the capacity: the budget reserves their slots; the cache's
+    #: :class:`~h2o_lens.pins.Pins` extension protects them (DESIGN.md §2.11)
+    pinned: tuple[int, ...] = ()
 
     @property
     def capacity(self) -> int:
         """Slots per KV set: the policy's split plus the pinned positions."""
         return self.heavy + self.recent + self.sink + len(self.pinned)
-
-    def pins(self, like: torch.Tensor) -> torch.Tensor | None:
-        """The pinned positions as a 1-D tensor of ``like``'s dtype and device, None if none."""
-        if not self.pinned:
-            return None
-        key = (like.device, like.dtype)
-        cached = self._pins.get(key)
-        if cached is None:
-            cached = self._pins[key] = torch.tensor(self.pinned, dtype=like.dtype, device=like.device)
-        return cached
-
-    @functools.cached_property
-    def _pins(self) -> dict:
-        return {}
 
     @functools.cached_property
     def spec(self) -> policies.Policy:
@@ -445,12 +433,20 @@ def prefill_scores(
     return scores, history
 
 
-def prefill_select(scores: torch.Tensor, positions: torch.Tensor, args: PolicyArgs, layer: int = 0) -> torch.Tensor:
+def prefill_select(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    args: PolicyArgs,
+    layer: int = 0,
+    protected: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Which prompt positions each KV set keeps, ``(b, Hs, P)`` bool.
 
     ``scores (b, Hs, P)`` are the prefill column sums, ``positions (b, Hs, P)``
     the original positions (``-1`` for padding); the choice is made on the
     policy's ranking values (:func:`prefill_scores`) by :func:`h2o_lens.eviction.prefill_keep`.
+    ``protected`` the positions kept whatever their rank (a 1-D tensor, or ``(b, 1, K)`` per
+    row padded with -2; the cache's extensions', DESIGN.md §1.1), None: none.
     """
     if args.spec.prefill == "rows":
         raise ConfigError(
@@ -458,7 +454,7 @@ def prefill_select(scores: torch.Tensor, positions: torch.Tensor, args: PolicyAr
             "column sums; compute them with prefill_rows and rank with prefill_scores"
         )
     drive, _ = prefill_scores(scores, None, positions, args, layer, scores.dtype)
-    return eviction.prefill_keep(drive, positions, args.heavy, args.recent, args.sink, args.pins(positions))
+    return eviction.prefill_keep(drive, positions, args.heavy, args.recent, args.sink, protected)
 
 
 @dataclass
@@ -500,9 +496,6 @@ class RowBudgets:
     recent: torch.Tensor
     sink: torch.Tensor
     self_victim: bool
-    #: ``(b, 1, K)`` each row's pinned positions (padded with -2, no position), or None when the
-    #: budgets pin the same positions (a guard's rescue pins per row, DESIGN.md §18.2)
-    pinned: torch.Tensor | None = None
 
     @classmethod
     def of(cls, budgets: list[PolicyArgs], rows: torch.Tensor) -> RowBudgets:
@@ -510,14 +503,7 @@ class RowBudgets:
         table = torch.tensor([[a.capacity, a.recent, a.sink] for a in budgets], dtype=torch.int64)
         t = table.to(rows.device)[rows][:, :, None, None]  # (b, 3, 1, 1)
         used = set(rows.tolist())
-        pinned = None
-        if len({budgets[i].pinned for i in used}) > 1:
-            width = max(len(budgets[i].pinned) for i in used)
-            pins = torch.full((len(budgets), width), -2, dtype=torch.int64)
-            for i, a in enumerate(budgets):
-                pins[i, : len(a.pinned)] = torch.tensor(a.pinned, dtype=torch.int64)
-            pinned = pins.to(rows.device)[rows][:, None, :]
-        return cls(t[:, 0], t[:, 1], t[:, 2], any(budgets[i].recent == 0 for i in used), pinned)
+        return cls(t[:, 0], t[:, 1], t[:, 2], any(budgets[i].recent == 0 for i in used))
 
 
 #: Slots per block of the torch decode step. Every matmul and reduction over slots works on
@@ -636,6 +622,7 @@ def decode_step(
     want_candidates: bool = False,
     rows: RowBudgets | None = None,
     journal: bool = False,
+    protected: torch.Tensor | None = None,
 ) -> DecodeResult:
     """One decode step for one layer, updating the cache in place.
 
@@ -658,12 +645,14 @@ def decode_step(
         ``capacity_r`` slots with its own recent window and sink (``args``' split is then
         unused), exactly as alone; None: every row uses ``args`` and all ``B`` slots
     journal : also return the K/V the write overwrites (``old_key``, ``old_value``)
+    protected : positions never eligible (a 1-D tensor, or ``(b, 1, K)`` per row padded with -2):
+        what the cache's extensions protect, the pins among them (DESIGN.md §1.1, §2.11); None: none
 
     Order (DESIGN.md §2): append → softmax over D → aggregate over the group and
     update the ranking values by the policy's rule (H2O: add; the new token's own
     weight seeds its score) → output over all of D → evict the lowest eligible
-    value (tie: older position; pinned positions are never eligible) → overwrite the victim slot with the new token's
-    K, V, score, history and position.
+    value (tie: older position; ``protected`` positions, the pins, are never eligible) →
+    overwrite the victim slot with the new token's K, V, score, history and position.
     """
     spec = args.spec
     b, hs, cap, d = keys.shape
@@ -679,7 +668,9 @@ def decode_step(
     ctx = policies.StepContext(step=step_col, layer=layer, seed=args.seed, gqa=args.gqa, group=qg.shape[2])
     new_score, new_history = spec.decode_scores(scores, history, agg, positions, ctx)  # (b,Hs,1)
 
-    slot, evicts, c_scores, c_pos = _choose_slot(scores, positions, new_score, new_pos, step_col, fill, args, rows)
+    slot, evicts, c_scores, c_pos = _choose_slot(
+        scores, positions, new_score, new_pos, step_col, fill, args, rows, protected
+    )
     cands = {}
     if want_candidates:
         if c_scores is None:
@@ -706,13 +697,15 @@ def decode_step(
     return DecodeResult(out=out, slot=slot, evicts=evicts, weights=w, **cands)
 
 
-def _choose_slot(scores, positions, new_score, new_pos, step_col, fill, args: PolicyArgs, rows: RowBudgets | None):
+def _choose_slot(
+    scores, positions, new_score, new_pos, step_col, fill, args: PolicyArgs, rows: RowBudgets | None, protected=None
+):
     """The slot each row and KV set writes its new token into ``(b, Hs)`` and whether a position
     leaves the cache there ``(b, Hs)``, with the candidate set D's scores and positions
     ``(b, Hs, B + 1)`` when the choice built it (else None): the lowest eligible ranking value (tie:
-    older position; pinned positions are never eligible) once a row is full, its next free slot before."""
+    older position; ``protected`` positions are never eligible) once a row is full, its next free slot before."""
     b, hs, cap = positions.shape
-    pins = args.pins(positions) if rows is None or rows.pinned is None else rows.pinned.to(positions.dtype)
+    pins = protected
     if rows is None and args.recent > 0:  # one budget with a recent window: the new token is never a victim
         c_scores = c_pos = None
         elig = eviction.eligible_mask(positions, step_col, args.recent, args.sink, all_live=fill is None, pinned=pins)

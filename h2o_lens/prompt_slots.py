@@ -113,6 +113,7 @@ def keep_rule(layer: Any, query, key, valid, scores, rows):
     keep = torch.empty(b, hs, p, dtype=torch.bool, device=key.device)
     eligible = torch.empty_like(keep)
     heads = owner.shape.heads_per_set(gqa)
+    protected = layer.protected()  # (b, 1, K): the pins (DESIGN.md §2.11), or None
     for group_rows, args in layer.groups():
         sel = slice(None) if group_rows is None else group_rows
         drive[sel], hist = ops.prefill_scores(
@@ -126,7 +127,7 @@ def keep_rule(layer: Any, query, key, valid, scores, rows):
         )
         if history is not None:
             history[sel] = hist
-        pins = args.pins(positions)
+        pins = None if protected is None else protected[sel]
         keep[sel] = eviction.prefill_keep(drive[sel], positions[sel], args.heavy, args.recent, args.sink, pins)
         eligible[sel] = eviction.eligible_mask(positions[sel], last[sel], args.recent, args.sink, pinned=pins)
     return positions, count, drive, history, keep, eligible

@@ -99,6 +99,10 @@ class SegmentLayer(Protocol):
         """Hand an applied step's decode event to the extensions that hear them."""
         ...
 
+    def protected(self) -> torch.Tensor | None:
+        """``(b, 1, K)`` the positions the extensions keep from eviction (padded with -2), or None."""
+        ...
+
     def one_budget(self) -> ops.PolicyArgs | None:
         """The budget of every row, or None when the rows' budgets differ."""
         ...
@@ -361,7 +365,8 @@ def run_batched(
     pos0_np = pos0.numpy().astype(np.int64)
     start_np = start.numpy().astype(np.int64)[:, None, None, None]
     steps = torch.from_numpy(start_np + ar_m[:, None])  # (b,1,m,1)
-    pins = args.pins(pos0)
+    protected = layer.protected()  # (b, 1, K) or None
+    pins = None if protected is None else protected[:, None]  # (b, 1, 1, K) against (b, Hs, m, B)
     # (b,Hs,m,B) initial slots eligible at step i (before any write)
     elig = eviction.eligible_mask(pos0[:, :, None], steps, args.recent, args.sink, all_live=True, pinned=pins).numpy()
     logits = _all_logits(qg, layer.keys, key)  # (b,Hs,m,G,B+m): every row against every key
@@ -423,7 +428,7 @@ def run_batched(
     seg.batch = batch
     hears = layer.hears_decode
     if hears:
-        seg.events += _batch_events(batch, start, vic, found, agg, pos0.dtype)
+        seg.events += _batch_events(batch, start, vic, found, agg, pos0.dtype, protected)
     if seg.mode == "rollback":  # apply now (a later crop undoes from the journal)
         _apply(layer, batch, m)
         if hears:
@@ -432,7 +437,7 @@ def run_batched(
     return out.to(query.dtype)
 
 
-def _batch_events(batch: _Batch, start, vic, found, agg, pos_dtype) -> list[DecodeEvent]:
+def _batch_events(batch: _Batch, start, vic, found, agg, pos_dtype, protected=None) -> list[DecodeEvent]:
     """The decode event of each of the ``m`` steps of a segment verified at once: ``vic (b, Hs, m)``
     the victims, ``found`` whether each step had a candidate, ``agg (b, Hs, m, B + 1)`` the steps'
     aggregated weights (the new token's last)."""
@@ -448,14 +453,21 @@ def _batch_events(batch: _Batch, start, vic, found, agg, pos_dtype) -> list[Deco
             torch.cat([batch.scores(i, candidates=True), agg[:, :, i, cap:]], -1),
             torch.cat([kept[i], new_pos + i], -1),
             kept[i + 1],
+            protected,
         )
         for i in range(m)
     ]
 
 
-def _decode_event(step, slot, evicts, cand_scores, cand_positions, kept) -> DecodeEvent:
+def _decode_event(step, slot, evicts, cand_scores, cand_positions, kept, protected=None) -> DecodeEvent:
     return DecodeEvent(
-        step=step, slot=slot, evicts=evicts, cand_scores=cand_scores, cand_positions=cand_positions, kept=kept
+        step=step,
+        slot=slot,
+        evicts=evicts,
+        cand_scores=cand_scores,
+        cand_positions=cand_positions,
+        kept=kept,
+        protected=protected,
     )
 
 

@@ -118,7 +118,7 @@ class StepCapture:
     def _append_undone(self, layer: int, events: list[DecodeEvent], ids: np.ndarray) -> torch.Tensor:
         """``spec_undone`` rows of one layer's rolled-back steps; returns ``(b,)`` counts."""
         recent, sink, group = self._policy()
-        pinned = self.session.last_cache.pinned_positions()
+        pinned = _protected(events, "cpu")
         stack = lambda name: torch.stack([getattr(e, name) for e in events]).cpu()  # noqa: E731
         step = stack("step").to(torch.int64)  # (K, b)
         slot, evicts = stack("slot"), stack("evicts")  # (K, b, Hs)
@@ -146,8 +146,8 @@ class StepCapture:
             return
         recent, sink, group = self._policy()
         self._ids = pend.ids if pend.ids is not None else self._row_ids()
-        pinned = self.session.last_cache.pinned_positions()
         ev = pend.events
+        pinned = _protected(ev, ev[0].step.device)
         stack = lambda name: torch.stack([getattr(e, name) for e in ev])  # noqa: E731
         step = stack("step").to(torch.int64)  # (K, b)
         slot, evicts = stack("slot"), stack("evicts")  # (K, b, Hs)
@@ -240,3 +240,18 @@ class StepCapture:
             cols["promoted"] = np.ma.MaskedArray(promoted.numpy(), mask=mask)
             cols["exiting_position"] = np.ma.MaskedArray(exiting.numpy(), mask=mask)
         self.writer.append("steps", cols)
+
+
+def _protected(events: list[DecodeEvent], device) -> torch.Tensor | None:
+    """``(K, b, 1, W)`` the positions each of ``events`` kept from eviction (the pins, padded with
+    -2 to the widest; DESIGN.md §2.11), or None when no event protected any."""
+    parts = [e.protected for e in events]
+    if all(p is None for p in parts):
+        return None
+    b = events[0].step.shape[0]
+    width = max(p.shape[-1] for p in parts if p is not None)
+    out = torch.full((len(parts), b, 1, width), -2, dtype=torch.int64, device=device)
+    for i, p in enumerate(parts):
+        if p is not None:
+            out[i, :, :, : p.shape[-1]] = p.to(device)
+    return out

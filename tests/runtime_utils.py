@@ -130,6 +130,7 @@ def slot_kept_sets(q, k, v, prefill: int, args, scores, keep, history=None) -> l
             1.0,
             args,
             history=slot_history,
+            protected=torch.tensor(args.pinned, dtype=torch.int64) if args.pinned else None,
         )
         fill = (fill + 1).clamp(max=cap)
         out.append(sorted(p for p in slots_pos[0, 0].tolist() if p >= 0))

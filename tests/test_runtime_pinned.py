@@ -180,7 +180,7 @@ def test_torch_ops_equal_reference_with_pins(n, prefill, heavy, recent, group, g
     columns = ops.prefill_attention(qp, kp, vp, None, 1.0, gqa, chunk=5)[1] if spec.prefill == "columns" else None
     rows = ops.prefill_rows(qp, kp, None, 1.0, gqa, spec.prefill_rows) if spec.prefill == "rows" else None
     scores, hist = ops.prefill_scores(columns, rows, pos, args, dtype=torch.float64, group=group)
-    keep = eviction.prefill_keep(scores, pos, heavy, recent, 0, args.pins(pos))
+    keep = eviction.prefill_keep(scores, pos, heavy, recent, 0, torch.tensor(pinned, dtype=torch.int64))
     sets = slot_kept_sets(q, k, v, prefill, args, scores, keep, hist if spec.history else None)
     assert sets[0] == expected[0]
     for t in range(prefill, n):
@@ -390,3 +390,61 @@ def test_pinned_policy_case_restores_the_delayed_reference(tmp_path):
     assert correct == {free.name: False, pinned.name: True}
     assert read_manifest(pinned)["replay"]["implementation_ok"]
     assert read_manifest(pinned)["config"]["pinned"] == [ev]
+
+
+# -- the pins on the cache's extension point (DESIGN.md §1.1) ----------------------------------
+
+
+def test_the_pins_are_kept_by_the_cache_extension_and_by_nothing_else():
+    """A pinned config's cache holds a :class:`~h2o_lens.pins.Pins` extension, and it is what keeps
+    the pins: with it dropped before the first decode step, ``local`` evicts pin 1 (the oldest
+    position) at once, while with it the pins are in every kept set of every layer."""
+    from h2o_lens.extension import CacheExtension, use_extensions
+    from h2o_lens.pins import Pins
+
+    class DropPins(CacheExtension):
+        def __init__(self, cache):
+            self.cache = cache
+
+        def step_needs(self, layer):  # the before-step event comes before the step asks what is protected
+            self.cache.extensions = tuple(e for e in self.cache.extensions if not isinstance(e, Pins))
+            return super().step_needs(layer)
+
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
+    cfg = pin(H2OConfig(policy="local", heavy=5, recent=4), (1, 6))
+    kept = {}
+    for name, factories in (("with", ()), ("without", (DropPins,))):
+        rec = KeptRecorder()
+        with use_extensions(*factories), h2o_lens.h2o(model, cfg, listener=rec) as session:
+            _greedy(model, _ids(PROMPT), 6)
+        assert any(isinstance(e, Pins) for e in session.last_cache.extensions) == (name == "with")
+        kept[name] = [[step[0] for step in rec.kept[layer]] for layer in range(2)]
+    for layer in range(2):  # each step: the kept positions of each KV set
+        assert all({1, 6} <= set(s) for step in kept["with"][layer] for s in step)
+        assert all({1, 6} <= set(s) for s in kept["without"][layer][0])  # the prefill kept the pins
+        assert all(1 not in s for s in kept["without"][layer][1])
+
+
+def test_a_rows_own_pins_are_not_eligible_in_what_the_recorder_derives():
+    """The decode event carries the positions the step protected (per row), and its facts use them:
+    a protected slot with the lowest score is neither the victim nor the margin's next-lowest."""
+    from h2o_lens.events import DecodeEvent
+
+    scores = torch.tensor([[[0.1, 0.5, 0.3, 0.9, 2.0]], [[0.1, 0.5, 0.3, 0.9, 2.0]]])  # (2, 1, 5)
+    positions = torch.tensor([[[0, 1, 2, 3, 10]], [[0, 1, 2, 3, 10]]], dtype=torch.int32)
+    protected = torch.tensor([[[0, -2]], [[-2, -2]]])  # row 0 protects position 0, row 1 nothing
+    slot = torch.tensor([[2], [0]])  # row 0 evicts its lowest eligible (0.3), row 1 position 0
+    ev = DecodeEvent(
+        step=torch.tensor([10, 10]),
+        slot=slot,
+        evicts=torch.ones(2, 1, dtype=torch.bool),
+        cand_scores=scores,
+        cand_positions=positions,
+        kept=positions[..., :4],
+        protected=protected,
+    )
+    st = ev.stats(recent=2)
+    assert st.victim_position.tolist() == [[2], [0]]
+    # row 0: the survivors are positions 1 and 3 (0 is protected): margin 0.5 - 0.3; row 1: 0.3 - 0.1
+    assert st.margin[:, 0].tolist() == pytest.approx([0.2, 0.2])
+    assert st.min_heavy_score[:, 0].tolist() == pytest.approx([0.5, 0.3])
