@@ -71,6 +71,28 @@ def test_a_restored_generation_equals_the_uninterrupted_one(tmp_path, family):
     assert {k: v for k, v in parts.kept.items()} == {k: v for k, v in whole.kept.items()}
 
 
+def test_a_restored_pinned_generation_keeps_its_pins(tmp_path):
+    """Pins survive a save and restore: the restored cache gets its Pins extension back from the
+    saved budgets, and the continued run equals the uninterrupted one with every pin kept."""
+    from h2o_lens.config import pin
+    from h2o_lens.pins import Pins
+
+    model = tiny_model("llama")
+    cfg = pin(H2OConfig(policy="local", heavy=4, recent=3), (0, 2))
+    ids, mask = _batch(rows=1)
+    whole, parts = KeptRecorder(), KeptRecorder()
+    with h2o(model, cfg) as session:
+        full = _generate(model, ids, mask, 10, session.new_cache(listener=whole))
+        part = _generate(model, ids, mask, 4, session.new_cache(listener=parts))
+        session.save(tmp_path / "state.pt")
+    with h2o(model, cfg) as session:
+        cache = session.restore(tmp_path / "state.pt", listener=parts)
+        assert any(isinstance(e, Pins) for e in cache.extensions)
+        rest = _generate(model, part, _extend(mask, part), 6, cache)
+    assert rest.tolist() == full.tolist() and parts.kept == whole.kept
+    assert all({0, 2} <= set(kv) for layer in whole.kept.values() for step in layer for row in step for kv in row)
+
+
 def test_restore_refuses_another_model_another_config_and_other_files(tmp_path):
     model = tiny_model("llama")
     cfg = H2OConfig(heavy=4, recent=3)
