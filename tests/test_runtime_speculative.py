@@ -24,6 +24,7 @@ import h2o_lens
 from h2o_lens import H2OConfig, policies
 from h2o_lens.cache import H2OCache, H2OCacheLayer
 from h2o_lens.errors import ConfigError, UnsupportedModelError
+from h2o_lens.config import pin
 
 HEAVY, RECENT, NEW, PROMPT = 6, 2, 30, 12
 FAMILIES = ("llama", "qwen2")
@@ -156,8 +157,10 @@ def _assert_same_state(a, b, where):
         H2OConfig(heavy=3, recent=3, policy="scissorhands"),  # keeps a per-slot history
         H2OConfig(heavy=3, recent=3, policy="tova"),
         H2OConfig(ratio=0.5),  # two prompt lengths, two budgets: the per-budget step
+        pin(H2OConfig(heavy=4, recent=2), (1, 4)),  # pins, step by step
+        pin(H2OConfig(heavy=1, recent=6), (0,)),  # pins, a full cache: the segment at once
     ],
-    ids=["h2o", "h2o-max", "heavy-only", "scissorhands", "tova", "two-budgets"],
+    ids=["h2o", "h2o-max", "heavy-only", "scissorhands", "tova", "two-budgets", "pinned", "pinned-at-once"],
 )
 def test_crop_restores_the_state_after_the_accepted_tokens(mode, config):
     torch.manual_seed(0)
