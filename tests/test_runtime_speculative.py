@@ -23,8 +23,8 @@ from tiny import local_attention, tiny_model
 import h2o_lens
 from h2o_lens import H2OConfig, policies
 from h2o_lens.cache import H2OCache, H2OCacheLayer
-from h2o_lens.errors import ConfigError, UnsupportedModelError
 from h2o_lens.config import pin
+from h2o_lens.errors import ConfigError, UnsupportedModelError
 
 HEAVY, RECENT, NEW, PROMPT = 6, 2, 30, 12
 FAMILIES = ("llama", "qwen2")
