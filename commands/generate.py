@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from .limits import check_new_tokens
 from .options import DEFAULT_PROMPT, add_policy_args, at_least, mib, policy_config, positive, share
 
 __all__ = ["add_parser", "run"]
@@ -32,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from h2o_lens.runtime import full_kv_bytes, h2o
 
     config = policy_config(args)
+    check_new_tokens(args.model, args.max_new_tokens)
     prompt = args.prompt
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any
 
+from .limits import check_new_tokens
 from .options import (
     add_policy_args,
     chat,
@@ -176,6 +177,7 @@ def _check_record(args: argparse.Namespace):
         )
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    check_new_tokens(args.model, args.max_new_tokens)
     sources = [
         name
         for name, given in (

@@ -254,3 +254,16 @@ def test_bench_runs_refuses_a_model_that_is_not_there(capsys):
 )
 def test_bench_culprits_refuses_bad_sizes_and_families(capsys, tmp_path, argv, says):
     _refused(capsys, ["bench", "culprits", "--model", _config_only(tmp_path / "m"), *argv], "bench culprits", says)
+
+
+@pytest.mark.parametrize("command", ["record", "generate"])
+def test_a_generation_length_past_the_models_positions_is_refused_before_the_model_loads(capsys, tmp_path, command):
+    model = _config_only(tmp_path / "m", max_position_embeddings=2048)
+    out = ["--out", str(tmp_path / "runs")] if command == "record" else []
+    _refused(
+        capsys,
+        [command, "--model", model, "--max-new-tokens", str(10**12), "--prompt", "hi", *out],
+        "--max-new-tokens 1,000,000,000,000 is past the model's 2,048 positions",
+        "give at most 2,047",
+    )
+    assert not (tmp_path / "runs").exists()

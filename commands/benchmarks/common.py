@@ -9,6 +9,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from ..limits import model_config
+
 __all__ = [
     "generation_seconds",
     "halves",
@@ -80,26 +82,6 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def model_config(name: str | None) -> Any:
-    """The text config of the model ``name`` would load (its ``config.json`` only, no weights), or
-    None when it cannot be read without loading (the default model not converted yet, an id that is
-    not cached): then the load itself says what is wrong."""
-    from h2o_lens import compat
-    from h2o_lens.models import DEFAULT_MODEL, default_cache_dir
-
-    if name is None or str(name).lower() in ("default", DEFAULT_MODEL.lower()):
-        folder = default_cache_dir() / compat.checkpoint_folder() / DEFAULT_MODEL
-    else:
-        folder = os.path.expanduser(str(name))
-    try:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    except Exception:  # noqa: BLE001 - nothing readable here: the model's load reports it
-        return None
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
 def available_memory() -> int | None:
