@@ -38,8 +38,8 @@ past the rows' capacity (:func:`widen`): those the step attends to and never evi
 and only the extension writes them (:func:`write_slots`, the cold tier's recall window,
 DESIGN.md §2.13). A cache gets its extensions from the ``extensions`` argument, or from the
 factories of a :func:`use_extensions` block (each called once per new cache). A
-:class:`~h2o_lens.events.CacheListener` is the read-only view: :class:`ListenerExtension` hands it the events it names, and the cache has no
-other way in.
+:class:`~h2o_lens.events.CacheListener` is the read-only view: :class:`ListenerExtension` hands
+it the events it names, and the cache has no other way in.
 """
 
 from __future__ import annotations
