@@ -30,7 +30,7 @@ __all__ = ["ColdExtension", "select", "rank", "top", "cold_summary"]
 def rank(qg: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, gqa: str) -> torch.Tensor:
     """The selection value of each entry: ``qg (b, Hs, G, d)`` the step's scaled queries of each
     KV set's group, ``keys (b, Hs, M, d)``, ``valid (b, Hs, M)``. Each query head's softmax over the
-    valid entries, aggregated over the group as the policy's (§2.6); ``-inf`` where not valid."""
+    valid entries, aggregated over the group as the policy's (DESIGN.md §2.6); ``-inf`` where not valid."""
     logits = torch.matmul(qg, keys.transpose(-1, -2))  # (b, Hs, G, M)
     return _aggregate_softmax(logits, valid, gqa)
 
@@ -75,7 +75,7 @@ def select(store: ColdStore, qg: torch.Tensor, gqa: str, recall: int, how: str, 
     """
     valid = store.valid
     qg = qg.to("cpu", store.acc)
-    if how == "exact" or valid.shape[2] <= scan * PAGE:
+    if how == "exact" or int(store.count.max()) <= scan * PAGE:  # every page would be read
         keys = store.keys().to(store.acc)
         return top(rank(qg, keys, valid, gqa), store.positions, valid, recall)
     pages = valid.shape[2] // PAGE

@@ -723,7 +723,7 @@ def _choose_slot(scores, positions, new_score, new_pos, step_col, fill, args: Po
         c_pos = torch.cat([positions, new_pos], -1)
         elig = eviction.eligible_mask(c_pos, step_col, recent, sink, pinned=pins)
         beyond = None if rows is None else _beyond(rows.capacity, cap)
-        if beyond is not None:  # a slot past the row's capacity is never a victim (an extension's, §1.1)
+        if beyond is not None:  # a slot past the row's capacity is never a victim (an extension's, DESIGN.md §1.1)
             elig &= ~beyond
         # a slot past the row's capacity never wins the tie of "nothing eligible" either (the new
         # token's position is above every slot's, so it wins it only where no slot does, as alone)
