@@ -14,6 +14,7 @@ from tiny import tiny_model
 import recorders
 from h2o_lens import H2OConfig
 from h2o_lens.cold_config import ColdTier
+from recorders.replay import replay
 from runlog import check_run, open_runs, read_manifest
 from runlog.errors import ContractError
 
@@ -91,3 +92,33 @@ def test_a_recall_of_a_position_never_evicted_and_a_step_out_of_range_are_flagge
     assert integrity != "ok" and any(said in r for r in reasons), reasons
     with pytest.raises(ContractError), pytest.warns(Warning):
         check_run(tmp_path / run_id)
+
+
+def _replayed(root, recall, heavy):
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
+    ids = torch.randint(3, 250, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+    cfg = H2OConfig(heavy=heavy, recent=3, cold=ColdTier(recall=recall))
+    with recorders.record(model, cfg, out=root, fsync=False) as run, torch.no_grad():
+        model.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    summary = replay(root / run.run_id, model=model, progress=False)
+    con = open_runs(root, warn=False)
+    mass = con.execute("SELECT step, layer, q_head, dropped_mass FROM replay WHERE run_id = ?", [run.run_id]).df()
+    return summary, mass
+
+
+def test_the_replay_counts_a_recalled_position_as_present_while_in_the_window(tmp_path):
+    """The masked forward sees the window (the run's logits come back: the implementation check
+    passes); a window that holds every evicted entry leaves no dropped mass, where the same
+    policy's slots alone would drop some; a small window drops less than nothing recalled."""
+    full, mass = _replayed(tmp_path / "a", recall=48, heavy=52)
+    assert full.implementation_ok and full.mean_kl < 1e-6
+    assert float(mass.dropped_mass.max()) < 1e-5
+    small, small_mass = _replayed(tmp_path / "b", recall=3, heavy=7)
+    assert small.implementation_ok and 0 < small.mean_dropped_mass
+    plain_root = tmp_path / "c"
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
+    ids = torch.randint(3, 250, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+    with recorders.record(model, H2OConfig(heavy=4, recent=3), out=plain_root, fsync=False) as run, torch.no_grad():
+        model.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    plain = replay(plain_root / run.run_id, model=model, progress=False)
+    assert plain.implementation_ok and plain.mean_dropped_mass > small.mean_dropped_mass
