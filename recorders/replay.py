@@ -172,6 +172,8 @@ class _State:
         self.backend = "auto"  # dropped mass and oracle: "torch", or the Triton kernels ("auto" on CUDA)
         #: a cold tier's recall window per layer, ``(Hs, M, N)`` (:mod:`recorders.replay_cold`)
         self.window: dict[int, torch.Tensor] = {}
+        #: a cold-tier run's teacher mass on evicted positions: [held by the window, dropped]
+        self.cold_mass: list[float] | None = None
         #: a prompt pass of several requests at once (:func:`_batch_passes`): the padding mask
         #: (or None) and the row blocks of the recording's prefill; None: one request alone
         self.batch: tuple[torch.Tensor | None, int] | None = None
@@ -235,7 +237,11 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
             query.contiguous(), k_sets.contiguous(), ev, scaling, oracle=state.agg
         )
     if state.mode == "teacher" and layer in state.window:  # a recalled position is present, not dropped
-        dropped = (dropped - window_mass(query, k_sets, ev, state.window[layer], scaling)[None]).clamp(min=0)
+        held = window_mass(query, k_sets, ev, state.window[layer], scaling)[None]
+        dropped = (dropped - held).clamp(min=0)
+        state.cold_mass[0] += float(held.sum())
+    if state.mode == "teacher" and state.cold_mass is not None:
+        state.cold_mass[1] += float(dropped.sum())
     if state.mode == "teacher":
         state.dropped[layer] = dropped[0]  # (Hq, T - 1)
         state.before[layer], state.after[layer] = before[0], after[0]  # (Hs, N)
@@ -741,6 +747,7 @@ def replay(
     on_cpu = next(model.parameters()).device.type == "cpu"
     batched: dict[int, PromptPass] = {}
     forwarded: set[int] = set()  # the batches forwarded again (by first request)
+    state.cold_mass = None if run.recalls is None else [0.0, 0.0]
     with torch.no_grad(), _replay_attention(model, state):
         for request in run.requests:
             passed, source = handed.pop(request, None), "prompts_from_run"
@@ -759,6 +766,10 @@ def replay(
         summary.kept_earlier = True  # the model, the code or the log differ: the good replay stays
         return summary
     fields = _replay_fields(summary, state.backend)
+    if state.cold_mass is not None:  # recall hit rate: the share of the mass on evicted positions the window held
+        held, dropped = state.cold_mass
+        rate = held / (held + dropped) if held + dropped > 0 else None
+        fields["cold"] = {**run.manifest["cold"], "recall_hit_rate": rate}
     if override:
         fields["model_overrides"] = [*(run.manifest.get("model_overrides") or []), override]
     _commit(run_dir, run, rows, run.gqa == "none", fields)

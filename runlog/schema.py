@@ -575,6 +575,12 @@ RUNS = pa.schema(
         ),
         _f("counterfactual_request", pa.int32(), "request of the parent run re-run", nullable=True),
         _f("counterfactual_slots", pa.int32(), "slot count of the re-run (null: full cache)", nullable=True),
+        _f(
+            "cold",
+            pa.string(),
+            "the cold tier's manifest object as JSON: its settings, what it moved, its hit rate (DESIGN.md §2.13)",
+            nullable=True,
+        ),
     ]
 )
 

@@ -62,6 +62,9 @@ def test_the_recalls_round_trip_and_the_manifest_counts(tmp_path, store):
         con.execute(f"SELECT * FROM evictions WHERE run_id = '{run_id}'").fetchall()
     )
     assert _problems(tmp_path, run_id) == ([], "ok")
+    view = con.execute("SELECT * FROM cold_runs WHERE run_id = ?", [run_id]).df().iloc[0]
+    assert view.store == store and view.generated == 2 * NEW and view.bytes_read == cold["bytes_read"]
+    assert view.bytes_read_per_token == cold["bytes_read"] / (2 * NEW) and np.isnan(view.recall_hit_rate)
 
 
 def _rewrite(path, column, change):
@@ -113,8 +116,12 @@ def test_the_replay_counts_a_recalled_position_as_present_while_in_the_window(tm
     full, mass = _replayed(tmp_path / "a", recall=48, heavy=52)
     assert full.implementation_ok and full.mean_kl < 1e-6
     assert float(mass.dropped_mass.max()) < 1e-5
+    (rate,) = open_runs(tmp_path / "a", warn=False).execute("SELECT recall_hit_rate FROM cold_runs").fetchone()
+    assert rate > 0.9999  # the window held all of the teacher's attention to evicted positions
     small, small_mass = _replayed(tmp_path / "b", recall=3, heavy=7)
     assert small.implementation_ok and 0 < small.mean_dropped_mass
+    (rate,) = open_runs(tmp_path / "b", warn=False).execute("SELECT recall_hit_rate FROM cold_runs").fetchone()
+    assert 0 < rate < 1
     plain_root = tmp_path / "c"
     model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
     ids = torch.randint(3, 250, (1, PROMPT), generator=torch.Generator().manual_seed(5))
