@@ -66,6 +66,14 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="use a --guard-fit made for another model than --model (its heads must still lie inside this one)",
     )
+    r.add_argument(
+        "--cold",
+        default=None,
+        metavar="STORE:RECALL[:SELECTION]",
+        help="a cold tier: evicted K/V kept in STORE (cpu | disk) and a window of RECALL slots inside the "
+        "budget refilled with the cold entries the queries attend to most, SELECTION exact | pages "
+        "(DESIGN.md §2.13); e.g. cpu:16",
+    )
     add_policy_args(r)
     r.set_defaults(func=run)
 
@@ -157,12 +165,22 @@ def _check_record(args: argparse.Namespace):
     from h2o_lens.errors import ConfigError
 
     config = policy_config(args)
+    if args.cold is not None:  # a malformed --cold, or a window the budget cannot hold, before the model loads
+        import dataclasses
+
+        from h2o_lens.cold_config import parse_cold
+
+        if not config.spec.evicts:
+            raise ConfigError(f"--cold keeps what a policy evicts; --policy {config.policy} keeps every token")
+        config = dataclasses.replace(config, cold=parse_cold(args.cold))
     # a malformed --guard, or a fit for another model, is refused before the model loads
     guard = guard_config(args.guard, fit=args.guard_fit, model=args.model, allow_other_model=args.allow_other_model)
     if guard is not None and args.teacher_force:
         raise ConfigError("--guard runs a request as it is generated; it cannot be combined with --teacher-force")
     if guard is not None and not config.spec.evicts:
         raise ConfigError(f"--guard watches evictions; --policy {config.policy} keeps every token")
+    if guard is not None and config.cold is not None:
+        raise ConfigError("--guard grows a request's slots, which moves a cold tier's window; drop --guard or --cold")
     if guard is not None:
         guard.check_base(config)  # a raise to no more slots than the base would do nothing
     if not config.spec.evicts and (args.heavy is not None or args.recent is not None or args.ratio is not None):

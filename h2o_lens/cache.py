@@ -32,6 +32,7 @@ from . import extension as _extension
 from . import prompt_slots as _slots
 from . import speculative as _speculative
 from .cache_state import ROW_STATE
+from .cold import ColdExtension
 from .compat import Cache, CacheLayerMixin
 from .config import H2OConfig
 from .errors import ConfigError, UnsupportedModelError
@@ -282,7 +283,7 @@ class H2OCacheLayer(CacheLayerMixin):
         ``rows`` its last rows' weights for a row-ranking policy (or None).
         """
         kept = self.prompt_keep(query, key, valid, scores, rows)
-        choice = PromptChoice(query, key, valid, self.scaling, kept[0], kept[1], kept[4], self.draft)
+        choice = PromptChoice(query, key, valid, self.scaling, kept[0], kept[1], kept[4], self.draft, value)
         # held while the extensions are asked: one that decides for every layer at the last one lays
         # them all (:meth:`lay_prompt`), this one included
         self.held_prompt = (query, key, value, valid, scores, rows)
@@ -349,6 +350,8 @@ class H2OCacheLayer(CacheLayerMixin):
         owner = self.owner
         step = self.next_pos  # (b,)
         q, k, v = query[:, :, 0].contiguous(), key[:, :, 0].contiguous(), value[:, :, 0].contiguous()
+        for ext in owner.extensions:  # the before-step event: slots an extension added may change
+            ext.before_step(self, q, k, v)
         args = owner.budgets[0]  # policy, gqa and seed are the config's: the same for every budget
         rows = self.row_budgets()
         needs = self.step_needs()
@@ -465,16 +468,15 @@ class H2OCacheLayer(CacheLayerMixin):
     def row_budgets(self) -> ops.RowBudgets | None:
         """Per-row capacity, recent window and sink when the requests' budgets differ; None
         when every row uses the one budget (as wide as the storage)."""
-        if len(self.owner.budgets) == 1:
-            return None
+        if len(self.owner.budgets) == 1 and self.keys.shape[2] == self.owner.budgets[0].capacity:
+            return None  # (storage wider than the budget: an extension's slots, extension.widen)
         if self._row_budgets is None:
             self._row_budgets = ops.RowBudgets.of(self.owner.budgets, self.budget)
         return self._row_budgets
 
     def _kernel_step(self, args: ops.PolicyArgs, want: bool, protected: torch.Tensor | None = None) -> bool:
-        """Whether the fused Triton step runs: the backend and the policy have one
-        (``Policy.kernels``), no listener needs the candidate set and nothing is protected
-        (the kernels know no protected positions, DESIGN.md §2.11)."""
+        """Whether the fused Triton step runs: the backend and policy have one, no listener needs
+        the candidates and nothing is protected (the kernels know no pins, DESIGN.md §2.11)."""
         return not want and protected is None and self.owner.backend == "triton" and "decode" in args.spec.kernels
 
     def _step(
@@ -594,23 +596,21 @@ class H2OCache(Cache):
         #: the recorder's request of each batch row (None until a recorder names them); moves with the rows
         self.request_ids: list[int] | None = None
         self.sharing: str | None = None  # "prefix" while a shared prefix is being computed (DESIGN.md §15.4)
-        #: called per layer by a plain prefill on the CPU row-by-row path with ``(layer, key, value,
-        #: scores, valid)``: the prompt's K/V (one set per KV head) and column sums, the bits a
-        #: replay's prompt pass computes (DESIGN.md §6.1); None: nothing is handed on
+        #: called per layer by a plain CPU prefill with ``(layer, key, value, scores, valid)``: the bits
+        #: a replay's prompt pass computes (DESIGN.md §6.1); None: nothing is handed on
         self.prompt_sink: Callable[..., None] | None = None
         #: called per layer by a plain torch prefill with ``(layer, query, key, value, scores, valid,
-        #: scaling, repeat, lse)`` (``repeat``: the K/V sets per KV head, ``G`` under ``gqa="none"``,
-        #: else 1; ``lse``: the rows' log-sum-exps of the CPU flash path, or None), so that another
-        #: configuration can start from this prompt forward
+        #: scaling, repeat, lse)`` so that another configuration can start from this prompt forward
         #: (:mod:`h2o_lens.prompt_reuse`, DESIGN.md §12.5); None: nothing is kept
         self.prompt_capture: Callable[..., None] | None = None
-        #: the prefill was another configuration's prompt forward, reused (DESIGN.md §12.5)
-        self.prompt_reused = False
+        self.prompt_reused = False  # the prefill was another configuration's, reused (DESIGN.md §12.5)
         #: what the layers call at their events (:mod:`h2o_lens.extension`); set once the layers exist
         self.extensions: tuple[CacheExtension, ...] = ()
         self.hears_decode = False  # whether an extension hears the decode events (then steps build them)
         super().__init__(layers=[layer_class(self, i) for i in range(self.shape.layers)])
         self.extensions = tuple(_extension.build(self, listener, extensions))
+        if config.cold is not None:  # the cold tier is an extension too (DESIGN.md §2.13)
+            self.extension_of(ColdExtension)
         self.hears_decode = any(ext.hears_decode for ext in self.extensions)
 
     def extension_of(self, kind: type[CacheExtension]) -> CacheExtension:

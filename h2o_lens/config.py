@@ -18,6 +18,7 @@ import numbers
 from typing import Any
 
 from . import policies as registry
+from .cold_config import ColdTier, cold_tier
 from .errors import ConfigError
 
 __all__ = ["H2OConfig", "POLICIES", "GQA_MODES", "BACKENDS", "pin", "pin_positions"]
@@ -104,6 +105,10 @@ class H2OConfig:
         evicted, in every layer and KV set (DESIGN.md §2.11). They occupy slots inside the
         budget ``B = heavy + recent``: out of ``heavy`` first, then out of ``recent``
         (:attr:`split` is what is left to the policy). Stored sorted.
+    cold : ColdTier, optional
+        A cold tier (DESIGN.md §2.13): evicted K/V move to a cold store and a recall window of
+        ``cold.recall`` slots inside ``B`` (out of ``heavy`` first, then ``recent``, after the
+        pins) holds the cold entries the current queries attend to most. None: off.
     backend : str
         ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
     """
@@ -117,6 +122,7 @@ class H2OConfig:
     seed: int = 0
     backend: str = "auto"
     pinned: tuple[int, ...] = ()
+    cold: ColdTier | None = None
 
     def __post_init__(self) -> None:
         registry.get(self.policy)  # ConfigError naming the known policies
@@ -129,7 +135,10 @@ class H2OConfig:
         _count("sink", self.sink, allow_none=False)
         _count("seed", self.seed, allow_none=False)
         object.__setattr__(self, "pinned", pin_positions(self.pinned))
+        object.__setattr__(self, "cold", cold_tier(self.cold))
         if not self.spec.evicts:
+            if self.cold is not None:
+                raise ConfigError(f"policy {self.policy!r} evicts nothing, so a cold tier has nothing to keep")
             if self.pinned:
                 raise ConfigError(
                     f"policy {self.policy!r} evicts nothing, so pinned={list(self.pinned)} means "
@@ -160,7 +169,7 @@ class H2OConfig:
                 "heavy + recent is 0: a cache of zero slots cannot attend to anything; "
                 "pass a positive budget such as heavy=64, recent=64"
             )
-        if self.pinned:
+        if self.pinned or self.cold is not None:
             self._check_pinned()
             return
         problem = self.spec.check_budget(self.heavy, self.recent, self.sink)
@@ -168,13 +177,17 @@ class H2OConfig:
             raise ConfigError(problem)
 
     def _check_pinned(self) -> None:
-        """The pinned positions fit in the budget and leave the policy the slots it needs."""
-        k, total = len(self.pinned), self.heavy + self.recent
-        need = f"the {k} pinned position{'s' if k > 1 else ''} need{'' if k > 1 else 's'} {k} of the {total} slots"
+        """The pinned positions and the recall window fit in the budget and leave the policy the
+        slots it needs."""
+        k, total = self.taken, self.heavy + self.recent
+        if self.pinned:
+            need = f"the {k} pinned position{'s' if k > 1 else ''} need{'' if k > 1 else 's'} {k} of the {total} slots"
+        if self.cold is not None:
+            need = f"the pins and the cold tier's recall window need {k} of the {total} slots"
         if k >= total:
             raise ConfigError(
                 f"{need} and leave no slot for the {self.policy!r} policy; pass a budget of at least "
-                f"{k + 1} slots (heavy + recent) or pin fewer positions"
+                f"{k + 1} slots (heavy + recent) or " + ("recall fewer" if self.cold else "pin fewer positions")
             )
         heavy, recent = unpinned_split(self.heavy, self.recent, k)
         problem = self.spec.check_budget(heavy, recent, self.sink)
@@ -201,6 +214,11 @@ class H2OConfig:
         return int(self.heavy) + int(self.recent)
 
     @property
+    def taken(self) -> int:
+        """Slots of ``B`` the policy does not split: the pins and the cold tier's recall window."""
+        return len(self.pinned) + (self.cold.recall if self.cold is not None else 0)
+
+    @property
     def split(self) -> tuple[int, int, int]:
         """``(heavy, recent, sink)`` slots actually used by the policy.
 
@@ -208,11 +226,12 @@ class H2OConfig:
         (:meth:`h2o_lens.policies.Policy.split`): local ``(0, B, 0)``, heavy
         ``(B, 0, 0)``, sink ``(0, B - s, s)``. With ``k`` pinned positions the
         policy splits the ``B - k`` other slots: the pins are taken out of
-        ``heavy`` first, then out of ``recent`` (DESIGN.md §2.11).
+        ``heavy`` first, then out of ``recent`` (DESIGN.md §2.11); so is a cold tier's recall
+        window, after the pins (DESIGN.md §2.13).
         """
         if self.capacity is None:
             raise ConfigError("the full-cache policy has no slot split")
-        heavy, recent = unpinned_split(int(self.heavy), int(self.recent), len(self.pinned))
+        heavy, recent = unpinned_split(int(self.heavy), int(self.recent), self.taken)
         return self.spec.split(heavy, recent, self.sink)
 
     def resolve(self, prompt_len: int) -> H2OConfig:
@@ -229,14 +248,19 @@ class H2OConfig:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict for manifests and Parquet metadata."""
-        return dataclasses.asdict(self)
+        """Plain dict for manifests and Parquet metadata (``cold`` only when a cold tier is on)."""
+        out = dataclasses.asdict(self)
+        if out["cold"] is None:
+            del out["cold"]
+        return out
 
     def describe(self) -> str:
         """One line for humans, e.g. ``h2o heavy=64 recent=64 gqa=sum``."""
         if not self.spec.evicts:
             return "full cache"
         pins = f" pinned={_show_positions(self.pinned)}" if self.pinned else ""
+        if self.cold is not None:
+            pins += f" {self.cold.describe()}"
         if not self.resolved:
             return f"{self.policy} ratio={self.ratio}{pins} gqa={self.gqa}"
         h, r, s = self.split

@@ -11,6 +11,9 @@ default, so an extension overrides just the events it needs:
 ``protected(layer)``         before every eviction choice (the prefill's keep rule, each decode
                              step): the positions the extension keeps from eviction, per row
                              (``(b, K)`` int64 padded with -2, or None; :class:`~h2o_lens.pins.Pins`)
+``before_step(l, q, k, v)``  before a decode step's attention: its query ``q (b, Hq, d)``, the new
+                             key and value ``(b, Hs, d)``; the extension may write the slots it
+                             added past the rows' capacity (:func:`widen`, :func:`write_slots`)
 ``prompt_chosen(layer, c)``  after the prefill's keep rule (:class:`PromptChoice`), before the kept
                              positions are laid into slots; ``True`` holds the prompt back until
                              the extension calls ``layer.lay_prompt()``
@@ -33,12 +36,14 @@ default, so an extension overrides just the events it needs:
 An extension observes and asks; it never replaces a verb of the cache: the eviction itself
 (the FP64 reference, the torch step, the Triton kernels) is the same with or without it, and
 the kept sets of a run are the same bit for bit unless the extension protects positions
-(:meth:`CacheExtension.protected`, as :class:`~h2o_lens.pins.Pins` does) or changes a row's
-slot count through the cache's public verbs (:func:`h2o_lens.guard.grow_rows`). A cache gets its
-extensions from the ``extensions`` argument, or from the factories of a :func:`use_extensions`
-block (each called once per new cache). A :class:`~h2o_lens.events.CacheListener` is the
-read-only view: :class:`ListenerExtension` hands it the events it names, and the cache has no
-other way in.
+(:meth:`CacheExtension.protected`, as :class:`~h2o_lens.pins.Pins` does), changes a row's slot
+count through the cache's public verbs (:func:`h2o_lens.guard.grow_rows`) or adds slots of its own
+past the rows' capacity (:func:`widen`): those the step attends to and never evicts into or from,
+and only the extension writes them (:func:`write_slots`, the cold tier's recall window,
+DESIGN.md §2.13). A cache gets its extensions from the ``extensions`` argument, or from the
+factories of a :func:`use_extensions` block (each called once per new cache). A
+:class:`~h2o_lens.events.CacheListener` is the read-only view: :class:`ListenerExtension` hands
+it the events it names, and the cache has no other way in.
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ __all__ = [
     "ListenerExtension",
     "use_extensions",
     "current_extensions",
+    "widen",
+    "write_slots",
 ]
 
 
@@ -105,6 +112,8 @@ class PromptChoice:
     count: torch.Tensor
     keep: torch.Tensor
     draft: bool
+    #: ``(b, Hs, P, d)`` the prompt's values (what an extension keeps of an evicted position)
+    value: torch.Tensor | None = None
 
 
 @dataclass
@@ -134,6 +143,9 @@ class CacheExtension:
     observer: bool = False
     #: True when the extension hears :meth:`on_decode` (the cache then builds the decode events)
     hears_decode: bool = False
+
+    def before_step(self, layer: H2OCacheLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        pass
 
     def step_needs(self, layer: H2OCacheLayer) -> StepNeeds:
         return NOTHING
@@ -241,3 +253,41 @@ def build(
             raise ConfigError(f"{ext!r} is not a CacheExtension; subclass h2o_lens.extension.CacheExtension")
         out.append(ext)
     return out
+
+
+#: the per-slot tensors of a layer and the value an empty slot holds
+_SLOT_FIELDS = (("keys", 0.0), ("values", 0.0), ("scores", 0.0), ("history", 0), ("positions", -1))
+
+
+def widen(layer: H2OCacheLayer, extra: int) -> int:
+    """Add ``extra`` empty slots past the end of ``layer``'s storage and return the first one's index.
+
+    The slots lie past every row's capacity: the decode step attends to them once they hold a
+    position, and never chooses them as a victim or fills a new token into them (the per-row
+    step, DESIGN.md §2.7); only the extension that added them writes them (:func:`write_slots`).
+    """
+    start = layer.keys.shape[2]
+    for name, empty in _SLOT_FIELDS:
+        t = getattr(layer, name)
+        if t is not None:
+            shape = list(t.shape)
+            shape[2] = extra
+            setattr(layer, name, torch.cat([t, t.new_full(shape, empty)], 2))
+    layer.forget_groups()
+    return start
+
+
+def write_slots(layer: H2OCacheLayer, start: int, key, value, score, position) -> None:
+    """Overwrite slots ``start …`` of ``layer`` (ones :func:`widen` added) with ``key, value
+    (b, Hs, n, d)``, ``score (b, Hs, n)`` and ``position (b, Hs, n)`` (-1: empty); a per-slot
+    history restarts at 0."""
+    n = key.shape[2]
+    end = start + n
+    if start < 0 or end > layer.keys.shape[2]:
+        raise ConfigError(f"write_slots({start}, n={n}) is outside the layer's {layer.keys.shape[2]} slots")
+    layer.keys[:, :, start:end] = key.to(layer.keys.dtype)
+    layer.values[:, :, start:end] = value.to(layer.values.dtype)
+    layer.scores[:, :, start:end] = score.to(layer.scores.dtype)
+    layer.positions[:, :, start:end] = position.to(layer.positions.dtype)
+    if layer.history is not None:
+        layer.history[:, :, start:end] = 0

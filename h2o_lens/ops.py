@@ -715,10 +715,13 @@ def _choose_slot(
         c_scores = torch.cat([scores, new_score], -1)  # (b,Hs,B+1)
         c_pos = torch.cat([positions, new_pos], -1)
         elig = eviction.eligible_mask(c_pos, step_col, recent, sink, pinned=pins)
+        beyond = None if rows is None else _beyond(rows.capacity, cap)
+        if beyond is not None:  # a slot past the row's capacity is never a victim (an extension's, DESIGN.md §1.1)
+            elig &= ~beyond
         # a slot past the row's capacity never wins the tie of "nothing eligible" either (the new
         # token's position is above every slot's, so it wins it only where no slot does, as alone)
         big = torch.iinfo(c_pos.dtype).max
-        tie_pos = c_pos if rows is None else c_pos.masked_fill(_beyond(rows.capacity, cap), big)
+        tie_pos = c_pos if beyond is None else c_pos.masked_fill(beyond, big)
         victim, found = eviction.select_victim(c_scores, tie_pos, elig)
     if fill is None:
         return victim, found, c_scores, c_pos

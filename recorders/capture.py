@@ -16,6 +16,8 @@ import torch
 from h2o_lens.cache import DecodeEvent, PrefillEvent, decode_stats
 from h2o_lens.speculative import SegmentEvent
 
+from .cold_log import window_start
+
 __all__ = ["StepCapture", "Pending"]
 
 
@@ -152,6 +154,10 @@ class StepCapture:
         step = stack("step").to(torch.int64)  # (K, b)
         slot, evicts = stack("slot"), stack("evicts")  # (K, b, Hs)
         c_scores, c_pos = stack("cand_scores"), stack("cand_positions")  # (K, b, Hs, B+1)
+        start = window_start(self.session.last_cache)
+        if start is not None:  # a cold tier's window is no slot of the policy's (DESIGN.md §2.13)
+            c_pos = c_pos.clone()
+            c_pos[..., start:-1] = -1
         st = decode_stats(c_scores, c_pos, slot, evicts, step, recent.to(step.device), sink.to(step.device), pinned)
         k, b, hs = slot.shape
         layer = torch.tensor(pend.layer)[:, None, None].expand(k, b, hs)

@@ -53,6 +53,7 @@ from runlog.manifest import new_run_id
 from runlog.run import RunWriter
 
 from .capture import Pending, StepCapture
+from .cold_log import cold_manifest, write_recall_rows
 from .guard_log import write_guard_rows
 from .prompt_pass import PromptPass, PromptSink
 from .record_inputs import (
@@ -358,6 +359,7 @@ class Recording(StepCapture):
         if cache is not None:
             last = {req: len(info["prompt"]) + len(info["new"]) - 2 for req, info in self._reqs.items()}
             write_guard_rows(self.writer, cache, last)
+            write_recall_rows(self.writer, cache, self._row_ids(), last, self.config.gqa == "none")
         state = getattr(cache, "guard", None)
         if state is not None:  # what this call added to the guard's cost (a cache may serve several)
             now = (state.seconds, state.refill_seconds, state.scored)
@@ -714,6 +716,9 @@ def _write_manifest(writer: RunWriter, rec: Recording, config: H2OConfig, cache:
                 "share": seconds / generated if generated > 0 else None,
             }
         )
+    cold = cold_manifest(cache)
+    if cold is not None:  # the cold tier's settings and what it moved (DESIGN.md §2.13)
+        writer.update(cold=cold)
     if rec.prompts_reused:  # the prefill time above leaves these generate calls out
         writer.update(prompt_forward_reused=rec.prompts_reused)
     if manifest:

@@ -83,6 +83,7 @@ from runlog.segments import SEGMENT_RE, SegmentWriter, clean_temp_files, list_se
 from runlog.store import load_run, request_order
 
 from .prompt_pass import PromptPass, PromptSink
+from .replay_cold import load_recalls, masked_attention, request_windows, window_mass
 
 __all__ = [
     "replay",
@@ -169,6 +170,10 @@ class _State:
         self.after: dict[int, torch.Tensor] = {}  # layer -> (Hs, N) generated rows after it
         self.chunk = 512
         self.backend = "auto"  # dropped mass and oracle: "torch", or the Triton kernels ("auto" on CUDA)
+        #: a cold tier's recall window per layer, ``(Hs, M, N)`` (:mod:`recorders.replay_cold`)
+        self.window: dict[int, torch.Tensor] = {}
+        #: a cold-tier run's teacher mass on evicted positions: [held by the window, dropped]
+        self.cold_mass: list[float] | None = None
         #: a prompt pass of several requests at once (:func:`_batch_passes`): the padding mask
         #: (or None) and the row blocks of the recording's prefill; None: one request alone
         self.batch: tuple[torch.Tensor | None, int] | None = None
@@ -203,6 +208,8 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
     ev = state.evict[layer]  # (1, Hs, N)
     if state.backend not in ("torch", "triton"):
         state.backend = "torch" if query.dtype == torch.float64 else resolve_backend(state.backend, query.device)
+    if state.mode == "masked" and layer in state.window:  # recalled positions seen (DESIGN.md §2.13)
+        return masked_attention(query, k_sets, v_sets, ev, state.window[layer], scaling).transpose(1, 2), None
     if state.mode == "masked":
         return replay_masked_torch(query, k_sets, v_sets, ev, scaling, chunk=state.chunk).transpose(1, 2), None
     # the teacher's output comes from the masked pass with nothing evicted: the same kernel on
@@ -229,6 +236,12 @@ def _attention(state: _State, module, query, key, value, attention_mask, scaling
         dropped, before, after = replay_dropped_mass_triton(
             query.contiguous(), k_sets.contiguous(), ev, scaling, oracle=state.agg
         )
+    if state.mode == "teacher" and layer in state.window:  # a recalled position is present, not dropped
+        held = window_mass(query, k_sets, ev, state.window[layer], scaling)[None]
+        dropped = (dropped - held).clamp(min=0)
+        state.cold_mass[0] += float(held.sum())
+    if state.mode == "teacher" and state.cold_mass is not None:
+        state.cold_mass[1] += float(dropped.sum())
     if state.mode == "teacher":
         state.dropped[layer] = dropped[0]  # (Hq, T - 1)
         state.before[layer], state.after[layer] = before[0], after[0]  # (Hs, N)
@@ -302,6 +315,7 @@ class _Run:
     logits: dict[str, np.ndarray]  # the run_logits table without run_id
     requests: list[int]
     batches: list[dict] = field(default_factory=list)  # the manifest's prefill_batches
+    recalls: dict[str, np.ndarray] | None = None  # a cold tier's window occupants (recorders.replay_cold)
 
     @property
     def gqa(self) -> str:
@@ -358,7 +372,8 @@ def _load(run_dir: Path) -> _Run:
     if not requests:
         raise RecorderError(f"{run_dir}: the run has no tokens table; nothing to replay")
     batches = run.manifest.get("prefill_batches") or []
-    return _Run(run.run_id, run.manifest, config, tokens, ev, logits, requests, batches)
+    recalls = load_recalls(run_dir, run.manifest)
+    return _Run(run.run_id, run.manifest, config, tokens, ev, logits, requests, batches, recalls)
 
 
 def _model_for(run: _Run, model: Any, progress: bool) -> tuple[Any, ModelShape]:
@@ -549,6 +564,8 @@ def _replay_request(
         per_layer.clear()
     gqa_none = run.gqa == "none"
     state.evict = _request_evict_steps(run.ev, request, shape.layers, shape.sets(run.gqa), n, gqa_none)
+    sets = shape.sets(run.gqa)
+    state.window = {} if run.recalls is None else request_windows(run.recalls, request, shape.layers, sets, p, n)
     prompt = tuple(ids[:p].tolist())
     if prompt_pass is not None and not prompt_pass.fits(prompt, shape.layers, shape.kv_heads, model.dtype):
         prompt_pass = None  # not this request's prompt: forward it
@@ -730,6 +747,7 @@ def replay(
     on_cpu = next(model.parameters()).device.type == "cpu"
     batched: dict[int, PromptPass] = {}
     forwarded: set[int] = set()  # the batches forwarded again (by first request)
+    state.cold_mass = None if run.recalls is None else [0.0, 0.0]
     with torch.no_grad(), _replay_attention(model, state):
         for request in run.requests:
             passed, source = handed.pop(request, None), "prompts_from_run"
@@ -748,6 +766,10 @@ def replay(
         summary.kept_earlier = True  # the model, the code or the log differ: the good replay stays
         return summary
     fields = _replay_fields(summary, state.backend)
+    if state.cold_mass is not None:  # recall hit rate: the share of the mass on evicted positions the window held
+        held, dropped = state.cold_mass
+        rate = held / (held + dropped) if held + dropped > 0 else None
+        fields["cold"] = {**run.manifest["cold"], "recall_hit_rate": rate}
     if override:
         fields["model_overrides"] = [*(run.manifest.get("model_overrides") or []), override]
     _commit(run_dir, run, rows, run.gqa == "none", fields)

@@ -731,6 +731,8 @@ def run_row(run: RunEntry) -> dict[str, Any]:
             value = (model.get("name") or model.get("id")) if isinstance(model, dict) else model
         elif name == "config":
             value = json.dumps(config, sort_keys=True) if manifest else None
+        elif name == "cold":  # the manifest's object (the config's cold holds only the settings)
+            value = json.dumps(manifest["cold"], sort_keys=True) if isinstance(manifest.get("cold"), dict) else None
         elif name == "path":
             value = str(run.path)
         elif name == "integrity":

@@ -12,7 +12,9 @@ footers, per-request rows and spans, the guard's events), never reading data aga
 * the tables a run of its kind cannot lack (an evicting policy's ``evictions``, a guarded run's
   ``guard_steps``);
 * each guard event: a known action, a raise that grows, a risk at the threshold (a canary's
-  event aside), a request the run has, a slot count no larger than its request's tokens.
+  event aside), a request the run has, a slot count no larger than its request's tokens;
+* each recall of a cold tier: a position its request, layer and KV set evicted before the
+  recall's step (the one check that reads data again, :mod:`runlog.recall_check`).
 
 Every finding is a :class:`~runlog.contract.Violation` naming the run, the table or manifest
 field and the value found.
@@ -26,6 +28,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .recall_check import check_recalls
 from .schema import FLOAT_SLACK
 
 __all__ = ["Violation", "GUARD_ACTIONS", "NON_EVICTING", "check_consistency", "check_manifest_values"]
@@ -343,6 +346,7 @@ def check_consistency(
     where = f"{run_dir}/{_MANIFEST}"
     run = _run_of(manifest, run_dir)
     out = [*check_manifest_values(manifest, run_dir), *_guard(manifest, files, run)]
+    out += check_recalls(files, run, _violation)  # reads the two tables' keys (runlog/recall_check.py)
     if manifest.get("status") == "complete":  # a run that ended early has partial tables (its gate fails)
         out += [
             *_required(manifest, files, run, where),

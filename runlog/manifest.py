@@ -321,7 +321,8 @@ def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
 # -- field types ----------------------------------------------------------------------
 
 _INT_BITS = {pa.int16(): 16, pa.int32(): 32, pa.int64(): 64}
-_OWN_FIELDS = ("run_id", "status", "model", "config", "path", "integrity")  # checked apart or not read from the file
+#: checked apart or not read from the file
+_OWN_FIELDS = ("run_id", "status", "model", "config", "path", "integrity", "cold")
 _WRITER_INTS = {"pid": 32, "start_ticks": 64}  # bits
 
 
@@ -440,6 +441,9 @@ def check_manifest(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], list[st
         drop("schema_version", f"is {out['schema_version']!r}, expected an integer")
     if out.get("config") is not None and not isinstance(out["config"], dict):
         drop("config", f"is {type(out['config']).__name__}, expected an object")
+    for where, holder in (("", out), ("config.", out.get("config") or {})):  # a cold tier (DESIGN.md §2.13)
+        if holder.get("cold") is not None and not isinstance(holder["cold"], dict):
+            drop("cold", f"is {type(holder['cold']).__name__}, expected an object", holder, where)
     model = out.get("model")
     if model is not None and not (
         isinstance(model, str)

@@ -53,8 +53,9 @@ __all__ = [
 #: 2 adds the speculative tables ``spec_segments`` and ``spec_undone`` (DESIGN.md §14);
 #: 3 adds the guard's tables ``guard_steps`` and ``guard_events`` (DESIGN.md §18.5);
 #: 4 adds ``guard_steps.prefill`` and ``canary`` and the prefill's row of each request (DESIGN.md §18.1);
-#: 5 adds the culprit search's table ``culprits`` (DESIGN.md §19)
-SCHEMA_VERSION = 5
+#: 5 adds the culprit search's table ``culprits`` (DESIGN.md §19);
+#: 6 adds the cold tier's table ``recalls`` (DESIGN.md §2.13)
+SCHEMA_VERSION = 6
 
 META_SCHEMA_VERSION = "h2o_lens.schema_version"
 META_CONFIG = "h2o_lens.config"
@@ -294,6 +295,20 @@ TABLES: dict[str, pa.Schema] = {
             ),
         ]
     ),
+    "recalls": pa.schema(
+        [
+            _RUN_ID,
+            _REQUEST,
+            _f("step", pa.int64(), "decode step whose queries chose the entry (it is in the window from this step)"),
+            _LAYER,
+            _KV_HEAD,
+            _Q_HEAD_OPT,
+            _f("position", pa.int64(), "original position of the cold entry in the recall window"),
+            _f("score", pa.float32(), "the score it carries into the window (DESIGN.md §2.13)"),
+            _f("tier", pa.string(), "the cold store it came from: cpu or disk"),
+            _f("bytes_read", pa.int64(), "K/V bytes read for it at this refill (0: it stayed in the window)"),
+        ]
+    ),
 }
 TABLE_NAMES: tuple[str, ...] = tuple(TABLES)
 #: the tables a replay writes, all three replaced at once (DESIGN.md §6.1)
@@ -314,6 +329,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "guard_steps": ("run_id", "request", "step"),
     "guard_events": ("run_id", "request", "step", "action"),
     "culprits": ("run_id", "request", "position"),
+    "recalls": ("run_id", "request", "step", "layer", "kv_head", "position"),
 }
 
 
@@ -438,6 +454,15 @@ RANGES: dict[str, dict[str, Range]] = {
         "margin": Range(0.0, None, FLOAT_SLACK),
         "future_mass": Range(0.0, None, FLOAT_SLACK),
     },
+    "recalls": {
+        "request": _INDEX,
+        "step": _INDEX,
+        "layer": _INDEX,
+        "kv_head": _INDEX,
+        "q_head": _INDEX,
+        "position": _INDEX,
+        "bytes_read": _INDEX,
+    },
 }
 
 #: Columns bounded by a quantity of their request or of the run's model: ``span`` is the
@@ -476,6 +501,7 @@ UNIQUE: tuple[str, ...] = (
     "requests",
     "guard_steps",
     "culprits",
+    "recalls",
 )
 
 
@@ -549,6 +575,12 @@ RUNS = pa.schema(
         ),
         _f("counterfactual_request", pa.int32(), "request of the parent run re-run", nullable=True),
         _f("counterfactual_slots", pa.int32(), "slot count of the re-run (null: full cache)", nullable=True),
+        _f(
+            "cold",
+            pa.string(),
+            "the cold tier's manifest object as JSON: its settings, what it moved, its hit rate (DESIGN.md §2.13)",
+            nullable=True,
+        ),
     ]
 )
 

@@ -182,6 +182,28 @@ WHERE r.parent_run IS NOT NULL
 """
 
 
+#: runs with a cold tier (DESIGN.md §2.13): what the tier moved, per generated token, and how much of
+#: the teacher's attention to evicted positions its window held (after a replay)
+COLD_VIEW = """
+CREATE OR REPLACE VIEW cold_runs AS
+SELECT r.run_id, c.store, c.recall, c.every, c."select", c.evicted, c.recalled, c.bytes_written, c.bytes_read,
+       q.generated, c.bytes_read / nullif(q.generated, 0) AS bytes_read_per_token,
+       c.recalled / nullif(q.generated, 0) AS recalled_per_token, c.recall_hit_rate
+FROM runs r,
+     LATERAL (SELECT json_extract_string(r.cold, '$.store') AS store,
+                     json_extract(r.cold, '$.recall')::INTEGER AS recall,
+                     json_extract(r.cold, '$.every')::INTEGER AS every,
+                     json_extract_string(r.cold, '$.select') AS "select",
+                     json_extract(r.cold, '$.evicted')::BIGINT AS evicted,
+                     json_extract(r.cold, '$.recalled')::BIGINT AS recalled,
+                     json_extract(r.cold, '$.bytes_written')::BIGINT AS bytes_written,
+                     json_extract(r.cold, '$.bytes_read')::BIGINT AS bytes_read,
+                     json_extract(r.cold, '$.recall_hit_rate')::DOUBLE AS recall_hit_rate) c
+LEFT JOIN (SELECT run_id, sum(new_tokens) AS generated FROM requests GROUP BY run_id) q ON q.run_id = r.run_id
+WHERE r.cold IS NOT NULL
+"""
+
+
 def create_views(con: duckdb.DuckDBPyConnection, catalog: Catalog) -> None:
     """Create or replace the views of ``catalog`` in ``con``.
 
@@ -195,6 +217,7 @@ def create_views(con: duckdb.DuckDBPyConnection, catalog: Catalog) -> None:
     for table in TABLE_NAMES:
         con.execute(_table_view(table, catalog.files(table)))
     con.execute(COUNTERFACTUALS_VIEW)
+    con.execute(COLD_VIEW)
     problem_schema = pa.schema([pa.field(c, pa.string()) for c in _PROBLEM_COLUMNS])
     _rows_table(
         con,

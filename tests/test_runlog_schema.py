@@ -53,8 +53,8 @@ def test_declared_types():
     assert ev.field("left_recent").type == pa.bool_()
     assert TABLES["tokens"].field("evidence").nullable
     # 2: the speculative tables (DESIGN.md §14); 3: the guard tables (DESIGN.md §18.5); 4: guard_steps.prefill;
-    # 5: the culprits table (DESIGN.md §19)
-    assert SCHEMA_VERSION == 5
+    # 5: the culprits table (DESIGN.md §19); 6: the cold tier's recalls (DESIGN.md §2.13)
+    assert SCHEMA_VERSION == 6
     for table, keys in KEYS.items():
         assert set(keys) <= set(TABLES[table].names)
 

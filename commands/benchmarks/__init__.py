@@ -17,7 +17,7 @@ from typing import Any
 __all__ = ["BENCHMARKS", "add_parser", "run"]
 
 #: the benchmarks' modules, in the order ``h2o-lens bench --help`` lists them
-BENCHMARKS = ("decode", "record", "kernels", "sql", "runs", "explain", "sweep", "press", "guard", "culprits")
+BENCHMARKS = ("decode", "record", "kernels", "sql", "runs", "explain", "sweep", "press", "guard", "culprits", "cold")
 
 
 def add_parser(sub: Any) -> None:

@@ -1,0 +1,30 @@
+"""The cold tier's options (DESIGN.md §2.13): ``record --cold`` and ``bench cold`` refuse a bad
+value in one ``h2o-lens: error:`` line (exit 2) before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from commands.cli import main
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["record", "--cold", "cpu"], "STORE:RECALL[:SELECTION]"),
+        (["record", "--cold", "tape:8"], "unknown cold store 'tape'"),
+        (["record", "--cold", "cpu:8:fuzzy"], "unknown cold selection 'fuzzy'"),
+        (["record", "--cold", "cpu:128", "--heavy", "64", "--recent", "64"], "recall window need 128 of the 128 slots"),
+        (["record", "--cold", "cpu:8", "--policy", "full"], "--policy full keeps every token"),
+        (["record", "--cold", "cpu:8", "--guard", "raise:0.35"], "drop --guard or --cold"),
+        (["bench", "cold", "--window", "0.3"], "--window 0.3 must be below --ratio 0.2"),
+        (["bench", "cold", "--stores", "tape"], "unknown store or selection ['tape']"),
+        (["bench", "cold", "--window", "2"], "bench cold: argument --window"),
+    ],
+)
+def test_a_bad_cold_option_is_one_line_before_the_model_loads(capsys, argv, says):
+    code = main([*argv, "--model", "/nonexistent"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("h2o-lens: error: ") and err.count("\n") == 1, err
+    assert "cannot load model" not in err and says in err, err

@@ -1,0 +1,228 @@
+"""The cold tier (DESIGN.md §2.13): the runtime keeps, moves to the cold store and recalls exactly
+what the FP64 reference does; a recalled K/V is the evicted one, bit for bit; a window that holds
+every evicted entry gives the full cache's tokens."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from runtime_utils import capture_qk
+from tiny import tiny_model
+
+import h2o_lens
+from h2o_lens import H2OConfig
+from h2o_lens.cold import ColdExtension, cold_summary, select
+from h2o_lens.cold_config import PAGE, ColdTier, parse_cold
+from h2o_lens.cold_store import ColdStore
+from h2o_lens.errors import ConfigError
+from h2o_lens.extension import CacheExtension, use_extensions
+from h2o_lens.reference_cold import choose, cold_trace
+
+
+def _ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    return torch.randint(3, 250, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, cfg, ids, new, *extra, qk=None):
+    spy = capture_qk() if qk is not None else contextlib.nullcontext({})
+    with use_extensions(*extra), h2o_lens.h2o(model, cfg) as session, spy as seen, torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    if qk is not None:
+        qk.update(seen)
+    return out, getattr(session, "last_cache", None)
+
+
+def _cold(cache) -> ColdExtension:
+    return next(e for e in cache.extensions if isinstance(e, ColdExtension))
+
+
+class Watch(CacheExtension):
+    """Per layer and step: the policy's slots, the window and the victims; every K/V seen."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.kept, self.window, self.victims = {}, {}, {}
+        self.seen = {}  # layer -> (key, value) of every position, (b, Hs, N, d)
+        self.bad = []
+
+    def prompt_chosen(self, layer, choice):
+        self.seen[layer.layer_idx] = (choice.key.clone(), choice.value.clone())
+        return False
+
+    def on_prefill(self, layer, event):
+        i = layer.layer_idx
+        self.kept[i] = [_sets(torch.where(event.keep, event.positions, -1))]
+        self.window[i], self.victims[i] = (
+            [_sets(event.positions[..., :0])],
+            [_sets(torch.where(~event.keep, event.positions, -1))],
+        )
+
+    def before_step(self, layer, query, key, value):
+        k, v = self.seen[layer.layer_idx]
+        self.seen[layer.layer_idx] = (torch.cat([k, key[:, :, None]], 2), torch.cat([v, value[:, :, None]], 2))
+
+    def step_taken(self, layer, step):
+        i = layer.layer_idx
+        start = _cold(self.cache).layers[i].start
+        self.kept[i].append(_sets(layer.positions[..., :start]))
+        win = layer.positions[..., start:]
+        self.window[i].append(_sets(win))
+        res = step.result
+        gone = torch.where(res.evicts[..., None], res.cand_positions.gather(-1, res.slot[..., None]), -1)
+        self.victims[i].append(_sets(gone))
+        k, v = self.seen[i]
+        for b, h, j in (win >= 0).nonzero().tolist():  # the window's K/V are the evicted ones, bit for bit
+            p = int(win[b, h, j])
+            same = torch.equal(layer.keys[b, h, start + j], k[b, h, p])
+            if not (same and torch.equal(layer.values[b, h, start + j], v[b, h, p])):
+                self.bad.append((i, b, h, p))
+
+
+def _sets(pos):
+    return [[sorted(p for p in row.tolist() if p >= 0) for row in req] for req in pos]
+
+
+def _reference(qk, layer, hs, prompt, cfg, gqa):
+    q = torch.cat(qk[layer]["q"], 2)[0]  # (Hq, N, d)
+    k = torch.cat(qk[layer]["k"], 2)[0]  # (Hs, N, d)
+    group = q.shape[0] // hs
+    heavy, recent, _ = cfg.split
+    tier = cfg.cold
+    return [
+        cold_trace(
+            q[g * group : (g + 1) * group].numpy(),
+            k[g].numpy(),
+            prompt,
+            heavy,
+            recent,
+            tier.recall,
+            "sum" if gqa == "none" else gqa,
+            scaling=qk[layer]["scaling"] or q.shape[-1] ** -0.5,
+            every=tier.every,
+            select=tier.select,
+            scan=tier.pages_scanned,
+        )
+        for g in range(hs)
+    ]
+
+
+@pytest.mark.parametrize("select", ["exact", "pages"])
+@pytest.mark.parametrize("gqa", ["sum", "max"])
+def test_kept_cold_and_recalled_sets_equal_the_reference(select, gqa):
+    """Every layer and KV set, every step: the policy's slots, the window, the victims and the
+    store's records (in write order, which the pages follow) are the FP64 reference's. The prompt
+    evicts more than one page, so ``pages`` (one page read exactly) differs from ``exact``."""
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
+    prompt, new = 40, 30
+    cfg = H2OConfig(heavy=10, recent=3, gqa=gqa, cold=ColdTier(recall=4, select=select, scan=1, every=1))
+    qk = {}
+    _, cache = _generate(model, cfg, _ids(prompt), new, Watch, qk=qk)
+    watch = next(e for e in cache.extensions if isinstance(e, Watch))
+    cold = _cold(cache)
+    for layer in range(2):
+        ref = _reference(qk, layer, 2, prompt, cfg, gqa)
+        steps = len(watch.kept[layer])
+        for g in range(2):
+            where = f"{select} gqa={gqa} layer {layer} set {g}"
+            assert [s[0][g] for s in watch.kept[layer]] == ref[g].kept[:steps], where
+            assert [s[0][g] for s in watch.window[layer]] == ref[g].window[:steps], where
+            assert [s[0][g] for s in watch.victims[layer]] == ref[g].victims[:steps], where
+            store = cold.layers[layer].store
+            n = int(store.count[0, g])
+            assert store.positions[0, g, :n].tolist() == ref[g].records[:n], where
+            # the scores: a record carries what it had when evicted plus what the window gave it
+            got = store.scores[0, g, :n].clone()
+            st = cold.layers[layer]
+            win = st.window[0, g]
+            held = cache.layers[layer].scores[0, g, st.start : st.start + len(win)]
+            got[win[win >= 0]] = held[win >= 0].to(got.dtype)
+            assert np.allclose(got.numpy(), ref[g].record_scores[:n], rtol=1e-4, atol=1e-5), where
+        assert watch.bad == []
+
+
+def test_every_k_and_a_batch_equal_the_reference_per_request():
+    """``every=3`` keeps the window for three steps; two requests of one batch each follow the
+    reference of their own queries (a request's store and window are its own)."""
+    model = tiny_model("llama", layers=1, q_heads=4, kv_heads=1)
+    prompt, new = 36, 20
+    cfg = H2OConfig(heavy=9, recent=3, cold=ColdTier(recall=5, every=3, select="pages", scan=1))
+    ids = _ids(prompt, seed=3, batch=2)
+    qk = {}
+    _, cache = _generate(model, cfg, ids, new, Watch, qk=qk)
+    watch = next(e for e in cache.extensions if isinstance(e, Watch))
+    for r in range(2):
+        one = {0: {name: [t[r : r + 1] for t in qk[0][name]] for name in ("q", "k")}}
+        one[0]["scaling"] = qk[0]["scaling"]
+        (ref,) = _reference(one, 0, 1, prompt, cfg, "sum")
+        assert [s[r][0] for s in watch.window[0]] == ref.window[: len(watch.window[0])]
+        assert [s[r][0] for s in watch.kept[0]] == ref.kept[: len(watch.kept[0])]
+    assert watch.bad == []
+
+
+def test_selection_ties_take_the_newer_position_and_the_later_page():
+    """Equal keys give equal selection values: the newer position is recalled, as in the
+    reference; with the page bound tied too, the later page is read."""
+    d, recall = 4, 3
+    key = torch.zeros(40, d, dtype=torch.float64)
+    key[:, 0] = 1.0  # every key the same: every value ties
+    positions = torch.arange(40)
+    store = ColdStore("cpu", 1, 1, d, torch.float64, pin=False, directory=None, name="t")
+    store.append(key[None, None], key[None, None], torch.zeros(1, 1, 40), positions[None, None])
+    q = torch.ones(1, 1, 2, d, dtype=torch.float64)
+    for how in ("exact", "pages"):
+        got = select(store, q, "sum", recall, how, 1)
+        picked = sorted(store.positions[0, 0, got[0, 0]].tolist())
+        ref = choose(q[0, 0].numpy(), key.numpy(), positions.tolist(), recall, "sum", how, 1)
+        assert picked == sorted(positions[ref].tolist())
+        # exact: the three newest; pages: inside the last page read (positions 32..39)
+        assert picked == [37, 38, 39]
+    assert PAGE == 16
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_a_window_that_holds_every_evicted_entry_gives_the_full_cache_tokens(store, tmp_path):
+    """The recall path, not a memory claim: with a window as large as everything evicted, each
+    step attends to every position, so the tokens are the full cache's (plain H2O at the policy's
+    slot count is not); every recalled K/V equals the evicted one, bit for bit."""
+    model = tiny_model("llama", layers=2)
+    ids = _ids(30, seed=1, batch=2)
+    full, _ = _generate(model, H2OConfig(policy="full"), ids, 20)
+    plain, _ = _generate(model, H2OConfig(heavy=4, recent=4), ids, 20)
+    tier = ColdTier(store=store, recall=56, directory=str(tmp_path) if store == "disk" else None)
+    cold, cache = _generate(model, H2OConfig(heavy=60, recent=4, cold=tier), ids, 20, Watch)
+    assert torch.equal(cold, full) and not torch.equal(plain, full)
+    watch = next(e for e in cache.extensions if isinstance(e, Watch))
+    assert watch.bad == [] and any(w for s in watch.window[0][1:] for w in s[0])
+    numbers = cold_summary(cache)
+    assert numbers["evicted"] > 0 and numbers["recalled"] > 0 and numbers["read"] > 0
+    assert numbers["written"] == numbers["evicted"] * 2 * 16 * 4  # K and V of d=16 in float32
+    if store == "disk":
+        assert list(tmp_path.glob("*.bin"))
+
+
+def test_a_small_window_changes_only_what_it_recalls():
+    """A window of 3 slots inside B: the hot memory stays B, the policy keeps B - 3 slots."""
+    model = tiny_model("llama", layers=1)
+    cfg = H2OConfig(heavy=6, recent=4, cold=ColdTier(recall=3))
+    _, cache = _generate(model, cfg, _ids(30), 8)
+    layer = cache.layers[0]
+    assert cfg.split == (3, 4, 0) and cfg.capacity == 10
+    assert layer.keys.shape[2] == 10 and cache.budgets[0].capacity == 7
+
+
+def test_the_cold_config_checks_and_round_trips():
+    with pytest.raises(ConfigError, match="recall window need 10 of the 10 slots"):
+        H2OConfig(heavy=6, recent=4, cold=ColdTier(recall=10))
+    with pytest.raises(ConfigError, match="unknown cold store"):
+        ColdTier(store="tape")
+    with pytest.raises(ConfigError, match="evicts nothing"):
+        H2OConfig(policy="full", cold=ColdTier())
+    with pytest.raises(ConfigError, match="STORE:RECALL"):
+        parse_cold("cpu")
+    cfg = H2OConfig(heavy=6, recent=4, cold=parse_cold("disk:3:pages"))
+    assert H2OConfig(**cfg.to_dict()) == cfg and "cold=disk:3:pages" in cfg.describe()
+    assert "cold" not in H2OConfig(heavy=6, recent=4).to_dict()
+    assert np.isclose(cfg.cold.pages_scanned, 1)
