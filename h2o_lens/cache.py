@@ -29,6 +29,7 @@ from . import cache_rows as _per_row
 from . import cache_state as _state
 from . import compat, ops
 from . import extension as _extension
+from . import plan as _plan
 from . import prompt_slots as _slots
 from . import speculative as _speculative
 from .cache_state import ROW_STATE
@@ -190,7 +191,8 @@ class H2OCacheLayer(CacheLayerMixin):
     def one_budget(self) -> ops.PolicyArgs | None:
         """The budget of every row, or None when the rows' budgets differ."""
         budgets = self.owner.budgets
-        return budgets[0] if len(budgets) == 1 else None
+        args = _plan.layer_args(budgets[0], self.layer_idx) if len(budgets) == 1 else None
+        return None if args is None or args.sets is not None else args  # this layer's (DESIGN.md §2.13)
 
     def stage(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Stage new K/V ``(b, Hs, n, d)`` for the next step, as :meth:`update` does (no count)."""
@@ -223,9 +225,10 @@ class H2OCacheLayer(CacheLayerMixin):
         return kv
 
     def groups(self) -> list[tuple[torch.Tensor | None, ops.PolicyArgs]]:
-        """Rows of each distinct budget: ``[(rows or None for all rows, args), ...]``."""
+        """Rows of each distinct budget: ``[(rows or None for all rows, args), ...]``, each
+        budget this layer's own (a budget plan's, DESIGN.md §2.13)."""
         if self._groups is None:
-            self._groups = self.owner.groups(self.budget)
+            self._groups = [(rows, _plan.layer_args(a, self.layer_idx)) for rows, a in self.owner.groups(self.budget)]
         return self._groups
 
     def prefill(self, query: torch.Tensor, valid: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -349,7 +352,7 @@ class H2OCacheLayer(CacheLayerMixin):
         owner = self.owner
         step = self.next_pos  # (b,)
         q, k, v = query[:, :, 0].contiguous(), key[:, :, 0].contiguous(), value[:, :, 0].contiguous()
-        args = owner.budgets[0]  # policy, gqa, seed and pins are the config's: the same for every budget
+        args = self.groups()[0][1]  # policy, gqa, seed and pins are the config's: the same for every budget
         rows = self.row_budgets()
         needs = self.step_needs()
         hears = owner.hears_decode
@@ -374,7 +377,7 @@ class H2OCacheLayer(CacheLayerMixin):
                 self.announce(event)
         self.next_pos = step + 1
         if self.fill is not None:
-            caps = self.keys.shape[2] if rows is None else rows.capacity.view(-1)  # (b,) B_r
+            caps = self.keys.shape[2] if rows is None else rows.capacity.flatten(1).amax(1)  # (b,) B_r
             self.fill = (self.fill + 1).clamp(max=caps) if rows is None else torch.minimum(self.fill + 1, caps)
             if bool((self.fill >= caps).all()):
                 self.fill = None
@@ -452,10 +455,11 @@ class H2OCacheLayer(CacheLayerMixin):
     def row_budgets(self) -> ops.RowBudgets | None:
         """Per-row capacity, recent window and sink when the requests' budgets differ; None
         when every row uses the one budget (as wide as the storage)."""
-        if len(self.owner.budgets) == 1:
+        budgets = [_plan.layer_args(a, self.layer_idx) for a in self.owner.budgets]
+        if len(budgets) == 1 and budgets[0].sets is None:
             return None
         if self._row_budgets is None:
-            self._row_budgets = ops.RowBudgets.of(self.owner.budgets, self.budget)
+            self._row_budgets = _plan.row_budgets(budgets, self.budget, self.owner.shape.sets(self.owner.config.gqa))
         return self._row_budgets
 
     def _kernel_step(self, args: ops.PolicyArgs, want: bool) -> bool:
@@ -509,6 +513,8 @@ class H2OCacheLayer(CacheLayerMixin):
         )
 
     def _step_groups(self, groups, q, k, v, step, scaling: float) -> ops.DecodeResult:
+        if any(a.sets is not None for _, a in groups):  # KV sets of different counts: one launch
+            return _plan.kernel_step(self, q, k, v, step, scaling)
         return _per_row.step_groups(self, self._step, groups, q, k, v, step, scaling)
 
     def nbytes(self) -> tuple[int, int]:
@@ -565,6 +571,8 @@ class H2OCache(Cache):
         self.config = config
         #: layers, query and KV heads of the model (:func:`h2o_lens.shape.model_shape`)
         self.shape = model_shape(model_config)
+        if config.plan is not None:
+            config.plan.check(self.shape.layers, self.shape.sets(config.gqa))
         self.group = self.shape.group
         self.num_query_heads, self.num_kv_heads = self.shape.q_heads, self.shape.kv_heads
         self.listener = listener
@@ -654,9 +662,11 @@ class H2OCache(Cache):
             out.append((None if len(rows) == len(idx) else rows.to(budget.device), self.budgets[g]))
         return out
 
-    def row_capacity(self, budget: torch.Tensor) -> torch.Tensor:
-        """``(b,)`` slot count ``B_r`` of each row, on ``budget``'s device."""
-        caps = torch.tensor([a.capacity for a in self.budgets], dtype=torch.int64, device=budget.device)
+    def row_capacity(self, budget: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """``(b,)`` slot count ``B_r`` of each row, on ``budget``'s device; of ``layer`` (its widest
+        KV set) under a budget plan, else the widest layer's."""
+        budgets = self.budgets if layer is None else [_plan.layer_args(a, layer) for a in self.budgets]
+        caps = torch.tensor([a.capacity for a in budgets], dtype=torch.int64, device=budget.device)
         return caps[budget]
 
     def request_budgets(self) -> dict[str, torch.Tensor]:

@@ -47,10 +47,16 @@ class PolicyArgs:
     gqa: str  # sum | max | none
     seed: int = 0  # of the random policy
     pinned: tuple[int, ...] = ()  # positions never evicted, inside the capacity (DESIGN.md §2.11)
+    #: a budget plan's ``(heavy, recent, sink)`` per layer and KV set (DESIGN.md §2.13); the split
+    #: above is then the widest entry's. Read per layer with :func:`h2o_lens.plan.layer_args`.
+    plan: tuple[tuple[tuple[int, int, int], ...], ...] | None = None
+    #: one layer's ``(heavy, recent, sink)`` per KV set when its sets differ (the split above is
+    #: then the widest set's): a ragged layer (:mod:`h2o_lens.plan`)
+    sets: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def capacity(self) -> int:
-        """Slots per KV set: the policy's split plus the pinned positions."""
+        """Slots per KV set: the policy's split plus the pinned positions (the widest set's)."""
         return self.heavy + self.recent + self.sink + len(self.pinned)
 
     def pins(self, like: torch.Tensor) -> torch.Tensor | None:
@@ -493,7 +499,8 @@ class RowBudgets:
     row: row ``r`` uses slots ``0 … capacity_r − 1`` of the storage; the slots beyond are
     never written, never attended and never chosen, so the row steps exactly as if its
     storage were ``capacity_r`` wide. ``self_victim`` says whether some row has no recent
-    window (its new token may be its own victim).
+    window (its new token may be its own victim). A layer whose KV sets hold different slot
+    counts (a budget plan, DESIGN.md §2.13) has them ``(b, Hs, 1)``, one value per row and set.
     """
 
     capacity: torch.Tensor
@@ -729,7 +736,7 @@ def _choose_slot(scores, positions, new_score, new_pos, step_col, fill, args: Po
         victim, found = eviction.select_victim(c_scores, tie_pos, elig)
     if fill is None:
         return victim, found, c_scores, c_pos
-    full = (fill >= (cap if rows is None else rows.capacity[:, 0, 0]))[:, None]  # (b,1)
+    full = fill[:, None] >= (cap if rows is None else rows.capacity[..., 0])  # (b,1), or (b,Hs) per KV set
     slot = torch.where(full, victim, fill[:, None].expand(b, hs))
     return slot, full.expand(b, hs) & found, c_scores, c_pos
 
