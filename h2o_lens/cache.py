@@ -225,8 +225,7 @@ class H2OCacheLayer(CacheLayerMixin):
         return kv
 
     def groups(self) -> list[tuple[torch.Tensor | None, ops.PolicyArgs]]:
-        """Rows of each distinct budget: ``[(rows or None for all rows, args), ...]``, each
-        budget this layer's own (a budget plan's, DESIGN.md §2.13)."""
+        """Rows of each distinct budget: ``[(rows or None for all rows, args), ...]``, this layer's (§2.13)."""
         if self._groups is None:
             self._groups = [(rows, _plan.layer_args(a, self.layer_idx)) for rows, a in self.owner.groups(self.budget)]
         return self._groups
@@ -663,8 +662,7 @@ class H2OCache(Cache):
         return out
 
     def row_capacity(self, budget: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        """``(b,)`` slot count ``B_r`` of each row, on ``budget``'s device; of ``layer`` (its widest
-        KV set) under a budget plan, else the widest layer's."""
+        """``(b,)`` slot count ``B_r`` of each row on ``budget``'s device (of ``layer`` under a plan)."""
         budgets = self.budgets if layer is None else [_plan.layer_args(a, layer) for a in self.budgets]
         caps = torch.tensor([a.capacity for a in budgets], dtype=torch.int64, device=budget.device)
         return caps[budget]
