@@ -225,7 +225,7 @@ class H2OCacheLayer(CacheLayerMixin):
         return kv
 
     def groups(self) -> list[tuple[torch.Tensor | None, ops.PolicyArgs]]:
-        """Rows of each distinct budget: ``[(rows or None for all rows, args), ...]``, this layer's (§2.13)."""
+        """Rows of each distinct budget: ``[(rows or None, args), ...]``, this layer's (DESIGN.md §2.13)."""
         if self._groups is None:
             self._groups = [(rows, _plan.layer_args(a, self.layer_idx)) for rows, a in self.owner.groups(self.budget)]
         return self._groups

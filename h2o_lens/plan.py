@@ -43,6 +43,7 @@ __all__ = [
     "prefill_keep",
     "eligible_mask",
     "kernel_step",
+    "set_windows",
     "PLAN_FORMAT",
 ]
 
@@ -287,3 +288,14 @@ def kernel_step(layer: Any, q, k, v, step, scaling: float) -> ops.DecodeResult:
         layer=layer.layer_idx,
         rows=layer.row_budgets(),
     )
+
+
+def set_windows(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(recent, sink)`` of a cache layer's rows and KV sets as it steps now, ``(b, Hs)`` int64 on
+    the CPU: what its eviction choices used (the recorder's ``left_recent`` and promotions)."""
+    b, hs = layer.positions.shape[:2]
+    rows = layer.row_budgets()
+    if rows is None:
+        args = layer.groups()[0][1]
+        return torch.full((b, hs), args.recent, dtype=torch.int64), torch.full((b, hs), args.sink, dtype=torch.int64)
+    return tuple(t[..., 0].expand(b, hs).to("cpu", torch.int64) for t in (rows.recent, rows.sink))
