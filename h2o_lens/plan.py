@@ -49,6 +49,8 @@ __all__ = [
 
 #: the ``format`` of a plan file written by :meth:`BudgetPlan.save`
 PLAN_FORMAT = "h2o-lens-plan-1"
+#: what the first bytes of a plan file hold (a file h2o-lens wrote, which ``plan -o`` may replace)
+PLAN_MARKER = b'"format": "h2o-lens-plan-1"'
 
 
 def _table(name: str, value: Any, whole: bool) -> tuple[tuple[Any, ...], ...]:
@@ -145,8 +147,8 @@ class BudgetPlan:
         doc = {"format": PLAN_FORMAT, **self.to_dict()}
         if evidence is not None:
             doc["evidence"] = evidence
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
+        with open(path, "w", encoding="utf-8") as f:  # the format first: it marks the file as a plan
+            json.dump(doc, f, indent=1)
             f.write("\n")
 
     def describe(self) -> str:
