@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from .options import (
+    add_plan_arg,
     add_policy_args,
     chat,
     guard_config,
@@ -66,6 +67,7 @@ def add_parser(sub: Any) -> None:
         help="use a --guard-fit made for another model than --model (its heads must still lie inside this one)",
     )
     add_policy_args(r)
+    add_plan_arg(r)
     r.set_defaults(func=run)
 
 
@@ -156,6 +158,8 @@ def _check_record(args: argparse.Namespace):
     from h2o_lens.errors import ConfigError
 
     config = policy_config(args)
+    if config.plan is not None and args.guard is not None:
+        raise ConfigError("--guard raises and refills one budget per request; it cannot be combined with --plan")
     # a malformed --guard, or a fit for another model, is refused before the model loads
     guard = guard_config(args.guard, fit=args.guard_fit, model=args.model, allow_other_model=args.allow_other_model)
     if guard is not None and args.teacher_force:
