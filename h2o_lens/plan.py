@@ -44,6 +44,8 @@ __all__ = [
     "eligible_mask",
     "kernel_step",
     "set_windows",
+    "relative",
+    "scaled",
     "PLAN_FORMAT",
 ]
 
@@ -301,3 +303,23 @@ def set_windows(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
         args = layer.groups()[0][1]
         return torch.full((b, hs), args.recent, dtype=torch.int64), torch.full((b, hs), args.sink, dtype=torch.int64)
     return tuple(t[..., 0].expand(b, hs).to("cpu", torch.int64) for t in (rows.recent, rows.sink))
+
+
+def relative(plan: BudgetPlan) -> tuple[Any, ...]:
+    """A plan's entries divided by their mean over every layer and KV set (a layer of one entry
+    stands for all its sets): the shape of the plan, at any total (a sweep scales it to each keep
+    ratio, :func:`scaled`)."""
+    mean = sum(sum(row) / len(row) for row in plan.table) / plan.layers
+    return tuple(
+        round(row[0] / mean, 6) if len(row) == 1 else tuple(round(x / mean, 6) for x in row) for row in plan.table
+    )
+
+
+def scaled(weights: tuple[Any, ...], ratio: float) -> BudgetPlan:
+    """The plan of :func:`relative` ``weights`` at a mean keep ratio of ``ratio`` (an entry above 1
+    keeps its whole prompt: the mean is then below ``ratio``)."""
+
+    def one(x: float) -> float:
+        return min(1.0, round(x * ratio, 6))
+
+    return BudgetPlan(ratios=[one(w) if isinstance(w, numbers.Real) else [one(x) for x in w] for w in weights])

@@ -87,3 +87,22 @@ def test_plan_options_are_refused_before_the_model_loads(tmp_path, capsys, no_mo
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("h2o-lens: error: ") and needle in lines[0], lines
     assert foreign.read_text() == '{"mine": 1}'
+
+
+def test_sweep_runs_each_h2o_cell_under_the_plan_too(tmp_path, capsys, tiny_dir):  # noqa: F811
+    """``sweep --plan``: every H2O cell has a twin under the plan scaled to its keep ratio, on its own
+    curve (``h2o-sum+plan``); the twins' runs hold the scaled plan; --slots is refused with it."""
+    plan = tmp_path / "plan.json"
+    budget_plan.BudgetPlan(ratios=[(0.1, 0.3), 0.2]).save(plan)  # a mean of 0.2 over the layers and sets
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--model", str(tiny_dir), "--tasks", str(_tasks(tmp_path)), "--policies", "h2o,local"]
+    assert main([*argv, "--ratios", "0.35", "--plan", str(plan), "--out", str(out), "--no-replay"]) == 0
+    printed = capsys.readouterr().out
+    assert "h2o-sum+plan" in printed and "local+plan" not in printed
+    con = open_runs(out)
+    plans = [read_manifest(out / r)["config"].get("plan") for (r,) in con.execute("SELECT run_id FROM runs").fetchall()]
+    planned = [p for p in plans if p is not None]
+    assert len(planned) == 1 and len(plans) == 3  # h2o, local and h2o+plan: one batch of two requests
+    assert planned[0] == {"ratios": [[0.175, 0.525], [0.35]]}  # the plan's shape at a mean of 0.35
+    assert main([*argv, "--slots", "8", "--plan", str(plan), "--out", str(tmp_path / "s2")]) == 2
+    assert "--plan takes keep ratios" in capsys.readouterr().err
