@@ -41,7 +41,7 @@ SUBCOMMANDS = (
     explain,
     demo,
     sweep,
-    plan,  # budgets per layer and KV set for H2O (DESIGN.md §2.14)
+    plan,  # budgets per layer and KV set for H2O (DESIGN.md §2.15)
     tasks,
     samples,
     app,

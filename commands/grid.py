@@ -87,7 +87,7 @@ class Cell:
     budget_kind: str
     max_new_tokens: int
     #: a budget plan's shares per layer (and KV set) at a mean of 1, scaled to the cell's keep ratio
-    #: (``--plan``, DESIGN.md §2.13); None: one budget for every layer and set
+    #: (``--plan``, DESIGN.md §2.14); None: one budget for every layer and set
     plan: Any = None
 
     @property
@@ -289,7 +289,7 @@ def plan_grid(
     1.0 or the ``full`` policy is asked for; a ratio of 1.0 gives no evicting cell.
     ``lengths``: the requests' :func:`prompt_lengths`, when the caller has them. ``plan``: a
     :class:`~h2o_lens.plan.BudgetPlan` in shares; every ``h2o`` cell then has a twin
-    under the plan scaled to the cell's keep ratio (label ``+plan``, DESIGN.md §2.13).
+    under the plan scaled to the cell's keep ratio (label ``+plan``, DESIGN.md §2.14).
     """
     weights = None
     if plan is not None:

@@ -105,7 +105,7 @@ def policy_config(args: argparse.Namespace):
     from h2o_lens.errors import ConfigError
 
     heavy, recent, ratio = args.heavy, args.recent, args.ratio
-    if getattr(args, "plan", None) is not None:  # a budget plan (DESIGN.md §2.13), read before any model loads
+    if getattr(args, "plan", None) is not None:  # a budget plan (DESIGN.md §2.14), read before any model loads
         if not policies.get(args.policy).evicts:
             raise ConfigError(f"--plan gives slots to an evicting policy; --policy {args.policy} keeps every token")
         given = [f"--{k}" for k in ("heavy", "recent", "ratio") if getattr(args, k) is not None]

@@ -1,4 +1,4 @@
-"""``h2o-lens plan``: budgets per layer (or KV set) for H2O from a calibration set (DESIGN.md §2.14)."""
+"""``h2o-lens plan``: budgets per layer (or KV set) for H2O from a calibration set (DESIGN.md §2.15)."""
 
 from __future__ import annotations
 

@@ -192,7 +192,7 @@ class H2OCacheLayer(CacheLayerMixin):
         """The budget of every row, or None when the rows' budgets differ."""
         budgets = self.owner.budgets
         args = _plan.layer_args(budgets[0], self.layer_idx) if len(budgets) == 1 else None
-        return None if args is None or args.sets is not None else args  # this layer's (DESIGN.md §2.13)
+        return None if args is None or args.sets is not None else args  # this layer's (DESIGN.md §2.14)
 
     def stage(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Stage new K/V ``(b, Hs, n, d)`` for the next step, as :meth:`update` does (no count)."""
@@ -225,7 +225,7 @@ class H2OCacheLayer(CacheLayerMixin):
         return kv
 
     def groups(self) -> list[tuple[torch.Tensor | None, ops.PolicyArgs]]:
-        """Rows of each distinct budget: ``[(rows or None, args), ...]``, this layer's (DESIGN.md §2.13)."""
+        """Rows of each distinct budget: ``[(rows or None, args), ...]``, this layer's (DESIGN.md §2.14)."""
         if self._groups is None:
             self._groups = [(rows, _plan.layer_args(a, self.layer_idx)) for rows, a in self.owner.groups(self.budget)]
         return self._groups

@@ -38,7 +38,7 @@ def assign_budgets(cache: Any, prompt_lens: torch.Tensor) -> torch.Tensor:
         cfgs = [cache.config.resolve(n) for n in lens]
         rows = []
         for cfg in cfgs:
-            args = policy_args(cfg)  # with a budget plan, its table (DESIGN.md §2.13)
+            args = policy_args(cfg)  # with a budget plan, its table (DESIGN.md §2.14)
             if args not in cache.budgets:
                 cache.budgets.append(args)
             rows.append(cache.budgets.index(args))

@@ -108,7 +108,7 @@ class H2OConfig:
         ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
     plan : BudgetPlan, dict or path, optional
         Slot counts (or shares of the prompt) per layer and KV set instead of one budget
-        (:class:`h2o_lens.plan.BudgetPlan`, DESIGN.md §2.13); a dict or the path of a plan
+        (:class:`h2o_lens.plan.BudgetPlan`, DESIGN.md §2.14); a dict or the path of a plan
         file is read into one. Give it instead of ``heavy``/``recent``/``ratio``.
     """
 
@@ -176,7 +176,7 @@ class H2OConfig:
             raise ConfigError(problem)
 
     def _check_plan(self) -> None:
-        """A plan replaces the budget: no heavy, recent or ratio beside it (DESIGN.md §2.13)."""
+        """A plan replaces the budget: no heavy, recent or ratio beside it (DESIGN.md §2.14)."""
         from . import plan as _plan
 
         object.__setattr__(self, "plan", _plan.coerce(self.plan))

@@ -47,7 +47,7 @@ class PolicyArgs:
     gqa: str  # sum | max | none
     seed: int = 0  # of the random policy
     pinned: tuple[int, ...] = ()  # positions never evicted, inside the capacity (DESIGN.md §2.11)
-    #: a budget plan's ``(heavy, recent, sink)`` per layer and KV set (DESIGN.md §2.13); the split
+    #: a budget plan's ``(heavy, recent, sink)`` per layer and KV set (DESIGN.md §2.14); the split
     #: above is then the widest entry's. Read per layer with :func:`h2o_lens.plan.layer_args`.
     plan: tuple[tuple[tuple[int, int, int], ...], ...] | None = None
     #: one layer's ``(heavy, recent, sink)`` per KV set when its sets differ (the split above is
@@ -500,7 +500,7 @@ class RowBudgets:
     never written, never attended and never chosen, so the row steps exactly as if its
     storage were ``capacity_r`` wide. ``self_victim`` says whether some row has no recent
     window (its new token may be its own victim). A layer whose KV sets hold different slot
-    counts (a budget plan, DESIGN.md §2.13) has them ``(b, Hs, 1)``, one value per row and set.
+    counts (a budget plan, DESIGN.md §2.14) has them ``(b, Hs, 1)``, one value per row and set.
     """
 
     capacity: torch.Tensor

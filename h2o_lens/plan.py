@@ -1,4 +1,4 @@
-"""Budgets that differ by layer and KV set: a budget plan (DESIGN.md §2.13).
+"""Budgets that differ by layer and KV set: a budget plan (DESIGN.md §2.14).
 
 A :class:`BudgetPlan` gives every layer, and optionally every KV set of a layer, its own slot
 count; ``H2OConfig(plan=...)`` runs the policy with it. Inside each (layer, KV set) the policy is

@@ -1,4 +1,4 @@
-"""A budget planner for H2O: where does this model need its slots (DESIGN.md §2.14)?
+"""A budget planner for H2O: where does this model need its slots (DESIGN.md §2.15)?
 
 Given calibration prompts, :func:`plan_budgets`
 

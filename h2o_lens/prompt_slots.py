@@ -139,7 +139,7 @@ def lay(layer: Any, key, value, kept) -> None:
     b, hs, p, d = key.shape
     owner = layer.owner
     positions, count, drive, history, keep, eligible = kept
-    caps = owner.row_capacity(layer.budget, layer.layer_idx)  # (b,) this layer's (DESIGN.md §2.13)
+    caps = owner.row_capacity(layer.budget, layer.layer_idx)  # (b,) this layer's (DESIGN.md §2.14)
     cap = max(args.capacity for _, args in layer.groups())
     # slots hold the kept positions in ascending order, then empty slots
     big = torch.iinfo(POS_DTYPE).max

@@ -164,7 +164,7 @@ def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum", pi
 
 def simulate_sets(logits, prefill: int, splits, gqa: str = "sum") -> list[list[list[int]]]:
     """Kept positions of H2O for every KV set of a layer, each at its own slot count, in FP64
-    (a budget plan, DESIGN.md §2.13).
+    (a budget plan, DESIGN.md §2.14).
 
     ``logits (Hs, G, N, N)`` one KV-head group per set; ``splits`` one ``(heavy, recent)`` per
     set. Each set runs :func:`simulate` alone: a plan changes how many slots a set holds, never

@@ -158,7 +158,7 @@ class StepCapture:
         step = stack("step").to(torch.int64)  # (K, b)
         slot, evicts = stack("slot"), stack("evicts")  # (K, b, Hs)
         c_scores, c_pos = _candidates(ev)  # (K, b, Hs, B+1), B the widest layer's under a budget plan
-        # each event's layer: its recent window and sink per row and KV set (DESIGN.md §2.13)
+        # each event's layer: its recent window and sink per row and KV set (DESIGN.md §2.14)
         windows = {i: budget_plan.set_windows(cache.layers[i]) for i in set(pend.layer)}
         recent = torch.stack([windows[i][0] for i in pend.layer]).to(step.device)  # (K, b, Hs)
         sink = torch.stack([windows[i][1] for i in pend.layer]).to(step.device)
@@ -270,7 +270,7 @@ def _candidates(events: list[DecodeEvent]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _stats(c_scores, c_pos, slot, evicts, step, recent, sink, pinned) -> eviction.StepStats:
     """:func:`h2o_lens.events.decode_stats` with a recent window and sink per event, row and KV set
-    (``recent, sink (K, b, Hs)``; a budget plan's differ by layer and set, DESIGN.md §2.13)."""
+    (``recent, sink (K, b, Hs)``; a budget plan's differ by layer and set, DESIGN.md §2.14)."""
     if pinned is not None:
         pinned = pinned.to(c_pos.device, c_pos.dtype)
     eligible = eviction.eligible_mask(c_pos, step[..., None, None], recent[..., None], sink[..., None], pinned=pinned)

@@ -1,6 +1,6 @@
 """Budgets per layer and KV set in the log (DESIGN.md §5.6): the ``set_budgets`` view.
 
-A run under a budget plan (DESIGN.md §2.13) writes no single budget: its manifest's
+A run under a budget plan (DESIGN.md §2.14) writes no single budget: its manifest's
 ``config.plan`` holds the plan as given (slot counts, or shares of the prompt) and each
 request's ``prompt_len`` resolves it. The catalog keeps one row per (run, layer, KV set) of every
 planned run (``h2o_lens_catalog.plans``) and the view ``set_budgets`` resolves them per request:

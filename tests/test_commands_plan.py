@@ -1,4 +1,4 @@
-"""``h2o-lens plan`` and ``record --plan`` (DESIGN.md §2.13, §2.14) on a tiny model in a folder."""
+"""``h2o-lens plan`` and ``record --plan`` (DESIGN.md §2.14, §2.15) on a tiny model in a folder."""
 
 from __future__ import annotations
 

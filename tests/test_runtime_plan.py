@@ -1,4 +1,4 @@
-"""Budget plans (DESIGN.md §2.13): slot counts per layer and KV set, exact H2O inside each.
+"""Budget plans (DESIGN.md §2.14): slot counts per layer and KV set, exact H2O inside each.
 
 A tiny random model generates under a plan while its own post-RoPE queries and keys are
 captured; the FP64 reference, run per KV set with that set's split, gives the kept sets of every

@@ -1,4 +1,4 @@
-"""The budget planner (DESIGN.md §2.14) on a tiny model whose heads are built to need known budgets.
+"""The budget planner (DESIGN.md §2.15) on a tiny model whose heads are built to need known budgets.
 
 Layer 0's first KV head attends uniformly (its query weights are zero): 90 % of its mass needs
 90 % of the keys a row sees. Every other head reads a few nearby positions (a strong rotary

@@ -240,7 +240,7 @@ def decode_step_triton(
     num_warps : Triton launch option
     rows : :class:`h2o_lens.ops.RowBudgets` whose ``capacity``, ``recent`` and ``sink`` give each
         request (``(b, 1, 1)``) or each request and KV set (``(b, Hs, 1)``, a budget plan's ragged
-        layer, DESIGN.md §2.13) its own: it uses its first ``capacity`` slots (the others hold
+        layer, DESIGN.md §2.14) its own: it uses its first ``capacity`` slots (the others hold
         position ``-1``), ``args``' split is unused; a new token that evicts itself reports slot ``B``
 
     Returns
