@@ -153,10 +153,13 @@ def evidence_evictions(
         SELECT e.request, t.label, e.step, e.layer, e.kv_head, e.q_head, e.position, t.text,
                e.score, e.margin, e.age, e.left_recent, e.phase, e.score + e.margin AS threshold,
                coalesce(e.phase <> 'prefill', e.step > coalesce(q.prompt_len, run.prompt_len) - 1, true)
-               AND e.age <= coalesce(q.recent, run.recent) + $lag_steps
+               AND e.age <= coalesce(b.recent, q.recent, run.recent) + $lag_steps
                AND e.score <= $ratio * (e.score + e.margin) AS lag_eviction
         FROM evictions e JOIN ev_tok t ON e.request = t.request AND e.position = t.position
         CROSS JOIN run LEFT JOIN rq q ON q.request = e.request
+        LEFT JOIN set_budgets b  -- a budget plan's window of the set (DESIGN.md §5.6)
+          ON b.run_id = $run AND b.request = e.request AND b.layer = e.layer
+         AND b.kv_set = coalesce(e.q_head, e.kv_head)
         WHERE e.run_id = $run AND ($before IS NULL OR e.step < $before)
         ORDER BY e.request, e.step, e.layer, e.kv_head, e.q_head, e.position
     """

@@ -40,8 +40,12 @@ def _window(con: duckdb.DuckDBPyConnection, run_id: str, window: int | None) -> 
     if window is not None:
         return check_int("window", window, 1)
     recent = run_info(con, run_id).get("recent")
-    if recent is None:  # budgets differ per request (keep ratio): the widest recent window
-        recent = con.execute("SELECT max(recent) FROM requests WHERE run_id = $run", {"run": run_id}).fetchall()[0][0]
+    if recent is None:  # budgets differ per request (keep ratio) or per set (a plan): the widest recent window
+        recent = con.execute(
+            "SELECT max(recent) FROM (SELECT recent FROM requests WHERE run_id = $run"
+            " UNION ALL SELECT recent FROM set_budgets WHERE run_id = $run)",
+            {"run": run_id},
+        ).fetchall()[0][0]
     return max(1, int(recent)) if recent else 1
 
 
@@ -80,11 +84,14 @@ def stale_victims(
         v AS (
             SELECT e.request, e.step, e.layer, e.kv_head, e.q_head, coalesce(e.q_head, -1) AS qh,
                    e.position, e.score, e.margin, e.age,
-                   greatest(e.position + coalesce(q.recent, run.recent),
+                   greatest(e.position + coalesce(b.recent, q.recent, run.recent),
                             coalesce(p.prompt_len, run.prompt_len) - 1) AS entry_step,
                    e.step - $w AS ref_target
             FROM evictions e CROSS JOIN run LEFT JOIN plen p ON p.request = e.request
             LEFT JOIN rq q ON q.request = e.request
+            LEFT JOIN set_budgets b  -- a budget plan's window of the set (DESIGN.md §5.6)
+              ON b.run_id = $run AND b.request = e.request AND b.layer = e.layer
+             AND b.kv_set = coalesce(e.q_head, e.kv_head)
             WHERE e.run_id = $run AND NOT e.left_recent
               AND e.step > coalesce(p.prompt_len, run.prompt_len) - 1
         ), keys AS (

@@ -16,6 +16,7 @@ from . import (
     eval,
     explain,
     generate,
+    plan,
     record,
     replay,
     report,
@@ -40,6 +41,7 @@ SUBCOMMANDS = (
     explain,
     demo,
     sweep,
+    plan,  # budgets per layer and KV set for H2O (DESIGN.md §2.15)
     tasks,
     samples,
     app,

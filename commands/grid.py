@@ -86,11 +86,14 @@ class Cell:
     budget: float | int | None
     budget_kind: str
     max_new_tokens: int
+    #: a budget plan's shares per layer (and KV set) at a mean of 1, scaled to the cell's keep ratio
+    #: (``--plan``, DESIGN.md §2.14); None: one budget for every layer and set
+    plan: Any = None
 
     @property
     def label(self) -> str:
-        """The curve this cell belongs to, e.g. ``h2o-sum`` or ``local``."""
-        return sweep_label(self.policy, self.gqa)
+        """The curve this cell belongs to, e.g. ``h2o-sum``, ``h2o-sum+plan`` or ``local``."""
+        return sweep_label(self.policy, self.gqa) + ("+plan" if self.plan is not None else "")
 
     @property
     def budget_text(self) -> str:
@@ -110,6 +113,10 @@ class Cell:
             return presses.sweep_spec(self.policy, float(self.budget))
         if self.budget is None:
             return H2OConfig(policy=registry.FULL_CACHE, gqa=self.gqa, seed=seed)
+        if self.plan is not None:
+            from h2o_lens.plan import scaled
+
+            return H2OConfig(policy=self.policy, plan=scaled(self.plan, float(self.budget)), gqa=self.gqa, seed=seed)
         if self.budget_kind == "slots":
             heavy, recent = registry.half_split(int(self.budget))
             return H2OConfig(policy=self.policy, heavy=heavy, recent=recent, gqa=self.gqa, seed=seed)
@@ -144,7 +151,7 @@ class Grid:
             "seed": self.seed,
             "replay": self.replay,
             "command": self.command,
-            "cells": [asdict(c) | {"requests": list(c.requests)} for c in self.cells],
+            "cells": [_cell_json(c) for c in self.cells],
         }
 
 
@@ -187,6 +194,26 @@ def sweep_label(policy: str, gqa: str) -> str:
     if not registry.get(policy).evicts:
         return policy
     return f"{policy}-{gqa}" if policy == registry.DEFAULT or gqa != "sum" else policy
+
+
+def _cell_json(cell: Cell) -> dict[str, Any]:
+    """A cell in the sweep plan file; a cell without a budget plan is written as before plans existed."""
+    out = asdict(cell) | {"requests": list(cell.requests)}
+    if out["plan"] is None:
+        del out["plan"]
+    return out
+
+
+def kind_of(ratios: Any, slots: Any) -> str:
+    """``ratio`` or ``slots``: how a grid's budgets are given."""
+    return "ratio" if ratios is not None else "slots"
+
+
+def _tuples(plan: Any) -> Any:
+    """A cell's plan read back from JSON: lists to tuples (a cell is hashable)."""
+    if plan is None:
+        return None
+    return tuple(tuple(row) if isinstance(row, list) else row for row in plan)
 
 
 def tasks_digest(tasks: Sequence[Any]) -> str:
@@ -254,13 +281,23 @@ def plan_grid(
     replay: bool = True,
     command: Sequence[str] = (),
     lengths: Sequence[int] | None = None,
+    plan: Any = None,
 ) -> Grid:
     """The cells of a sweep, in run order (batch by batch: full cache first, then policy × budget × gqa).
 
     The full cache runs once per batch (not per policy or gqa), when a ratio of
     1.0 or the ``full`` policy is asked for; a ratio of 1.0 gives no evicting cell.
-    ``lengths``: the requests' :func:`prompt_lengths`, when the caller has them.
+    ``lengths``: the requests' :func:`prompt_lengths`, when the caller has them. ``plan``: a
+    :class:`~h2o_lens.plan.BudgetPlan` in shares; every ``h2o`` cell then has a twin
+    under the plan scaled to the cell's keep ratio (label ``+plan``, DESIGN.md §2.14).
     """
+    weights = None
+    if plan is not None:
+        from h2o_lens.plan import relative
+
+        if kind_of(ratios, slots) != "ratio":
+            raise ConfigError("--plan takes keep ratios (--ratios): the plan is scaled to each ratio")
+        weights = relative(plan)
     if not tasks:
         raise ConfigError(f"--tasks {tasks_spec!r} resolved to no requests; give a file with at least one line")
     if (ratios is None) == (slots is None):
@@ -297,9 +334,16 @@ def plan_grid(
     cells = []
     for b, members in enumerate(batches):
         mnt = int(tasks[members[0]].max_new_tokens)
-        combos: list[tuple[str, str, float | int | None]] = [(registry.FULL_CACHE, "sum", None)] if full else []
-        combos += [(p, g, x) for x in budgets if not (kind == "ratio" and x >= 1.0) for p, g in evicting]
-        for policy, gqa, budget in combos:
+        combos: list[tuple[str, str, float | int | None, Any]] = (
+            [(registry.FULL_CACHE, "sum", None, None)] if full else []
+        )
+        for x in budgets:
+            if kind == "ratio" and x >= 1.0:
+                continue
+            combos += [(p, g, x, None) for p, g in evicting]
+            if weights is not None:  # the method under the plan, beside it
+                combos += [(p, g, x, weights) for p, g in evicting if p == registry.DEFAULT]
+        for policy, gqa, budget, shares in combos:
             key = _key(
                 {
                     **base,
@@ -310,10 +354,12 @@ def plan_grid(
                     "budget": budget,
                     "budget_kind": kind if budget is not None else None,
                     "max_new_tokens": mnt,
+                    **({"plan": shares} if shares is not None else {}),  # keys without a plan as before
                 }
             )
-            cells.append(Cell(key, f"cell-{key[:20]}", b, members, policy, gqa, budget, kind, mnt))
-    for cell in cells[: 1 + len(budgets) * len(evicting)]:  # the cells of one batch hold every configuration
+            cells.append(Cell(key, f"cell-{key[:20]}", b, members, policy, gqa, budget, kind, mnt, shares))
+    per_batch = sum(1 for c in cells if c.batch == 0)
+    for cell in cells[:per_batch]:  # the cells of one batch hold every configuration
         try:
             cell.config(seed)
         except ConfigError as exc:
@@ -671,7 +717,7 @@ def grid_status(root: str | os.PathLike) -> str:
         )
         groups: dict[tuple[str, str], dict[str, list[str]]] = {}
         for c in g["cells"]:
-            cell = Cell(**{**c, "requests": tuple(c["requests"])})
+            cell = Cell(**{**c, "requests": tuple(c["requests"]), "plan": _tuples(c.get("plan"))})
             state, error = cell_state(root, cell.run_id, g["replay"])
             seen[cell.run_id] = state
             state = {"unreplayed": "todo", "interrupted": "todo"}.get(state, state)

@@ -396,6 +396,7 @@ def sweep(
     executor: Any = None,
     past_context: bool = False,
     force: bool = False,
+    plan: Any = None,
 ) -> Any:
     """Keep ratio (or slots) × policy over the requests → the three curves (quality, physical KV, latency).
 
@@ -452,6 +453,7 @@ def sweep(
         replay=replay,
         command=command,
         lengths=lengths,
+        plan=plan,
     )
     root = Path(out)
     if executor is not None:

@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "add_model_args",
     "DEFAULT_PROMPT",
+    "add_plan_arg",
     "add_policy_args",
     "add_task_args",
     "policy_config",
@@ -89,11 +90,31 @@ def add_task_args(p: argparse.ArgumentParser, default: str) -> None:
     g.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter dtype of the model")
 
 
+def add_plan_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--plan",
+        metavar="FILE",
+        default=None,
+        help="a budget plan (h2o-lens plan -o FILE): slots per layer and KV set instead of --heavy/--recent/--ratio",
+    )
+
+
 def policy_config(args: argparse.Namespace):
     from h2o_lens import policies
     from h2o_lens.config import H2OConfig
+    from h2o_lens.errors import ConfigError
 
     heavy, recent, ratio = args.heavy, args.recent, args.ratio
+    if getattr(args, "plan", None) is not None:  # a budget plan (DESIGN.md §2.14), read before any model loads
+        if not policies.get(args.policy).evicts:
+            raise ConfigError(f"--plan gives slots to an evicting policy; --policy {args.policy} keeps every token")
+        given = [f"--{k}" for k in ("heavy", "recent", "ratio") if getattr(args, k) is not None]
+        if given:
+            raise ConfigError(f"--plan gives the budget; drop {' and '.join(given)}")
+        try:
+            return H2OConfig(policy=args.policy, plan=args.plan, gqa=args.gqa, sink=args.sink, seed=args.seed)
+        except ConfigError as exc:
+            raise ConfigError(f"--plan {args.plan}: {exc}") from None
     if not policies.get(args.policy).evicts:  # no slots: a budget given with it is ignored
         heavy = recent = ratio = None
     elif ratio is None and heavy is None and recent is None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from .limits import check_new_tokens
 from .options import (
+    add_plan_arg,
     add_policy_args,
     chat,
     guard_config,
@@ -75,6 +76,7 @@ def add_parser(sub: Any) -> None:
         "(DESIGN.md §2.13); e.g. cpu:16",
     )
     add_policy_args(r)
+    add_plan_arg(r)
     r.set_defaults(func=run)
 
 
@@ -173,6 +175,8 @@ def _check_record(args: argparse.Namespace):
         if not config.spec.evicts:
             raise ConfigError(f"--cold keeps what a policy evicts; --policy {config.policy} keeps every token")
         config = dataclasses.replace(config, cold=parse_cold(args.cold))
+    if config.plan is not None and args.guard is not None:
+        raise ConfigError("--guard raises and refills one budget per request; it cannot be combined with --plan")
     # a malformed --guard, or a fit for another model, is refused before the model loads
     guard = guard_config(args.guard, fit=args.guard_fit, model=args.model, allow_other_model=args.allow_other_model)
     if guard is not None and args.teacher_force:

@@ -56,6 +56,13 @@ def add_parser(sub: Any) -> None:
     )
     sw.add_argument("--gqa", action="extend", nargs="+", default=None, help="aggregations, e.g. sum,max")
     sw.add_argument(
+        "--plan",
+        metavar="FILE",
+        default=None,
+        help="a budget plan (h2o-lens plan -o FILE): every h2o cell gets a twin under the plan scaled to its "
+        "keep ratio (curve h2o-GQA+plan)",
+    )
+    sw.add_argument(
         "--press-args",
         action="extend",
         nargs="+",
@@ -115,6 +122,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {args.out!r} is an existing file; give a folder for the sweep's runs")
     check_out_root(args.out, force=args.force)  # before the model loads
     spec, args.count = task_source(args.tasks, args.count, f"builtin:{args.size}")
+    plan = None
+    if args.plan is not None:  # read before the model loads
+        from h2o_lens.plan import load
+
+        if args.slots:
+            raise ConfigError("--plan takes keep ratios (--ratios): the plan is scaled to each ratio")
+        try:
+            plan = load(args.plan)
+        except ConfigError as exc:
+            raise ConfigError(f"--plan {args.plan}: {exc}") from None
     ratios = slots = None
     if args.slots:
         slots = [number(v, int, "--slots") for v in split_list(args.slots)]
@@ -151,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
             executor=executor,
             past_context=args.past_context,
             force=args.force,
+            plan=plan,
         )
     finally:
         if executor is not None:

@@ -18,9 +18,7 @@ that overrides public verbs only (the tests' known bugs, DESIGN.md §15.5).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +27,7 @@ from . import cache_rows as _per_row
 from . import cache_state as _state
 from . import compat, ops
 from . import extension as _extension
+from . import plan as _plan
 from . import prompt_slots as _slots
 from . import speculative as _speculative
 from .cache_state import ROW_STATE
@@ -40,6 +39,7 @@ from .events import CacheListener, DecodeEvent
 from .events import PrefillEvent as PrefillEvent  # defined in h2o_lens.events, also read from here
 from .events import decode_stats as decode_stats  # defined in h2o_lens.events, also read from here
 from .extension import CacheExtension, PromptChoice, StepEvent, StepNeeds
+from .layer_class import check_layer_class, current_layer_class, use_layer_class
 from .prompt_slots import POS_DTYPE as POS_DTYPE  # defined in h2o_lens.prompt_slots, also read from here
 from .prompt_slots import SharedPrefix
 from .shape import model_shape
@@ -191,7 +191,8 @@ class H2OCacheLayer(CacheLayerMixin):
     def one_budget(self) -> ops.PolicyArgs | None:
         """The budget of every row, or None when the rows' budgets differ."""
         budgets = self.owner.budgets
-        return budgets[0] if len(budgets) == 1 else None
+        args = _plan.layer_args(budgets[0], self.layer_idx) if len(budgets) == 1 else None
+        return None if args is None or args.sets is not None else args  # this layer's (DESIGN.md §2.14)
 
     def stage(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Stage new K/V ``(b, Hs, n, d)`` for the next step, as :meth:`update` does (no count)."""
@@ -224,9 +225,9 @@ class H2OCacheLayer(CacheLayerMixin):
         return kv
 
     def groups(self) -> list[tuple[torch.Tensor | None, ops.PolicyArgs]]:
-        """Rows of each distinct budget: ``[(rows or None for all rows, args), ...]``."""
+        """Rows of each distinct budget: ``[(rows or None, args), ...]``, this layer's (DESIGN.md §2.14)."""
         if self._groups is None:
-            self._groups = self.owner.groups(self.budget)
+            self._groups = [(rows, _plan.layer_args(a, self.layer_idx)) for rows, a in self.owner.groups(self.budget)]
         return self._groups
 
     def prefill(self, query: torch.Tensor, valid: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -352,7 +353,7 @@ class H2OCacheLayer(CacheLayerMixin):
         q, k, v = query[:, :, 0].contiguous(), key[:, :, 0].contiguous(), value[:, :, 0].contiguous()
         for ext in owner.extensions:  # the before-step event: slots an extension added may change
             ext.before_step(self, q, k, v)
-        args = owner.budgets[0]  # policy, gqa and seed are the config's: the same for every budget
+        args = self.groups()[0][1]  # policy, gqa and seed are the config's: the same for every budget
         rows = self.row_budgets()
         needs = self.step_needs()
         protected = self.protected()
@@ -360,7 +361,7 @@ class H2OCacheLayer(CacheLayerMixin):
         want = hears or needs.candidates
         journal = needs.journal
         if rows is not None and not journal and protected is None and self._kernel_step(args, want):
-            res = _per_row.step_groups(self, self._step, self.groups(), q, k, v, step, scaling)
+            res = self._step_groups(self.groups(), q, k, v, step, scaling)
         else:
             slots = (self.keys, self.values, self.scores, self.positions)
             res = self._step(
@@ -381,7 +382,7 @@ class H2OCacheLayer(CacheLayerMixin):
                 self.announce(event)
         self.next_pos = step + 1
         if self.fill is not None:
-            caps = self.keys.shape[2] if rows is None else rows.capacity.view(-1)  # (b,) B_r
+            caps = self.keys.shape[2] if rows is None else rows.capacity.flatten(1).amax(1)  # (b,) B_r
             self.fill = (self.fill + 1).clamp(max=caps) if rows is None else torch.minimum(self.fill + 1, caps)
             if bool((self.fill >= caps).all()):
                 self.fill = None
@@ -468,10 +469,11 @@ class H2OCacheLayer(CacheLayerMixin):
     def row_budgets(self) -> ops.RowBudgets | None:
         """Per-row capacity, recent window and sink when the requests' budgets differ; None
         when every row uses the one budget (as wide as the storage)."""
-        if len(self.owner.budgets) == 1 and self.keys.shape[2] == self.owner.budgets[0].capacity:
+        budgets = [_plan.layer_args(a, self.layer_idx) for a in self.owner.budgets]
+        if len(budgets) == 1 and budgets[0].sets is None and self.keys.shape[2] == budgets[0].capacity:
             return None  # (storage wider than the budget: an extension's slots, extension.widen)
         if self._row_budgets is None:
-            self._row_budgets = ops.RowBudgets.of(self.owner.budgets, self.budget)
+            self._row_budgets = _plan.row_budgets(budgets, self.budget, self.owner.shape.sets(self.owner.config.gqa))
         return self._row_budgets
 
     def _kernel_step(self, args: ops.PolicyArgs, want: bool, protected: torch.Tensor | None = None) -> bool:
@@ -527,6 +529,11 @@ class H2OCacheLayer(CacheLayerMixin):
             protected=protected,
         )
 
+    def _step_groups(self, groups, q, k, v, step, scaling: float) -> ops.DecodeResult:
+        if any(a.sets is not None for _, a in groups):  # KV sets of different counts: one launch
+            return _plan.kernel_step(self, q, k, v, step, scaling)
+        return _per_row.step_groups(self, self._step, groups, q, k, v, step, scaling)
+
     def nbytes(self) -> tuple[int, int]:
         """``(kv_bytes, metadata_bytes)`` physically held by this layer."""
         if self.keys is None:
@@ -577,10 +584,12 @@ class H2OCache(Cache):
             raise ConfigError(
                 f"policy {config.policy!r} uses transformers' own cache; H2OCache needs an evicting policy"
             )
-        layer_class = current_layer_class() if layer_class is None else _layer_class(layer_class)
+        layer_class = current_layer_class() if layer_class is None else check_layer_class(layer_class)
         self.config = config
         #: layers, query and KV heads of the model (:func:`h2o_lens.shape.model_shape`)
         self.shape = model_shape(model_config)
+        if config.plan is not None:
+            config.plan.check(self.shape.layers, self.shape.sets(config.gqa))
         self.group = self.shape.group
         self.num_query_heads, self.num_kv_heads = self.shape.q_heads, self.shape.kv_heads
         self.listener = listener
@@ -668,9 +677,10 @@ class H2OCache(Cache):
             out.append((None if len(rows) == len(idx) else rows.to(budget.device), self.budgets[g]))
         return out
 
-    def row_capacity(self, budget: torch.Tensor) -> torch.Tensor:
-        """``(b,)`` slot count ``B_r`` of each row, on ``budget``'s device."""
-        caps = torch.tensor([a.capacity for a in self.budgets], dtype=torch.int64, device=budget.device)
+    def row_capacity(self, budget: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """``(b,)`` slot count ``B_r`` of each row on ``budget``'s device (of ``layer`` under a plan)."""
+        budgets = self.budgets if layer is None else [_plan.layer_args(a, layer) for a in self.budgets]
+        caps = torch.tensor([a.capacity for a in budgets], dtype=torch.int64, device=budget.device)
         return caps[budget]
 
     def request_budgets(self) -> dict[str, torch.Tensor]:
@@ -764,37 +774,3 @@ class H2OCache(Cache):
             a, m = layer.nbytes()
             kv, meta = kv + a, meta + m
         return {"kv": kv, "metadata": meta}
-
-
-# -- the layer class of new caches (DESIGN.md §15.5) --------------------------------------------
-
-_LAYER_CLASS: contextvars.ContextVar[type[H2OCacheLayer]] = contextvars.ContextVar(
-    "h2o_lens_layer_class", default=H2OCacheLayer
-)
-
-
-def _layer_class(cls: Any) -> type[H2OCacheLayer]:
-    if not (isinstance(cls, type) and issubclass(cls, H2OCacheLayer)):
-        raise ConfigError(f"layer_class must be H2OCacheLayer or a subclass of it, got {cls!r}")
-    return cls
-
-
-def current_layer_class() -> type[H2OCacheLayer]:
-    """The layer class a new :class:`H2OCache` gets: :class:`H2OCacheLayer` outside a
-    :func:`use_layer_class` block."""
-    return _LAYER_CLASS.get()
-
-
-@contextlib.contextmanager
-def use_layer_class(cls: type[H2OCacheLayer]) -> Iterator[None]:
-    """Build the H2O caches made inside the block with layers of class ``cls``, a subclass of
-    :class:`H2OCacheLayer`, also those the runtime makes itself (:func:`h2o_lens.h2o`, the
-    recorder). The choice holds for the block, in its thread or task only (a context
-    variable), and is undone on exit, exceptions included. The tests build the runtime's
-    known state bugs this way (DESIGN.md §15.5); a cache that exists already keeps its layers.
-    """
-    token = _LAYER_CLASS.set(_layer_class(cls))
-    try:
-        yield
-    finally:
-        _LAYER_CLASS.reset(token)

@@ -14,6 +14,7 @@ import torch
 
 from . import ops, pins
 from .errors import ConfigError
+from .plan import policy_args
 
 __all__ = ["assign_budgets", "step_groups", "cancel"]
 
@@ -37,7 +38,7 @@ def assign_budgets(cache: Any, prompt_lens: torch.Tensor) -> torch.Tensor:
         cfgs = [cache.config.resolve(n) for n in lens]
         rows = []
         for cfg in cfgs:
-            args = ops.PolicyArgs(cfg.policy, *cfg.split, cfg.gqa, cfg.seed, cfg.pinned)
+            args = policy_args(cfg)  # with a budget plan, its table (DESIGN.md §2.14)
             if args not in cache.budgets:
                 cache.budgets.append(args)
             rows.append(cache.budgets.index(args))

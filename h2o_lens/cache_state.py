@@ -47,6 +47,16 @@ def export_state(cache: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return header, tensors
 
 
+def args_from_dict(a: dict[str, Any]) -> ops.PolicyArgs:
+    """A budget as :func:`export_state` wrote it (JSON lists back to tuples; a budget plan's table too)."""
+    a = {**a, "pinned": tuple(a["pinned"])}
+    if a.get("plan") is not None:
+        a["plan"] = tuple(tuple(tuple(s) for s in row) for row in a["plan"])
+    if a.get("sets") is not None:
+        a["sets"] = tuple(tuple(s) for s in a["sets"])
+    return ops.PolicyArgs(**a)
+
+
 def import_state(cache: Any, header: dict[str, Any], tensors: dict[str, torch.Tensor], device: Any = None) -> None:
     """Load what :meth:`export_state` returned into this (fresh) cache."""
     if len(header["seen"]) != len(cache.layers):
@@ -54,7 +64,7 @@ def import_state(cache: Any, header: dict[str, Any], tensors: dict[str, torch.Te
             f"the saved state has {len(header['seen'])} layers, this model {len(cache.layers)}; "
             "restore it into the model it was saved from"
         )
-    cache.budgets = [ops.PolicyArgs(**{**a, "pinned": tuple(a["pinned"])}) for a in header["budgets"]]
+    cache.budgets = [args_from_dict(a) for a in header["budgets"]]
     pins.attach(cache)
     cache.row_index = None if header["rows"] is None else torch.tensor(header["rows"], dtype=torch.int64)
     cfgs = header["request_configs"]

@@ -111,6 +111,10 @@ class H2OConfig:
         pins) holds the cold entries the current queries attend to most. None: off.
     backend : str
         ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
+    plan : BudgetPlan, dict or path, optional
+        Slot counts (or shares of the prompt) per layer and KV set instead of one budget
+        (:class:`h2o_lens.plan.BudgetPlan`, DESIGN.md §2.14); a dict or the path of a plan
+        file is read into one. Give it instead of ``heavy``/``recent``/``ratio``.
     """
 
     policy: str = "h2o"
@@ -123,6 +127,7 @@ class H2OConfig:
     backend: str = "auto"
     pinned: tuple[int, ...] = ()
     cold: ColdTier | None = None
+    plan: Any = None
 
     def __post_init__(self) -> None:
         registry.get(self.policy)  # ConfigError naming the known policies
@@ -136,6 +141,11 @@ class H2OConfig:
         _count("seed", self.seed, allow_none=False)
         object.__setattr__(self, "pinned", pin_positions(self.pinned))
         object.__setattr__(self, "cold", cold_tier(self.cold))
+        if self.plan is not None:
+            if self.cold is not None:
+                raise ConfigError("a cold tier with a budget plan is not supported; give one or the other")
+            self._check_plan()
+            return
         if not self.spec.evicts:
             if self.cold is not None:
                 raise ConfigError(f"policy {self.policy!r} evicts nothing, so a cold tier has nothing to keep")
@@ -176,6 +186,26 @@ class H2OConfig:
         if problem is not None:
             raise ConfigError(problem)
 
+    def _check_plan(self) -> None:
+        """A plan replaces the budget: no heavy, recent or ratio beside it (DESIGN.md §2.14)."""
+        from . import plan as _plan
+
+        object.__setattr__(self, "plan", _plan.coerce(self.plan))
+        if not self.spec.evicts:
+            raise ConfigError(f"policy {self.policy!r} evicts nothing, so a budget plan means nothing")
+        given = {
+            k: v for k, v in (("heavy", self.heavy), ("recent", self.recent), ("ratio", self.ratio)) if v is not None
+        }
+        if given:
+            raise ConfigError(f"give either a plan or a budget, got a plan and {given}")
+        if self.pinned:
+            raise ConfigError("pinned positions with a budget plan are not supported; pin with a uniform budget")
+        if self.plan.resolved:
+            from .plan import split
+
+            for b in {x for row in self.plan.slots for x in row}:
+                split(self, b)  # ConfigError for an entry the policy cannot split
+
     def _check_pinned(self) -> None:
         """The pinned positions and the recall window fit in the budget and leave the policy the
         slots it needs."""
@@ -203,14 +233,18 @@ class H2OConfig:
     @property
     def resolved(self) -> bool:
         """True when the budget is in slot counts (or the policy does not evict)."""
+        if self.plan is not None:
+            return self.plan.resolved
         return not self.spec.evicts or self.ratio is None
 
     @property
     def capacity(self) -> int | None:
-        """Slots per layer and KV set, ``None`` for the full cache."""
+        """Slots per layer and KV set, ``None`` for the full cache (with a plan: its largest entry)."""
         if not self.spec.evicts:
             return None
         self._need_resolved()
+        if self.plan is not None:
+            return max(x for row in self.plan.slots for x in row)
         return int(self.heavy) + int(self.recent)
 
     @property
@@ -231,6 +265,8 @@ class H2OConfig:
         """
         if self.capacity is None:
             raise ConfigError("the full-cache policy has no slot split")
+        if self.plan is not None:
+            raise ConfigError("a budget plan splits each layer and KV set on its own; read plan.split(config, slots)")
         heavy, recent = unpinned_split(int(self.heavy), int(self.recent), self.taken)
         return self.spec.split(heavy, recent, self.sink)
 
@@ -238,6 +274,8 @@ class H2OConfig:
         """Turn a ``ratio`` budget into slot counts for a prompt of ``prompt_len`` tokens."""
         if self.resolved:
             return self
+        if self.plan is not None:
+            return dataclasses.replace(self, plan=self.plan.resolve(prompt_len))
         heavy, recent = registry.half_split(registry.ratio_slots(self.ratio, prompt_len))
         return dataclasses.replace(self, ratio=None, heavy=heavy, recent=recent)
 
@@ -248,10 +286,15 @@ class H2OConfig:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict for manifests and Parquet metadata (``cold`` only when a cold tier is on)."""
+        """Plain dict for manifests and Parquet metadata (``cold`` only when a cold tier is on, a plan,
+        if any, as its ``to_dict``)."""
         out = dataclasses.asdict(self)
         if out["cold"] is None:
             del out["cold"]
+        if self.plan is None:
+            del out["plan"]  # a config without a plan reads as before it existed
+        else:
+            out["plan"] = self.plan.to_dict()
         return out
 
     def describe(self) -> str:
@@ -261,6 +304,8 @@ class H2OConfig:
         pins = f" pinned={_show_positions(self.pinned)}" if self.pinned else ""
         if self.cold is not None:
             pins += f" {self.cold.describe()}"
+        if self.plan is not None:
+            return f"{self.policy} {self.plan.describe()} gqa={self.gqa}"
         if not self.resolved:
             return f"{self.policy} ratio={self.ratio}{pins} gqa={self.gqa}"
         h, r, s = self.split

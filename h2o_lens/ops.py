@@ -49,10 +49,16 @@ class PolicyArgs:
     #: positions never evicted, inside the capacity: the budget reserves their slots; the cache's
     #: :class:`~h2o_lens.pins.Pins` extension protects them (DESIGN.md §2.11)
     pinned: tuple[int, ...] = ()
+    #: a budget plan's ``(heavy, recent, sink)`` per layer and KV set (DESIGN.md §2.14); the split
+    #: above is then the widest entry's. Read per layer with :func:`h2o_lens.plan.layer_args`.
+    plan: tuple[tuple[tuple[int, int, int], ...], ...] | None = None
+    #: one layer's ``(heavy, recent, sink)`` per KV set when its sets differ (the split above is
+    #: then the widest set's): a ragged layer (:mod:`h2o_lens.plan`)
+    sets: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def capacity(self) -> int:
-        """Slots per KV set: the policy's split plus the pinned positions."""
+        """Slots per KV set: the policy's split plus the pinned positions (the widest set's)."""
         return self.heavy + self.recent + self.sink + len(self.pinned)
 
     @functools.cached_property
@@ -489,7 +495,8 @@ class RowBudgets:
     row: row ``r`` uses slots ``0 … capacity_r − 1`` of the storage; the slots beyond are
     never written, never attended and never chosen, so the row steps exactly as if its
     storage were ``capacity_r`` wide. ``self_victim`` says whether some row has no recent
-    window (its new token may be its own victim).
+    window (its new token may be its own victim). A layer whose KV sets hold different slot
+    counts (a budget plan, DESIGN.md §2.14) has them ``(b, Hs, 1)``, one value per row and set.
     """
 
     capacity: torch.Tensor
@@ -725,7 +732,7 @@ def _choose_slot(
         victim, found = eviction.select_victim(c_scores, tie_pos, elig)
     if fill is None:
         return victim, found, c_scores, c_pos
-    full = (fill >= (cap if rows is None else rows.capacity[:, 0, 0]))[:, None]  # (b,1)
+    full = fill[:, None] >= (cap if rows is None else rows.capacity[..., 0])  # (b,1), or (b,Hs) per KV set
     slot = torch.where(full, victim, fill[:, None].expand(b, hs))
     return slot, full.expand(b, hs) & found, c_scores, c_pos
 

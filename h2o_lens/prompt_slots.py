@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from . import eviction, ops
+from . import plan as _plan
 from .events import PrefillEvent
 
 __all__ = [
@@ -128,8 +129,8 @@ def keep_rule(layer: Any, query, key, valid, scores, rows):
         if history is not None:
             history[sel] = hist
         pins = None if protected is None else protected[sel]
-        keep[sel] = eviction.prefill_keep(drive[sel], positions[sel], args.heavy, args.recent, args.sink, pins)
-        eligible[sel] = eviction.eligible_mask(positions[sel], last[sel], args.recent, args.sink, pinned=pins)
+        keep[sel] = _plan.prefill_keep(drive[sel], positions[sel], args, pins)  # per KV set under a plan
+        eligible[sel] = _plan.eligible_mask(positions[sel], last[sel], args, pins)
     return positions, count, drive, history, keep, eligible
 
 
@@ -139,7 +140,7 @@ def lay(layer: Any, key, value, kept) -> None:
     b, hs, p, d = key.shape
     owner = layer.owner
     positions, count, drive, history, keep, eligible = kept
-    caps = owner.row_capacity(layer.budget)  # (b,)
+    caps = owner.row_capacity(layer.budget, layer.layer_idx)  # (b,) this layer's (DESIGN.md §2.14)
     cap = max(args.capacity for _, args in layer.groups())
     # slots hold the kept positions in ascending order, then empty slots
     big = torch.iinfo(POS_DTYPE).max
@@ -161,7 +162,7 @@ def lay(layer: Any, key, value, kept) -> None:
     layer.next_pos = count.to(POS_DTYPE)
     # slots used: a pinned position inside the recent window (or the sink) counts once,
     # so a long prompt may leave free slots, which the next steps fill (DESIGN.md §2.11)
-    fill = keep[:, 0].sum(-1).to(torch.int64)  # (b,) the same for every KV set
+    fill = keep.sum(-1).amax(-1).to(torch.int64)  # (b,) the same for every KV set of the same count
     layer.fill = None if bool((fill >= caps).all()) else fill
     layer.is_initialized = True
     if owner.extensions:

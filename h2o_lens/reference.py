@@ -14,7 +14,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["simulate", "trace", "Trace", "check", "softmax", "aggregate", "uniform_share", "keep_prompt", "evict"]
+__all__ = [
+    "simulate",
+    "simulate_sets",
+    "trace",
+    "Trace",
+    "check",
+    "softmax",
+    "aggregate",
+    "uniform_share",
+    "keep_prompt",
+    "evict",
+]
 
 
 @dataclass
@@ -149,3 +160,19 @@ def simulate(logits, prefill: int, heavy: int, recent: int, gqa: str = "sum", pi
     See :func:`trace` for the parameters.
     """
     return trace(logits, prefill, heavy, recent, gqa, pinned).kept
+
+
+def simulate_sets(logits, prefill: int, splits, gqa: str = "sum") -> list[list[list[int]]]:
+    """Kept positions of H2O for every KV set of a layer, each at its own slot count, in FP64
+    (a budget plan, DESIGN.md §2.14).
+
+    ``logits (Hs, G, N, N)`` one KV-head group per set; ``splits`` one ``(heavy, recent)`` per
+    set. Each set runs :func:`simulate` alone: a plan changes how many slots a set holds, never
+    how it chooses (the same keep rule, tie rules and victim). Returns ``kept[set][k]``.
+    """
+    x = np.asarray(logits, dtype=np.float64)
+    if x.ndim != 4 or len(splits) != x.shape[0]:
+        raise ValueError(
+            f"logits must be (Hs, G, N, N) with one split per KV set, got {x.shape} and {len(splits)} splits"
+        )
+    return [simulate(x[s], prefill, heavy, recent, gqa) for s, (heavy, recent) in enumerate(splits)]

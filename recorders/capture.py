@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from h2o_lens.cache import DecodeEvent, PrefillEvent, decode_stats
+from h2o_lens import eviction
+from h2o_lens import plan as budget_plan
+from h2o_lens.cache import DecodeEvent, PrefillEvent
 from h2o_lens.speculative import SegmentEvent
 
 from .cold_log import window_start
@@ -37,7 +39,8 @@ class StepCapture:
 
     def on_prefill(self, layer: int, ev: PrefillEvent) -> None:
         self._ids = self._row_ids()
-        recent, _, group = self._policy()
+        recent, _ = budget_plan.set_windows(self.session.last_cache.layers[layer])  # (b, Hs)
+        group = self.session.last_cache.group
         b, hs, p = ev.positions.shape
         victims = (ev.positions >= 0) & ~ev.keep  # (b, Hs, P)
         survivors = ev.keep & ev.eligible
@@ -49,7 +52,9 @@ class StepCapture:
         pos = ev.positions[r, h, i].to(torch.int64)
         score = ev.scores[r, h, i]
         margin = torch.where(low_ok[r, h], low[r, h] - score, torch.full_like(score, float("nan")))
-        self._append_evictions(r, h, step, pos, score, margin, recent[r.cpu()], group, layer=layer, phase="prefill")
+        self._append_evictions(
+            r, h, step, pos, score, margin, recent[r.cpu(), h.cpu()], group, layer=layer, phase="prefill"
+        )
         # one steps row per (request, set) at the last prompt position
         kept = ev.keep.sum(-1)
         heavy_pos = torch.where(survivors, ev.positions.to(torch.float32), float("nan"))
@@ -119,12 +124,13 @@ class StepCapture:
 
     def _append_undone(self, layer: int, events: list[DecodeEvent], ids: np.ndarray) -> torch.Tensor:
         """``spec_undone`` rows of one layer's rolled-back steps; returns ``(b,)`` counts."""
-        recent, sink, group = self._policy()
-        pinned = _protected(events, "cpu")
+        cache = self.session.last_cache
+        group, pinned = cache.group, _protected(events, "cpu")
+        recent, sink = (t.expand(len(events), -1, -1) for t in budget_plan.set_windows(cache.layers[layer]))
         stack = lambda name: torch.stack([getattr(e, name) for e in events]).cpu()  # noqa: E731
         step = stack("step").to(torch.int64)  # (K, b)
         slot, evicts = stack("slot"), stack("evicts")  # (K, b, Hs)
-        st = decode_stats(stack("cand_scores"), stack("cand_positions"), slot, evicts, step, recent, sink, pinned)
+        st = _stats(stack("cand_scores"), stack("cand_positions"), slot, evicts, step, recent, sink, pinned)
         k, b, hs = slot.shape
         req = torch.arange(b)[None, :, None].expand(k, b, hs)[evicts]
         cols = {
@@ -146,19 +152,24 @@ class StepCapture:
         pend, self._pending = self._pending, Pending()
         if not pend.events:
             return
-        recent, sink, group = self._policy()
+        cache = self.session.last_cache
+        group = cache.group
         self._ids = pend.ids if pend.ids is not None else self._row_ids()
         ev = pend.events
         pinned = _protected(ev, ev[0].step.device)
         stack = lambda name: torch.stack([getattr(e, name) for e in ev])  # noqa: E731
         step = stack("step").to(torch.int64)  # (K, b)
         slot, evicts = stack("slot"), stack("evicts")  # (K, b, Hs)
-        c_scores, c_pos = stack("cand_scores"), stack("cand_positions")  # (K, b, Hs, B+1)
-        start = window_start(self.session.last_cache)
+        c_scores, c_pos = _candidates(ev)  # (K, b, Hs, B+1), B the widest layer's under a budget plan
+        start = window_start(cache)
         if start is not None:  # a cold tier's window is no slot of the policy's (DESIGN.md §2.13)
             c_pos = c_pos.clone()
             c_pos[..., start:-1] = -1
-        st = decode_stats(c_scores, c_pos, slot, evicts, step, recent.to(step.device), sink.to(step.device), pinned)
+        # each event's layer: its recent window and sink per row and KV set (DESIGN.md §2.14)
+        windows = {i: budget_plan.set_windows(cache.layers[i]) for i in set(pend.layer)}
+        recent = torch.stack([windows[i][0] for i in pend.layer]).to(step.device)  # (K, b, Hs)
+        sink = torch.stack([windows[i][1] for i in pend.layer]).to(step.device)
+        st = _stats(c_scores, c_pos, slot, evicts, step, recent, sink, pinned)
         k, b, hs = slot.shape
         layer = torch.tensor(pend.layer)[:, None, None].expand(k, b, hs)
         step3 = step[:, :, None].expand(k, b, hs)
@@ -175,7 +186,7 @@ class StepCapture:
             st.victim_position[sel].to(torch.int64),
             st.victim_score[sel],
             st.margin[sel],
-            recent[req[sel]],
+            recent[sel].cpu(),
             group,
             layer=layer[sel],
             phase="decode",
@@ -261,3 +272,28 @@ def _protected(events: list[DecodeEvent], device) -> torch.Tensor | None:
         if p is not None:
             out[i, :, :, : p.shape[-1]] = p.to(device)
     return out
+
+
+def _candidates(events: list[DecodeEvent]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The events' candidate scores and positions stacked ``(K, b, Hs, W)``; under a budget plan
+    the layers' storage widths differ, and the narrower ones are padded after their new token's
+    column with empty candidates (position -1, score 0: never eligible, never kept), so every
+    event's slot indices, the new token's ``B`` included, stay what its layer reported."""
+    width = max(e.cand_positions.shape[-1] for e in events)
+
+    def pad(t: torch.Tensor, value) -> torch.Tensor:
+        extra = width - t.shape[-1]
+        return t if extra == 0 else torch.nn.functional.pad(t, (0, extra), value=value)
+
+    scores = torch.stack([pad(e.cand_scores, 0.0) for e in events])
+    positions = torch.stack([pad(e.cand_positions, -1) for e in events])
+    return scores, positions
+
+
+def _stats(c_scores, c_pos, slot, evicts, step, recent, sink, pinned) -> eviction.StepStats:
+    """:func:`h2o_lens.events.decode_stats` with a recent window and sink per event, row and KV set
+    (``recent, sink (K, b, Hs)``; a budget plan's differ by layer and set, DESIGN.md §2.14)."""
+    if pinned is not None:
+        pinned = pinned.to(c_pos.device, c_pos.dtype)
+    eligible = eviction.eligible_mask(c_pos, step[..., None, None], recent[..., None], sink[..., None], pinned=pinned)
+    return eviction.step_stats(c_scores, c_pos, eligible, slot, evicts, step[..., None], recent)

@@ -142,12 +142,6 @@ class Recording(StepCapture):
         return self.writer.status
 
     # -- CacheListener ---------------------------------------------------------
-    def _policy(self):
-        """Per batch row ``recent`` and ``sink`` slots ``(b,)``, and the query heads per KV head."""
-        cache = self.session.last_cache
-        budgets = cache.request_budgets()
-        return budgets["recent"], budgets["sink"], cache.group
-
     def _row_ids(self) -> list[int]:
         """The request of each batch row of the current cache (named at its first prefill)."""
         cache = self.session.last_cache

@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 from .catalog import Catalog, Problem, RunEntry, SegmentFile, run_row, scan_root, scan_run
 from .errors import ContractError, DamagedFileError, RecorderWarning
 from .manifest import mark_interrupted
+from .plans import PLANS, SET_BUDGETS_VIEW, plan_rows
 from .schema import RUNS, TABLE_NAMES, duckdb_type, table_schema
 
 __all__ = ["open_runs", "create_views", "list_runs", "check_run", "load_run", "request_order", "RunCheck", "LoadedRun"]
@@ -218,6 +219,8 @@ def create_views(con: duckdb.DuckDBPyConnection, catalog: Catalog) -> None:
         con.execute(_table_view(table, catalog.files(table)))
     con.execute(COUNTERFACTUALS_VIEW)
     con.execute(COLD_VIEW)
+    _rows_table(con, "plans", PLANS, plan_rows(catalog.runs))  # DESIGN.md §5.6
+    con.execute(SET_BUDGETS_VIEW)
     problem_schema = pa.schema([pa.field(c, pa.string()) for c in _PROBLEM_COLUMNS])
     _rows_table(
         con,

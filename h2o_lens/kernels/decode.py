@@ -50,6 +50,7 @@ def _kernels():
         logit_ptr,
         slot_ptr,
         evict_ptr,
+        rows_ptr,
         B,
         HQ,
         HEAD_DIM,
@@ -63,6 +64,7 @@ def _kernels():
         SCORED: tl.constexpr,
         AGG_MAX: tl.constexpr,
         HAS_FILL: tl.constexpr,
+        HAS_ROWS: tl.constexpr,
         PREC: tl.constexpr,
         DOT_F32: tl.constexpr,
         POS_MAX: tl.constexpr,
@@ -84,6 +86,11 @@ def _kernels():
         vn = tl.load(vn_ptr + row * HEAD_DIM + dd, mask=dmask, other=0.0)
         step = tl.load(step_ptr + bi).to(tl.int64)
         slot_base = row.to(tl.int64) * B
+        cap = B
+        if HAS_ROWS:  # this (request, KV set)'s own capacity, recent window and sink
+            cap = tl.load(rows_ptr + row * 3).to(tl.int32)
+            recent = tl.load(rows_ptr + row * 3 + 1)
+            sink = tl.load(rows_ptr + row * 3 + 2)
 
         # pass 1: online softmax seeded with the new token (never masked)
         l_new = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], axis=1) * scale  # (G_PAD,)
@@ -174,7 +181,7 @@ def _kernels():
         found = tl.maximum(found, new_elig.to(tl.int32))
         if HAS_FILL:
             fill = tl.load(fill_ptr + bi).to(tl.int32)
-            full = fill >= B
+            full = fill >= cap
             slot = tl.where(full, best_i, fill)
             evicts = full & (found > 0)
         else:
@@ -212,6 +219,7 @@ def decode_step_triton(
     layer: int = 0,
     block_n: int | None = None,
     num_warps: int = 4,
+    rows: ops.RowBudgets | None = None,
 ) -> ops.DecodeResult:
     """Fused H2O decode step; same contract and in-place effects as :func:`h2o_lens.ops.decode_step`.
 
@@ -230,6 +238,10 @@ def decode_step_triton(
     layer : the layer index, which keys the ``random`` policy's draw (unused otherwise)
     block_n : slots per block (a power of two >= 16); default from ``B`` and ``d``
     num_warps : Triton launch option
+    rows : :class:`h2o_lens.ops.RowBudgets` whose ``capacity``, ``recent`` and ``sink`` give each
+        request (``(b, 1, 1)``) or each request and KV set (``(b, Hs, 1)``, a budget plan's ragged
+        layer, DESIGN.md §2.14) its own: it uses its first ``capacity`` slots (the others hold
+        position ``-1``), ``args``' split is unused; a new token that evicts itself reports slot ``B``
 
     Returns
     -------
@@ -312,6 +324,15 @@ def decode_step_triton(
     if b == 0:
         empty = torch.empty(0, hs, dtype=torch.int64, device=keys.device)
         return ops.DecodeResult(out=out, slot=empty, evicts=empty.bool())
+    if rows is not None and rows.pinned is not None:
+        raise KernelInputError(f"{fn}: per-row pinned positions have no kernel; call h2o_lens.ops.decode_step")
+    table = None
+    if rows is not None:
+        parts = [
+            t.to(device=keys.device, dtype=torch.int64).expand(b, hs, 1)
+            for t in (rows.capacity, rows.recent, rows.sink)
+        ]
+        table = torch.cat(parts, -1).contiguous()  # (b, Hs, 3)
     logits = torch.empty(b, hs, group, cap, dtype=torch.float32, device=keys.device)  # scratch
     slot = torch.empty(b, hs, dtype=torch.int64, device=keys.device)
     evicts = torch.empty(b, hs, dtype=torch.bool, device=keys.device)
@@ -329,6 +350,7 @@ def decode_step_triton(
         logits,
         slot,
         evicts,
+        step if table is None else table,
         cap,
         hq,
         d,
@@ -342,6 +364,7 @@ def decode_step_triton(
         SCORED=spec.accumulates,
         AGG_MAX=args.gqa == "max",
         HAS_FILL=fill is not None,
+        HAS_ROWS=table is not None,
         POS_MAX=_POS_MAX,
         **dot_options(keys.dtype),
         num_warps=num_warps,
