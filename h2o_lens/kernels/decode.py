@@ -324,8 +324,6 @@ def decode_step_triton(
     if b == 0:
         empty = torch.empty(0, hs, dtype=torch.int64, device=keys.device)
         return ops.DecodeResult(out=out, slot=empty, evicts=empty.bool())
-    if rows is not None and rows.pinned is not None:
-        raise KernelInputError(f"{fn}: per-row pinned positions have no kernel; call h2o_lens.ops.decode_step")
     table = None
     if rows is not None:
         parts = [
