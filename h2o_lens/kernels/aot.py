@@ -61,6 +61,7 @@ def _decode(dtype: torch.dtype, group: int, d: int, cap: int, gqa: str, scored: 
         logit_ptr="*fp32",
         slot_ptr="*i64",
         evict_ptr="*i1",
+        rows_ptr="*i32",  # the step ids stand in when there is no per-row table (HAS_ROWS False)
         B="i32",
         HQ="i32",
         HEAD_DIM="i32",
@@ -77,6 +78,7 @@ def _decode(dtype: torch.dtype, group: int, d: int, cap: int, gqa: str, scored: 
         SCORED=scored,
         AGG_MAX=gqa == "max",
         HAS_FILL=fill,
+        HAS_ROWS=False,
         POS_MAX=_POS_MAX,
         **dot_options(dtype),
     )
