@@ -109,6 +109,7 @@ def _replayed(root, recall, heavy):
     return summary, mass
 
 
+@pytest.mark.slow  # three recordings and their replays: about 16 s on 2 idle cores
 def test_the_replay_counts_a_recalled_position_as_present_while_in_the_window(tmp_path):
     """The masked forward sees the window (the run's logits come back: the implementation check
     passes); a window that holds every evicted entry leaves no dropped mass, where the same
