@@ -11,7 +11,7 @@ import torch
 
 from . import compat
 
-__all__ = ["median_time", "Decoder"]
+__all__ = ["median_time", "Decoder", "step_parts", "PARTS"]
 
 
 def median_time(fn: Callable[[], None], rounds: int) -> float:
@@ -38,3 +38,70 @@ class Decoder:
             for _ in range(steps):
                 out = self.model(input_ids=self.token, **compat.cache_kwargs(self.cache), use_cache=True)
                 self.token = out.logits[:, -1:].argmax(-1)
+
+
+#: the parts of an H2O decode step that :func:`step_parts` times, in the step's order (DESIGN.md §2.1)
+PARTS = ("attention", "scores", "victim", "copy")
+
+
+def step_parts(cache, reps: int = 10, seed: int = 0) -> dict[str, float]:
+    """Seconds one decode step of ``cache`` (an :class:`~h2o_lens.cache.H2OCache` whose rows are
+    full, one budget) spends in each part of :func:`h2o_lens.ops.decode_step`, summed over its
+    layers: ``attention`` (the softmax over the slots and the new token, and the output),
+    ``scores`` (the group aggregation and the policy's score update), ``victim`` (the eligible
+    slots and the lowest of them) and ``copy`` (the new token's K, V, score and position written
+    into the victim's slot). Each part runs ``reps`` times on copies of every layer's real slots
+    with a random query and new token, and its median counts; the rest of a measured step (the
+    model's projections and MLP, the hooks, the cache's bookkeeping) is the caller's to derive."""
+    gen = torch.Generator().manual_seed(seed)
+    total = dict.fromkeys(PARTS, 0.0)
+    with torch.no_grad():
+        for layer in cache.layers:
+            for name, seconds in _layer_parts(cache, layer, reps, gen).items():
+                total[name] += max(seconds, 0.0)
+    return total
+
+
+def _layer_parts(cache, layer, reps: int, gen: torch.Generator) -> dict[str, float]:
+    """:func:`step_parts` of one layer."""
+    from . import eviction, ops, policies
+
+    args = cache.args
+    spec = args.spec
+    keys, values, scores, positions = layer.keys, layer.values, layer.scores, layer.positions
+    b, hs, cap, d = keys.shape
+    hq = cache.num_query_heads if args.gqa != "none" else hs
+    q, k, v = (torch.randn(b, h, d, generator=gen).to(keys.dtype) for h in (hq, hs, hs))
+    step_col = layer.next_pos[:, None, None]
+    new_pos = step_col.expand(b, hs, 1).to(positions.dtype)
+    qg = ops._group_view(q, hs) * (d**-0.5)
+    ctx = policies.StepContext(step=step_col, layer=layer.layer_idx, seed=args.seed, gqa=args.gqa, group=qg.shape[2])
+    w = ops._attend(qg, keys, values, k, v, None, scores.dtype)[1]
+    history = layer.history
+
+    def update():
+        agg = eviction.aggregate_group(w, args.gqa, 2) if spec.scored else None
+        return spec.decode_scores(scores.clone(), None if history is None else history.clone(), agg, positions, ctx)
+
+    new_score = update()[0]
+    choose = (scores, positions, new_score, new_pos, step_col, None, args, None)
+    slot = ops._choose_slot(*choose)[0]
+    state = [t.clone() for t in (keys, values, scores, positions)]
+    return {
+        "attention": _median(reps, lambda: ops._attend(qg, keys, values, k, v, None, scores.dtype)),
+        "scores": _median(reps, update) - _median(reps, scores.clone),  # the copy kept aside
+        "victim": _median(reps, lambda: ops._choose_slot(*choose)),
+        "copy": _median(
+            reps, lambda: ops._write_slot(*state, slot, k, v, new_score, new_pos, may_skip=args.recent == 0)
+        ),
+    }
+
+
+def _median(reps: int, fn: Callable[[], object]) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -11,7 +11,21 @@ from tiny import tiny_model
 from commands.benchmarks.decode import bench_decode
 from commands.cli import main
 
-COLUMNS = ("batch", "full ms/step", "full tok/s", "h2o ms/step", "h2o tok/s", "h2o/full tok/s", "KV h2o/full")
+COLUMNS = (
+    "batch",
+    "full ms/step",
+    "full tok/s",
+    "h2o ms/step",
+    "h2o tok/s",
+    "h2o/full tok/s",
+    "limit ms/step",
+    "h2o/limit",
+    "KV h2o/full",
+)
+PARTS = re.compile(
+    r"H2O's step \(ms\): attention ([\d.]+), scores ([\d.]+), victim ([\d.]+), copy ([\d.]+), "
+    r"other \(the model's projections and MLP, hooks, bookkeeping\) (-?[\d.]+)"
+)
 
 
 def _rows(out: str, context: int) -> dict[int, list[float]]:
@@ -20,7 +34,7 @@ def _rows(out: str, context: int) -> dict[int, list[float]]:
     rows = {}
     for line in block.splitlines()[2:]:
         nums = line.split()
-        if nums:
+        if nums and nums[0].isdigit():  # a batch's row, then the line of where its H2O step goes
             rows[int(nums[0])] = [float(x) for x in nums[1:]]
     return rows
 
@@ -34,12 +48,19 @@ def test_bench_decode_prints_a_table_per_context_with_a_row_per_batch(capsys):
         assert all(c in header for c in COLUMNS), header
         rows = _rows(out, n)
         assert sorted(rows) == [1, 3]
-        for b, (full_ms, full_tps, h2o_ms, h2o_tps, ratio, kv_mib, kv_share) in rows.items():
-            assert full_ms > 0 and h2o_ms > 0
+        for b, (full_ms, full_tps, h2o_ms, h2o_tps, ratio, limit_ms, of_limit, kv_mib, kv_share) in rows.items():
+            assert full_ms > 0 and h2o_ms > 0 and limit_ms > 0
             assert full_tps == pytest.approx(b * 1e3 / full_ms, rel=0.02)
             assert h2o_tps == pytest.approx(b * 1e3 / h2o_ms, rel=0.02)
             assert ratio == pytest.approx(h2o_tps / full_tps, rel=0.05)
+            assert of_limit == pytest.approx(h2o_ms / limit_ms, rel=0.05)
             assert 0 < kv_share < 0.5 and kv_mib > 0  # 20 % of the context, plus scores and positions
+        parts = [PARTS.search(line) for line in out.split(f"context {n}, H2O B=")[1].split("prefill")[0].splitlines()]
+        parts = [m for m in parts if m]
+        assert len(parts) == 2, out  # one per batch size
+        for m in parts:
+            attention, scores, victim, copy, _ = map(float, m.groups())
+            assert min(attention, scores, victim, copy) >= 0 and attention > 0
         assert re.search(rf"prefill {n} tokens: SDPA \d+ ms, with scores \d+ ms: ratio [\d.]+", out)
         assert f"prefill {n} peak RSS: skipped" in out  # a model object cannot be loaded in a fresh process
 

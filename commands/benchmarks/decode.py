@@ -210,29 +210,42 @@ def _prefill_time(model, cfg, ctx: torch.Tensor, rounds: int) -> tuple[float, fl
     return statistics.median(t_sdpa), statistics.median(t_h2o)
 
 
-def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int):
-    """Median seconds per decode step of the full cache and of H2O, alternating, and the H2O cache's bytes."""
+def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int, budget: int | None = None):
+    """Median seconds per decode step of the full cache, of H2O and (``budget`` given) of the limit,
+    the full cache over the context's first ``budget`` tokens, in rotating rounds; the H2O cache's
+    bytes; and (``budget`` given) where H2O's step goes (:func:`h2o_lens.timing.step_parts`)."""
     from transformers import DynamicCache
 
     from h2o_lens.runtime import h2o
     from h2o_lens.timing import Decoder as _Decoder
     from h2o_lens.timing import median_time as _median_time
+    from h2o_lens.timing import step_parts
 
     model.set_attn_implementation("sdpa")
-    full = _Decoder(model, DynamicCache(config=model.config), ctx, last_logits_only=True)
+    sides = {"full": _Decoder(model, DynamicCache(config=model.config), ctx, last_logits_only=True)}
+    if budget is not None:
+        sides["limit"] = _Decoder(model, DynamicCache(config=model.config), ctx[:, :budget], last_logits_only=True)
     with h2o(model, cfg) as session:
-        fast = _Decoder(model, session.new_cache(), ctx, last_logits_only=True)
-        fast.run(2)  # warm-up
-        model.set_attn_implementation("sdpa")
-        full.run(2)
-        t_full, t_h2o = [], []
-        for _ in range(rounds):
-            model.set_attn_implementation("sdpa")
-            t_full.append(_median_time(lambda: full.run(steps), 1) / steps)
-            model.set_attn_implementation("h2o_lens")
-            t_h2o.append(_median_time(lambda: fast.run(steps), 1) / steps)
-        nbytes = fast.cache.nbytes()
-    return statistics.median(t_full), statistics.median(t_h2o), nbytes
+        sides["h2o"] = _Decoder(model, session.new_cache(), ctx, last_logits_only=True)
+        times = {name: [] for name in sides}
+        for i in range(rounds + 1):  # the first round warms up
+            for name, side in sides.items():
+                model.set_attn_implementation("h2o_lens" if name == "h2o" else "sdpa")
+                n = steps if i else 2
+                t = _median_time(lambda side=side, n=n: side.run(n), 1) / n
+                if i:
+                    times[name].append(t)
+        nbytes = sides["h2o"].cache.nbytes()
+        parts = step_parts(sides["h2o"].cache) if budget is not None else None
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return med["full"], med["h2o"], nbytes, med.get("limit"), parts
+
+
+def _where(step: float, parts: dict[str, float]) -> str:
+    """One line: where H2O's decode step of ``step`` seconds goes, its parts timed apart."""
+    rest = step - sum(parts.values())
+    shown = ", ".join(f"{name} {t * 1e3:.2f}" for name, t in parts.items())
+    return f"H2O's step (ms): {shown}, other (the model's projections and MLP, hooks, bookkeeping) {rest * 1e3:.2f}"
 
 
 def bench_decode(
@@ -286,18 +299,20 @@ def bench_decode(
         print(f"\ncontext {n}, H2O B={budget} ({cfg.describe()})")
         print(
             f"{'batch':>6} {'full ms/step':>13} {'full tok/s':>11} {'h2o ms/step':>12} {'h2o tok/s':>10} "
-            f"{'h2o/full tok/s':>15} {'KV MiB h2o':>11} {'KV h2o/full':>12}"
+            f"{'h2o/full tok/s':>15} {'limit ms/step':>14} {'h2o/limit':>10} {'KV MiB h2o':>11} {'KV h2o/full':>12}"
         )
         for b in batches:
             ctx = torch.randint(0, text.vocab_size, (b, n), generator=gen)
-            tf, th, nbytes = _decode_times(model, cfg, ctx, steps, rounds)
+            tf, th, nbytes, tl, parts = _decode_times(model, cfg, ctx, steps, rounds, budget)
             tokens = n + 2 + rounds * steps + 1
             kv = nbytes["kv"] + nbytes["metadata"]
+            share = kv / full_kv_bytes(model, tokens, batch=b)
             print(
                 f"{b:>6} {tf * 1e3:>13.2f} {b / tf:>11.1f} {th * 1e3:>12.2f} {b / th:>10.1f} {tf / th:>15.3f} "
-                f"{kv / 2**20:>11.3f} {kv / full_kv_bytes(model, tokens, batch=b):>12.4f}",
+                f"{tl * 1e3:>14.2f} {th / tl:>10.3f} {kv / 2**20:>11.3f} {share:>12.4f}",
                 flush=True,
             )
+            print(f"{'':>6} {_where(th, parts)}", flush=True)
         ts, th = _prefill_time(model, cfg, torch.randint(0, text.vocab_size, (1, n), generator=gen), rounds)
         print(f"prefill {n} tokens: SDPA {ts * 1e3:.0f} ms, with scores {th * 1e3:.0f} ms: ratio {th / ts:.3f}")
         if fresh:
