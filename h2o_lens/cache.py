@@ -39,7 +39,7 @@ from .events import CacheListener, DecodeEvent
 from .events import PrefillEvent as PrefillEvent  # defined in h2o_lens.events, also read from here
 from .events import decode_stats as decode_stats  # defined in h2o_lens.events, also read from here
 from .extension import CacheExtension, PromptChoice, StepEvent, StepNeeds
-from .layer_class import check_layer_class, current_layer_class, use_layer_class
+from .layer_class import check_layer_class, current_layer_class, register_plain, use_layer_class
 from .prompt_slots import POS_DTYPE as POS_DTYPE  # defined in h2o_lens.prompt_slots, also read from here
 from .prompt_slots import SharedPrefix
 from .shape import model_shape
@@ -50,6 +50,7 @@ __all__ = ["H2OCache", "H2OCacheLayer", "use_layer_class", "current_layer_class"
 _ROW_STATE = ROW_STATE
 
 
+@register_plain
 class H2OCacheLayer(CacheLayerMixin):
     """Slot storage of one attention layer: ``(b, Hs, B, d)`` keys and values.
 

@@ -11,16 +11,23 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["use_layer_class", "current_layer_class", "check_layer_class"]
+__all__ = ["use_layer_class", "current_layer_class", "check_layer_class", "register_plain"]
 
 #: the class of the block in effect; None outside one (the plain layer)
 _LAYER_CLASS: contextvars.ContextVar[type | None] = contextvars.ContextVar("h2o_lens_layer_class", default=None)
+#: the plain layer class, registered by :mod:`h2o_lens.cache` when it is imported (it imports this
+#: module, never the other way round)
+_PLAIN: list[type] = []
+
+
+def register_plain(cls: type) -> type:
+    """Record ``cls`` as the plain layer class (the cache module's ``H2OCacheLayer``)."""
+    _PLAIN[:] = [cls]
+    return cls
 
 
 def _plain() -> type:
-    from .cache import H2OCacheLayer  # the cache imports this module: the class is read when asked
-
-    return H2OCacheLayer
+    return _PLAIN[0]
 
 
 def check_layer_class(cls: Any) -> type:

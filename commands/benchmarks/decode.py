@@ -222,21 +222,23 @@ def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int, budget
     from h2o_lens.timing import step_parts
 
     model.set_attn_implementation("sdpa")
-    sides = {"full": _Decoder(model, DynamicCache(config=model.config), ctx, last_logits_only=True)}
+    full = DynamicCache(config=model.config)
+    sides = {"full": (_Decoder(model, full, ctx, last_logits_only=True), "sdpa")}  # side: (decoder, attention)
     if budget is not None:
-        sides["limit"] = _Decoder(model, DynamicCache(config=model.config), ctx[:, :budget], last_logits_only=True)
+        limit = _Decoder(model, DynamicCache(config=model.config), ctx[:, :budget], last_logits_only=True)
+        sides["limit"] = (limit, "sdpa")
     with h2o(model, cfg) as session:
-        sides["h2o"] = _Decoder(model, session.new_cache(), ctx, last_logits_only=True)
+        sides["h2o"] = (_Decoder(model, session.new_cache(), ctx, last_logits_only=True), "h2o_lens")
         times = {name: [] for name in sides}
         for i in range(rounds + 1):  # the first round warms up
-            for name, side in sides.items():
-                model.set_attn_implementation("h2o_lens" if name == "h2o" else "sdpa")
+            for name, (side, attention) in sides.items():
+                model.set_attn_implementation(attention)
                 n = steps if i else 2
                 t = _median_time(lambda side=side, n=n: side.run(n), 1) / n
                 if i:
                     times[name].append(t)
-        nbytes = sides["h2o"].cache.nbytes()
-        parts = step_parts(sides["h2o"].cache) if budget is not None else None
+        nbytes = sides["h2o"][0].cache.nbytes()
+        parts = step_parts(sides["h2o"][0].cache) if budget is not None else None
     med = {name: statistics.median(t) for name, t in times.items()}
     return med["full"], med["h2o"], nbytes, med.get("limit"), parts
 
