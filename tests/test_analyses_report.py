@@ -136,6 +136,7 @@ def test_write_report_picks_the_format_from_the_suffix(root, tmp_path):
         build_report(open_runs(root), "missing", fmt="json")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not os.path.exists(CHROMIUM),
     reason="Chromium is not installed at /usr/bin/chromium "

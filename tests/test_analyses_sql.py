@@ -190,6 +190,7 @@ def _python(script: str, *, data_cap: int = 3 * 2**30, timeout: float = 180) -> 
     )
 
 
+@pytest.mark.slow
 def test_memory_limit_holds_for_single_expressions(root):
     # DuckDB's memory_limit alone did not hold for these: a list or a string built by one scalar
     # expression grew to several times the limit (the string and the concatenation returned,
@@ -219,6 +220,7 @@ def test_memory_limit_holds_for_single_expressions(root):
     assert "AFTER 42" in lines  # the sandbox goes on working
 
 
+@pytest.mark.slow
 def test_queries_that_need_to_spill_use_the_sandbox_temp_folder(root):
     with Sandbox(root, memory_limit="256MB") as box:
         df = box.run(

@@ -29,6 +29,7 @@ def test_runs_page_lists_every_run_of_a_large_root(large_root, monkeypatch):
     assert set(table["status"]) == {"complete", "failed", "interrupted"}
 
 
+@pytest.mark.slow
 def test_compare_page_draws_two_runs_of_a_large_root(large_root, monkeypatch):
     at = _app(large_root, monkeypatch, page="compare", run="syn-00010", other="syn-00250")
     assert not at.exception, [e.value for e in at.exception]

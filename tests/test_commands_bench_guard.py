@@ -133,6 +133,7 @@ def test_harness_onset_is_the_teacher_divergence(model):
     assert seen_failure  # 20 % of the prompt makes the tiny model diverge
 
 
+@pytest.mark.slow
 def test_evaluate_end_to_end_on_a_tiny_model(model, tmp_path):
     """The full cache's row is the teacher (all right, all memory); at threshold 0 both actions
     act on every request at the prefill, before anything is evicted, so both keep the whole
@@ -365,6 +366,7 @@ def test_fit_weights_finds_the_signal_that_separates():
     assert fit_weights(x.tolist(), [True] * 40) is None
 
 
+@pytest.mark.slow
 def test_evaluate_fits_weights_on_the_fit_seed(model):
     """With fit requests the weights and the threshold come from them: the report carries the
     fitted weights (or None when the fit seed has one class) and a ``fitted`` AUROC row then."""
@@ -382,6 +384,7 @@ def test_evaluate_fits_weights_on_the_fit_seed(model):
     assert [r["policy"] for r in report.recovered] == [f"guard raise->35%+15% pinned @{report.threshold:.3f}"]
 
 
+@pytest.mark.slow
 def test_the_threshold_rule_reaches_the_fit_and_the_report(model, monkeypatch):
     """``threshold_rule`` is the rule :func:`fit_threshold` places the fitted threshold by, and the
     report's first line names it."""
@@ -470,6 +473,7 @@ def test_cli_refuses_a_bad_guard_policy_in_one_line(capsys):
     assert "argument --fixed: expected a keep ratio in (0, 1], such as 0.2; got 1.5" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_task_file_is_fitted_on_the_fit_tasks_given(tmp_path, capsys):
     """A task file has no seeds: without ``--fit-tasks`` the bench says there is nothing to fit
     on and uses the defaults; with another file it fits there (the report says on how many

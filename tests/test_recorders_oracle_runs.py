@@ -198,6 +198,7 @@ def _free_generation(model, teacher, got, gqa, root):
     return out[0, ids.shape[1] :].tolist(), rec.run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("departure", ["replan", "h2o"])
 @pytest.mark.parametrize("gqa", ["sum", "none"])
 def test_own_answer_is_what_the_runtime_generates_under_its_table(tmp_path, departure, gqa):

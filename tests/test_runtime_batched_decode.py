@@ -189,6 +189,7 @@ def test_mixed_budgets_decode_in_one_step_per_layer(monkeypatch):
     assert all(isinstance(r, ops.RowBudgets) for r in calls)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_triton_backend_batched_equals_alone():
     """The Triton backend (interpreted on CPU) with per-request budgets: each request generates
