@@ -99,9 +99,4 @@ def _layer_parts(cache, layer, reps: int, gen: torch.Generator) -> dict[str, flo
 
 def _median(reps: int, fn: Callable[[], object]) -> float:
     fn()  # warm
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(fn, reps)

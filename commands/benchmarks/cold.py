@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..options import add_task_args, at_least, share, split_list
+from .common import HeldSlots
 
 __all__ = ["add_arguments", "run", "bench_cold"]
 
@@ -81,20 +82,6 @@ class _Clock:
         return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
 
 
-class _Held:
-    """A cache listener counting the slots layer 0's first KV set holds after each decode step."""
-
-    def __init__(self):
-        self.held: list[int] = []
-
-    def on_prefill(self, layer: int, ev: Any) -> None:
-        pass
-
-    def on_decode(self, layer: int, ev: Any) -> None:
-        if layer == 0:
-            self.held.append(int((ev.kept[0, 0] >= 0).sum()))
-
-
 def _timed(model, tok, task, config, tokens: int) -> float | None:
     """Decode seconds per step of ``tokens`` greedy tokens of ``task`` under ``config`` (no listener)."""
     import contextlib
@@ -134,7 +121,7 @@ def _one(model, tok, task, config, new_tokens: int | None) -> tuple[bool | None,
     p = ids.shape[1]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     limit = min(task.max_new_tokens, new_tokens) if new_tokens else task.max_new_tokens
-    held = _Held()
+    held = HeldSlots()
     with contextlib.ExitStack() as stack:
         session = stack.enter_context(h2o(model, config, listener=held)) if config is not None else None
         with torch.no_grad():

@@ -12,6 +12,7 @@ from typing import Any
 from ..limits import model_config
 
 __all__ = [
+    "HeldSlots",
     "generation_seconds",
     "halves",
     "check_keep",
@@ -147,3 +148,18 @@ def generation_seconds(model: Any, tok: Any, parent: Any) -> float:
             pad_token_id=tok.pad_token_id,
         )
     return time.perf_counter() - t0
+
+
+class HeldSlots:
+    """A cache listener that counts the slots layer 0's first KV set holds after each decode step
+    (``held``), the hot memory a benchmark reports."""
+
+    def __init__(self):
+        self.held: list[int] = []
+
+    def on_prefill(self, layer: int, ev: Any) -> None:
+        pass
+
+    def on_decode(self, layer: int, ev: Any) -> None:
+        if layer == 0:
+            self.held.append(int((ev.kept[0, 0] >= 0).sum()))

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .common import HeldSlots
 from .guard_fit import (
     Outcome,
     _matched,
@@ -64,20 +65,6 @@ class RequestRun:
     cut: bool = False
 
 
-class _Slots:
-    """A cache listener that counts the slots layer 0's first KV set holds after each decode step."""
-
-    def __init__(self):
-        self.held: list[int] = []
-
-    def on_prefill(self, layer: int, ev: Any) -> None:
-        pass
-
-    def on_decode(self, layer: int, ev: Any) -> None:
-        if layer == 0:
-            self.held.append(int((ev.kept[0, 0] >= 0).sum()))
-
-
 def run_request(model: Any, tokenizer: Any, task: Any, config: Any = None, guard: Any = None) -> RequestRun:
     """Generate ``task`` greedily: the full cache when ``config`` is None, else H2O under ``config``
     (with the guard of ``guard``, a :class:`~h2o_lens.guard.GuardConfig`, when given)."""
@@ -91,7 +78,7 @@ def run_request(model: Any, tokenizer: Any, task: Any, config: Any = None, guard
     ids = tokenizer(task.chat_text(tokenizer), return_tensors="pt", add_special_tokens=False).input_ids
     prompt_len = ids.shape[1]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    slots = _Slots()
+    slots = HeldSlots()
     kw = dict(max_new_tokens=task.max_new_tokens, do_sample=False, pad_token_id=pad)
     with contextlib.ExitStack() as stack:
         g = stack.enter_context(guarded(guard)) if guard is not None else None
