@@ -35,8 +35,13 @@ __all__ = [
 
 #: version-control folders: never removed, never written into, whatever the options
 NEVER_TOUCHED = frozenset({".git", ".hg", ".svn"})
-#: what a folder left by a writer killed between creating it and writing its manifest can hold
-_LEFTOVERS = frozenset({MANIFEST_NAME + ".tmp"})
+#: what a folder left by a writer killed between creating it and writing its manifest can hold:
+#: the manifest's temporary file (``manifest.json.<pid>.<hex>.tmp``, :func:`runlog.manifest.write_manifest`)
+_LEFTOVER_PREFIX, _LEFTOVER_SUFFIX = MANIFEST_NAME + ".", ".tmp"
+
+
+def _manifest_tmp(name: str) -> bool:
+    return name.startswith(_LEFTOVER_PREFIX) and name.endswith(_LEFTOVER_SUFFIX)
 
 
 class OutputFolderError(RecorderError):
@@ -64,7 +69,7 @@ def is_run_folder(path: str | os.PathLike) -> bool:
 def _leftover(path: Path) -> bool:
     """A folder a killed writer left before its manifest: empty, or its manifest's temporary file."""
     try:
-        return path.is_dir() and not path.is_symlink() and set(os.listdir(path)) <= _LEFTOVERS
+        return path.is_dir() and not path.is_symlink() and all(_manifest_tmp(n) for n in os.listdir(path))
     except OSError:
         return False
 

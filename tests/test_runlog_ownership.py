@@ -110,3 +110,26 @@ def test_a_file_is_replaced_only_when_the_toolkit_wrote_it_or_forced(tmp_path):
         check_output_file(tmp_path / ".git" / "r.md", markers=(), force=True)
     with pytest.raises(OutputFolderError, match="is a folder"):
         check_output_file(tmp_path, markers=(), force=True)
+
+
+def test_a_folder_a_writer_was_killed_in_before_its_manifest_is_the_toolkits(tmp_path):
+    """A run folder killed between its creation and its manifest holds at most the manifest's
+    temporary file, named as ``write_manifest`` names it: a resumed sweep writes beside it and
+    replaces it, and it is removed as a run is; a folder holding anything else is not."""
+    root = tmp_path / "grid"
+    cell = root / "cell-0123"
+    cell.mkdir(parents=True)
+    (cell / "manifest.json.4242.a1b2c3.tmp").write_bytes(b'{"run_id": "cell-0')  # cut mid-write
+    check_output_root(root)  # not foreign
+    (root / "cell-empty").mkdir()
+    check_output_root(root)
+    remove_run(cell)
+    assert not cell.exists()
+    other = root / "cell-other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(OutputFolderError, match="cell-other"):
+        check_output_root(root)
+    with pytest.raises(OutputFolderError):
+        remove_run(other)
+    assert (other / "notes.txt").read_text() == "mine"
