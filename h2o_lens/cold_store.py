@@ -52,12 +52,18 @@ class ColdStore:
             return t.pin_memory() if self.pin else t
         if self.directory is None:
             self.directory = tempfile.mkdtemp(prefix="h2o-lens-cold-")
-        self.generation += 1
-        path = Path(self.directory) / f"{self.name}-{self.generation}.bin"
         raw = self.b * self.hs * n * 2 * self.d * self.itemsize
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            mm = np.memmap(path, dtype=np.uint8, mode="w+", shape=(raw,))
+            Path(self.directory).mkdir(parents=True, exist_ok=True)
+            while True:  # a new file of its own: one that exists (a user's, another store's) is never opened
+                self.generation += 1
+                path = Path(self.directory) / f"{self.name}-{self.generation}.bin"
+                try:
+                    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+                    break
+                except FileExistsError:
+                    continue
+            mm = np.memmap(path, dtype=np.uint8, mode="w+", shape=(raw,))  # the empty file just made
         except OSError as exc:
             raise ConfigError(f"the cold tier's disk store cannot write {path}: {exc.strerror or exc}") from exc
         old, self.file = self.file, path

@@ -226,3 +226,17 @@ def test_the_cold_config_checks_and_round_trips():
     assert H2OConfig(**cfg.to_dict()) == cfg and "cold=disk:3:pages" in cfg.describe()
     assert "cold" not in H2OConfig(heavy=6, recent=4).to_dict()
     assert np.isclose(cfg.cold.pages_scanned, 1)
+
+
+def test_a_disk_store_never_opens_or_removes_a_file_it_did_not_make(tmp_path):
+    """In a given directory the store writes only new files of its own: a user's file with the
+    name it would take first is left as it was, through growth and close."""
+    user = tmp_path / "s-1.bin"
+    user.write_bytes(b"the user's bytes")
+    store = ColdStore("disk", 1, 1, 4, torch.float32, pin=False, directory=tmp_path, name="s")
+    key = torch.randn(1, 1, 40, 4)
+    store.append(key, key.clone(), torch.rand(1, 1, 40), torch.arange(40)[None, None])  # grows twice
+    assert store.file is not None and store.file != user
+    store.close()
+    assert user.read_bytes() == b"the user's bytes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s-1.bin"]
