@@ -180,6 +180,7 @@ def main() -> None:
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--parts", default="lm_eval,timing,niah")
     p.add_argument("--timing-docs", type=int, default=None, help="documents of the timed runs (default: --docs)")
+    p.add_argument("--rounds", type=int, default=2, help="alternated rounds of the timed runs (the fastest of each kept)")
     args = p.parse_args()
     from h2o_lens.models import load_model
 
@@ -194,7 +195,7 @@ def main() -> None:
         report["lm_eval"] = _lm_eval_part(out, tasks, args.docs, model, tok, folder)
         print(json.dumps(report["lm_eval"], default=str), flush=True)
     if "timing" in parts:
-        report["timing"] = _timing(out, tasks, model, tok, limit=args.timing_docs)
+        report["timing"] = _timing(out, tasks, model, tok, rounds=args.rounds, limit=args.timing_docs)
         print(json.dumps(report["timing"]), flush=True)
     if "niah" in parts:
         report["niah"] = _niah_part(out, args.niah, args.length, model, tok)

@@ -9,6 +9,7 @@ stay on the device until a flush converts them in one batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +40,8 @@ class StepCapture:
 
     def on_prefill(self, layer: int, ev: PrefillEvent) -> None:
         self._ids = self._row_ids()
+        if getattr(self, "_held", None) is None:  # the prompt's rows go out in one append per table
+            self._held = {}
         recent, _ = budget_plan.set_windows(self.session.last_cache.layers[layer])  # (b, Hs)
         group = self.session.last_cache.group
         b, hs, p = ev.positions.shape
@@ -72,6 +75,22 @@ class StepCapture:
             layer,
             group,
         )
+        if layer == self._last_layer:
+            self._release()
+
+    def _emit(self, table: str, cols: dict[str, Any]) -> None:
+        """Append ``cols`` to ``table``, or hold them while a prompt's layers are still coming."""
+        held = getattr(self, "_held", None)
+        if held is None:
+            self.writer.append(table, cols)
+        else:
+            held.setdefault(table, []).append(cols)
+
+    def _release(self) -> None:
+        """Write the held prompt rows: one append per table (one conversion, not one per layer)."""
+        held, self._held = getattr(self, "_held", None), None
+        for table, parts in (held or {}).items():
+            self.writer.append(table, _concat_columns(parts))
 
     def on_decode(self, layer: int, ev: DecodeEvent) -> None:
         if self._pending.ids is None:
@@ -149,6 +168,7 @@ class StepCapture:
     # -- conversion ------------------------------------------------------------
     def flush(self) -> None:
         """Turn the pending decode events into eviction and step rows (batched)."""
+        self._release()
         pend, self._pending = self._pending, Pending()
         if not pend.events:
             return
@@ -239,7 +259,7 @@ class StepCapture:
             "left_recent": pos_np == step_np - recent.numpy(),
             "phase": phase,
         }
-        self.writer.append("evictions", cols)
+        self._emit("evictions", cols)
 
     def _append_steps(self, r, h, step, min_heavy, promoted, exiting, kept, age, layer, group, has_exit=None) -> None:
         n = r.numel()
@@ -256,7 +276,24 @@ class StepCapture:
             mask = ~has_exit.numpy()
             cols["promoted"] = np.ma.MaskedArray(promoted.numpy(), mask=mask)
             cols["exiting_position"] = np.ma.MaskedArray(exiting.numpy(), mask=mask)
-        self.writer.append("steps", cols)
+        self._emit("steps", cols)
+
+
+def _concat_columns(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Column dicts of one table (same keys) joined row-wise; a scalar column equal in every part
+    stays a scalar (the writer repeats it)."""
+    if len(parts) == 1:
+        return parts[0]
+    out: dict[str, Any] = {}
+    for key in parts[0]:
+        vals = [p[key] for p in parts]
+        if all(np.ndim(v) == 0 for v in vals) and all(v == vals[0] for v in vals):
+            out[key] = vals[0]
+        elif any(isinstance(v, np.ma.MaskedArray) for v in vals):
+            out[key] = np.ma.concatenate([np.ma.asarray(v) for v in vals])
+        else:
+            out[key] = np.concatenate([np.asarray(v) for v in vals])
+    return out
 
 
 def _protected(events: list[DecodeEvent], device) -> torch.Tensor | None:
