@@ -15,8 +15,8 @@ MODES = ("off", "auto", "on")
 
 
 def add_culprit_args(parser: argparse.ArgumentParser) -> None:
-    """``--culprits``, ``--no-culprits``, ``--max-runs`` and ``--culprit-seconds``."""
-    from recorders.culprits import MAX_RUNS, SECONDS
+    """``--culprits``, ``--no-culprits``, ``--max-runs``, ``--culprit-seconds`` and ``--culprit-batch``."""
+    from recorders.culprits import BATCH, MAX_RUNS, SECONDS
 
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
@@ -27,13 +27,22 @@ def add_culprit_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--no-culprits", action="store_true", help="no culprit search")
     parser.add_argument(
-        "--max-runs", type=int, default=MAX_RUNS, help=f"re-runs of one culprit search at most (default {MAX_RUNS})"
+        "--max-runs",
+        type=int,
+        default=MAX_RUNS,
+        help=f"re-runs of one culprit search at most, each row of a batched re-run counted (default {MAX_RUNS})",
     )
     parser.add_argument(
         "--culprit-seconds",
         type=float,
         default=SECONDS,
         help=f"time budget of one culprit search, seconds (default {SECONDS:g})",
+    )
+    parser.add_argument(
+        "--culprit-batch",
+        type=int,
+        default=BATCH,
+        help=f"culprit probes re-run together, one row each, in one generate (default {BATCH}; 1: one at a time)",
     )
 
 
@@ -43,6 +52,8 @@ def culprit_mode(args: argparse.Namespace) -> str:
         raise SystemExit(f"h2o-lens explain: --max-runs must be at least 1, got {args.max_runs}")
     if not args.culprit_seconds > 0:
         raise SystemExit(f"h2o-lens explain: --culprit-seconds must be above 0, got {args.culprit_seconds}")
+    if args.culprit_batch < 1:
+        raise SystemExit(f"h2o-lens explain: --culprit-batch must be at least 1, got {args.culprit_batch}")
     return "on" if args.culprits else "off" if args.no_culprits else "auto"
 
 
@@ -63,12 +74,14 @@ def search_failures(
     mode: str,
     max_runs: int,
     seconds: float,
+    batch: int = 1,
     say: Any = None,
     allow_other_model: bool = False,
 ) -> int:
     """The culprit search of each explained request of ``requests`` whose verdict is not
     ``not_the_cache`` (nor an implementation error); with ``mode`` ``auto`` only those that label no
-    evidence. A request the search refuses gets a one-line note. Returns the searches run."""
+    evidence; ``batch`` probes per re-run. A request the search refuses gets a one-line note.
+    Returns the searches run."""
     from analyses import causal_verdicts, connect
     from recorders.counterfactual import load_parent
     from recorders.culprits import explain_culprits
@@ -93,6 +106,7 @@ def search_failures(
                 r,
                 max_runs=max_runs,
                 seconds=seconds,
+                batch=batch,
                 progress=(lambda label, r=r: say(r, label)) if say else None,
                 allow_other_model=allow_other_model,
             )
