@@ -45,7 +45,7 @@ def explain_run(
     culprits: str = "off",
     max_runs: int = 40,
     culprit_seconds: float = 900.0,
-    culprit_batch: int = 1,
+    culprit_batch: int = 4,
 ) -> list[Any]:
     """Explain the failed requests of a run (or ``requests``): re-run, then decide.
 

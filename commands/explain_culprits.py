@@ -18,6 +18,8 @@ def add_culprit_args(parser: argparse.ArgumentParser) -> None:
     """``--culprits``, ``--no-culprits``, ``--max-runs``, ``--culprit-seconds`` and ``--culprit-batch``."""
     from recorders.culprits import BATCH, MAX_RUNS, SECONDS
 
+    from .options import at_least
+
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--culprits",
@@ -28,7 +30,7 @@ def add_culprit_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-culprits", action="store_true", help="no culprit search")
     parser.add_argument(
         "--max-runs",
-        type=int,
+        type=at_least(1),
         default=MAX_RUNS,
         help=f"re-runs of one culprit search at most, each row of a batched re-run counted (default {MAX_RUNS})",
     )
@@ -40,7 +42,7 @@ def add_culprit_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--culprit-batch",
-        type=int,
+        type=at_least(1),
         default=BATCH,
         help=f"culprit probes re-run together, one row each, in one generate (default {BATCH}; 1: one at a time)",
     )
@@ -48,12 +50,8 @@ def add_culprit_args(parser: argparse.ArgumentParser) -> None:
 
 def culprit_mode(args: argparse.Namespace) -> str:
     """The culprit mode of parsed ``explain`` options; bad limits are a one-line error."""
-    if args.max_runs < 1:
-        raise SystemExit(f"h2o-lens explain: --max-runs must be at least 1, got {args.max_runs}")
     if not args.culprit_seconds > 0:
         raise SystemExit(f"h2o-lens explain: --culprit-seconds must be above 0, got {args.culprit_seconds}")
-    if args.culprit_batch < 1:
-        raise SystemExit(f"h2o-lens explain: --culprit-batch must be at least 1, got {args.culprit_batch}")
     return "on" if args.culprits else "off" if args.no_culprits else "auto"
 
 
@@ -74,7 +72,7 @@ def search_failures(
     mode: str,
     max_runs: int,
     seconds: float,
-    batch: int = 1,
+    batch: int = 4,
     say: Any = None,
     allow_other_model: bool = False,
 ) -> int:

@@ -4,13 +4,14 @@
 restated_fact] [--keep 0.2] [--max-runs 40] [--batch 4] [--splits 1] [--out DIR]``: for each
 request of each family at that prompt length, the full cache is run (a request it fails is left
 out) and H2O at ``keep`` (replayed); each H2O failure is explained (the variants without budget
-searches) and, when its verdict is ``scoring``, its culprits are searched with the evidence
-labels hidden from the search (the search never reads them:
-:func:`recorders.culprits.culprit_candidates` ranks by the replay's teacher attention). The labels only score the result: the share of the culprit tokens inside the
-family's evidence span. Printed per failure and in total: the set's size, 1-minimal or not, the
-re-runs (each row of a batched re-run counted) and the batched re-runs they took, the seconds of
-explain (variants and search) against one generation of the request measured on the same
-process next to it. ``--batch`` and ``--splits`` are the search's (``explain --culprit-batch``).
+searches) and, when its verdict is ``scoring``, its culprits are searched with the evidence labels
+hidden from the search (the search never reads them: :func:`recorders.culprits.culprit_candidates`
+ranks by the replay's teacher attention). The labels only score the result: the share of the
+culprit tokens inside the family's evidence span. Printed per failure and in total: the set's size,
+1-minimal or not, the re-runs (each row of a batched re-run counted) and the batched re-runs they
+took, the seconds of explain (variants and search) against one generation of the request measured
+on the same process next to it. ``--batch`` and ``--splits`` are the search's (``explain
+--culprit-batch``).
 """
 
 from __future__ import annotations
