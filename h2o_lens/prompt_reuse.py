@@ -23,6 +23,13 @@ prompt alone (a cache built with another layer class, :func:`h2o_lens.cache.use_
 prefill its own way), with no extension but observers (the guard reads its own prompt forward,
 :mod:`h2o_lens.extension`). Anything else runs its own prefill. The model's weights must not change
 inside the scope.
+
+With ``repeated``, a batch of one prompt repeated over its rows (the same token ids, mask and
+position ids in every row) is served from that prompt's one-row forward: the one held, or one run
+then, at one row, into a scratch cache of the same configuration and held. Every row then starts
+from the bits of that prompt prefilled alone (the culprit search's probes, one set of pins per
+row, are each the probe run alone; DESIGN.md §19), and the batch costs one prompt forward of one
+row. Without it such a batch is a prompt batch like any other.
 """
 
 from __future__ import annotations
@@ -153,15 +160,17 @@ class PromptReuse:
     ``any_gqa``: a forward also serves the other aggregations: the scope then keeps each
     layer's queries and row log-sum-exps too (the CPU flash prefill's), and gives another
     aggregation its column sums from them (:func:`h2o_lens.ops.prefill_columns`, the same bits
-    as its own prefill); else one forward per aggregation. ``hits`` and ``misses`` count the
-    prompt forwards reused and computed."""
+    as its own prefill); else one forward per aggregation. ``repeated``: a batch of one prompt
+    repeated is served from that prompt's one-row forward (module docstring). ``hits`` and
+    ``misses`` count the prompt forwards reused and computed."""
 
-    def __init__(self, model: Any, keep: int = 2, any_gqa: bool = False):
+    def __init__(self, model: Any, keep: int = 2, any_gqa: bool = False, repeated: bool = False):
         if keep < 1:
             raise ValueError(f"keep={keep}; expected at least 1 prompt forward")
         self.model = model
         self.keep = keep
         self.any_gqa = any_gqa
+        self.repeated = repeated
         self.hits = 0
         self.misses = 0
         self._store: OrderedDict[tuple, _Prompt] = OrderedDict()
@@ -247,7 +256,7 @@ class PromptReuse:
         if kept is not None:
             self.hits += 1
             return self._adopt(kept, cache, 1)
-        one = _one_row(kwargs)
+        one = _one_row(kwargs) if self.repeated else None
         if one is not None:  # b copies of one prompt: that prompt's forward, over the rows
             row = self._identity(cache, args, one)
             kept = self._find(row, cache) if row is not None else None
@@ -343,10 +352,11 @@ def _one_row(kwargs: dict) -> dict | None:
 
 
 @contextlib.contextmanager
-def reuse_prompts(model: Any, keep: int = 2, any_gqa: bool = False) -> Iterator[PromptReuse]:
+def reuse_prompts(model: Any, keep: int = 2, any_gqa: bool = False, repeated: bool = False) -> Iterator[PromptReuse]:
     """Within the scope, a ``generate`` of ``model`` under an H2O cache starts from the prompt
     forward of an earlier ``generate`` of the same prompts (DESIGN.md §12.5) instead of
-    forwarding them again; with ``any_gqa``, whatever the aggregation of either. Yields the
+    forwarding them again; with ``any_gqa``, whatever the aggregation of either; with
+    ``repeated``, a batch of one prompt repeated from that prompt's one-row forward. Yields the
     :class:`PromptReuse` (its ``hits`` and ``misses``)."""
-    with PromptReuse(model, keep, any_gqa) as scope:
+    with PromptReuse(model, keep, any_gqa, repeated) as scope:
         yield scope

@@ -228,7 +228,7 @@ def explain_culprits(
         return earlier
     say = progress or (lambda label: None)
     runner = _Runner(model, tokenizer, parent, out, replay=replay, override=override)
-    with reuse_prompts(model):
+    with reuse_prompts(model, repeated=True):  # a batch of probes: one prompt forward of one row
         say("full cache")
         full = _fresh(out, counterfactual_id(parent.run_id, request, FULL))
         if full is None:

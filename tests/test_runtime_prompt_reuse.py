@@ -241,8 +241,9 @@ def test_a_recording_from_a_reused_prompt_forward_is_the_recording_of_its_own(tm
 
 def test_a_batch_of_one_prompt_repeated_costs_one_prompt_forward_and_keeps_each_rows_bits():
     """b copies of one prompt (the culprit search's probes, one set of pins per row, DESIGN.md §19):
-    the scope runs that prompt's forward once, at one row, and every row starts from it; each row
-    equals the same config run alone, before and after the one-row forward is held."""
+    with ``repeated`` the scope runs that prompt's forward once, at one row, and every row starts
+    from it; each row equals the same config run alone, before and after the one-row forward is
+    held. Without it the batch runs its own prompt forward."""
     model = tiny_model("llama", layers=2)
     ids = left_padded((21,), 3)[0]
     cfg = H2OConfig(heavy=5, recent=3)
@@ -266,7 +267,11 @@ def test_a_batch_of_one_prompt_repeated_costs_one_prompt_forward_and_keeps_each_
     widths = []
     hook = model.model.layers[0].register_forward_pre_hook(lambda _m, a: widths.append(a[0].shape[:2]))
     try:
-        with reuse_prompts(model) as scope:
+        with reuse_prompts(model) as scope:  # without repeated: the batch's own prompt forward
+            assert run(pins)[0] == alone and (scope.hits, scope.misses) == (0, 1)
+        assert widths == [torch.Size([len(pins), ids.shape[1]])] + [torch.Size([len(pins), 1])] * 7
+        widths.clear()
+        with reuse_prompts(model, repeated=True) as scope:
             first, cache = run(pins)  # nothing held: the one row's forward runs, once
             assert (scope.hits, scope.misses) == (0, 1) and cache.prompt_reused
             again, _ = run(pins[1:])  # held: served to three rows
