@@ -134,6 +134,6 @@ def culprit_json(v: Any) -> dict[str, Any]:
     search = getattr(v, "culprits", None)
     if not search:
         return {"culprits": [], "culprit_search": None}
-    keys = ("run_id", "status", "found", "minimal", "stopped", "runs", "candidates", "tried")
+    keys = ("run_id", "status", "found", "minimal", "stopped", "runs", "calls", "candidates", "tried")
     meta = {k: search.get(k) for k in keys}
     return {"culprits": [dict(c) for c in search.get("culprits") or []], "culprit_search": meta}

@@ -101,7 +101,9 @@ def test_a_batched_search_counts_every_row_against_its_limits():
 
 @pytest.mark.slow
 def test_explain_with_a_culprit_batch_finds_the_sequential_set(tmp_path):
-    from commands.explain import explain_run
+    import json
+
+    from commands.explain import explain_run, format_verdicts
     from recorders.culprits import search_from_dict
     from runlog import read_manifest
 
@@ -126,6 +128,10 @@ def test_explain_with_a_culprit_batch_finds_the_sequential_set(tmp_path):
     both = [p for p in got.probes if p.positions in judged]
     assert len(both) >= 2 and all(p.passed == judged[p.positions] for p in both)
     assert [c["position"] for c in v.culprits["culprits"]] == list(alone.culprits)
+    # explain counts rows as re-runs and says how many batches they took
+    (shown,) = json.loads(format_verdicts([v], "json"))
+    assert shown["culprit_search"]["runs"] == got.runs and shown["culprit_search"]["calls"] == got.calls
+    assert f"{got.runs} re-runs in {got.calls} batches" in format_verdicts([v])
 
 
 def test_explain_refuses_a_culprit_batch_below_one_in_one_line(tmp_path, capsys):
