@@ -23,7 +23,7 @@ _COLUMNS = ("position", "text", "rank", "step", "layer", "kv_head", "sets", "pha
 def culprit_sets(source: Source, run_id: str | None = None) -> dict[tuple[str, int], dict[str, Any]]:
     """``(parent run, request) -> search`` for every ``culprits`` re-run (of ``run_id`` when given).
 
-    A search is ``{"run_id", "status", "found", "minimal", "stopped", "runs", "candidates",
+    A search is ``{"run_id", "status", "found", "minimal", "stopped", "runs", "calls", "candidates",
     "culprits": [row ...], "tried": [positions]}``: ``culprits`` the rows of the ``culprits`` table
     (position, text, rank, step, layer, kv_head, sets, phase, held, score, margin, future_mass) when
     a set was found, else empty and ``tried`` the largest set tried.
@@ -55,6 +55,7 @@ def culprit_sets(source: Source, run_id: str | None = None) -> dict[tuple[str, i
             "minimal": bool(search.get("minimal")),
             "stopped": search.get("stopped"),
             "runs": search.get("runs"),
+            "calls": search.get("calls"),
             "candidates": search.get("candidates"),
             "culprits": culprits if search.get("found") else [],
             "tried": [] if search.get("found") else list(search.get("culprits") or []),
@@ -84,16 +85,17 @@ def culprit_summary(search: dict[str, Any] | None) -> str | None:
     """One line on a search: the set, 1-minimal or not, and its re-runs (None: no search)."""
     if not search:
         return None
-    runs = search.get("runs")
+    runs, calls = search.get("runs"), search.get("calls")
+    runs = f"{runs} re-runs" + (f" in {calls} batches" if calls is not None and runs and calls < runs else "")
     if search.get("found"):
         names = ", ".join(f"{c['position']} {c.get('text')!r}" for c in search["culprits"])
         how = "1-minimal" if search.get("minimal") else f"not proven 1-minimal: stopped by {search.get('stopped')}"
-        return f"{len(search['culprits'])} token(s): {names} ({how}, {runs} re-runs)"
+        return f"{len(search['culprits'])} token(s): {names} ({how}, {runs})"
     if search.get("status") != "complete":
         return f"the search's re-run could not run ({search.get('status')})"
     tried = search.get("tried") or []
     why = f", stopped by {search.get('stopped')}" if search.get("stopped") else ""
     return (
-        f"no set of evicted tokens restored brings the answer back ({runs} re-runs{why}; the largest tried held "
+        f"no set of evicted tokens restored brings the answer back ({runs}{why}; the largest tried held "
         f"{len(tried)} of {search.get('candidates')} candidates)"
     )

@@ -45,6 +45,7 @@ def explain_run(
     culprits: str = "off",
     max_runs: int = 40,
     culprit_seconds: float = 900.0,
+    culprit_batch: int = 4,
 ) -> list[Any]:
     """Explain the failed requests of a run (or ``requests``): re-run, then decide.
 
@@ -54,7 +55,7 @@ def explain_run(
     whose fingerprint differs from the parent's is refused unless ``allow_other_model``.
     ``culprits`` (``off``, ``auto``: requests without evidence spans, ``on``) adds the culprit
     search of DESIGN.md §19 (:mod:`commands.explain_culprits`), at most ``max_runs`` re-runs and
-    ``culprit_seconds`` per request.
+    ``culprit_seconds`` per request, ``culprit_batch`` probes per batched re-run.
 
     Returns the :class:`analyses.CausalVerdict` of each explained request.
     """
@@ -109,6 +110,7 @@ def explain_run(
                 mode=culprits,
                 max_runs=max_runs,
                 seconds=culprit_seconds,
+                batch=culprit_batch,
                 say=lambda r, label: (bar.set_description_str(f"request {r}, {label}"), bar.update(1)),
                 allow_other_model=allow_other_model,
             )
@@ -256,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
         culprits=culprit_mode(args),
         max_runs=args.max_runs,
         culprit_seconds=args.culprit_seconds,
+        culprit_batch=args.culprit_batch,
     )
     if not args.all:
         verdicts = explain_run(run_dir(args.run, args.root), requests=args.request, **options)

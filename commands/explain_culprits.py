@@ -15,8 +15,10 @@ MODES = ("off", "auto", "on")
 
 
 def add_culprit_args(parser: argparse.ArgumentParser) -> None:
-    """``--culprits``, ``--no-culprits``, ``--max-runs`` and ``--culprit-seconds``."""
-    from recorders.culprits import MAX_RUNS, SECONDS
+    """``--culprits``, ``--no-culprits``, ``--max-runs``, ``--culprit-seconds`` and ``--culprit-batch``."""
+    from recorders.culprits import BATCH, MAX_RUNS, SECONDS
+
+    from .options import at_least
 
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
@@ -27,7 +29,10 @@ def add_culprit_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--no-culprits", action="store_true", help="no culprit search")
     parser.add_argument(
-        "--max-runs", type=int, default=MAX_RUNS, help=f"re-runs of one culprit search at most (default {MAX_RUNS})"
+        "--max-runs",
+        type=at_least(1),
+        default=MAX_RUNS,
+        help=f"re-runs of one culprit search at most, each row of a batched re-run counted (default {MAX_RUNS})",
     )
     parser.add_argument(
         "--culprit-seconds",
@@ -35,12 +40,16 @@ def add_culprit_args(parser: argparse.ArgumentParser) -> None:
         default=SECONDS,
         help=f"time budget of one culprit search, seconds (default {SECONDS:g})",
     )
+    parser.add_argument(
+        "--culprit-batch",
+        type=at_least(1),
+        default=BATCH,
+        help=f"culprit probes re-run together, one row each, in one generate (default {BATCH}; 1: one at a time)",
+    )
 
 
 def culprit_mode(args: argparse.Namespace) -> str:
     """The culprit mode of parsed ``explain`` options; bad limits are a one-line error."""
-    if args.max_runs < 1:
-        raise SystemExit(f"h2o-lens explain: --max-runs must be at least 1, got {args.max_runs}")
     if not args.culprit_seconds > 0:
         raise SystemExit(f"h2o-lens explain: --culprit-seconds must be above 0, got {args.culprit_seconds}")
     return "on" if args.culprits else "off" if args.no_culprits else "auto"
@@ -63,12 +72,14 @@ def search_failures(
     mode: str,
     max_runs: int,
     seconds: float,
+    batch: int = 4,
     say: Any = None,
     allow_other_model: bool = False,
 ) -> int:
     """The culprit search of each explained request of ``requests`` whose verdict is not
     ``not_the_cache`` (nor an implementation error); with ``mode`` ``auto`` only those that label no
-    evidence. A request the search refuses gets a one-line note. Returns the searches run."""
+    evidence; ``batch`` probes per re-run. A request the search refuses gets a one-line note.
+    Returns the searches run."""
     from analyses import causal_verdicts, connect
     from recorders.counterfactual import load_parent
     from recorders.culprits import explain_culprits
@@ -93,6 +104,7 @@ def search_failures(
                 r,
                 max_runs=max_runs,
                 seconds=seconds,
+                batch=batch,
                 progress=(lambda label, r=r: say(r, label)) if say else None,
                 allow_other_model=allow_other_model,
             )
@@ -122,6 +134,6 @@ def culprit_json(v: Any) -> dict[str, Any]:
     search = getattr(v, "culprits", None)
     if not search:
         return {"culprits": [], "culprit_search": None}
-    keys = ("run_id", "status", "found", "minimal", "stopped", "runs", "candidates", "tried")
+    keys = ("run_id", "status", "found", "minimal", "stopped", "runs", "calls", "candidates", "tried")
     meta = {k: search.get(k) for k in keys}
     return {"culprits": [dict(c) for c in search.get("culprits") or []], "culprit_search": meta}

@@ -569,6 +569,9 @@ class H2OCache(Cache):
         What the layers call at their events (:mod:`h2o_lens.extension`, DESIGN.md §1.1), after the
         listener's view; default one from each factory of the :func:`~h2o_lens.extension.use_extensions`
         blocks in effect (a sequence, even empty, replaces those).
+    row_pins : sequence of position sets, optional
+        One set of pinned positions per batch row, in place of ``config.pinned``: each row is the
+        config pinned at its own set, at the same slot count (DESIGN.md §2.11).
     """
 
     def __init__(
@@ -580,6 +583,7 @@ class H2OCache(Cache):
         speculative: str = "rollback",
         layer_class: type[H2OCacheLayer] | None = None,
         extensions: Sequence[CacheExtension] | None = None,
+        row_pins: Sequence[Sequence[int]] | None = None,
     ):
         if not config.spec.evicts:
             raise ConfigError(
@@ -601,6 +605,7 @@ class H2OCache(Cache):
         self.prompt_width: int | None = None
         self.budgets: list[ops.PolicyArgs] = []  # distinct budgets; layers index them per row
         self.request_configs: list[H2OConfig] | None = None  # resolved per prefill row
+        self.row_pins = _per_row.check_row_pins(config, row_pins)  # each row's own pins, or None
         self._rows: torch.Tensor | None = None
         self.backend: str | None = None  # "torch" | "triton", resolved at the first prefill
         #: the recorder's request of each batch row (None until a recorder names them); moves with the rows
@@ -657,7 +662,7 @@ class H2OCache(Cache):
     @property
     def resolved_config(self) -> H2OConfig | None:
         """The config in slot counts, or None when the requests' budgets differ (or no prompt yet)."""
-        if self.config.resolved:
+        if self.config.resolved and self.row_pins is None:
             return self.config
         cfgs = self.request_configs or []
         return cfgs[0] if cfgs and all(c == cfgs[0] for c in cfgs) else None

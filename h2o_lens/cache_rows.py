@@ -7,7 +7,8 @@ split from the cache module; the cache's methods of the same names call them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -16,26 +17,59 @@ from . import ops, pins
 from .errors import ConfigError
 from .plan import policy_args
 
-__all__ = ["assign_budgets", "step_groups", "cancel"]
+__all__ = ["assign_budgets", "check_row_pins", "step_groups", "cancel"]
+
+
+def check_row_pins(config: Any, row_pins: Sequence[Sequence[int]] | None) -> tuple[tuple[int, ...], ...] | None:
+    """``row_pins`` (one set of pinned positions per batch row, DESIGN.md §2.11) as sorted tuples, or
+    None; a :class:`ConfigError` for a set the config cannot pin (the same checks as
+    :func:`h2o_lens.config.pin` on a resolved config; a keep ratio's are made per row at the prefill)."""
+    if row_pins is None:
+        return None
+    from .config import pin, pin_positions
+
+    rows = tuple(pin_positions(p) for p in row_pins)
+    if not rows:
+        raise ConfigError("row_pins gives no set of positions; give one per batch row, or leave row_pins out")
+    if config.plan is not None:
+        raise ConfigError("pinned positions with a budget plan are not supported; pin with a uniform budget")
+    if config.resolved:
+        for p in set(rows):
+            pin(config, p)
+    return rows
+
+
+def _row_configs(cache: Any, lens: list[int]) -> list[Any]:
+    """Each row's config resolved on its prompt length, with its own pins under ``cache.row_pins``."""
+    row_pins = getattr(cache, "row_pins", None)
+    if row_pins is not None and len(row_pins) != len(lens):
+        raise ConfigError(
+            f"row_pins gives {len(row_pins)} sets of positions for a batch of {len(lens)} rows; give one per row"
+        )
+    pinned = list(row_pins) if row_pins is not None else [cache.config.pinned] * len(lens)
+    late = [r for r, (p, n) in enumerate(zip(pinned, lens)) if p and p[-1] >= n]
+    if late:
+        r = late[0]
+        raise ConfigError(
+            f"pinned position {pinned[r][-1]} is beyond the prompt of request {r} "
+            f"({lens[r]} tokens, positions 0 to {lens[r] - 1}); pinned positions "
+            "are 0-based positions of each request's real prompt tokens (padding excluded)"
+        )
+    cfgs = [cache.config.resolve(n) for n in lens]
+    if row_pins is not None:
+        cfgs = [dataclasses.replace(c, pinned=p) for c, p in zip(cfgs, row_pins)]
+    return cfgs
 
 
 def assign_budgets(cache: Any, prompt_lens: torch.Tensor) -> torch.Tensor:
     """Resolve the budget of each request against its own prompt length, once.
 
     ``prompt_lens (b,)`` unpadded prompt lengths. Returns ``(b,)`` int64
-    indices into :attr:`budgets` (the same for every layer).
+    indices into :attr:`budgets` (the same for every layer). Under ``cache.row_pins`` row ``r``
+    pins ``row_pins[r]`` instead of the config's pins (:func:`check_row_pins`).
     """
     if cache.row_index is None:
-        lens = prompt_lens.tolist()
-        pinned = cache.config.pinned
-        if pinned and pinned[-1] >= min(lens):
-            rows = [r for r, n in enumerate(lens) if pinned[-1] >= n]
-            raise ConfigError(
-                f"pinned position {pinned[-1]} is beyond the prompt of request {rows[0]} "
-                f"({lens[rows[0]]} tokens, positions 0 to {lens[rows[0]] - 1}); pinned positions "
-                "are 0-based positions of each request's real prompt tokens (padding excluded)"
-            )
-        cfgs = [cache.config.resolve(n) for n in lens]
+        cfgs = _row_configs(cache, prompt_lens.tolist())
         rows = []
         for cfg in cfgs:
             args = policy_args(cfg)  # with a budget plan, its table (DESIGN.md §2.14)

@@ -23,11 +23,19 @@ prompt alone (a cache built with another layer class, :func:`h2o_lens.cache.use_
 prefill its own way), with no extension but observers (the guard reads its own prompt forward,
 :mod:`h2o_lens.extension`). Anything else runs its own prefill. The model's weights must not change
 inside the scope.
+
+With ``repeated``, a batch of one prompt repeated over its rows (the same token ids, mask and
+position ids in every row) is served from that prompt's one-row forward: the one held, or one run
+then, at one row, into a scratch cache of the same configuration and held. Every row then starts
+from the bits of that prompt prefilled alone (the culprit search's probes, one set of pins per
+row, are each the probe run alone; DESIGN.md §19), and the batch costs one prompt forward of one
+row. Without it such a batch is a prompt batch like any other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 from collections import OrderedDict
@@ -152,15 +160,17 @@ class PromptReuse:
     ``any_gqa``: a forward also serves the other aggregations: the scope then keeps each
     layer's queries and row log-sum-exps too (the CPU flash prefill's), and gives another
     aggregation its column sums from them (:func:`h2o_lens.ops.prefill_columns`, the same bits
-    as its own prefill); else one forward per aggregation. ``hits`` and ``misses`` count the
-    prompt forwards reused and computed."""
+    as its own prefill); else one forward per aggregation. ``repeated``: a batch of one prompt
+    repeated is served from that prompt's one-row forward (module docstring). ``hits`` and
+    ``misses`` count the prompt forwards reused and computed."""
 
-    def __init__(self, model: Any, keep: int = 2, any_gqa: bool = False):
+    def __init__(self, model: Any, keep: int = 2, any_gqa: bool = False, repeated: bool = False):
         if keep < 1:
             raise ValueError(f"keep={keep}; expected at least 1 prompt forward")
         self.model = model
         self.keep = keep
         self.any_gqa = any_gqa
+        self.repeated = repeated
         self.hits = 0
         self.misses = 0
         self._store: OrderedDict[tuple, _Prompt] = OrderedDict()
@@ -242,43 +252,111 @@ class PromptReuse:
         identity = self._identity(cache, args, kwargs)
         if identity is None:
             return original(*args, **kwargs)
-        gqa = cache.config.gqa
         kept = self._find(identity, cache)
         if kept is not None:
             self.hits += 1
-            copies = cache.shape.copies(gqa)  # the K/V repeated per query head under gqa="none"
-            for cache_layer, layer in zip(cache.layers, kept.layers):
-                key, value = layer.key, layer.value
-                if copies > 1:
-                    key, value = key.repeat_interleave(copies, 1), value.repeat_interleave(copies, 1)
-                cache_layer.adopt_prompt(layer.rows, key, value, layer.cols[gqa], layer.valid, layer.scaling)
-            cache.prompt_reused = True
-            heard = getattr(cache.prompt_sink, "on_reused_head", None)
-            if heard is not None:  # the output head did not run: say how many positions it gave
-                heard(kept.logits.shape[1])
-            return kept.output_type(logits=kept.logits.clone(), **compat.cache_kwargs(cache))
-        capture = _Capture(self._rows, gqa, self.any_gqa)
+            return self._adopt(kept, cache, 1)
+        one = _one_row(kwargs) if self.repeated else None
+        if one is not None:  # b copies of one prompt: that prompt's forward, over the rows
+            row = self._identity(cache, args, one)
+            kept = self._find(row, cache) if row is not None else None
+            if kept is not None:
+                self.hits += 1
+            elif row is not None:
+                kept = self._forward_one(original, row, one, cache)
+            if kept is not None:
+                return self._adopt(kept, cache, kwargs["input_ids"].shape[0])
+        capture = _Capture(self._rows, cache.config.gqa, self.any_gqa)
         cache.prompt_capture = capture
         try:
             out = original(*args, **kwargs)
         finally:
             cache.prompt_capture = None
         self.misses += 1
-        logits = getattr(out, "logits", None)
-        if sorted(capture.layers) == list(range(len(cache.layers))) and isinstance(logits, torch.Tensor):
-            layers = [capture.layers[i] for i in range(len(cache.layers))]
-            whole = all(layer.lse is not None for layer in layers)
-            self._store[(identity, "*" if whole else gqa)] = _Prompt(layers, logits.clone(), type(out))
-            while len(self._store) > self.keep:
-                self._store.popitem(last=False)
+        self._keep(identity, capture, out, cache)
         return out
+
+    def _keep(self, identity: tuple, capture: _Capture, out: Any, cache: H2OCache) -> _Prompt | None:
+        """Hold a captured prompt forward for the next configuration (None: the capture is incomplete)."""
+        logits = getattr(out, "logits", None)
+        if sorted(capture.layers) != list(range(len(cache.layers))) or not isinstance(logits, torch.Tensor):
+            return None
+        layers = [capture.layers[i] for i in range(len(cache.layers))]
+        whole = all(layer.lse is not None for layer in layers)
+        kept = _Prompt(layers, logits.clone(), type(out))
+        self._store[(identity, "*" if whole else cache.config.gqa)] = kept
+        while len(self._store) > self.keep:
+            self._store.popitem(last=False)
+        return kept
+
+    def _forward_one(self, original, identity: tuple, one: dict, cache: H2OCache) -> _Prompt | None:
+        """The prompt forward of one row (``one``: the forward's keyword arguments cut to that row),
+        run into a scratch cache of the same configuration and held; None when it cannot be kept."""
+        scratch = H2OCache(
+            dataclasses.replace(cache.config, pinned=()),
+            self.model.config,
+            prefill_chunk=cache.prefill_chunk,
+            layer_class=H2OCacheLayer,
+            extensions=(),
+        )
+        scratch.prompt_width = one["input_ids"].shape[1]
+        capture = _Capture(self._rows, cache.config.gqa, self.any_gqa)
+        scratch.prompt_capture = capture
+        kwargs = {k: v for k, v in one.items() if k not in ("cache", "past_key_values")}
+        out = original(**kwargs, **compat.cache_kwargs(scratch))
+        self.misses += 1
+        kept = self._keep(identity, capture, out, scratch)
+        if kept is not None and not self._find(identity, cache):
+            return None
+        return kept
+
+    def _adopt(self, kept: _Prompt, cache: H2OCache, rows: int):
+        """Start ``cache`` from a kept prompt forward (of one row repeated over ``rows`` when
+        ``rows > 1``): every layer applies its own keep rule; returns the forward's output."""
+        gqa = cache.config.gqa
+        copies = cache.shape.copies(gqa)  # the K/V repeated per query head under gqa="none"
+
+        def over(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if t is None or rows == 1 else t.expand(rows, *t.shape[1:]).contiguous()
+
+        for cache_layer, layer in zip(cache.layers, kept.layers):
+            key, value = layer.key, layer.value
+            if copies > 1:
+                key, value = key.repeat_interleave(copies, 1), value.repeat_interleave(copies, 1)
+            cols = layer.cols[gqa]
+            cache_layer.adopt_prompt(
+                over(layer.rows), over(key), over(value), over(cols), over(layer.valid), layer.scaling
+            )
+        cache.prompt_reused = True
+        heard = getattr(cache.prompt_sink, "on_reused_head", None)
+        if heard is not None:  # the output head did not run: say how many positions it gave
+            heard(kept.logits.shape[1])
+        return kept.output_type(logits=over(kept.logits.clone()), **compat.cache_kwargs(cache))
+
+
+def _one_row(kwargs: dict) -> dict | None:
+    """The keyword arguments of a forward over ``b > 1`` identical prompt rows (the same token ids,
+    mask and position ids) cut to the first row, else None."""
+    ids = kwargs["input_ids"]
+    if ids.shape[0] < 2 or not bool((ids == ids[:1]).all()):
+        return None
+    one = dict(kwargs, input_ids=ids[:1])
+    for name in ("attention_mask", "position_ids"):
+        t = kwargs.get(name)
+        if t is None or t.shape[0] == 1:
+            continue
+        if t.shape[0] != ids.shape[0] or not bool((t == t[:1]).all()):
+            return None
+        one[name] = t[:1]
+    return one
 
 
 @contextlib.contextmanager
-def reuse_prompts(model: Any, keep: int = 2, any_gqa: bool = False) -> Iterator[PromptReuse]:
+def reuse_prompts(model: Any, keep: int = 2, any_gqa: bool = False, repeated: bool = False) -> Iterator[PromptReuse]:
     """Within the scope, a ``generate`` of ``model`` under an H2O cache starts from the prompt
     forward of an earlier ``generate`` of the same prompts (DESIGN.md §12.5) instead of
-    forwarding them again; with ``any_gqa``, whatever the aggregation of either. Yields the
+    forwarding them again; with ``any_gqa``, whatever the aggregation of either; with
+    ``repeated``, a batch of one prompt repeated from that prompt's one-row forward. Yields the
     :class:`PromptReuse` (its ``hits`` and ``misses``)."""
-    with PromptReuse(model, keep, any_gqa) as scope:
+    with PromptReuse(model, keep, any_gqa, repeated) as scope:
         yield scope

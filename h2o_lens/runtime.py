@@ -114,10 +114,16 @@ class H2OSession:
         self.speculative = check_mode(speculative)
         self.last_cache: H2OCache | None = None
 
-    def new_cache(self, listener: CacheListener | None = None) -> H2OCache:
-        """A fresh cache for one generation (one batch of prompts)."""
+    def new_cache(self, listener: CacheListener | None = None, *, row_pins: Any = None) -> H2OCache:
+        """A fresh cache for one generation (one batch of prompts); with ``row_pins`` (one set of
+        positions per row) each row pins its own set in place of the config's (DESIGN.md §2.11):
+        ``model.generate(input_ids=..., cache=session.new_cache(row_pins=[(3,), (3, 9)]))``."""
         cache = H2OCache(
-            self.config, self.model.config, listener=listener or self.listener, speculative=self.speculative
+            self.config,
+            self.model.config,
+            listener=listener or self.listener,
+            speculative=self.speculative,
+            row_pins=row_pins,
         )
         self.last_cache = cache
         return cache

@@ -11,15 +11,19 @@ the run alone:
 * the test of a set: re-run the request with the set pinned (:func:`h2o_lens.config.pin`) inside
   the run's slot count, judged by the request's checker, else by agreement with the full cache's
   answer;
-* the search (:func:`search_culprits`, a pure function of the ranking and a ``test(set) -> bool``):
-  growing prefixes of the ranking (1, 2, 4 ... positions) until one passes, the smallest passing
-  prefix between the last two, then adaptive group testing (bisection for one needed position at a
-  time) down to a 1-minimal set: it passes, and without any one of its positions it fails;
-* limits: ``max_runs`` re-runs and ``seconds`` of search; a search stopped by either reports the
-  passing set it holds (not proven 1-minimal), or, when nothing passed, the largest set it tried.
+* the search (:func:`~recorders.culprit_search.search_culprits`, a pure function of the ranking
+  and a test of one set or of a list of sets): growing prefixes of the ranking (1, 2, 4 ...
+  positions) until one passes, the smallest passing prefix between the last two, then adaptive
+  group testing (bisection for one needed position at a time) down to a 1-minimal set: it passes,
+  and without any one of its positions it fails; its independent probes evaluated ``batch`` at a
+  time;
+* limits: ``max_runs`` re-runs (each row of a batched re-run counted) and ``seconds`` of search;
+  a search stopped by either reports the passing set it holds (not proven 1-minimal), or, when
+  nothing passed, the largest set it tried.
 
-:func:`explain_culprits` runs it on a recorded run: every probe generates without writing
-(inside one :func:`~h2o_lens.prompt_reuse.reuse_prompts`: one prompt forward for all of them), and
+:func:`explain_culprits` runs it on a recorded run: every probe generates without writing, up to
+``batch`` of them as the rows of one ``generate`` (:mod:`recorders.culprit_probes`), inside one
+:func:`~h2o_lens.prompt_reuse.reuse_prompts` (one prompt forward for all of them), and
 the set found is recorded as a counterfactual run of kind ``culprits`` (its manifest's
 ``counterfactual.search`` holds every probe) with a ``culprits`` table: one row per culprit with
 when and why it left the parent's cache.
@@ -29,204 +33,30 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from h2o_lens.errors import ConfigError
 from runlog.errors import RecorderError
 from runlog.schema import CULPRITS_KIND
+
+from .culprit_search import BATCH, MAX_RUNS, SECONDS, CulpritSearch, Probe, search_culprits, search_from_dict
 
 __all__ = [
     "MAX_RUNS",
     "SECONDS",
+    "BATCH",
     "Probe",
     "CulpritSearch",
     "search_culprits",
+    "search_from_dict",
     "Candidate",
     "culprit_candidates",
     "first_wrong_step",
     "explain_culprits",
 ]
-
-#: default cap on the search's re-runs (``explain --max-runs``)
-MAX_RUNS = 40
-#: default time budget of one search, seconds (``explain --culprit-seconds``)
-SECONDS = 900.0
-
-
-# ----------------------------------------------------------------------------- the search
-
-
-@dataclasses.dataclass(frozen=True)
-class Probe:
-    """One test of the search: the positions restored and whether the answer came back."""
-
-    positions: tuple[int, ...]
-    passed: bool
-    seconds: float = dataclasses.field(default=0.0, compare=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class CulpritSearch:
-    """The result of :func:`search_culprits`.
-
-    Attributes
-    ----------
-    culprits : the passing set found (in ranking order); the largest set tried when none passed
-    found : some tested set passed
-    minimal : ``culprits`` is 1-minimal: it passes and fails without any one of its positions
-    stopped : ``"max_runs"`` or ``"seconds"`` when a limit ended the search, else None
-    probes : every test, in order (a set is tested once)
-    candidates : how many candidates the ranking held
-    """
-
-    culprits: tuple[int, ...]
-    found: bool
-    minimal: bool
-    stopped: str | None
-    probes: tuple[Probe, ...]
-    candidates: int
-
-    @property
-    def runs(self) -> int:
-        return len(self.probes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "culprits": list(self.culprits),
-            "found": self.found,
-            "minimal": self.minimal,
-            "stopped": self.stopped,
-            "runs": self.runs,
-            "candidates": self.candidates,
-            "probes": [[list(p.positions), p.passed, round(p.seconds, 3)] for p in self.probes],
-        }
-
-
-class _Stop(Exception):
-    """A limit of the search was reached."""
-
-    def __init__(self, why: str):
-        super().__init__(why)
-        self.why = why
-
-
-class _Tests:
-    """The memoised test with the search's limits (the empty set is the parent: it fails)."""
-
-    def __init__(self, test: Callable[[frozenset[int]], bool], order: Mapping[int, int], max_runs: int, seconds):
-        self.test, self.order, self.max_runs, self.seconds = test, order, max_runs, seconds
-        self.known: dict[frozenset[int], bool] = {frozenset(): False}
-        self.probes: list[Probe] = []
-        self.t0 = time.perf_counter()
-
-    def __call__(self, subset: Sequence[int]) -> bool:
-        key = frozenset(subset)
-        if key in self.known:
-            return self.known[key]
-        if len(self.probes) >= self.max_runs:
-            raise _Stop("max_runs")
-        if self.seconds is not None and time.perf_counter() - self.t0 >= self.seconds:
-            raise _Stop("seconds")
-        t = time.perf_counter()
-        ok = bool(self.test(key))
-        self.known[key] = ok
-        self.probes.append(Probe(tuple(sorted(key, key=self.order.__getitem__)), ok, time.perf_counter() - t))
-        return ok
-
-
-def _shrink(passing: list[int], test: _Tests, lo: int = 0) -> list[int]:
-    """A passing set (in ranking order) cut down to a 1-minimal one, by adaptive group testing.
-
-    Each round finds, by bisection, the shortest prefix of the remaining positions that passes
-    together with the positions already kept (``lo``: a prefix length known to fail, for the first
-    round); its last position is needed and is kept, the positions after it are dropped. The rounds
-    end when the kept positions pass alone: about ``k · log2(n)`` tests for ``k`` culprits among
-    ``n``. A final check removes each kept position in turn (the test need not be monotone): one
-    whose removal still passes is dropped and the check starts again.
-    """
-    kept: list[int] = []
-    rest = list(passing)
-    while rest and not (kept and test(kept)):
-        a, b = lo, len(rest)  # kept + rest[:a] fails, kept + rest[:b] passes
-        while b - a > 1:
-            m = (a + b) // 2
-            a, b = (a, m) if test(kept + rest[:m]) else (m, b)
-        kept.append(rest[b - 1])
-        rest, lo = rest[: b - 1], 0
-    changed = True
-    while changed:
-        changed = False
-        for p in list(kept):
-            without = [q for q in kept if q != p]
-            if without and test(without):
-                kept, changed = without, True
-                break
-    return kept
-
-
-def search_culprits(
-    ranked: Sequence[int],
-    test: Callable[[frozenset[int]], bool],
-    *,
-    max_runs: int = MAX_RUNS,
-    seconds: float | None = SECONDS,
-    max_size: int | None = None,
-) -> CulpritSearch:
-    """A 1-minimal set of ``ranked`` candidates whose restoring passes ``test`` (DESIGN.md §19).
-
-    Parameters
-    ----------
-    ranked : candidate positions, the most likely culprit first (distinct)
-    test : set of positions -> whether the answer comes back with them restored; the empty set
-        (the parent run) is taken to fail. Called at most once per set.
-    max_runs : the most calls of ``test``
-    seconds : time budget of the search (None: none)
-    max_size : the largest set tested (the slots the pins may take)
-
-    The search is deterministic in ``ranked`` and ``test``: prefixes of the ranking of 1, 2, 4 ...
-    positions up to ``max_size`` until one passes, then adaptive group testing on it down to a
-    1-minimal set (:func:`_shrink`).
-    """
-    ranked = list(dict.fromkeys(int(p) for p in ranked))
-    order = {p: k for k, p in enumerate(ranked)}
-    top = len(ranked) if max_size is None else max(0, min(int(max_size), len(ranked)))
-    tests = _Tests(test, order, int(max_runs), seconds)
-    passing: list[int] | None = None
-    tried: list[int] = []
-    stopped = None
-    try:
-        sizes, k = [], 1
-        while k < top:
-            sizes.append(k)
-            k *= 2
-        if top:
-            sizes.append(top)
-        lo = 0
-        for k in sizes:
-            ok = tests(ranked[:k])
-            tried = ranked[:k]  # the largest set tried (a stop above leaves the one before)
-            if ok:
-                passing = tried
-                break
-            lo = k
-        if passing is not None:
-            passing = _shrink(passing, tests, lo)
-    except _Stop as stop:
-        stopped = stop.why
-        if passing is not None:  # the smallest passing set tested so far
-            passing = min((list(s) for s, ok in tests.known.items() if ok), key=lambda s: (len(s), sorted(s)))
-    if passing is None:
-        return CulpritSearch(tuple(tried), False, False, stopped, tuple(tests.probes), len(ranked))
-    culprits = tuple(sorted(passing, key=order.__getitem__))
-    minimal = stopped is None or all(tests.known.get(frozenset(culprits) - {p}) is False for p in culprits)
-    return CulpritSearch(culprits, True, minimal, stopped, tuple(tests.probes), len(ranked))
-
 
 # ----------------------------------------------------------------------------- the candidates
 
@@ -363,6 +193,8 @@ def explain_culprits(
     out: str | Path | None = None,
     max_runs: int = MAX_RUNS,
     seconds: float | None = SECONDS,
+    batch: int = BATCH,
+    splits: int = 1,
     replay: bool = False,
     progress: Callable[[str], None] | None = None,
     allow_other_model: bool = False,
@@ -374,7 +206,10 @@ def explain_culprits(
     run without a complete replay, a press run, a request the full cache fails too, a request that
     passes. The set found (or the largest tried) is recorded as the ``culprits`` counterfactual
     (``<run>-r<request>-culprits``, replayed with ``replay``) with its ``culprits`` table; a
-    complete one recorded earlier is read back instead of searched again.
+    complete one recorded earlier is read back instead of searched again. ``batch``: the most
+    probes re-run together, as the rows of one ``generate`` (1: one at a time), ``splits``: the
+    bisection's split points tested together (:func:`search_culprits`); for a monotone test the
+    set found is the same.
     """
     from h2o_lens.prompt_reuse import reuse_prompts
     from runlog.recorded_model import check_model
@@ -393,7 +228,7 @@ def explain_culprits(
         return earlier
     say = progress or (lambda label: None)
     runner = _Runner(model, tokenizer, parent, out, replay=replay, override=override)
-    with reuse_prompts(model):
+    with reuse_prompts(model, repeated=True):  # a batch of probes: one prompt forward of one row
         say("full cache")
         full = _fresh(out, counterfactual_id(parent.run_id, request, FULL))
         if full is None:
@@ -411,7 +246,7 @@ def explain_culprits(
             )
         if parent.answer is not None and runner.passes(parent.answer):
             raise RecorderError(f"request {request} of run {parent.run_id} passes: there is no failure to explain")
-        found = _search(runner, max_runs, seconds, say)
+        found = _search(runner, max_runs, seconds, say, batch, splits)
     return found
 
 
@@ -431,50 +266,24 @@ def _earlier(out: Path, run_id: str) -> CulpritSearch | None:
     return search_from_dict(search)
 
 
-def search_from_dict(d: Mapping[str, Any]) -> CulpritSearch:
-    """A :class:`CulpritSearch` from its ``to_dict`` (a manifest's ``counterfactual.search``)."""
-    probes = tuple(Probe(tuple(int(p) for p in s), bool(ok), float(t)) for s, ok, t in d.get("probes") or ())
-    return CulpritSearch(
-        tuple(int(p) for p in d.get("culprits") or ()),
-        bool(d.get("found")),
-        bool(d.get("minimal")),
-        d.get("stopped"),
-        probes,
-        int(d.get("candidates") or 0),
-    )
-
-
-def _search(runner: Any, max_runs: int, seconds: float | None, say: Callable[[str], None]) -> CulpritSearch:
-    """The search on the runner's parent, then the recorded ``culprits`` re-run with its table."""
-    import h2o_lens
-    from h2o_lens.config import pin
+def _search(
+    runner: Any, max_runs: int, seconds: float | None, say: Callable[[str], None], batch: int = 1, splits: int = 1
+) -> CulpritSearch:
+    """The search on the runner's parent, ``batch`` probes per re-run, then the recorded ``culprits``
+    re-run with its table."""
+    from .culprit_probes import probe_sets
 
     parent = runner.parent
     cands, _ = culprit_candidates(parent.run_dir, parent.request)
     by_pos = {c.position: c for c in cands}
-    ids = torch.tensor([parent.prompt_ids], dtype=torch.long)
-    pad = getattr(runner.tok, "pad_token_id", None)
-
-    def test(subset: frozenset[int]) -> bool:
-        say(f"culprits: {len(subset)} restored")
-        try:
-            config = pin(parent.config, sorted(subset))
-        except ConfigError:  # the pins leave the policy no usable split: not a fix within the slots
-            return False
-        with torch.no_grad(), h2o_lens.h2o(runner.model, config):
-            got = runner.model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=parent.max_new_tokens,
-                do_sample=False,
-                pad_token_id=pad,
-            )
-        new = got[0, ids.shape[1] :].tolist()
-        text = runner.tok.decode(new, skip_special_tokens=True) if runner.tok is not None else ""
-        return bool(runner.passes(text))
-
     result = search_culprits(
-        [c.position for c in cands], test, max_runs=max_runs, seconds=seconds, max_size=_max_size(parent.config)
+        [c.position for c in cands],
+        test_many=probe_sets(runner, say),
+        batch=batch,
+        splits=splits,
+        max_runs=max_runs,
+        seconds=seconds,
+        max_size=_max_size(parent.config),
     )
     _record(runner, result, [by_pos[p] for p in result.culprits if p in by_pos])
     return result

@@ -448,3 +448,51 @@ def test_a_rows_own_pins_are_not_eligible_in_what_the_recorder_derives():
     # row 0: the survivors are positions 1 and 3 (0 is protected): margin 0.5 - 0.3; row 1: 0.3 - 0.1
     assert st.margin[:, 0].tolist() == pytest.approx([0.2, 0.2])
     assert st.min_heavy_score[:, 0].tolist() == pytest.approx([0.5, 0.3])
+
+
+# -- one set of pins per row (DESIGN.md §2.11) ------------------------------------------------------
+
+ROW_PINS = [(), (3,), (3, 17), (1, 5, 9, 20), (30, 31)]
+
+
+def _row_tokens_and_sets(model, cfg, ids, row_pins=None):
+    """Each row's new tokens and, per layer, its final kept positions (sorted per KV set)."""
+    with torch.no_grad(), h2o_lens.h2o(model, cfg) as session:
+        cache = session.new_cache(row_pins=row_pins) if row_pins is not None else None
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=10,
+            min_new_tokens=10,
+            do_sample=False,
+            pad_token_id=0,
+            **({"cache": cache} if cache is not None else {}),
+        )
+    kept = [layer.positions.sort(-1).values for layer in session.last_cache.layers]
+    return [(out[r, ids.shape[1] :].tolist(), [k[r].tolist() for k in kept]) for r in range(ids.shape[0])]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_each_row_pins_its_own_set_and_equals_that_set_pinned_alone(family):
+    """A batch of one prompt whose rows pin different sets (``new_cache(row_pins=)``): each row
+    generates the tokens, and keeps the positions, of the same config pinned at its set, alone."""
+    model = tiny_model(family, layers=2, q_heads=4, kv_heads=2)
+    ids = _ids(40, seed=5)
+    cfg = H2OConfig(heavy=8, recent=4)
+    alone = [_row_tokens_and_sets(model, pin(cfg, p) if p else cfg, ids)[0] for p in ROW_PINS]
+    assert len({tuple(t) for t, _ in alone}) > 2  # the pins change the answers
+    got = _row_tokens_and_sets(model, cfg, ids.expand(len(ROW_PINS), -1), ROW_PINS)
+    assert got == alone
+    for (_, sets), p in zip(got, ROW_PINS):
+        assert all(set(p) <= set(s) for layer in sets for s in layer)
+
+
+def test_row_pins_that_do_not_fit_are_config_errors():
+    model = tiny_model("llama")
+    with h2o_lens.h2o(model, H2OConfig(heavy=4, recent=4)) as session:
+        with pytest.raises(ConfigError, match="pinned positions need 8 of the 8 slots"):
+            session.new_cache(row_pins=[(1,), tuple(range(8))])
+        with pytest.raises(ConfigError, match="2 sets of positions for a batch of 3 rows"):
+            _greedy(model, _ids(PROMPT, batch=3), 2, cache=session.new_cache(row_pins=[(1,), (2,)]))
+        with pytest.raises(ConfigError, match="pinned position 30 is beyond the prompt of request 1"):
+            _greedy(model, _ids(PROMPT, batch=2), 2, cache=session.new_cache(row_pins=[(1,), (30,)]))

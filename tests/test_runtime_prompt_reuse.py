@@ -237,3 +237,48 @@ def test_a_recording_from_a_reused_prompt_forward_is_the_recording_of_its_own(tm
             check_exact=True,
             obj=t,
         )
+
+
+def test_a_batch_of_one_prompt_repeated_costs_one_prompt_forward_and_keeps_each_rows_bits():
+    """b copies of one prompt (the culprit search's probes, one set of pins per row, DESIGN.md §19):
+    with ``repeated`` the scope runs that prompt's forward once, at one row, and every row starts
+    from it; each row equals the same config run alone, before and after the one-row forward is
+    held. Without it the batch runs its own prompt forward."""
+    model = tiny_model("llama", layers=2)
+    ids = left_padded((21,), 3)[0]
+    cfg = H2OConfig(heavy=5, recent=3)
+    pins = [(), (2,), (2, 9), (4, 11, 15)]
+
+    def run(row_pins):
+        batch = ids.expand(len(row_pins), -1)
+        with torch.no_grad(), h2o_lens.h2o(model, cfg) as session:
+            out = model.generate(
+                input_ids=batch,
+                attention_mask=torch.ones_like(batch),
+                max_new_tokens=8,
+                min_new_tokens=8,
+                do_sample=False,
+                pad_token_id=0,
+                cache=session.new_cache(row_pins=row_pins),
+            )
+        return out[:, ids.shape[1] :].tolist(), session.last_cache
+
+    alone = [run([p])[0][0] for p in pins]
+    widths = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda _m, a: widths.append(a[0].shape[:2]))
+    try:
+        with reuse_prompts(model) as scope:  # without repeated: the batch's own prompt forward
+            assert run(pins)[0] == alone and (scope.hits, scope.misses) == (0, 1)
+        assert widths == [torch.Size([len(pins), ids.shape[1]])] + [torch.Size([len(pins), 1])] * 7
+        widths.clear()
+        with reuse_prompts(model, repeated=True) as scope:
+            first, cache = run(pins)  # nothing held: the one row's forward runs, once
+            assert (scope.hits, scope.misses) == (0, 1) and cache.prompt_reused
+            again, _ = run(pins[1:])  # held: served to three rows
+            one, _ = run(pins[2:3])  # and to one row
+            assert (scope.hits, scope.misses) == (2, 1)
+    finally:
+        hook.remove()
+    assert first == alone and again == alone[1:] and one == alone[2:3]
+    prompts = [w for w in widths if w[1] == ids.shape[1]]
+    assert prompts == [torch.Size([1, ids.shape[1]])]  # one prompt forward, of one row

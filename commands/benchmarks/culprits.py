@@ -1,15 +1,17 @@
 """The culprit search measured on the long families (DESIGN.md §19, docs/BENCHMARKS.md).
 
 ``h2o-lens bench culprits [--length 2048] [--count 4] [--tasks needle,delayed_reference,
-restated_fact] [--keep 0.2] [--max-runs 40] [--out DIR]``: for each request of each family at that
-prompt length, the full cache is run (a request it fails is left out) and H2O at ``keep``
-(replayed); each H2O failure is explained (the variants without budget searches) and, when its
-verdict is ``scoring``, its culprits are searched with the evidence labels hidden from the search
-(the search never reads them: :func:`recorders.culprits.culprit_candidates` ranks by the replay's
-teacher attention). The labels only score the result: the share of the culprit tokens inside the
-family's evidence span. Printed per failure and in total: the set's size, 1-minimal or not, the
-re-runs, the seconds of explain (variants and search) against one generation of the request
-measured on the same process next to it.
+restated_fact] [--keep 0.2] [--max-runs 40] [--batch 4] [--splits 1] [--out DIR]``: for each
+request of each family at that prompt length, the full cache is run (a request it fails is left
+out) and H2O at ``keep`` (replayed); each H2O failure is explained (the variants without budget
+searches) and, when its verdict is ``scoring``, its culprits are searched with the evidence labels
+hidden from the search (the search never reads them: :func:`recorders.culprits.culprit_candidates`
+ranks by the replay's teacher attention). The labels only score the result: the share of the
+culprit tokens inside the family's evidence span. Printed per failure and in total: the set's size,
+1-minimal or not, the re-runs (each row of a batched re-run counted) and the batched re-runs they
+took, the seconds of explain (variants and search) against one generation of the request measured
+on the same process next to it. ``--batch`` and ``--splits`` are the search's (``explain
+--culprit-batch``).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from .common import generation_seconds
 FAMILIES = ("needle", "delayed_reference", "restated_fact")
 
 
-def _one(model: Any, tok: Any, task: Any, keep: float, root: str, max_runs: int, seconds: float) -> dict | None:
-    """One request: None when the full cache fails it or H2O passes it; else its row."""
+def _one(model: Any, tok: Any, task: Any, keep: float, root: str, limits: dict[str, Any]) -> dict | None:
+    """One request: None when the full cache fails it or H2O passes it; else its row. ``limits``: the
+    search's ``max_runs``, ``seconds``, ``batch`` and ``splits``."""
     from analyses import causal_verdicts, connect
     from h2o_lens.config import H2OConfig
     from recorders.counterfactual import explain_request, load_parent
@@ -55,7 +58,7 @@ def _one(model: Any, tok: Any, task: Any, keep: float, root: str, max_runs: int,
     if v.verdict != "scoring":
         return row
     t0 = time.perf_counter()
-    got = explain_culprits(model, tok, run.run_dir, 0, max_runs=max_runs, seconds=seconds)
+    got = explain_culprits(model, tok, run.run_dir, 0, **limits)
     row["culprits_s"] = time.perf_counter() - t0
     evidence = set(parent.evidence_positions)
     inside = sum(1 for p in got.culprits if p in evidence)
@@ -65,6 +68,7 @@ def _one(model: Any, tok: Any, task: Any, keep: float, root: str, max_runs: int,
         size=len(got.culprits) if got.found else None,
         inside=inside if got.found else None,
         runs=got.runs,
+        calls=got.calls,
         candidates=got.candidates,
         stopped=got.stopped,
         culprits=list(got.culprits) if got.found else [],
@@ -93,7 +97,8 @@ def _summary(rows: list[dict]) -> list[str]:
             f"culprit tokens inside the evidence span: {inside} of {tokens}"
             + (f" ({inside / tokens:.0%})" if tokens else ""),
             f"re-runs per search: mean {statistics.mean(r['runs'] for r in scoring):.1f}, "
-            f"max {max(r['runs'] for r in scoring)}",
+            f"max {max(r['runs'] for r in scoring)}; batched re-runs (generate calls) per search: "
+            f"mean {statistics.mean(r['calls'] or 0 for r in scoring):.1f}",
             f"explain with culprits / one generation: median {statistics.median(ratios):.1f}x, max {max(ratios):.1f}x",
         ]
     return out
@@ -108,9 +113,12 @@ def bench_culprits(
     max_runs: int = 40,
     seconds: float = 900.0,
     out: str | None = None,
+    batch: int = 4,
+    splits: int = 1,
 ) -> int:
     """Measure the culprit search on ``count`` requests of each long family at ``length`` prompt
-    tokens under H2O at ``keep`` (module docstring). Prints one line per request and the totals;
+    tokens under H2O at ``keep`` (module docstring), ``batch`` probes per re-run and ``splits``
+    split points per bisection step. Prints one line per request and the totals;
     returns 0."""
     import torch
 
@@ -120,12 +128,16 @@ def bench_culprits(
 
     model, tok = load_model(model_name)
     root = out or tempfile.mkdtemp(prefix="h2o-lens-bench-culprits-")
-    print(f"model {type(model).__name__}, {torch.get_num_threads()} threads; keep {keep:.0%}; runs under {root}")
+    print(
+        f"model {type(model).__name__}, {torch.get_num_threads()} threads; keep {keep:.0%}; "
+        f"culprit batch {batch}, splits {splits}; runs under {root}"
+    )
+    limits = dict(max_runs=max_runs, seconds=seconds, batch=batch, splits=splits)
     rows: list[dict] = []
     for family in families:
         reqs, want = _long_requests(model, tok, family, length, count)
         for task in reqs:
-            row = _one(model, tok, task, keep, root, max_runs, seconds)
+            row = _one(model, tok, task, keep, root, limits)
             if row is None:
                 print(f"  {task.name}: H2O answers right", flush=True)
                 continue
@@ -148,7 +160,18 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--length", type=at_least(1), default=2048, help="prompt tokens (default 2048)")
     b.add_argument("--count", type=at_least(1), default=4, help="requests per family (default 4)")
     b.add_argument("--keep", type=share, default=0.2, help="H2O's keep ratio (default 0.2)")
-    b.add_argument("--max-runs", type=at_least(1), default=40, help="re-runs per search (default 40)")
+    b.add_argument(
+        "--max-runs", type=at_least(1), default=40, help="re-runs per search, each batch row counted (default 40)"
+    )
+    b.add_argument(
+        "--batch", type=at_least(1), default=4, help="probes re-run together as rows of one generate (default 4)"
+    )
+    b.add_argument(
+        "--splits",
+        type=at_least(1),
+        default=1,
+        help="split points each bisection step re-runs together, at most --batch (default 1: binary)",
+    )
     b.add_argument("--seconds", type=float, default=900.0, help="time budget per search (default 900)")
     b.add_argument("--out", default=None, help="runs root (default: a temporary folder)")
 
@@ -166,5 +189,14 @@ def run(args: argparse.Namespace) -> int:
 
         check_out_root(args.out)
     return bench_culprits(
-        args.model, families, args.length, args.count, args.keep, args.max_runs, args.seconds, args.out
+        args.model,
+        families,
+        args.length,
+        args.count,
+        args.keep,
+        args.max_runs,
+        args.seconds,
+        args.out,
+        batch=args.batch,
+        splits=args.splits,
     )
