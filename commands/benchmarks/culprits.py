@@ -2,7 +2,8 @@
 
 ``h2o-lens bench culprits [--length 2048] [--count 4] [--tasks needle,delayed_reference,
 restated_fact] [--keep 0.2] [--max-runs 40] [--batch 4] [--splits 1] [--out DIR]``: for each
-request of each family at that prompt length, the full cache is run (a request it fails is left
+request of each family at that prompt length (or every request of a built-in suite, ``--tasks
+full``, at its own short prompts), the full cache is run (a request it fails is left
 out) and H2O at ``keep`` (replayed); each H2O failure is explained (the variants without budget
 searches) and, when its verdict is ``scoring``, its culprits are searched with the evidence labels
 hidden from the search (the search never reads them: :func:`recorders.culprits.culprit_candidates`
@@ -28,6 +29,8 @@ __all__ = ["bench_culprits", "HELP", "add_arguments", "run"]
 from .common import generation_seconds
 
 FAMILIES = ("needle", "delayed_reference", "restated_fact")
+#: the built-in short suites (fixed prompts of 155-252 tokens: ``--length`` does not apply)
+SUITES = ("small", "demo", "full")
 
 
 def _one(model: Any, tok: Any, task: Any, keep: float, root: str, limits: dict[str, Any]) -> dict | None:
@@ -135,7 +138,12 @@ def bench_culprits(
     limits = dict(max_runs=max_runs, seconds=seconds, batch=batch, splits=splits)
     rows: list[dict] = []
     for family in families:
-        reqs, want = _long_requests(model, tok, family, length, count)
+        if family in SUITES:
+            from h2o_lens.tasks.builtins import family as builtin
+
+            reqs = builtin(family)(seed=0)
+        else:
+            reqs, _ = _long_requests(model, tok, family, length, count)
         for task in reqs:
             row = _one(model, tok, task, keep, root, limits)
             if row is None:
@@ -156,7 +164,11 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     from ..options import at_least, share
 
     b.add_argument("--model", default=None, help="HF id or local path (default: the packaged default model)")
-    b.add_argument("--tasks", default=",".join(FAMILIES), help="long families, comma-separated")
+    b.add_argument(
+        "--tasks",
+        default=",".join(FAMILIES),
+        help="long families, or a built-in suite (small, demo, full: all its requests), comma-separated",
+    )
     b.add_argument("--length", type=at_least(1), default=2048, help="prompt tokens (default 2048)")
     b.add_argument("--count", type=at_least(1), default=4, help="requests per family (default 4)")
     b.add_argument("--keep", type=share, default=0.2, help="H2O's keep ratio (default 0.2)")
@@ -181,9 +193,12 @@ def run(args: argparse.Namespace) -> int:
     from h2o_lens.tasks.longctx import LONG_FAMILIES as KNOWN
 
     families = tuple(f.strip() for f in args.tasks.split(",") if f.strip())
-    unknown = [f for f in families if f not in KNOWN]
+    unknown = [f for f in families if f not in KNOWN and f not in SUITES]
     if not families or unknown:
-        raise ConfigError(f"bench culprits: --tasks {args.tasks!r}: expected long families of {', '.join(KNOWN)}")
+        raise ConfigError(
+            f"bench culprits: --tasks {args.tasks!r}: expected long families of {', '.join(KNOWN)} "
+            f"or a built-in suite ({', '.join(SUITES)})"
+        )
     if args.out is not None:
         from ..paths import check_out_root
 
