@@ -181,7 +181,9 @@ def main() -> None:
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--parts", default="lm_eval,timing,niah")
     p.add_argument("--timing-docs", type=int, default=None, help="documents of the timed runs (default: --docs)")
-    p.add_argument("--rounds", type=int, default=2, help="alternated rounds of the timed runs (the fastest of each kept)")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="alternated rounds of the timed runs (the fastest of each kept)"
+    )
     args = p.parse_args()
     from h2o_lens.models import load_model
 
