@@ -83,6 +83,13 @@ def test_the_recall_variant_fixes_the_answer_at_the_smallest_window(tmp_path):
     assert any(line.split()[:3] == ["recall", "8", "(window"] for line in (x.strip() for x in shown.splitlines()))
     (row,) = json.loads(format_verdicts([v], "json"))
     assert row["recall"]["fixed"] is True and row["recall"]["window"] == w
+    # and the report's Why section
+    from analyses._base import plain
+    from analyses._markdown import why_section
+
+    md = "\n".join(why_section({"why": [plain(v.to_dict())]})).replace("\\", "")  # Markdown escapes
+    assert f"Recall window: recall fixes it: a window of {w} of the 8 slots" in md, md
+    assert f"8 (window {w})" in md, md
     # explaining again reuses the search
     again = explain_request(model, tok, parent_dir, 0, bisect=False, replay=False, resolution=0, recall=True)
     assert again.outcomes["recall"].run_id == got.run_id and again.outcomes["recall"].window == w
