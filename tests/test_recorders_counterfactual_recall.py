@@ -95,16 +95,24 @@ def test_the_recall_variant_fixes_the_answer_at_the_smallest_window(tmp_path):
     assert again.outcomes["recall"].run_id == got.run_id and again.outcomes["recall"].window == w
 
 
-def test_no_recall_runs_without_it_and_a_cold_parent_keeps_its_tier(tmp_path):
-    """``recall=False`` leaves the variant out; the search of a run recorded with a cold tier
-    starts at its own window (which failed) and keeps its store and selection."""
+@pytest.mark.slow  # about a dozen tiny generations
+def test_a_cold_parents_variants_keep_its_tier_and_no_recall_leaves_the_variant_out(tmp_path):
+    """A run recorded with a cold tier (``record --cold``) is explained with it: the pinned run and
+    the policy's budget probes keep the tier (window and store), the recall search starts at the
+    run's own window, which failed; ``recall=False`` leaves the variant out."""
     from h2o_lens.cold_config import ColdTier
 
     model, tok, parent_dir = _parent(tmp_path, H2OConfig(heavy=4, recent=4, cold=ColdTier(recall=2)))
     parent = load_parent(parent_dir, 0)
-    assert parent.config.cold.recall == 2
+    assert parent.config.cold.recall == 2 and parent.slots == 8
     assert recall_config(parent, 5).cold == ColdTier(recall=5)
-    ex = explain_request(model, tok, parent_dir, 0, bisect=False, replay=False, recall=False)
-    assert "recall" not in ex.outcomes
-    pinned = runlog.read_manifest(tmp_path / ex.outcomes["pinned"].run_id)
-    assert pinned["config"]["cold"]["recall"] == 2  # the variants keep the run's cold tier
+    ex = explain_request(model, tok, parent_dir, 0, replay=False, resolution=0.25)
+    assert all(o.ran for o in ex.outcomes.values()), {k: o.error for k, o in ex.outcomes.items()}
+    for kind in ("pinned", "policy_budget", "recall"):
+        cold = runlog.read_manifest(tmp_path / ex.outcomes[kind].run_id)["config"]["cold"]
+        assert cold["store"] == "cpu" and (kind == "recall" or cold["recall"] == 2), kind
+    bis = ex.outcomes["recall"].bisection
+    assert bis.lo == 2 and bis.probes[2] is False and bis.hi == 7
+    assert min(ex.outcomes["policy_budget"].bisection.probes) == 8  # from the run's own count up
+    again = explain_request(model, tok, parent_dir, 0, replay=False, resolution=0.25, recall=False)
+    assert "recall" not in again.outcomes and again.outcomes["pinned"].run_id == ex.outcomes["pinned"].run_id
