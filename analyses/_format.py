@@ -115,6 +115,8 @@ def why_rows(v: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 **r,
                 "answer": None if ans is None else " ".join(str(ans).split())[:60],
+                # the recall variant's window lies inside its slots
+                "slots": f"{r['slots']} (window {r['window']})" if r.get("window") is not None else r.get("slots"),
                 "right": {True: "yes", False: "no", None: "–"}[r.get("right")],
                 # the oracle's top-1 equals the teacher's token at k of n steps, fed the teacher's tokens
                 "teacher_agreement": "{}/{}".format(*r["teacher_agreement"]) if r.get("teacher_agreement") else None,
@@ -125,7 +127,7 @@ def why_rows(v: dict[str, Any]) -> list[dict[str, Any]]:
 
 def why_budgets(v: dict[str, Any]) -> str:
     """One line: the minimal passing budget of the policy and of the oracle (a search that was not
-    monotone: the counts it tried)."""
+    monotone: the counts it tried), and whether a recall window fixes the answer."""
     from .causal import describe_search
 
     def one(name: str) -> str:
@@ -139,7 +141,9 @@ def why_budgets(v: dict[str, Any]) -> str:
             return f"{name}: –"
         return f"{name}: {slots} slots ({ratio:.0%} of the prompt)" if ratio is not None else f"{name}: {slots} slots"
 
-    return f"Minimal passing budget ({v['slots']} slots in the run): {one('policy')}; {one('oracle')}"
+    line = f"Minimal passing budget ({v['slots']} slots in the run): {one('policy')}; {one('oracle')}"
+    recall = v.get("recall")
+    return line + (f". Recall window: {recall['text']}" if recall else "")
 
 
 def num(value: Any, digits: int = 4) -> str:

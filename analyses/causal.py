@@ -60,13 +60,14 @@ __all__ = [
     "variant_table",
     "budget_distribution",
     "describe_search",
+    "recall_verdict",
 ]
 
 CAUSAL_VERDICTS = ("scoring", "budget", "not_the_cache", "implementation_error", "undecided")
 SUB_LABELS = ("delayed_reference", "stale_heavy")
 #: the variants of the counterfactual table, in display order
 VARIANTS = COUNTERFACTUAL_KINDS
-FULL, PINNED, ORACLE, POLICY_BUDGET, ORACLE_BUDGET = VARIANTS
+FULL, PINNED, ORACLE, POLICY_BUDGET, ORACLE_BUDGET, RECALL = VARIANTS
 BUDGET_KINDS = (POLICY_BUDGET, ORACLE_BUDGET)
 #: the curve of the oracle's minimal budgets in :func:`budget_distribution`
 ORACLE_CURVE = ORACLE
@@ -106,6 +107,8 @@ class CausalVerdict:
     budget_probes: dict[str, list[list[Any]]] = dataclasses.field(default_factory=dict)
     #: the culprit search of the request, when one ran (:func:`analyses.culprits.culprit_sets`, DESIGN.md §19)
     culprits: dict[str, Any] | None = None
+    #: the ``recall`` variant, when it ran (:func:`recall_verdict`): would a recall window have fixed it?
+    recall: dict[str, Any] | None = None
 
     @property
     def agrees(self) -> bool | None:
@@ -163,11 +166,13 @@ def _outcomes(rows: pd.DataFrame) -> dict[str, dict[str, Any]]:
     for row in rows.to_dict("records"):
         rec = {k: plain(v) for k, v in row.items()}
         rec["bisection"] = rec["teacher_agreement"] = None
-        if rec["kind"] in (ORACLE, *BUDGET_KINDS):
+        if rec["kind"] in (ORACLE, RECALL, *BUDGET_KINDS):
             manifest = manifest_at(rec.get("path"))
             cf = manifest.get("counterfactual") or {}
             rec["bisection"] = cf.get("bisection") if isinstance(cf.get("bisection"), dict) else None
             rec["teacher_agreement"] = cf.get("teacher_agreement")
+            rec["window"] = cf.get("window")
+            rec["cold"] = (manifest.get("config") or {}).get("cold")
             if rec["kind"] != POLICY_BUDGET and judged_teacher_forced(manifest):
                 rec.update(status="not_judged", correct=None, error=NOT_JUDGED, bisection=None)
         out[rec["kind"]] = rec
@@ -320,6 +325,7 @@ def variant_table(outcomes: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, 
                 "answer": o.get("answer"),
                 "right": right,
                 "teacher_agreement": o.get("teacher_agreement"),
+                "window": o.get("window"),
                 "kl_mean": 0.0 if kind == FULL and o.get("status") == "complete" else o.get("kl_mean"),
                 "run_id": o.get("run_id"),
                 "status": o.get("status"),
@@ -345,6 +351,52 @@ def _budget(
     ratio = slots / prompt_len if slots is not None and prompt_len else None
     probes = sorted([int(s), bool(p)] for s, p in bis.get("probes") or []) if monotone is False else None
     return slots, ratio, monotone, probes
+
+
+def recall_verdict(o: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Would a recall window have fixed the answer (the ``recall`` variant, DESIGN.md §6.11)?
+
+    ``fixed`` True (some window within the slot count passes), False (the largest window fails
+    too) or None (it could not run); ``window`` the smallest fixing window in slots (None: not
+    fixed, or the pass test was not monotone in the window: ``monotone``); ``lo``, ``hi`` the
+    windows searched; ``probes`` every window tried, ``[[window, passed], ...]``; ``text`` in words.
+    """
+    if o is None:
+        return None
+    slots = o.get("slots")
+    if o.get("status") != "complete":
+        why = o.get("error") or o.get("status")
+        return {"fixed": None, "window": None, "slots": slots, "text": f"the recall variant could not run: {why}"}
+    bis = o.get("bisection") or {}
+    tier = o.get("cold") if isinstance(o.get("cold"), dict) else {}
+    probes = sorted([int(w), bool(p)] for w, p in bis.get("probes") or [])
+    smallest = bis.get("smallest_pass")
+    fixed = smallest is not None if bis else o.get("correct")
+    window = bis.get("min_slots") if bis else None
+    out = {
+        "fixed": fixed,
+        "window": window,
+        "slots": slots,
+        "monotone": bis.get("monotone"),
+        "lo": bis.get("lo"),
+        "hi": bis.get("hi"),
+        "resolution": bis.get("resolution"),
+        "probes": probes,
+        "store": tier.get("store"),
+        "select": tier.get("select"),
+        "run_id": o.get("run_id"),
+    }
+    where = f"{tier.get('store', 'cpu')} store, {tier.get('select', 'exact')} selection"
+    if fixed and window is not None:
+        step = bis.get("resolution") or 1
+        within = "" if step <= 1 else f" (within {step} slots of the smallest)"
+        text = f"recall fixes it: a window of {window} of the {slots} slots{within} ({where})"
+    elif fixed:
+        text = f"recall fixes it from some windows only: {describe_search(probes).replace('slots', 'window slots', 1)}"
+    else:
+        text = f"recall does not fix it within {slots} slots: the largest window, {bis.get('hi', '?')} slots, fails"
+    out["text"] = text
+    return out
 
 
 def describe_search(probes: Sequence[Sequence[Any]]) -> str:
@@ -423,6 +475,7 @@ def causal_verdicts(
                 variant_table(outcomes),
                 tried,
                 searches.get((run_id, r)),
+                recall_verdict(outcomes.get(RECALL)),
             )
         )
     return out

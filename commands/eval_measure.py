@@ -140,7 +140,8 @@ def _niah_part(out: Path, count: int, length: int, model: Any, tok: Any) -> dict
 
     chars = int(length * 4.2)  # about 4.2 characters a token for this text and tokenizer
     src = _ruler_file(out / "ruler_niah.jsonl", count, chars)
-    tasks = import_tasks(src, "ruler", max_new_tokens=16)
+    # room for the answer prefix the model restates and the 7-digit number (RULER gives 128)
+    tasks = import_tasks(src, "ruler", max_new_tokens=32)
     write_tasks(tasks, out / "niah_tasks.jsonl")
     lengths = [len(tok(t.chat_text(tok), add_special_tokens=False)["input_ids"]) for t in tasks]
     policies = [("h2o", "sum"), ("tova", "sum")]
@@ -180,7 +181,9 @@ def main() -> None:
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--parts", default="lm_eval,timing,niah")
     p.add_argument("--timing-docs", type=int, default=None, help="documents of the timed runs (default: --docs)")
-    p.add_argument("--rounds", type=int, default=2, help="alternated rounds of the timed runs (the fastest of each kept)")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="alternated rounds of the timed runs (the fastest of each kept)"
+    )
     args = p.parse_args()
     from h2o_lens.models import load_model
 

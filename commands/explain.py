@@ -46,6 +46,7 @@ def explain_run(
     max_runs: int = 40,
     culprit_seconds: float = 900.0,
     culprit_batch: int = 4,
+    recall: bool | None = None,
 ) -> list[Any]:
     """Explain the failed requests of a run (or ``requests``): re-run, then decide.
 
@@ -55,7 +56,8 @@ def explain_run(
     whose fingerprint differs from the parent's is refused unless ``allow_other_model``.
     ``culprits`` (``off``, ``auto``: requests without evidence spans, ``on``) adds the culprit
     search of DESIGN.md §19 (:mod:`commands.explain_culprits`), at most ``max_runs`` re-runs and
-    ``culprit_seconds`` per request, ``culprit_batch`` probes per batched re-run.
+    ``culprit_seconds`` per request, ``culprit_batch`` probes per batched re-run. ``recall`` runs the
+    recall variant (DESIGN.md §6.11; None: with the searches, ``bisect``).
 
     Returns the :class:`analyses.CausalVerdict` of each explained request.
     """
@@ -99,6 +101,7 @@ def explain_run(
                     resolution=resolution,
                     progress=say,
                     allow_other_model=allow_other_model,
+                    recall=recall,
                 )
             from .explain_culprits import search_failures
 
@@ -142,10 +145,12 @@ def format_verdicts(verdicts: list[Any], fmt: str = "table") -> str:
         for kind, err in v.could_not_run.items():
             lines.append(f"  {'not judged' if status.get(kind) == 'not_judged' else 'could not run'}: {kind}: {err}")
         lines += _budget_lines(v)
+        if getattr(v, "recall", None):
+            lines.append(f"  recall: {v.recall['text']}")
         rows = [
             [
                 r["variant"],
-                "-" if r["slots"] is None else str(r["slots"]),
+                _slots_cell(r),
                 (r["answer"] or "").replace("\n", " ")[:40],
                 {True: "yes", False: "NO", None: "-"}[r["right"]],
                 _agreement(r.get("teacher_agreement")),
@@ -186,6 +191,14 @@ def _budget_lines(v: Any) -> list[str]:
     return lines
 
 
+def _slots_cell(row: dict[str, Any]) -> str:
+    """A variant's slot count, with the recall window inside it (``8 (window 5)``)."""
+    if row["slots"] is None:
+        return "-"
+    window = row.get("window")
+    return f"{row['slots']} (window {window})" if window is not None else str(row["slots"])
+
+
 def _agreement(kn: Any) -> str:
     """``[k, n]`` as "k/n steps" (``-`` for a variant that is not the oracle)."""
     if not kn:
@@ -222,6 +235,7 @@ def _json(v: Any) -> dict[str, Any]:
         "estimate": v.estimate,
         "estimate_agrees": v.agrees,
         "table": [dict(r) for r in v.table],
+        "recall": getattr(v, "recall", None),
         **culprit_json(v),
     }
 
@@ -259,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         max_runs=args.max_runs,
         culprit_seconds=args.culprit_seconds,
         culprit_batch=args.culprit_batch,
+        recall=args.recall,
     )
     if not args.all:
         verdicts = explain_run(run_dir(args.run, args.root), requests=args.request, **options)
@@ -305,10 +320,19 @@ def add_parser(sub: Any) -> None:
     ex.add_argument("--no-replay", action="store_true", help="skip the teacher replay of the re-runs (no KL)")
     ex.add_argument("--cached", action="store_true", help="re-run nothing: show the verdicts of earlier re-runs")
     ex.add_argument(
+        "--recall",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the recall variant: the run's policy and slots with a recall window inside them (a cold tier, "
+        "cpu store, exact selection), the smallest window that fixes the answer bisected (default: with the "
+        "budget searches, for a policy a cold tier takes; --no-recall skips it)",
+    )
+    ex.add_argument(
         "--resolution",
         type=fraction,
         default=0.05,
-        help="budget searches stop within this share of the prompt (default 0.05; 0: to the slot)",
+        help="budget searches stop within this share of the prompt, the recall window's within this share of "
+        "the run's slots (default 0.05; 0: to the slot)",
     )
     ex.add_argument("--quiet", action="store_true", help="no progress bar")
     ex.add_argument(

@@ -37,7 +37,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,11 +89,14 @@ class Cell:
     #: a budget plan's shares per layer (and KV set) at a mean of 1, scaled to the cell's keep ratio
     #: (``--plan``, DESIGN.md §2.14); None: one budget for every layer and set
     plan: Any = None
+    #: a cold tier, ``STORE:RECALL:SELECTION`` (``--cold``, DESIGN.md §2.13); None: none
+    cold: str | None = None
 
     @property
     def label(self) -> str:
-        """The curve this cell belongs to, e.g. ``h2o-sum``, ``h2o-sum+plan`` or ``local``."""
-        return sweep_label(self.policy, self.gqa) + ("+plan" if self.plan is not None else "")
+        """The curve this cell belongs to, e.g. ``h2o-sum``, ``h2o-sum+plan``, ``h2o-sum+cold`` or ``local``."""
+        extra = ("+plan" if self.plan is not None else "") + ("+cold" if self.cold is not None else "")
+        return sweep_label(self.policy, self.gqa) + extra
 
     @property
     def budget_text(self) -> str:
@@ -107,8 +110,12 @@ class Cell:
         return presses.is_press_policy(self.policy)
 
     def config(self, seed: int = 0) -> H2OConfig | presses.PressSpec:
-        """The policy configuration the cell records with: an H2OConfig, or for a press its
-        :class:`~h2o_lens.presses.PressSpec` at ``compression_ratio = 1 - keep ratio``."""
+        """The policy configuration the cell records with: an H2OConfig (with the cell's cold tier),
+        or for a press its :class:`~h2o_lens.presses.PressSpec` at ``compression_ratio = 1 - keep ratio``."""
+        if self.cold is not None:
+            from h2o_lens.cold_config import parse_cold
+
+            return replace(replace(self, cold=None).config(seed), cold=parse_cold(self.cold))
         if self.is_press and self.budget is not None:
             return presses.sweep_spec(self.policy, float(self.budget))
         if self.budget is None:
@@ -199,8 +206,9 @@ def sweep_label(policy: str, gqa: str) -> str:
 def _cell_json(cell: Cell) -> dict[str, Any]:
     """A cell in the sweep plan file; a cell without a budget plan is written as before plans existed."""
     out = asdict(cell) | {"requests": list(cell.requests)}
-    if out["plan"] is None:
-        del out["plan"]
+    for name in ("plan", "cold"):
+        if out[name] is None:
+            del out[name]
     return out
 
 
@@ -282,6 +290,7 @@ def plan_grid(
     command: Sequence[str] = (),
     lengths: Sequence[int] | None = None,
     plan: Any = None,
+    cold: Any = None,
 ) -> Grid:
     """The cells of a sweep, in run order (batch by batch: full cache first, then policy × budget × gqa).
 
@@ -289,7 +298,10 @@ def plan_grid(
     1.0 or the ``full`` policy is asked for; a ratio of 1.0 gives no evicting cell.
     ``lengths``: the requests' :func:`prompt_lengths`, when the caller has them. ``plan``: a
     :class:`~h2o_lens.plan.BudgetPlan` in shares; every ``h2o`` cell then has a twin
-    under the plan scaled to the cell's keep ratio (label ``+plan``, DESIGN.md §2.14).
+    under the plan scaled to the cell's keep ratio (label ``+plan``, DESIGN.md §2.14). ``cold``: a
+    :class:`~h2o_lens.cold_config.ColdTier`; every cell of an evicting policy (not a press, not a
+    teacher) then has a twin with it (label ``+cold``, DESIGN.md §2.13), checked against every
+    request's slot count before any cell runs.
     """
     weights = None
     if plan is not None:
@@ -300,17 +312,7 @@ def plan_grid(
         weights = relative(plan)
     if not tasks:
         raise ConfigError(f"--tasks {tasks_spec!r} resolved to no requests; give a file with at least one line")
-    if (ratios is None) == (slots is None):
-        raise ConfigError("give the budgets either as keep ratios (--ratios) or as slot counts (--slots), not both")
-    kind = "ratio" if ratios is not None else "slots"
-    budgets: list[float | int] = []
-    for b in ratios if ratios is not None else slots:
-        if kind == "ratio" and not (isinstance(b, int | float) and 0 < b <= 1):
-            raise ConfigError(f"--ratios: {b!r} is not a keep ratio in (0, 1]; e.g. --ratios 1.0 0.2 0.1")
-        if kind == "slots" and not (isinstance(b, int) and b >= 2):
-            raise ConfigError(f"--slots: {b!r} is not a slot count of at least 2; e.g. --slots 64 128")
-        if b not in budgets:
-            budgets.append(b)
+    kind, budgets = _budgets(ratios, slots)
     for name, gqa in policies:
         if presses.is_press_policy(name):
             if kind != "ratio":
@@ -322,6 +324,7 @@ def plan_grid(
             continue
         H2OConfig(policy=name, gqa=gqa, heavy=32, recent=32)  # a ConfigError naming what is known
     evicts = {p: presses.is_press_policy(p) or registry.get(p).evicts for p, _ in policies}
+    cold_text = None if cold is None else f"{cold.store}:{cold.recall}:{cold.select}"
     full = (kind == "ratio" and 1.0 in budgets) or not all(evicts.values())
     evicting = list(dict.fromkeys((p, g) for p, g in policies if evicts[p]))
     names = [t.name for t in tasks]
@@ -334,16 +337,18 @@ def plan_grid(
     cells = []
     for b, members in enumerate(batches):
         mnt = int(tasks[members[0]].max_new_tokens)
-        combos: list[tuple[str, str, float | int | None, Any]] = (
-            [(registry.FULL_CACHE, "sum", None, None)] if full else []
+        combos: list[tuple[str, str, float | int | None, Any, str | None]] = (
+            [(registry.FULL_CACHE, "sum", None, None, None)] if full else []
         )
         for x in budgets:
             if kind == "ratio" and x >= 1.0:
                 continue
-            combos += [(p, g, x, None) for p, g in evicting]
+            combos += [(p, g, x, None, None) for p, g in evicting]
             if weights is not None:  # the method under the plan, beside it
-                combos += [(p, g, x, weights) for p, g in evicting if p == registry.DEFAULT]
-        for policy, gqa, budget, shares in combos:
+                combos += [(p, g, x, weights, None) for p, g in evicting if p == registry.DEFAULT]
+            if cold is not None:  # each evicting policy with the cold tier, beside it
+                combos += [(p, g, x, None, cold_text) for p, g in evicting if cold_takes(p)]
+        for policy, gqa, budget, shares, tier in combos:
             key = _key(
                 {
                     **base,
@@ -355,17 +360,62 @@ def plan_grid(
                     "budget_kind": kind if budget is not None else None,
                     "max_new_tokens": mnt,
                     **({"plan": shares} if shares is not None else {}),  # keys without a plan as before
+                    **({"cold": tier} if tier is not None else {}),  # and without a cold tier
                 }
             )
-            cells.append(Cell(key, f"cell-{key[:20]}", b, members, policy, gqa, budget, kind, mnt, shares))
+            cells.append(Cell(key, f"cell-{key[:20]}", b, members, policy, gqa, budget, kind, mnt, shares, tier))
     per_batch = sum(1 for c in cells if c.batch == 0)
     for cell in cells[:per_batch]:  # the cells of one batch hold every configuration
         try:
             cell.config(seed)
         except ConfigError as exc:
             raise ConfigError(f"{cell.label} at {cell.budget_text}: {exc}") from None
+    if cold is not None:
+        _check_cold(cells, tasks, tokenizer, lengths, seed)
     grid_id = hashlib.sha256("".join(c.key for c in cells).encode()).hexdigest()[:12]
     return Grid(grid_id, model, tasks_spec, digest, names, batches, cells, dtype, seed, replay, list(command))
+
+
+def _budgets(ratios: Sequence[float] | None, slots: Sequence[int] | None) -> tuple[str, list[float | int]]:
+    """How a grid's budgets are given (``ratio`` or ``slots``) and the budgets, checked, without repeats."""
+    if (ratios is None) == (slots is None):
+        raise ConfigError("give the budgets either as keep ratios (--ratios) or as slot counts (--slots), not both")
+    kind = "ratio" if ratios is not None else "slots"
+    budgets: list[float | int] = []
+    for b in ratios if ratios is not None else slots:
+        if kind == "ratio" and not (isinstance(b, int | float) and 0 < b <= 1):
+            raise ConfigError(f"--ratios: {b!r} is not a keep ratio in (0, 1]; e.g. --ratios 1.0 0.2 0.1")
+        if kind == "slots" and not (isinstance(b, int) and b >= 2):
+            raise ConfigError(f"--slots: {b!r} is not a slot count of at least 2; e.g. --slots 64 128")
+        if b not in budgets:
+            budgets.append(b)
+    return kind, budgets
+
+
+def cold_takes(policy: str) -> bool:
+    """Whether a sweep's ``--cold`` gives ``policy``'s cells a twin with the cold tier: an evicting
+    policy that is neither a kvpress press nor a teacher's plan (DESIGN.md §2.13)."""
+    if presses.is_press_policy(policy):
+        return False
+    spec = registry.get(policy)
+    return spec.evicts and not spec.teacher
+
+
+def _check_cold(cells: Sequence[Cell], tasks: Sequence[Any], tokenizer: Any, lengths: Any, seed: int) -> None:
+    """Every cold-tier cell's window fits every one of its requests' slot counts (a keep ratio
+    resolves per prompt), or one ConfigError naming the cell and the request, before any cell runs."""
+    lengths = lengths if lengths is not None else prompt_lengths(tasks, tokenizer)
+    for cell in cells:
+        if cell.cold is None:
+            continue
+        config = cell.config(seed)
+        for i in cell.requests:
+            try:
+                config.resolve(int(lengths[i]))
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"{cell.label} at {cell.budget_text}, request {tasks[i].name} ({lengths[i]} prompt tokens): {exc}"
+                ) from None
 
 
 # -- the plan file and the locks ----------------------------------------------------------------

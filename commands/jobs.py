@@ -397,15 +397,15 @@ def sweep(
     past_context: bool = False,
     force: bool = False,
     plan: Any = None,
+    cold: Any = None,
 ) -> Any:
     """Keep ratio (or slots) × policy over the requests → the three curves (quality, physical KV, latency).
 
-    The sweep is a grid of keyed cells (:mod:`commands.grid`, DESIGN.md §12):
-    each batch of ``batch_size`` requests is one run per (policy, budget, gqa),
-    the full cache one run per batch; cells already complete under ``out`` are
-    skipped, failed or interrupted ones redone. Writes ``sweep.csv``,
-    ``sweep.md`` and a self-contained ``sweep.html`` with the curves into
-    ``out`` and returns the per-configuration table (pandas).
+    The sweep is a grid of keyed cells (:mod:`commands.grid`, DESIGN.md §12): each batch of
+    ``batch_size`` requests is one run per (policy, budget, gqa, and the ``cold`` tier's twin,
+    DESIGN.md §2.13), the full cache one run per batch; cells complete under ``out`` are skipped,
+    failed or interrupted ones redone. Writes ``sweep.csv``, ``sweep.md`` and ``sweep.html``
+    (the curves) into ``out`` and returns the per-configuration table (pandas).
 
     ``tasks``: :class:`~h2o_lens.tasks.taskfile.FileTask` (or suite tasks) in
     memory; default the ``builtin:small`` family. ``tasks_spec`` names them in
@@ -454,6 +454,7 @@ def sweep(
         command=command,
         lengths=lengths,
         plan=plan,
+        cold=cold,
     )
     root = Path(out)
     if executor is not None:

@@ -63,6 +63,14 @@ def add_parser(sub: Any) -> None:
         "keep ratio (curve h2o-GQA+plan)",
     )
     sw.add_argument(
+        "--cold",
+        metavar="STORE:RECALL[:SELECTION]",
+        default=None,
+        help="a cold tier (DESIGN.md §2.13): every cell of an evicting policy gets a twin (curve POLICY+cold) "
+        "whose evicted K/V go to STORE (cpu | disk) and a window of RECALL slots inside its budget is refilled "
+        "with the cold entries the queries attend to most, SELECTION exact | pages (default exact)",
+    )
+    sw.add_argument(
         "--press-args",
         action="extend",
         nargs="+",
@@ -132,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             plan = load(args.plan)
         except ConfigError as exc:
             raise ConfigError(f"--plan {args.plan}: {exc}") from None
+    cold = _cold_tier(args.cold, grid, args.slots)  # before the model loads
     ratios = slots = None
     if args.slots:
         slots = [number(v, int, "--slots") for v in split_list(args.slots)]
@@ -169,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
             past_context=args.past_context,
             force=args.force,
             plan=plan,
+            cold=cold,
         )
     finally:
         if executor is not None:
@@ -237,6 +247,36 @@ def sweep_grid(
             if (name, m) not in grid:
                 grid.append((name, m))
     return tuple(grid + presses_first)
+
+
+def _cold_tier(text: str | None, grid: Sequence[tuple[str, str]], slots: Sequence[str] | None) -> Any:
+    """``--cold`` as a :class:`~h2o_lens.cold_config.ColdTier` (None without it), refused in one line
+    when malformed, when no policy of the grid evicts into it, or when a ``--slots`` count cannot
+    hold its window beside what the policy needs (a keep ratio is checked per prompt, before any cell)."""
+    if text is None:
+        return None
+    from h2o_lens import policies
+    from h2o_lens.cold_config import parse_cold
+    from h2o_lens.config import H2OConfig
+    from h2o_lens.errors import ConfigError
+
+    from .grid import cold_takes
+
+    tier = parse_cold(text)
+    takers = [(p, g) for p, g in grid if cold_takes(p)]
+    if not takers:
+        raise ConfigError(
+            f"--cold keeps what a policy evicts; no policy of the grid ({', '.join(p for p, _ in grid)}) takes a cold "
+            "tier (a kvpress press or the full cache does not); add one, e.g. --policies h2o"
+        )
+    for count in [number(v, int, "--slots") for v in split_list(slots)] if slots else []:
+        for policy, gqa in takers:
+            try:
+                heavy, recent = policies.half_split(count)
+                H2OConfig(policy=policy, gqa=gqa, heavy=heavy, recent=recent, cold=tier)
+            except ConfigError as exc:
+                raise ConfigError(f"--cold {text} at --slots {count} ({policy}): {exc}") from None
+    return tier
 
 
 def _sweep_executor(args: argparse.Namespace):

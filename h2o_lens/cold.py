@@ -110,6 +110,10 @@ class ColdExtension(CacheExtension):
     fresh (b, Hs, r))`` (-1 positions: an empty window slot; ``fresh``: brought in by this refill).
     """
 
+    #: the prompt forward is the same with or without a cold tier: it keeps what the keep rule
+    #: drops and acts at the decode steps, so a prompt forward may be reused (DESIGN.md §12.5)
+    observer = True
+
     def __init__(self) -> None:
         self.layers: dict[int, _Layer] = {}
 

@@ -139,7 +139,8 @@ class CacheExtension:
     override the events the extension needs; :attr:`observer` says that it only reads (a
     prefill may then be another configuration's, reused, DESIGN.md §12.5)."""
 
-    #: True for an extension that changes nothing (the cache may reuse a prompt forward for it)
+    #: True for an extension that leaves the prompt forward as it is (the cache may reuse a prompt
+    #: forward for it); it may still change what is kept and decoded, as the pins and the cold tier do
     observer: bool = False
     #: True when the extension hears :meth:`on_decode` (the cache then builds the decode events)
     hears_decode: bool = False

@@ -24,6 +24,10 @@ and a ``counterfactual`` object; the ``counterfactuals`` view joins them):
     heavy:recent split of the run kept) and the oracle pass, found by
     :func:`bisect_budget`; the run recorded is the one at that count, its
     ``counterfactual.bisection`` holds every probe.
+``recall``
+    the run's policy and slot count with a recall window inside them (a cold tier,
+    DESIGN.md §2.13): the smallest window that fixes the answer, bisected the same way
+    (:mod:`.counterfactual_recall`); on with the searches for a policy a cold tier takes.
 
 Every variant has one pass test: the request's answer checker (rebuilt
 from the task spec the run's manifest carries: ``task_spec``, a task-file
@@ -70,6 +74,7 @@ from .counterfactual_outcomes import (
     ORACLE_BUDGET,
     PINNED,
     POLICY_BUDGET,
+    RECALL,
     Explanation,
     Outcome,
     _answer_of,
@@ -80,6 +85,7 @@ from .counterfactual_outcomes import (
     counterfactual_id,
 )
 from .counterfactual_parent import ParentRequest, check_parent, checker_from_spec, load_parent
+from .counterfactual_recall import recall_skip, recall_window
 from .counterfactual_runner import Runner
 from .counterfactual_search import Bisection, bisect_budget, press_ratio, split_slots
 
@@ -116,6 +122,7 @@ def explain_request(
     progress: Callable[[str], None] | None = None,
     allow_other_model: bool = False,
     reuse_full: bool = True,
+    recall: bool | None = None,
 ) -> Explanation:
     """Run and record the counterfactuals of one request of a recorded run.
 
@@ -136,6 +143,8 @@ def explain_request(
         each re-run's ``model_overrides``); without it such a model is refused before anything runs
     reuse_full : copy a full-cache run of the same prompt found under ``out``
         (:func:`~runlog.counterfactual_reuse.find_full_run`) instead of generating one
+    recall : run the ``recall`` variant (the smallest recall window that fixes the answer);
+        None: with the searches (``bisect``), for a policy a cold tier takes
 
     Returns
     -------
@@ -158,6 +167,10 @@ def explain_request(
     say = progress or (lambda label: None)
     with reuse_prompts(model) as shared:
         outcomes, copied = _run_variants(runner, bisect, checks, resolution, say, reuse_full)
+        wanted = bisect if recall is None else recall
+        got = _recall(runner, outcomes[FULL], checks, resolution, say, recall is None) if wanted else None
+        if got is not None:
+            outcomes[RECALL] = got
     return Explanation(
         parent.run_id,
         request,
@@ -238,6 +251,21 @@ def _run_variants(
         outcomes[ORACLE_BUDGET] = oracle_budget(runner, full.run_id, slots, hi, outcomes[ORACLE], checks, step)
     copied = found[0].name if found is not None and full.ran else None
     return outcomes, copied
+
+
+def _recall(
+    runner: Runner, full: Outcome, checks: int, resolution: float, say: Callable[[str], None], quiet: bool
+) -> Outcome | None:
+    """The ``recall`` variant, or why it did not run (None: off by default for this parent)."""
+    slots = int(runner.parent.slots or 0)
+    why = recall_skip(runner.parent)
+    if why is not None:
+        return None if quiet else Outcome(RECALL, slots, None, False, error=why)
+    if not full.ran or not full.passed:
+        why = "the full cache does not pass: no window does" if full.ran else "the full-cache run could not run"
+        return Outcome(RECALL, slots, None, False, error=why)
+    say("recall window (bisection)")
+    return recall_window(runner, checks, resolution, say)
 
 
 def _pinned(parent: ParentRequest) -> H2OConfig | PressSpec:

@@ -28,7 +28,7 @@ __all__ = ["KINDS", "Outcome", "Explanation", "counterfactual_id"]
 
 #: the counterfactual kinds, in the order they are run
 KINDS = COUNTERFACTUAL_KINDS
-FULL, PINNED, ORACLE, POLICY_BUDGET, ORACLE_BUDGET = KINDS
+FULL, PINNED, ORACLE, POLICY_BUDGET, ORACLE_BUDGET, RECALL = KINDS
 
 
 @dataclasses.dataclass
@@ -46,6 +46,8 @@ class Outcome:
     bisection: Bisection | None = None
     #: the oracle's teacher-forced top-1 agreement: ``[k, n]``, k of the teacher's n tokens
     teacher_agreement: list[int] | None = None
+    #: the ``recall`` variant's window: slots of ``slots`` given to recalled entries
+    window: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in dataclasses.asdict(self).items() if k != "bisection"}
@@ -84,9 +86,13 @@ class Explanation:
         }
 
 
-def counterfactual_id(parent: str, request: int, kind: str, slots: int | None = None) -> str:
-    """The run id of a counterfactual: ``<parent>-r<request>-<kind>`` (``-b<slots>`` for budgets)."""
+def counterfactual_id(
+    parent: str, request: int, kind: str, slots: int | None = None, *, window: int | None = None
+) -> str:
+    """The run id of a counterfactual: ``<parent>-r<request>-<kind>`` (``-b<slots>`` for budgets,
+    ``-w<window>`` for a recall window)."""
     tail = f"-b{slots}" if kind.endswith("_budget") and slots is not None else ""
+    tail += f"-w{window}" if window is not None else ""
     return sanitize_run_id(f"{parent}-r{request}-{kind.replace('_', '-')}{tail}")
 
 
@@ -138,6 +144,7 @@ def _fresh(out: Path, run_id: str, finish: Callable[[Path, dict], None] | None =
             cf.get("answer"),
             bisection=bisection_from(bis) if isinstance(bis, dict) else None,
             teacher_agreement=cf.get("teacher_agreement"),
+            window=cf.get("window"),
         )
     remove_run(run_dir)  # a run of its own only: anything else in the way is refused (DESIGN.md §5.1)
     return None

@@ -112,7 +112,7 @@ class Runner:
         from .recorder import record
         from .replay import replay as replay_run
 
-        run_id = counterfactual_id(self.parent.run_id, self.parent.request, kind, slots)
+        run_id = counterfactual_id(self.parent.run_id, self.parent.request, kind, slots, window=extra.get("window"))
         wants_replay = (self.replay if replay is None else replay) and kind != FULL
         reused = _fresh(self.out, run_id, lambda d, m: self._finish(d, m, wants_replay))
         if reused is not None:

@@ -570,7 +570,8 @@ RUNS = pa.schema(
         _f(
             "counterfactual_kind",
             pa.string(),
-            "full | pinned | oracle | policy_budget | oracle_budget (DESIGN.md §6.10) | culprits (DESIGN.md §19)",
+            "full | pinned | oracle | policy_budget | oracle_budget | recall (DESIGN.md §6.10) | culprits "
+            "(DESIGN.md §19)",
             nullable=True,
         ),
         _f("counterfactual_request", pa.int32(), "request of the parent run re-run", nullable=True),
@@ -587,7 +588,7 @@ RUNS = pa.schema(
 VIEW_NAMES: tuple[str, ...] = ("runs",) + TABLE_NAMES
 
 #: ``runs.counterfactual_kind``: the re-runs of a failed request (DESIGN.md §6.10), in the order they run
-COUNTERFACTUAL_KINDS: tuple[str, ...] = ("full", "pinned", "oracle", "policy_budget", "oracle_budget")
+COUNTERFACTUAL_KINDS: tuple[str, ...] = ("full", "pinned", "oracle", "policy_budget", "oracle_budget", "recall")
 #: ``runs.counterfactual_kind`` of the culprit search's re-run: the 1-minimal set restored (DESIGN.md §19)
 CULPRITS_KIND = "culprits"
 

@@ -127,3 +127,17 @@ def test_bench_assistant_prints_both_speed_ups_and_the_acceptance(capsys):
         assert 1 < forwards <= new and per == pytest.approx((new - 1) / (forwards - 1), abs=0.01)
     assert re.search(r"H2O's tokens (are the full cache's|differ from the full cache's from new token \d+)", out)
     assert re.search(r"H2O keeps [\d.]+ of the full cache's speed-up \(target >= 0.90\)", out)
+
+
+def test_bench_decode_with_a_cold_tier_times_it_and_says_the_bytes_it_read(capsys):
+    """``--cold``: the H2O side runs with a recall window inside B (its config line says so) and
+    each row says the cold bytes read per decode step, which a window reads."""
+    from h2o_lens.cold_config import parse_cold
+
+    model = tiny_model("llama", layers=2)
+    assert bench_decode(model=model, contexts=(64,), batches=(1, 2), steps=2, rounds=1, cold=parse_cold("cpu:3")) == 0
+    out = capsys.readouterr().out
+    assert "cold=cpu:3:exact" in out.split("context 64, H2O B=")[1].splitlines()[0]
+    assert sorted(_rows(out, 64)) == [1, 2]
+    read = [int(m.replace(",", "")) for m in re.findall(r"cold tier: ([\d,]+) bytes read per step", out)]
+    assert len(read) == 2 and all(r > 0 for r in read)

@@ -1,5 +1,6 @@
-"""The cold tier's options (DESIGN.md §2.13): ``record --cold`` and ``bench cold`` refuse a bad
-value in one ``h2o-lens: error:`` line (exit 2) before any model loads."""
+"""The cold tier's options (DESIGN.md §2.13): ``record --cold``, ``sweep --cold``, ``bench decode
+--cold`` and ``bench cold`` refuse a bad value in one ``h2o-lens: error:`` line (exit 2) before any
+model loads."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from commands.cli import main
         (["bench", "cold", "--window", "0.3"], "--window 0.3 must be below --ratio 0.2"),
         (["bench", "cold", "--stores", "tape"], "unknown store or selection ['tape']"),
         (["bench", "cold", "--window", "2"], "bench cold: argument --window"),
+        (["bench", "decode", "--cold", "cpu"], "STORE:RECALL[:SELECTION]"),
+        (["bench", "decode", "--cold", "cpu:8", "--guard"], "--guard is another benchmark"),
+        (["bench", "decode", "--cold", "cpu:8", "--assistant"], "--assistant is another benchmark"),
+        (["bench", "decode", "--cold", "cpu:102", "--contexts", "512"], "context 512 (B=102)"),
     ],
 )
 def test_a_bad_cold_option_is_one_line_before_the_model_loads(capsys, argv, says):
@@ -28,3 +33,21 @@ def test_a_bad_cold_option_is_one_line_before_the_model_loads(capsys, argv, says
     assert code == 2, err
     assert err.startswith("h2o-lens: error: ") and err.count("\n") == 1, err
     assert "cannot load model" not in err and says in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--cold", "cpu"], "STORE:RECALL[:SELECTION]"),
+        (["--cold", "tape:8"], "unknown cold store 'tape'"),
+        (["--cold", "cpu:8", "--policies", "full"], "no policy of the grid (full) takes a cold tier"),
+        (["--cold", "cpu:64", "--slots", "64", "--policies", "h2o"], "--cold cpu:64 at --slots 64 (h2o)"),
+    ],
+)
+def test_a_bad_sweep_cold_option_is_one_line_before_the_model_loads(capsys, tmp_path, argv, says):
+    code = main(["sweep", "--out", str(tmp_path / "out"), *argv, "--model", "/nonexistent"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("h2o-lens: error: ") and err.count("\n") == 1, err
+    assert "cannot load model" not in err and says in err, err
+    assert not (tmp_path / "out").exists()

@@ -240,3 +240,20 @@ def test_a_disk_store_never_opens_or_removes_a_file_it_did_not_make(tmp_path):
     store.close()
     assert user.read_bytes() == b"the user's bytes"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s-1.bin"]
+
+
+def test_a_cold_tier_starts_from_a_reused_prompt_forward_bit_for_bit():
+    """The prompt forward does not depend on the cold tier (it keeps what the keep rule drops):
+    under ``reuse_prompts`` a cold-tier generation starts from a plain H2O one's prompt forward
+    (DESIGN.md §12.5), with the tokens and the store of its own prefill."""
+    from h2o_lens.prompt_reuse import reuse_prompts
+
+    model = tiny_model("llama", layers=2)
+    ids = _ids(30, seed=2)
+    cfg = H2OConfig(heavy=6, recent=4, cold=ColdTier(recall=3))
+    alone, cache = _generate(model, cfg, ids, 10)
+    with reuse_prompts(model) as shared:
+        _generate(model, H2OConfig(heavy=6, recent=4), ids, 10)
+        reused, cache2 = _generate(model, cfg, ids, 10)
+    assert shared.hits == 1 and cache2.prompt_reused
+    assert torch.equal(alone, reused) and cold_summary(cache) == cold_summary(cache2)

@@ -61,6 +61,13 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "(default) or a draft of the model's first layers (DESIGN.md §14)",
     )
     b.add_argument("--new-tokens", type=at_least(2), default=None, help="--assistant: tokens generated (default 96)")
+    b.add_argument(
+        "--cold",
+        metavar="STORE:RECALL[:SELECTION]",
+        default=None,
+        help="time H2O with a cold tier (DESIGN.md §2.13): a window of RECALL slots inside B, evicted K/V in "
+        "STORE (cpu | disk), SELECTION exact | pages; the cold bytes read per step beside it",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("bench decode: --guard and --assistant are two benchmarks; give one")
     if args.new_tokens is not None and not args.assistant:
         raise ConfigError("bench decode: --new-tokens is the --assistant mode's; the others time --steps")
+    cold = _cold(args)  # before the model loads
     if args.assistant:
         return bench_assistant(
             model_name=args.model,
@@ -95,7 +103,32 @@ def run(args: argparse.Namespace) -> int:
         keep=args.keep,
         steps=args.steps,
         rounds=args.rounds,
+        cold=cold,
     )
+
+
+def _cold(args: argparse.Namespace) -> Any:
+    """``--cold`` as a :class:`~h2o_lens.cold_config.ColdTier` (None without it), refused in one line
+    when malformed, beside another mode, or when the smallest context's B cannot hold its window."""
+    if args.cold is None:
+        return None
+    from h2o_lens.cold_config import parse_cold
+    from h2o_lens.config import H2OConfig
+    from h2o_lens.errors import ConfigError
+    from h2o_lens.policies import ratio_slots
+
+    tier = parse_cold(args.cold)
+    if args.guard or args.assistant:
+        mode = "--guard" if args.guard else "--assistant"
+        raise ConfigError(f"bench decode: --cold times H2O's decode with a cold tier; {mode} is another benchmark")
+    check_keep("decode", args.keep)
+    n = min(args.contexts or (512, 2048))
+    budget = ratio_slots(args.keep, n)
+    try:
+        H2OConfig(**halves(budget), cold=tier)
+    except ConfigError as exc:
+        raise ConfigError(f"bench decode --cold {args.cold} at context {n} (B={budget}): {exc}") from None
+    return tier
 
 
 def decode_bytes(config: Any, context: int, batch: int, keep: float, element: int = 4) -> int:
@@ -216,6 +249,7 @@ def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int, budget
     bytes; and (``budget`` given) where H2O's step goes (:func:`h2o_lens.timing.step_parts`)."""
     from transformers import DynamicCache
 
+    from h2o_lens.cold import cold_summary
     from h2o_lens.runtime import h2o
     from h2o_lens.timing import Decoder as _Decoder
     from h2o_lens.timing import median_time as _median_time
@@ -238,6 +272,9 @@ def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int, budget
                 if i:
                     times[name].append(t)
         nbytes = sides["h2o"][0].cache.nbytes()
+        cold = cold_summary(sides["h2o"][0].cache)
+        if cold is not None:  # a cold tier's bytes read over the steps decoded, the warm-up's included
+            nbytes = {**nbytes, "cold_read": cold["read"], "cold_steps": 2 + rounds * steps}
         parts = step_parts(sides["h2o"][0].cache) if budget is not None else None
     med = {name: statistics.median(t) for name, t in times.items()}
     return med["full"], med["h2o"], nbytes, med.get("limit"), parts
@@ -259,9 +296,12 @@ def bench_decode(
     rounds: int = 3,
     model=None,
     memory: bool = True,
+    cold: Any = None,
 ) -> int:
     """Decode tokens/s of H2O at ``keep`` ÷ the full cache, per context and batch size, and the
     prefill with scores ÷ the SDPA prefill, in time and in peak RSS, side by side in one run.
+    ``cold``: a :class:`~h2o_lens.cold_config.ColdTier` the H2O side runs with (its window inside
+    B); each row then says the cold bytes read per decode step.
 
     For each context: a table with a row per batch size (every row of the batch the same
     context of random tokens): full-cache and H2O ms/step and tokens/s, measured in
@@ -297,7 +337,7 @@ def bench_decode(
     failed = 0
     for n in contexts:
         budget = ratio_slots(keep, n)
-        cfg = H2OConfig(**halves(budget))
+        cfg = H2OConfig(**halves(budget), cold=cold)
         print(f"\ncontext {n}, H2O B={budget} ({cfg.describe()})")
         print(
             f"{'batch':>6} {'full ms/step':>13} {'full tok/s':>11} {'h2o ms/step':>12} {'h2o tok/s':>10} "
@@ -315,6 +355,9 @@ def bench_decode(
                 flush=True,
             )
             print(f"{'':>6} {_where(th, parts)}", flush=True)
+            if cold is not None:
+                per_step = nbytes["cold_read"] / max(1, nbytes["cold_steps"])
+                print(f"{'':>6} cold tier: {per_step:,.0f} bytes read per step", flush=True)
         ts, th = _prefill_time(model, cfg, torch.randint(0, text.vocab_size, (1, n), generator=gen), rounds)
         print(f"prefill {n} tokens: SDPA {ts * 1e3:.0f} ms, with scores {th * 1e3:.0f} ms: ratio {th / ts:.3f}")
         if fresh:
