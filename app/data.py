@@ -12,7 +12,7 @@ import pandas as pd
 import streamlit as st
 
 import analyses
-from analyses import views
+from analyses import tiers, views
 from analyses.guard import guard_actions, guard_requests, guard_risk
 from analyses.guard import guard_cost as analyses_guard_cost
 
@@ -255,6 +255,34 @@ def budget_distribution(root: Root) -> pd.DataFrame:
     """Minimal passing budgets of the root's explained requests (:func:`analyses.budget_distribution`)."""
     with cursor(root) as cur:
         return analyses.budget_distribution(cur)
+
+
+@_cache
+def recalled(root: Root, run_id: str, request: int, first: int, last: int) -> pd.DataFrame:
+    """Positions of a request the cold tier's recall window held, when and where
+    (:func:`analyses.tiers.recalled_tokens`); empty without a cold tier."""
+    with cursor(root) as cur:
+        return tiers.recalled_tokens(cur, run_id, request=request, first=first, last=last).df()
+
+
+@_cache
+def cold(root: Root, run_id: str) -> dict[str, Any] | None:
+    """A cold-tier run's hot slots, cold bytes and recall counts (:func:`analyses.tiers.cold_overview`)."""
+    with cursor(root) as cur:
+        return tiers.cold_overview(cur, run_id)
+
+
+@_cache
+def set_slots(root: Root, run_id: str) -> tuple[pd.DataFrame, str]:
+    """Slots per layer and KV set and their source (:func:`analyses.tiers.set_slots`)."""
+    with cursor(root) as cur:
+        return tiers.set_slots(cur, run_id)
+
+
+@_cache
+def plan_evidence(path: str) -> pd.DataFrame:
+    """A plan file's concentration per layer and KV set (:func:`analyses.tiers.plan_evidence`)."""
+    return tiers.plan_evidence(path)
 
 
 @_cache

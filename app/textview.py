@@ -5,7 +5,8 @@ Colours come from a light scale so that black text stays readable: in
 late = pale yellow), in ``share`` mode the share of KV sets that had
 evicted it (0 = none = no colour, 1 = all = red). Evidence tokens are
 underlined, tokens not yet seen at the chosen step are greyed, the selected
-token is outlined.
+token is outlined. Positions a cold tier's recall window held (DESIGN.md §2.13) get a green
+dotted overline and say when, in how many layer/KV sets and from which tier in their hover.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import html
 import pandas as pd
 from plotly.colors import sample_colorscale
 
-__all__ = ["token_html", "legend_html"]
+__all__ = ["token_html", "legend_html", "recall_notes"]
 
 _STEP_SCALE = "YlOrRd"
 _SHARE_SCALE = "Reds"
 _EVIDENCE = "#1f77b4"
 _CULPRIT = "#d62728"  # the culprit tokens of a search (DESIGN.md §19)
+_RECALLED = "#2ca02c"  # positions the cold tier recalled (DESIGN.md §2.13)
 
 
 def _color(scale: str, t: float) -> str:
@@ -48,9 +50,12 @@ def token_html(
     at_step: int | None,
     selected: int | None,
     culprits: dict[int, str] | None = None,
+    recalled: dict[int, str] | None = None,
 ) -> str:
     """HTML of the tokens of ``df`` (:func:`analyses.views.token_evictions` rows); ``culprits``
-    (position -> when and why it left, DESIGN.md §19) are boxed in red, the reason in their hover."""
+    (position -> when and why it left, DESIGN.md §19) are boxed in red, the reason in their hover;
+    ``recalled`` (position -> when the cold tier recalled it, :func:`recall_notes`) are overlined
+    in green, the note in their hover."""
     lo, hi = step_range
     span = max(hi - lo, 1)
     parts = [
@@ -91,6 +96,9 @@ def token_html(
         if culprits and pos in culprits:
             style.append(f"box-shadow: 0 0 0 2px {_CULPRIT}")
             what += f" · culprit: {culprits[pos]}"
+        if recalled and pos in recalled:
+            style.append(f"border-top: 3px dotted {_RECALLED}")
+            what += f" · {recalled[pos]}"
         if selected is not None and pos == selected:
             style.append("outline: 2px solid #000; outline-offset: 1px")
         title = html.escape(f"position {pos} · {what}", quote=True)
@@ -99,7 +107,23 @@ def token_html(
     return "".join(parts)
 
 
-def legend_html(*, mode: str, step_range: tuple[int, int]) -> str:
+def recall_notes(recalled: pd.DataFrame, at_step: int | None = None) -> dict[int, str]:
+    """``position -> note`` of :func:`analyses.tiers.recalled_tokens` rows recalled at or before
+    ``at_step``: ``recalled from cpu at steps 149–155 (3 steps), 2 layer/KV sets (layers 0,1)``."""
+    out: dict[int, str] = {}
+    for r in recalled.itertuples(index=False):
+        if at_step is not None and int(r.first_step) > at_step:
+            continue
+        steps = f"step {int(r.first_step)}" if r.first_step == r.last_step else (
+            f"steps {int(r.first_step)}–{int(r.last_step)} ({int(r.steps)} steps)"
+        )
+        out[int(r.position)] = (
+            f"recalled from {r.tier} at {steps}, {int(r.sets)} layer/KV set(s) (layers {r.layers})"
+        )
+    return out
+
+
+def legend_html(*, mode: str, step_range: tuple[int, int], recalls: bool = False) -> str:
     """A one-line legend: the colour scale with its ends, evidence and selection marks."""
     if mode == "step":
         stops = [_color(_STEP_SCALE, 0.6 - 0.55 * t) for t in (0.0, 0.25, 0.5, 0.75, 1.0)]
@@ -119,5 +143,7 @@ def legend_html(*, mode: str, step_range: tuple[int, int]) -> str:
         f'<span {item}><span style="border-bottom: 3px solid {_EVIDENCE};">evidence</span></span>'
         f'<span {item}><span style="color:#999;">grey: not yet seen</span></span>'
         f'<span {item}><span style="outline: 2px solid #000; outline-offset: 1px;">selected</span></span>'
-        f'</div>'
+        + (f'<span {item}><span style="border-top: 3px dotted {_RECALLED};">recalled from the cold tier</span></span>'
+           if recalls else "")
+        + '</div>'
     )

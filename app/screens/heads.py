@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import charts, common, data, state
+from app import charts, common, data, plan_view, state
 from app.plain import code
 
 PAGE = "heads"
@@ -156,6 +156,8 @@ def render() -> None:
         else:
             _coverage_maps(cov)
             names = _one_head(root, run, cov)
+    with state.guard("the budget per layer and KV set", run):
+        plan_view.render(root, run)
     with state.guard("the GQA overlap", run):
         _gqa(root, run)
     state.publish(PAGE, names)

@@ -46,6 +46,49 @@ def _headline(row: dict, div) -> int | None:
     return first_step
 
 
+def _bytes(n) -> str:
+    if n is None:
+        return "–"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return "–"
+
+
+def _cold(cold: dict | None) -> None:
+    """The cold tier's numbers of a run recorded with ``--cold`` (DESIGN.md §2.13)."""
+    if cold is None:
+        return
+    st.subheader("Cold tier")
+    window = cold.get("recall")
+    st.caption(
+        f"Evicted K/V went to the **{cold.get('store')}** store instead of being dropped; a recall window of "
+        f"{common.fmt(window)} slots inside the hot slots brought back, every {common.fmt(cold.get('every'))} "
+        f"step(s), the cold entries the queries attend to most ({cold.get('select')} selection). The hot memory "
+        "stays the run's slot count: compare with plain H2O at the same slots."
+    )
+    hit = cold.get("recall_hit_rate")
+    common.metric_row(
+        [
+            ("Hot slots", common.fmt(cold.get("hot_slots")), f"slots per KV set, the {window}-slot recall window inside"),
+            ("Cold bytes written", _bytes(cold.get("bytes_written")), "K/V bytes moved to the cold store (manifest)"),
+            ("Cold bytes read", _bytes(cold.get("bytes_read")), "K/V bytes read back from the cold store (manifest)"),
+            ("Read per token", _bytes(cold.get("bytes_read_per_token")), "cold bytes read per generated token"),
+            (
+                "Recalls",
+                f"{common.fmt(cold.get('recall_rows'))} rows · {common.fmt(cold.get('recalled_positions'))} positions",
+                "rows of the recalls table (an entry in a window at a refill) and distinct (request, position)",
+            ),
+            (
+                "Recall hit rate",
+                common.fmt(hit, ".1%") if hit is not None else "–",
+                "share of the teacher's attention to evicted positions the window held (after a replay)",
+            ),
+        ]
+    )
+
+
 def render() -> None:
     root = state.current_root()
     row = common.run_page(root, "Overview")
@@ -85,6 +128,8 @@ def render() -> None:
             st.plotly_chart(fig, key="overview_curves")
             if len(div) > 1:
                 st.dataframe(div, hide_index=True, column_config=_DIVERGENCE)
+    with state.guard("the cold tier", run):
+        _cold(data.cold(root, run))
     with state.guard("the guard's log", run):
         requests, actions, risk = data.guard_log(root, run)
         if not requests.empty:

@@ -119,17 +119,25 @@ def render() -> None:
             st.markdown(f"Colour: the step **{which}** evicted the token.")
         else:
             st.markdown(f"Colour: the share of the **{shape['sets']} KV sets** that had evicted the token.")
-        st.html(textview.legend_html(mode=mode, step_range=ctl["range"]))
+        recalled = data.recalled(root, run, ctl["request"], first, last)
+        notes = textview.recall_notes(recalled, ctl["at_step"])
+        st.html(textview.legend_html(mode=mode, step_range=ctl["range"], recalls=not recalled.empty))
         culprits, search = culprits_view.culprits_of(root, run, ctl["request"])
         st.html(
             textview.token_html(
-                df, mode=mode, step_range=ctl["range"], at_step=ctl["at_step"], selected=token, culprits=culprits
+                df, mode=mode, step_range=ctl["range"], at_step=ctl["at_step"], selected=token, culprits=culprits,
+                recalled=notes,
             )
         )
         st.caption(
             f"Positions {positions[0]}–{positions[-1]}; hover a token for its position and eviction. "
             "Evidence spans are underlined."
         )
+        if not recalled.empty:
+            st.caption(
+                f"{len(notes)} position(s) shown were recalled from the cold tier by step {ctl['at_step']} "
+                "(green dotted overline; hover for the steps, the layer/KV sets and the tier)."
+            )
         if culprits_view.caption(search):
             st.caption(culprits_view.caption(search))
     with state.guard("the token lifetime", run):
