@@ -59,8 +59,8 @@ def render(root: state.Root, run: str) -> None:
             charts.heatmap(
                 ev,
                 z=z,
-                title=f"Tokens for {title} of the mass (share of the prompt)",
-                colorbar="share",
+                title=f"Tokens for {title} of the mass",
+                colorbar="of prompt",
                 colorscale="Oranges",
                 zmin=0.0,
                 **kw,

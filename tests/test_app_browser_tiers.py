@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from test_analyses_tiers import tier_root  # noqa: F401  (a module fixture)
+from test_commands_sweep_grid import tiny_dir  # noqa: F401  (tier_root's fixture)
 
 from app.bench import CHROMIUM, DONE, browser, serve
 
@@ -48,7 +49,7 @@ def test_tokens_page_marks_recalled_positions(page):
     url, p, runs, shots = page
     _open(p, f"{url}/tokens?run={runs['cold']}", "recalled from the cold tier")
     marked = p.locator("span[title*='recalled from cpu at step']")
-    assert marked.count() >= 1
+    marked.first.wait_for(timeout=60_000)
     assert "layer/KV set" in marked.first.get_attribute("title")
     p.screenshot(path=str(shots / "tokens-cold.png"), full_page=True)
 
@@ -66,7 +67,7 @@ def test_overview_shows_the_cold_tier(page):
 def test_heads_page_draws_the_plan_beside_its_concentration(page):
     url, p, runs, shots = page
     _open(p, f"{url}/heads?run={runs['plan']}", "Budget per layer and KV set")
-    box = p.get_by_label("Plan file with its evidence (optional)")
+    box = p.locator("input[aria-label='Plan file with its evidence (optional)']")
     box.fill(str(runs["plan_file"]))
     box.press("Enter")
     p.wait_for_function("() => document.body.innerText.includes('Tokens for 90 %')", timeout=60_000)

@@ -74,11 +74,17 @@ def _cold(cold: dict | None) -> None:
             ("Hot slots", common.fmt(cold.get("hot_slots")), f"slots per KV set, the {window}-slot recall window inside"),
             ("Cold bytes written", _bytes(cold.get("bytes_written")), "K/V bytes moved to the cold store (manifest)"),
             ("Cold bytes read", _bytes(cold.get("bytes_read")), "K/V bytes read back from the cold store (manifest)"),
+        ]
+    )
+    common.metric_row(
+        [
             ("Read per token", _bytes(cold.get("bytes_read_per_token")), "cold bytes read per generated token"),
             (
                 "Recalls",
-                f"{common.fmt(cold.get('recall_rows'))} rows · {common.fmt(cold.get('recalled_positions'))} positions",
-                "rows of the recalls table (an entry in a window at a refill) and distinct (request, position)",
+                common.fmt(cold.get("recall_rows")),
+                f"rows of the recalls table (an entry brought into a window at a refill); "
+                f"{common.fmt(cold.get('recalled_positions'))} distinct positions in "
+                f"{common.fmt(cold.get('requests_recalled'))} request(s)",
             ),
             (
                 "Recall hit rate",
