@@ -57,19 +57,21 @@ def sweep_figure(
     from plotly.subplots import make_subplots
 
     scale = 100 if x == "keep_ratio" else 1
+    cold = "cold_bytes_per_token" in table and table["cold_bytes_per_token"].notna().any()
     fig = make_subplots(
         # the template named, not the process's default: importing Streamlit switches plotly's
         # default template, and the page must not depend on what else the process has loaded
         figure=go.Figure(layout={"template": "plotly"}),
-        rows=2,
+        rows=3 if cold else 2,
         cols=2,
         horizontal_spacing=0.08,
-        vertical_spacing=0.14,
+        vertical_spacing=0.09 if cold else 0.14,
         subplot_titles=(
             "quality: answer accuracy",
             "quality: mean KL(teacher ‖ run), nats (full cache: 0)",
             f"physical KV bytes per token (dashed: pages of {page_size} tokens)",
             "decode latency, ms per token",
+            *(("cold tier: bytes read per generated token (POLICY+cold curves)",) if cold else ()),
         ),
     )
     is_full = table["policy"].map(lambda label: not _evicts(policy_of[label]))
@@ -81,9 +83,40 @@ def sweep_figure(
         _add_curves(fig, g, x, scale, label, _colour(name), "dot" if name in drawn else "solid")
         drawn.add(name)
     _axes(fig, table, x, scale)
+    if cold:
+        _cold_panel(fig, table, x, scale, policy_of)
     if title is not None:
         fig.update_layout(title=title)
     return fig
+
+
+def _cold_panel(fig: Any, table: Any, x: str, scale: int, policy_of: Mapping[str, str]) -> None:
+    """The fourth curve: cold bytes read per generated token of each cold-tier curve label."""
+    import plotly.graph_objects as go
+
+    for label in dict.fromkeys(table["policy"]):
+        g = table[(table["policy"] == label) & table["cold_bytes_per_token"].notna()].sort_values(x)
+        if g.empty:
+            continue
+        color = _colour(policy_of[label])
+        fig.add_trace(
+            go.Scatter(
+                x=g[x] * scale,
+                y=g["cold_bytes_per_token"],
+                name=f"{label} cold bytes",
+                legendgroup=label,
+                showlegend=False,
+                mode="lines+markers",
+                line={"color": color},
+                marker={"color": color},
+            ),
+            row=3,
+            col=1,
+        )
+    ticks = sorted({float(v) * scale for v in table[x]})
+    fig.update_xaxes(title_text=_axis(x), type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks], row=3, col=1)
+    fig.update_yaxes(title_text="bytes per token", rangemode="tozero", row=3, col=1)
+    fig.update_layout(height=1200)
 
 
 def _evicts(policy: str) -> bool:

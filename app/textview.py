@@ -114,12 +114,12 @@ def recall_notes(recalled: pd.DataFrame, at_step: int | None = None) -> dict[int
     for r in recalled.itertuples(index=False):
         if at_step is not None and int(r.first_step) > at_step:
             continue
-        steps = f"step {int(r.first_step)}" if r.first_step == r.last_step else (
-            f"steps {int(r.first_step)}–{int(r.last_step)} ({int(r.steps)} steps)"
+        steps = (
+            f"step {int(r.first_step)}"
+            if r.first_step == r.last_step
+            else (f"steps {int(r.first_step)}–{int(r.last_step)} ({int(r.steps)} steps)")
         )
-        out[int(r.position)] = (
-            f"recalled from {r.tier} at {steps}, {int(r.sets)} layer/KV set(s) (layers {r.layers})"
-        )
+        out[int(r.position)] = f"recalled from {r.tier} at {steps}, {int(r.sets)} layer/KV set(s) (layers {r.layers})"
     return out
 
 
@@ -143,7 +143,10 @@ def legend_html(*, mode: str, step_range: tuple[int, int], recalls: bool = False
         f'<span {item}><span style="border-bottom: 3px solid {_EVIDENCE};">evidence</span></span>'
         f'<span {item}><span style="color:#999;">grey: not yet seen</span></span>'
         f'<span {item}><span style="outline: 2px solid #000; outline-offset: 1px;">selected</span></span>'
-        + (f'<span {item}><span style="border-top: 3px dotted {_RECALLED};">recalled from the cold tier</span></span>'
-           if recalls else "")
+        + (
+            f'<span {item}><span style="border-top: 3px dotted {_RECALLED};">recalled from the cold tier</span></span>'
+            if recalls
+            else ""
+        )
         + '</div>'
     )

@@ -595,6 +595,13 @@ def sweep_table(
     points["policy_name"] = [c.policy for c in cells]
     if slots:  # the full cache keeps every slot: drawn at the largest budget's right
         points[x] = points[x].fillna(max(c.budget for c in cells if c.budget is not None) * 2)
+    cold = dict(  # cold bytes read per generated token of the cold-tier cells (DESIGN.md §2.13)
+        con.execute(
+            "SELECT run_id, bytes_read_per_token FROM cold_runs WHERE list_contains($ids, run_id)", {"ids": ids}
+        ).fetchall()
+    )
+    if cold:  # the fourth curve, only where the sweep has cold cells (sweep --cold)
+        points["cold_bytes_per_token"] = [cold.get(c.run_id) for c in cells]
     if not replayed:
         points["kl_mean"] = float("nan")
         points["dropped_mass"] = float("nan")
@@ -610,6 +617,7 @@ def sweep_table(
         ms_per_token=("seconds_per_token", lambda s: 1e3 * s.median()),
         runs=("run_id", "count"),
         requests=("requests", "sum"),
+        **({"cold_bytes_per_token": ("cold_bytes_per_token", "mean")} if "cold_bytes_per_token" in points else {}),
     )
     table.insert(2, "accuracy", table["right"] / table["checked"].where(table["checked"] > 0))
     table = table.drop(columns=["right"])

@@ -71,7 +71,11 @@ def _cold(cold: dict | None) -> None:
     hit = cold.get("recall_hit_rate")
     common.metric_row(
         [
-            ("Hot slots", common.fmt(cold.get("hot_slots")), f"slots per KV set, the {window}-slot recall window inside"),
+            (
+                "Hot slots",
+                common.fmt(cold.get("hot_slots")),
+                f"slots per KV set, the {window}-slot recall window inside",
+            ),
             ("Cold bytes written", _bytes(cold.get("bytes_written")), "K/V bytes moved to the cold store (manifest)"),
             ("Cold bytes read", _bytes(cold.get("bytes_read")), "K/V bytes read back from the cold store (manifest)"),
         ]

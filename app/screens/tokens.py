@@ -125,7 +125,12 @@ def render() -> None:
         culprits, search = culprits_view.culprits_of(root, run, ctl["request"])
         st.html(
             textview.token_html(
-                df, mode=mode, step_range=ctl["range"], at_step=ctl["at_step"], selected=token, culprits=culprits,
+                df,
+                mode=mode,
+                step_range=ctl["range"],
+                at_step=ctl["at_step"],
+                selected=token,
+                culprits=culprits,
                 recalled=notes,
             )
         )
