@@ -1,4 +1,4 @@
-"""What the dashboard shows of a cold tier and of a budget plan (DESIGN.md §2.13, §2.14, §9).
+"""What the dashboard shows of a cold tier and of a budget plan (DESIGN.md §2.13, §2.14, §7.5).
 
 * :func:`recalled_tokens`: per position of one request, when the cold tier's recall window held
   it (from the ``recalls`` table): first and last step, the steps, the layer/KV sets, the tier;
@@ -23,7 +23,7 @@ import pandas as pd
 
 from ._base import Source, connect, relation
 
-__all__ = ["recalled_tokens", "cold_overview", "set_slots", "plan_evidence"]
+__all__ = ["recalled_tokens", "cold_overview", "cold_bytes_per_token", "set_slots", "plan_evidence"]
 
 
 def recalled_tokens(
@@ -76,6 +76,14 @@ def cold_overview(source: Source, run_id: str) -> dict[str, Any] | None:
     ).fetchall()[0]
     out["recall_rows"], out["recalled_positions"], out["requests_recalled"] = (int(x or 0) for x in counts)
     return out
+
+
+def cold_bytes_per_token(source: Source, run_ids: list[str]) -> dict[str, float | None]:
+    """``run_id -> cold bytes read per generated token`` of the cold-tier runs among ``run_ids``
+    (the ``cold_runs`` view); empty when none has a cold tier (a sweep's fourth curve)."""
+    con = connect(source)
+    sql = "SELECT run_id, bytes_read_per_token FROM cold_runs WHERE list_contains($ids, run_id)"
+    return dict(relation(con, sql, ids=list(run_ids)).fetchall())
 
 
 def set_slots(source: Source, run_id: str) -> tuple[pd.DataFrame, str]:

@@ -1,4 +1,4 @@
-"""The Heads page's budget section: slots per layer × KV set beside the concentration (DESIGN.md §2.14, §9).
+"""The Heads page's budget section: slots per layer × KV set beside the concentration (DESIGN.md §2.14, §7.5).
 
 A run under a budget plan (``record --plan FILE``) shows the slots its plan gave each layer and KV
 set (the ``set_budgets`` view); any other run the most slots each set held (``steps.kept``), so

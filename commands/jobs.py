@@ -572,6 +572,7 @@ def sweep_table(
     ``kv_bytes_per_token``: a full cache's K and V bytes of one position, when
     ``model`` is not loaded here (a Ray sweep); else read from ``model``."""
     from analyses import connect, run_curve_points
+    from analyses.tiers import cold_bytes_per_token
     from h2o_lens.runtime import full_kv_bytes
 
     con = connect(str(root))
@@ -595,12 +596,8 @@ def sweep_table(
     points["policy_name"] = [c.policy for c in cells]
     if slots:  # the full cache keeps every slot: drawn at the largest budget's right
         points[x] = points[x].fillna(max(c.budget for c in cells if c.budget is not None) * 2)
-    cold = dict(  # cold bytes read per generated token of the cold-tier cells (DESIGN.md §2.13)
-        con.execute(
-            "SELECT run_id, bytes_read_per_token FROM cold_runs WHERE list_contains($ids, run_id)", {"ids": ids}
-        ).fetchall()
-    )
-    if cold:  # the fourth curve, only where the sweep has cold cells (sweep --cold)
+    cold = cold_bytes_per_token(con, ids)  # only where the sweep has cold cells (DESIGN.md §7.5)
+    if cold:
         points["cold_bytes_per_token"] = [cold.get(c.run_id) for c in cells]
     if not replayed:
         points["kl_mean"] = float("nan")

@@ -1,4 +1,4 @@
-"""The dashboard's cold-tier and budget-plan data (:mod:`analyses.tiers`, DESIGN.md §9) on real runs:
+"""The dashboard's cold-tier and budget-plan data (:mod:`analyses.tiers`, DESIGN.md §7.5) on real runs:
 a ``record --cold cpu:4`` run and a ``record --plan`` run of a tiny model, read back through
 DuckDB and checked against the run's own Parquet files and manifest."""
 

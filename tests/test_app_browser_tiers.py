@@ -1,4 +1,4 @@
-"""The cold tier and the budget plan in a real browser (DESIGN.md §9): a ``record --cold cpu:4`` run
+"""The cold tier and the budget plan in a real browser (DESIGN.md §7.5): a ``record --cold cpu:4`` run
 and a ``record --plan`` run of a tiny model, the Tokens, Overview and Heads pages drawn in Debian's
 Chromium. Screenshots go to ``$H2O_LENS_SCREENSHOTS`` when set, else to the test's temporary folder.
 """

@@ -1,4 +1,4 @@
-"""The sweep's fourth curve (DESIGN.md §9, §12): cold bytes read per generated token, only where a
+"""The sweep's fourth curve (DESIGN.md §7.5, §12): cold bytes read per generated token, only where a
 sweep has cold cells (``sweep --cold`` makes ``POLICY+cold`` curves), from the runs' manifests."""
 
 from __future__ import annotations
@@ -40,5 +40,5 @@ def test_cold_cells_add_the_bytes_read_curve(tiny_dir, task_file, tmp_path):  # 
 
     model, tok, tasks, plain = _grid(tiny_dir, task_file, ratios=[0.5], policies=[("h2o", "sum")], batch_size=8)
     table = _table(tmp_path / "plain", plain, tasks, model, tok)
-    assert "cold_bytes_per_token" not in table  # a sweep without cold cells keeps its three curves
+    assert "cold_bytes_per_token" not in table  # a sweep without cold cells keeps its four panels
     assert len(sweep_figure(table, 16, table.attrs["policy_of"], x=table.attrs["x"]).layout.annotations) == 4

@@ -61,6 +61,30 @@ def _controls(shape: dict) -> dict:
     return out
 
 
+def _colour_line(ctl: dict, shape: dict) -> None:
+    if ctl["mode"] == "step":
+        which = f"layer {ctl['layer']}, KV head {ctl['kv_head']}" + (
+            f", query head {ctl['q_head']}" if ctl["q_head"] is not None else ""
+        )
+        st.markdown(f"Colour: the step **{which}** evicted the token.")
+    else:
+        st.markdown(f"Colour: the share of the **{shape['sets']} KV sets** that had evicted the token.")
+
+
+def _recalls(root, run: str, ctl: dict, first: int, last: int) -> dict[int, str] | None:
+    """Notes of the positions shown that the cold tier recalled by the chosen step, with a caption
+    (DESIGN.md §7.5); None for a run that recalled none of them."""
+    recalled = data.recalled(root, run, ctl["request"], first, last)
+    if recalled.empty:
+        return None
+    notes = textview.recall_notes(recalled, ctl["at_step"])
+    st.caption(
+        f"{len(notes)} position(s) shown were recalled from the cold tier by step {ctl['at_step']} "
+        "(green dotted overline; hover for the steps, the layer/KV sets and the tier)."
+    )
+    return notes
+
+
 def render() -> None:
     root = state.current_root()
     row = common.run_page(root, "Tokens")
@@ -112,16 +136,9 @@ def render() -> None:
             help="Its lifetime across layers and heads is shown below the text",
         )
         mode = ctl["mode"]
-        if mode == "step":
-            which = f"layer {ctl['layer']}, KV head {ctl['kv_head']}" + (
-                f", query head {ctl['q_head']}" if ctl["q_head"] is not None else ""
-            )
-            st.markdown(f"Colour: the step **{which}** evicted the token.")
-        else:
-            st.markdown(f"Colour: the share of the **{shape['sets']} KV sets** that had evicted the token.")
-        recalled = data.recalled(root, run, ctl["request"], first, last)
-        notes = textview.recall_notes(recalled, ctl["at_step"])
-        st.html(textview.legend_html(mode=mode, step_range=ctl["range"], recalls=not recalled.empty))
+        _colour_line(ctl, shape)
+        notes = _recalls(root, run, ctl, first, last)
+        st.html(textview.legend_html(mode=mode, step_range=ctl["range"], recalls=notes is not None))
         culprits, search = culprits_view.culprits_of(root, run, ctl["request"])
         st.html(
             textview.token_html(
@@ -138,11 +155,6 @@ def render() -> None:
             f"Positions {positions[0]}–{positions[-1]}; hover a token for its position and eviction. "
             "Evidence spans are underlined."
         )
-        if not recalled.empty:
-            st.caption(
-                f"{len(notes)} position(s) shown were recalled from the cold tier by step {ctl['at_step']} "
-                "(green dotted overline; hover for the steps, the layer/KV sets and the tier)."
-            )
         if culprits_view.caption(search):
             st.caption(culprits_view.caption(search))
     with state.guard("the token lifetime", run):
