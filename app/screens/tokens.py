@@ -162,6 +162,8 @@ def render() -> None:
         text = df.loc[df["position"] == token, "text"]
         label = str(text.iloc[0]) if len(text) else ""
         st.subheader(f"Token {token}: {md(repr(label))}")
+        if notes and token in notes:
+            st.caption(f"This position was {notes[token]}.")
         if life.empty:
             st.info("This run logged no KV sets (no `steps` or `evictions` rows).")
         else:
