@@ -92,14 +92,16 @@ def set_slots(source: Source, run_id: str) -> tuple[pd.DataFrame, str]:
     (the most slots each set held after a step, ``steps.kept``, of any other run) or ``""`` (no
     rows). ``kv_set`` is the KV head, the query head under ``gqa='none'``."""
     con = connect(source)
-    plan = relation(
-        con,
-        "SELECT layer, kv_set, avg(slots) AS slots FROM set_budgets WHERE run_id = $run "
-        "GROUP BY layer, kv_set ORDER BY layer, kv_set",
-        run=run_id,
-    ).df()
-    if len(plan):
-        return plan, "plan"
+    # the catalog's plan rows first: set_budgets joins every run's requests, not worth it unplanned
+    if relation(con, "SELECT 1 FROM h2o_lens_catalog.plans WHERE run_id = $run LIMIT 1", run=run_id).fetchall():
+        plan = relation(
+            con,
+            "SELECT layer, kv_set, avg(slots) AS slots FROM set_budgets WHERE run_id = $run "
+            "GROUP BY layer, kv_set ORDER BY layer, kv_set",
+            run=run_id,
+        ).df()
+        if len(plan):
+            return plan, "plan"
     kept = relation(
         con,
         """
