@@ -62,6 +62,9 @@ def cold_overview(source: Source, run_id: str) -> dict[str, Any] | None:
     counters, ``cold_runs``), ``recall_rows`` and ``recalled_positions`` (the ``recalls`` table)
     and ``requests_recalled`` (requests with at least one recall)."""
     con = connect(source)
+    # the catalog's runs row first: cold_runs joins every run's requests, not worth it without a tier
+    if not relation(con, "SELECT 1 FROM runs WHERE run_id = $run AND cold IS NOT NULL", run=run_id).fetchall():
+        return None
     row = relation(con, "SELECT * FROM cold_runs WHERE run_id = $run", run=run_id).df()
     if row.empty:
         return None
