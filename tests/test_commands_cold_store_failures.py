@@ -90,6 +90,7 @@ def test_a_complete_disk_store_run_removes_its_store(tiny, tmp_path, capsys):
     run_dir = _run_dir(out)
     manifest = read_manifest(run_dir)
     assert manifest["status"] == "complete" and manifest["cold"]["bytes_written"] > 0
+    assert manifest["config"]["cold"]["directory"] is None  # explain's re-runs write their own store
     assert not (run_dir / "cold").exists()
     assert _runs_row(out) == ("complete", "ok")
 
