@@ -624,7 +624,7 @@ def scan_run(
             error=None,
             kind="rows",
         )
-    left = cut_short_store(run_dir)
+    left = cut_short_store(run_dir) if status != "running" else []  # a live recording is still writing it
     if left:  # the recorder removes its disk store when the run ends (DESIGN.md §2.13)
         scan.problem(
             str(run_dir / COLD_FOLDER),

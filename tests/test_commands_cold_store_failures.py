@@ -68,6 +68,8 @@ def test_a_disk_store_killed_mid_write_leaves_the_run_interrupted_never_complete
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline, "the disk store never appeared"
             time.sleep(0.05)
+        assert _runs_row(out) == ("running", "ok")  # a live recording's store is not cut short
+        assert proc.poll() is None
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
