@@ -51,7 +51,7 @@ from .errors import (
     SQLTimeoutError,
     UnknownRunError,
 )
-from .evidence import evidence_deletion, evidence_evictions, evidence_held, evidence_spans
+from .evidence import evidence_deletion, evidence_evictions, evidence_held, evidence_recalls, evidence_spans
 from .keptsets import gqa_overlap, kept_overlap, union_bound
 from .policies import effective_split, policy_colour, policy_colours, policy_labels, scored_policy
 from .report import FORMATS, REPORT_SCHEMA_VERSION, SCHEMA_PATH, build_report, report_data, report_schema, write_report
@@ -83,6 +83,7 @@ __all__ = [
     "evidence_deletion",
     "evidence_held",
     "evidence_evictions",
+    "evidence_recalls",
     "kept_overlap",
     "union_bound",
     "gqa_overlap",

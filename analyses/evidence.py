@@ -19,7 +19,7 @@ import duckdb
 
 from ._base import Source, check_int, connect, has_rows, relation
 
-__all__ = ["evidence_spans", "evidence_deletion", "evidence_held", "evidence_evictions"]
+__all__ = ["evidence_spans", "evidence_deletion", "evidence_held", "evidence_evictions", "evidence_recalls"]
 
 
 def _sets_sql(con: duckdb.DuckDBPyConnection, run_id: str) -> str:
@@ -172,3 +172,30 @@ def evidence_evictions(
         lag_steps=lag_steps,
         ratio=float(low_score_ratio),
     )
+
+
+def evidence_recalls(source: Source, run_id: str) -> duckdb.DuckDBPyRelation:
+    """Per evidence span of a run with a cold tier (DESIGN.md §6.11): ``request, label, tokens,
+    first_evicted`` (the first decode step a KV set lost one of its tokens), ``first_recalled`` (the
+    first step a recall window held one of them, null: never), ``recall_lag`` (the one minus the other),
+    ``positions_recalled`` and ``answer_step``. Empty for a run without recalls."""
+    sql = f"""
+        WITH {_CONTEXT},
+        gone AS (
+            SELECT t.request, t.label, min(e.step) AS first_evicted
+            FROM evictions e JOIN ev_tok t ON e.request = t.request AND e.position = t.position
+            WHERE e.run_id = $run GROUP BY ALL
+        ), back AS (
+            SELECT t.request, t.label, min(c.step) AS first_recalled, count(DISTINCT c.position) AS positions_recalled
+            FROM recalls c JOIN ev_tok t ON c.request = t.request AND c.position = t.position
+            WHERE c.run_id = $run GROUP BY ALL
+        )
+        SELECT s.request, s.label, s.tokens, g.first_evicted, b.first_recalled,
+               b.first_recalled - g.first_evicted AS recall_lag,
+               coalesce(b.positions_recalled, 0) AS positions_recalled, a.answer_step
+        FROM spans s LEFT JOIN gone g USING (request, label) LEFT JOIN back b USING (request, label)
+        LEFT JOIN answer a USING (request)
+        WHERE EXISTS (SELECT 1 FROM runs WHERE run_id = $run AND cold IS NOT NULL)
+        ORDER BY s.request, s.first_position
+    """
+    return relation(connect(source), sql, run=run_id)

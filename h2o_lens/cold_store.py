@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from .cold_config import PAGE
-from .errors import ConfigError
 
 __all__ = ["ColdStore"]
 
@@ -53,19 +52,27 @@ class ColdStore:
         if self.directory is None:
             self.directory = tempfile.mkdtemp(prefix="h2o-lens-cold-")
         raw = self.b * self.hs * n * 2 * self.d * self.itemsize
+        path = Path(self.directory)
         try:
             Path(self.directory).mkdir(parents=True, exist_ok=True)
             while True:  # a new file of its own: one that exists (a user's, another store's) is never opened
                 self.generation += 1
                 path = Path(self.directory) / f"{self.name}-{self.generation}.bin"
                 try:
-                    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+                    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                     break
                 except FileExistsError:
                     continue
-            mm = np.memmap(path, dtype=np.uint8, mode="w+", shape=(raw,))  # the empty file just made
+            try:  # every block now: a full disk is an OSError here, never a SIGBUS at a write into the map
+                os.posix_fallocate(fd, 0, raw)
+            finally:
+                os.close(fd)
+            mm = np.memmap(path, dtype=np.uint8, mode="r+", shape=(raw,))  # the file just made
         except OSError as exc:
-            raise ConfigError(f"the cold tier's disk store cannot write {path}: {exc.strerror or exc}") from exc
+            if path.is_file() and path != self.file:
+                path.unlink(missing_ok=True)
+            # the system's error, naming the file: a recorder turns it into its storage error (DESIGN.md §2.13)
+            raise OSError(exc.errno, f"the cold tier's disk store: {exc.strerror or exc}", str(path)) from exc
         old, self.file = self.file, path
         if old is not None:
             old.unlink(missing_ok=True)

@@ -2,14 +2,43 @@
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from h2o_lens.cold import ColdExtension, cold_summary
+from runlog.errors import StorageError, storage_error
+from runlog.recall_check import COLD_FOLDER
 
-__all__ = ["cold_of", "window_start", "write_recall_rows", "cold_manifest"]
+__all__ = ["cold_of", "window_start", "write_recall_rows", "cold_manifest", "COLD_FOLDER", "store_in_run", "drop_store"]
+
+
+def store_in_run(config: Any, run_dir: Any) -> Any:
+    """``config`` with a ``disk`` cold store given no directory written under the run's folder
+    (:data:`COLD_FOLDER`): a run killed mid-write leaves its files with the run, never a stray
+    temporary folder (DESIGN.md §2.13). Any other config is returned as it is."""
+    tier = getattr(config, "cold", None)
+    if tier is None or tier.store != "disk" or tier.directory is not None:
+        return config
+    return dataclasses.replace(config, cold=dataclasses.replace(tier, directory=str(Path(run_dir) / COLD_FOLDER)))
+
+
+def drop_store(config: Any, run_dir: Any) -> None:
+    """Remove the cold store :func:`store_in_run` put under the run's folder (the run has ended)."""
+    if store_in_run(config, run_dir) is not config:
+        shutil.rmtree(Path(run_dir) / COLD_FOLDER, ignore_errors=True)
+
+
+def storage_failure(exc: BaseException) -> BaseException:
+    """A cold store's failed write (an ``OSError`` naming its file) as the log's one-line
+    :class:`~runlog.errors.StorageError` (a full disk says the space free); anything else as it is."""
+    if isinstance(exc, OSError) and not isinstance(exc, StorageError) and "cold tier" in str(exc.strerror or ""):
+        return storage_error(exc.filename or "the cold store", exc)
+    return exc
 
 
 def cold_of(cache: Any) -> ColdExtension | None:

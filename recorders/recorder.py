@@ -53,7 +53,7 @@ from runlog.manifest import new_run_id
 from runlog.run import RunWriter
 
 from .capture import Pending, StepCapture
-from .cold_log import cold_manifest, write_recall_rows
+from .cold_log import cold_manifest, drop_store, storage_failure, store_in_run, write_recall_rows
 from .guard_log import write_guard_rows
 from .prompt_pass import PromptPass, PromptSink
 from .record_inputs import (
@@ -642,8 +642,9 @@ def _record(model: Any, config: H2OConfig, opts: RecordOptions) -> Iterator[Reco
     rec.annotate = opts.annotate
     rec.prompt_passes = {} if opts.keep_prompt_pass else None
     writer.start()
+    live = store_in_run(config, writer.run_dir)  # a disk cold store lives in the run's folder while it records
     try:
-        with h2o(model, config, listener=rec, speculative=opts.speculative) as session:
+        with h2o(model, live, listener=rec, speculative=opts.speculative) as session:
             rec.session = session
             inner = model.generate
             model.generate = functools.wraps(inner)(functools.partial(rec._generate, inner))
@@ -658,12 +659,15 @@ def _record(model: Any, config: H2OConfig, opts: RecordOptions) -> Iterator[Reco
                     model.generate = inner
         _write_manifest(writer, rec, config, session.last_cache, manifest)
     except BaseException as exc:
+        exc = storage_failure(exc)  # a cold store's full disk reads as any write's (DESIGN.md §2.13)
+        drop_store(config, writer.run_dir)
         if writer.status == "running":
             with contextlib.suppress(Exception):  # the requests seen so far, for the failed run's log
                 rec.finish()
             with contextlib.suppress(Exception):  # a full disk may refuse the manifest too: the cause matters
                 writer.close("failed", exc)
-        raise
+        raise exc
+    drop_store(config, writer.run_dir)
     writer.close("complete")
 
 

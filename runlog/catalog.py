@@ -42,6 +42,7 @@ from .contract import Violation, file_facts
 from .contract import check_run as check_contract
 from .errors import DamagedFileError, ManifestError, RecorderError, RunIdError, SchemaError, SchemaVersionError
 from .manifest import MANIFEST_NAME, check_manifest, effective_status, read_manifest, validate_run_id
+from .recall_check import COLD_FOLDER, cut_short_store
 from .schema import META_SCHEMA_VERSION, REPLAY_TABLES, RUNS, SCHEMA_VERSION, TABLE_NAMES, TABLES, schema_mismatches
 from .segments import SEGMENT_RE
 
@@ -622,6 +623,15 @@ def scan_run(
             table,
             error=None,
             kind="rows",
+        )
+    left = cut_short_store(run_dir) if status != "running" else []  # a live recording is still writing it
+    if left:  # the recorder removes its disk store when the run ends (DESIGN.md §2.13)
+        scan.problem(
+            str(run_dir / COLD_FOLDER),
+            f"the cold tier's disk store was cut short ({len(left)} file(s) left: the run ended while writing "
+            "it); the run's recalls and cold totals are incomplete",
+            "cold store cut short",
+            error=None,
         )
     return RunEntry(scan.run_id, run_dir, manifest, status, files, scan.notes), scan.problems
 

@@ -8,6 +8,7 @@ KV set never evicted, or evicted only at or after the recall's step, is a findin
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,7 +16,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-__all__ = ["check_recalls"]
+__all__ = ["check_recalls", "COLD_FOLDER", "cut_short_store"]
+
+#: the folder of a run that holds its ``disk`` cold store while it records (DESIGN.md §2.13); the
+#: recorder removes it when the run ends, so one still there was cut short
+COLD_FOLDER = "cold"
+
+
+def cut_short_store(run_dir: Any) -> list[str]:
+    """The files of a disk cold store that a run left behind (killed while it wrote them)."""
+    folder = os.path.join(os.fspath(run_dir), COLD_FOLDER)
+    if not os.path.isdir(folder):
+        return []
+    return sorted(e.name for e in os.scandir(folder) if e.name.endswith(".bin"))
+
 
 _KEY = ["request", "layer", "kv_head", "position"]
 

@@ -189,7 +189,8 @@ COLD_VIEW = """
 CREATE OR REPLACE VIEW cold_runs AS
 SELECT r.run_id, c.store, c.recall, c.every, c."select", c.evicted, c.recalled, c.bytes_written, c.bytes_read,
        q.generated, c.bytes_read / nullif(q.generated, 0) AS bytes_read_per_token,
-       c.recalled / nullif(q.generated, 0) AS recalled_per_token, c.recall_hit_rate
+       c.recalled / nullif(q.generated, 0) AS recalled_per_token, c.recall_hit_rate,
+       e.evidence_evicted, e.evidence_recalled, e.evidence_recall_lag
 FROM runs r,
      LATERAL (SELECT json_extract_string(r.cold, '$.store') AS store,
                      json_extract(r.cold, '$.recall')::INTEGER AS recall,
@@ -201,6 +202,46 @@ FROM runs r,
                      json_extract(r.cold, '$.bytes_read')::BIGINT AS bytes_read,
                      json_extract(r.cold, '$.recall_hit_rate')::DOUBLE AS recall_hit_rate) c
 LEFT JOIN (SELECT run_id, sum(new_tokens) AS generated FROM requests GROUP BY run_id) q ON q.run_id = r.run_id
+LEFT JOIN (SELECT run_id, count(evidence_first_evicted) AS evidence_evicted,
+                  count(evidence_first_recalled) AS evidence_recalled,
+                  median(evidence_recall_lag) AS evidence_recall_lag
+           FROM cold_requests GROUP BY run_id) e ON e.run_id = r.run_id
+WHERE r.cold IS NOT NULL
+"""
+
+
+#: per request of a run with a cold tier (DESIGN.md §6.11): what its windows brought in, and when its
+#: evidence first left the policy's slots and first came back into a window (decode steps, the
+#: ``evictions``/``recalls`` step; null: never)
+COLD_REQUESTS_VIEW = """
+CREATE OR REPLACE VIEW cold_requests AS
+WITH ev_tok AS (
+    SELECT t.run_id, t.request, t.position FROM tokens t JOIN runs r ON r.run_id = t.run_id
+    WHERE r.cold IS NOT NULL AND t.evidence IS NOT NULL
+), gone AS (
+    SELECT e.run_id, e.request, min(e.step) AS evidence_first_evicted
+    FROM evictions e JOIN ev_tok USING (run_id, request, position) GROUP BY ALL
+), back AS (
+    SELECT c.run_id, c.request, min(c.step) AS evidence_first_recalled,
+           count(DISTINCT c.position) AS evidence_positions_recalled
+    FROM recalls c JOIN ev_tok USING (run_id, request, position) GROUP BY ALL
+), brought AS (
+    SELECT run_id, request, count(*) FILTER (WHERE bytes_read > 0) AS recalled, sum(bytes_read) AS kv_bytes_read
+    FROM recalls GROUP BY ALL
+), spans AS (
+    SELECT run_id, request, count(*) AS evidence_tokens FROM ev_tok GROUP BY ALL
+)
+SELECT q.run_id, q.request, q.new_tokens, coalesce(b.recalled, 0) AS recalled,
+       coalesce(b.kv_bytes_read, 0) AS kv_bytes_read,
+       coalesce(b.kv_bytes_read, 0) / nullif(q.new_tokens, 0) AS kv_bytes_read_per_token,
+       coalesce(s.evidence_tokens, 0) AS evidence_tokens, g.evidence_first_evicted, k.evidence_first_recalled,
+       coalesce(k.evidence_positions_recalled, 0) AS evidence_positions_recalled,
+       k.evidence_first_recalled - g.evidence_first_evicted AS evidence_recall_lag
+FROM requests q JOIN runs r ON r.run_id = q.run_id
+LEFT JOIN brought b ON b.run_id = q.run_id AND b.request = q.request
+LEFT JOIN spans s ON s.run_id = q.run_id AND s.request = q.request
+LEFT JOIN gone g ON g.run_id = q.run_id AND g.request = q.request
+LEFT JOIN back k ON k.run_id = q.run_id AND k.request = q.request
 WHERE r.cold IS NOT NULL
 """
 
@@ -218,7 +259,8 @@ def create_views(con: duckdb.DuckDBPyConnection, catalog: Catalog) -> None:
     for table in TABLE_NAMES:
         con.execute(_table_view(table, catalog.files(table)))
     con.execute(COUNTERFACTUALS_VIEW)
-    con.execute(COLD_VIEW)
+    con.execute(COLD_REQUESTS_VIEW)
+    con.execute(COLD_VIEW)  # reads cold_requests
     _rows_table(con, "plans", PLANS, plan_rows(catalog.runs))  # DESIGN.md §5.6
     con.execute(SET_BUDGETS_VIEW)
     problem_schema = pa.schema([pa.field(c, pa.string()) for c in _PROBLEM_COLUMNS])
