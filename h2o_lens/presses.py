@@ -44,6 +44,10 @@ __all__ = [
     "check_args",
     "sweep_spec",
     "parse_press_args",
+    "split_wrapper_args",
+    "MASKING",
+    "GATHERING",
+    "DEFAULT_SCORER",
 ]
 
 #: the prefix of a press's policy name (``kvpress:snapkv``) and of a press run's policy column
@@ -67,6 +71,8 @@ class PressInfo:
     decoding : it evicts while decoding (its evictions are logged at decode steps)
     eager : its scores read the model's attention weights (the recorder runs the model with
         transformers' eager attention, which returns them)
+    scorer_wrapper : it wraps one scorer press in its ``press`` field, which a sweep builds
+        (SnapKV unless ``press=NAME`` is given) and sets the compression ratio on
     """
 
     name: str
@@ -77,6 +83,7 @@ class PressInfo:
     wrapper: bool = False
     decoding: bool = False
     eager: bool = False
+    scorer_wrapper: bool = False
 
 
 #: the presses recorded and tested (DESIGN.md §17); any other subclass of kvpress's ScorerPress
@@ -124,6 +131,37 @@ SUPPORTED: tuple[PressInfo, ...] = (
     PressInfo(
         "per_layer_compression", "PerLayerCompressionPress", "#bd9e39", True, "a press with per-layer ratios", True
     ),
+    PressInfo(
+        "adakv",
+        "AdaKVPress",
+        "#e377c2",
+        True,
+        "its scorer's top across the KV heads of a layer: a budget per head",
+        True,
+        scorer_wrapper=True,
+    ),
+    PressInfo(
+        "criticaladakv",
+        "CriticalAdaKVPress",
+        "#f7b6d2",
+        True,
+        "AdaKV's head budgets, scores weighted by the projected value norms",
+        True,
+        scorer_wrapper=True,
+    ),
+    PressInfo(
+        "chunkkv", "ChunkKVPress", "#17becf", True, "whole chunks by their mean score", True, scorer_wrapper=True
+    ),
+    PressInfo(
+        "block",
+        "BlockPress",
+        "#8c564b",
+        True,
+        "its scorer's top, block by block of the prompt",
+        True,
+        scorer_wrapper=True,
+    ),
+    PressInfo("duo_attention", "DuoAttentionPress", "#7f7f7f", False, "streaming heads: sink and recent positions"),
 )
 
 #: the wrappers the recorder follows, with the fields that hold their inner presses
@@ -133,38 +171,50 @@ WRAPPERS: dict[str, tuple[str, ...]] = {
     "PrefillDecodingPress": ("prefilling_press", "decoding_press"),
     "ComposedPress": ("presses",),
     "PerLayerCompressionPress": ("press",),
+    "AdaKVPress": ("press",),
+    "CriticalAdaKVPress": ("press",),
+    "ChunkKVPress": ("press",),
+    "BlockPress": ("press",),
 }
 
-_PER_HEAD = (
-    "per-head budgets: it masks keys of single heads inside a shared cache, which a kept set per layer "
-    "and KV head cannot express"
-)
+#: presses that leave the cache whole and mask keys of single KV heads inside it
+#: (``module.masked_key_indices``, read by kvpress's attention patch at decode): their kept set per
+#: layer and KV head is the complement of the mask, of a size that differs by head (DESIGN.md §17.1)
+MASKING: frozenset[str] = frozenset({"AdaKVPress", "CriticalAdaKVPress", "DuoAttentionPress"})
+#: presses whose kept columns are found by matching the cache they leave to the cache before them,
+#: column by column, bit for bit (their selection is not the top of one score)
+GATHERING: frozenset[str] = frozenset({"ChunkKVPress", "BlockPress"})
+#: the scorer a sweep puts inside a scorer wrapper unless ``press=NAME`` names another
+DEFAULT_SCORER = "SnapKVPress"
+
 _OWN_RULE = "by its own selection, not the top of one score per layer and KV head"
-#: presses refused, with why: they do not keep a subset of the original positions per layer and KV head
+_AFTER_PREFILL = (
+    "it chooses after the prefill, from a second forward that reconstructs the context, and masks keys "
+    "of every layer at once outside the per-layer forward hook the recorder follows"
+)
+#: presses refused, with why (DESIGN.md §17.1)
 REFUSED: dict[str, str] = {
-    "ThinKPress": "it prunes key channels (dimensions of every key), not positions",
-    "DuoAttentionPress": (
-        "it turns whole heads into streaming heads by masking their keys inside a shared cache, which a kept "
-        "set per layer and KV head cannot express"
+    "ThinKPress": (
+        "it zeroes key channels (dimensions of every key of a head), not positions: the log holds kept "
+        "positions, and a replay that masks positions cannot zero channels"
     ),
-    "AdaKVPress": _PER_HEAD,
-    "CriticalAdaKVPress": _PER_HEAD,
-    "DMSPress": _PER_HEAD,
-    "LUKVPress": _PER_HEAD,
-    "KVzipPress": _PER_HEAD,
-    "KVgradPress": _PER_HEAD,
-    "RestoreKVPress": _PER_HEAD,
-    "FastKVzipPress": _PER_HEAD,
-    "KVComposePress": _PER_HEAD,
+    "DMSPress": (
+        "it masks by a score threshold, in windows that it carries across forwards, and its masks at decode "
+        "steps index the grown cache; the recorder follows masks set once per prompt"
+    ),
+    "LUKVPress": "its head budgets come from a table it downloads, which cannot be fetched offline",
+    "KVzipPress": _AFTER_PREFILL,
+    "KVgradPress": _AFTER_PREFILL,
+    "RestoreKVPress": _AFTER_PREFILL + "; it also downloads trained embeddings",
+    "FastKVzipPress": _AFTER_PREFILL + "; it also downloads trained gate weights",
+    "KVComposePress": "it composes its kept sets across layers after the prefill, outside the per-layer forward hook",
     "MergingPress": "it merges evicted keys and values into the kept ones, which are then not the original keys",
     "CAMPress": "it merges evicted values into the kept ones, which are then not the original values",
     "KeyRerotationPress": "it rotates the kept keys to new positions: they are no longer the keys at their positions",
     "FinchPress": "it rotates the kept keys to new positions and compresses the prompt in chunks",
     "SimLayerKVPress": "it keeps positions by a per-layer rule without scores, so there is no choice to check",
     "ChunkPress": "it selects within chunks of the prompt " + _OWN_RULE,
-    "ChunkKVPress": "it keeps whole chunks of positions " + _OWN_RULE,
     "EntropyGatedChunkKVPress": "it keeps whole chunks of positions " + _OWN_RULE,
-    "BlockPress": "it selects block by block " + _OWN_RULE,
 }
 
 _BY_NAME = {p.name: p for p in SUPPORTED}
@@ -294,8 +344,21 @@ class PressSpec:
 
     @property
     def compression_ratio(self) -> float | None:
+        """The press's compression ratio, or its inner scorer's for a scorer wrapper (AdaKV, ChunkKV,
+        ...), whose ratio is its scorer's."""
         value = self.kwargs.get("compression_ratio")
+        inner = self.kwargs.get("press")
+        if value is None and _wraps_scorer(self.press) and isinstance(inner, Mapping):
+            value = (inner.get("params") or {}).get("compression_ratio")
         return float(value) if isinstance(value, (int, float)) else None
+
+    def with_ratio(self, ratio: float) -> PressSpec:
+        """The same press at compression ratio ``ratio`` (set on the inner scorer of a scorer wrapper)."""
+        inner = self.kwargs.get("press")
+        if _wraps_scorer(self.press) and isinstance(inner, Mapping) and "compression_ratio" not in self.kwargs:
+            nested = {"press": inner["press"], "params": {**(inner.get("params") or {}), "compression_ratio": ratio}}
+            return PressSpec(self.press, tuple({**self.kwargs, "press": nested}.items()))
+        return PressSpec(self.press, tuple({**self.kwargs, "compression_ratio": ratio}.items()))
 
     def to_dict(self) -> dict[str, Any]:
         return {"press": self.press, "params": self.kwargs}
@@ -332,7 +395,7 @@ def parse_sweep_policy(text: str) -> tuple[str, dict[str, Any]]:
         )
     if cls in REFUSED:
         raise ConfigError(f"kvpress {cls} is not supported: {REFUSED[cls]} (DESIGN.md §17)")
-    if info is not None and info.wrapper:
+    if info is not None and info.wrapper and not info.scorer_wrapper:
         raise ConfigError(
             f"{text!r}: a sweep builds a press from a compression ratio, and {cls} wraps another press; "
             "sweep its scorer press (e.g. kvpress:knorm) or record the wrapper with recorders.record"
@@ -377,15 +440,50 @@ def import_kvpress() -> Any:
     return kvpress
 
 
-def check_args(cls: str, args: Mapping[str, Any]) -> list[str]:
-    """Check, with kvpress imported, that ``cls`` is a press of the installed kvpress and that it
-    takes every argument of ``args`` (a ConfigError naming the press and its parameters); returns
-    its parameters."""
+def _wraps_scorer(cls: str) -> bool:
+    info = _BY_CLASS.get(cls)
+    return bool(info and info.scorer_wrapper)
+
+
+def _fields(cls: str) -> list[str]:
+    """The constructor parameters of kvpress's press ``cls`` (kvpress imported now)."""
     kvpress = import_kvpress()
     press = getattr(kvpress, cls, None)
     if press is None or not dataclasses.is_dataclass(press):
         raise ConfigError(f"kvpress {kvpress.__version__} has no press {cls!r}; check the name (DESIGN.md §17)")
-    fields = [f.name for f in dataclasses.fields(press) if f.init]
+    return [f.name for f in dataclasses.fields(press) if f.init]
+
+
+def _scorer(cls: str, name: Any) -> str:
+    """The scorer class ``press=NAME`` names inside the scorer wrapper ``cls`` (SnapKV by default)."""
+    if name is None:
+        return DEFAULT_SCORER
+    info = find(str(name))
+    if info is None or info.wrapper or info.decoding or info.eager:
+        names = ", ".join(p.name for p in SUPPORTED if not (p.wrapper or p.decoding or p.eager))
+        raise ConfigError(f"kvpress {cls} press={name!r}: expected the short name of a scorer press, one of {names}")
+    return info.cls
+
+
+def split_wrapper_args(cls: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """A scorer wrapper's sweep arguments split: (its own, its scorer's class, its scorer's), its
+    own being those its constructor takes (``press=NAME`` names the scorer)."""
+    own_fields = set(_fields(cls)) - {"press"}
+    inner_cls = _scorer(cls, args.get("press"))
+    own = {k: v for k, v in args.items() if k in own_fields}
+    inner = {k: v for k, v in args.items() if k not in own_fields and k != "press"}
+    return own, inner_cls, inner
+
+
+def check_args(cls: str, args: Mapping[str, Any]) -> list[str]:
+    """Check, with kvpress imported, that ``cls`` is a press of the installed kvpress and that it
+    takes every argument of ``args`` (a ConfigError naming the press and its parameters); returns
+    its parameters (a scorer wrapper's with its scorer's, DESIGN.md §17.1)."""
+    fields = _fields(cls)
+    if _wraps_scorer(cls):
+        _own, inner_cls, inner = split_wrapper_args(cls, args)
+        inner_fields = check_args(inner_cls, inner)
+        return fields + [f for f in inner_fields if f not in fields]
     unknown = sorted(set(args) - set(fields))
     if unknown:
         raise ConfigError(f"kvpress {cls} takes no {', '.join(unknown)}; its parameters are {', '.join(fields)}")
@@ -412,4 +510,9 @@ def sweep_spec(policy: str, ratio: float) -> PressSpec:
     """The press of a sweep cell: its grid policy (:func:`sweep_policy`) at keep ratio ``ratio``,
     ``compression_ratio = 1 - ratio`` (the same slot count as every policy of the grid)."""
     cls, args = parse_sweep_policy(policy)
-    return PressSpec(cls, tuple({**args, "compression_ratio": round(1.0 - float(ratio), 12)}.items()))
+    compression = round(1.0 - float(ratio), 12)
+    if _wraps_scorer(cls):
+        own, inner_cls, inner = split_wrapper_args(cls, args)
+        nested = {"press": inner_cls, "params": {**inner, "compression_ratio": compression}}
+        return PressSpec(cls, tuple({"press": nested, **own}.items()))
+    return PressSpec(cls, tuple({**args, "compression_ratio": compression}.items()))

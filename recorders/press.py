@@ -70,7 +70,7 @@ def _refusal(press: Any, kvpress: Any) -> str | None:
     for cls in type(press).__mro__:
         if cls.__name__ in press_table.REFUSED:
             return press_table.REFUSED[cls.__name__]
-    if isinstance(press, kvpress.presses.scorer_press.ScorerPress):
+    if isinstance(press, kvpress.presses.scorer_press.ScorerPress) or _is_a(press, press_table.MASKING):
         return None
     if not _children(press):
         return (
@@ -78,6 +78,11 @@ def _refusal(press: Any, kvpress: Any) -> str | None:
             "(the top of its scores)"
         )
     for inner in _children(press):
+        if _is_a(inner, press_table.MASKING):
+            return (
+                f"its inner {type(inner).__name__} masks keys inside the cache, which the recorder follows "
+                "only for the outer press"
+            )
         why = _refusal(inner, kvpress)
         if why is not None:
             return f"its inner {type(inner).__name__}: {why}"
@@ -191,6 +196,8 @@ class PressObserver:
         self.compressions = 0  # compressions logged (one per layer and press call)
         self._padded = False  # the current generate call's prompt has padding columns
         self._warned = False
+        self._masking = _is_a(press, press_table.MASKING)  # it masks keys inside a whole cache
+        self._gathering = _holds(press, press_table.GATHERING)  # its kept columns are matched by their bits
 
     # -- installing -------------------------------------------------------------
     def _scorers(self, press: Any) -> list[Any]:
@@ -225,7 +232,8 @@ class PressObserver:
         scores = original(scorer, *args, **kwargs)
         if len(self.pinned):
             scores = self._raise_pinned(scorer, scores)
-        scorer.__dict__["_h2o_lens_scores"] = scores
+        # a masking press raises its safeguard in place: keep the scores as the scorer gave them
+        scorer.__dict__["_h2o_lens_scores"] = scores.clone() if self._masking else scores
         return scores
 
     def _raise_pinned(self, scorer: Any, scores: torch.Tensor) -> torch.Tensor:
@@ -286,11 +294,23 @@ class PressObserver:
             self._grow(layer_no, q_len)
         self._stages = []
         self._cur = self._pos[layer_no]
+        mask_before = getattr(module, "masked_key_indices", None)
         try:
             output = original(self.press, module, args, kwargs, output)
         finally:
             self._cur = None
         stages, self._stages = self._stages, []
+        seen = self._seen_scores(before_k.shape[:3])
+        if self._masking:
+            self._masked(module, layer, before_k, prefill, mask_before, seen)
+            return output
+        if self._gathering:
+            if layer.keys is not before_k:
+                cols = _match(before_k, before_v, layer.keys, layer.values, self._pos[layer_no], self._name(layer_no))
+                if len(stages) == 1 and stages[0].scores.shape == before_k.shape[:3]:
+                    seen = stages[0].scores  # it left the choice to its scorer
+                self._log(layer_no, prefill, _or_nan(seen, self._pos[layer_no]), False, cols=cols)
+            return output
         if not stages:
             if layer.keys is not before_k or self._pos[layer_no].shape[-1] != layer.keys.shape[2]:
                 raise RecorderError(
@@ -310,8 +330,44 @@ class PressObserver:
                 "keys and values of the positions its choice kept, bit for bit; the recording is stopped "
                 "rather than logging a wrong kept set (DESIGN.md §17)"
             )
-        self._log(layer_no, prefill, cols, scores, margins=len(stages) == 1)
+        self._log(layer_no, prefill, scores, len(stages) == 1, cols=cols)
         return output
+
+    def _name(self, layer_no: int) -> str:
+        return f"kvpress {type(self.press).__name__} at layer {layer_no}"
+
+    def _seen_scores(self, shape: torch.Size) -> torch.Tensor | None:
+        """The scores a scorer of the press computed in this hook call and no compression of its took
+        (a wrapper that selects by its own rule), if they cover the cache's columns; removed."""
+        found = None
+        for scorer in self._scorers(self.press):
+            scores = vars(scorer).pop("_h2o_lens_scores", None)
+            vars(scorer).pop("_h2o_lens_pins", None)
+            if scores is not None and tuple(scores.shape) == tuple(shape):
+                found = scores.detach().float()
+        return found
+
+    def _masked(self, module: Any, layer: Any, before_k: torch.Tensor, prefill: bool, mask_before: Any, seen) -> None:
+        """A masking press's hook call: the cache stays whole; the keys it masked since the last call
+        (``module.masked_key_indices``, as kvpress's attention patch reads them) are logged as evicted
+        from their KV head."""
+        layer_no = module.layer_idx
+        if layer.keys is not before_k or layer.keys.shape[2] != self._pos[layer_no].shape[-1]:
+            raise RecorderError(
+                f"{self._name(layer_no)} changed the cache it should leave whole (it masks keys inside it); "
+                "it cannot be recorded (DESIGN.md §17.1)"
+            )
+        mask = getattr(module, "masked_key_indices", None)
+        if mask is None or mask is mask_before:
+            return
+        pos = self._pos[layer_no]
+        masked = torch.zeros(pos.shape, dtype=torch.bool, device=pos.device)
+        masked[tuple(t.to(pos.device) for t in mask)] = True
+        if len(self.pinned) and bool((masked & torch.isin(pos, self.pinned.to(pos.device))).any()):
+            raise RecorderError(
+                f"{self._name(layer_no)} masks pinned positions: the pins do not fit in the budget of their head"
+            )
+        self._log(layer_no, prefill, _or_nan(seen, pos), False, kept=~(masked & (pos >= 0)))
 
     def _start(self, layer_no: int, shape: torch.Size) -> None:
         """A prefill: the cache's columns are the prompt's, left-padded (``-1`` for padding)."""
@@ -351,11 +407,25 @@ class PressObserver:
         self._pos[layer_no] = torch.cat([pos, new[:, None, :].expand(pos.shape[0], pos.shape[1], -1).to(pos)], -1)
         self._steps[layer_no] = start + q_len
 
-    def _log(self, layer_no: int, prefill: bool, cols: torch.Tensor, scores: torch.Tensor, margins: bool) -> None:
-        """The evictions and steps rows of one compression of one layer."""
+    def _log(
+        self,
+        layer_no: int,
+        prefill: bool,
+        scores: torch.Tensor,
+        margins: bool,
+        *,
+        cols: torch.Tensor | None = None,
+        kept: torch.Tensor | None = None,
+    ) -> None:
+        """The evictions and steps rows of one compression of one layer: ``cols`` the columns kept
+        ``(b, h, k)`` of a compressed cache, or ``kept``, a masking press's kept mask ``(b, h, n)`` over
+        the whole cache (the masked columns' positions become ``-1``, held by no one)."""
         pos = self._pos[layer_no]  # (b, h, n)
-        kept = torch.zeros_like(pos, dtype=torch.bool).scatter_(-1, cols, True)
-        self._pos[layer_no] = pos.gather(-1, cols)
+        if kept is not None:
+            self._pos[layer_no] = pos.masked_fill(~kept, -1)
+        else:
+            kept = torch.zeros_like(pos, dtype=torch.bool).scatter_(-1, cols, True)
+            self._pos[layer_no] = pos.gather(-1, cols)
         real = pos >= 0
         end = self._next if prefill else self._steps[layer_no]
         step = (end - 1).to(torch.int64)  # (b,): the last position processed
@@ -407,6 +477,62 @@ class PressObserver:
             },
         )
         self.compressions += 1
+
+
+def _holds(press: Any, names: frozenset[str]) -> bool:
+    """Whether ``press`` or a press inside it is of a class ``names`` lists."""
+    return _is_a(press, names) or any(_holds(p, names) for p in _children(press))
+
+
+def _is_a(press: Any, names: frozenset[str]) -> bool:
+    """Whether ``press`` is of a class ``names`` lists, or of a subclass of one."""
+    return any(c.__name__ in names for c in type(press).__mro__)
+
+
+def _or_nan(scores: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``scores``, or NaN scores of ``like``'s shape where no scores cover the cache's columns."""
+    return scores if scores is not None else torch.full(like.shape, float("nan"), device=like.device)
+
+
+#: odd multipliers of a column's bits: a column's hash, to find a kept column among the originals
+_MIX = torch.randint(1, 2**62, (4096,), generator=torch.Generator().manual_seed(48)) | 1
+
+
+def _hashes(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One int64 per cache column ``(b, h, n)`` from its key's and value's bits (wrapping sums)."""
+    bits = torch.cat([_bits(keys), _bits(values)], -1).to(torch.int64)
+    mix = _MIX[: bits.shape[-1]].to(bits.device)
+    return (bits * mix).sum(-1)
+
+
+def _match(before_k, before_v, after_k, after_v, pos: torch.Tensor, name: str) -> torch.Tensor:
+    """The columns ``(b, h, k)`` of the cache before a press whose keys and values the cache after it
+    holds, column for column, bit for bit (DESIGN.md §17.1).
+
+    Raises
+    ------
+    RecorderError
+        A column it left is not an original column, or two real positions of one head hold the same
+        bits (the kept set would be ambiguous).
+    """
+    if after_k.shape[:2] != before_k.shape[:2] or after_k.shape[2] > before_k.shape[2]:
+        raise RecorderError(f"{name} left a cache of shape {tuple(after_k.shape)} from {tuple(before_k.shape)}")
+    hb, ha = _hashes(before_k, before_v), _hashes(after_k, after_v)
+    sorted_b, order = hb.sort(-1)
+    same = sorted_b[..., 1:] == sorted_b[..., :-1]
+    if bool(same.any()):
+        twins = torch.maximum(pos.gather(-1, order[..., 1:]), pos.gather(-1, order[..., :-1]))[same]
+        if bool((twins >= 0).any()):
+            raise RecorderError(f"{name}: two positions of one head hold the same key and value bits")
+    at = torch.searchsorted(sorted_b, ha).clamp(max=hb.shape[-1] - 1)
+    cols = order.gather(-1, at)
+    idx = cols.unsqueeze(-1).expand(-1, -1, -1, before_k.shape[-1])
+    if not (_same_bits(before_k.gather(2, idx), after_k) and _same_bits(before_v.gather(2, idx), after_v)):
+        raise RecorderError(
+            f"{name}: the cache it left holds keys and values that are not original columns, bit for bit; "
+            "the recording is stopped rather than logging a wrong kept set (DESIGN.md §17.1)"
+        )
+    return cols
 
 
 def _needs_eager(press: Any) -> bool:
