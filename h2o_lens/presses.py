@@ -45,6 +45,8 @@ __all__ = [
     "sweep_spec",
     "parse_press_args",
     "split_wrapper_args",
+    "ratio_field",
+    "LOCAL_FIELDS",
     "MASKING",
     "GATHERING",
     "DEFAULT_SCORER",
@@ -73,6 +75,8 @@ class PressInfo:
         transformers' eager attention, which returns them)
     scorer_wrapper : it wraps one scorer press in its ``press`` field, which a sweep builds
         (SnapKV unless ``press=NAME`` is given) and sets the compression ratio on
+    ratio : the parameter a keep ratio ``r`` sets to ``1 - r`` (DuoAttention's share of streaming
+        heads stands for its compression ratio)
     """
 
     name: str
@@ -84,6 +88,7 @@ class PressInfo:
     decoding: bool = False
     eager: bool = False
     scorer_wrapper: bool = False
+    ratio: str = "compression_ratio"
 
 
 #: the presses recorded and tested (DESIGN.md §17); any other subclass of kvpress's ScorerPress
@@ -161,7 +166,14 @@ SUPPORTED: tuple[PressInfo, ...] = (
         True,
         scorer_wrapper=True,
     ),
-    PressInfo("duo_attention", "DuoAttentionPress", "#7f7f7f", False, "streaming heads: sink and recent positions"),
+    PressInfo(
+        "duo_attention",
+        "DuoAttentionPress",
+        "#7f7f7f",
+        False,
+        "streaming heads keep their sink and recent positions, from a local head pattern",
+        ratio="head_compression_ratio",
+    ),
 )
 
 #: the wrappers the recorder follows, with the fields that hold their inner presses
@@ -184,6 +196,10 @@ MASKING: frozenset[str] = frozenset({"AdaKVPress", "CriticalAdaKVPress", "DuoAtt
 #: presses whose kept columns are found by matching the cache they leave to the cache before them,
 #: column by column, bit for bit (their selection is not the top of one score)
 GATHERING: frozenset[str] = frozenset({"ChunkKVPress", "BlockPress"})
+#: parameters the toolkit adds to a press: DuoAttention's ``pattern``, a local folder holding its head
+#: pattern (``config.json`` with ``sink_size`` and ``recent_size``, ``full_attention_heads.tsv`` with a
+#: score per layer and KV head), read instead of the download (``recorders.press.build_press``)
+LOCAL_FIELDS: dict[str, tuple[str, ...]] = {"DuoAttentionPress": ("pattern",)}
 #: the scorer a sweep puts inside a scorer wrapper unless ``press=NAME`` names another
 DEFAULT_SCORER = "SnapKVPress"
 
@@ -346,7 +362,7 @@ class PressSpec:
     def compression_ratio(self) -> float | None:
         """The press's compression ratio, or its inner scorer's for a scorer wrapper (AdaKV, ChunkKV,
         ...), whose ratio is its scorer's."""
-        value = self.kwargs.get("compression_ratio")
+        value = self.kwargs.get(ratio_field(self.press))
         inner = self.kwargs.get("press")
         if value is None and _wraps_scorer(self.press) and isinstance(inner, Mapping):
             value = (inner.get("params") or {}).get("compression_ratio")
@@ -358,7 +374,7 @@ class PressSpec:
         if _wraps_scorer(self.press) and isinstance(inner, Mapping) and "compression_ratio" not in self.kwargs:
             nested = {"press": inner["press"], "params": {**(inner.get("params") or {}), "compression_ratio": ratio}}
             return PressSpec(self.press, tuple({**self.kwargs, "press": nested}.items()))
-        return PressSpec(self.press, tuple({**self.kwargs, "compression_ratio": ratio}.items()))
+        return PressSpec(self.press, tuple({**self.kwargs, ratio_field(self.press): ratio}.items()))
 
     def to_dict(self) -> dict[str, Any]:
         return {"press": self.press, "params": self.kwargs}
@@ -409,8 +425,8 @@ def parse_sweep_policy(text: str) -> tuple[str, dict[str, Any]]:
             if not eq or not key.strip().isidentifier():
                 raise ConfigError(f"{text!r}: {part!r} is not KEY=VALUE")
             args[key.strip()] = _value(value)
-    if "compression_ratio" in args:
-        raise ConfigError(f"{text!r}: the sweep sets compression_ratio from each keep ratio (1 - ratio); leave it out")
+    if ratio_field(cls) in args or "compression_ratio" in args:
+        raise ConfigError(f"{text!r}: the sweep sets {ratio_field(cls)} from each keep ratio (1 - ratio); leave it out")
     return cls, args
 
 
@@ -440,6 +456,13 @@ def import_kvpress() -> Any:
     return kvpress
 
 
+def ratio_field(cls: str) -> str:
+    """The parameter that holds the press's compression ratio (``compression_ratio``, or
+    DuoAttention's ``head_compression_ratio``)."""
+    info = _BY_CLASS.get(cls)
+    return info.ratio if info else "compression_ratio"
+
+
 def _wraps_scorer(cls: str) -> bool:
     info = _BY_CLASS.get(cls)
     return bool(info and info.scorer_wrapper)
@@ -451,7 +474,7 @@ def _fields(cls: str) -> list[str]:
     press = getattr(kvpress, cls, None)
     if press is None or not dataclasses.is_dataclass(press):
         raise ConfigError(f"kvpress {kvpress.__version__} has no press {cls!r}; check the name (DESIGN.md §17)")
-    return [f.name for f in dataclasses.fields(press) if f.init]
+    return [f.name for f in dataclasses.fields(press) if f.init] + list(LOCAL_FIELDS.get(cls, ()))
 
 
 def _scorer(cls: str, name: Any) -> str:
@@ -487,7 +510,7 @@ def check_args(cls: str, args: Mapping[str, Any]) -> list[str]:
     unknown = sorted(set(args) - set(fields))
     if unknown:
         raise ConfigError(f"kvpress {cls} takes no {', '.join(unknown)}; its parameters are {', '.join(fields)}")
-    if "compression_ratio" not in fields:
+    if ratio_field(cls) not in fields:
         raise ConfigError(f"kvpress {cls} has no compression_ratio, so a keep ratio cannot set its slot count")
     return fields
 
@@ -515,4 +538,4 @@ def sweep_spec(policy: str, ratio: float) -> PressSpec:
         own, inner_cls, inner = split_wrapper_args(cls, args)
         nested = {"press": inner_cls, "params": {**inner, "compression_ratio": compression}}
         return PressSpec(cls, tuple({"press": nested, **own}.items()))
-    return PressSpec(cls, tuple({**args, "compression_ratio": compression}.items()))
+    return PressSpec(cls, tuple({**args, ratio_field(cls): compression}.items()))

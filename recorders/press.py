@@ -39,7 +39,16 @@ from h2o_lens import presses as press_table
 from h2o_lens.errors import ConfigError
 from runlog.errors import RecorderError, RecorderWarning
 
-__all__ = ["is_press", "check_press", "press_spec", "build_press", "PressObserver", "prepare_press", "press_scope"]
+__all__ = [
+    "is_press",
+    "check_press",
+    "press_spec",
+    "build_press",
+    "read_duo_pattern",
+    "PressObserver",
+    "prepare_press",
+    "press_scope",
+]
 
 
 def is_press(policy: Any) -> bool:
@@ -131,10 +140,62 @@ def press_spec(press: Any) -> press_table.PressSpec:
     return press_table.PressSpec(type(press).__name__, tuple(params.items()))
 
 
+@functools.cache
+def _local_duo_attention() -> type:
+    """kvpress's DuoAttentionPress reading its head pattern from a local folder (its ``pattern``
+    field) instead of downloading it; under the same class name, so its runs read as DuoAttention's."""
+    kvpress = press_table.import_kvpress()
+
+    @dataclasses.dataclass
+    class DuoAttentionPress(kvpress.DuoAttentionPress):
+        pattern: str | None = None
+
+        def load_attention_pattern(self, model: Any) -> tuple[int, int, np.ndarray]:
+            return read_duo_pattern(self.pattern, model)
+
+    DuoAttentionPress.__qualname__ = "DuoAttentionPress"
+    return DuoAttentionPress
+
+
+def read_duo_pattern(folder: Any, model: Any = None) -> tuple[int, int, np.ndarray]:
+    """``(sink_size, recent_size, head_scores)`` of a DuoAttention head pattern in ``folder``
+    (``config.json`` and ``full_attention_heads.tsv``, one row per layer and one score per KV head,
+    clipped to [0, 1] as DuoAttention's own loader does).
+
+    Raises
+    ------
+    ConfigError
+        A missing or malformed file, or a table whose shape is not the model's layers × KV heads.
+    """
+    from pathlib import Path
+
+    root = Path(str(folder))
+    try:
+        config = json.loads((root / "config.json").read_text())
+        sink, recent = int(config["sink_size"]), int(config["recent_size"])
+        scores = np.loadtxt(root / "full_attention_heads.tsv", dtype=float, delimiter="\t", ndmin=2)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"DuoAttention pattern {str(root)!r}: expected config.json with sink_size and recent_size and "
+            f"full_attention_heads.tsv with a score per layer and KV head ({exc})"
+        ) from None
+    if model is not None:
+        want = (model.config.num_hidden_layers, model.config.num_key_value_heads)
+        if scores.shape != want:
+            raise ConfigError(
+                f"DuoAttention pattern {str(root)!r} holds {scores.shape[0]} × {scores.shape[1]} head scores; "
+                f"the model has {want[0]} layers × {want[1]} KV heads"
+            )
+    return sink, recent, np.clip(scores, 0, 1)
+
+
 def build_press(spec: press_table.PressSpec) -> Any:
-    """The kvpress press a spec describes (kvpress imported now)."""
+    """The kvpress press a spec describes (kvpress imported now; a DuoAttentionPress with a
+    ``pattern`` reads its head pattern from that folder)."""
     kvpress = press_table.import_kvpress()
     cls = getattr(kvpress, spec.press, None)
+    if spec.press == "DuoAttentionPress" and spec.kwargs.get("pattern") is not None:
+        cls = _local_duo_attention()
     if cls is None:
         raise ConfigError(f"kvpress {kvpress.__version__} has no press {spec.press!r}; check the name")
 

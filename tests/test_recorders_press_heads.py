@@ -15,6 +15,8 @@ and skip where kvpress is not installed.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -71,24 +73,47 @@ def _generate(model, press, ids, mask, out, new=1):
     return rec, gen
 
 
-def _masking(kv, name):
+#: a DuoAttention head pattern of the tiny model (2 layers × 2 KV heads): the two lowest scores,
+#: layer 0 head 1 and layer 1 head 0, become streaming heads at head_compression_ratio 0.5
+SCORES = [[0.9, 0.1], [0.2, 0.7]]
+STREAMING = {(0, 1), (1, 0)}
+
+
+def _pattern(folder, sink=2, recent=4, scores=SCORES):
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"sink_size": sink, "recent_size": recent}))
+    (folder / "full_attention_heads.tsv").write_text("\n".join("\t".join(map(str, row)) for row in scores) + "\n")
+    return str(folder)
+
+
+def _masking(kv, name, tmp_path):
+    from recorders.press import build_press
+
     return {
         "adakv": lambda: kv.AdaKVPress(_snap(kv)),
         "adakv_knorm": lambda: kv.AdaKVPress(kv.KnormPress(compression_ratio=0.6), alpha_safeguard=0.1),
         "criticaladakv": lambda: kv.CriticalAdaKVPress(_snap(kv)),
+        "duo_attention": lambda: build_press(
+            presses.PressSpec(
+                "DuoAttentionPress", (("head_compression_ratio", 0.5), ("pattern", _pattern(tmp_path / "pattern")))
+            )
+        ),
     }[name]()
 
 
-@pytest.mark.parametrize(("name", "lengths"), [("adakv", LENGTHS), ("adakv_knorm", LENGTHS), ("criticaladakv", [24])])
+@pytest.mark.parametrize(
+    ("name", "lengths"),
+    [("adakv", LENGTHS), ("adakv_knorm", LENGTHS), ("criticaladakv", [24]), ("duo_attention", LENGTHS)],
+)
 def test_a_masking_press_logs_the_mask_it_left_per_kv_head(kv, model, name, lengths, tmp_path):
     # CriticalAdaKV sums its head budgets over the batch (kvpress 0.5.5), so it runs one prompt per call
-    press = _masking(kv, name)
+    press = _masking(kv, name, tmp_path)
     ids, mask = left_padded(lengths, seed=3)
     rec, out = _generate(model, press, ids, mask, tmp_path)
     run = runlog.load_run(rec.run_dir)
     assert run.manifest["status"] == "complete"
     ev, steps = run["evictions"].to_pandas(), run["steps"].to_pandas()
-    assert set(ev.phase) == {"prefill"} and ev.score.notna().all()
+    assert set(ev.phase) == {"prefill"} and ev.score.notna().all() == (name != "duo_attention")
     # the masks kvpress's attention patch applies at decode (a later prefill clears them)
     masks = [a.self_attn.masked_key_indices for a in model.model.layers]
     assert all(m is not None for m in masks)
@@ -113,20 +138,25 @@ def test_a_masking_press_logs_the_mask_it_left_per_kv_head(kv, model, name, leng
     for (r, layer_no, h), k in kept.items():
         assert k == lengths[r] - len(_evicted(ev, r, layer_no, h))
     unpadded = steps[steps.request == 0].groupby("layer").kept
-    assert (unpadded.sum() == 2 * int(lengths[0] * 0.5 if name != "adakv_knorm" else lengths[0] * 0.4)).all()
     assert unpadded.nunique().max() > 1, "the budgets differ by head"
+    if name == "duo_attention":  # a streaming head keeps its 2 sink and 4 recent columns, the others all
+        for (r, layer_no, h), k in kept.items():
+            assert (k < lengths[r]) == ((layer_no, h) in STREAMING)
+        assert set(unpadded.min()) == {6}
+    else:  # AdaKV's total per layer is the press's count, int(P · (1 - c)) per head
+        assert (unpadded.sum() == 2 * int(lengths[0] * 0.5 if name != "adakv_knorm" else lengths[0] * 0.4)).all()
 
 
-@pytest.mark.parametrize("name", ["adakv", "criticaladakv"])
+@pytest.mark.parametrize("name", ["adakv", "criticaladakv", "duo_attention"])
 def test_a_masking_press_run_replays_within_the_implementation_check(kv, model, name, tmp_path):
     from recorders.replay import replay
 
     ids, _ = left_padded([30], seed=5)
-    rec, _out = _generate(model, _masking(kv, name), ids, torch.ones_like(ids), tmp_path, new=8)
+    rec, _out = _generate(model, _masking(kv, name, tmp_path), ids, torch.ones_like(ids), tmp_path / "runs", new=8)
     summary = replay(rec.run_dir, model=model, progress=False)
     assert summary.implementation_ok and summary.max_logit_diff <= summary.tolerance, summary
     assert summary.mean_dropped_mass > 0
-    con = runlog.open_runs(tmp_path)
+    con = runlog.open_runs(tmp_path / "runs")
     sizes = con.sql("SELECT count(DISTINCT kept) FROM steps GROUP BY layer").fetchall()
     assert max(n for (n,) in sizes) > 1
 
@@ -240,3 +270,25 @@ def test_a_masking_press_keeps_its_total_in_budgets_that_differ_by_head(kv, mode
     steps = runlog.load_run(rec.run_dir)["steps"].to_pandas()
     assert np.array_equal(steps.groupby("layer").kept.sum().to_numpy(), [2 * 10, 2 * 10])
     assert steps.kept.nunique() > 1
+
+
+def test_duo_attention_reads_its_local_pattern_names_it_and_sweeps_its_head_share(kv, model, tmp_path):
+    from recorders.press import build_press, read_duo_pattern
+
+    folder = _pattern(tmp_path / "pattern")
+    spec = presses.sweep_spec(f"kvpress:duo_attention(pattern={folder})", 0.5)
+    assert spec.kwargs == {"pattern": folder, "head_compression_ratio": 0.5} and spec.compression_ratio == 0.5
+    press = build_press(spec)
+    assert isinstance(press, kv.DuoAttentionPress) and type(press).__name__ == "DuoAttentionPress"
+    ids, _ = left_padded([20], seed=2)
+    rec, _out = _generate(model, press, ids, torch.ones_like(ids), tmp_path / "runs")
+    manifest = runlog.load_run(rec.run_dir).manifest
+    assert manifest["policy"] == (
+        f"kvpress:DuoAttentionPress(head_compression_ratio=0.5, on_the_fly_scoring=False, pattern={folder!r})"
+    )
+    assert manifest["keep_ratio"] == pytest.approx(0.5)
+    assert build_press(presses.PressSpec.from_dict(manifest["config"]["press"])).pattern == folder
+    with pytest.raises(ConfigError, match="2 layers × 2 KV heads"):
+        read_duo_pattern(_pattern(tmp_path / "wrong", scores=[[0.5, 0.5, 0.5]]), model)
+    with pytest.raises(ConfigError, match="config.json"):
+        read_duo_pattern(tmp_path / "missing")
