@@ -167,6 +167,15 @@ SUPPORTED: tuple[PressInfo, ...] = (
         scorer_wrapper=True,
     ),
     PressInfo(
+        "dms",
+        "DMSPress",
+        "#9467bd",
+        True,
+        "its scorer's positions above a threshold once they leave a sliding window",
+        True,
+        True,
+    ),
+    PressInfo(
         "duo_attention",
         "DuoAttentionPress",
         "#7f7f7f",
@@ -187,12 +196,13 @@ WRAPPERS: dict[str, tuple[str, ...]] = {
     "CriticalAdaKVPress": ("press",),
     "ChunkKVPress": ("press",),
     "BlockPress": ("press",),
+    "DMSPress": ("press",),
 }
 
 #: presses that leave the cache whole and mask keys of single KV heads inside it
 #: (``module.masked_key_indices``, read by kvpress's attention patch at decode): their kept set per
 #: layer and KV head is the complement of the mask, of a size that differs by head (DESIGN.md §17.1)
-MASKING: frozenset[str] = frozenset({"AdaKVPress", "CriticalAdaKVPress", "DuoAttentionPress"})
+MASKING: frozenset[str] = frozenset({"AdaKVPress", "CriticalAdaKVPress", "DuoAttentionPress", "DMSPress"})
 #: presses whose kept columns are found by matching the cache they leave to the cache before them,
 #: column by column, bit for bit (their selection is not the top of one score)
 GATHERING: frozenset[str] = frozenset({"ChunkKVPress", "BlockPress"})
@@ -213,10 +223,6 @@ REFUSED: dict[str, str] = {
     "ThinKPress": (
         "it zeroes key channels (dimensions of every key of a head), not positions: the log holds kept "
         "positions, and a replay that masks positions cannot zero channels"
-    ),
-    "DMSPress": (
-        "it masks by a score threshold, in windows that it carries across forwards, and its masks at decode "
-        "steps index the grown cache; the recorder follows masks set once per prompt"
     ),
     "LUKVPress": "its head budgets come from a table it downloads, which cannot be fetched offline",
     "KVzipPress": _AFTER_PREFILL,

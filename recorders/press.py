@@ -453,7 +453,7 @@ class PressObserver:
     def _grow(self, layer_no: int, q_len: int) -> None:
         """A decode forward: its ``q_len`` tokens join the cache after the columns held."""
         pos = self._pos[layer_no]
-        if self._padded and not self._warned and self.compressions:
+        if self._padded and not self._warned and self.compressions and not self._masking:
             self._warned = True
             warnings.warn(
                 "kvpress compressed a left-padded batch: at decode steps transformers reads the padding mask "

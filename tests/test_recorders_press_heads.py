@@ -292,3 +292,29 @@ def test_duo_attention_reads_its_local_pattern_names_it_and_sweeps_its_head_shar
         read_duo_pattern(_pattern(tmp_path / "wrong", scores=[[0.5, 0.5, 0.5]]), model)
     with pytest.raises(ConfigError, match="config.json"):
         read_duo_pattern(tmp_path / "missing")
+
+
+def test_dms_logs_its_masks_at_prefill_and_decode_and_a_padded_batch_replays(kv, model, tmp_path):
+    """DMS masks, once they leave its sliding window, the positions its scorer puts under the
+    threshold, at the prompt's forward and at decode steps; the cache stays whole, so a left-padded
+    batch decodes over the positions the press kept (no column shift, unlike a compressing press)."""
+    from recorders.replay import replay
+
+    lengths = [30, 22]
+    ids, mask = left_padded(lengths, seed=5)
+    press = kv.DMSPress(kv.KnormPress(), threshold=-2.5, sliding_window_size=8, decoding=True)
+    rec, _out = _generate(model, press, ids, mask, tmp_path, new=10)
+    masks = [a.self_attn.masked_key_indices for a in model.model.layers]
+    run = runlog.load_run(rec.run_dir)
+    ev = run["evictions"].to_pandas()
+    assert set(ev.phase) == {"prefill", "decode"}
+    starts = (mask == 0).sum(-1).tolist()
+    for layer_no, (rows, heads, cols) in enumerate(masks):
+        for r, start in enumerate(starts):
+            for h in range(2):
+                sel = (rows == r) & (heads == h) & (cols >= start)
+                assert _evicted(ev, r, layer_no, h) == set((cols[sel] - start).tolist()), (layer_no, r, h)
+    assert ((ev.step - ev.position) >= 8).all(), "a position leaves the window of 8 before it is masked"
+    summary = replay(rec.run_dir, model=model, progress=False)
+    assert summary.implementation_ok and summary.max_logit_diff <= summary.tolerance, summary
+    assert summary.mean_dropped_mass > 0
