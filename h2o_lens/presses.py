@@ -215,8 +215,8 @@ DEFAULT_SCORER = "SnapKVPress"
 
 _OWN_RULE = "by its own selection, not the top of one score per layer and KV head"
 _AFTER_PREFILL = (
-    "it chooses after the prefill, from a second forward that reconstructs the context, and masks keys "
-    "of every layer at once outside the per-layer forward hook the recorder follows"
+    "it compresses when its `with press(model):` block exits (a context prefilled inside the block, its "
+    "cache reused by later calls), so a generate call recorded inside the block sees no compression"
 )
 #: presses refused, with why (DESIGN.md §17.1)
 REFUSED: dict[str, str] = {
@@ -229,7 +229,7 @@ REFUSED: dict[str, str] = {
     "KVgradPress": _AFTER_PREFILL,
     "RestoreKVPress": _AFTER_PREFILL + "; it also downloads trained embeddings",
     "FastKVzipPress": _AFTER_PREFILL + "; it also downloads trained gate weights",
-    "KVComposePress": "it composes its kept sets across layers after the prefill, outside the per-layer forward hook",
+    "KVComposePress": _AFTER_PREFILL,
     "MergingPress": "it merges evicted keys and values into the kept ones, which are then not the original keys",
     "CAMPress": "it merges evicted values into the kept ones, which are then not the original values",
     "KeyRerotationPress": "it rotates the kept keys to new positions: they are no longer the keys at their positions",

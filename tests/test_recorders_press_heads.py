@@ -318,3 +318,64 @@ def test_dms_logs_its_masks_at_prefill_and_decode_and_a_padded_batch_replays(kv,
     summary = replay(rec.run_dir, model=model, progress=False)
     assert summary.implementation_ok and summary.max_logit_diff <= summary.tolerance, summary
     assert summary.mean_dropped_mass > 0
+
+
+# -- the default model ----------------------------------------------------------------------------
+
+NOTES = (
+    "Notes: the orange cable goes to port 7. The backup server is called Heron. The access code for the lab "
+    "is 4419. Maria moved to the Lisbon office in May. Question: what is the access code for the lab? Answer:"
+)
+
+
+def _default_press(kv, name, model, tmp_path):
+    from recorders.press import build_press
+
+    if name == "duo_attention":
+        layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+        scores = np.random.default_rng(0).random((layers, heads)).round(3).tolist()
+        folder = _pattern(tmp_path / "pattern", sink=4, recent=8, scores=scores)
+        return build_press(
+            presses.PressSpec("DuoAttentionPress", (("head_compression_ratio", 0.5), ("pattern", folder)))
+        )
+    scorer = kv.SnapKVPress(compression_ratio=0.6, window_size=16)
+    return {
+        "adakv": lambda: kv.AdaKVPress(scorer),
+        "criticaladakv": lambda: kv.CriticalAdaKVPress(scorer),
+        "chunkkv": lambda: kv.ChunkKVPress(scorer, chunk_length=8),
+        "block": lambda: kv.BlockPress(scorer, block_size=16),
+    }[name]()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["adakv", "criticaladakv", "duo_attention", "chunkkv", "block"])
+def test_default_model_kept_sets_are_the_masks_or_the_cache_the_press_left(kv, default_model, name, tmp_path):
+    model, tok = default_model
+    enc = tok([NOTES], return_tensors="pt")
+    press = _default_press(kv, name, model, tmp_path)
+    with recorders.record(model, press, out=tmp_path / "runs", tokenizer=tok, fsync=False) as rec, torch.no_grad():
+        out = model.generate(
+            **enc, max_new_tokens=1, do_sample=False, pad_token_id=tok.pad_token_id, return_dict_in_generate=True
+        )
+    masks = [layer.self_attn.masked_key_indices for layer in model.model.layers]
+    run = runlog.load_run(rec.run_dir)
+    assert run.manifest["status"] == "complete"
+    ev = run["evictions"].to_pandas()
+    n = enc["input_ids"].shape[1]
+    with torch.no_grad():
+        plain = model.generate(
+            **enc, max_new_tokens=1, do_sample=False, pad_token_id=tok.pad_token_id, return_dict_in_generate=True
+        ).past_key_values
+    for layer_no in (0, len(masks) // 2, len(masks) - 1):
+        full, cache = plain.layers[layer_no].keys, out.past_key_values.layers[layer_no].keys
+        for h in range(full.shape[1]):
+            if name in ("chunkkv", "block"):
+                kept = _kept_in_cache(cache[0, h], full[0, h], 0)
+                assert kept | _evicted(ev, 0, layer_no, h) == set(range(n)) and kept.isdisjoint(
+                    _evicted(ev, 0, layer_no, h)
+                )
+            else:
+                rows, heads, cols = masks[layer_no]
+                assert _evicted(ev, 0, layer_no, h) == set(cols[(rows == 0) & (heads == h)].tolist()), (layer_no, h)
+                assert torch.equal(_bits(cache), _bits(full)), "a masking press leaves the cache whole"
+    assert len(ev) > 0
