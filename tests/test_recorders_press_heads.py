@@ -379,3 +379,34 @@ def test_default_model_kept_sets_are_the_masks_or_the_cache_the_press_left(kv, d
                 assert _evicted(ev, 0, layer_no, h) == set(cols[(rows == 0) & (heads == h)].tolist()), (layer_no, h)
                 assert torch.equal(_bits(cache), _bits(full)), "a masking press leaves the cache whole"
     assert len(ev) > 0
+
+
+@pytest.mark.parametrize("name", ["adakv", "chunkkv"])
+def test_explain_takes_a_wrapper_press_run_pins_its_evidence_and_searches_its_scorer_ratio(kv, name, tmp_path):
+    from test_recorders_press import _CharTokenizer
+
+    from recorders.counterfactual import explain_request, press_ratio
+
+    model = tiny_model("llama", q_heads=4, kv_heads=2)
+    tok = _CharTokenizer()
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(2))
+    text = tok.decode(ids[0].tolist())
+    scorer = kv.SnapKVPress(compression_ratio=0.8, window_size=4)
+    press = kv.AdaKVPress(scorer) if name == "adakv" else kv.ChunkKVPress(scorer, chunk_length=2)
+    info = {"decoding": {"do_sample": False, "max_new_tokens": 8}}
+    evidence = {"fact": text[12:16]}
+    with recorders.record(model, press, out=tmp_path, tokenizer=tok, evidence=evidence, info=info) as rec:
+        with torch.no_grad():
+            model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    ex = explain_request(model, tok, rec.run_dir, 0, resolution=0.1)
+    assert ex.slots == int(40 * (1 - 0.8))
+    pinned, budget = ex.outcomes["pinned"], ex.outcomes["policy_budget"]
+    assert pinned.ran and budget.ran, (pinned, budget)
+    run = runlog.load_run(tmp_path / pinned.run_id)
+    assert run.manifest["config"]["pinned"] == [12, 13, 14, 15]
+    assert not run["evictions"].to_pandas().position.isin([12, 13, 14, 15]).any()
+    bis = budget.bisection
+    assert bis.min_slots is not None and bis.min_slots > ex.slots, bis
+    ratio = press_ratio(bis.min_slots, 40)  # the scorer's ratio: the wrapper has none of its own
+    policy = runlog.load_run(tmp_path / budget.run_id).manifest["policy"]
+    assert policy.startswith(f"kvpress:{type(press).__name__}(press=SnapKVPress(compression_ratio={round(ratio, 12)}")
