@@ -18,8 +18,13 @@ A position map per layer (cache column -> original position, ``-1`` for padding)
 cache through prefill and decode, so a ``DecodingPress``'s compressions are logged at their decode
 step. The observers are instance attributes removed on exit, exceptions included.
 
-Presses that do not keep a subset of the original positions per layer and KV head are refused
-before anything runs, in one line naming the press and why (:data:`h2o_lens.presses.REFUSED`).
+Two kinds of press are followed otherwise (DESIGN.md §17.1): a masking press (AdaKV,
+CriticalAdaKV, DuoAttention, DMS) leaves the cache whole and masks keys of single KV heads, read
+from ``module.masked_key_indices`` after each hook call, so its kept sets differ in size by head;
+a matched press (ChunkKV, BlockPress) keeps columns by its own rule, each found among the columns
+before it by its key and value bits. Presses that keep no subset of the original positions per
+layer and KV head are refused before anything runs, in one line naming the press and why
+(:data:`h2o_lens.presses.REFUSED`).
 """
 
 from __future__ import annotations

@@ -410,3 +410,12 @@ def test_explain_takes_a_wrapper_press_run_pins_its_evidence_and_searches_its_sc
     ratio = press_ratio(bis.min_slots, 40)  # the scorer's ratio: the wrapper has none of its own
     policy = runlog.load_run(tmp_path / budget.run_id).manifest["policy"]
     assert policy.startswith(f"kvpress:{type(press).__name__}(press=SnapKVPress(compression_ratio={round(ratio, 12)}")
+
+
+def test_the_speed_bench_times_a_wrapper_around_its_scorer(kv, model, capsys):
+    from commands.benchmarks.press import bench_press
+
+    timed = (("AdaKVPress", {"window_size": 8}), ("BlockPress", {"press": "knorm", "block_size": 16}))
+    assert bench_press(contexts=(48,), new_tokens=2, rounds=2, model=model, timed=timed) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prompt")]
+    assert [r.split()[2] for r in rows] == ["kvpress:AdaKVPress", "kvpress:BlockPress"]
