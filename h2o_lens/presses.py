@@ -139,7 +139,7 @@ SUPPORTED: tuple[PressInfo, ...] = (
     PressInfo(
         "adakv",
         "AdaKVPress",
-        "#e377c2",
+        "#b03a2e",
         True,
         "its scorer's top across the KV heads of a layer: a budget per head",
         True,
@@ -155,12 +155,12 @@ SUPPORTED: tuple[PressInfo, ...] = (
         scorer_wrapper=True,
     ),
     PressInfo(
-        "chunkkv", "ChunkKVPress", "#17becf", True, "whole chunks by their mean score", True, scorer_wrapper=True
+        "chunkkv", "ChunkKVPress", "#1a5276", True, "whole chunks by their mean score", True, scorer_wrapper=True
     ),
     PressInfo(
         "block",
         "BlockPress",
-        "#8c564b",
+        "#7d6608",
         True,
         "its scorer's top, block by block of the prompt",
         True,
@@ -169,7 +169,7 @@ SUPPORTED: tuple[PressInfo, ...] = (
     PressInfo(
         "dms",
         "DMSPress",
-        "#9467bd",
+        "#6c3483",
         True,
         "its scorer's positions above a threshold once they leave a sliding window",
         True,
@@ -178,7 +178,7 @@ SUPPORTED: tuple[PressInfo, ...] = (
     PressInfo(
         "duo_attention",
         "DuoAttentionPress",
-        "#7f7f7f",
+        "#515a5a",
         False,
         "streaming heads keep their sink and recent positions, from a local head pattern",
         ratio="head_compression_ratio",

@@ -246,7 +246,11 @@ def test_the_sweep_builds_a_wrapper_around_snapkv_or_the_scorer_it_names(kv):
     built = build_press(presses.sweep_spec("kvpress:criticaladakv", 0.4))
     assert isinstance(built, kv.CriticalAdaKVPress) and isinstance(built.press, kv.SnapKVPress)
     assert built.compression_ratio == pytest.approx(0.6)
-    for name in ("adakv", "criticaladakv", "chunkkv", "block", "duo_attention"):
+    import analyses
+
+    colours = [p.colour for p in presses.SUPPORTED] + list(analyses.policy_colours().values())
+    assert len(set(colours)) == len(colours), "every press and policy has a colour of its own"
+    for name in ("adakv", "criticaladakv", "chunkkv", "block", "duo_attention", "dms"):
         assert presses.find(name) is not None and presses.short_name(presses.find(name).cls) == name
 
 
