@@ -262,6 +262,7 @@ class PressObserver:
         self.compressions = 0  # compressions logged (one per layer and press call)
         self._padded = False  # the current generate call's prompt has padding columns
         self._warned = False
+        self._all_scorers: list[Any] = []  # every ScorerPress of the press, set on installing
         self._masking = _is_a(press, press_table.MASKING)  # it masks keys inside a whole cache
         self._gathering = _holds(press, press_table.GATHERING)  # its kept columns are matched by their bits
 
@@ -282,8 +283,9 @@ class PressObserver:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
+        self._all_scorers = self._scorers(self.press)
         try:
-            for scorer in self._scorers(self.press):
+            for scorer in self._all_scorers:
                 self._set(scorer, "score", functools.partial(self._score, scorer, type(scorer).score))
                 self._set(scorer, "compress", functools.partial(self._compress, scorer, type(scorer).compress))
             self._set(self.press, "forward_hook", functools.partial(self._hook, type(self.press).forward_hook))
@@ -406,7 +408,7 @@ class PressObserver:
         """The scores a scorer of the press computed in this hook call and no compression of its took
         (a wrapper that selects by its own rule), if they cover the cache's columns; removed."""
         found = None
-        for scorer in self._scorers(self.press):
+        for scorer in self._all_scorers:
             scores = vars(scorer).pop("_h2o_lens_scores", None)
             vars(scorer).pop("_h2o_lens_pins", None)
             if scores is not None and tuple(scores.shape) == tuple(shape):
