@@ -171,7 +171,7 @@ SUPPORTED: tuple[PressInfo, ...] = (
         "DMSPress",
         "#6c3483",
         True,
-        "its scorer's positions above a threshold once they leave a sliding window",
+        "its sliding window, and older positions its scorer puts at or above a threshold",
         True,
         True,
     ),
@@ -224,7 +224,9 @@ REFUSED: dict[str, str] = {
         "it zeroes key channels (dimensions of every key of a head), not positions: the log holds kept "
         "positions, and a replay that masks positions cannot zero channels"
     ),
-    "LUKVPress": "its head budgets come from a table it downloads, which cannot be fetched offline",
+    "LUKVPress": (
+        "its head budgets come from a table it downloads, a path not tested offline (its masks are of AdaKV's kind)"
+    ),
     "KVzipPress": _AFTER_PREFILL,
     "KVgradPress": _AFTER_PREFILL,
     "RestoreKVPress": _AFTER_PREFILL + "; it also downloads trained embeddings",
@@ -410,7 +412,7 @@ def parse_sweep_policy(text: str) -> tuple[str, dict[str, Any]]:
     cls = info.cls if info else refused.get(name.strip().lower())
     cls = cls or (name.strip() if name.strip().endswith("Press") else None)
     if cls is None:
-        names = ", ".join(p.name for p in SUPPORTED if not p.wrapper)
+        names = ", ".join(p.name for p in SUPPORTED if not p.wrapper or p.scorer_wrapper)
         raise ConfigError(
             f"unknown press {name.strip()!r} in {text!r}; expected kvpress:NAME with NAME one of {names} "
             "(or a kvpress class name such as kvpress:SnapKVPress)"
