@@ -44,6 +44,12 @@ __all__ = [
     "check_args",
     "sweep_spec",
     "parse_press_args",
+    "split_wrapper_args",
+    "ratio_field",
+    "LOCAL_FIELDS",
+    "MASKING",
+    "GATHERING",
+    "DEFAULT_SCORER",
 ]
 
 #: the prefix of a press's policy name (``kvpress:snapkv``) and of a press run's policy column
@@ -67,6 +73,10 @@ class PressInfo:
     decoding : it evicts while decoding (its evictions are logged at decode steps)
     eager : its scores read the model's attention weights (the recorder runs the model with
         transformers' eager attention, which returns them)
+    scorer_wrapper : it wraps one scorer press in its ``press`` field, which a sweep builds
+        (SnapKV unless ``press=NAME`` is given) and sets the compression ratio on
+    ratio : the parameter a keep ratio ``r`` sets to ``1 - r`` (DuoAttention's share of streaming
+        heads stands for its compression ratio)
     """
 
     name: str
@@ -77,6 +87,8 @@ class PressInfo:
     wrapper: bool = False
     decoding: bool = False
     eager: bool = False
+    scorer_wrapper: bool = False
+    ratio: str = "compression_ratio"
 
 
 #: the presses recorded and tested (DESIGN.md §17); any other subclass of kvpress's ScorerPress
@@ -124,6 +136,53 @@ SUPPORTED: tuple[PressInfo, ...] = (
     PressInfo(
         "per_layer_compression", "PerLayerCompressionPress", "#bd9e39", True, "a press with per-layer ratios", True
     ),
+    PressInfo(
+        "adakv",
+        "AdaKVPress",
+        "#b03a2e",
+        True,
+        "its scorer's top across the KV heads of a layer: a budget per head",
+        True,
+        scorer_wrapper=True,
+    ),
+    PressInfo(
+        "criticaladakv",
+        "CriticalAdaKVPress",
+        "#f7b6d2",
+        True,
+        "AdaKV's head budgets, scores weighted by the projected value norms",
+        True,
+        scorer_wrapper=True,
+    ),
+    PressInfo(
+        "chunkkv", "ChunkKVPress", "#1a5276", True, "whole chunks by their mean score", True, scorer_wrapper=True
+    ),
+    PressInfo(
+        "block",
+        "BlockPress",
+        "#7d6608",
+        True,
+        "its scorer's top, block by block of the prompt",
+        True,
+        scorer_wrapper=True,
+    ),
+    PressInfo(
+        "dms",
+        "DMSPress",
+        "#6c3483",
+        True,
+        "its sliding window, and older positions its scorer puts at or above a threshold",
+        True,
+        True,
+    ),
+    PressInfo(
+        "duo_attention",
+        "DuoAttentionPress",
+        "#515a5a",
+        False,
+        "streaming heads keep their sink and recent positions, from a local head pattern",
+        ratio="head_compression_ratio",
+    ),
 )
 
 #: the wrappers the recorder follows, with the fields that hold their inner presses
@@ -133,38 +192,53 @@ WRAPPERS: dict[str, tuple[str, ...]] = {
     "PrefillDecodingPress": ("prefilling_press", "decoding_press"),
     "ComposedPress": ("presses",),
     "PerLayerCompressionPress": ("press",),
+    "AdaKVPress": ("press",),
+    "CriticalAdaKVPress": ("press",),
+    "ChunkKVPress": ("press",),
+    "BlockPress": ("press",),
+    "DMSPress": ("press",),
 }
 
-_PER_HEAD = (
-    "per-head budgets: it masks keys of single heads inside a shared cache, which a kept set per layer "
-    "and KV head cannot express"
-)
+#: presses that leave the cache whole and mask keys of single KV heads inside it
+#: (``module.masked_key_indices``, read by kvpress's attention patch at decode): their kept set per
+#: layer and KV head is the complement of the mask, of a size that differs by head (DESIGN.md §17.1)
+MASKING: frozenset[str] = frozenset({"AdaKVPress", "CriticalAdaKVPress", "DuoAttentionPress", "DMSPress"})
+#: presses whose kept columns are found by matching the cache they leave to the cache before them,
+#: column by column, bit for bit (their selection is not the top of one score)
+GATHERING: frozenset[str] = frozenset({"ChunkKVPress", "BlockPress"})
+#: parameters the toolkit adds to a press: DuoAttention's ``pattern``, a local folder holding its head
+#: pattern (``config.json`` with ``sink_size`` and ``recent_size``, ``full_attention_heads.tsv`` with a
+#: score per layer and KV head), read instead of the download (``recorders.press.build_press``)
+LOCAL_FIELDS: dict[str, tuple[str, ...]] = {"DuoAttentionPress": ("pattern",)}
+#: the scorer a sweep puts inside a scorer wrapper unless ``press=NAME`` names another
+DEFAULT_SCORER = "SnapKVPress"
+
 _OWN_RULE = "by its own selection, not the top of one score per layer and KV head"
-#: presses refused, with why: they do not keep a subset of the original positions per layer and KV head
+_AFTER_PREFILL = (
+    "it compresses when its `with press(model):` block exits (a context prefilled inside the block, its "
+    "cache reused by later calls), so a generate call recorded inside the block sees no compression"
+)
+#: presses refused, with why (DESIGN.md §17.1)
 REFUSED: dict[str, str] = {
-    "ThinKPress": "it prunes key channels (dimensions of every key), not positions",
-    "DuoAttentionPress": (
-        "it turns whole heads into streaming heads by masking their keys inside a shared cache, which a kept "
-        "set per layer and KV head cannot express"
+    "ThinKPress": (
+        "it zeroes key channels (dimensions of every key of a head), not positions: the log holds kept "
+        "positions, and a replay that masks positions cannot zero channels"
     ),
-    "AdaKVPress": _PER_HEAD,
-    "CriticalAdaKVPress": _PER_HEAD,
-    "DMSPress": _PER_HEAD,
-    "LUKVPress": _PER_HEAD,
-    "KVzipPress": _PER_HEAD,
-    "KVgradPress": _PER_HEAD,
-    "RestoreKVPress": _PER_HEAD,
-    "FastKVzipPress": _PER_HEAD,
-    "KVComposePress": _PER_HEAD,
+    "LUKVPress": (
+        "its head budgets come from a table it downloads, a path not tested offline (its masks are of AdaKV's kind)"
+    ),
+    "KVzipPress": _AFTER_PREFILL,
+    "KVgradPress": _AFTER_PREFILL,
+    "RestoreKVPress": _AFTER_PREFILL + "; it also downloads trained embeddings",
+    "FastKVzipPress": _AFTER_PREFILL + "; it also downloads trained gate weights",
+    "KVComposePress": _AFTER_PREFILL,
     "MergingPress": "it merges evicted keys and values into the kept ones, which are then not the original keys",
     "CAMPress": "it merges evicted values into the kept ones, which are then not the original values",
     "KeyRerotationPress": "it rotates the kept keys to new positions: they are no longer the keys at their positions",
     "FinchPress": "it rotates the kept keys to new positions and compresses the prompt in chunks",
     "SimLayerKVPress": "it keeps positions by a per-layer rule without scores, so there is no choice to check",
     "ChunkPress": "it selects within chunks of the prompt " + _OWN_RULE,
-    "ChunkKVPress": "it keeps whole chunks of positions " + _OWN_RULE,
     "EntropyGatedChunkKVPress": "it keeps whole chunks of positions " + _OWN_RULE,
-    "BlockPress": "it selects block by block " + _OWN_RULE,
 }
 
 _BY_NAME = {p.name: p for p in SUPPORTED}
@@ -294,8 +368,21 @@ class PressSpec:
 
     @property
     def compression_ratio(self) -> float | None:
-        value = self.kwargs.get("compression_ratio")
+        """The press's compression ratio, or its inner scorer's for a scorer wrapper (AdaKV, ChunkKV,
+        ...), whose ratio is its scorer's."""
+        value = self.kwargs.get(ratio_field(self.press))
+        inner = self.kwargs.get("press")
+        if value is None and _wraps_scorer(self.press) and isinstance(inner, Mapping):
+            value = (inner.get("params") or {}).get("compression_ratio")
         return float(value) if isinstance(value, (int, float)) else None
+
+    def with_ratio(self, ratio: float) -> PressSpec:
+        """The same press at compression ratio ``ratio`` (set on the inner scorer of a scorer wrapper)."""
+        inner = self.kwargs.get("press")
+        if _wraps_scorer(self.press) and isinstance(inner, Mapping) and "compression_ratio" not in self.kwargs:
+            nested = {"press": inner["press"], "params": {**(inner.get("params") or {}), "compression_ratio": ratio}}
+            return PressSpec(self.press, tuple({**self.kwargs, "press": nested}.items()))
+        return PressSpec(self.press, tuple({**self.kwargs, ratio_field(self.press): ratio}.items()))
 
     def to_dict(self) -> dict[str, Any]:
         return {"press": self.press, "params": self.kwargs}
@@ -325,14 +412,14 @@ def parse_sweep_policy(text: str) -> tuple[str, dict[str, Any]]:
     cls = info.cls if info else refused.get(name.strip().lower())
     cls = cls or (name.strip() if name.strip().endswith("Press") else None)
     if cls is None:
-        names = ", ".join(p.name for p in SUPPORTED if not p.wrapper)
+        names = ", ".join(p.name for p in SUPPORTED if not p.wrapper or p.scorer_wrapper)
         raise ConfigError(
             f"unknown press {name.strip()!r} in {text!r}; expected kvpress:NAME with NAME one of {names} "
             "(or a kvpress class name such as kvpress:SnapKVPress)"
         )
     if cls in REFUSED:
         raise ConfigError(f"kvpress {cls} is not supported: {REFUSED[cls]} (DESIGN.md §17)")
-    if info is not None and info.wrapper:
+    if info is not None and info.wrapper and not info.scorer_wrapper:
         raise ConfigError(
             f"{text!r}: a sweep builds a press from a compression ratio, and {cls} wraps another press; "
             "sweep its scorer press (e.g. kvpress:knorm) or record the wrapper with recorders.record"
@@ -346,8 +433,8 @@ def parse_sweep_policy(text: str) -> tuple[str, dict[str, Any]]:
             if not eq or not key.strip().isidentifier():
                 raise ConfigError(f"{text!r}: {part!r} is not KEY=VALUE")
             args[key.strip()] = _value(value)
-    if "compression_ratio" in args:
-        raise ConfigError(f"{text!r}: the sweep sets compression_ratio from each keep ratio (1 - ratio); leave it out")
+    if ratio_field(cls) in args or "compression_ratio" in args:
+        raise ConfigError(f"{text!r}: the sweep sets {ratio_field(cls)} from each keep ratio (1 - ratio); leave it out")
     return cls, args
 
 
@@ -377,19 +464,61 @@ def import_kvpress() -> Any:
     return kvpress
 
 
-def check_args(cls: str, args: Mapping[str, Any]) -> list[str]:
-    """Check, with kvpress imported, that ``cls`` is a press of the installed kvpress and that it
-    takes every argument of ``args`` (a ConfigError naming the press and its parameters); returns
-    its parameters."""
+def ratio_field(cls: str) -> str:
+    """The parameter that holds the press's compression ratio (``compression_ratio``, or
+    DuoAttention's ``head_compression_ratio``)."""
+    info = _BY_CLASS.get(cls)
+    return info.ratio if info else "compression_ratio"
+
+
+def _wraps_scorer(cls: str) -> bool:
+    info = _BY_CLASS.get(cls)
+    return bool(info and info.scorer_wrapper)
+
+
+def _fields(cls: str) -> list[str]:
+    """The constructor parameters of kvpress's press ``cls`` (kvpress imported now)."""
     kvpress = import_kvpress()
     press = getattr(kvpress, cls, None)
     if press is None or not dataclasses.is_dataclass(press):
         raise ConfigError(f"kvpress {kvpress.__version__} has no press {cls!r}; check the name (DESIGN.md §17)")
-    fields = [f.name for f in dataclasses.fields(press) if f.init]
+    return [f.name for f in dataclasses.fields(press) if f.init] + list(LOCAL_FIELDS.get(cls, ()))
+
+
+def _scorer(cls: str, name: Any) -> str:
+    """The scorer class ``press=NAME`` names inside the scorer wrapper ``cls`` (SnapKV by default)."""
+    if name is None:
+        return DEFAULT_SCORER
+    info = find(str(name))
+    if info is None or info.wrapper or info.decoding or info.eager:
+        names = ", ".join(p.name for p in SUPPORTED if not (p.wrapper or p.decoding or p.eager))
+        raise ConfigError(f"kvpress {cls} press={name!r}: expected the short name of a scorer press, one of {names}")
+    return info.cls
+
+
+def split_wrapper_args(cls: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """A scorer wrapper's sweep arguments split: (its own, its scorer's class, its scorer's), its
+    own being those its constructor takes (``press=NAME`` names the scorer)."""
+    own_fields = set(_fields(cls)) - {"press"}
+    inner_cls = _scorer(cls, args.get("press"))
+    own = {k: v for k, v in args.items() if k in own_fields}
+    inner = {k: v for k, v in args.items() if k not in own_fields and k != "press"}
+    return own, inner_cls, inner
+
+
+def check_args(cls: str, args: Mapping[str, Any]) -> list[str]:
+    """Check, with kvpress imported, that ``cls`` is a press of the installed kvpress and that it
+    takes every argument of ``args`` (a ConfigError naming the press and its parameters); returns
+    its parameters (a scorer wrapper's with its scorer's, DESIGN.md §17.1)."""
+    fields = _fields(cls)
+    if _wraps_scorer(cls):
+        _own, inner_cls, inner = split_wrapper_args(cls, args)
+        inner_fields = check_args(inner_cls, inner)
+        return fields + [f for f in inner_fields if f not in fields]
     unknown = sorted(set(args) - set(fields))
     if unknown:
         raise ConfigError(f"kvpress {cls} takes no {', '.join(unknown)}; its parameters are {', '.join(fields)}")
-    if "compression_ratio" not in fields:
+    if ratio_field(cls) not in fields:
         raise ConfigError(f"kvpress {cls} has no compression_ratio, so a keep ratio cannot set its slot count")
     return fields
 
@@ -412,4 +541,9 @@ def sweep_spec(policy: str, ratio: float) -> PressSpec:
     """The press of a sweep cell: its grid policy (:func:`sweep_policy`) at keep ratio ``ratio``,
     ``compression_ratio = 1 - ratio`` (the same slot count as every policy of the grid)."""
     cls, args = parse_sweep_policy(policy)
-    return PressSpec(cls, tuple({**args, "compression_ratio": round(1.0 - float(ratio), 12)}.items()))
+    compression = round(1.0 - float(ratio), 12)
+    if _wraps_scorer(cls):
+        own, inner_cls, inner = split_wrapper_args(cls, args)
+        nested = {"press": inner_cls, "params": {**inner, "compression_ratio": compression}}
+        return PressSpec(cls, tuple({"press": nested, **own}.items()))
+    return PressSpec(cls, tuple({**args, ratio_field(cls): compression}.items()))

@@ -199,7 +199,7 @@ class Runner:
         press = self.parent.press
         if press is not None:
             ratio = press_ratio(slots, self.parent.prompt_len)
-            return PressSpec(press.press, tuple({**press.kwargs, "compression_ratio": ratio}.items()))
+            return press.with_ratio(ratio)
         cfg = self.parent.config
         h, r = split_slots(int(cfg.heavy), int(cfg.recent), slots)
         return dataclasses.replace(cfg, heavy=h, recent=r, ratio=None)

@@ -18,8 +18,13 @@ A position map per layer (cache column -> original position, ``-1`` for padding)
 cache through prefill and decode, so a ``DecodingPress``'s compressions are logged at their decode
 step. The observers are instance attributes removed on exit, exceptions included.
 
-Presses that do not keep a subset of the original positions per layer and KV head are refused
-before anything runs, in one line naming the press and why (:data:`h2o_lens.presses.REFUSED`).
+Two kinds of press are followed otherwise (DESIGN.md §17.1): a masking press (AdaKV,
+CriticalAdaKV, DuoAttention, DMS) leaves the cache whole and masks keys of single KV heads, read
+from ``module.masked_key_indices`` after each hook call, so its kept sets differ in size by head;
+a matched press (ChunkKV, BlockPress) keeps columns by its own rule, each found among the columns
+before it by its key and value bits. Presses that keep no subset of the original positions per
+layer and KV head are refused before anything runs, in one line naming the press and why
+(:data:`h2o_lens.presses.REFUSED`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,16 @@ from h2o_lens import presses as press_table
 from h2o_lens.errors import ConfigError
 from runlog.errors import RecorderError, RecorderWarning
 
-__all__ = ["is_press", "check_press", "press_spec", "build_press", "PressObserver", "prepare_press", "press_scope"]
+__all__ = [
+    "is_press",
+    "check_press",
+    "press_spec",
+    "build_press",
+    "read_duo_pattern",
+    "PressObserver",
+    "prepare_press",
+    "press_scope",
+]
 
 
 def is_press(policy: Any) -> bool:
@@ -70,7 +84,7 @@ def _refusal(press: Any, kvpress: Any) -> str | None:
     for cls in type(press).__mro__:
         if cls.__name__ in press_table.REFUSED:
             return press_table.REFUSED[cls.__name__]
-    if isinstance(press, kvpress.presses.scorer_press.ScorerPress):
+    if isinstance(press, kvpress.presses.scorer_press.ScorerPress) or _is_a(press, press_table.MASKING):
         return None
     if not _children(press):
         return (
@@ -78,6 +92,11 @@ def _refusal(press: Any, kvpress: Any) -> str | None:
             "(the top of its scores)"
         )
     for inner in _children(press):
+        if _is_a(inner, press_table.MASKING):
+            return (
+                f"its inner {type(inner).__name__} masks keys inside the cache, which the recorder follows "
+                "only for the outer press"
+            )
         why = _refusal(inner, kvpress)
         if why is not None:
             return f"its inner {type(inner).__name__}: {why}"
@@ -126,10 +145,62 @@ def press_spec(press: Any) -> press_table.PressSpec:
     return press_table.PressSpec(type(press).__name__, tuple(params.items()))
 
 
+@functools.cache
+def _local_duo_attention() -> type:
+    """kvpress's DuoAttentionPress reading its head pattern from a local folder (its ``pattern``
+    field) instead of downloading it; under the same class name, so its runs read as DuoAttention's."""
+    kvpress = press_table.import_kvpress()
+
+    @dataclasses.dataclass
+    class DuoAttentionPress(kvpress.DuoAttentionPress):
+        pattern: str | None = None
+
+        def load_attention_pattern(self, model: Any) -> tuple[int, int, np.ndarray]:
+            return read_duo_pattern(self.pattern, model)
+
+    DuoAttentionPress.__qualname__ = "DuoAttentionPress"
+    return DuoAttentionPress
+
+
+def read_duo_pattern(folder: Any, model: Any = None) -> tuple[int, int, np.ndarray]:
+    """``(sink_size, recent_size, head_scores)`` of a DuoAttention head pattern in ``folder``
+    (``config.json`` and ``full_attention_heads.tsv``, one row per layer and one score per KV head,
+    clipped to [0, 1] as DuoAttention's own loader does).
+
+    Raises
+    ------
+    ConfigError
+        A missing or malformed file, or a table whose shape is not the model's layers × KV heads.
+    """
+    from pathlib import Path
+
+    root = Path(str(folder))
+    try:
+        config = json.loads((root / "config.json").read_text())
+        sink, recent = int(config["sink_size"]), int(config["recent_size"])
+        scores = np.loadtxt(root / "full_attention_heads.tsv", dtype=float, delimiter="\t", ndmin=2)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"DuoAttention pattern {str(root)!r}: expected config.json with sink_size and recent_size and "
+            f"full_attention_heads.tsv with a score per layer and KV head ({exc})"
+        ) from None
+    if model is not None:
+        want = (model.config.num_hidden_layers, model.config.num_key_value_heads)
+        if scores.shape != want:
+            raise ConfigError(
+                f"DuoAttention pattern {str(root)!r} holds {scores.shape[0]} × {scores.shape[1]} head scores; "
+                f"the model has {want[0]} layers × {want[1]} KV heads"
+            )
+    return sink, recent, np.clip(scores, 0, 1)
+
+
 def build_press(spec: press_table.PressSpec) -> Any:
-    """The kvpress press a spec describes (kvpress imported now)."""
+    """The kvpress press a spec describes (kvpress imported now; a DuoAttentionPress with a
+    ``pattern`` reads its head pattern from that folder)."""
     kvpress = press_table.import_kvpress()
     cls = getattr(kvpress, spec.press, None)
+    if spec.press == "DuoAttentionPress" and spec.kwargs.get("pattern") is not None:
+        cls = _local_duo_attention()
     if cls is None:
         raise ConfigError(f"kvpress {kvpress.__version__} has no press {spec.press!r}; check the name")
 
@@ -191,6 +262,9 @@ class PressObserver:
         self.compressions = 0  # compressions logged (one per layer and press call)
         self._padded = False  # the current generate call's prompt has padding columns
         self._warned = False
+        self._all_scorers: list[Any] = []  # every ScorerPress of the press, set on installing
+        self._masking = _is_a(press, press_table.MASKING)  # it masks keys inside a whole cache
+        self._gathering = _holds(press, press_table.GATHERING)  # its kept columns are matched by their bits
 
     # -- installing -------------------------------------------------------------
     def _scorers(self, press: Any) -> list[Any]:
@@ -209,8 +283,9 @@ class PressObserver:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
+        self._all_scorers = self._scorers(self.press)
         try:
-            for scorer in self._scorers(self.press):
+            for scorer in self._all_scorers:
                 self._set(scorer, "score", functools.partial(self._score, scorer, type(scorer).score))
                 self._set(scorer, "compress", functools.partial(self._compress, scorer, type(scorer).compress))
             self._set(self.press, "forward_hook", functools.partial(self._hook, type(self.press).forward_hook))
@@ -225,7 +300,8 @@ class PressObserver:
         scores = original(scorer, *args, **kwargs)
         if len(self.pinned):
             scores = self._raise_pinned(scorer, scores)
-        scorer.__dict__["_h2o_lens_scores"] = scores
+        # a masking press raises its safeguard in place: keep the scores as the scorer gave them
+        scorer.__dict__["_h2o_lens_scores"] = scores.clone() if self._masking else scores
         return scores
 
     def _raise_pinned(self, scorer: Any, scores: torch.Tensor) -> torch.Tensor:
@@ -286,11 +362,23 @@ class PressObserver:
             self._grow(layer_no, q_len)
         self._stages = []
         self._cur = self._pos[layer_no]
+        mask_before = getattr(module, "masked_key_indices", None)
         try:
             output = original(self.press, module, args, kwargs, output)
         finally:
             self._cur = None
         stages, self._stages = self._stages, []
+        seen = self._seen_scores(before_k.shape[:3])
+        if self._masking:
+            self._masked(module, layer, before_k, prefill, mask_before, seen)
+            return output
+        if self._gathering:
+            if layer.keys is not before_k:
+                cols = _match(before_k, before_v, layer.keys, layer.values, self._pos[layer_no], self._name(layer_no))
+                if len(stages) == 1 and stages[0].scores.shape == before_k.shape[:3]:
+                    seen = stages[0].scores  # it left the choice to its scorer
+                self._log(layer_no, prefill, _or_nan(seen, self._pos[layer_no]), False, cols=cols)
+            return output
         if not stages:
             if layer.keys is not before_k or self._pos[layer_no].shape[-1] != layer.keys.shape[2]:
                 raise RecorderError(
@@ -310,8 +398,44 @@ class PressObserver:
                 "keys and values of the positions its choice kept, bit for bit; the recording is stopped "
                 "rather than logging a wrong kept set (DESIGN.md §17)"
             )
-        self._log(layer_no, prefill, cols, scores, margins=len(stages) == 1)
+        self._log(layer_no, prefill, scores, len(stages) == 1, cols=cols)
         return output
+
+    def _name(self, layer_no: int) -> str:
+        return f"kvpress {type(self.press).__name__} at layer {layer_no}"
+
+    def _seen_scores(self, shape: torch.Size) -> torch.Tensor | None:
+        """The scores a scorer of the press computed in this hook call and no compression of its took
+        (a wrapper that selects by its own rule), if they cover the cache's columns; removed."""
+        found = None
+        for scorer in self._all_scorers:
+            scores = vars(scorer).pop("_h2o_lens_scores", None)
+            vars(scorer).pop("_h2o_lens_pins", None)
+            if scores is not None and tuple(scores.shape) == tuple(shape):
+                found = scores.detach().float()
+        return found
+
+    def _masked(self, module: Any, layer: Any, before_k: torch.Tensor, prefill: bool, mask_before: Any, seen) -> None:
+        """A masking press's hook call: the cache stays whole; the keys it masked since the last call
+        (``module.masked_key_indices``, as kvpress's attention patch reads them) are logged as evicted
+        from their KV head."""
+        layer_no = module.layer_idx
+        if layer.keys is not before_k or layer.keys.shape[2] != self._pos[layer_no].shape[-1]:
+            raise RecorderError(
+                f"{self._name(layer_no)} changed the cache it should leave whole (it masks keys inside it); "
+                "it cannot be recorded (DESIGN.md §17.1)"
+            )
+        mask = getattr(module, "masked_key_indices", None)
+        if mask is None or mask is mask_before:
+            return
+        pos = self._pos[layer_no]
+        masked = torch.zeros(pos.shape, dtype=torch.bool, device=pos.device)
+        masked[tuple(t.to(pos.device) for t in mask)] = True
+        if len(self.pinned) and bool((masked & torch.isin(pos, self.pinned.to(pos.device))).any()):
+            raise RecorderError(
+                f"{self._name(layer_no)} masks pinned positions: the pins do not fit in the budget of their head"
+            )
+        self._log(layer_no, prefill, _or_nan(seen, pos), False, kept=~(masked & (pos >= 0)))
 
     def _start(self, layer_no: int, shape: torch.Size) -> None:
         """A prefill: the cache's columns are the prompt's, left-padded (``-1`` for padding)."""
@@ -336,7 +460,7 @@ class PressObserver:
     def _grow(self, layer_no: int, q_len: int) -> None:
         """A decode forward: its ``q_len`` tokens join the cache after the columns held."""
         pos = self._pos[layer_no]
-        if self._padded and not self._warned and self.compressions:
+        if self._padded and not self._warned and self.compressions and not self._masking:
             self._warned = True
             warnings.warn(
                 "kvpress compressed a left-padded batch: at decode steps transformers reads the padding mask "
@@ -351,11 +475,25 @@ class PressObserver:
         self._pos[layer_no] = torch.cat([pos, new[:, None, :].expand(pos.shape[0], pos.shape[1], -1).to(pos)], -1)
         self._steps[layer_no] = start + q_len
 
-    def _log(self, layer_no: int, prefill: bool, cols: torch.Tensor, scores: torch.Tensor, margins: bool) -> None:
-        """The evictions and steps rows of one compression of one layer."""
+    def _log(
+        self,
+        layer_no: int,
+        prefill: bool,
+        scores: torch.Tensor,
+        margins: bool,
+        *,
+        cols: torch.Tensor | None = None,
+        kept: torch.Tensor | None = None,
+    ) -> None:
+        """The evictions and steps rows of one compression of one layer: ``cols`` the columns kept
+        ``(b, h, k)`` of a compressed cache, or ``kept``, a masking press's kept mask ``(b, h, n)`` over
+        the whole cache (the masked columns' positions become ``-1``, held by no one)."""
         pos = self._pos[layer_no]  # (b, h, n)
-        kept = torch.zeros_like(pos, dtype=torch.bool).scatter_(-1, cols, True)
-        self._pos[layer_no] = pos.gather(-1, cols)
+        if kept is not None:
+            self._pos[layer_no] = pos.masked_fill(~kept, -1)
+        else:
+            kept = torch.zeros_like(pos, dtype=torch.bool).scatter_(-1, cols, True)
+            self._pos[layer_no] = pos.gather(-1, cols)
         real = pos >= 0
         end = self._next if prefill else self._steps[layer_no]
         step = (end - 1).to(torch.int64)  # (b,): the last position processed
@@ -407,6 +545,62 @@ class PressObserver:
             },
         )
         self.compressions += 1
+
+
+def _holds(press: Any, names: frozenset[str]) -> bool:
+    """Whether ``press`` or a press inside it is of a class ``names`` lists."""
+    return _is_a(press, names) or any(_holds(p, names) for p in _children(press))
+
+
+def _is_a(press: Any, names: frozenset[str]) -> bool:
+    """Whether ``press`` is of a class ``names`` lists, or of a subclass of one."""
+    return any(c.__name__ in names for c in type(press).__mro__)
+
+
+def _or_nan(scores: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``scores``, or NaN scores of ``like``'s shape where no scores cover the cache's columns."""
+    return scores if scores is not None else torch.full(like.shape, float("nan"), device=like.device)
+
+
+#: odd multipliers of a column's bits: a column's hash, to find a kept column among the originals
+_MIX = torch.randint(1, 2**62, (4096,), generator=torch.Generator().manual_seed(48)) | 1
+
+
+def _hashes(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One int64 per cache column ``(b, h, n)`` from its key's and value's bits (wrapping sums)."""
+    bits = torch.cat([_bits(keys), _bits(values)], -1).to(torch.int64)
+    mix = _MIX[: bits.shape[-1]].to(bits.device)
+    return (bits * mix).sum(-1)
+
+
+def _match(before_k, before_v, after_k, after_v, pos: torch.Tensor, name: str) -> torch.Tensor:
+    """The columns ``(b, h, k)`` of the cache before a press whose keys and values the cache after it
+    holds, column for column, bit for bit (DESIGN.md §17.1).
+
+    Raises
+    ------
+    RecorderError
+        A column it left is not an original column, or two real positions of one head hold the same
+        bits (the kept set would be ambiguous).
+    """
+    if after_k.shape[:2] != before_k.shape[:2] or after_k.shape[2] > before_k.shape[2]:
+        raise RecorderError(f"{name} left a cache of shape {tuple(after_k.shape)} from {tuple(before_k.shape)}")
+    hb, ha = _hashes(before_k, before_v), _hashes(after_k, after_v)
+    sorted_b, order = hb.sort(-1)
+    same = sorted_b[..., 1:] == sorted_b[..., :-1]
+    if bool(same.any()):
+        twins = torch.maximum(pos.gather(-1, order[..., 1:]), pos.gather(-1, order[..., :-1]))[same]
+        if bool((twins >= 0).any()):
+            raise RecorderError(f"{name}: two positions of one head hold the same key and value bits")
+    at = torch.searchsorted(sorted_b, ha).clamp(max=hb.shape[-1] - 1)
+    cols = order.gather(-1, at)
+    idx = cols.unsqueeze(-1).expand(-1, -1, -1, before_k.shape[-1])
+    if not (_same_bits(before_k.gather(2, idx), after_k) and _same_bits(before_v.gather(2, idx), after_v)):
+        raise RecorderError(
+            f"{name}: the cache it left holds keys and values that are not original columns, bit for bit; "
+            "the recording is stopped rather than logging a wrong kept set (DESIGN.md §17.1)"
+        )
+    return cols
 
 
 def _needs_eager(press: Any) -> bool:

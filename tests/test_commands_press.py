@@ -50,6 +50,20 @@ def test_press_policies_take_short_names_inline_arguments_and_press_args():
     assert sweep_grid(["kvpress:SnapKVPress"], None, ["window_size=4"]) == (("kvpress:snapkv(window_size=4)", "sum"),)
 
 
+def test_a_wrapper_press_takes_its_scorer_and_the_scorer_takes_press_args():
+    from commands.sweep import sweep_grid
+
+    grid = sweep_grid(["kvpress:adakv,kvpress:block(press=knorm),kvpress:chunkkv"], None, ["window_size=4"])
+    assert grid == (
+        ("kvpress:adakv(window_size=4)", "sum"),  # its SnapKV takes the window
+        ("kvpress:block(press='knorm')", "sum"),  # KnormPress takes no window: left out
+        ("kvpress:chunkkv(window_size=4)", "sum"),
+    )
+    assert sweep_grid(["kvpress:criticaladakv"], None, ["press=knorm"]) == (
+        ("kvpress:criticaladakv(press='knorm')", "sum"),
+    )
+
+
 @pytest.mark.parametrize(
     ("policies", "press_args", "message"),
     [
@@ -57,7 +71,10 @@ def test_press_policies_take_short_names_inline_arguments_and_press_args():
         (["kvpress:snapkv(compression_ratio=0.5)"], None, "sets compression_ratio from each keep ratio"),
         (["kvpress:snapkv"], ["window=4"], "window: no press of --policies takes it"),
         (["h2o"], ["window_size=4"], "add one to --policies"),
-        (["kvpress:thin_k"], None, "ThinKPress is not supported: it prunes key channels"),
+        (["kvpress:thin_k"], None, "ThinKPress is not supported: it zeroes key channels"),
+        (["kvpress:kvzip"], None, "KVzipPress is not supported: it compresses when its `with press(model):` block"),
+        (["kvpress:adakv"], ["press=decoding"], "expected the short name of a scorer press"),
+        (["kvpress:dms"], None, "wraps another press"),
         (["kvpress:snapkv(windowsize=4)"], None, "SnapKVPress takes no windowsize; its parameters are"),
         (["kvpress:decoding"], None, "wraps another press"),
     ],
@@ -136,3 +153,35 @@ def test_a_sweep_with_two_presses_and_h2o_resumes_after_sigkill(tiny_dir, task_f
     csv = (root / "sweep.csv").read_text()
     assert "kvpress:snapkv(window_size=4)" in csv and "kvpress:streaming_llm" in csv
     assert "#d62728" in (root / "sweep.html").read_text()  # SnapKV's colour in the curves
+
+
+def test_a_sweep_of_per_head_and_chunk_presses_records_and_replays(tiny_dir, task_file, tmp_path):  # noqa: F811
+    root = tmp_path / "grid"
+    res = _cli(
+        "sweep", "--model", str(tiny_dir), "--tasks", str(task_file),
+        "--policies", "kvpress:adakv,kvpress:chunkkv(chunk_length=4),kvpress:block(press=knorm)",
+        "--press-args", "window_size=4", "--ratios", "0.5", "--batch-size", "2", "--out", str(root), timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    con = open_runs(root)
+    rows = con.sql(
+        "SELECT policy, keep_ratio, status, max_logit_diff <= logit_tolerance FROM runs WHERE policy LIKE 'kvpress:%'"
+    ).fetchall()
+    assert {r[2] for r in rows} == {"complete"} and all(r[3] for r in rows), rows
+    assert {r[1] for r in rows} == {0.5}
+    assert {r[0] for r in rows} == {
+        "kvpress:AdaKVPress(press=SnapKVPress(compression_ratio=0.5, window_size=4, kernel_size=5), "
+        "alpha_safeguard=0.2)",
+        "kvpress:ChunkKVPress(press=SnapKVPress(compression_ratio=0.5, window_size=4, kernel_size=5), chunk_length=4)",
+        "kvpress:BlockPress(press=KnormPress(compression_ratio=0.5), block_size=128)",
+    }
+    # AdaKV's budgets differ by head and sum, per layer, to the press's count over its KV heads
+    per_layer = con.sql(
+        "SELECT count(DISTINCT s.kept) > 1, sum(s.kept), any_value(q.prompt_len) FROM steps s "
+        "JOIN runs r USING (run_id) JOIN requests q USING (run_id, request) "
+        "WHERE r.policy LIKE 'kvpress:AdaKV%' GROUP BY s.run_id, s.request, s.layer"
+    ).fetchall()
+    assert any(d for d, *_ in per_layer)
+    heads = con.sql("SELECT max(kv_head) + 1 FROM steps").fetchall()[0][0]
+    assert all(total == heads * int(n * 0.5) for _, total, n in per_layer)
+    assert "kvpress:adakv(window_size=4)" in (root / "sweep.csv").read_text()

@@ -185,8 +185,7 @@ def test_a_press_keeping_other_keys_than_its_choice_fails_loudly(kv, model, tmp_
     ("build", "cls", "why"),
     [
         (lambda kv: kv.ThinKPress(key_channel_compression_ratio=0.5), "ThinKPress", "key channels"),
-        (lambda kv: kv.AdaKVPress(kv.SnapKVPress(compression_ratio=0.5)), "AdaKVPress", "per-head budgets"),
-        (lambda kv: kv.DuoAttentionPress(head_compression_ratio=0.5), "DuoAttentionPress", "streaming heads"),
+        (lambda kv: kv.KVzipPress(compression_ratio=0.5), "KVzipPress", "block exits"),
         (
             lambda kv: kv.ComposedPress([kv.KnormPress(0.3), kv.ThinKPress(key_channel_compression_ratio=0.5)]),
             "ComposedPress",

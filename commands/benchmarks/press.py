@@ -211,10 +211,11 @@ def bench_press(
     import torch
 
     from h2o_lens.models import load_model
-    from h2o_lens.presses import import_kvpress, policy_text
+    from h2o_lens.presses import import_kvpress, policy_text, sweep_policy, sweep_spec
     from recorders import record
+    from recorders.press import build_press
 
-    kv = import_kvpress()
+    import_kvpress()
     if model is None:
         model, _ = load_model(model_name, progress=False)
     vocab = model.config.get_text_config(decoder=True).vocab_size
@@ -227,7 +228,7 @@ def bench_press(
         ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(context))
         kw["attention_mask"] = torch.ones_like(ids)  # a random id equal to the pad id is no padding
         for cls, args in timed:
-            press = getattr(kv, cls)(compression_ratio=1 - keep, **args)
+            press = build_press(sweep_spec(sweep_policy(cls, args), keep))  # a wrapper holds its scorer
             eager = cls == "ObservedAttentionPress"
             previous = model.config._attn_implementation
             alone, recorded = [], []
