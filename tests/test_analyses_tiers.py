@@ -34,7 +34,10 @@ def tier_root(tmp_path_factory, tiny_dir):  # noqa: F811
     plan_file = root / "plan.json"
     budget_plan.BudgetPlan(ratios=[[0.2, 0.4], [0.3, 0.1]]).save(plan_file, evidence=EVIDENCE)
     assert main([*base, "--plan", str(plan_file), "--max-new-tokens", "4"]) == 0
-    cold, plan = sorted(p.name for p in runs.iterdir() if p.is_dir())
+    # two runs recorded within one second sort by their random suffix: tell them apart by manifest
+    names = [p.name for p in runs.iterdir() if p.is_dir()]
+    (cold,) = [n for n in names if json.loads((runs / n / "manifest.json").read_text()).get("cold")]
+    (plan,) = [n for n in names if n != cold]
     return root, {"cold": cold, "plan": plan, "plan_file": plan_file}
 
 
