@@ -52,7 +52,7 @@ class ColdStore:
         if self.directory is None:
             self.directory = tempfile.mkdtemp(prefix="h2o-lens-cold-")
         raw = self.b * self.hs * n * 2 * self.d * self.itemsize
-        path = Path(self.directory)
+        path, made = Path(self.directory), False
         try:
             Path(self.directory).mkdir(parents=True, exist_ok=True)
             while True:  # a new file of its own: one that exists (a user's, another store's) is never opened
@@ -60,6 +60,7 @@ class ColdStore:
                 path = Path(self.directory) / f"{self.name}-{self.generation}.bin"
                 try:
                     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                    made = True
                     break
                 except FileExistsError:
                     continue
@@ -69,7 +70,7 @@ class ColdStore:
                 os.close(fd)
             mm = np.memmap(path, dtype=np.uint8, mode="r+", shape=(raw,))  # the file just made
         except OSError as exc:
-            if path.is_file() and path != self.file:
+            if made:  # only the file this call created: never a user's (the directory given may be a file)
                 path.unlink(missing_ok=True)
             # the system's error, naming the file: a recorder turns it into its storage error (DESIGN.md §2.13)
             raise OSError(exc.errno, f"the cold tier's disk store: {exc.strerror or exc}", str(path)) from exc

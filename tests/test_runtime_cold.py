@@ -242,6 +242,18 @@ def test_a_disk_store_never_opens_or_removes_a_file_it_did_not_make(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s-1.bin"]
 
 
+def test_a_disk_store_whose_directory_is_a_users_file_fails_and_leaves_the_file(tmp_path):
+    """A directory that is a user's file: the store's error names it, and the file stays as it was
+    (the failure path removes only a file the store itself created)."""
+    user = tmp_path / "notes.txt"
+    user.write_bytes(b"the user's bytes")
+    store = ColdStore("disk", 1, 1, 4, torch.float32, pin=False, directory=user, name="s")
+    key = torch.randn(1, 1, 8, 4)
+    with pytest.raises(OSError, match="cold tier"):
+        store.append(key, key.clone(), torch.rand(1, 1, 8), torch.arange(8)[None, None])
+    assert user.read_bytes() == b"the user's bytes"
+
+
 def test_a_cold_tier_starts_from_a_reused_prompt_forward_bit_for_bit():
     """The prompt forward does not depend on the cold tier (it keeps what the keep rule drops):
     under ``reuse_prompts`` a cold-tier generation starts from a plain H2O one's prompt forward
