@@ -22,37 +22,49 @@ from . import eviction
 from .cold_config import PAGE
 from .cold_store import ColdStore
 from .errors import ConfigError
-from .extension import CacheExtension, StepNeeds, widen, write_slots
+from .extension import CacheExtension, StepNeeds, widen, write_window
 
 __all__ = ["ColdExtension", "select", "rank", "top", "cold_summary"]
 
 
-def rank(qg: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, gqa: str) -> torch.Tensor:
+def rank(qg: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, gqa: str) -> torch.Tensor:
     """The selection value of each entry: ``qg (b, Hs, G, d)`` the step's scaled queries of each
-    KV set's group, ``keys (b, Hs, M, d)``, ``valid (b, Hs, M)``. Each query head's softmax over the
+    KV set's group, ``keys (b, Hs, M, d)``, ``valid (b, Hs, M)`` (None: all). Each query head's softmax over the
     valid entries, aggregated over the group as the policy's (DESIGN.md §2.6); ``-inf`` where not valid."""
     logits = torch.matmul(qg, keys.transpose(-1, -2))  # (b, Hs, G, M)
     return _aggregate_softmax(logits, valid, gqa)
 
 
-def _aggregate_softmax(logits: torch.Tensor, valid: torch.Tensor, gqa: str) -> torch.Tensor:
+def _aggregate_softmax(logits: torch.Tensor, valid: torch.Tensor | None, gqa: str) -> torch.Tensor:
+    mode = "sum" if gqa == "none" else gqa
+    if valid is None:  # every entry valid: no masks
+        return eviction.aggregate_group(torch.softmax(logits, -1), mode, 2)
     logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
     top = logits.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros((), dtype=top.dtype))
     e = (logits - top).exp()
     w = e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(e.dtype).tiny)
-    agg = eviction.aggregate_group(w, "sum" if gqa == "none" else gqa, 2)  # (b, Hs, M)
+    agg = eviction.aggregate_group(w, mode, 2)  # (b, Hs, M)
     return agg.masked_fill(~valid, float("-inf"))
 
 
-def top(value: torch.Tensor, order_key: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Tensor:
-    """``(b, Hs, n)`` indices of the ``n`` largest ``value`` among ``valid``, a tie taking the larger
-    ``order_key`` (the newer position, the later page); -1 where fewer are valid."""
+def top(value: torch.Tensor, order_key, valid: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``(b, Hs, n)`` indices of the ``n`` largest ``value`` among ``valid`` (None: all), a tie
+    taking the larger ``order_key`` (the newer position, the later page; a callable giving it is
+    called only when a tie decides); -1 where fewer are valid. The order of the indices is not part
+    of the result."""
+    m = value.shape[-1]
+    if 0 < n < m:  # one partial selection; a tie across its boundary (or too few valid) takes the sort below
+        best, idx = value.topk(n, dim=-1, sorted=False)
+        edge = best.amin(-1, keepdim=True)  # an invalid entry's -inf at the edge counts every entry
+        if int((value >= edge).sum()) == n * value[..., 0].numel():
+            return idx
+    order_key = order_key() if callable(order_key) else order_key
     newer = order_key.argsort(dim=-1, descending=True, stable=True)
     ranked = value.gather(-1, newer).argsort(dim=-1, descending=True, stable=True)
     idx = newer.gather(-1, ranked)[..., :n]
-    ok = valid.gather(-1, idx)
-    idx = torch.where(ok, idx, -1)
+    if valid is not None:
+        idx = torch.where(valid.gather(-1, idx), idx, -1)
     if idx.shape[-1] < n:
         idx = torch.nn.functional.pad(idx, (0, n - idx.shape[-1]), value=-1)
     return idx
@@ -61,33 +73,42 @@ def top(value: torch.Tensor, order_key: torch.Tensor, valid: torch.Tensor, n: in
 def page_bounds(qg: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     """Quest's upper bound of each query head's q·k over a page: Σ_j max(q_j·min_j, q_j·max_j);
     ``qg (b, Hs, G, d)``, ``low, high (b, Hs, P, d)`` → ``(b, Hs, G, P)``."""
-    q = qg[:, :, :, None, :]  # (b, Hs, G, 1, d)
-    return torch.maximum(q * low[:, :, None], q * high[:, :, None]).sum(-1)
+    up = qg.clamp(min=0)  # q_j > 0 takes max_j, q_j < 0 takes min_j
+    return torch.matmul(up, high.transpose(-1, -2)) + torch.matmul(qg - up, low.transpose(-1, -2))
 
 
 def select(store: ColdStore, qg: torch.Tensor, gqa: str, recall: int, how: str, scan: int) -> torch.Tensor:
-    """The records of ``store`` the window holds next, ``(b, Hs, recall)`` (-1: none), best first.
+    """The records of ``store`` the window holds next, ``(b, Hs, recall)`` (-1: none), in no set order.
 
     ``exact``: :func:`rank` over every cold record. ``pages``: the ``scan`` pages of the best
     aggregated softmax of their :func:`page_bounds` (a tie takes the later page), then :func:`rank`
     over the records of those pages only. Either way the ``recall`` best, a tie taking the newer
     position.
     """
-    valid = store.valid
     qg = qg.to("cpu", store.acc)
-    if how == "exact" or int(store.count.max()) <= scan * PAGE:  # every page would be read
+    n, least = int(store.count.max()), int(store.count.min())
+    if how == "exact" or n <= scan * PAGE:  # every page would be read
+        valid = store.valid[..., :n] if least < n else None  # records are dense: all valid when counts agree
         keys = store.keys().to(store.acc)
-        return top(rank(qg, keys, valid, gqa), store.positions, valid, recall)
-    pages = valid.shape[2] // PAGE
-    live = valid.unflatten(2, (pages, PAGE)).any(-1)  # (b, Hs, P)
-    bound = _aggregate_softmax(page_bounds(qg, store.low, store.high), live, gqa)
-    order = torch.arange(pages).expand_as(live)
-    chosen = top(bound, order, live, scan)  # (b, Hs, scan)
+        return top(rank(qg, keys, valid, gqa), store.positions[..., :n], valid, recall)
+    if not store.summaries:
+        raise ValueError("select(how='pages') needs a store that keeps its page summaries")
+    pages = -(-n // PAGE)
+    live = torch.arange(pages) * PAGE < store.count[..., None] if least < n else None  # (b, Hs, P)
+    bound = _aggregate_softmax(page_bounds(qg, store.low[:, :, :pages], store.high[:, :, :pages]), live, gqa)
+    chosen = top(bound, lambda: torch.arange(pages).expand_as(bound), live, scan)  # -1: a row with fewer pages
     rec = (chosen.clamp(min=0)[..., None] * PAGE + torch.arange(PAGE)).flatten(-2)  # (b, Hs, scan·PAGE)
-    ok = (chosen >= 0).repeat_interleave(PAGE, -1) & valid.gather(-1, rec)
-    keys = store.keys(torch.where(ok, rec, -1)).to(store.acc)
-    best = top(rank(qg, keys, ok, gqa), store.positions.gather(-1, rec), ok, recall)
-    return torch.where(best >= 0, rec.gather(-1, best.clamp(min=0)), -1)
+    ok = (rec < store.count[..., None]) & (chosen >= 0).repeat_interleave(PAGE, -1)
+    keys = store.page_keys(chosen).to(store.acc)
+    ok = None if bool(ok.all()) else ok
+    best = top(rank(qg, keys, ok, gqa), lambda: store.positions.gather(-1, rec), ok, recall)
+    return rec.gather(-1, best.clamp(min=0)).masked_fill_(best < 0, -1)
+
+
+def _member(values: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
+    """Whether each of ``values (b, Hs, m)`` is in the row's ascending ``sorted_set (b, Hs, r)``."""
+    at = torch.searchsorted(sorted_set, values).clamp(max=sorted_set.shape[-1] - 1)
+    return sorted_set.gather(-1, at) == values
 
 
 @dataclass
@@ -146,6 +167,7 @@ class ColdExtension(CacheExtension):
             pin=key.is_cuda,
             directory=tier.directory,
             name=f"cold-L{layer.layer_idx}-{id(self):x}",
+            summaries=tier.select == "pages",
         )
         gone = torch.where((event.positions >= 0) & ~event.keep, event.positions, -1)
         st.store.append(key, value, event.scores, gone)
@@ -171,17 +193,29 @@ class ColdExtension(CacheExtension):
         hs = store.hs
         qg = query.unflatten(1, (hs, query.shape[1] // hs)) * layer.scaling  # (b, Hs, G, d)
         best = select(store, qg, layer.owner.config.gqa, r, tier.select, tier.pages_scanned)
-        pos = torch.where(best >= 0, store.positions.gather(-1, best.clamp(min=0)), -1)
-        order = torch.where(pos >= 0, pos, torch.iinfo(torch.int64).max).argsort(-1)  # by position
-        new = best.gather(-1, order)
-        fresh = (new >= 0) & ~(new[..., None] == old[..., None, :]).any(-1)
-        k, v = store.entries(new, fresh)
-        score = torch.where(new >= 0, store.scores.gather(-1, new.clamp(min=0)), 0.0)
-        pos = torch.where(new >= 0, store.positions.gather(-1, new.clamp(min=0)), -1)
-        dev = layer.keys.device
-        write_slots(layer, start, k.to(dev), v.to(dev), score.to(dev), pos.to(dev))
+        last = torch.iinfo(torch.int64).max  # sorts after every record and position
+        was = torch.where(old >= 0, old, last)
+        now = torch.where(best >= 0, best, last)
+        kept = (old >= 0) & _member(was, now.sort(-1).values)  # an occupant that stays keeps its slot
+        fresh = (best >= 0) & ~_member(now, was.sort(-1).values)
+        # the fresh entries in ascending position order fill the free slots in ascending slot order
+        pos = torch.where(fresh, store.positions.gather(-1, best.clamp(min=0)), last)
+        pos, order = pos.sort(-1)
+        incoming = torch.where(pos < last, best.gather(-1, order), -1)
+        free = ~kept
+        slots = free.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices  # free slots first
+        new = torch.where(kept, old, -1)
+        n_free = free.sum(-1, keepdim=True)
+        seat = torch.arange(r).expand_as(new)
+        new = new.scatter(2, slots, torch.where(seat < n_free, incoming, new.gather(-1, slots)))
+        filled = free & (new >= 0)
+        at = new.clamp(min=0)
+        score = store.scores.gather(-1, at).masked_fill_(new < 0, 0.0)
+        held = store.positions.gather(-1, at).masked_fill_(new < 0, -1)
+        k, v = store.entries_at(new, filled)
+        write_window(layer, start, score, held, filled, k, v)
         st.window = new
-        st.log.append((layer.next_pos.detach().to("cpu").clone(), pos, score.clone(), fresh))
+        st.log.append((layer.next_pos.detach().to("cpu").clone(), held, score.clone(), filled))
 
     def step_taken(self, layer: Any, step: Any) -> None:
         st = self.layers.get(layer.layer_idx)

@@ -24,9 +24,23 @@ __all__ = ["ColdStore"]
 
 
 class ColdStore:
-    """One layer's cold entries ``(b, Hs, N)``; ``kind`` ``cpu`` or ``disk`` (files under ``directory``)."""
+    """One layer's cold entries ``(b, Hs, N)``; ``kind`` ``cpu`` or ``disk`` (files under ``directory``);
+    ``summaries``: keep the page summaries (only the ``pages`` selection reads them)."""
 
-    def __init__(self, kind: str, b: int, hs: int, d: int, dtype: torch.dtype, *, pin: bool, directory, name: str):
+    def __init__(
+        self,
+        kind: str,
+        b: int,
+        hs: int,
+        d: int,
+        dtype: torch.dtype,
+        *,
+        pin: bool,
+        directory,
+        name: str,
+        summaries: bool = True,
+    ):
+        self.summaries = summaries
         self.kind, self.b, self.hs, self.d, self.dtype = kind, b, hs, d, dtype
         self.pin = pin and kind == "cpu"
         self.itemsize = torch.empty((), dtype=dtype).element_size()
@@ -38,12 +52,12 @@ class ColdStore:
         self.scores = torch.zeros(b, hs, 0, dtype=self.acc)
         self.low = torch.zeros(b, hs, 0, d, dtype=self.acc)  # (b, Hs, pages, d)
         self.high = torch.zeros(b, hs, 0, d, dtype=self.acc)
-        self.kv = self._alloc(0)  # (b, Hs, N, 2, d): key, value
+        self.kv = self._alloc(0)  # (2, b, Hs, N, d): the keys, then the values, each contiguous
         self.written = self.read_bytes = 0
 
     # -- storage -------------------------------------------------------------------------------
     def _alloc(self, n: int) -> torch.Tensor:
-        shape = (self.b, self.hs, n, 2, self.d)
+        shape = (2, self.b, self.hs, n, self.d)
         if n == 0:
             return torch.zeros(shape, dtype=self.dtype)
         if self.kind == "cpu":
@@ -80,13 +94,13 @@ class ColdStore:
         return torch.from_numpy(mm).view(self.dtype).view(shape)
 
     def _grow(self, need: int) -> None:
-        have = self.kv.shape[2]
+        have = self.kv.shape[3]
         if need <= have:
             return
         n = max(need, 2 * have, PAGE)
         n = -(-n // PAGE) * PAGE
         kv = self._alloc(n)
-        kv[:, :, :have] = self.kv
+        kv[:, :, :, :have] = self.kv
         self.kv = kv
         pad = n - have
         self.positions = torch.cat([self.positions, self.positions.new_full((self.b, self.hs, pad), -1)], 2)
@@ -117,6 +131,8 @@ class ColdStore:
         """Append the entries whose ``position (b, Hs, n)`` is >= 0, in their order along n, with
         their ``key, value (b, Hs, n, d)`` and ``score``. Returns the number appended."""
         position = position.to("cpu", torch.int64)
+        if position.shape[-1] == 1:
+            return self._append_one(key, value, score, position)
         ok = position >= 0
         added = ok.sum(-1)  # (b, Hs)
         total = int(added.sum())
@@ -127,18 +143,50 @@ class ColdStore:
         target = (self.count[..., None] + ok.cumsum(-1) - 1).clamp(min=0)  # (b, Hs, n)
         bi, hi, ni = ok.nonzero(as_tuple=True)
         ti = target[bi, hi, ni]
-        self.kv[bi, hi, ti, 0] = key.detach().to("cpu", self.dtype)[bi, hi, ni]
-        self.kv[bi, hi, ti, 1] = value.detach().to("cpu", self.dtype)[bi, hi, ni]
+        self.kv[0, bi, hi, ti] = key.detach().to("cpu", self.dtype)[bi, hi, ni]
+        self.kv[1, bi, hi, ti] = value.detach().to("cpu", self.dtype)[bi, hi, ni]
         self.positions[bi, hi, ti] = position[bi, hi, ni]
         self.scores[bi, hi, ti] = score.detach().to("cpu", self.acc)[bi, hi, ni]
         self.count += added
         self.written += total * self.entry_bytes
-        self._summarise(first // PAGE, -(-int(self.count.max()) // PAGE))
+        if self.summaries:
+            self._summarise(first // PAGE, -(-int(self.count.max()) // PAGE))
+        return total
+
+    def _append_one(self, key: torch.Tensor, value: torch.Tensor, score: torch.Tensor, position: torch.Tensor) -> int:
+        """:meth:`append` of at most one entry per row and KV set (a decode step's victim): every
+        record at ``count`` is written (a row with no entry writes position -1 there, which the next
+        entry overwrites) and the page summaries of the written records are updated in place."""
+        ok = position[..., 0] >= 0  # (b, Hs)
+        total = int(ok.sum())
+        if not total:
+            return 0
+        self._grow(int(self.count.max()) + 1)
+        rows = torch.arange(self.b * self.hs)
+        at = self.count.flatten()
+        flat = rows * self.kv.shape[3] + at
+        k = key.detach().to("cpu", self.dtype).reshape(-1, self.d)
+        self.kv[0].view(-1, self.d).index_copy_(0, flat, k)
+        self.kv[1].view(-1, self.d).index_copy_(0, flat, value.detach().to("cpu", self.dtype).reshape(-1, self.d))
+        self.positions.view(-1).index_copy_(0, flat, position.flatten())
+        self.scores.view(-1).index_copy_(0, flat, score.detach().to("cpu", self.acc).flatten())
+        if self.summaries:
+            page = rows * self.low.shape[2] + at // PAGE
+            ka = k.to(self.acc)
+            first = (at % PAGE == 0)[:, None]  # the page's first record: its summary starts here
+            every = total == ok.numel()  # else a row without an entry keeps its summary
+            for bound, pick in ((self.low, torch.minimum), (self.high, torch.maximum)):
+                flat_bound = bound.view(-1, self.d)
+                was = flat_bound.index_select(0, page)
+                now = torch.where(first, ka, pick(was, ka))
+                flat_bound.index_copy_(0, page, now if every else torch.where(ok.flatten()[:, None], now, was))
+        self.count += ok
+        self.written += total * self.entry_bytes
         return total
 
     def _summarise(self, p0: int, p1: int) -> None:
         """Recompute the page summaries of pages ``p0 … p1 - 1`` from the keys just written."""
-        keys = self.kv[:, :, p0 * PAGE : p1 * PAGE, 0].to(self.acc).unflatten(2, (p1 - p0, PAGE))
+        keys = self.kv[0, :, :, p0 * PAGE : p1 * PAGE].to(self.acc).unflatten(2, (p1 - p0, PAGE))
         ok = self.valid[:, :, p0 * PAGE : p1 * PAGE].unflatten(2, (p1 - p0, PAGE))[..., None]
         inf = torch.tensor(float("inf"), dtype=self.acc)
         low = torch.where(ok, keys, inf).amin(3)
@@ -148,20 +196,39 @@ class ColdStore:
         self.high[:, :, p0:p1] = torch.where(live, high, 0.0)
 
     def write_scores(self, index: torch.Tensor, score: torch.Tensor) -> None:
-        """Write ``score (b, Hs, m)`` back to the records ``index (b, Hs, m)`` (-1: none)."""
+        """Write ``score (b, Hs, m)`` back to the records ``index (b, Hs, m)`` (-1: none; the
+        records given are distinct)."""
+        score = score.detach().to("cpu", self.acc)
         ok = index >= 0
+        if bool(ok.all()):
+            self.scores.scatter_(2, index, score)
+            return
         bi, hi, mi = ok.nonzero(as_tuple=True)
-        self.scores[bi, hi, index[bi, hi, mi]] = score.detach().to("cpu", self.acc)[bi, hi, mi]
+        self.scores[bi, hi, index[bi, hi, mi]] = score[bi, hi, mi]
 
     # -- reading -------------------------------------------------------------------------------
     def keys(self, index: torch.Tensor | None = None) -> torch.Tensor:
-        """Keys of the records ``index (b, Hs, m)`` (-1: a zero key), or of every record; the
-        valid ones count as bytes read."""
+        """Keys of the records ``index (b, Hs, m)`` (-1: a zero key), or ``(b, Hs, n, d)`` of the
+        first ``n`` records (``n`` the largest count); the valid ones count as bytes read."""
         if index is None:
             self.read_bytes += int(self.count.sum()) * self.d * self.itemsize
-            return self.kv[:, :, :, 0]
+            return self.kv[0, :, :, : int(self.count.max())]
         self.read_bytes += int((index >= 0).sum()) * self.d * self.itemsize
         return self._gather(index, 0)
+
+    def page_keys(self, pages: torch.Tensor) -> torch.Tensor:
+        """Keys ``(b, Hs, m·PAGE, d)`` of the whole pages ``pages (b, Hs, m)`` (-1: none, page 0's
+        keys returned in its place), each page's records in order; the valid records of the pages
+        given count as bytes read."""
+        b, hs, m = pages.shape
+        n = self.kv.shape[3] // PAGE
+        given = (pages >= 0)[..., None]
+        pages = pages.clamp(min=0)
+        flat = (pages + torch.arange(b * hs).view(b, hs, 1) * n).flatten()
+        out = self.kv[0].view(-1, PAGE * self.d).index_select(0, flat)
+        live = self.valid.view(-1, PAGE).index_select(0, flat).view(b, hs, m, PAGE)
+        self.read_bytes += int((live & given).sum()) * self.d * self.itemsize
+        return out.view(b, hs, m * PAGE, self.d)
 
     def entries(self, index: torch.Tensor, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value ``(b, Hs, m, d)`` of the records ``index (b, Hs, m)`` (-1: zeros); the
@@ -169,26 +236,32 @@ class ColdStore:
         self.read_bytes += int(((index >= 0) & fresh).sum()) * self.entry_bytes
         return self._gather(index, 0), self._gather(index, 1)
 
+    def entries_at(self, index: torch.Tensor, which: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value ``(m, d)`` of the records ``index (b, Hs, n)`` where ``which (b, Hs, n)``
+        is True, in ``which.nonzero()`` order; they count as bytes read."""
+        bi, hi, si = which.nonzero(as_tuple=True)
+        flat = (bi * self.hs + hi) * self.kv.shape[3] + index[bi, hi, si]
+        self.read_bytes += int(flat.numel()) * self.entry_bytes
+        return self.kv[0].view(-1, self.d).index_select(0, flat), self.kv[1].view(-1, self.d).index_select(0, flat)
+
     def _gather(self, index: torch.Tensor, part: int) -> torch.Tensor:
-        idx = index.clamp(min=0)
-        bi = torch.arange(self.b)[:, None, None]
-        hi = torch.arange(self.hs)[None, :, None]
-        out = self.kv[bi, hi, idx, part]
-        return torch.where((index >= 0)[..., None], out, torch.zeros((), dtype=out.dtype))
+        n = self.kv.shape[3]
+        rows = torch.arange(self.b * self.hs).view(self.b, self.hs, 1) * n
+        out = self.kv[part].view(-1, self.d).index_select(0, (index.clamp(min=0) + rows).flatten())
+        out = out.view(*index.shape, self.d)
+        missing = index < 0
+        return out.masked_fill_(missing[..., None], 0) if bool(missing.any()) else out
 
     # -- rows ----------------------------------------------------------------------------------
     def move_rows(self, move) -> None:
         """Apply a row reorder, selection or expansion to every per-row tensor (a disk store
         rewrites its file)."""
-        kv = move(self.kv)
-        self.b = kv.shape[0]
+        keys, values = move(self.kv[0]), move(self.kv[1])
+        self.b = keys.shape[0]
         self.count, self.positions, self.scores = move(self.count), move(self.positions), move(self.scores)
         self.low, self.high = move(self.low), move(self.high)
-        if self.kind == "disk":
-            fresh = self._alloc(kv.shape[2])
-            fresh[:] = kv
-            kv = fresh
-        self.kv = kv
+        self.kv = self._alloc(keys.shape[2])
+        self.kv[0], self.kv[1] = keys, values
 
 
 def disk_bytes(path: str | os.PathLike) -> int:

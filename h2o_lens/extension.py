@@ -73,6 +73,7 @@ __all__ = [
     "current_extensions",
     "widen",
     "write_slots",
+    "write_window",
 ]
 
 
@@ -292,3 +293,22 @@ def write_slots(layer: H2OCacheLayer, start: int, key, value, score, position) -
     layer.positions[:, :, start:end] = position.to(layer.positions.dtype)
     if layer.history is not None:
         layer.history[:, :, start:end] = 0
+
+
+def write_window(layer: H2OCacheLayer, start: int, score, position, changed, key, value) -> None:
+    """Overwrite the scores and positions ``(b, Hs, n)`` of slots ``start …`` of ``layer`` (ones
+    :func:`widen` added) and, where ``changed (b, Hs, n)`` is True, their K/V with ``key, value
+    (m, d)`` given in ``changed.nonzero()`` order; the history of a changed slot restarts at 0."""
+    n = score.shape[2]
+    end = start + n
+    if start < 0 or end > layer.keys.shape[2]:
+        raise ConfigError(f"write_window({start}, n={n}) is outside the layer's {layer.keys.shape[2]} slots")
+    dev = layer.keys.device
+    layer.scores[:, :, start:end] = score.to(dev, layer.scores.dtype)
+    layer.positions[:, :, start:end] = position.to(dev, layer.positions.dtype)
+    bi, hi, si = (t.to(dev) for t in changed.nonzero(as_tuple=True))
+    if bi.numel():
+        layer.keys[bi, hi, start + si] = key.to(dev, layer.keys.dtype)
+        layer.values[bi, hi, start + si] = value.to(dev, layer.values.dtype)
+        if layer.history is not None:
+            layer.history[bi, hi, start + si] = 0
