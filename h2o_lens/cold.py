@@ -9,6 +9,11 @@ evicted key and value go to the layer's :class:`~h2o_lens.cold_store.ColdStore` 
 position and score. Before every ``every``-th decode step the window is refilled: the previous
 occupants' scores go back to their cold records, and the ``r`` cold entries the step's queries
 attend to most (:func:`select`) are written into the window.
+
+A gated tier (``ColdExtension(tier, gated=True)``, the guard's ``recall`` action, DESIGN.md §18.2)
+is no part of the config's budget: every eviction is stored, but a row's window is closed (no slot,
+nothing attended, nothing read) until :meth:`ColdExtension.open_rows` opens it with its own number of
+slots, added past the rows' capacity; from the next decode step on it is refilled as above.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from .cold_store import ColdStore
 from .errors import ConfigError
 from .extension import CacheExtension, StepNeeds, widen, write_window
 
-__all__ = ["ColdExtension", "select", "rank", "top", "cold_summary"]
+__all__ = ["ColdExtension", "select", "rank", "top", "cold_summary", "cold_extension"]
 
 
 def rank(qg: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, gqa: str) -> torch.Tensor:
@@ -122,21 +127,56 @@ class _Layer:
     prompt: tuple | None = None  # (key, value) of the prompt, until it is laid
     new: tuple | None = None  # (key, value) of the step's new token
     log: list = field(default_factory=list)
+    owner: Any = None  # the cache
 
 
 class ColdExtension(CacheExtension):
-    """The cold tier of one H2O cache (module docstring); its config is ``cache.config.cold``.
+    """The cold tier of one H2O cache (module docstring); its config is ``tier``, or
+    ``cache.config.cold`` when not given.
 
     ``log`` of each layer: per refill, ``(step (b,), positions (b, Hs, r), scores (b, Hs, r),
     fresh (b, Hs, r))`` (-1 positions: an empty window slot; ``fresh``: brought in by this refill).
+
+    ``gated``: the window is not taken out of the budget and each row's is closed until
+    :meth:`open_rows` opens it (``tier.recall`` is then unused; :attr:`width` the window slots the
+    layers hold, the most any open row has; :attr:`open` each row's).
     """
 
     #: the prompt forward is the same with or without a cold tier: it keeps what the keep rule
     #: drops and acts at the decode steps, so a prompt forward may be reused (DESIGN.md §12.5)
     observer = True
 
-    def __init__(self) -> None:
+    def __init__(self, tier: Any = None, gated: bool = False) -> None:
         self.layers: dict[int, _Layer] = {}
+        self.tier, self.gated = tier, gated
+        self.width = 0
+        self.open: torch.Tensor | None = None  # (b,) int64 window slots per row, gated only (0: closed)
+
+    def tier_of(self, cache: Any) -> Any:
+        """The :class:`~h2o_lens.cold_config.ColdTier` this extension runs (``cache`` its cache)."""
+        return self.tier if self.tier is not None else cache.config.cold
+
+    def open_rows(self, rows: list[int], slots: list[int], batch: int) -> None:
+        """Open (or widen) the windows of batch ``rows`` (of ``batch``) to ``slots`` each, for the
+        rest of the generation (gated only): each layer's storage grows to the widest window, and
+        the window is refilled from the next decode step on. Call it between decode steps, or at
+        the prefill before the prompts are laid."""
+        if not self.gated:
+            raise ConfigError("open_rows opens a gated cold tier's windows; this tier's window is always open")
+        if self.open is None or self.open.shape[0] != batch:
+            self.open = torch.zeros(batch, dtype=torch.int64)
+        for r, n in zip(rows, slots):
+            self.open[r] = max(int(self.open[r]), int(n))
+        width = int(self.open.max())
+        for idx, st in self.layers.items():
+            if st.store is None or width <= st.window.shape[-1]:
+                continue
+            extra = width - st.window.shape[-1]
+            start = widen(st.owner.layers[idx], extra)
+            if st.window.shape[-1] == 0:
+                st.start = start
+            st.window = torch.nn.functional.pad(st.window, (0, extra), value=-1)
+        self.width = max(self.width, width)
 
     def _state(self, layer: Any) -> _Layer:
         return self.layers.setdefault(layer.layer_idx, _Layer())
@@ -147,12 +187,14 @@ class ColdExtension(CacheExtension):
     def prompt_chosen(self, layer: Any, choice: Any) -> bool:
         if choice.draft:
             raise ConfigError("the cold tier does not support verification segments (speculative decoding)")
+        if self.gated and layer.layer_idx == 0:  # a new prompt: every window closed
+            self.open, self.width = None, 0
         self._state(layer).prompt = (choice.key, choice.value)
         return False
 
     def on_prefill(self, layer: Any, event: Any) -> None:
         st = self._state(layer)
-        tier = layer.owner.config.cold
+        tier = self.tier_of(layer.owner)
         key, value = st.prompt
         st.prompt = None
         if st.store is not None:
@@ -171,28 +213,29 @@ class ColdExtension(CacheExtension):
         )
         gone = torch.where((event.positions >= 0) & ~event.keep, event.positions, -1)
         st.store.append(key, value, event.scores, gone)
-        st.start = widen(layer, tier.recall)
-        st.window = torch.full((b, hs, tier.recall), -1, dtype=torch.int64)
-        st.steps, st.log = 0, []
+        width = self.width if self.gated else tier.recall
+        st.start = widen(layer, width)
+        st.window = torch.full((b, hs, width), -1, dtype=torch.int64)
+        st.steps, st.log, st.owner = 0, [], layer.owner
 
     def before_step(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         st = self.layers.get(layer.layer_idx)
         if st is None or st.store is None:
             return
         st.new = (key, value)
-        tier = layer.owner.config.cold
+        tier = self.tier_of(layer.owner)
         due = st.steps % tier.every == 0
         st.steps += 1
-        if due:
-            self._refill(layer, st, query, tier)
+        if due and (not self.gated or (st.window.shape[-1] and self.open is not None and bool(self.open.any()))):
+            self._refill(layer, st, query, tier)  # a gated tier with every window closed reads nothing
 
     def _refill(self, layer: Any, st: _Layer, query: torch.Tensor, tier: Any) -> None:
-        r, start, store = tier.recall, st.start, st.store
+        r, start, store = st.window.shape[-1], st.start, st.store
         old = st.window
         store.write_scores(old, layer.scores[:, :, start : start + r])  # the occupants go back
         hs = store.hs
         qg = query.unflatten(1, (hs, query.shape[1] // hs)) * layer.scaling  # (b, Hs, G, d)
-        best = select(store, qg, layer.owner.config.gqa, r, tier.select, tier.pages_scanned)
+        best = self._choose(store, qg, layer.owner.config.gqa, r, tier)
         last = torch.iinfo(torch.int64).max  # sorts after every record and position
         was = torch.where(old >= 0, old, last)
         now = torch.where(best >= 0, best, last)
@@ -216,6 +259,19 @@ class ColdExtension(CacheExtension):
         write_window(layer, start, score, held, filled, k, v)
         st.window = new
         st.log.append((layer.next_pos.detach().to("cpu").clone(), held, score.clone(), filled))
+
+    def _choose(self, store: ColdStore, qg: torch.Tensor, gqa: str, r: int, tier: Any) -> torch.Tensor:
+        """:func:`select` of ``r`` records per row; gated, each open row's own window (-1 past it)
+        and none for a closed row (a batch's rows share the scoring: a closed row's keys are scored
+        with the open rows' and count as read, DESIGN.md §18.2)."""
+        if not self.gated:
+            return select(store, qg, gqa, r, tier.select, tier.pages_scanned)
+        out = torch.full((store.b, store.hs, r), -1, dtype=torch.int64)
+        for n in sorted(set(self.open.tolist()) - {0}):
+            rows = self.open == n
+            best = select(store, qg, gqa, n, tier.select, tier.pages_scanned)
+            out[rows, :, :n] = best[rows]
+        return out
 
     def step_taken(self, layer: Any, step: Any) -> None:
         st = self.layers.get(layer.layer_idx)
@@ -241,6 +297,8 @@ class ColdExtension(CacheExtension):
             return
         st.store.move_rows(move)
         st.window = move(st.window)
+        if self.open is not None and layer.layer_idx == min(self.layers):
+            self.open = move(self.open)
 
     def slots_changed(self, cache: Any, rows: list[int], slots: list[int], kind: str) -> None:
         raise ConfigError(f"the cold tier cannot be combined with the guard's {kind} (the recall window's slots move)")
@@ -260,7 +318,7 @@ class ColdExtension(CacheExtension):
 def cold_summary(cache: Any) -> dict[str, int] | None:
     """A cache's cold tier in numbers: ``written`` and ``read`` bytes of K/V, ``evicted`` entries
     kept cold, ``recalled`` entries brought into a window; None without a cold tier."""
-    ext = next((e for e in cache.extensions if isinstance(e, ColdExtension)), None)
+    ext = cold_extension(cache)
     if ext is None:
         return None
     out = {"written": 0, "read": 0, "evicted": 0, "recalled": 0}
@@ -271,3 +329,8 @@ def cold_summary(cache: Any) -> dict[str, int] | None:
             out["evicted"] += int(st.store.count.sum())
         out["recalled"] += sum(int(f.sum()) for *_, f in st.log)
     return out
+
+
+def cold_extension(cache: Any) -> ColdExtension | None:
+    """The cache's cold tier (its config's, or a gated one the guard attached), or None."""
+    return next((e for e in cache.extensions if isinstance(e, ColdExtension)), None)

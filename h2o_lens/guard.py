@@ -16,7 +16,10 @@ whose risk reached the threshold:
 - ``raise``: the row's slot count grows to its target for the rest of the generation
   (:func:`grow_rows`); the positions evicted so far stay evicted and the event says how many;
 - ``refill``: the row's prompt and generated tokens are prefilled again at its target and the
-  row goes on from that state (:mod:`h2o_lens.refill`; pass ``guard.refill(model)`` to ``generate``).
+  row goes on from that state (:mod:`h2o_lens.refill`; pass ``guard.refill(model)`` to ``generate``);
+- ``recall``: the row's recall window opens (a cold tier that has kept every eviction since the
+  prefill, :class:`~h2o_lens.cold.ColdExtension` gated) and brings back, before each later step,
+  the evicted entries the queries attend to most.
 
 The signals (:data:`SIGNALS`, each in [0, 1], all defined in DESIGN.md §18.1):
 
@@ -58,6 +61,9 @@ from typing import Any
 
 import torch
 
+from .cold import ColdExtension
+from .cold_config import ColdTier
+from .errors import ConfigError
 from .extension import use_extensions
 from .guard_actions import grow_rows, raise_prompt
 from .guard_config import (
@@ -191,5 +197,20 @@ def guarded(config: GuardConfig | None = None) -> Iterator[Guard]:
     caches are plain again.
     """
     guard = Guard(config or GuardConfig())
-    with use_extensions(lambda cache: _attach(guard, cache)):
+    factories = [lambda cache: _attach(guard, cache)]
+    if guard.config.acting == "recall":  # the cold tier first: it stashes a prompt before the guard lays it
+        factories.insert(0, _recall_tier)
+    with use_extensions(*factories):
         yield guard
+
+
+def _recall_tier(cache: Any) -> ColdExtension:
+    """The gated cold tier of the ``recall`` action (DESIGN.md §18.2): every eviction kept in host
+    memory, exact selection, a refill at every decode step, each row's window closed until the guard
+    opens it."""
+    if cache.config.cold is not None:
+        raise ConfigError(
+            "guard action 'recall' brings its own cold tier (each window opened by the guard); leave the "
+            "config's cold tier out"
+        )
+    return ColdExtension(ColdTier(store="cpu", select="exact"), gated=True)

@@ -28,11 +28,11 @@ __all__ = [
 #: the signals, in the order of :attr:`GuardConfig.weights` and of the logged rows
 SIGNALS = ("margin", "trend", "uniform", "far", "entropy", "dropped", "structure", "refer", "prefill", "canary")
 #: the actions a guard can take (DESIGN.md §18.2)
-ACTIONS = ("none", "raise", "refill", "canary")
+ACTIONS = ("none", "raise", "refill", "canary", "recall")
 #: what the ``canary`` action does to a request whose risk reaches the threshold (DESIGN.md §18.2)
 FALLBACKS = ("none", "raise", "refill")
 #: the actions a logged guard event names (``guard_events.action``, DESIGN.md §18.2)
-LOGGED_ACTIONS = ("raise", "refill", "canary")
+LOGGED_ACTIONS = ("raise", "refill", "canary", "recall")
 #: per-layer signals, averaged over the layers and KV sets of a step
 LAYER_SIGNALS = ("margin", "uniform", "far", "entropy", "dropped")
 
@@ -71,12 +71,14 @@ class GuardConfig:
     Parameters
     ----------
     action : ``none`` (log the risk only), ``raise`` (grow the slot count), ``refill`` (prefill
-        the tokens so far again at the target) or ``canary`` (a share of the batch also runs at the
-        target; their KL and agreement feed the risk, and ``fallback`` acts on it, DESIGN.md §18.2)
+        the tokens so far again at the target), ``canary`` (a share of the batch also runs at the
+        target; their KL and agreement feed the risk, and ``fallback`` acts on it) or ``recall``
+        (open a recall window of a cold tier that keeps every eviction, DESIGN.md §18.2)
     threshold : the risk in [0, 1] at which the action runs on a row
     raise_slots : slots per KV set after a raise or refill (at least the row's current count), or
     raise_ratio : a keep ratio of the row's prompt length after it (one of the two with ``raise``
-        and ``refill``)
+        and ``refill``); under ``recall`` the two give the window the row gains instead:
+        ``raise_slots`` slots (at least 1), or ``ratio_slots(raise_ratio, P)``
     reservoir : the share of a row's slots kept as a sampled reservoir of evicted keys, e.g. 0.02
         (0, the default, turns the ``dropped`` signal off: it predicted no failure in
         ``bench guard`` and its upkeep costs a few per cent of a decode step, DESIGN.md §18.3);
@@ -144,8 +146,15 @@ class GuardConfig:
             raise ConfigError(
                 f"guard action {self.action!r} needs a target: raise_slots=N or raise_ratio=R (0 < R <= 1)"
             )
-        if self.raise_slots is not None and self.raise_slots < 2:
+        if self.action == "recall" and self.raise_slots is not None and self.raise_slots < 1:
+            raise ConfigError(f"recall window raise_slots={self.raise_slots}; expected at least 1 slot")
+        if self.action != "recall" and self.raise_slots is not None and self.raise_slots < 2:
             raise ConfigError(f"raise_slots={self.raise_slots}; expected at least 2 slots")
+        if self.action == "recall" and self.rescue:
+            raise ConfigError(
+                f"rescue={self.rescue} pins positions at a raise; the 'recall' action opens a recall window "
+                "instead, leave rescue out"
+            )
         if self.raise_ratio is not None and not 0.0 < self.raise_ratio <= 1.0:
             raise ConfigError(f"raise_ratio={self.raise_ratio} is outside (0, 1]; give a keep ratio such as 0.35")
         if not 0.0 <= self.reservoir <= 0.5:
@@ -181,9 +190,9 @@ class GuardConfig:
 
     @property
     def acting(self) -> str:
-        """What a request whose risk reaches the threshold gets: ``raise``, ``refill`` or ``none``
-        (the action itself, or the ``canary`` action's fallback)."""
-        if self.action in ("raise", "refill"):
+        """What a request whose risk reaches the threshold gets: ``raise``, ``refill``, ``recall``
+        or ``none`` (the action itself, or the ``canary`` action's fallback)."""
+        if self.action in ("raise", "refill", "recall"):
             return self.action
         return self.fallback if self.action == "canary" else "none"
 
@@ -191,8 +200,8 @@ class GuardConfig:
         """Refuse a raise target at or below the base budget ``base`` (an :class:`~h2o_lens.config.H2OConfig`)
         where both are known up front: slots against slots, a keep ratio against a keep ratio (a
         raise to no more slots than a row holds would log a raise that does nothing)."""
-        if self.acting == "none" and self.action != "canary":
-            return
+        if (self.acting == "none" and self.action != "canary") or self.action == "recall":
+            return  # a recall window adds slots to any base
         if self.raise_slots is not None and base.ratio is None and base.heavy is not None:
             have = int(base.heavy) + int(base.recent)
             if self.raise_slots <= have:
@@ -210,3 +219,9 @@ class GuardConfig:
         """Slots per KV set after a raise of a row that holds ``capacity`` slots."""
         n = self.raise_slots if self.raise_slots is not None else ratio_slots(self.raise_ratio, prompt_len)
         return max(int(n), capacity)
+
+    def window(self, prompt_len: int) -> int:
+        """Under ``recall``: the recall window's slots for a row whose prompt has ``prompt_len``
+        tokens (``raise_slots``, or ``ratio_slots(raise_ratio, prompt_len)``)."""
+        n = self.raise_slots if self.raise_slots is not None else ratio_slots(self.raise_ratio, prompt_len)
+        return max(1, int(n))

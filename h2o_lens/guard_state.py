@@ -265,7 +265,11 @@ class GuardState(CacheExtension):
                     }
                 )
             self.events += canaries
-        if self.act_at_prefill and cfg.acting != "none":
+        if self.act_at_prefill and cfg.acting == "recall":
+            rows = torch.nonzero((risk >= cfg.threshold) & ~self.raised)[:, 0].tolist()
+            if rows:  # the windows open before the prompts are laid (nothing is evicted yet)
+                acted += self._recall(rows, step, risk)
+        elif self.act_at_prefill and cfg.acting != "none":
             hit = (risk >= cfg.threshold) & ~self.raised  # a canary row is raised already
             rows = torch.nonzero(hit)[:, 0].tolist()
             if rows:
@@ -408,7 +412,8 @@ class GuardState(CacheExtension):
                 hit[c] = False
             if bool(hit.any()):
                 rows = torch.nonzero(hit)[:, 0].tolist()
-                (self._raise if cfg.acting == "raise" else self._mark_refill)(rows, step, risk)
+                act = {"raise": self._raise, "recall": self._recall}.get(cfg.acting, self._mark_refill)
+                act(rows, step, risk)
 
     def _actions(self, rows: list[int], step: torch.Tensor, risk: torch.Tensor, action: str) -> list[dict[str, Any]]:
         caps = self.cache.row_capacity(self.cache.layers[0].budget).tolist()
@@ -423,11 +428,34 @@ class GuardState(CacheExtension):
                     "risk": float(risk[r]),
                     "action": action,
                     "slots_before": int(caps[r]),
-                    "slots_after": self.config.target(caps[r], int(self.prompt_len[r])),
+                    "slots_after": self._after(action, int(caps[r]), int(self.prompt_len[r])),
                     "evicted": float(self.evicted[r]),
                     "row": r,
                 }
             )
+        return out
+
+    def _after(self, action: str, capacity: int, prompt_len: int) -> int:
+        """A row's slots per KV set after ``action``: the raise's target, or its slots and the recall window."""
+        if action == "recall":
+            return capacity + self.config.window(prompt_len)
+        return self.config.target(capacity, prompt_len)
+
+    def _recall(self, rows: list[int], step: torch.Tensor, risk: torch.Tensor) -> list[int]:
+        """Open the recall windows of ``rows`` (DESIGN.md §18.2): the guard's cold tier (attached by
+        :func:`~h2o_lens.guard.guarded`) brings cold entries into them from the next decode step on.
+        Returns the rows acted on."""
+        from .cold import cold_extension
+
+        tier = cold_extension(self.cache)
+        if tier is None or not tier.gated:  # pragma: no cover - guarded attaches it
+            raise ConfigError("guard action 'recall' needs the guard's cold tier; build the cache inside guarded()")
+        acts = self._actions(rows, step, risk, "recall")
+        tier.open_rows(rows, [a["slots_after"] - a["slots_before"] for a in acts], len(self.raised))
+        out = []
+        for a in acts:
+            out.append(a.pop("row"))
+            self.events.append({**a, "seconds": 0.0})
         return out
 
     def _raise(self, rows: list[int], step: torch.Tensor, risk: torch.Tensor) -> None:
