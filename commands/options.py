@@ -30,6 +30,7 @@ __all__ = [
     "press_items",
     "number",
     "guard_item",
+    "guard_target",
     "guard_config",
     "guard_summary",
     "guard_scope",
@@ -267,13 +268,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def guard_item(item: str, where: str) -> tuple[str, float, float, float | None]:
-    """A guard policy ``ACTION:TARGET[:RESCUE][@THRESHOLD]`` (ACTION ``raise`` or ``refill``) as
-    ``(action, target, rescue, threshold or None)``; ``where`` names the option in the one-line
-    error a malformed item gets (DESIGN.md §18.2)."""
+    """A guard policy ``ACTION:TARGET[:RESCUE][@THRESHOLD]`` (ACTION ``raise`` or ``refill``) or
+    ``recall:WINDOW[@THRESHOLD]`` as ``(action, target, rescue, threshold or None)``; a recall's
+    WINDOW is a whole number of slots (an ``int``) or a share of the prompt in (0, 1] (a ``float``,
+    written with a point, as 0.05); ``where`` names the option in the one-line error a malformed
+    item gets (DESIGN.md §18.2)."""
     from h2o_lens.errors import ConfigError
 
     spec, at, level = item.partition("@")
     parts = spec.split(":")
+    if parts[0] == "recall":
+        return _recall_item(item, parts, at, level, where)
     try:
         if len(parts) not in (2, 3) or parts[0] not in ("raise", "refill") or (at and not level):
             raise ValueError
@@ -283,13 +288,50 @@ def guard_item(item: str, where: str) -> tuple[str, float, float, float | None]:
     except ValueError:
         raise ConfigError(
             f"{where} {item!r}: expected ACTION:TARGET[:RESCUE][@THRESHOLD] with ACTION raise or refill, "
-            "e.g. raise:0.35:0.15 or raise:0.35:0.25@0"
+            "or recall:WINDOW[@THRESHOLD], e.g. raise:0.35:0.15, raise:0.35:0.25@0 or recall:0.05"
         ) from None
     if not 0.0 < target <= 1.0 or not 0.0 <= rescue <= 1.0:
         raise ConfigError(f"{where} {item!r}: the target keep ratio must be in (0, 1] and the rescue share in [0, 1]")
+    _check_level(item, threshold, where)
+    return parts[0], target, rescue, threshold
+
+
+def _recall_item(item: str, parts: list[str], at: str, level: str, where: str) -> tuple[str, float, float, float | None]:
+    """:func:`guard_item` of ``recall:WINDOW[@THRESHOLD]``."""
+    from h2o_lens.errors import ConfigError
+
+    try:
+        if len(parts) != 2 or (at and not level):
+            raise ValueError
+        window = int(parts[1]) if parts[1].isdigit() else float(parts[1])
+        threshold = float(level) if at else None
+    except ValueError:
+        raise ConfigError(
+            f"{where} {item!r}: expected recall:WINDOW[@THRESHOLD], WINDOW the recall window in slots (16) or "
+            "as a share of the prompt (0.05), e.g. recall:0.05@0.4"
+        ) from None
+    if isinstance(window, int) and window < 1 or isinstance(window, float) and not 0.0 < window <= 1.0:
+        raise ConfigError(
+            f"{where} {item!r}: the recall window must be a whole number of slots >= 1 (16) or a share of the "
+            "prompt in (0, 1] (0.05)"
+        )
+    _check_level(item, threshold, where)
+    return "recall", window, 0.0, threshold
+
+
+def _check_level(item: str, threshold: float | None, where: str) -> None:
+    from h2o_lens.errors import ConfigError
+
     if threshold is not None and not 0.0 <= threshold <= 1.0:
         raise ConfigError(f"{where} {item!r}: the threshold after @ must be in [0, 1]")
-    return parts[0], target, rescue, threshold
+
+
+def guard_target(action: str, target: float) -> dict[str, Any]:
+    """The ``GuardConfig`` fields of a parsed policy's target (:func:`guard_item`): a keep ratio,
+    or a recall window in slots (an ``int``) or as a share of the prompt."""
+    if action == "recall" and isinstance(target, int):
+        return {"raise_slots": target}
+    return {"raise_ratio": target}
 
 
 def guard_config(
@@ -321,7 +363,7 @@ def guard_config(
     action, target, rescue, threshold = guard_item(item, where)
     if threshold is not None:
         fitted["threshold"] = threshold
-    return GuardConfig(action=action, raise_ratio=target, rescue=rescue, **fitted)
+    return GuardConfig(action=action, rescue=rescue, **guard_target(action, target), **fitted)
 
 
 def guard_summary(state) -> str:

@@ -54,7 +54,8 @@ def add_parser(sub: Any) -> None:
         default=None,
         metavar="log|ACTION:TARGET[:RESCUE][@THRESHOLD]",
         help="run the request guarded, its risk and actions logged (DESIGN.md §18): log (the risk only), or "
-        "raise:0.35:0.15 (raise to 35 %% with 15 %% rescued when the risk reaches 0.5), refill:1.0@0.6, ...",
+        "raise:0.35:0.15 (raise to 35 %% with 15 %% rescued when the risk reaches 0.5), refill:1.0@0.6, "
+        "recall:0.05 (open a recall window of 5 %% of the prompt on the evicted entries; recall:16 in slots), ...",
     )
     r.add_argument(
         "--guard-fit",
@@ -184,7 +185,10 @@ def _check_record(args: argparse.Namespace):
     if guard is not None and not config.spec.evicts:
         raise ConfigError(f"--guard watches evictions; --policy {config.policy} keeps every token")
     if guard is not None and config.cold is not None:
-        raise ConfigError("--guard grows a request's slots, which moves a cold tier's window; drop --guard or --cold")
+        raise ConfigError(
+            "--guard grows a request's slots, which moves a cold tier's window (and --guard recall brings its "
+            "own cold tier); drop --guard or --cold"
+        )
     if guard is not None:
         guard.check_base(config)  # a raise to no more slots than the base would do nothing
     if not config.spec.evicts and (args.heavy is not None or args.recent is not None or args.ratio is not None):

@@ -66,7 +66,7 @@ def write_recall_rows(writer: Any, cache: Any, ids: list[int], last_step: dict[i
     if ext is None:
         return 0
     done = getattr(ext, "written", {})
-    tier = cache.config.cold.store
+    tier = ext.tier_of(cache).store
     group = cache.group
     parts: dict[str, list[np.ndarray]] = {}
     for layer, st in sorted(ext.layers.items()):
@@ -110,10 +110,13 @@ def cold_manifest(cache: Any) -> dict[str, Any] | None:
     numbers = cold_summary(cache) if cache is not None else None
     if numbers is None:
         return None
-    tier = cache.config.cold
+    ext = cold_of(cache)
+    tier = ext.tier_of(cache)
+    gated = {"gated": True} if ext.gated else {}  # the guard's recall: windows opened per request (§18.2)
     return {
+        **gated,
         "store": tier.store,
-        "recall": tier.recall,
+        "recall": ext.width if ext.gated else tier.recall,  # gated: the widest window opened (0: none)
         "every": tier.every,
         "select": tier.select,
         "scan": tier.pages_scanned,

@@ -34,7 +34,7 @@ from .schema import FLOAT_SLACK
 __all__ = ["Violation", "GUARD_ACTIONS", "NON_EVICTING", "check_consistency", "check_manifest_values"]
 
 #: ``guard_events.action``: what the guard can log (DESIGN.md §18.2)
-GUARD_ACTIONS = ("raise", "refill", "canary")
+GUARD_ACTIONS = ("raise", "refill", "canary", "recall")
 #: policies that never evict (every other policy's run logs ``evictions`` and ``steps``)
 NON_EVICTING = ("full",)
 _MANIFEST = "manifest.json"
@@ -289,17 +289,15 @@ def _guard(manifest: Mapping[str, Any], files: Mapping[str, Sequence[Any]], run:
             issue = None
             if action not in GUARD_ACTIONS:
                 issue = f"has action {action!r}, not one of {', '.join(GUARD_ACTIONS)}"
-            elif action == "raise" and after < before:
-                issue = f"is a raise that shrinks slots {before} -> {after} (slots_after {after}); a raise grows"
+            elif action in ("raise", "recall") and after < before:
+                issue = f"is a {action} that shrinks slots {before} -> {after} (slots_after {after}); a {action} grows"
             elif action != "canary" and threshold is not None and risk < threshold - FLOAT_SLACK:
                 issue = f"acted ({action}) at risk {risk:.6g}, below the run's guard.threshold {threshold}"
             elif spans and r not in spans:
                 issue = f"names request {r}, which the run does not have (requests: {len(spans)})"
-            elif r in spans and after > max(sum(spans[r]), raise_slots):
-                issue = (
-                    f"has slots_after {after}, more than the request's {sum(spans[r])} tokens "
-                    "(prompt_len + new_tokens) could fill"
-                )
+            elif r in spans and (after - before if action == "recall" else after) > max(sum(spans[r]), raise_slots):
+                what = f"a recall window of {after - before} slots" if action == "recall" else f"slots_after {after}"
+                issue = f"has {what}, more than the request's {sum(spans[r])} tokens (prompt_len + new_tokens) could fill"
             if issue:
                 out.append(_violation(path, "guard_events", f"{said} {issue}", "guard_events value impossible"))
     out += _raises(manifest, files, run, acted)

@@ -265,7 +265,7 @@ TABLES: dict[str, pa.Schema] = {
             _REQUEST,
             _f("step", pa.int64(), "decode step after which the guard acted"),
             _f("risk", pa.float32(), "the risk that reached the threshold"),
-            _f("action", pa.string(), "what the guard did: raise, refill or canary (DESIGN.md §18.2)"),
+            _f("action", pa.string(), "what the guard did: raise, refill, canary or recall (DESIGN.md §18.2)"),
             _f("slots_before", pa.int32(), "slots per layer and KV set before the action"),
             _f("slots_after", pa.int32(), "slots per layer and KV set after it"),
             _f("evicted", pa.float32(), "positions already evicted, mean per layer and KV set: a raise keeps them out"),
