@@ -13,7 +13,8 @@ fails its checker is left out, as no budget can save it. It prints:
 - accuracy against mean KV slots (a share of the full cache's) for the fixed budgets and the
   guard's policies, on the same requests;
 - how many of H2O's failures at ``--ratio`` each guard policy recovered, at what mean memory and
-  time per request.
+  time per request (a ``recall`` policy's open window counts in its memory, so ``recall:0.05``
+  beside ``raise:0.25`` at base 0.2 compares the two uses of the same added slots).
 
 The heads the ``prefill`` signal reads, the weights and the threshold are fitted on the requests
 of ``--seed + 1`` (:mod:`.guard_fit`), and the guard runs with them on those of ``--seed``
@@ -64,9 +65,10 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="ACTION:TARGET[:RESCUE][@THRESHOLD]",
-        help="the guard's policies to run, e.g. raise:0.35:0.15 refill:1.0 raise:0.35:0.25@0 (@: act at "
-        "that risk instead of the fitted or --threshold one; 0: every request; none: no policy, the AUROC "
-        "alone) (default raise:0.35:0.15 raise:0.5 refill:1.0)",
+        help="the guard's policies to run, e.g. raise:0.35:0.15 refill:1.0 raise:0.35:0.25@0, or recall:0.05 "
+        "(a recall window of 5 %% of the prompt on the evicted entries; recall:16 in slots) beside raise:0.25 "
+        "at the same added memory (@: act at that risk instead of the fitted or --threshold one; 0: every "
+        "request; none: no policy, the AUROC alone) (default raise:0.35:0.15 raise:0.5 refill:1.0)",
     )
     b.add_argument(
         "--fit-tasks",

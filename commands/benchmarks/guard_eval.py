@@ -332,15 +332,16 @@ class _Runs:
 
         recovered = []
         failures = [i for i in self.kept if self.outcomes[i].failed]
+        from ..options import guard_target
+
         for action, target, rescue, *own in policies:
             level = own[0] if own else threshold
-            cfg = GuardConfig(action=action, threshold=level, raise_ratio=target, rescue=rescue, **guard)
+            cfg = GuardConfig(action=action, threshold=level, rescue=rescue, **guard_target(action, target), **guard)
             runs = {}
             for i in self.kept:
                 runs[i] = run_request(self.model, self.tokenizer, self.tasks[i], H2OConfig(ratio=ratio), cfg)
                 self.tick()
-            pinned = f"+{rescue:.0%} pinned" if rescue else ""
-            row = self.add(f"guard {action}->{target:.0%}{pinned} @{level:.3f}", runs)
+            row = self.add(f"guard {_arm(action, target, rescue)} @{level:.3f}", runs)
             row["raised"] = sum(1 for r in runs.values() if r.events)
             saved = [i for i in failures if self.verdict(runs[i], i)]
             recovered.append(
@@ -356,6 +357,14 @@ class _Runs:
                 }
             )
         return recovered
+
+
+def _arm(action: str, target: float, rescue: float) -> str:
+    """A guard policy's name in the tables: ``raise->35%+15% pinned``, ``recall+5%`` (a window of 5 %
+    of the prompt) or ``recall+16`` (of 16 slots)."""
+    if action == "recall":
+        return f"recall+{target}" if isinstance(target, int) else f"recall+{target:.0%}"
+    return f"{action}->{target:.0%}" + (f"+{rescue:.0%} pinned" if rescue else "")
 
 
 def _row(policy: str, runs: dict[int, RequestRun], verdict: Callable[[RequestRun, int], bool]) -> dict[str, Any]:
