@@ -296,7 +296,7 @@ def guard_item(item: str, where: str) -> tuple[str, float, float, float | None]:
     return parts[0], target, rescue, threshold
 
 
-def _recall_item(item: str, parts: list[str], at: str, level: str, where: str) -> tuple[str, float, float, float | None]:
+def _recall_item(item: str, parts: list[str], at: str, level: str, where: str) -> tuple[str, Any, float, float | None]:
     """:func:`guard_item` of ``recall:WINDOW[@THRESHOLD]``."""
     from h2o_lens.errors import ConfigError
 

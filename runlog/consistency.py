@@ -297,7 +297,8 @@ def _guard(manifest: Mapping[str, Any], files: Mapping[str, Sequence[Any]], run:
                 issue = f"names request {r}, which the run does not have (requests: {len(spans)})"
             elif r in spans and (after - before if action == "recall" else after) > max(sum(spans[r]), raise_slots):
                 what = f"a recall window of {after - before} slots" if action == "recall" else f"slots_after {after}"
-                issue = f"has {what}, more than the request's {sum(spans[r])} tokens (prompt_len + new_tokens) could fill"
+                tokens = sum(spans[r])
+                issue = f"has {what}, more than the request's {tokens} tokens (prompt_len + new_tokens) could fill"
             if issue:
                 out.append(_violation(path, "guard_events", f"{said} {issue}", "guard_events value impossible"))
     out += _raises(manifest, files, run, acted)
