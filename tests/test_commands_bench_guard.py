@@ -663,3 +663,31 @@ def test_a_saved_fit_is_measured_instead_of_fitting(tmp_path, capsys, monkeypatc
     assert seen == []
     with pytest.raises(ConfigError, match="leave out --save-fit"):
         bench_guard(**args, fit_file=str(tmp_path / "fit.json"), save_fit=str(tmp_path / "x.json"))
+
+
+def test_a_recall_arm_runs_beside_raise_at_the_same_added_memory(model):
+    """``recall:0.2@0`` and ``raise:0.4@0`` at base 0.2 each add about 20 % of the prompt to every
+    request at the prefill: the recall arm's open window counts in its mean KV, which lands near the
+    raise's and above the base's; both act on every request and are named in the tables."""
+    from commands.benchmarks.guard import guard_policies
+
+    policies = guard_policies(["raise:0.4@0", "recall:0.2@0", "recall:4@1"])
+    assert policies == (("raise", 0.4, 0.0, 0.0), ("recall", 0.2, 0.0, 0.0), ("recall", 4, 0.0, 1.0))
+    tok = _tokenizer()
+    report = evaluate(model, tok, _tasks(1), [], ratio=0.2, budgets=(0.2,), policies=policies, ks=(4,), threshold=0.5)
+    rows = {r["policy"]: r for r in report.table}
+    base, raised = rows["fixed 20%"], rows["guard raise->40% @0.000"]
+    recalled, closed = rows["guard recall+20% @0.000"], rows["guard recall+4 @1.000"]
+    assert raised["raised"] == recalled["raised"] == 4 and closed["raised"] == 0
+    assert base["memory"] < recalled["memory"] and abs(recalled["memory"] - raised["memory"]) < 0.05
+    assert closed["memory"] == base["memory"]  # a window never opened holds nothing
+    text = format_report(report)
+    assert "guard recall+20% @0.000: recovered" in text or "guard recall+20% @0.000: no H2O failure" in text
+
+
+def test_cli_refuses_a_bad_recall_arm_in_one_line(capsys):
+    from commands.cli import main
+
+    assert main(["bench", "guard", "--guard-policies", "recall:0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'recall:0': the recall window must be a whole number of slots" in err

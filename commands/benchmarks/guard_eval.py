@@ -455,7 +455,7 @@ def format_report(report: GuardReport) -> str:
         wrong = f"{row.get('wrong', 0)}, {row.get('cut', 0)}"
         lines.append(
             f"{row['policy']:>38} {row['accuracy']:>9.1%} {row['memory']:>8.1%} {row['seconds']:>10.2f} {wrong:>11}"
-            + (f"  raised {row['raised']}" if "raised" in row else "")
+            + (f"  {'opened' if ' recall+' in row['policy'] else 'raised'} {row['raised']}" if "raised" in row else "")
         )
     lines.append("")
     for r in report.recovered:
