@@ -75,6 +75,16 @@ def _event(column: str, value):
     return lambda run_dir: _rewrite(_segment(run_dir, "guard_events"), column, lambda v: np.full_like(v, value))
 
 
+def _recall(slots_after: int):
+    """The sample's raise rewritten as a guard ``recall`` (DESIGN.md §18.2) to ``slots_after``."""
+
+    def edit(run_dir):
+        _event("action", "recall")(run_dir)
+        _event("slots_after", slots_after)(run_dir)
+
+    return edit
+
+
 def _guard_field(key: str, value):
     return lambda run_dir: _edit_manifest(run_dir, lambda m: m["guard"].__setitem__(key, value))
 
@@ -113,6 +123,8 @@ CASES = {
     "action_explode": (_event("action", "explode"), "has action 'explode', not one of raise, refill, canary"),
     "slots_after_2e9": (_event("slots_after", 2_000_000_000), "has slots_after 2000000000, more than"),
     "raise_shrinks": (_event("slots_after", 10), "is a raise that shrinks slots 35 -> 10"),
+    "recall_shrinks": (_recall(10), "is a recall that shrinks slots 35 -> 10"),
+    "recall_window_1000": (_recall(1035), "has a recall window of 1000 slots, more than the request's 185 tokens"),
     "risk_under_threshold": (_event("risk", 0.2), "acted (raise) at risk 0.2, below the run's guard.threshold 0.5"),
     "request_it_does_not_have": (_event("request", 7), "names request 7, which the run does not have"),
     "manifest_prompt_len_10": (_field("prompt_len", 10), "manifest field prompt_len is 10, but the longest"),
