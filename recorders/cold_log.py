@@ -112,7 +112,7 @@ def cold_manifest(cache: Any) -> dict[str, Any] | None:
         return None
     ext = cold_of(cache)
     tier = ext.tier_of(cache)
-    gated = {"gated": True} if ext.gated else {}  # the guard's recall: windows opened per request (§18.2)
+    gated = {"gated": True} if ext.gated else {}  # the guard's recall: windows opened per request (DESIGN.md §18.2)
     return {
         **gated,
         "store": tier.store,
