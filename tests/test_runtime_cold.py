@@ -226,6 +226,10 @@ def test_the_cold_config_checks_and_round_trips():
     assert H2OConfig(**cfg.to_dict()) == cfg and "cold=disk:3:pages" in cfg.describe()
     assert "cold" not in H2OConfig(heavy=6, recent=4).to_dict()
     assert np.isclose(cfg.cold.pages_scanned, 1)
+    assert parse_cold("cpu:8:pages:4") == ColdTier(store="cpu", recall=8, select="pages", every=4)
+    for bad in ("cpu:8:pages:x", "cpu:8:pages:4:1", "cpu:8:pages:0"):
+        with pytest.raises(ConfigError, match="STORE:RECALL|every"):
+            parse_cold(bad)
 
 
 def test_a_disk_store_never_opens_or_removes_a_file_it_did_not_make(tmp_path):

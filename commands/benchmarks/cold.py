@@ -2,7 +2,8 @@
 
 For each task, greedy generation with the full cache, with plain H2O at ``--ratio`` of the prompt,
 and with H2O at the same slot count whose recall window of ``--window`` of the prompt is taken
-inside it (DESIGN.md §2.13), per store and selection. Printed per configuration: accuracy (the
+inside it (DESIGN.md §2.13), per store, selection and refill interval (``--every``; a configuration
+named ``/K`` refills every K decode steps). Printed per configuration: accuracy (the
 task's checker), the requests it recovers (plain H2O wrong, the full cache right, it right), the hot
 KV share (slots held over positions, layer 0's first KV set, the window included), the cold bytes
 read per generated token, and the decode time per token beside plain H2O's: on the first task, every
@@ -37,8 +38,13 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--selections", nargs="+", default=None, metavar="SELECTION", help="exact and/or pages (default both)"
     )
+    b.add_argument(
+        "--every", type=at_least(1), nargs="+", default=[1], metavar="K", help="refill every K decode steps (default 1)"
+    )
     b.add_argument("--new-tokens", type=at_least(1), default=None, help="cap on each task's new tokens")
-    b.add_argument("--rounds", type=at_least(1), default=3, help="timing rounds, configurations rotated each round")
+    b.add_argument(
+        "--rounds", type=at_least(0), default=3, help="timing rounds, configurations rotated each round (0: none)"
+    )
     b.add_argument("--time-tokens", type=at_least(2), default=16, help="tokens generated per timed generation")
 
 
@@ -135,7 +141,7 @@ def _one(model, tok, task, config, new_tokens: int | None) -> tuple[bool | None,
     return verdict, hot, (cold or {}).get("read", 0), len(tokens)
 
 
-def _configs(p: int, ratio: float, window: float, stores, selections) -> dict[str, Any]:
+def _configs(p: int, ratio: float, window: float, stores, selections, every=(1,)) -> dict[str, Any]:
     from h2o_lens import policies
     from h2o_lens.cold_config import ColdTier
     from h2o_lens.config import H2OConfig
@@ -147,7 +153,9 @@ def _configs(p: int, ratio: float, window: float, stores, selections) -> dict[st
     out: dict[str, Any] = {"full": None, "h2o": H2OConfig(**halves(slots))}
     for store in stores:
         for select in selections:
-            out[f"cold {store} {select}"] = H2OConfig(**halves(slots), cold=ColdTier(store, recall, select=select))
+            for k in every:
+                name = f"cold {store} {select}" + (f" /{k}" if k != 1 else "")
+                out[name] = H2OConfig(**halves(slots), cold=ColdTier(store, recall, select=select, every=k))
     return out
 
 
@@ -163,7 +171,7 @@ def bench_cold(args: argparse.Namespace, stores, selections) -> int:
     tally: dict[str, _Tally] = {}
     for i, task in enumerate(tasks):
         p = tok(task.chat_text(tok), return_tensors="pt", add_special_tokens=False).input_ids.shape[1]
-        configs = _configs(p, args.ratio, args.window, stores, selections)
+        configs = _configs(p, args.ratio, args.window, stores, selections, args.every)
         for name, config in configs.items():
             verdict, hot, read, n = _one(model, tok, task, config, args.new_tokens)
             t = tally.setdefault(name, _Tally())
@@ -172,7 +180,7 @@ def bench_cold(args: argparse.Namespace, stores, selections) -> int:
             t.cold_read += read
             t.tokens += n
         print(f"task {i + 1}/{len(tasks)} {task.name}: prompt {p} tokens", flush=True)
-        if i == 0:  # the decode time, on the first task: rounds, the configurations rotated
+        if i == 0 and args.rounds:  # the decode time, on the first task: rounds, the configurations rotated
             names = list(configs)
             for r in range(args.rounds):
                 for name in names[r % len(names) :] + names[: r % len(names)]:
