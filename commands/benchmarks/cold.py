@@ -8,7 +8,9 @@ task's checker), the requests it recovers (plain H2O wrong, the full cache right
 KV share (slots held over positions, layer 0's first KV set, the window included), the cold bytes
 read per generated token, and the decode time per token beside plain H2O's: on the first task, every
 configuration generates ``--time-tokens`` tokens per round (no listener), ``--rounds`` rounds with
-the configurations in a rotated order each round, the median compared, all in the same run.
+the configurations in a rotated order each round, the median compared, all in the same run. The H2O
+configurations of a task share one prompt forward (DESIGN.md §12.5): a cold tier keeps what the
+keep rule drops and acts at the decode steps only.
 """
 
 from __future__ import annotations
@@ -163,6 +165,7 @@ def bench_cold(args: argparse.Namespace, stores, selections) -> int:
     import torch
 
     from h2o_lens.models import load_model
+    from h2o_lens.prompt_reuse import reuse_prompts
 
     from ..options import resolve_requests
 
@@ -172,8 +175,9 @@ def bench_cold(args: argparse.Namespace, stores, selections) -> int:
     for i, task in enumerate(tasks):
         p = tok(task.chat_text(tok), return_tensors="pt", add_special_tokens=False).input_ids.shape[1]
         configs = _configs(p, args.ratio, args.window, stores, selections, args.every)
-        for name, config in configs.items():
-            verdict, hot, read, n = _one(model, tok, task, config, args.new_tokens)
+        with reuse_prompts(model):  # one H2O prompt forward per task: a cold tier only observes it
+            outcomes = {name: _one(model, tok, task, config, args.new_tokens) for name, config in configs.items()}
+        for name, (verdict, hot, read, n) in outcomes.items():
             t = tally.setdefault(name, _Tally())
             t.correct.append(verdict)
             t.hot.append(hot)
