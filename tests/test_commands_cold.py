@@ -55,16 +55,23 @@ def test_a_bad_sweep_cold_option_is_one_line_before_the_model_loads(capsys, tmp_
 
 def test_bench_cold_runs_every_configuration_and_times_them_against_plain_h2o(capsys, tmp_path):
     """``bench cold`` on a user's model folder: a row per configuration, one per refill interval
-    (``/K``), each with its accuracy over the tasks and a decode time beside plain H2O's."""
+    (``/K``), each with its accuracy over the tasks, and a decode time per batch size beside plain
+    H2O's."""
     from tiny import save_tiny
 
     folder = save_tiny(tmp_path / "m")
     argv = ["bench", "cold", "--model", str(folder), "--tasks", "builtin:delayed_reference", "--count", "2"]
     argv += ["--stores", "cpu", "--every", "1", "3", "--new-tokens", "4", "--rounds", "1", "--time-tokens", "3"]
-    assert main(argv) == 0
+    assert main(argv + ["--time-batch", "1", "2"]) == 0
     out = capsys.readouterr().out
-    rows = {line.split("  ")[0].strip(): line.split() for line in out.splitlines() if line.startswith(("cold", "h2o"))}
-    assert set(rows) == {"h2o", "cold cpu exact", "cold cpu exact /3", "cold cpu pages", "cold cpu pages /3"}
-    for name, cells in rows.items():
-        assert cells[-1] == "1.00" if name == "h2o" else float(cells[-1]) > 0, name
-        assert cells[-6].endswith("/2"), name  # accuracy over the two tasks
+    accuracy, timing = out.split("decode ms per step")
+    names = {"full", "h2o", "cold cpu exact", "cold cpu exact /3", "cold cpu pages", "cold cpu pages /3"}
+    rows = {line[:20].strip(): line[20:].split() for line in accuracy.splitlines() if line[:20].strip() in names}
+    assert set(rows) == names
+    assert all(cells[0].endswith("/2") for cells in rows.values())  # accuracy over the two tasks
+    times = {line[:20].strip(): line[20:].split() for line in timing.splitlines() if line[:20].strip() in names}
+    assert set(times) == names
+    for name, cells in times.items():  # b=1 ms, x h2o, b=2 ms, x h2o
+        assert len(cells) == 4 and all(float(c) > 0 for c in cells), name
+        if name == "h2o":
+            assert cells[1] == cells[3] == "1.00"
