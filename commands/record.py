@@ -71,10 +71,10 @@ def add_parser(sub: Any) -> None:
     r.add_argument(
         "--cold",
         default=None,
-        metavar="STORE:RECALL[:SELECTION]",
+        metavar="STORE:RECALL[:SELECTION[:EVERY]]",
         help="a cold tier: evicted K/V kept in STORE (cpu | disk) and a window of RECALL slots inside the "
-        "budget refilled with the cold entries the queries attend to most, SELECTION exact | pages "
-        "(DESIGN.md §2.13); e.g. cpu:16",
+        "budget refilled with the cold entries the queries attend to most, SELECTION exact | pages, "
+        "a refill every EVERY decode steps (default 1) (DESIGN.md §2.13); e.g. cpu:16",
     )
     add_policy_args(r)
     add_plan_arg(r)

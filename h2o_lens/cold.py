@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import eviction
@@ -29,7 +30,7 @@ from .cold_store import ColdStore
 from .errors import ConfigError
 from .extension import CacheExtension, StepNeeds, widen, write_window
 
-__all__ = ["ColdExtension", "select", "rank", "top", "cold_summary", "cold_extension"]
+__all__ = ["ColdExtension", "select", "rank", "top", "next_window", "cold_summary", "cold_extension"]
 
 
 def rank(qg: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, gqa: str) -> torch.Tensor:
@@ -110,10 +111,31 @@ def select(store: ColdStore, qg: torch.Tensor, gqa: str, recall: int, how: str, 
     return rec.gather(-1, best.clamp(min=0)).masked_fill_(best < 0, -1)
 
 
-def _member(values: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
-    """Whether each of ``values (b, Hs, m)`` is in the row's ascending ``sorted_set (b, Hs, r)``."""
-    at = torch.searchsorted(sorted_set, values).clamp(max=sorted_set.shape[-1] - 1)
-    return sorted_set.gather(-1, at) == values
+def next_window(old: np.ndarray, best: np.ndarray, positions: np.ndarray, scores: np.ndarray):
+    """The window after a refill, per row (one request's KV set) of ``old, best (R, r)``: the
+    records in the window and the ones selected (-1: none), ``positions, scores (R, N)`` the
+    store's. An occupant that stays keeps its slot; the selected records not in the window, in
+    ascending position order, take the freed slots in ascending slot order. Returns ``(new,
+    filled, score, position)``, each ``(R, r)``: the records per slot, the slots given a new
+    entry, and each slot's score and position (0 and -1 where empty). Plain numpy: the arrays are
+    small and these are many small steps."""
+    rows, r = old.shape
+    offset = np.arange(rows)[:, None] * (positions.shape[1] + 1)  # a row's records apart from the next's
+    kept = (old >= 0) & np.isin(old + offset, best + offset)
+    fresh = (best >= 0) & ~np.isin(best + offset, old + offset)
+    at = np.maximum(best, 0)
+    key = np.where(fresh, np.take_along_axis(positions, at, 1), np.iinfo(np.int64).max)
+    order = np.argsort(key, axis=1, kind="stable")
+    incoming = np.where(np.take_along_axis(fresh, order, 1), np.take_along_axis(best, order, 1), -1)
+    slots = np.argsort(kept, axis=1, kind="stable")  # the free slots first, in slot order
+    new = np.where(kept, old, -1)
+    take = np.arange(r)[None, :] < (~kept).sum(1, keepdims=True)
+    new[np.nonzero(take)[0], slots[take]] = incoming[take]
+    empty = new < 0
+    at = np.maximum(new, 0)
+    score = np.where(empty, 0, np.take_along_axis(scores, at, 1)).astype(scores.dtype)
+    position = np.where(empty, -1, np.take_along_axis(positions, at, 1))
+    return new, ~kept & ~empty, score, position
 
 
 @dataclass
@@ -236,25 +258,16 @@ class ColdExtension(CacheExtension):
         hs = store.hs
         qg = query.unflatten(1, (hs, query.shape[1] // hs)) * layer.scaling  # (b, Hs, G, d)
         best = self._choose(store, qg, layer.owner.config.gqa, r, tier)
-        last = torch.iinfo(torch.int64).max  # sorts after every record and position
-        was = torch.where(old >= 0, old, last)
-        now = torch.where(best >= 0, best, last)
-        kept = (old >= 0) & _member(was, now.sort(-1).values)  # an occupant that stays keeps its slot
-        fresh = (best >= 0) & ~_member(now, was.sort(-1).values)
-        # the fresh entries in ascending position order fill the free slots in ascending slot order
-        pos = torch.where(fresh, store.positions.gather(-1, best.clamp(min=0)), last)
-        pos, order = pos.sort(-1)
-        incoming = torch.where(pos < last, best.gather(-1, order), -1)
-        free = ~kept
-        slots = free.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices  # free slots first
-        new = torch.where(kept, old, -1)
-        n_free = free.sum(-1, keepdim=True)
-        seat = torch.arange(r).expand_as(new)
-        new = new.scatter(2, slots, torch.where(seat < n_free, incoming, new.gather(-1, slots)))
-        filled = free & (new >= 0)
-        at = new.clamp(min=0)
-        score = store.scores.gather(-1, at).masked_fill_(new < 0, 0.0)
-        held = store.positions.gather(-1, at).masked_fill_(new < 0, -1)
+        b = best.shape[0]
+        new, filled, score, held = (
+            torch.from_numpy(a).view(b, hs, r)
+            for a in next_window(
+                old.reshape(b * hs, r).numpy(),
+                best.reshape(b * hs, r).numpy(),
+                store.positions.reshape(b * hs, -1).numpy(),
+                store.scores.reshape(b * hs, -1).numpy(),
+            )
+        )
         k, v = store.entries_at(new, filled)
         write_window(layer, start, score, held, filled, k, v)
         st.window = new

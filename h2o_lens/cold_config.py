@@ -100,12 +100,15 @@ def cold_tier(value: Any) -> ColdTier | None:
 
 
 def parse_cold(text: str) -> ColdTier:
-    """``STORE:RECALL[:SELECTION]`` (the CLI's ``--cold``), e.g. ``cpu:32`` or ``disk:32:pages``."""
+    """``STORE:RECALL[:SELECTION[:EVERY]]`` (the CLI's ``--cold``), e.g. ``cpu:32``, ``disk:32:pages``
+    or ``cpu:32:pages:4`` (a refill every 4th decode step)."""
     parts = text.split(":")
-    if len(parts) not in (2, 3) or not parts[1].isdigit():
+    if len(parts) not in (2, 3, 4) or not parts[1].isdigit() or (len(parts) == 4 and not parts[3].isdigit()):
         raise ConfigError(
-            f"--cold takes STORE:RECALL[:SELECTION] (store {'|'.join(STORES)}, a window of RECALL slots, "
-            f"selection {'|'.join(SELECTIONS)}), e.g. cpu:32 or disk:32:pages; got {text!r}"
+            f"--cold takes STORE:RECALL[:SELECTION[:EVERY]] (store {'|'.join(STORES)}, a window of RECALL slots, "
+            f"selection {'|'.join(SELECTIONS)}, a refill every EVERY decode steps), e.g. cpu:32, disk:32:pages "
+            f"or cpu:32:pages:4; got {text!r}"
         )
-    select = parts[2] if len(parts) == 3 else "exact"
-    return ColdTier(store=parts[0], recall=int(parts[1]), select=select)
+    select = parts[2] if len(parts) >= 3 else "exact"
+    every = int(parts[3]) if len(parts) == 4 else 1
+    return ColdTier(store=parts[0], recall=int(parts[1]), select=select, every=every)

@@ -141,3 +141,6 @@ def test_bench_decode_with_a_cold_tier_times_it_and_says_the_bytes_it_read(capsy
     assert sorted(_rows(out, 64)) == [1, 2]
     read = [int(m.replace(",", "")) for m in re.findall(r"cold tier: ([\d,]+) bytes read per step", out)]
     assert len(read) == 2 and all(r > 0 for r in read)
+    # H2O at the same B without the tier is timed beside it, and the ratio is the two times'
+    side = re.findall(r"without it ([\d.]+) ms/step: with ÷ without ([\d.]+)", out)
+    assert len(side) == 2 and all(float(t) > 0 and float(x) > 0 for t, x in side)

@@ -226,6 +226,10 @@ def test_the_cold_config_checks_and_round_trips():
     assert H2OConfig(**cfg.to_dict()) == cfg and "cold=disk:3:pages" in cfg.describe()
     assert "cold" not in H2OConfig(heavy=6, recent=4).to_dict()
     assert np.isclose(cfg.cold.pages_scanned, 1)
+    assert parse_cold("cpu:8:pages:4") == ColdTier(store="cpu", recall=8, select="pages", every=4)
+    for bad in ("cpu:8:pages:x", "cpu:8:pages:4:1", "cpu:8:pages:0"):
+        with pytest.raises(ConfigError, match="STORE:RECALL|every"):
+            parse_cold(bad)
 
 
 def test_a_disk_store_never_opens_or_removes_a_file_it_did_not_make(tmp_path):
@@ -269,3 +273,20 @@ def test_a_cold_tier_starts_from_a_reused_prompt_forward_bit_for_bit():
         reused, cache2 = _generate(model, cfg, ids, 10)
     assert shared.hits == 1 and cache2.prompt_reused
     assert torch.equal(alone, reused) and cold_summary(cache) == cold_summary(cache2)
+
+
+def test_a_refill_keeps_an_occupant_in_its_slot_and_fills_the_freed_slots_by_position():
+    """Records 3 and 5 hold slots 0 and 1, slot 2 is empty; the selection is 5, 7 and 2: record 5
+    stays in slot 1, and the new ones take slots 0 and 2 in ascending position order (record 7 at
+    position 10 before record 2 at position 40); a second row with nothing selected empties."""
+    from h2o_lens.cold import next_window
+
+    positions = np.array([[0, 1, 40, 30, 4, 50, 6, 10], [0, 1, 2, 3, 4, 5, 6, 7]])
+    scores = np.arange(16, dtype=np.float32).reshape(2, 8) / 10
+    old = np.array([[3, 5, -1], [1, 2, -1]])
+    best = np.array([[5, 7, 2], [-1, -1, -1]])
+    new, filled, score, position = next_window(old, best, positions, scores)
+    assert new.tolist() == [[7, 5, 2], [-1, -1, -1]]
+    assert filled.tolist() == [[True, False, True], [False, False, False]]
+    assert position.tolist() == [[10, 50, 40], [-1, -1, -1]]
+    assert np.allclose(score, [[0.7, 0.5, 0.2], [0, 0, 0]])

@@ -2,12 +2,15 @@
 
 For each task, greedy generation with the full cache, with plain H2O at ``--ratio`` of the prompt,
 and with H2O at the same slot count whose recall window of ``--window`` of the prompt is taken
-inside it (DESIGN.md §2.13), per store and selection. Printed per configuration: accuracy (the
+inside it (DESIGN.md §2.13), per store, selection and refill interval (``--every``; a configuration
+named ``/K`` refills every K decode steps). Printed per configuration: accuracy (the
 task's checker), the requests it recovers (plain H2O wrong, the full cache right, it right), the hot
 KV share (slots held over positions, layer 0's first KV set, the window included), the cold bytes
 read per generated token, and the decode time per token beside plain H2O's: on the first task, every
 configuration generates ``--time-tokens`` tokens per round (no listener), ``--rounds`` rounds with
-the configurations in a rotated order each round, the median compared, all in the same run.
+the configurations in a rotated order each round, the median compared, all in the same run. The H2O
+configurations of a task share one prompt forward (DESIGN.md §12.5): a cold tier keeps what the
+keep rule drops and acts at the decode steps only.
 """
 
 from __future__ import annotations
@@ -37,9 +40,22 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--selections", nargs="+", default=None, metavar="SELECTION", help="exact and/or pages (default both)"
     )
+    b.add_argument(
+        "--every", type=at_least(1), nargs="+", default=[1], metavar="K", help="refill every K decode steps (default 1)"
+    )
     b.add_argument("--new-tokens", type=at_least(1), default=None, help="cap on each task's new tokens")
-    b.add_argument("--rounds", type=at_least(1), default=3, help="timing rounds, configurations rotated each round")
+    b.add_argument(
+        "--rounds", type=at_least(0), default=3, help="timing rounds, configurations rotated each round (0: none)"
+    )
     b.add_argument("--time-tokens", type=at_least(2), default=16, help="tokens generated per timed generation")
+    b.add_argument(
+        "--time-batch",
+        type=at_least(1),
+        nargs="+",
+        default=[1],
+        metavar="B",
+        help="batch sizes timed: the first task's prompt repeated B times (default 1)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,7 +78,7 @@ class _Tally:
 
     correct: list[bool | None] = field(default_factory=list)
     hot: list[float] = field(default_factory=list)
-    decode: list[float] = field(default_factory=list)  # seconds per decode step
+    decode: dict[int, list[float]] = field(default_factory=dict)  # batch size -> seconds per decode step
     cold_read: int = 0
     tokens: int = 0
 
@@ -82,15 +98,16 @@ class _Clock:
         return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
 
 
-def _timed(model, tok, task, config, tokens: int) -> float | None:
-    """Decode seconds per step of ``tokens`` greedy tokens of ``task`` under ``config`` (no listener)."""
+def _timed(model, tok, task, config, tokens: int, batch: int = 1) -> float | None:
+    """Decode seconds per step of ``tokens`` greedy tokens of ``task`` under ``config`` (no listener),
+    the prompt repeated over ``batch`` rows."""
     import contextlib
 
     import torch
 
     from h2o_lens.runtime import h2o
 
-    ids = tok(task.chat_text(tok), return_tensors="pt", add_special_tokens=False).input_ids
+    ids = tok(task.chat_text(tok), return_tensors="pt", add_special_tokens=False).input_ids.repeat(batch, 1)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     clock = _Clock()
     with contextlib.ExitStack() as stack:
@@ -135,7 +152,7 @@ def _one(model, tok, task, config, new_tokens: int | None) -> tuple[bool | None,
     return verdict, hot, (cold or {}).get("read", 0), len(tokens)
 
 
-def _configs(p: int, ratio: float, window: float, stores, selections) -> dict[str, Any]:
+def _configs(p: int, ratio: float, window: float, stores, selections, every=(1,)) -> dict[str, Any]:
     from h2o_lens import policies
     from h2o_lens.cold_config import ColdTier
     from h2o_lens.config import H2OConfig
@@ -147,7 +164,9 @@ def _configs(p: int, ratio: float, window: float, stores, selections) -> dict[st
     out: dict[str, Any] = {"full": None, "h2o": H2OConfig(**halves(slots))}
     for store in stores:
         for select in selections:
-            out[f"cold {store} {select}"] = H2OConfig(**halves(slots), cold=ColdTier(store, recall, select=select))
+            for k in every:
+                name = f"cold {store} {select}" + (f" /{k}" if k != 1 else "")
+                out[name] = H2OConfig(**halves(slots), cold=ColdTier(store, recall, select=select, every=k))
     return out
 
 
@@ -155,6 +174,7 @@ def bench_cold(args: argparse.Namespace, stores, selections) -> int:
     import torch
 
     from h2o_lens.models import load_model
+    from h2o_lens.prompt_reuse import reuse_prompts
 
     from ..options import resolve_requests
 
@@ -163,43 +183,64 @@ def bench_cold(args: argparse.Namespace, stores, selections) -> int:
     tally: dict[str, _Tally] = {}
     for i, task in enumerate(tasks):
         p = tok(task.chat_text(tok), return_tensors="pt", add_special_tokens=False).input_ids.shape[1]
-        configs = _configs(p, args.ratio, args.window, stores, selections)
-        for name, config in configs.items():
-            verdict, hot, read, n = _one(model, tok, task, config, args.new_tokens)
+        configs = _configs(p, args.ratio, args.window, stores, selections, args.every)
+        with reuse_prompts(model):  # one H2O prompt forward per task: a cold tier only observes it
+            outcomes = {name: _one(model, tok, task, config, args.new_tokens) for name, config in configs.items()}
+        for name, (verdict, hot, read, n) in outcomes.items():
             t = tally.setdefault(name, _Tally())
             t.correct.append(verdict)
             t.hot.append(hot)
             t.cold_read += read
             t.tokens += n
         print(f"task {i + 1}/{len(tasks)} {task.name}: prompt {p} tokens", flush=True)
-        if i == 0:  # the decode time, on the first task: rounds, the configurations rotated
-            names = list(configs)
-            for r in range(args.rounds):
-                for name in names[r % len(names) :] + names[: r % len(names)]:
-                    step = _timed(model, tok, task, configs[name], args.time_tokens)
-                    if step is not None:
-                        tally[name].decode.append(step)
-            print(f"timed {args.rounds} rounds of {args.time_tokens} tokens on {task.name}", flush=True)
+        if i == 0 and args.rounds:  # the decode time, on the first task: rounds, the configurations rotated
+            _time_all(model, tok, task, configs, tally, args)
     _print(tally, args)
     return 0
+
+
+def _time_all(model, tok, task, configs: dict[str, Any], tally: dict[str, _Tally], args: argparse.Namespace) -> None:
+    """Decode seconds per step of every configuration at each ``--time-batch``, ``--rounds`` rounds
+    in a rotated order; the H2O configurations' rows start from one one-row prompt forward."""
+    from h2o_lens.prompt_reuse import reuse_prompts
+
+    names = list(configs)
+    with reuse_prompts(model, repeated=True):
+        for batch in args.time_batch:
+            for r in range(args.rounds):
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    step = _timed(model, tok, task, configs[name], args.time_tokens, batch)
+                    if step is not None:
+                        tally[name].decode.setdefault(batch, []).append(step)
+            print(f"timed {args.rounds} rounds of {args.time_tokens} tokens on {task.name}, batch {batch}", flush=True)
 
 
 def _print(tally: dict[str, _Tally], args: argparse.Namespace) -> None:
     full, plain = tally["full"].correct, tally["h2o"].correct
     lost = [i for i, (f, h) in enumerate(zip(full, plain)) if f and h is False]
-    base = statistics.median(tally["h2o"].decode) if tally["h2o"].decode else None
     print(
         f"\nratio {args.ratio}, window {args.window} of the prompt inside it (equal hot memory to plain h2o); "
         f"{len(full)} tasks, {len(lost)} that plain h2o gets wrong and the full cache right"
     )
-    head = f"{'configuration':<20} {'accuracy':>9} {'recovered':>10} {'hot KV':>7} {'cold B/token':>13} "
-    print(head + f"{'decode ms/token':>16} {'x h2o':>6}")
+    print(f"{'configuration':<20} {'accuracy':>9} {'recovered':>10} {'hot KV':>7} {'cold B/token':>13}")
     for name, t in tally.items():
         checked = [c for c in t.correct if c is not None]
         acc = f"{sum(checked)}/{len(checked)}" if checked else "-"
         rec = f"{sum(1 for i in lost if t.correct[i])}/{len(lost)}" if lost else "-"
-        step = statistics.median(t.decode) if t.decode else None
-        ratio = f"{step / base:.2f}" if step and base else "-"
-        ms = f"{1000 * step:.2f}" if step else "-"
         per_token = f"{t.cold_read / t.tokens:,.0f}" if t.tokens and name.startswith("cold") else "-"
-        print(f"{name:<20} {acc:>9} {rec:>10} {statistics.mean(t.hot):>7.3f} {per_token:>13} {ms:>16} {ratio:>6}")
+        print(f"{name:<20} {acc:>9} {rec:>10} {statistics.mean(t.hot):>7.3f} {per_token:>13}")
+    batches = sorted({b for t in tally.values() for b in t.decode})
+    if not batches:
+        return
+    print(f"\ndecode ms per step (median of {args.rounds} rounds of {args.time_tokens} tokens) and ÷ plain h2o's")
+    print(f"{'configuration':<20}" + "".join(f" {f'b={b} ms':>10} {'x h2o':>6}" for b in batches))
+    for name, t in tally.items():
+        cells = []
+        for b in batches:
+            step = statistics.median(t.decode[b]) if t.decode.get(b) else None
+            base = tally["h2o"].decode.get(b)
+            base = statistics.median(base) if base else None
+            cells.append(
+                f" {f'{1000 * step:.2f}' if step else '-':>10} {f'{step / base:.2f}' if step and base else '-':>6}"
+            )
+        print(f"{name:<20}" + "".join(cells))

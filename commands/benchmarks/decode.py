@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import statistics
 import time
@@ -63,10 +64,11 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--new-tokens", type=at_least(2), default=None, help="--assistant: tokens generated (default 96)")
     b.add_argument(
         "--cold",
-        metavar="STORE:RECALL[:SELECTION]",
+        metavar="STORE:RECALL[:SELECTION[:EVERY]]",
         default=None,
         help="time H2O with a cold tier (DESIGN.md §2.13): a window of RECALL slots inside B, evicted K/V in "
-        "STORE (cpu | disk), SELECTION exact | pages; the cold bytes read per step beside it",
+        "STORE (cpu | disk), SELECTION exact | pages, a refill every EVERY steps; the cold bytes read per step "
+        "and H2O at the same B without the tier beside it",
     )
 
 
@@ -249,6 +251,7 @@ def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int, budget
     bytes; and (``budget`` given) where H2O's step goes (:func:`h2o_lens.timing.step_parts`)."""
     from transformers import DynamicCache
 
+    from h2o_lens.cache import H2OCache
     from h2o_lens.cold import cold_summary
     from h2o_lens.runtime import h2o
     from h2o_lens.timing import Decoder as _Decoder
@@ -263,6 +266,9 @@ def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int, budget
         sides["limit"] = (limit, "sdpa")
     with h2o(model, cfg) as session:
         sides["h2o"] = (_Decoder(model, session.new_cache(), ctx, last_logits_only=True), "h2o_lens")
+        if cfg.cold is not None:  # H2O at the same B without the tier, timed in the same rounds
+            plain = H2OCache(dataclasses.replace(cfg, cold=None), model.config)
+            sides["plain"] = (_Decoder(model, plain, ctx, last_logits_only=True), "h2o_lens")
         times = {name: [] for name in sides}
         for i in range(rounds + 1):  # the first round warms up
             for name, (side, attention) in sides.items():
@@ -275,6 +281,7 @@ def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int, budget
         cold = cold_summary(sides["h2o"][0].cache)
         if cold is not None:  # a cold tier's bytes read over the steps decoded, the warm-up's included
             nbytes = {**nbytes, "cold_read": cold["read"], "cold_steps": 2 + rounds * steps}
+            nbytes["plain"] = statistics.median(times["plain"])  # ms of H2O without the tier
         parts = step_parts(sides["h2o"][0].cache) if budget is not None else None
     med = {name: statistics.median(t) for name, t in times.items()}
     return med["full"], med["h2o"], nbytes, med.get("limit"), parts
@@ -357,7 +364,12 @@ def bench_decode(
             print(f"{'':>6} {_where(th, parts)}", flush=True)
             if cold is not None:
                 per_step = nbytes["cold_read"] / max(1, nbytes["cold_steps"])
-                print(f"{'':>6} cold tier: {per_step:,.0f} bytes read per step", flush=True)
+                tp = nbytes["plain"]
+                print(
+                    f"{'':>6} cold tier: {per_step:,.0f} bytes read per step; H2O at the same B without it "
+                    f"{tp * 1e3:.2f} ms/step: with ÷ without {th / tp:.3f}",
+                    flush=True,
+                )
         ts, th = _prefill_time(model, cfg, torch.randint(0, text.vocab_size, (1, n), generator=gen), rounds)
         print(f"prefill {n} tokens: SDPA {ts * 1e3:.0f} ms, with scores {th * 1e3:.0f} ms: ratio {th / ts:.3f}")
         if fresh:
