@@ -116,6 +116,7 @@ def _timed(model, tok, task, config, tokens: int, batch: int = 1) -> float | Non
         with torch.no_grad():
             model.generate(
                 ids,
+                attention_mask=torch.ones_like(ids),  # the rows are one prompt: no padding
                 max_new_tokens=tokens,
                 min_new_tokens=tokens,
                 do_sample=False,
