@@ -111,6 +111,13 @@ def select(store: ColdStore, qg: torch.Tensor, gqa: str, recall: int, how: str, 
     return rec.gather(-1, best.clamp(min=0)).masked_fill_(best < 0, -1)
 
 
+def _member(values: np.ndarray, among: np.ndarray) -> np.ndarray:
+    """Whether each of ``values`` is one of ``among`` (one sort and one binary search)."""
+    ordered = np.sort(among, axis=None)
+    at = np.minimum(np.searchsorted(ordered, values), ordered.size - 1)
+    return ordered[at] == values
+
+
 def next_window(old: np.ndarray, best: np.ndarray, positions: np.ndarray, scores: np.ndarray):
     """The window after a refill, per row (one request's KV set) of ``old, best (R, r)``: the
     records in the window and the ones selected (-1: none), ``positions, scores (R, N)`` the
@@ -120,21 +127,23 @@ def next_window(old: np.ndarray, best: np.ndarray, positions: np.ndarray, scores
     entry, and each slot's score and position (0 and -1 where empty). Plain numpy: the arrays are
     small and these are many small steps."""
     rows, r = old.shape
-    offset = np.arange(rows)[:, None] * (positions.shape[1] + 1)  # a row's records apart from the next's
-    kept = (old >= 0) & np.isin(old + offset, best + offset)
-    fresh = (best >= 0) & ~np.isin(best + offset, old + offset)
-    at = np.maximum(best, 0)
-    key = np.where(fresh, np.take_along_axis(positions, at, 1), np.iinfo(np.int64).max)
+    n = positions.shape[1]
+    base = np.arange(rows)[:, None]
+    offset = base * (n + 1)  # a row's records apart from the next's
+    kept = (old >= 0) & _member(old + offset, best + offset)
+    fresh = (best >= 0) & ~_member(best + offset, old + offset)
+    flat_pos, flat_score = positions.reshape(-1), scores.reshape(-1)
+    key = np.where(fresh, flat_pos[np.maximum(best, 0) + base * n], np.iinfo(np.int64).max)
     order = np.argsort(key, axis=1, kind="stable")
-    incoming = np.where(np.take_along_axis(fresh, order, 1), np.take_along_axis(best, order, 1), -1)
+    incoming = np.where(fresh[base, order], best[base, order], -1)
     slots = np.argsort(kept, axis=1, kind="stable")  # the free slots first, in slot order
     new = np.where(kept, old, -1)
     take = np.arange(r)[None, :] < (~kept).sum(1, keepdims=True)
     new[np.nonzero(take)[0], slots[take]] = incoming[take]
     empty = new < 0
-    at = np.maximum(new, 0)
-    score = np.where(empty, 0, np.take_along_axis(scores, at, 1)).astype(scores.dtype)
-    position = np.where(empty, -1, np.take_along_axis(positions, at, 1))
+    at = np.maximum(new, 0) + base * n
+    score = np.where(empty, 0, flat_score[at]).astype(scores.dtype)
+    position = np.where(empty, -1, flat_pos[at])
     return new, ~kept & ~empty, score, position
 
 

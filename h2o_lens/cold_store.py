@@ -97,7 +97,7 @@ class ColdStore:
         have = self.kv.shape[3]
         if need <= have:
             return
-        n = max(need, 2 * have, PAGE)
+        n = max(need + need // 8, 2 * have, PAGE)  # room for the decode steps' victims past a prefill
         n = -(-n // PAGE) * PAGE
         kv = self._alloc(n)
         kv[:, :, :, :have] = self.kv
