@@ -113,7 +113,7 @@ def test_a_full_disk_under_the_store_is_one_line_and_a_failed_run(tiny, tmp_path
 
     def full(fd, offset, length):
         calls.append(length)
-        if len(calls) > 2:  # the first layers' stores fit, a later growth does not
+        if len(calls) > 1:  # the first layer's store fits, the second's does not
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, offset, length)
 
