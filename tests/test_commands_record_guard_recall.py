@@ -7,27 +7,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny import save_tiny
+import test_commands_record_guard as guard_tests
 
 from analyses.guard import guard_actions
 from commands.cli import main
 from runlog.store import check_run, load_run
 
-PROMPT = "Read the notes. The lab code is 4419. The printer is out of toner. What is the lab code?"
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    base = tmp_path_factory.mktemp("guard_recall_model")
-    save_tiny(base / "m", seed=0)
-    return base
-
-
-def _record(folder, tmp_path, monkeypatch, *extra):
-    monkeypatch.chdir(folder)
-    out = tmp_path / "runs"
-    args = ["record", "--model", "./m", "--out", str(out), "--prompt", PROMPT, "--raw", "--max-new-tokens", "6"]
-    return main([*args, "--heavy", "4", "--recent", "4", *extra]), out
+folder = guard_tests.folder  # the tiny model folder
+_record = guard_tests._record  # one record run of it
 
 
 def test_a_recall_at_threshold_0_opens_the_window_at_the_prefill_and_is_logged(folder, tmp_path, monkeypatch, capsys):
