@@ -32,6 +32,9 @@ from .extension import CacheExtension, StepNeeds, widen, write_window
 
 __all__ = ["ColdExtension", "select", "rank", "top", "next_window", "cold_summary", "cold_extension"]
 
+_IN_PAGE = torch.arange(PAGE)  # a record's place in its page
+_ARANGE = torch.arange(4096)  # slot numbers of a window
+
 
 def rank(qg: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, gqa: str) -> torch.Tensor:
     """The selection value of each entry: ``qg (b, Hs, G, d)`` the step's scaled queries of each
@@ -92,7 +95,7 @@ def select(store: ColdStore, qg: torch.Tensor, gqa: str, recall: int, how: str, 
     position.
     """
     qg = qg.to("cpu", store.acc)
-    n, least = int(store.count.max()), int(store.count.min())
+    n, least = store.most, store.least
     if how == "exact" or n <= scan * PAGE:  # every page would be read
         valid = store.valid[..., :n] if least < n else None  # records are dense: all valid when counts agree
         keys = store.keys().to(store.acc)
@@ -103,11 +106,18 @@ def select(store: ColdStore, qg: torch.Tensor, gqa: str, recall: int, how: str, 
     live = torch.arange(pages) * PAGE < store.count[..., None] if least < n else None  # (b, Hs, P)
     bound = _aggregate_softmax(page_bounds(qg, store.low[:, :, :pages], store.high[:, :, :pages]), live, gqa)
     chosen = top(bound, lambda: torch.arange(pages).expand_as(bound), live, scan)  # -1: a row with fewer pages
-    rec = (chosen.clamp(min=0)[..., None] * PAGE + torch.arange(PAGE)).flatten(-2)  # (b, Hs, scan·PAGE)
-    ok = (rec < store.count[..., None]) & (chosen >= 0).repeat_interleave(PAGE, -1)
-    keys = store.page_keys(chosen).to(store.acc)
-    ok = None if bool(ok.all()) else ok
+    if live is not None:  # (with every row's pages live, every chosen page is one)
+        chosen_ok, chosen = (chosen >= 0).repeat_interleave(PAGE, -1), chosen.clamp(min=0)
+    rec = (chosen[..., None] * PAGE + _IN_PAGE).flatten(-2)  # (b, Hs, scan·PAGE)
+    ok = rec < store.count[..., None]
+    if live is not None:
+        ok &= chosen_ok
+    records = int(ok.sum())
+    keys = store.page_keys(chosen, records).to(store.acc)
+    ok = None if records == ok.numel() else ok
     best = top(rank(qg, keys, ok, gqa), lambda: store.positions.gather(-1, rec), ok, recall)
+    if ok is None and recall <= rec.shape[-1]:  # every record valid and enough of them: no -1
+        return rec.gather(-1, best)
     return rec.gather(-1, best.clamp(min=0)).masked_fill_(best < 0, -1)
 
 
@@ -147,6 +157,37 @@ def next_window(old: np.ndarray, best: np.ndarray, positions: np.ndarray, scores
     return new, ~kept & ~empty, score, position
 
 
+def _slots(st: _Layer, n: int) -> torch.Tensor:
+    """``st.slot_of`` for the window ``st.window`` and a store of ``n`` records per row, rebuilt
+    when either changed since it was built."""
+    rows, r = st.window.shape[0] * st.window.shape[1], st.window.shape[2]
+    if st.mapped is not st.window or st.slot_of is None or st.slot_of.shape[1] != n + 1:
+        window = st.window.reshape(rows, r)
+        st.slot_of = torch.full((rows, n + 1), -1, dtype=torch.int64)
+        st.slot_of.scatter_(1, window.masked_fill(window < 0, n), torch.arange(r).expand(rows, r))
+        st.slot_of[:, n] = -1
+        st.mapped = st.window
+    return st.slot_of
+
+
+def _swap(st: _Layer, best: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`next_window`'s ``new`` and ``filled`` for a full window and a full choice (no -1 in
+    either), in torch: ``best (R, r)``, ``positions (R, N)`` the store's; updates ``st.slot_of``."""
+    old = st.window.reshape(best.shape)
+    rows, r = best.shape
+    slot_of = _slots(st, positions.shape[1])
+    at = slot_of.gather(1, best)  # the slot of each chosen record already in the window, else -1
+    fresh = at < 0
+    big = torch.iinfo(torch.int64).max
+    key, order = positions.gather(1, best).masked_fill_(~fresh, big).sort(1)  # the incoming by position
+    stays = torch.zeros(rows, r + 1, dtype=torch.bool).scatter_(1, at.masked_fill(fresh, r), True)
+    free = stays[:, :r].to(torch.uint8).argsort(dim=1, stable=True)  # the freed slots first, in slot order
+    new = old.scatter(1, free, torch.where(key < big, best.gather(1, order), old.gather(1, free)))
+    slot_of.scatter_(1, old, -1)
+    slot_of.scatter_(1, new, _ARANGE[:r].expand(rows, r) if r <= _ARANGE.numel() else torch.arange(r).expand(rows, r))
+    return new, new != old
+
+
 @dataclass
 class _Layer:
     """A layer's cold state: its store, the window's first slot and records, the stash of the prompt."""
@@ -159,6 +200,9 @@ class _Layer:
     new: tuple | None = None  # (key, value) of the step's new token
     log: list = field(default_factory=list)
     owner: Any = None  # the cache
+    full: bool = False  # every window slot holds an entry
+    slot_of: torch.Tensor | None = None  # (b·Hs, N + 1) each record's window slot (-1: none; the last column: none)
+    mapped: torch.Tensor | None = None  # the window ``slot_of`` was built from
 
 
 class ColdExtension(CacheExtension):
@@ -207,6 +251,7 @@ class ColdExtension(CacheExtension):
             if st.window.shape[-1] == 0:
                 st.start = start
             st.window = torch.nn.functional.pad(st.window, (0, extra), value=-1)
+            st.full = False
         self.width = max(self.width, width)
 
     def _state(self, layer: Any) -> _Layer:
@@ -247,6 +292,7 @@ class ColdExtension(CacheExtension):
         width = self.width if self.gated else tier.recall
         st.start = widen(layer, width)
         st.window = torch.full((b, hs, width), -1, dtype=torch.int64)
+        st.full = False
         st.steps, st.log, st.owner = 0, [], layer.owner
 
     def before_step(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -263,24 +309,35 @@ class ColdExtension(CacheExtension):
     def _refill(self, layer: Any, st: _Layer, query: torch.Tensor, tier: Any) -> None:
         r, start, store = st.window.shape[-1], st.start, st.store
         old = st.window
-        store.write_scores(old, layer.scores[:, :, start : start + r])  # the occupants go back
+        store.write_scores(old, layer.scores[:, :, start : start + r], every=st.full)  # the occupants go back
         hs = store.hs
         qg = query.unflatten(1, (hs, query.shape[1] // hs)) * layer.scaling  # (b, Hs, G, d)
         best = self._choose(store, qg, layer.owner.config.gqa, r, tier)
         b = best.shape[0]
-        new, filled, score, held = (
-            torch.from_numpy(a).view(b, hs, r)
-            for a in next_window(
-                old.reshape(b * hs, r).numpy(),
-                best.reshape(b * hs, r).numpy(),
-                store.positions.reshape(b * hs, -1).numpy(),
-                store.scores.reshape(b * hs, -1).numpy(),
+        fast = st.full and int(best.min()) >= 0  # a full window and a full choice: the torch fast path
+        if fast:
+            new, filled = _swap(st, best.view(b * hs, r), store.positions.view(b * hs, -1))
+            new, filled = new.view(b, hs, r), filled.view(b, hs, r)
+            score, held = store.scores.gather(2, new), store.positions.gather(2, new)
+        else:
+            new, filled, score, held = (
+                torch.from_numpy(a).view(b, hs, r)
+                for a in next_window(
+                    old.reshape(b * hs, r).numpy(),
+                    best.reshape(b * hs, r).numpy(),
+                    store.positions.reshape(b * hs, -1).numpy(),
+                    store.scores.reshape(b * hs, -1).numpy(),
+                )
             )
-        )
-        k, v = store.entries_at(new, filled)
-        write_window(layer, start, score, held, filled, k, v)
+            st.full = bool((new >= 0).all())
+        bi, hi, si = filled.nonzero(as_tuple=True)
+        rows = bi * hs + hi
+        changed = (rows, si)
+        write_window(layer, start, score, held, changed, *store.entries_at(rows, new.view(-1)[rows * r + si]))
         st.window = new
-        st.log.append((layer.next_pos.detach().to("cpu").clone(), held, score.clone(), filled))
+        if fast:
+            st.mapped = new  # the fast path kept st.slot_of in step with this window
+        st.log.append((layer.next_pos.detach().to("cpu").clone(), held, score, filled))
 
     def _choose(self, store: ColdStore, qg: torch.Tensor, gqa: str, r: int, tier: Any) -> torch.Tensor:
         """:func:`select` of ``r`` records per row; gated, each open row's own window (-1 past it)
@@ -303,10 +360,11 @@ class ColdExtension(CacheExtension):
             raise ConfigError("the cold tier does not support verification segments (speculative decoding)")
         res = step.result
         width = layer.keys.shape[2]
-        self_victim = (res.slot >= width)[..., None]  # the new token was its own victim
-        key, value = st.new
-        gone_key = torch.where(self_victim, key, res.old_key)
-        gone_value = torch.where(self_victim, value, res.old_value)
+        gone_key, gone_value = res.old_key, res.old_value
+        if int(res.slot.max()) >= width:  # the new token was its own victim somewhere
+            self_victim = (res.slot >= width)[..., None]
+            key, value = st.new
+            gone_key, gone_value = torch.where(self_victim, key, gone_key), torch.where(self_victim, value, gone_value)
         slot = res.slot[..., None]
         score = res.cand_scores.gather(-1, slot)
         pos = torch.where(res.evicts[..., None], res.cand_positions.gather(-1, slot), -1)
@@ -319,6 +377,7 @@ class ColdExtension(CacheExtension):
             return
         st.store.move_rows(move)
         st.window = move(st.window)
+        st.full = bool((st.window >= 0).all())
         if self.open is not None and layer.layer_idx == min(self.layers):
             self.open = move(self.open)
 

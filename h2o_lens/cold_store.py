@@ -48,11 +48,13 @@ class ColdStore:
         self.directory, self.name, self.generation = directory, name, 0
         self.file: Path | None = None
         self.count = torch.zeros(b, hs, dtype=torch.int64)
+        self.most = self.least = self.total = 0  # the largest, smallest and summed count (host ints)
         self.positions = torch.full((b, hs, 0), -1, dtype=torch.int64)
         self.scores = torch.zeros(b, hs, 0, dtype=self.acc)
         self.low = torch.zeros(b, hs, 0, d, dtype=self.acc)  # (b, Hs, pages, d)
         self.high = torch.zeros(b, hs, 0, d, dtype=self.acc)
         self.kv = self._alloc(0)  # (2, b, Hs, N, d): the keys, then the values, each contiguous
+        self._rows: torch.Tensor | None = None
         self.written = self.read_bytes = 0
 
     # -- storage -------------------------------------------------------------------------------
@@ -106,8 +108,10 @@ class ColdStore:
         self.positions = torch.cat([self.positions, self.positions.new_full((self.b, self.hs, pad), -1)], 2)
         self.scores = torch.cat([self.scores, self.scores.new_zeros(self.b, self.hs, pad)], 2)
         pages = n // PAGE - self.low.shape[2]
-        self.low = torch.cat([self.low, self.low.new_zeros(self.b, self.hs, pages, self.d)], 2)
-        self.high = torch.cat([self.high, self.high.new_zeros(self.b, self.hs, pages, self.d)], 2)
+        inf = float("inf")  # an empty page: the min and max over no key, which the first key replaces
+        self.low = torch.cat([self.low, self.low.new_full((self.b, self.hs, pages, self.d), inf)], 2)
+        self.high = torch.cat([self.high, self.high.new_full((self.b, self.hs, pages, self.d), -inf)], 2)
+        self._rows = None
 
     def close(self) -> None:
         """Drop the entries (and a disk store's file)."""
@@ -148,10 +152,21 @@ class ColdStore:
         self.positions[bi, hi, ti] = position[bi, hi, ni]
         self.scores[bi, hi, ti] = score.detach().to("cpu", self.acc)[bi, hi, ni]
         self.count += added
+        self._counted()
         self.written += total * self.entry_bytes
         if self.summaries:
-            self._summarise(first // PAGE, -(-int(self.count.max()) // PAGE))
+            self._summarise(first // PAGE, -(-self.most // PAGE))
         return total
+
+    def _counted(self) -> None:
+        self.most, self.least, self.total = int(self.count.max()), int(self.count.min()), int(self.count.sum())
+
+    def _flat_rows(self) -> torch.Tensor:
+        """``(b·Hs,)`` each row's first record in the flattened ``(b·Hs·N)`` record index (cached
+        until the store grows or its rows move)."""
+        if self._rows is None:
+            self._rows = torch.arange(self.b * self.hs) * self.kv.shape[3]
+        return self._rows
 
     def _append_one(self, key: torch.Tensor, value: torch.Tensor, score: torch.Tensor, position: torch.Tensor) -> int:
         """:meth:`append` of at most one entry per row and KV set (a decode step's victim): every
@@ -161,26 +176,29 @@ class ColdStore:
         total = int(ok.sum())
         if not total:
             return 0
-        self._grow(int(self.count.max()) + 1)
-        rows = torch.arange(self.b * self.hs)
+        every = total == ok.numel()  # else a row without an entry keeps its count and summary
+        self._grow(self.most + 1)
         at = self.count.flatten()
-        flat = rows * self.kv.shape[3] + at
+        flat = self._flat_rows() + at
         k = key.detach().to("cpu", self.dtype).reshape(-1, self.d)
         self.kv[0].view(-1, self.d).index_copy_(0, flat, k)
         self.kv[1].view(-1, self.d).index_copy_(0, flat, value.detach().to("cpu", self.dtype).reshape(-1, self.d))
         self.positions.view(-1).index_copy_(0, flat, position.flatten())
         self.scores.view(-1).index_copy_(0, flat, score.detach().to("cpu", self.acc).flatten())
-        if self.summaries:
-            page = rows * self.low.shape[2] + at // PAGE
+        if self.summaries:  # an empty page holds (+inf, -inf): the first key's min and max is the key
+            page = self._flat_rows() // PAGE + at // PAGE
             ka = k.to(self.acc)
-            first = (at % PAGE == 0)[:, None]  # the page's first record: its summary starts here
-            every = total == ok.numel()  # else a row without an entry keeps its summary
             for bound, pick in ((self.low, torch.minimum), (self.high, torch.maximum)):
                 flat_bound = bound.view(-1, self.d)
                 was = flat_bound.index_select(0, page)
-                now = torch.where(first, ka, pick(was, ka))
+                now = pick(was, ka)
                 flat_bound.index_copy_(0, page, now if every else torch.where(ok.flatten()[:, None], now, was))
-        self.count += ok
+        if every:
+            self.count += 1
+            self.most, self.least, self.total = self.most + 1, self.least + 1, self.total + total
+        else:
+            self.count += ok
+            self._counted()
         self.written += total * self.entry_bytes
         return total
 
@@ -191,18 +209,17 @@ class ColdStore:
         inf = torch.tensor(float("inf"), dtype=self.acc)
         low = torch.where(ok, keys, inf).amin(3)
         high = torch.where(ok, keys, -inf).amax(3)
-        live = ok.any(3)
-        self.low[:, :, p0:p1] = torch.where(live, low, 0.0)
-        self.high[:, :, p0:p1] = torch.where(live, high, 0.0)
+        self.low[:, :, p0:p1] = low  # a page with no record: (+inf, -inf), what its first key replaces
+        self.high[:, :, p0:p1] = high
 
-    def write_scores(self, index: torch.Tensor, score: torch.Tensor) -> None:
+    def write_scores(self, index: torch.Tensor, score: torch.Tensor, every: bool = False) -> None:
         """Write ``score (b, Hs, m)`` back to the records ``index (b, Hs, m)`` (-1: none; the
-        records given are distinct)."""
+        records given are distinct; ``every``: the caller knows none is -1)."""
         score = score.detach().to("cpu", self.acc)
-        ok = index >= 0
-        if bool(ok.all()):
+        if every or bool((index >= 0).all()):
             self.scores.scatter_(2, index, score)
             return
+        ok = index >= 0
         bi, hi, mi = ok.nonzero(as_tuple=True)
         self.scores[bi, hi, index[bi, hi, mi]] = score[bi, hi, mi]
 
@@ -211,23 +228,22 @@ class ColdStore:
         """Keys of the records ``index (b, Hs, m)`` (-1: a zero key), or ``(b, Hs, n, d)`` of the
         first ``n`` records (``n`` the largest count); the valid ones count as bytes read."""
         if index is None:
-            self.read_bytes += int(self.count.sum()) * self.d * self.itemsize
-            return self.kv[0, :, :, : int(self.count.max())]
+            self.read_bytes += self.total * self.d * self.itemsize
+            return self.kv[0, :, :, : self.most]
         self.read_bytes += int((index >= 0).sum()) * self.d * self.itemsize
         return self._gather(index, 0)
 
-    def page_keys(self, pages: torch.Tensor) -> torch.Tensor:
-        """Keys ``(b, Hs, m·PAGE, d)`` of the whole pages ``pages (b, Hs, m)`` (-1: none, page 0's
-        keys returned in its place), each page's records in order; the valid records of the pages
-        given count as bytes read."""
+    def page_keys(self, pages: torch.Tensor, records: int | None = None) -> torch.Tensor:
+        """Keys ``(b, Hs, m·PAGE, d)`` of the whole pages ``pages (b, Hs, m)`` (each one of the
+        row's pages), each page's records in order; the valid records of the pages count as bytes
+        read (``records``: their number, when the caller has counted them)."""
         b, hs, m = pages.shape
-        n = self.kv.shape[3] // PAGE
-        given = (pages >= 0)[..., None]
-        pages = pages.clamp(min=0)
-        flat = (pages + torch.arange(b * hs).view(b, hs, 1) * n).flatten()
+        if records is None:
+            held = (self.count[..., None] - pages * PAGE).clamp(0, PAGE)  # valid records of each page
+            records = int(held.sum())
+        self.read_bytes += records * self.d * self.itemsize
+        flat = (pages + (self._flat_rows() // PAGE).view(b, hs, 1)).flatten()
         out = self.kv[0].view(-1, PAGE * self.d).index_select(0, flat)
-        live = self.valid.view(-1, PAGE).index_select(0, flat).view(b, hs, m, PAGE)
-        self.read_bytes += int((live & given).sum()) * self.d * self.itemsize
         return out.view(b, hs, m * PAGE, self.d)
 
     def entries(self, index: torch.Tensor, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,11 +252,10 @@ class ColdStore:
         self.read_bytes += int(((index >= 0) & fresh).sum()) * self.entry_bytes
         return self._gather(index, 0), self._gather(index, 1)
 
-    def entries_at(self, index: torch.Tensor, which: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key and value ``(m, d)`` of the records ``index (b, Hs, n)`` where ``which (b, Hs, n)``
-        is True, in ``which.nonzero()`` order; they count as bytes read."""
-        bi, hi, si = which.nonzero(as_tuple=True)
-        flat = (bi * self.hs + hi) * self.kv.shape[3] + index[bi, hi, si]
+    def entries_at(self, rows: torch.Tensor, records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value ``(m, d)`` of the records ``records (m,)`` of the rows ``rows (m,)``
+        (a row: ``batch · Hs + KV set``); they count as bytes read."""
+        flat = self._flat_rows()[rows] + records
         self.read_bytes += int(flat.numel()) * self.entry_bytes
         return self.kv[0].view(-1, self.d).index_select(0, flat), self.kv[1].view(-1, self.d).index_select(0, flat)
 
@@ -257,11 +272,12 @@ class ColdStore:
         """Apply a row reorder, selection or expansion to every per-row tensor (a disk store
         rewrites its file)."""
         keys, values = move(self.kv[0]), move(self.kv[1])
-        self.b = keys.shape[0]
+        self.b, self._rows = keys.shape[0], None
         self.count, self.positions, self.scores = move(self.count), move(self.positions), move(self.scores)
         self.low, self.high = move(self.low), move(self.high)
         self.kv = self._alloc(keys.shape[2])
         self.kv[0], self.kv[1] = keys, values
+        self._counted()
 
 
 def disk_bytes(path: str | os.PathLike) -> int:

@@ -297,8 +297,9 @@ def write_slots(layer: H2OCacheLayer, start: int, key, value, score, position) -
 
 def write_window(layer: H2OCacheLayer, start: int, score, position, changed, key, value) -> None:
     """Overwrite the scores and positions ``(b, Hs, n)`` of slots ``start …`` of ``layer`` (ones
-    :func:`widen` added) and, where ``changed (b, Hs, n)`` is True, their K/V with ``key, value
-    (m, d)`` given in ``changed.nonzero()`` order; the history of a changed slot restarts at 0."""
+    :func:`widen` added) and, at ``changed = (rows, slots)`` (``(m,)`` each: a row is ``batch · Hs
+    + KV set``, a slot counts from ``start``), their K/V with ``key, value (m, d)``; the history of
+    a changed slot restarts at 0."""
     n = score.shape[2]
     end = start + n
     if start < 0 or end > layer.keys.shape[2]:
@@ -306,9 +307,18 @@ def write_window(layer: H2OCacheLayer, start: int, score, position, changed, key
     dev = layer.keys.device
     layer.scores[:, :, start:end] = score.to(dev, layer.scores.dtype)
     layer.positions[:, :, start:end] = position.to(dev, layer.positions.dtype)
-    bi, hi, si = (t.to(dev) for t in changed.nonzero(as_tuple=True))
-    if bi.numel():
-        layer.keys[bi, hi, start + si] = key.to(dev, layer.keys.dtype)
-        layer.values[bi, hi, start + si] = value.to(dev, layer.values.dtype)
-        if layer.history is not None:
-            layer.history[bi, hi, start + si] = 0
+    rows, slots = changed
+    if not rows.numel():
+        return
+    rows, slots = rows.to(dev), (slots + start).to(dev)
+    hs, width, d = layer.keys.shape[1], layer.keys.shape[2], layer.keys.shape[3]
+    at = rows * width + slots  # the slots in the flattened (b·Hs·B) storage
+    for t, new in ((layer.keys, key), (layer.values, value), (layer.history, None)):
+        if t is None:
+            continue
+        new = torch.zeros((), dtype=t.dtype, device=dev) if new is None else new.to(dev, t.dtype)
+        if t.is_contiguous():
+            flat = t.view(-1, d) if t.dim() == 4 else t.view(-1)
+            flat.index_copy_(0, at, new.expand(at.shape[0], *flat.shape[1:]))
+        else:
+            t[rows // hs, rows % hs, slots] = new

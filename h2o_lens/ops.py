@@ -11,7 +11,7 @@ Triton kernels (:mod:`h2o_lens.kernels`) implement. Notation:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -503,6 +503,14 @@ class RowBudgets:
     recent: torch.Tensor
     sink: torch.Tensor
     self_victim: bool
+    _past: dict = field(default_factory=dict, compare=False, repr=False)  # beyond(B), once per B
+
+    def beyond(self, cap: int) -> torch.Tensor:
+        """``(b, 1, B + 1)`` True for the slots at or past each row's capacity, storage ``B``
+        wide (:func:`_beyond`), computed once per width."""
+        if cap not in self._past:
+            self._past[cap] = _beyond(self.capacity, cap)
+        return self._past[cap]
 
     @classmethod
     def of(cls, budgets: list[PolicyArgs], rows: torch.Tensor) -> RowBudgets:
@@ -722,7 +730,7 @@ def _choose_slot(
         c_scores = torch.cat([scores, new_score], -1)  # (b,Hs,B+1)
         c_pos = torch.cat([positions, new_pos], -1)
         elig = eviction.eligible_mask(c_pos, step_col, recent, sink, pinned=pins)
-        beyond = None if rows is None else _beyond(rows.capacity, cap)
+        beyond = None if rows is None else rows.beyond(cap)
         if beyond is not None:  # a slot past the row's capacity is never a victim (an extension's, DESIGN.md §1.1)
             elig &= ~beyond
         # a slot past the row's capacity never wins the tie of "nothing eligible" either (the new

@@ -203,6 +203,26 @@ def test_a_window_that_holds_every_evicted_entry_gives_the_full_cache_tokens(sto
         assert list(tmp_path.glob("*.bin"))
 
 
+@pytest.mark.parametrize("policy", ["scissorhands", "tova"])
+def test_every_evicting_policy_with_a_window_of_everything_gives_the_full_cache_tokens(policy):
+    """Other policies than h2o (scissorhands keeps a per-slot history, which a filled window slot
+    restarts): the window that holds every evicted entry attends to every position, and every
+    recalled K/V is the evicted one, bit for bit."""
+    model = tiny_model("llama", layers=2)
+    ids = _ids(30, seed=2, batch=2)
+    full, _ = _generate(model, H2OConfig(policy="full"), ids, 12)
+    tier = ColdTier(recall=56)
+    cold, cache = _generate(model, H2OConfig(policy=policy, heavy=60, recent=4, cold=tier), ids, 12, Watch)
+    watch = next(e for e in cache.extensions if isinstance(e, Watch))
+    assert torch.equal(cold, full) and watch.bad == []
+    assert cold_summary(cache)["recalled"] > 0
+    if policy == "scissorhands":
+        layer, st = cache.layers[0], _cold(cache).layers[0]
+        fresh = st.log[-1][3]  # the slots the last refill filled: their history restarted at 0
+        assert layer.history is not None and bool(fresh.any())
+        assert bool((layer.history[..., st.start :][fresh] <= 1).all())
+
+
 def test_a_small_window_changes_only_what_it_recalls():
     """A window of 3 slots inside B: the hot memory stays B, the policy keeps B - 3 slots."""
     model = tiny_model("llama", layers=1)
