@@ -310,3 +310,34 @@ def test_a_refill_keeps_an_occupant_in_its_slot_and_fills_the_freed_slots_by_pos
     assert filled.tolist() == [[True, False, True], [False, False, False]]
     assert position.tolist() == [[10, 50, 40], [-1, -1, -1]]
     assert np.allclose(score, [[0.7, 0.5, 0.2], [0, 0, 0]])
+
+
+def test_the_torch_swap_of_a_full_window_equals_next_window():
+    """The refill's torch path for a full window and a full choice (:func:`h2o_lens.cold._swap`)
+    gives the slots, the filled mask and the record-to-slot map of :func:`next_window`, over
+    random windows of several rows with a random share of occupants staying."""
+    from h2o_lens.cold import _Layer, _slots, _swap, next_window
+
+    gen = torch.Generator().manual_seed(3)
+    for rows, r, n in ((1, 5, 40), (6, 17, 90), (24, 64, 300)):
+        positions = torch.stack([torch.randperm(5 * n, generator=gen)[:n] for _ in range(rows)])
+        scores = torch.rand(rows, n, generator=gen)
+        old = torch.stack([torch.randperm(n, generator=gen)[:r] for _ in range(rows)])
+        best = torch.stack([torch.randperm(n, generator=gen)[:r] for _ in range(rows)])
+        keep = torch.rand(rows, r, generator=gen) < 0.6  # some of the old occupants chosen again
+        best = torch.stack([_merge(o[k], b, r) for o, k, b in zip(old, keep, best)])
+        st = _Layer(window=old.view(rows, 1, r))
+        new, filled = _swap(st, best, positions)
+        want = next_window(old.numpy(), best.numpy(), positions.numpy(), scores.numpy())
+        assert new.tolist() == want[0].tolist() and filled.tolist() == want[1].tolist()
+        assert bool(filled.any()) and not bool(filled.all())
+        st.window = new.view(rows, 1, r)
+        rebuilt = _slots(_Layer(window=st.window), n)
+        assert torch.equal(st.slot_of, rebuilt)  # the map kept in step equals one built afresh
+
+
+def _merge(kept: torch.Tensor, other: torch.Tensor, r: int) -> torch.Tensor:
+    """``kept`` then the first of ``other`` not in it, ``r`` distinct records in all, shuffled."""
+    rest = [int(x) for x in other if int(x) not in set(kept.tolist())]
+    out = torch.tensor(kept.tolist() + rest[: r - kept.numel()])
+    return out[torch.randperm(r, generator=torch.Generator().manual_seed(r))]
