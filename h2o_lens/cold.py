@@ -48,13 +48,9 @@ def _aggregate_softmax(logits: torch.Tensor, valid: torch.Tensor | None, gqa: st
     mode = "sum" if gqa == "none" else gqa
     if valid is None:  # every entry valid: no masks
         return eviction.aggregate_group(torch.softmax(logits, -1), mode, 2)
-    logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
-    top = logits.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros((), dtype=top.dtype))
-    e = (logits - top).exp()
-    w = e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(e.dtype).tiny)
-    agg = eviction.aggregate_group(w, mode, 2)  # (b, Hs, M)
-    return agg.masked_fill(~valid, float("-inf"))
+    invalid = ~valid
+    w = torch.softmax(logits.masked_fill(invalid[:, :, None], float("-inf")), -1)  # (a row of none: NaN)
+    return eviction.aggregate_group(w, mode, 2).masked_fill_(invalid, float("-inf"))  # (b, Hs, M)
 
 
 def top(value: torch.Tensor, order_key, valid: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -116,7 +112,7 @@ def select(store: ColdStore, qg: torch.Tensor, gqa: str, recall: int, how: str, 
     keys = store.page_keys(chosen, records).to(store.acc)
     ok = None if records == ok.numel() else ok
     best = top(rank(qg, keys, ok, gqa), lambda: store.positions.gather(-1, rec), ok, recall)
-    if ok is None and recall <= rec.shape[-1]:  # every record valid and enough of them: no -1
+    if live is None and (scan - 1) * PAGE + 1 >= recall:  # every row read >= recall records: no -1
         return rec.gather(-1, best)
     return rec.gather(-1, best.clamp(min=0)).masked_fill_(best < 0, -1)
 
@@ -332,8 +328,10 @@ class ColdExtension(CacheExtension):
             st.full = bool((new >= 0).all())
         bi, hi, si = filled.nonzero(as_tuple=True)
         rows = bi * hs + hi
-        changed = (rows, si)
-        write_window(layer, start, score, held, changed, *store.entries_at(rows, new.view(-1)[rows * r + si]))
+        records = new.view(-1)[rows * r + si]
+        # the fast path changes only the filled slots (an occupant that stays has the score it
+        # just wrote back and its position); the other path may also empty a slot
+        write_window(layer, start, None if fast else (score, held), (rows, si), *store.entries_at(rows, records))
         st.window = new
         if fast:
             st.mapped = new  # the fast path kept st.slot_of in step with this window

@@ -55,6 +55,7 @@ class ColdStore:
         self.high = torch.zeros(b, hs, 0, d, dtype=self.acc)
         self.kv = self._alloc(0)  # (2, b, Hs, N, d): the keys, then the values, each contiguous
         self._rows: torch.Tensor | None = None
+        self._page_rows: torch.Tensor | None = None
         self.written = self.read_bytes = 0
 
     # -- storage -------------------------------------------------------------------------------
@@ -111,7 +112,7 @@ class ColdStore:
         inf = float("inf")  # an empty page: the min and max over no key, which the first key replaces
         self.low = torch.cat([self.low, self.low.new_full((self.b, self.hs, pages, self.d), inf)], 2)
         self.high = torch.cat([self.high, self.high.new_full((self.b, self.hs, pages, self.d), -inf)], 2)
-        self._rows = None
+        self._rows = self._page_rows = None
 
     def close(self) -> None:
         """Drop the entries (and a disk store's file)."""
@@ -242,7 +243,9 @@ class ColdStore:
             held = (self.count[..., None] - pages * PAGE).clamp(0, PAGE)  # valid records of each page
             records = int(held.sum())
         self.read_bytes += records * self.d * self.itemsize
-        flat = (pages + (self._flat_rows() // PAGE).view(b, hs, 1)).flatten()
+        if self._page_rows is None:
+            self._page_rows = (self._flat_rows() // PAGE).view(b, hs, 1)
+        flat = (pages + self._page_rows).flatten()
         out = self.kv[0].view(-1, PAGE * self.d).index_select(0, flat)
         return out.view(b, hs, m * PAGE, self.d)
 
@@ -252,12 +255,17 @@ class ColdStore:
         self.read_bytes += int(((index >= 0) & fresh).sum()) * self.entry_bytes
         return self._gather(index, 0), self._gather(index, 1)
 
-    def entries_at(self, rows: torch.Tensor, records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key and value ``(m, d)`` of the records ``records (m,)`` of the rows ``rows (m,)``
-        (a row: ``batch · Hs + KV set``); they count as bytes read."""
+    def entries_at(self, rows: torch.Tensor, records: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Key and value ``(m, d)``, score and position ``(m,)`` of the records ``records (m,)`` of
+        the rows ``rows (m,)`` (a row: ``batch · Hs + KV set``); the K/V count as bytes read."""
         flat = self._flat_rows()[rows] + records
         self.read_bytes += int(flat.numel()) * self.entry_bytes
-        return self.kv[0].view(-1, self.d).index_select(0, flat), self.kv[1].view(-1, self.d).index_select(0, flat)
+        return (
+            self.kv[0].view(-1, self.d).index_select(0, flat),
+            self.kv[1].view(-1, self.d).index_select(0, flat),
+            self.scores.view(-1).index_select(0, flat),
+            self.positions.view(-1).index_select(0, flat),
+        )
 
     def _gather(self, index: torch.Tensor, part: int) -> torch.Tensor:
         n = self.kv.shape[3]
@@ -272,7 +280,7 @@ class ColdStore:
         """Apply a row reorder, selection or expansion to every per-row tensor (a disk store
         rewrites its file)."""
         keys, values = move(self.kv[0]), move(self.kv[1])
-        self.b, self._rows = keys.shape[0], None
+        self.b, self._rows, self._page_rows = keys.shape[0], None, None
         self.count, self.positions, self.scores = move(self.count), move(self.positions), move(self.scores)
         self.low, self.high = move(self.low), move(self.high)
         self.kv = self._alloc(keys.shape[2])

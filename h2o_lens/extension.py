@@ -295,30 +295,34 @@ def write_slots(layer: H2OCacheLayer, start: int, key, value, score, position) -
         layer.history[:, :, start:end] = 0
 
 
-def write_window(layer: H2OCacheLayer, start: int, score, position, changed, key, value) -> None:
-    """Overwrite the scores and positions ``(b, Hs, n)`` of slots ``start …`` of ``layer`` (ones
-    :func:`widen` added) and, at ``changed = (rows, slots)`` (``(m,)`` each: a row is ``batch · Hs
-    + KV set``, a slot counts from ``start``), their K/V with ``key, value (m, d)``; the history of
-    a changed slot restarts at 0."""
-    n = score.shape[2]
-    end = start + n
-    if start < 0 or end > layer.keys.shape[2]:
-        raise ConfigError(f"write_window({start}, n={n}) is outside the layer's {layer.keys.shape[2]} slots")
+def write_window(layer: H2OCacheLayer, start: int, slots, changed, key, value, score, position) -> None:
+    """Write window slots ``start …`` of ``layer`` (ones :func:`widen` added). ``slots``: the
+    scores and positions ``(b, Hs, n)`` of every window slot, or None when only the changed slots
+    change. ``changed = (rows, at)`` (``(m,)`` each: a row is ``batch · Hs + KV set``, ``at`` a slot
+    counted from ``start``): the slots given a new entry, with its ``key, value (m, d)``, ``score``
+    and ``position (m,)``; the history of a changed slot restarts at 0."""
+    width = layer.keys.shape[2]
     dev = layer.keys.device
-    layer.scores[:, :, start:end] = score.to(dev, layer.scores.dtype)
-    layer.positions[:, :, start:end] = position.to(dev, layer.positions.dtype)
-    rows, slots = changed
+    if slots is not None:
+        n = slots[0].shape[2]
+        if start < 0 or start + n > width:
+            raise ConfigError(f"write_window({start}, n={n}) is outside the layer's {width} slots")
+        layer.scores[:, :, start : start + n] = slots[0].to(dev, layer.scores.dtype)
+        layer.positions[:, :, start : start + n] = slots[1].to(dev, layer.positions.dtype)
+    rows, at = changed
     if not rows.numel():
         return
-    rows, slots = rows.to(dev), (slots + start).to(dev)
-    hs, width, d = layer.keys.shape[1], layer.keys.shape[2], layer.keys.shape[3]
-    at = rows * width + slots  # the slots in the flattened (b·Hs·B) storage
-    for t, new in ((layer.keys, key), (layer.values, value), (layer.history, None)):
-        if t is None:
-            continue
-        new = torch.zeros((), dtype=t.dtype, device=dev) if new is None else new.to(dev, t.dtype)
+    if start < 0 or start >= width:
+        raise ConfigError(f"write_window({start}) is outside the layer's {width} slots")
+    rows, at = rows.to(dev), (at + start).to(dev)
+    flat = rows * width + at  # the slots in the flattened (b·Hs·B) storage
+    hs, d = layer.keys.shape[1], layer.keys.shape[3]
+    zero = None if layer.history is None else torch.zeros((), dtype=layer.history.dtype, device=dev)
+    fields = ((layer.keys, key), (layer.values, value), (layer.scores, score), (layer.positions, position))
+    for t, new in fields + (((layer.history, zero),) if zero is not None else ()):
+        new = new.to(dev, t.dtype)
         if t.is_contiguous():
-            flat = t.view(-1, d) if t.dim() == 4 else t.view(-1)
-            flat.index_copy_(0, at, new.expand(at.shape[0], *flat.shape[1:]))
+            view = t.view(-1, d) if t.dim() == 4 else t.view(-1)
+            view.index_copy_(0, flat, new.expand(flat.shape[0], *view.shape[1:]))
         else:
-            t[rows // hs, rows % hs, slots] = new
+            t[rows // hs, rows % hs, at] = new
