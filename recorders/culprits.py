@@ -5,9 +5,11 @@ failure; pinning the evidence says it lost the evidence, when a task labels one.
 the question stays: *which* deleted tokens broke the answer? The culprit search answers it from
 the run alone:
 
-* candidates: the prompt positions the policy evicted (in any layer or KV set) before the first
-  wrong token, ranked by the full-cache teacher's attention to them after their eviction
-  (``oracle.teacher_future_mass`` of the replay, summed over the sets that evicted them);
+* candidates: the prompt positions the policy evicted (in any layer or KV set) at any step of the
+  request, ranked by the full-cache teacher's attention to them after their eviction
+  (``oracle.teacher_future_mass`` of the replay, each row weighted by the share of the position's
+  teacher attention that came after its eviction, :func:`rank_weights`, summed over the sets that
+  evicted them);
 * the test of a set: re-run the request with the set pinned (:func:`h2o_lens.config.pin`) inside
   the run's slot count, judged by the request's checker, else by agreement with the full cache's
   answer;
@@ -54,6 +56,7 @@ __all__ = [
     "search_from_dict",
     "Candidate",
     "culprit_candidates",
+    "rank_weights",
     "first_wrong_step",
     "explain_culprits",
 ]
