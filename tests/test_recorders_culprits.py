@@ -76,6 +76,23 @@ def test_the_search_is_deterministic_and_respects_its_limits():
 # ----------------------------------------------------------------------------- a planted dependency
 
 
+def test_the_prefixes_grow_in_steps_fine_enough_for_a_crowded_cache():
+    """The culprits reach rank 9 and more than 13 pins push out what the answer also needs: doubling
+    prefixes (8, then 16) step over the window (9, 13]; steps of 1.5 test 12, which passes."""
+    from recorders.culprit_search import _sizes
+
+    assert _sizes(19) == [1, 2, 4, 8, 12, 16, 19] and _sizes(205)[-5:] == [64, 96, 128, 192, 205]
+    assert _sizes(8) == [1, 2, 4, 8] and _sizes(12) == [1, 2, 4, 8, 12] and _sizes(0) == []
+
+    def crowded(subset):
+        return {2, 9} <= subset and len(subset) <= 13
+
+    got = search_culprits(list(range(40)), crowded, max_size=19)
+    assert got.found and got.minimal and sorted(got.culprits) == [2, 9]
+    assert [len(p.positions) for p in got.probes][:5] == [1, 2, 4, 8, 12]
+    assert _one_minimal(got.culprits, crowded)
+
+
 def _planted_case():
     """An answer that needs two ignored prompt positions ``a`` and ``b`` (the same token X), against
     a decoy token Y at a hotspot every query looks at: with either of a, b lost, Y wins."""
