@@ -22,13 +22,15 @@ the logs, and says ``unknown (run explain)`` everywhere else. First match wins:
     is the run's token at each: the full cache, greedy, writes the same answer,
     which fails (the re-runs' first rule, read from the replay).
 ``budget``
-    the teacher departs, evidence was evicted before ``d`` and the labelled
-    evidence has more tokens than the request's slots: no choice of slots holds
-    it, so the oracle at the same slot count fails too.
+    the teacher departs decisively (a step where its top-1 is not the run's token
+    has KL >= ``kl_high``: not a near tie, which any change to the cache may flip
+    either way), evidence was evicted before ``d`` and the labelled evidence has
+    more tokens than the request's slots: no choice of slots holds it, so the
+    oracle at the same slot count fails too.
 ``scoring_lag`` / ``scoring``
-    the teacher departs, evidence was evicted before ``d`` (at least
+    the teacher departs decisively, evidence was evicted before ``d`` (at least
     ``evidence_lost_share`` of the KV sets lost a token of a span) and it takes
-    at most ``evidence_pin_share`` of the request's heavy slots: the ``pinned``
+    less than ``evidence_pin_share`` of the request's heavy slots: the ``pinned``
     re-run restores it and leaves the policy most of its own choices, so
     pinning it should bring the answer back. ``scoring_lag`` when the policy is
     scored (``Policy.scored``, DESIGN.md §2.9) and at least ``lag_share`` of
@@ -38,12 +40,12 @@ the logs, and says ``unknown (run explain)`` everywhere else. First match wins:
     the teacher departs, the evidence was held by every KV set up to ``d`` and
     the dropped mass around ``d`` is below ``dropped_mass_high``.
 ``unknown`` (shown as ``unknown (run explain)``)
-    everything else: no replay of every step; no evidence labelled (the
-    dropped mass says what the run lost, not whether the oracle at the same
-    slots would have kept enough); evidence evicted but taking more than
-    ``evidence_pin_share`` of the heavy slots (pinned, it pushes out much of
-    what the policy kept, and the re-run then differs in more than the
-    evidence); evidence held with a high dropped mass (the oracle may still
+    everything else: no replay of every step; a departure only near a tie; no
+    evidence labelled (the dropped mass says what the run lost, not whether the
+    oracle at the same slots would have kept enough); evidence evicted but
+    taking ``evidence_pin_share`` or more of the heavy slots (pinned, it pushes
+    out much of what the policy kept, and the re-run then differs in more than
+    the evidence); evidence held with a high dropped mass (the oracle may still
     fix it). The re-runs decide (DESIGN.md §6.10, §19). The dropped mass does
     not name ``budget`` by itself: on short prompts it is high for failures the
     re-runs decide as ``scoring``, and on long recall prompts low for the same.
@@ -297,6 +299,7 @@ def _verdict(
     info: dict[str, Any],
     ev: _Evidence,
     departs: bool | None,
+    kl_departs: float | None,
     dm: float | None,
     th: Thresholds,
 ) -> tuple[str, str]:
@@ -319,16 +322,17 @@ def _verdict(
             "writes the same answer"
         )
     share = ev.tokens / ev.heavy if ev.heavy else None
-    if departs and ev.evicted and ev.slots is not None and ev.tokens > ev.slots:
+    decisive = bool(departs) and kl_departs is not None and kl_departs >= th.kl_high
+    if decisive and ev.evicted and ev.slots is not None and ev.tokens > ev.slots:
         return "budget", (
             f"the evidence ({ev.tokens} tokens) is larger than the cache ({ev.slots} slots): no choice of "
             "slots holds it"
         )
-    if departs and ev.evicted and ev.fits and share is not None and share <= th.evidence_pin_share:
+    if decisive and ev.evicted and ev.fits and share is not None and share < th.evidence_pin_share:
         pinned = (
-            f"the evidence was evicted before the decision step and takes {ev.tokens} of the "
-            f"{ev.heavy} heavy slots ({share:.0%} <= {th.evidence_pin_share:.0%}): pinned, it leaves the "
-            "policy most of its own choices"
+            f"the teacher departs decisively (KL {kl_departs:.3g} >= {th.kl_high:g}), the evidence was "
+            f"evicted before the decision step and takes {ev.tokens} of the {ev.heavy} heavy slots "
+            f"({share:.0%} < {th.evidence_pin_share:.0%}): pinned, it leaves the policy most of its own choices"
         )
         if ev.lag:
             return "scoring_lag", (
@@ -338,21 +342,28 @@ def _verdict(
         return "scoring", f"{pinned} ({dm_text})"
     if departs and ev.held and dm is not None and not high_dm:
         return "not_the_cache", f"the evidence was still in every KV set and little was dropped ({dm_text})"
-    return "unknown", _unknown_reason(ev, departs, share, dm_text, th)
+    return "unknown", _unknown_reason(ev, departs, kl_departs, share, dm_text, th)
 
 
-def _unknown_reason(ev: _Evidence, departs: bool | None, share: float | None, dm_text: str, th: Thresholds) -> str:
+def _unknown_reason(
+    ev: _Evidence, departs: bool | None, kl_departs: float | None, share: float | None, dm_text: str, th: Thresholds
+) -> str:
     """Why the thresholds cannot name a cause (one sentence, ending with what decides)."""
     if departs is None:
         why = f"the replay does not cover every step of the answer ({dm_text})"
     elif not ev.labelled:
         why = f"no evidence is labelled ({dm_text})"
+    elif ev.evicted and (kl_departs is None or kl_departs < th.kl_high):
+        why = (
+            f"the teacher departs from the run only near a tie (KL {kl_departs or 0.0:.3g} < {th.kl_high:g}): "
+            "any change to the cache, pinned or not, may flip it either way"
+        )
     elif ev.evicted and not ev.fits:
         why = f"the evidence ({ev.tokens} tokens) does not fit the {ev.heavy} heavy slots"
     elif ev.evicted and share is not None:
         why = (
-            f"the evidence takes {share:.0%} of the heavy slots (> {th.evidence_pin_share:.0%}): pinned, "
-            "it pushes out much of what the policy kept"
+            f"the evidence takes {share:.0%} of the heavy slots (not < {th.evidence_pin_share:.0%}): "
+            "pinned, it pushes out much of what the policy kept"
         )
     elif ev.held:
         why = f"the evidence was still held, but the teacher needed evicted positions ({dm_text})"
@@ -361,18 +372,23 @@ def _unknown_reason(ev: _Evidence, departs: bool | None, share: float | None, dm
     return f"{why}; the thresholds cannot tell, h2o-lens explain decides"
 
 
-def _teacher_departs(con: duckdb.DuckDBPyConnection, run_id: str, request: int, row: dict[str, Any]) -> bool | None:
-    """Whether the teacher-forced top-1 departs from the run's token at some step; None when the
-    replay does not cover every generated token (then the full cache's answer is not known)."""
+def _teacher_departs(
+    con: duckdb.DuckDBPyConnection, run_id: str, request: int, row: dict[str, Any], kl_high: float
+) -> tuple[bool | None, float | None]:
+    """Whether the teacher-forced top-1 departs from the run's token at some step (None when the
+    replay does not cover every generated token: then the full cache's answer is not known), and
+    the largest KL at a step where it departs (None: it never does)."""
     disagreements, steps = plain(row.get("disagreements")), plain(row.get("steps"))
     if disagreements is None or steps is None:
-        return None
+        return None, None
     if disagreements > 0:
-        return True
+        sql = "SELECT max(kl) FROM replay_steps WHERE run_id = $run AND request = $r AND NOT top1_agree"
+        found = first_row(relation(con, sql, run=run_id, r=request))
+        return True, (float(found[0]) if found and found[0] is not None else None)
     sql = "SELECT count(*) FROM tokens WHERE run_id = $run AND request = $r AND NOT is_prompt"
     found = first_row(relation(con, sql, run=run_id, r=request))
     generated = int(found[0]) if found and found[0] is not None else None
-    return None if not generated or steps < generated else False
+    return (None if not generated or steps < generated else False), None
 
 
 def _slots(con: duckdb.DuckDBPyConnection, info: dict[str, Any], request: int) -> tuple[int | None, int | None]:
@@ -464,15 +480,16 @@ def _attribute_one(
     evicted, lag, lost, evidence_facts = _evidence_facts(ev, held, th, scored)
     kl_d = plain(row.get("kl_at_divergence"))
     dm, facts = _replay_facts(con, info, request, d, why_d, kl_d, th)
-    departs = _teacher_departs(con, run_id, request, row)
+    departs, kl_departs = _teacher_departs(con, run_id, request, row, th.kl_high)
     heavy, slots = _slots(con, info, request)
     n_ev = _evidence_tokens(con, run_id, request) if len(held) else 0
     evidence = _Evidence(len(held) > 0, evicted, lag, len(held) > 0 and lost == 0.0, n_ev, heavy, slots)
     facts.append(
         Fact(
             "teacher_departs",
-            value=None if departs is None else float(departs),
-            note="the full-cache teacher's top-1 departs from the run's token at some step"
+            value=kl_departs if departs else (0.0 if departs is False else None),
+            threshold=th.kl_high,
+            note="the full-cache teacher's top-1 departs from the run's token; value: the largest KL where it does"
             if departs
             else ("it never departs: the full cache writes the same answer" if departs is False else "not replayed"),
         )
@@ -486,7 +503,7 @@ def _attribute_one(
                 note=f"{n_ev} evidence tokens over {heavy} heavy slots ({slots} slots)",
             )
         )
-    verdict, why = _verdict(info, evidence, departs, dm, th)
+    verdict, why = _verdict(info, evidence, departs, kl_departs, dm, th)
     top1 = plain(row.get("top1_agreement"))
     severity = (
         0.0 if row["checker_failed"] else 1.0,

@@ -53,9 +53,10 @@ class Thresholds:
         eviction; ``lag_share``: scoring lag when at least this share of the
         evidence evictions are lag evictions (the lag is a sub-case of ``scoring``);
         ``evidence_pin_share``: the estimate names ``scoring`` (or ``scoring_lag``) only
-        when the evicted evidence takes at most this share of the request's heavy
+        when the evicted evidence takes less than this share of the request's heavy
         slots, so that pinning it (the ``pinned`` re-run) leaves the policy most of its
-        own choices; above it the estimate says ``unknown``.
+        own choices, and only when the teacher departs decisively (a top-1
+        disagreement with KL at least ``kl_high``); otherwise it says ``unknown``.
     Measures shown in the report
         ``margin_tie``: an eviction whose margin is at most this share of the
         lowest surviving score is near a tie (:func:`analyses.margin_sensitivity`).
