@@ -391,11 +391,18 @@ def _teacher_departs(
     return (None if not generated or steps < generated else False), None
 
 
+@dataclasses.dataclass(frozen=True)
+class _SLOT_COLUMNS:
+    """The ``requests`` columns that hold a request's slot split."""
+
+    heavy: int
+    recent: int
+
+
 def _slots(con: duckdb.DuckDBPyConnection, info: dict[str, Any], request: int) -> tuple[int | None, int | None]:
     """(heavy, heavy + recent) of one request: ``requests``, else the run's config."""
     heavy, recent = info.get("heavy"), info.get("recent")
-    cols = columns(con, "requests")
-    if "heavy" in cols and "recent" in cols:
+    if {f.name for f in dataclasses.fields(_SLOT_COLUMNS)} <= set(columns(con, "requests")):
         sql = "SELECT heavy, recent FROM requests WHERE run_id = $run AND request = $r"
         found = first_row(relation(con, sql, run=info["run_id"], r=request))
         if found is not None and found[0] is not None:
