@@ -87,7 +87,8 @@ EVIDENCE_COLUMNS = (
     "lag_eviction",
 )
 VERDICT_TEXT = {
-    "budget": "budget: the evidence was evicted and the cache lost needed attention",
+    "budget": "budget: the evidence is larger than the cache: no choice of slots holds it",
+    "scoring": "scoring: the evidence was evicted and fits the heavy slots; pinning it should bring the answer back",
     "scoring_lag": "scoring lag: the evidence was evicted right after the recent window, before it was read",
     "not_the_cache": "not the cache: the cache does not explain the failure",
     "implementation_error": "implementation error: the replay does not reproduce the run",

@@ -9,35 +9,46 @@ step's KL reaches ``kl_fail``. Its
 KL >= ``kl_high``), else its last replayed step (without a replay: its last
 token's position).
 
-Verdicts, first match wins:
+The verdict is the *fast estimate* of what ``h2o-lens explain``'s re-runs decide
+(:mod:`.causal`): it names a cause only on the evidence that cause needs, read from
+the logs, and says ``unknown (run explain)`` everywhere else. First match wins:
 
 ``implementation_error``
     the run's ``max_logit_diff`` exceeds ``logit_tolerance``: the masked
     parallel replay does not reproduce the run's logits, so no cache measure
-    of it can be trusted.
-``scoring_lag``
-    a scored policy (attention drives its choices: ``Policy.scored`` in the
-    registry, DESIGN.md §2.9) evicted evidence before ``d`` (at
-    least ``evidence_lost_share`` of the KV sets lost a token of a span) and
-    at least ``lag_share`` of those evictions came within ``lag_steps`` of
-    leaving the recent window with a score of at most ``low_score_ratio`` of
-    the lowest surviving one: a delayed first reference the score could not
-    see coming. Unscored policies (``local``, ``sink``, ``random``) evict
-    without looking at attention, so their evicted evidence is never a
-    scoring lag: it falls to the rules below.
-``budget``
-    evidence was evicted before ``d`` and the dropped mass around ``d`` is
-    high; or the run labels no evidence and the dropped mass is high.
-``unknown`` (shown as ``unknown (run explain)``)
-    the thresholds cannot tell: evidence was evicted before ``d`` but the
-    dropped mass around ``d`` is low (a few evicted tokens can carry an answer
-    with little of the heads' mass: the long recall failures that the re-runs
-    decide as ``scoring``), or no evidence is labelled and neither the dropped
-    mass nor the KL points anywhere. ``h2o-lens explain`` decides (DESIGN.md
-    §6.10, §19).
+    of it can be trusted (the re-runs' rule too).
 ``not_the_cache``
-    everything else: low dropped mass with high KL and no evidence evicted (a
-    value direction, positions or an earlier divergence), or evidence still held.
+    the replay covers every generated token and the full-cache teacher's top-1
+    is the run's token at each: the full cache, greedy, writes the same answer,
+    which fails (the re-runs' first rule, read from the replay).
+``budget``
+    the teacher departs decisively (a step where its top-1 is not the run's token
+    has KL >= ``kl_high``: not a near tie, which any change to the cache may flip
+    either way), evidence was evicted before ``d`` and the labelled evidence has
+    more tokens than the request's slots: no choice of slots holds it, so the
+    oracle at the same slot count fails too.
+``scoring_lag`` / ``scoring``
+    the teacher departs decisively, evidence was evicted before ``d`` (at least
+    ``evidence_lost_share`` of the KV sets lost a token of a span) and it takes
+    less than ``evidence_pin_share`` of the request's heavy slots: the ``pinned``
+    re-run restores it and leaves the policy most of its own choices, so
+    pinning it should bring the answer back. ``scoring_lag`` when the policy is
+    scored (``Policy.scored``, DESIGN.md §2.9) and at least ``lag_share`` of
+    those evictions came within ``lag_steps`` of leaving the recent window
+    with a score of at most ``low_score_ratio`` of the lowest surviving one.
+``not_the_cache``
+    the teacher departs, the evidence was held by every KV set up to ``d`` and
+    the dropped mass around ``d`` is below ``dropped_mass_high``.
+``unknown`` (shown as ``unknown (run explain)``)
+    everything else: no replay of every step; a departure only near a tie; no
+    evidence labelled (the dropped mass says what the run lost, not whether the
+    oracle at the same slots would have kept enough); evidence evicted but
+    taking ``evidence_pin_share`` or more of the heavy slots (pinned, it pushes
+    out much of what the policy kept, and the re-run then differs in more than
+    the evidence); evidence held with a high dropped mass (the oracle may still
+    fix it). The re-runs decide (DESIGN.md §6.10, §19). The dropped mass does
+    not name ``budget`` by itself: on short prompts it is high for failures the
+    re-runs decide as ``scoring``, and on long recall prompts low for the same.
 """
 
 from __future__ import annotations
@@ -57,7 +68,7 @@ from .thresholds import Thresholds
 
 __all__ = ["VERDICTS", "Fact", "Attribution", "failed_requests", "attribute", "evidence_sql"]
 
-VERDICTS = ("budget", "scoring_lag", "not_the_cache", "implementation_error", "unknown")
+VERDICTS = ("budget", "scoring", "scoring_lag", "not_the_cache", "implementation_error", "unknown")
 #: how the estimate's ``unknown`` is shown: it names no cause, the re-runs decide
 UNKNOWN_TEXT = "unknown (run explain)"
 
@@ -220,8 +231,9 @@ def _dropped_at(
 
 def _evidence_facts(
     ev: pd.DataFrame, held: pd.DataFrame, th: Thresholds, scored: bool = True
-) -> tuple[bool, bool, list[Fact]]:
-    """(evidence evicted, scoring lag, facts) for one request; no lag without scores."""
+) -> tuple[bool, bool, float, list[Fact]]:
+    """(evidence evicted, scoring lag, largest share of KV sets that lost a span, facts) for one
+    request; no lag without scores."""
     facts: list[Fact] = []
     lost = 0.0
     for row in held.itertuples():
@@ -262,19 +274,36 @@ def _evidence_facts(
                     note=f"{row.label!r} age {row.age}{', lag eviction' if row.lag_eviction else ''}",
                 )
             )
-    return evicted, scored and evicted and lag_share >= th.lag_share, facts
+    return evicted, scored and evicted and lag_share >= th.lag_share, lost, facts
+
+
+@dataclasses.dataclass(frozen=True)
+class _Evidence:
+    """What the logs say about a request's labelled evidence before its decision step."""
+
+    labelled: bool  # the request labels evidence
+    evicted: bool  # at least ``evidence_lost_share`` of the KV sets lost a token of a span
+    lag: bool  # ... and the evictions are mostly lag evictions of a scored policy
+    held: bool  # no KV set lost a token of any span
+    tokens: int  # labelled tokens
+    heavy: int | None  # the request's heavy slots
+    slots: int | None  # the request's slots (heavy + recent)
+
+    @property
+    def fits(self) -> bool:
+        """The evidence can be pinned inside the slots (it takes no more than the heavy slots)."""
+        return self.heavy is not None and 0 < self.tokens <= self.heavy
 
 
 def _verdict(
     info: dict[str, Any],
-    evicted: bool,
-    lag: bool,
-    has_evidence: bool,
+    ev: _Evidence,
+    departs: bool | None,
+    kl_departs: float | None,
     dm: float | None,
-    kl_d: float | None,
     th: Thresholds,
 ) -> tuple[str, str]:
-    """The verdict and one sentence saying why (rules in the module docstring)."""
+    """The verdict and one sentence saying why (rules in the module docstring, DESIGN.md §6.10)."""
     diff = info.get("max_logit_diff")
     tolerance = th.logit_bound(info.get("logit_tolerance"))
     high_dm = dm is not None and dm >= th.dropped_mass_high
@@ -287,30 +316,108 @@ def _verdict(
         return "implementation_error", (
             f"the masked replay differs from the run's logits by {diff:.3g} > {tolerance:g}"
         )
-    if lag:
-        return "scoring_lag", (
-            "the evidence was evicted right after leaving the recent window with a "
-            f"low score, before anything attended to it ({dm_text})"
-        )
-    if evicted and high_dm:
-        return "budget", f"the evidence was evicted and the teacher needed evicted positions ({dm_text})"
-    if not has_evidence and high_dm:
-        return "budget", f"no evidence is labelled; the teacher needed evicted positions ({dm_text})"
-    if evicted:
-        return "unknown", (
-            f"evidence was evicted, but the teacher put little attention on evicted positions ({dm_text}): "
-            "the thresholds cannot tell whether it mattered; h2o-lens explain decides"
-        )
-    if dm is not None and not high_dm and kl_d is not None and kl_d >= th.kl_high:
+    if departs is False:
         return "not_the_cache", (
-            f"low dropped mass but high KL ({kl_d:.3g} >= {th.kl_high:g}): value "
-            "direction, positions or an earlier divergence"
+            "the full-cache teacher picks the run's token at every step of the answer: the full cache "
+            "writes the same answer"
         )
-    if has_evidence:
-        return "not_the_cache", f"the evidence was still in the cache ({dm_text})"
-    return "unknown", (
-        f"no evidence is labelled and no cache fact explains the failure ({dm_text}); h2o-lens explain decides"
-    )
+    share = ev.tokens / ev.heavy if ev.heavy else None
+    decisive = bool(departs) and kl_departs is not None and kl_departs >= th.kl_high
+    if decisive and ev.evicted and ev.slots is not None and ev.tokens > ev.slots:
+        return "budget", (
+            f"the evidence ({ev.tokens} tokens) is larger than the cache ({ev.slots} slots): no choice of "
+            "slots holds it"
+        )
+    if decisive and ev.evicted and ev.fits and share is not None and share < th.evidence_pin_share:
+        pinned = (
+            f"the teacher departs decisively (KL {kl_departs:.3g} >= {th.kl_high:g}), the evidence was "
+            f"evicted before the decision step and takes {ev.tokens} of the {ev.heavy} heavy slots "
+            f"({share:.0%} < {th.evidence_pin_share:.0%}): pinned, it leaves the policy most of its own choices"
+        )
+        if ev.lag:
+            return "scoring_lag", (
+                f"{pinned}; it was evicted right after leaving the recent window with a low score, "
+                f"before anything attended to it ({dm_text})"
+            )
+        return "scoring", f"{pinned} ({dm_text})"
+    if departs and ev.held and dm is not None and not high_dm:
+        return "not_the_cache", f"the evidence was still in every KV set and little was dropped ({dm_text})"
+    return "unknown", _unknown_reason(ev, departs, kl_departs, share, dm_text, th)
+
+
+def _unknown_reason(
+    ev: _Evidence, departs: bool | None, kl_departs: float | None, share: float | None, dm_text: str, th: Thresholds
+) -> str:
+    """Why the thresholds cannot name a cause (one sentence, ending with what decides)."""
+    if departs is None:
+        why = f"the replay does not cover every step of the answer ({dm_text})"
+    elif not ev.labelled:
+        why = f"no evidence is labelled ({dm_text})"
+    elif ev.evicted and (kl_departs is None or kl_departs < th.kl_high):
+        why = (
+            f"the teacher departs from the run only near a tie (KL {kl_departs or 0.0:.3g} < {th.kl_high:g}): "
+            "any change to the cache, pinned or not, may flip it either way"
+        )
+    elif ev.evicted and not ev.fits:
+        why = f"the evidence ({ev.tokens} tokens) does not fit the {ev.heavy} heavy slots"
+    elif ev.evicted and share is not None:
+        why = (
+            f"the evidence takes {share:.0%} of the heavy slots (not < {th.evidence_pin_share:.0%}): "
+            "pinned, it pushes out much of what the policy kept"
+        )
+    elif ev.held:
+        why = f"the evidence was still held, but the teacher needed evicted positions ({dm_text})"
+    else:
+        why = f"some KV sets lost evidence, fewer than {th.evidence_lost_share:.0%} ({dm_text})"
+    return f"{why}; the thresholds cannot tell, h2o-lens explain decides"
+
+
+def _teacher_departs(
+    con: duckdb.DuckDBPyConnection, run_id: str, request: int, row: dict[str, Any], kl_high: float
+) -> tuple[bool | None, float | None]:
+    """Whether the teacher-forced top-1 departs from the run's token at some step (None when the
+    replay does not cover every generated token: then the full cache's answer is not known), and
+    the largest KL at a step where it departs (None: it never does)."""
+    disagreements, steps = plain(row.get("disagreements")), plain(row.get("steps"))
+    if disagreements is None or steps is None:
+        return None, None
+    if disagreements > 0:
+        sql = "SELECT max(kl) FROM replay_steps WHERE run_id = $run AND request = $r AND NOT top1_agree"
+        found = first_row(relation(con, sql, run=run_id, r=request))
+        return True, (float(found[0]) if found and found[0] is not None else None)
+    sql = "SELECT count(*) FROM tokens WHERE run_id = $run AND request = $r AND NOT is_prompt"
+    found = first_row(relation(con, sql, run=run_id, r=request))
+    generated = int(found[0]) if found and found[0] is not None else None
+    return (None if not generated or steps < generated else False), None
+
+
+@dataclasses.dataclass(frozen=True)
+class _SLOT_COLUMNS:
+    """The ``requests`` columns that hold a request's slot split."""
+
+    heavy: int
+    recent: int
+
+
+def _slots(con: duckdb.DuckDBPyConnection, info: dict[str, Any], request: int) -> tuple[int | None, int | None]:
+    """(heavy, heavy + recent) of one request: ``requests``, else the run's config."""
+    heavy, recent = info.get("heavy"), info.get("recent")
+    if {f.name for f in dataclasses.fields(_SLOT_COLUMNS)} <= set(columns(con, "requests")):
+        sql = "SELECT heavy, recent FROM requests WHERE run_id = $run AND request = $r"
+        found = first_row(relation(con, sql, run=info["run_id"], r=request))
+        if found is not None and found[0] is not None:
+            heavy, recent = found
+    if heavy is None or heavy != heavy:
+        return None, None
+    recent = 0 if recent is None or recent != recent else int(recent)
+    return int(heavy), int(heavy) + recent
+
+
+def _evidence_tokens(con: duckdb.DuckDBPyConnection, run_id: str, request: int) -> int:
+    """The request's labelled evidence tokens."""
+    sql = "SELECT count(*) FROM tokens WHERE run_id = $run AND request = $r AND evidence IS NOT NULL"
+    found = first_row(relation(con, sql, run=run_id, r=request))
+    return int(found[0]) if found and found[0] is not None else 0
 
 
 def _decision_step(
@@ -377,10 +484,33 @@ def _attribute_one(
     held = evidence_held(con, run_id, at_step=d).df() if d is not None else pd.DataFrame()
     held = held[held["request"] == request] if len(held) else held
     scored = scored_policy(info.get("policy"))
-    evicted, lag, evidence_facts = _evidence_facts(ev, held, th, scored)
+    evicted, lag, lost, evidence_facts = _evidence_facts(ev, held, th, scored)
     kl_d = plain(row.get("kl_at_divergence"))
     dm, facts = _replay_facts(con, info, request, d, why_d, kl_d, th)
-    verdict, why = _verdict(info, evicted, lag, len(held) > 0, dm, kl_d, th)
+    departs, kl_departs = _teacher_departs(con, run_id, request, row, th.kl_high)
+    heavy, slots = _slots(con, info, request)
+    n_ev = _evidence_tokens(con, run_id, request) if len(held) else 0
+    evidence = _Evidence(len(held) > 0, evicted, lag, len(held) > 0 and lost == 0.0, n_ev, heavy, slots)
+    facts.append(
+        Fact(
+            "teacher_departs",
+            value=kl_departs if departs else (0.0 if departs is False else None),
+            threshold=th.kl_high,
+            note="the full-cache teacher's top-1 departs from the run's token; value: the largest KL where it does"
+            if departs
+            else ("it never departs: the full cache writes the same answer" if departs is False else "not replayed"),
+        )
+    )
+    if evidence.labelled:
+        facts.append(
+            Fact(
+                "evidence_pin_share",
+                value=n_ev / heavy if heavy else None,
+                threshold=th.evidence_pin_share,
+                note=f"{n_ev} evidence tokens over {heavy} heavy slots ({slots} slots)",
+            )
+        )
+    verdict, why = _verdict(info, evidence, departs, kl_departs, dm, th)
     top1 = plain(row.get("top1_agreement"))
     severity = (
         0.0 if row["checker_failed"] else 1.0,

@@ -405,7 +405,7 @@ def report_data(
         "failures": len(attributions),
         "verdicts": {
             v: sum(a.verdict == v for a in attributions)
-            for v in ("budget", "scoring_lag", "not_the_cache", "implementation_error", "unknown")
+            for v in ("budget", "scoring", "scoring_lag", "not_the_cache", "implementation_error", "unknown")
         },
     }
     data["verdict"] = _verdict(data, th)

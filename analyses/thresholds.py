@@ -20,6 +20,7 @@ _FRACTIONS = (
     "evidence_lost_share",
     "low_score_ratio",
     "lag_share",
+    "evidence_pin_share",
     "gate_min_coverage_p5",
     "gate_min_top1_agreement",
     "gate_max_frozen_share",
@@ -50,7 +51,12 @@ class Thresholds:
         ``lag_steps`` after the token left the recent window with a score at
         most ``low_score_ratio`` of the lowest surviving score is a lag
         eviction; ``lag_share``: scoring lag when at least this share of the
-        evidence evictions are lag evictions.
+        evidence evictions are lag evictions (the lag is a sub-case of ``scoring``);
+        ``evidence_pin_share``: the estimate names ``scoring`` (or ``scoring_lag``) only
+        when the evicted evidence takes less than this share of the request's heavy
+        slots, so that pinning it (the ``pinned`` re-run) leaves the policy most of its
+        own choices, and only when the teacher departs decisively (a top-1
+        disagreement with KL at least ``kl_high``); otherwise it says ``unknown``.
     Measures shown in the report
         ``margin_tie``: an eviction whose margin is at most this share of the
         lowest surviving score is near a tie (:func:`analyses.margin_sensitivity`).
@@ -74,6 +80,7 @@ class Thresholds:
     lag_steps: int = 4
     low_score_ratio: float = 0.5
     lag_share: float = 0.5
+    evidence_pin_share: float = 0.5
     margin_tie: float = 1e-3
     gate_min_coverage_p5: float | None = 0.8
     gate_max_kl_mean: float | None = 0.1

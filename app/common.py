@@ -188,7 +188,12 @@ def metric_row(items: list[tuple[str, str, str | None]]) -> None:
 
 
 _VERDICTS = {
-    "budget": ("Budget", "red", "the evidence was evicted and the teacher needed evicted positions"),
+    "budget": ("Budget", "red", "the evidence is larger than the cache: no choice of slots holds it"),
+    "scoring": (
+        "Scoring",
+        "orange",
+        "the evidence was evicted and fits the heavy slots: pinning it should bring the answer back",
+    ),
     "scoring_lag": (
         "Scoring lag",
         "orange",

@@ -208,10 +208,19 @@ def _shrink(passing: list[int], test: _Tests, lo: int = 0) -> list[int]:
 
 
 def _sizes(top: int) -> list[int]:
-    """The prefix sizes the search grows through: 1, 2, 4 ... below ``top``, then ``top``."""
+    """The prefix sizes the search grows through, below ``top``, then ``top``: 1, 2, 4, 8, then
+    steps of about 1.5 (12, 16, 24, 32, 48 ...: the powers of two and the midpoints 3 · 2^j).
+
+    A prefix passes when it holds every culprit (its last at rank ``r``) and pins few enough
+    positions that what they push out of the heavy slots does not break the answer some other way
+    (at most ``t``): some size must fall in ``(r, t]``. Doubling steps past a window narrower than
+    a factor of 2, which short prompts with few heavy slots have; steps of 1.5 halve the factor the
+    window needs for one more prefix per doubling (DESIGN.md §19)."""
     sizes, k = [], 1
     while k < top:
         sizes.append(k)
+        if k >= 8 and k + k // 2 < top:
+            sizes.append(k + k // 2)
         k *= 2
     return sizes + ([top] if top else [])
 

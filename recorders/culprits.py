@@ -5,9 +5,11 @@ failure; pinning the evidence says it lost the evidence, when a task labels one.
 the question stays: *which* deleted tokens broke the answer? The culprit search answers it from
 the run alone:
 
-* candidates: the prompt positions the policy evicted (in any layer or KV set) before the first
-  wrong token, ranked by the full-cache teacher's attention to them after their eviction
-  (``oracle.teacher_future_mass`` of the replay, summed over the sets that evicted them);
+* candidates: the prompt positions the policy evicted (in any layer or KV set) at any step of the
+  request, ranked by the full-cache teacher's attention to them after their eviction
+  (``oracle.teacher_future_mass`` of the replay, each row weighted by the share of the position's
+  teacher attention that came after its eviction, :func:`rank_weights`, summed over the sets that
+  evicted them);
 * the test of a set: re-run the request with the set pinned (:func:`h2o_lens.config.pin`) inside
   the run's slot count, judged by the request's checker, else by agreement with the full cache's
   answer;
@@ -54,6 +56,7 @@ __all__ = [
     "search_from_dict",
     "Candidate",
     "culprit_candidates",
+    "rank_weights",
     "first_wrong_step",
     "explain_culprits",
 ]
@@ -90,12 +93,25 @@ def first_wrong_step(replay_steps: Any, request: int) -> int | None:
     return int(rows["step"].min()) if len(rows) else None
 
 
+def rank_weights(future: Any, score: Any) -> Any:
+    """The ranking weight of one eviction row: the teacher's attention to the position after its
+    eviction (``future``), times the share of the position's whole teacher attention that came after
+    it (``future / (future + score)``, ``score`` the attention from its own position up to the
+    eviction). A position attended all along (a sink: punctuation, a newline) had its use in view
+    of the policy's score and shares its attention with other sinks; one attended mostly after its
+    eviction is a reference the score could not see coming (DESIGN.md §19)."""
+    future = np.asarray(future, dtype=np.float64)
+    total = future + np.asarray(score, dtype=np.float64)
+    return np.where(total > 0, future * future / np.where(total > 0, total, 1.0), 0.0)
+
+
 def culprit_candidates(run_dir: str | Path, request: int = 0) -> tuple[list[Candidate], int | None]:
     """The culprit candidates of one request of a replayed run, ranked (DESIGN.md §19).
 
-    Returns the candidates (prompt positions evicted before the first wrong step, most attended
-    by the teacher after their eviction first; ties by position) and that step (None: no step
-    departs, every eviction counts).
+    Returns the candidates (prompt positions evicted at any step of the request, in any layer or
+    KV set; the most attended by the teacher after their eviction first, each eviction row's
+    attention weighted by :func:`rank_weights`; ties by the sets that evicted it, then by
+    position) and the first wrong step (None: no step departs).
     """
     from runlog.store import load_run
 
@@ -107,21 +123,22 @@ def culprit_candidates(run_dir: str | Path, request: int = 0) -> tuple[list[Cand
     d = first_wrong_step(run["replay_steps"].to_pandas(), request)
     ev = run["evictions"].to_pandas()
     ev = ev[(ev["request"] == request) & (ev["position"] < prompt_len)]
-    if d is not None:
-        ev = ev[ev["step"] < d]
     if not len(ev):
         return [], d
     orc = run["oracle"].to_pandas()
     orc = orc[(orc["request"] == request) & orc["position"].isin(ev["position"].unique())]
-    if d is not None:
-        orc = orc[orc["step"] < d]
     mass = orc.groupby("position")["teacher_future_mass"].sum() if len(orc) else None
+    weight = (
+        orc.assign(w=rank_weights(orc["teacher_future_mass"], orc["teacher_score"])).groupby("position")["w"].sum()
+        if len(orc)
+        else None
+    )
     set_cols = ["layer", "kv_head"] + (["q_head"] if ev["q_head"].notna().any() else [])
     ev = ev.sort_values(["position", "step", "layer", "kv_head"], kind="stable")
     first = ev.drop_duplicates("position", keep="first").set_index("position")
     sets = ev.drop_duplicates(["position", *set_cols]).groupby("position").size()
     positions = [int(p) for p in first.index]
-    key = {p: (-(float(mass.get(p, 0.0)) if mass is not None else 0.0), -int(sets[p]), p) for p in positions}
+    key = {p: (-(float(weight.get(p, 0.0)) if weight is not None else 0.0), -int(sets[p]), p) for p in positions}
     out = []
     for rank, p in enumerate(sorted(positions, key=key.__getitem__)):
         row = first.loc[p]

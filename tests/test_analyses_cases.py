@@ -220,13 +220,17 @@ def test_designed_delayed_first_reference_is_a_scoring_lag(tmp_path):
     assert any(f.kind == "evidence_evicted" and f.position == evidence and f.step == evidence + 4 for f in a.facts)
 
 
-def _failure_run(root, run_id, *, evicted: bool, dm: float, kl_at: float, **info):
+def _failure_run(
+    root, run_id, *, evicted: bool, dm: float, kl_at: float, evidence=(2, 3), heavy=5, departs=True, **info
+):
+    """A 20-token prompt with ``evidence`` labelled (evicted at the prefill when ``evicted``), 10
+    answer steps whose last 6 have KL ``kl_at`` and, when ``departs``, a teacher top-1 of their own."""
     n, p = 30, 20
-    rows = [(19, 2, 2.0, 0.1, False, "prefill"), (19, 3, 2.1, 0.05, False, "prefill")] if evicted else []
+    rows = [(19, q, 2.0 + 0.1 * i, 0.1, False, "prefill") for i, q in enumerate(evidence)] if evicted else []
     write_run(
         root,
         run_id,
-        tokens=tokens_for(n, p, evidence={2: "fact", 3: "fact"}),
+        tokens=tokens_for(n, p, evidence={q: "fact" for q in evidence}),
         evictions=_evictions(rows) if rows else None,
         steps={
             "request": [0] * 10,
@@ -236,34 +240,67 @@ def _failure_run(root, run_id, *, evicted: bool, dm: float, kl_at: float, **info
             "min_heavy_score": [2.2] * 10,
         },
         replay=_replay(range(19, 30), [dm] * 11, q_heads=2),
-        replay_steps=_replay_steps(range(19, 30), [0.01] * 5 + [kl_at] * 6, [True] * 5 + [False] * 6),
-        heavy=4,
+        replay_steps=_replay_steps(range(19, 30), [0.01] * 5 + [kl_at] * 6, [True] * 5 + [not departs] * 6),
+        heavy=heavy,
         recent=4,
         **info,
     )
 
 
-def test_designed_budget_not_the_cache_and_implementation_error(tmp_path):
-    _failure_run(tmp_path, "budget", evicted=True, dm=0.4, kl_at=0.8)
+def test_designed_estimates_name_a_cause_only_on_its_evidence(tmp_path):
+    """Each named cause on the evidence DESIGN.md §6.10 asks of it; the rest reads unknown."""
+    _failure_run(tmp_path, "pinnable", evicted=True, dm=0.4, kl_at=0.8)  # 2 of 5 heavy slots
+    _failure_run(tmp_path, "quiet", evicted=True, dm=0.01, kl_at=0.8)  # little dropped: still the evidence
+    _failure_run(tmp_path, "tie", evicted=True, dm=0.4, kl_at=0.1)  # departs only near a tie
+    _failure_run(tmp_path, "half", evicted=True, dm=0.4, kl_at=0.8, heavy=4)  # 2 of 4: not fewer than half
+    _failure_run(tmp_path, "crowded", evicted=True, dm=0.4, kl_at=0.8, heavy=3)  # 2 of 3: pinning crowds
+    _failure_run(tmp_path, "wide", evicted=True, dm=0.4, kl_at=0.8, evidence=range(2, 12))  # 10 > 9 slots
     _failure_run(tmp_path, "held", evicted=False, dm=0.01, kl_at=1.2)
-    _failure_run(tmp_path, "quiet", evicted=True, dm=0.01, kl_at=0.1)
+    _failure_run(tmp_path, "held_lossy", evicted=False, dm=0.4, kl_at=1.2)
+    _failure_run(tmp_path, "same", evicted=True, dm=0.4, kl_at=1.2, departs=False)  # KL, no other token
     _failure_run(tmp_path, "impl", evicted=True, dm=0.4, kl_at=0.8, max_logit_diff=0.5)
     con = open_runs(tmp_path)
-    verdicts = {r: analyses.attribute(con, r)[0] for r in ("budget", "held", "quiet", "impl")}
+    names = ("pinnable", "quiet", "tie", "half", "crowded", "wide", "held", "held_lossy", "same", "impl")
+    verdicts = {r: analyses.attribute(con, r)[0] for r in names}
     assert {r: a.verdict for r, a in verdicts.items()} == {
-        "budget": "budget",
+        "pinnable": "scoring",
+        "quiet": "scoring",
+        "tie": "unknown",
+        "half": "unknown",
+        "crowded": "unknown",  # the old rules said budget: evidence evicted, high dropped mass
+        "wide": "budget",
         "held": "not_the_cache",
-        "quiet": "unknown",  # evicted evidence, little dropped mass: the thresholds cannot tell
+        "held_lossy": "unknown",  # the oracle may still fix it: only the re-runs tell
+        "same": "not_the_cache",
         "impl": "implementation_error",
     }
-    b = verdicts["budget"]
+    assert "near a tie" in verdicts["tie"].summary
+    crowded = verdicts["crowded"]
+    assert "67% of the heavy slots" in crowded.summary and "explain decides" in crowded.summary
+    share = next(f for f in crowded.facts if f.kind == "evidence_pin_share")
+    assert share.value == pytest.approx(2 / 3) and share.threshold == 0.5
+    b = verdicts["pinnable"]
     worst = next(f for f in b.facts if f.kind == "worst_head_dropped_mass")
     assert worst.dropped_mass == pytest.approx(0.4) and worst.layer == 0
     assert next(f for f in b.facts if f.kind == "lag_eviction_share").value == 0.0
-    assert "high KL" in verdicts["held"].summary
+    assert "writes the same answer" in verdicts["same"].summary
+    assert next(f for f in verdicts["same"].facts if f.kind == "teacher_departs").value == 0.0
     assert next(f for f in verdicts["impl"].facts if f.kind == "max_logit_diff").value == 0.5
     looser = analyses.attribute(con, "impl", thresholds={"logit_tolerance": 1.0})[0]
-    assert looser.verdict == "budget"
+    assert looser.verdict == "scoring"
+    wider = analyses.attribute(con, "crowded", thresholds={"evidence_pin_share": 0.7})[0]
+    assert wider.verdict == "scoring"
+
+
+def test_designed_estimate_without_evidence_labels_names_no_cause(tmp_path):
+    """No evidence labelled, high dropped mass: the old rules said budget; only re-runs can tell."""
+    _failure_run(tmp_path, "bare", evicted=False, dm=0.4, kl_at=0.8, evidence=())
+    _failure_run(tmp_path, "bare_same", evicted=False, dm=0.4, kl_at=0.8, evidence=(), departs=False)
+    con = open_runs(tmp_path)
+    (bare,) = analyses.attribute(con, "bare")
+    assert bare.verdict == "unknown" and "no evidence is labelled" in bare.summary
+    (same,) = analyses.attribute(con, "bare_same", thresholds={"kl_fail": 0.5})
+    assert same.verdict == "not_the_cache"
 
 
 def test_answer_checker_sources(tmp_path):

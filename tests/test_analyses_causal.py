@@ -113,7 +113,7 @@ def test_explain_cli_json_has_the_fields_per_failed_request(root, capsys):
     assert set(got["min_slots"]) == {"policy", "oracle"} and got["min_slots"]["oracle"] > got["slots"]
     assert set(got["counterfactual_runs"]) == {"full", "pinned", "oracle", "policy_budget", "oracle_budget"}
     assert "pinned" in got["could_not_run"]
-    assert got["estimate"] in ("budget", "scoring_lag", "not_the_cache", "implementation_error")
+    assert got["estimate"] == "budget"  # the evidence is larger than the cache: no slots hold it
     assert main(["explain", run, "--root", str(root), "--cached", "--quiet"]) == 0
     table = capsys.readouterr().out
     assert "request 0: budget" in table and "could not run: pinned" in table

@@ -76,6 +76,23 @@ def test_the_search_is_deterministic_and_respects_its_limits():
 # ----------------------------------------------------------------------------- a planted dependency
 
 
+def test_the_prefixes_grow_in_steps_fine_enough_for_a_crowded_cache():
+    """The culprits reach rank 9 and more than 13 pins push out what the answer also needs: doubling
+    prefixes (8, then 16) step over the window (9, 13]; steps of 1.5 test 12, which passes."""
+    from recorders.culprit_search import _sizes
+
+    assert _sizes(19) == [1, 2, 4, 8, 12, 16, 19] and _sizes(205)[-5:] == [64, 96, 128, 192, 205]
+    assert _sizes(8) == [1, 2, 4, 8] and _sizes(12) == [1, 2, 4, 8, 12] and _sizes(0) == []
+
+    def crowded(subset):
+        return {2, 9} <= subset and len(subset) <= 13
+
+    got = search_culprits(list(range(40)), crowded, max_size=19)
+    assert got.found and got.minimal and sorted(got.culprits) == [2, 9]
+    assert [len(p.positions) for p in got.probes][:5] == [1, 2, 4, 8, 12]
+    assert _one_minimal(got.culprits, crowded)
+
+
 def _planted_case():
     """An answer that needs two ignored prompt positions ``a`` and ``b`` (the same token X), against
     a decoy token Y at a hotspot every query looks at: with either of a, b lost, Y wins."""
@@ -189,6 +206,41 @@ def test_without_a_checker_the_search_is_judged_by_the_full_cache_and_recorded(t
     assert again.culprits == got.culprits
     assert [(p.positions, p.passed) for p in again.probes] == [(p.positions, p.passed) for p in got.probes]
     assert explain_culprits(model, tok, parent, 0).culprits == got.culprits
+
+
+def test_the_ranking_weights_attention_by_the_share_that_came_after_the_eviction():
+    from recorders.culprits import rank_weights
+
+    # a sink the teacher attended all along, against a reference it reads only after the eviction:
+    # more raw attention after the eviction on the sink, yet the reference ranks first
+    sink, reference = (3.0, 9.0), (2.0, 0.1)  # (future, score)
+    got = rank_weights([sink[0], reference[0], 0.0], [sink[1], reference[1], 0.0])
+    assert got[1] > got[0] and sink[0] > reference[0]
+    assert got.tolist() == pytest.approx([3.0 * 3.0 / 12.0, 2.0 * 2.0 / 2.1, 0.0])
+
+
+@pytest.mark.slow
+def test_the_candidates_are_every_evicted_prompt_position_in_weighted_order(tmp_path):
+    from recorders.culprits import culprit_candidates, rank_weights
+
+    _, _, parent = _tiny_parent(tmp_path)
+    got, first_wrong = culprit_candidates(parent, 0)
+    run = runlog.load_run(parent, tables=("evictions", "oracle", "tokens"))
+    plen = int(run["tokens"].to_pandas()["is_prompt"].sum())
+    ev = run["evictions"].to_pandas()
+    ev = ev[ev["position"] < plen]
+    # every evicted prompt position, also those evicted from the first wrong step on: the answer's
+    # later tokens need them once the pins fix the first one
+    assert {c.position for c in got} == set(ev["position"].astype(int))
+    assert first_wrong is not None and (ev["step"] >= first_wrong).any()
+    orc = run["oracle"].to_pandas()
+    orc = orc[orc["position"] < plen]
+    weight = orc.assign(w=rank_weights(orc["teacher_future_mass"], orc["teacher_score"])).groupby("position")["w"].sum()
+    sets = ev.drop_duplicates(["position", "layer", "kv_head"]).groupby("position").size()
+    want = sorted(weight.index, key=lambda q: (-weight[q], -sets[q], q))
+    assert [c.position for c in got] == [int(q) for q in want]
+    mass = orc.groupby("position")["teacher_future_mass"].sum()  # shown unweighted
+    assert [c.future_mass for c in got] == pytest.approx([float(mass[q]) for q in want])
 
 
 @pytest.mark.slow
