@@ -48,7 +48,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         help="context lengths (default 512 2048; --guard: 4096)",
     )
     b.add_argument("--batch", type=at_least(1), nargs="+", default=[1, 8], help="batch sizes")
-    b.add_argument("--keep", type=keep_share, default=0.2, help="B as a share of the context, in (0, 1)")
+    b.add_argument("--keep", type=keep_share, default=None, help="B as a share of the context, in (0, 1) (default 0.2)")
     b.add_argument("--steps", type=at_least(1), default=8, help="decode steps timed per round")
     b.add_argument("--rounds", type=at_least(1), default=3, help="rounds alternating the two sides")
     b.add_argument("--guard", action="store_true", help="the guard's cost per decode step (default context 4096)")
@@ -70,6 +70,14 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "STORE (cpu | disk), SELECTION exact | pages, a refill every EVERY steps; the cold bytes read per step "
         "and H2O at the same B without the tier beside it",
     )
+    b.add_argument(
+        "--plan",
+        metavar="FILE",
+        default=None,
+        help="a budget plan (h2o-lens plan -o FILE): ms per decode step of H2O under the plan / uniform H2O at "
+        "the same total slots (the plan's slots at each context summed over layers and KV sets, spread evenly: "
+        "one B per layer and KV set, rounded), alternating; no --keep",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,6 +87,20 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("bench decode: --guard and --assistant are two benchmarks; give one")
     if args.new_tokens is not None and not args.assistant:
         raise ConfigError("bench decode: --new-tokens is the --assistant mode's; the others time --steps")
+    if args.plan is not None:  # before the model loads: the options it contradicts, the file, the layers
+        from .decode_plan import bench_decode_plan, check_plan_args, load_plan
+
+        check_plan_args(args)
+        load_plan(args.plan, args.model)
+        return bench_decode_plan(
+            args.plan,
+            model_name=args.model,
+            contexts=tuple(args.contexts or (512, 2048)),
+            batches=args.batch,
+            steps=args.steps,
+            rounds=args.rounds,
+        )
+    args.keep = 0.2 if args.keep is None else args.keep
     cold = _cold(args)  # before the model loads
     if args.assistant:
         return bench_assistant(
