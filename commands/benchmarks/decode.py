@@ -1,6 +1,7 @@
 """``h2o-lens bench decode``: decode tokens/s of H2O ÷ the full cache, the prefill with scores ÷
 SDPA (time and peak RSS); ``--guard`` the guard's cost per decode step, ``--assistant``
-speculative decoding's speed-up under H2O ÷ the full cache's (DESIGN.md §14).
+speculative decoding's speed-up under H2O ÷ the full cache's (DESIGN.md §14), ``--plan`` H2O under
+a budget plan ÷ uniform H2O at the same total slots (``decode_plan.py``, DESIGN.md §2.14).
 
 Timings belong here, not in tests: each figure is the median over rounds that alternate the two
 paths being compared, on the same process and data.
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["add_arguments", "run", "bench_decode", "bench_assistant", "bench_decode_guard", "decode_bytes"]
 
 NAME = "decode"
-HELP = "decode tokens/s of H2O / the full cache, the prefill with scores / SDPA (--guard, --assistant: other modes)"
+HELP = "decode tokens/s of H2O / the full cache, the prefill with scores / SDPA (--guard, --assistant, --plan: modes)"
 
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
@@ -87,11 +88,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("bench decode: --guard and --assistant are two benchmarks; give one")
     if args.new_tokens is not None and not args.assistant:
         raise ConfigError("bench decode: --new-tokens is the --assistant mode's; the others time --steps")
-    if args.plan is not None:  # before the model loads: the options it contradicts, the file, the layers
-        from .decode_plan import bench_decode_plan, check_plan_args, load_plan
+    if args.plan is not None:  # the options it contradicts here; the file and its layers before the model loads
+        from .decode_plan import bench_decode_plan, check_plan_args
 
         check_plan_args(args)
-        load_plan(args.plan, args.model)
         return bench_decode_plan(
             args.plan,
             model_name=args.model,
