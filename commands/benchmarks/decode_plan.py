@@ -96,12 +96,12 @@ def _times(model: Any, uniform: Any, planned: Any, ctx: Any, steps: int, rounds:
     from h2o_lens.runtime import h2o
     from h2o_lens.timing import Decoder, median_time
 
-    with h2o(model, uniform) as session:
+    with h2o(model, uniform):
         model.set_attn_implementation("h2o_lens")
         decoders = {
-            "uniform": Decoder(model, session.new_cache(), ctx, last_logits_only=True),
-            "planned": Decoder(model, H2OCache(planned, model.config), ctx, last_logits_only=True),
-        }
+            name: Decoder(model, H2OCache(cfg, model.config), ctx, last_logits_only=True)
+            for name, cfg in (("uniform", uniform), ("planned", planned))
+        }  # both built alike; the session registers the attention that routes a step to its cache
         times: dict[str, list[float]] = {name: [] for name in decoders}
         names = list(decoders)
         for i in range(rounds + 1):
