@@ -135,7 +135,7 @@ def bench_decode_plan(
     from h2o_lens.models import load_model
     from h2o_lens.shape import model_shape
 
-    from .decode import check_decode
+    from .decode_checks import check_decode
 
     contexts = check_ints("decode", "contexts", contexts, 2)
     batches = check_ints("decode", "batch", batches, 1)
