@@ -1,6 +1,7 @@
 """``h2o-lens bench decode``: decode tokens/s of H2O ÷ the full cache, the prefill with scores ÷
 SDPA (time and peak RSS); ``--guard`` the guard's cost per decode step, ``--assistant``
-speculative decoding's speed-up under H2O ÷ the full cache's (DESIGN.md §14).
+speculative decoding's speed-up under H2O ÷ the full cache's (DESIGN.md §14), ``--plan`` H2O under
+a budget plan ÷ uniform H2O at the same total slots (``decode_plan.py``, DESIGN.md §2.14).
 
 Timings belong here, not in tests: each figure is the median over rounds that alternate the two
 paths being compared, on the same process and data.
@@ -18,16 +19,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..options import at_least, keep_share
-from .common import (
-    check_ints,
-    check_keep,
-    check_memory,
-    check_positions,
-    halves,
-    in_fresh_process,
-    model_config,
-    peak_rss_bytes,
-)
+from .common import check_ints, check_keep, halves, in_fresh_process, peak_rss_bytes
+from .decode_checks import check_decode, decode_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["add_arguments", "run", "bench_decode", "bench_assistant", "bench_decode_guard", "decode_bytes"]
 
 NAME = "decode"
-HELP = "decode tokens/s of H2O / the full cache, the prefill with scores / SDPA (--guard, --assistant: other modes)"
+HELP = "decode tokens/s of H2O / the full cache, the prefill with scores / SDPA (--guard, --assistant, --plan: modes)"
 
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
@@ -48,7 +41,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         help="context lengths (default 512 2048; --guard: 4096)",
     )
     b.add_argument("--batch", type=at_least(1), nargs="+", default=[1, 8], help="batch sizes")
-    b.add_argument("--keep", type=keep_share, default=0.2, help="B as a share of the context, in (0, 1)")
+    b.add_argument("--keep", type=keep_share, default=None, help="B as a share of the context, in (0, 1) (default 0.2)")
     b.add_argument("--steps", type=at_least(1), default=8, help="decode steps timed per round")
     b.add_argument("--rounds", type=at_least(1), default=3, help="rounds alternating the two sides")
     b.add_argument("--guard", action="store_true", help="the guard's cost per decode step (default context 4096)")
@@ -70,6 +63,14 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "STORE (cpu | disk), SELECTION exact | pages, a refill every EVERY steps; the cold bytes read per step "
         "and H2O at the same B without the tier beside it",
     )
+    b.add_argument(
+        "--plan",
+        metavar="FILE",
+        default=None,
+        help="a budget plan (h2o-lens plan -o FILE): ms per decode step of H2O under the plan / uniform H2O at "
+        "the same total slots (the plan's slots at each context summed over layers and KV sets, spread evenly: "
+        "one B per layer and KV set, rounded), alternating; no --keep",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,6 +80,19 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("bench decode: --guard and --assistant are two benchmarks; give one")
     if args.new_tokens is not None and not args.assistant:
         raise ConfigError("bench decode: --new-tokens is the --assistant mode's; the others time --steps")
+    if args.plan is not None:  # the options it contradicts here; the file and its layers before the model loads
+        from .decode_plan import bench_decode_plan, check_plan_args
+
+        check_plan_args(args)
+        return bench_decode_plan(
+            args.plan,
+            model_name=args.model,
+            contexts=tuple(args.contexts or (512, 2048)),
+            batches=args.batch,
+            steps=args.steps,
+            rounds=args.rounds,
+        )
+    args.keep = 0.2 if args.keep is None else args.keep
     cold = _cold(args)  # before the model loads
     if args.assistant:
         return bench_assistant(
@@ -131,37 +145,6 @@ def _cold(args: argparse.Namespace) -> Any:
     except ConfigError as exc:
         raise ConfigError(f"bench decode --cold {args.cold} at context {n} (B={budget}): {exc}") from None
     return tier
-
-
-def decode_bytes(config: Any, context: int, batch: int, keep: float, element: int = 4) -> int:
-    """The bytes a decode bench of ``context`` tokens and ``batch`` rows allocates at least, from the
-    model's ``config`` alone: the random token ids (int64), the full cache's keys and values, the H2O
-    cache's (``keep`` of them) and one layer's hidden states, in ``element``-byte values."""
-    from h2o_lens.shape import model_shape
-
-    shape = model_shape(config)
-    head_dim = shape.head_dim or 1
-    kv = 2 * shape.layers * shape.kv_heads * head_dim * context * batch * element
-    hidden = (getattr(config, "hidden_size", None) or shape.q_heads * head_dim) * context * batch * element
-    return 8 * context * batch + int(kv * (1 + keep)) + hidden
-
-
-def check_decode(model_name, contexts, batches, keep: float, steps: int, rounds: int, config: Any = None) -> None:
-    """Refuse, before anything is allocated, what cannot run: bad sizes, a context past the model's
-    positions (with its decode steps) and one whose caches need more memory than the machine has.
-    ``config`` the model's (read from its folder when None; nothing to check when unreadable)."""
-    contexts = check_ints("decode", "contexts", contexts, 2)
-    batches = check_ints("decode", "batch", batches, 1)
-    check_ints("decode", "steps", steps, 1)
-    check_ints("decode", "rounds", rounds, 1)
-    check_keep("decode", keep)
-    config = config if config is not None else model_config(model_name)
-    if config is None:
-        return
-    check_positions("decode", "--contexts", config, [(n, n + 3 + rounds * steps) for n in contexts])
-    for n in contexts:
-        need = decode_bytes(config, n, max(batches), keep)
-        check_memory("decode", "--contexts", n, need, f"batch {max(batches)}: token ids, full and H2O caches")
 
 
 def _prefill_phase(phase: str, model_name: str, context: int, keep: float) -> None:
