@@ -225,14 +225,11 @@ class ColdStore:
         self.scores[bi, hi, index[bi, hi, mi]] = score[bi, hi, mi]
 
     # -- reading -------------------------------------------------------------------------------
-    def keys(self, index: torch.Tensor | None = None) -> torch.Tensor:
-        """Keys of the records ``index (b, Hs, m)`` (-1: a zero key), or ``(b, Hs, n, d)`` of the
-        first ``n`` records (``n`` the largest count); the valid ones count as bytes read."""
-        if index is None:
-            self.read_bytes += self.total * self.d * self.itemsize
-            return self.kv[0, :, :, : self.most]
-        self.read_bytes += int((index >= 0).sum()) * self.d * self.itemsize
-        return self._gather(index, 0)
+    def keys(self) -> torch.Tensor:
+        """Keys ``(b, Hs, n, d)`` of the first ``n`` records (``n`` the largest count); the valid
+        ones count as bytes read."""
+        self.read_bytes += self.total * self.d * self.itemsize
+        return self.kv[0, :, :, : self.most]
 
     def page_keys(self, pages: torch.Tensor, records: int | None = None) -> torch.Tensor:
         """Keys ``(b, Hs, m·PAGE, d)`` of the whole pages ``pages (b, Hs, m)`` (each one of the
@@ -249,12 +246,6 @@ class ColdStore:
         out = self.kv[0].view(-1, PAGE * self.d).index_select(0, flat)
         return out.view(b, hs, m * PAGE, self.d)
 
-    def entries(self, index: torch.Tensor, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key and value ``(b, Hs, m, d)`` of the records ``index (b, Hs, m)`` (-1: zeros); the
-        ones marked ``fresh`` count as bytes read (an entry already in the window is not read)."""
-        self.read_bytes += int(((index >= 0) & fresh).sum()) * self.entry_bytes
-        return self._gather(index, 0), self._gather(index, 1)
-
     def entries_at(self, rows: torch.Tensor, records: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Key and value ``(m, d)``, score and position ``(m,)`` of the records ``records (m,)`` of
         the rows ``rows (m,)`` (a row: ``batch · Hs + KV set``); the K/V count as bytes read."""
@@ -266,14 +257,6 @@ class ColdStore:
             self.scores.view(-1).index_select(0, flat),
             self.positions.view(-1).index_select(0, flat),
         )
-
-    def _gather(self, index: torch.Tensor, part: int) -> torch.Tensor:
-        n = self.kv.shape[3]
-        rows = torch.arange(self.b * self.hs).view(self.b, self.hs, 1) * n
-        out = self.kv[part].view(-1, self.d).index_select(0, (index.clamp(min=0) + rows).flatten())
-        out = out.view(*index.shape, self.d)
-        missing = index < 0
-        return out.masked_fill_(missing[..., None], 0) if bool(missing.any()) else out
 
     # -- rows ----------------------------------------------------------------------------------
     def move_rows(self, move) -> None:
