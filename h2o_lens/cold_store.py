@@ -12,7 +12,9 @@ reads.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,24 @@ import torch
 from .cold_config import PAGE
 
 __all__ = ["ColdStore"]
+
+
+class _Made:
+    """What a disk store made on disk: its current file and, when no folder was given, its own
+    temporary folder. Kept apart from the store, so that the finalizer which removes them (when the
+    store is dropped unclosed, or at the interpreter's exit) holds no reference to the store."""
+
+    def __init__(self) -> None:
+        self.file: Path | None = None
+        self.folder: str | None = None
+
+    def remove(self) -> None:
+        if self.file is not None:
+            self.file.unlink(missing_ok=True)
+            self.file = None
+        if self.folder is not None:  # made by mkdtemp for this store alone
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
 
 
 class ColdStore:
@@ -46,7 +66,9 @@ class ColdStore:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.acc = torch.promote_types(dtype, torch.float32)  # what scores and page bounds are kept in
         self.directory, self.name, self.generation = directory, name, 0
-        self.file: Path | None = None
+        self.temporary = directory is None  # a folder of its own, removed with the store
+        self.made = _Made()
+        weakref.finalize(self, _Made.remove, self.made)
         self.count = torch.zeros(b, hs, dtype=torch.int64)
         self.most = self.least = self.total = 0  # the largest, smallest and summed count (host ints)
         self.positions = torch.full((b, hs, 0), -1, dtype=torch.int64)
@@ -66,8 +88,8 @@ class ColdStore:
         if self.kind == "cpu":
             t = torch.zeros(shape, dtype=self.dtype)
             return t.pin_memory() if self.pin else t
-        if self.directory is None:
-            self.directory = tempfile.mkdtemp(prefix="h2o-lens-cold-")
+        if self.temporary and self.made.folder is None:
+            self.directory = self.made.folder = tempfile.mkdtemp(prefix="h2o-lens-cold-")
         raw = self.b * self.hs * n * 2 * self.d * self.itemsize
         path, made = Path(self.directory), False
         try:
@@ -91,7 +113,7 @@ class ColdStore:
                 path.unlink(missing_ok=True)
             # the system's error, naming the file: a recorder turns it into its storage error (DESIGN.md §2.13)
             raise OSError(exc.errno, f"the cold tier's disk store: {exc.strerror or exc}", str(path)) from exc
-        old, self.file = self.file, path
+        old, self.made.file = self.made.file, path
         if old is not None:
             old.unlink(missing_ok=True)
         return torch.from_numpy(mm).view(self.dtype).view(shape)
@@ -114,12 +136,15 @@ class ColdStore:
         self.high = torch.cat([self.high, self.high.new_full((self.b, self.hs, pages, self.d), -inf)], 2)
         self._rows = self._page_rows = None
 
+    @property
+    def file(self) -> Path | None:
+        """A disk store's current file (None for a ``cpu`` store or an empty one)."""
+        return self.made.file
+
     def close(self) -> None:
-        """Drop the entries (and a disk store's file)."""
+        """Drop the entries, a disk store's file, and the temporary folder it made."""
         self.kv = self._alloc(0)
-        if self.file is not None:
-            self.file.unlink(missing_ok=True)
-            self.file = None
+        self.made.remove()
 
     @property
     def valid(self) -> torch.Tensor:

@@ -5,6 +5,11 @@ every evicted entry gives the full cache's tokens."""
 from __future__ import annotations
 
 import contextlib
+import gc
+import os
+import subprocess
+import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -264,6 +269,55 @@ def test_a_disk_store_never_opens_or_removes_a_file_it_did_not_make(tmp_path):
     store.close()
     assert user.read_bytes() == b"the user's bytes"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s-1.bin"]
+
+
+def _temporary_store(tmp_path, monkeypatch) -> ColdStore:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the store's own folder lands here
+    store = ColdStore("disk", 1, 1, 4, torch.float32, pin=False, directory=None, name="s")
+    key = torch.randn(1, 1, 40, 4)
+    store.append(key, key.clone(), torch.rand(1, 1, 40), torch.arange(40)[None, None])
+    assert store.file is not None and store.file.exists() and store.file.parent.parent == tmp_path
+    return store
+
+
+def test_a_disk_store_without_a_directory_removes_its_temporary_folder_on_close(tmp_path, monkeypatch):
+    store = _temporary_store(tmp_path, monkeypatch)
+    store.close()
+    assert list(tmp_path.iterdir()) == []
+    key = torch.randn(1, 1, 3, 4)  # a store used again after close makes a new folder, removed again
+    store.append(key, key.clone(), torch.rand(1, 1, 3), torch.arange(3)[None, None])
+    assert len(list(tmp_path.iterdir())) == 1
+    store.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_disk_store_dropped_unclosed_leaves_nothing_on_disk(tmp_path, monkeypatch):
+    """A cache dropped without ``close`` (a generation that is simply let go) still removes its
+    store's file and folder, when the store is collected."""
+    store = _temporary_store(tmp_path, monkeypatch)
+    del store
+    gc.collect()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_stores_left_open_are_removed_when_the_process_exits(tmp_path):
+    """A process that generates with a disk cold tier and exits leaves no folder behind."""
+    code = (
+        "import torch\n"
+        "from h2o_lens.cold_store import ColdStore\n"
+        "keep = []\n"
+        "for i in range(3):\n"
+        "    s = ColdStore('disk', 1, 1, 4, torch.float32, pin=False, directory=None, name='s')\n"
+        "    k = torch.randn(1, 1, 9, 4)\n"
+        "    s.append(k, k.clone(), torch.rand(1, 1, 9), torch.arange(9)[None, None])\n"
+        "    keep.append(s)\n"
+        "import os; print(len(os.listdir(os.environ['TMPDIR'])))\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "3"  # three folders while it ran
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_disk_store_whose_directory_is_a_users_file_fails_and_leaves_the_file(tmp_path):

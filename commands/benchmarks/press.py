@@ -171,30 +171,31 @@ def bench_press_agreement(model_name: str | None = None, ratios: tuple[float, ..
     model.set_attn_implementation("eager")  # the presses read the weights the eager attention returns
     prompts = [tok(get_task(f"{k}_0").chat_text(tok), return_tensors="pt")["input_ids"] for k in KINDS[:tasks]]
     lengths = [int(p.shape[1]) for p in prompts]
-    out = Path(tempfile.mkdtemp(prefix="h2o-lens-bench-press-"))
-    print(f"{type(model).__name__}: {len(prompts)} prompts of {lengths} tokens; kept positions shared per set")
-    for c in ratios:
-        kept = [int(n * (1 - c)) for n in lengths]
-        ref = {
-            (p, r0): toolkit_sets(model, p, prompts, lengths, kept, out, recent0=r0)
-            for p in _COMPARED.values()
-            for r0 in (True, False)
-        }
-        rows = [
-            ("ObservedAttentionPress", kv.ObservedAttentionPress(c), _COMPARED["ObservedAttentionPress"]),
-            ("  summed over rows", reasons["summed_observed"](c), _COMPARED["ObservedAttentionPress"]),
-            ("TOVAPress", kv.TOVAPress(c), _COMPARED["TOVAPress"]),
-            ("  mean per KV group", reasons["group_tova"](c), _COMPARED["TOVAPress"]),
-            ("  per group, last ranked by its weight", reasons["group_tova_self"](c), _COMPARED["TOVAPress"]),
-        ]
-        for name, press, policy in rows:
-            sets = kept_sets(record_each(model, press, prompts, out), lengths)
-            (a0, e0), (a1, e1) = _agree(sets, ref[policy, True]), _agree(sets, ref[policy, False])
-            print(
-                f"c={c} {name:40s} vs {policy} recent=0: {a0:7.2%} ({e0:6.1%} of sets equal)"
-                f"   vs {policy} split: {a1:7.2%} ({e1:6.1%})"
-            )
-    return 0
+    with tempfile.TemporaryDirectory(prefix="h2o-lens-bench-press-") as tmp:
+        out = Path(tmp)
+        print(f"{type(model).__name__}: {len(prompts)} prompts of {lengths} tokens; kept positions shared per set")
+        for c in ratios:
+            kept = [int(n * (1 - c)) for n in lengths]
+            ref = {
+                (p, r0): toolkit_sets(model, p, prompts, lengths, kept, out, recent0=r0)
+                for p in _COMPARED.values()
+                for r0 in (True, False)
+            }
+            rows = [
+                ("ObservedAttentionPress", kv.ObservedAttentionPress(c), _COMPARED["ObservedAttentionPress"]),
+                ("  summed over rows", reasons["summed_observed"](c), _COMPARED["ObservedAttentionPress"]),
+                ("TOVAPress", kv.TOVAPress(c), _COMPARED["TOVAPress"]),
+                ("  mean per KV group", reasons["group_tova"](c), _COMPARED["TOVAPress"]),
+                ("  per group, last ranked by its weight", reasons["group_tova_self"](c), _COMPARED["TOVAPress"]),
+            ]
+            for name, press, policy in rows:
+                sets = kept_sets(record_each(model, press, prompts, out), lengths)
+                (a0, e0), (a1, e1) = _agree(sets, ref[policy, True]), _agree(sets, ref[policy, False])
+                print(
+                    f"c={c} {name:40s} vs {policy} recent=0: {a0:7.2%} ({e0:6.1%} of sets equal)"
+                    f"   vs {policy} split: {a1:7.2%} ({e1:6.1%})"
+                )
+        return 0
 
 
 def bench_press(
@@ -220,44 +221,45 @@ def bench_press(
         model, _ = load_model(model_name, progress=False)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    root = Path(tempfile.mkdtemp(prefix="h2o-lens-bench-press-"))
-    print(f"{type(model).__name__}: keep {keep:.0%} (compression_ratio {1 - keep:g}), {new_tokens} new tokens, "
-          f"{rounds} rounds in ABBA order; ratio = fastest recorded / fastest alone (target <= 1.10)")  # fmt: skip
-    worst = 0.0
-    for context in contexts:
-        ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(context))
-        kw["attention_mask"] = torch.ones_like(ids)  # a random id equal to the pad id is no padding
-        for cls, args in timed:
-            press = build_press(sweep_spec(sweep_policy(cls, args), keep))  # a wrapper holds its scorer
-            eager = cls == "ObservedAttentionPress"
-            previous = model.config._attn_implementation
-            alone, recorded = [], []
-            try:
-                if eager:  # as the recorder runs it (DESIGN.md §17)
-                    model.set_attn_implementation("eager")
-                with torch.no_grad():
-                    for r in range(rounds + 1):  # round 0 warms up
-                        # ABBA order, so that a drift in the machine's speed favours neither side
-                        for side in ("alone", "recorded") if r % 2 == 0 else ("recorded", "alone"):
-                            t0 = time.perf_counter()
-                            if side == "alone":
-                                with press(model):
-                                    model.generate(ids, **kw)
-                            else:  # the recorder's flush at exit counts
-                                with record(model, press, out=str(root), fsync=False):
-                                    model.generate(ids, **kw)
-                            if r:
-                                (alone if side == "alone" else recorded).append(time.perf_counter() - t0)
-            finally:
-                model.set_attn_implementation(previous)
-            # the fastest round is the one least disturbed by other work on the machine (noise only
-            # adds time); the median ratio is printed beside it
-            ratio = min(recorded) / min(alone)
-            worst = max(worst, ratio)
-            print(
-                f"prompt {context:5d}  {policy_text(cls, {}).removesuffix('()'):32s} alone "
-                f"{min(alone):6.2f} s  recorded {min(recorded):6.2f} s  ratio {ratio:.3f}  "
-                f"(medians {statistics.median(recorded) / statistics.median(alone):.3f})"
-            )
-    print(f"worst ratio {worst:.3f}")
-    return 0
+    with tempfile.TemporaryDirectory(prefix="h2o-lens-bench-press-") as tmp:
+        root = Path(tmp)
+        print(f"{type(model).__name__}: keep {keep:.0%} (compression_ratio {1 - keep:g}), {new_tokens} new tokens, "
+              f"{rounds} rounds in ABBA order; ratio = fastest recorded / fastest alone (target <= 1.10)")  # fmt: skip
+        worst = 0.0
+        for context in contexts:
+            ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(context))
+            kw["attention_mask"] = torch.ones_like(ids)  # a random id equal to the pad id is no padding
+            for cls, args in timed:
+                press = build_press(sweep_spec(sweep_policy(cls, args), keep))  # a wrapper holds its scorer
+                eager = cls == "ObservedAttentionPress"
+                previous = model.config._attn_implementation
+                alone, recorded = [], []
+                try:
+                    if eager:  # as the recorder runs it (DESIGN.md §17)
+                        model.set_attn_implementation("eager")
+                    with torch.no_grad():
+                        for r in range(rounds + 1):  # round 0 warms up
+                            # ABBA order, so that a drift in the machine's speed favours neither side
+                            for side in ("alone", "recorded") if r % 2 == 0 else ("recorded", "alone"):
+                                t0 = time.perf_counter()
+                                if side == "alone":
+                                    with press(model):
+                                        model.generate(ids, **kw)
+                                else:  # the recorder's flush at exit counts
+                                    with record(model, press, out=str(root), fsync=False):
+                                        model.generate(ids, **kw)
+                                if r:
+                                    (alone if side == "alone" else recorded).append(time.perf_counter() - t0)
+                finally:
+                    model.set_attn_implementation(previous)
+                # the fastest round is the one least disturbed by other work on the machine (noise only
+                # adds time); the median ratio is printed beside it
+                ratio = min(recorded) / min(alone)
+                worst = max(worst, ratio)
+                print(
+                    f"prompt {context:5d}  {policy_text(cls, {}).removesuffix('()'):32s} alone "
+                    f"{min(alone):6.2f} s  recorded {min(recorded):6.2f} s  ratio {ratio:.3f}  "
+                    f"(medians {statistics.median(recorded) / statistics.median(alone):.3f})"
+                )
+        print(f"worst ratio {worst:.3f}")
+        return 0
