@@ -128,7 +128,7 @@ def why_rows(v: dict[str, Any]) -> list[dict[str, Any]]:
 
 def why_budgets(v: dict[str, Any]) -> str:
     """One line: the minimal passing budget of the policy and of the oracle (a search that was not
-    monotone: the counts it tried), and whether a recall window fixes the answer."""
+    monotone: the counts it tried), and whether a recall window or a budget plan fixes the answer."""
     from .causal import describe_search
 
     def one(name: str) -> str:
@@ -143,8 +143,9 @@ def why_budgets(v: dict[str, Any]) -> str:
         return f"{name}: {slots} slots ({ratio:.0%} of the prompt)" if ratio is not None else f"{name}: {slots} slots"
 
     line = f"Minimal passing budget ({v['slots']} slots in the run): {one('policy')}; {one('oracle')}"
-    recall = v.get("recall")
-    return line + (f". Recall window: {recall['text']}" if recall else "")
+    recall, plan = v.get("recall"), v.get("plan")
+    line += f". Recall window: {recall['text']}" if recall else ""
+    return line + (f". Budget plan: {plan['text']}" if plan else "")
 
 
 def num(value: Any, digits: int = 4) -> str:

@@ -61,13 +61,14 @@ __all__ = [
     "budget_distribution",
     "describe_search",
     "recall_verdict",
+    "plan_verdict",
 ]
 
 CAUSAL_VERDICTS = ("scoring", "budget", "not_the_cache", "implementation_error", "undecided")
 SUB_LABELS = ("delayed_reference", "stale_heavy")
 #: the variants of the counterfactual table, in display order
 VARIANTS = COUNTERFACTUAL_KINDS
-FULL, PINNED, ORACLE, POLICY_BUDGET, ORACLE_BUDGET, RECALL = VARIANTS
+FULL, PINNED, ORACLE, POLICY_BUDGET, ORACLE_BUDGET, RECALL, PLAN = VARIANTS
 BUDGET_KINDS = (POLICY_BUDGET, ORACLE_BUDGET)
 #: the curve of the oracle's minimal budgets in :func:`budget_distribution`
 ORACLE_CURVE = ORACLE
@@ -109,6 +110,8 @@ class CausalVerdict:
     culprits: dict[str, Any] | None = None
     #: the ``recall`` variant, when it ran (:func:`recall_verdict`): would a recall window have fixed it?
     recall: dict[str, Any] | None = None
+    #: the ``plan`` variant, when it ran (:func:`plan_verdict`): would a budget plan have fixed it?
+    plan: dict[str, Any] | None = None
 
     @property
     def agrees(self) -> bool | None:
@@ -166,6 +169,9 @@ def _outcomes(rows: pd.DataFrame) -> dict[str, dict[str, Any]]:
     for row in rows.to_dict("records"):
         rec = {k: plain(v) for k, v in row.items()}
         rec["bisection"] = rec["teacher_agreement"] = None
+        if rec["kind"] == PLAN:
+            cf = manifest_at(rec.get("path")).get("counterfactual") or {}
+            rec.update({k: cf.get(k) for k in ("plan", "plan_total", "run_total")})
         if rec["kind"] in (ORACLE, RECALL, *BUDGET_KINDS):
             manifest = manifest_at(rec.get("path"))
             cf = manifest.get("counterfactual") or {}
@@ -399,6 +405,30 @@ def recall_verdict(o: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return out
 
 
+def plan_verdict(o: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Would a budget plan have fixed the answer (the ``plan`` variant, DESIGN.md §6.12)?
+
+    ``fixed`` True, False, or None (it could not run, or ran without a pass test); ``plan`` the
+    plan's digest; ``plan_total`` and ``run_total`` the slots of every layer and KV set under the
+    plan and in the run; ``text`` in words.
+    """
+    if o is None:
+        return None
+    out = {k: o.get(k) for k in ("plan", "plan_total", "run_total", "run_id")}
+    if o.get("status") != "complete":
+        why = o.get("error") or o.get("status")
+        return {**out, "fixed": None, "text": f"the plan variant could not run: {why}"}
+    fixed = o.get("correct")
+    total, run_total = o.get("plan_total"), o.get("run_total")
+    slots = f"{total:,} slots in all, the run {run_total:,}" if total is not None and run_total else "the run's total"
+    name = f"plan {o.get('plan')}" if o.get("plan") else "the plan"
+    if fixed is None:
+        text = f"{name} ran ({slots}) but has no pass test"
+    else:
+        text = f"{name} {'fixes it' if fixed else 'does not fix it'} at the same total slots ({slots})"
+    return {**out, "fixed": fixed, "text": text}
+
+
 def describe_search(probes: Sequence[Sequence[Any]]) -> str:
     """A non-monotone budget search in words: every count it tried, pass or fail, and the smallest
     count from which every count tried passes (``probes``: ``[[slots, passed], ...]``)."""
@@ -476,6 +506,7 @@ def causal_verdicts(
                 tried,
                 searches.get((run_id, r)),
                 recall_verdict(outcomes.get(RECALL)),
+                plan_verdict(outcomes.get(PLAN)),
             )
         )
     return out

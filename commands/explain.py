@@ -47,6 +47,7 @@ def explain_run(
     culprit_seconds: float = 900.0,
     culprit_batch: int = 4,
     recall: bool | None = None,
+    plan: Any = None,
 ) -> list[Any]:
     """Explain the failed requests of a run (or ``requests``): re-run, then decide.
 
@@ -57,7 +58,9 @@ def explain_run(
     ``culprits`` (``off``, ``auto``: requests without evidence spans, ``on``) adds the culprit
     search of DESIGN.md §19 (:mod:`commands.explain_culprits`), at most ``max_runs`` re-runs and
     ``culprit_seconds`` per request, ``culprit_batch`` probes per batched re-run. ``recall`` runs the
-    recall variant (DESIGN.md §6.11; None: with the searches, ``bisect``).
+    recall variant (DESIGN.md §6.11; None: with the searches, ``bisect``). ``plan`` (a budget plan
+    or its file) runs the plan variant (DESIGN.md §6.12): refused in one line, before anything
+    runs, when it cannot be read or does not fit the model.
 
     Returns the :class:`analyses.CausalVerdict` of each explained request.
     """
@@ -71,6 +74,10 @@ def explain_run(
     root, run_id = os.path.dirname(run_dir), os.path.basename(os.path.normpath(run_dir))
     if not force:
         check_parent(run_dir)
+    if plan is not None:
+        from h2o_lens.plan import coerce
+
+        plan = _checked_plan(coerce(plan), run_dir, model_name, model)
     if rerun:
         from .explain_culprits import check_request
 
@@ -102,6 +109,7 @@ def explain_run(
                     progress=say,
                     allow_other_model=allow_other_model,
                     recall=recall,
+                    plan=plan,
                 )
             from .explain_culprits import search_failures
 
@@ -121,6 +129,27 @@ def explain_run(
             bar.close()
     found = causal_verdicts(connect(root), run_id)
     return [v for v in found if requests is None or v.request in requests]
+
+
+def _checked_plan(plan: Any, run_dir: str, model_name: str | None, model: Any) -> Any:
+    """``plan`` when it has the layers and KV sets of the run's model (read from its config, no
+    weights loaded), else a ConfigError naming ``--plan``."""
+    from h2o_lens.errors import ConfigError
+    from h2o_lens.shape import model_shape
+    from runlog import model_source, read_manifest
+
+    from .limits import model_config
+
+    manifest = read_manifest(run_dir)
+    gqa = (manifest.get("config") or {}).get("gqa") or "sum"
+    config = model.config if model is not None else model_config(model_name or model_source(manifest))
+    if config is not None:
+        shape = model_shape(config)
+        try:
+            plan.check(shape.layers, shape.sets(gqa))
+        except ConfigError as exc:
+            raise ConfigError(f"--plan: {exc}") from None
+    return plan
 
 
 def _pct(x: float | None) -> str:
@@ -147,6 +176,8 @@ def format_verdicts(verdicts: list[Any], fmt: str = "table") -> str:
         lines += _budget_lines(v)
         if getattr(v, "recall", None):
             lines.append(f"  recall: {v.recall['text']}")
+        if getattr(v, "plan", None):
+            lines.append(f"  plan: {v.plan['text']}")
         rows = [
             [
                 r["variant"],
@@ -236,6 +267,7 @@ def _json(v: Any) -> dict[str, Any]:
         "estimate_agrees": v.agrees,
         "table": [dict(r) for r in v.table],
         "recall": getattr(v, "recall", None),
+        "plan": getattr(v, "plan", None),
         **culprit_json(v),
     }
 
@@ -274,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
         culprit_seconds=args.culprit_seconds,
         culprit_batch=args.culprit_batch,
         recall=args.recall,
+        plan=args.plan,
     )
     if not args.all:
         verdicts = explain_run(run_dir(args.run, args.root), requests=args.request, **options)
@@ -339,6 +372,13 @@ def add_parser(sub: Any) -> None:
         "--force",
         action="store_true",
         help="explain a run that is not complete with a replayed log (failed, interrupted, not replayed)",
+    )
+    ex.add_argument(
+        "--plan",
+        metavar="FILE",
+        default=None,
+        help="a budget plan (h2o-lens plan -o FILE): also re-run each request with the run's total slots shared "
+        "out by the plan (the plan variant): would per-layer or per-head budgets have fixed it?",
     )
     from .explain_culprits import add_culprit_args
 

@@ -28,6 +28,9 @@ and a ``counterfactual`` object; the ``counterfactuals`` view joins them):
     the run's policy and slot count with a recall window inside them (a cold tier,
     DESIGN.md §2.13): the smallest window that fixes the answer, bisected the same way
     (:mod:`.counterfactual_recall`); on with the searches for a policy a cold tier takes.
+``plan``
+    the run's policy with the run's total slots shared out by a budget plan (DESIGN.md §2.14),
+    when one is given (:mod:`.counterfactual_plan`).
 
 Every variant has one pass test: the request's answer checker (rebuilt
 from the task spec the run's manifest carries: ``task_spec``, a task-file
@@ -73,6 +76,7 @@ from .counterfactual_outcomes import (
     ORACLE,
     ORACLE_BUDGET,
     PINNED,
+    PLAN,
     POLICY_BUDGET,
     RECALL,
     Explanation,
@@ -85,6 +89,7 @@ from .counterfactual_outcomes import (
     counterfactual_id,
 )
 from .counterfactual_parent import ParentRequest, check_parent, checker_from_spec, load_parent
+from .counterfactual_plan import plan_variant
 from .counterfactual_recall import recall_skip, recall_window
 from .counterfactual_runner import Runner
 from .counterfactual_search import Bisection, bisect_budget, press_ratio, split_slots
@@ -123,6 +128,7 @@ def explain_request(
     allow_other_model: bool = False,
     reuse_full: bool = True,
     recall: bool | None = None,
+    plan: Any = None,
 ) -> Explanation:
     """Run and record the counterfactuals of one request of a recorded run.
 
@@ -145,6 +151,8 @@ def explain_request(
         (:func:`~runlog.counterfactual_reuse.find_full_run`) instead of generating one
     recall : run the ``recall`` variant (the smallest recall window that fixes the answer);
         None: with the searches (``bisect``), for a policy a cold tier takes
+    plan : a :class:`~h2o_lens.plan.BudgetPlan` (or its file): also run the ``plan`` variant, the
+        run's total slots shared out by the plan
 
     Returns
     -------
@@ -152,9 +160,11 @@ def explain_request(
     not run carry the error, and their kinds depend on them (pinned, oracle and
     bisections need the full-cache run) are reported as not run.
     """
+    from h2o_lens.plan import coerce
     from h2o_lens.prompt_reuse import reuse_prompts
 
     t0 = time.perf_counter()
+    plan = coerce(plan)
     parent = load_parent(run_dir, request)
     override = check_model(parent.manifest, model, run=parent.run_id, command="explain", allow_other=allow_other_model)
     if parent.press is None and not parent.config.spec.evicts:
@@ -171,6 +181,9 @@ def explain_request(
         got = _recall(runner, outcomes[FULL], checks, resolution, say, recall is None) if wanted else None
         if got is not None:
             outcomes[RECALL] = got
+        if plan is not None:
+            say("budget plan")
+            outcomes[PLAN] = plan_variant(runner, plan, *_shape(model, parent))
     return Explanation(
         parent.run_id,
         request,
@@ -266,6 +279,14 @@ def _recall(
         return Outcome(RECALL, slots, None, False, error=why)
     say("recall window (bisection)")
     return recall_window(runner, checks, resolution, say)
+
+
+def _shape(model: Any, parent: ParentRequest) -> tuple[int, int]:
+    """Layers of ``model`` and its KV sets per layer under the run's aggregation."""
+    from h2o_lens.shape import model_shape
+
+    shape = model_shape(model.config)
+    return shape.layers, shape.sets(parent.config.gqa)
 
 
 def _pinned(parent: ParentRequest) -> H2OConfig | PressSpec:

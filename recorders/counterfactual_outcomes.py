@@ -28,7 +28,7 @@ __all__ = ["KINDS", "Outcome", "Explanation", "counterfactual_id"]
 
 #: the counterfactual kinds, in the order they are run
 KINDS = COUNTERFACTUAL_KINDS
-FULL, PINNED, ORACLE, POLICY_BUDGET, ORACLE_BUDGET, RECALL = KINDS
+FULL, PINNED, ORACLE, POLICY_BUDGET, ORACLE_BUDGET, RECALL, PLAN = KINDS
 
 
 @dataclasses.dataclass
@@ -48,6 +48,8 @@ class Outcome:
     teacher_agreement: list[int] | None = None
     #: the ``recall`` variant's window: slots of ``slots`` given to recalled entries
     window: int | None = None
+    #: the ``plan`` variant's plan digest (DESIGN.md §6.12)
+    plan: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in dataclasses.asdict(self).items() if k != "bisection"}
@@ -87,12 +89,19 @@ class Explanation:
 
 
 def counterfactual_id(
-    parent: str, request: int, kind: str, slots: int | None = None, *, window: int | None = None
+    parent: str,
+    request: int,
+    kind: str,
+    slots: int | None = None,
+    *,
+    window: int | None = None,
+    plan: str | None = None,
 ) -> str:
     """The run id of a counterfactual: ``<parent>-r<request>-<kind>`` (``-b<slots>`` for budgets,
-    ``-w<window>`` for a recall window)."""
+    ``-w<window>`` for a recall window, ``-p<digest>`` for a budget plan)."""
     tail = f"-b{slots}" if kind.endswith("_budget") and slots is not None else ""
     tail += f"-w{window}" if window is not None else ""
+    tail += f"-p{plan}" if plan is not None else ""
     return sanitize_run_id(f"{parent}-r{request}-{kind.replace('_', '-')}{tail}")
 
 
@@ -145,6 +154,7 @@ def _fresh(out: Path, run_id: str, finish: Callable[[Path, dict], None] | None =
             bisection=bisection_from(bis) if isinstance(bis, dict) else None,
             teacher_agreement=cf.get("teacher_agreement"),
             window=cf.get("window"),
+            plan=cf.get("plan"),
         )
     remove_run(run_dir)  # a run of its own only: anything else in the way is refused (DESIGN.md §5.1)
     return None

@@ -112,7 +112,9 @@ class Runner:
         from .recorder import record
         from .replay import replay as replay_run
 
-        run_id = counterfactual_id(self.parent.run_id, self.parent.request, kind, slots, window=extra.get("window"))
+        run_id = counterfactual_id(
+            self.parent.run_id, self.parent.request, kind, slots, window=extra.get("window"), plan=extra.get("plan")
+        )
         wants_replay = (self.replay if replay is None else replay) and kind != FULL
         reused = _fresh(self.out, run_id, lambda d, m: self._finish(d, m, wants_replay))
         if reused is not None:
@@ -158,7 +160,14 @@ class Runner:
             return Outcome(kind, slots, run_id, False, error=f"{type(exc).__name__}: {exc}")
         _note(self.out / run_id, passed=seen.get("passed"), answer=seen.get("answer"))
         return Outcome(
-            kind, slots, run_id, True, seen.get("passed"), seen.get("answer"), seconds=time.perf_counter() - t0
+            kind,
+            slots,
+            run_id,
+            True,
+            seen.get("passed"),
+            seen.get("answer"),
+            seconds=time.perf_counter() - t0,
+            plan=extra.get("plan"),
         )
 
     def _finish(self, run_dir: Path, manifest: dict, replay: bool) -> None:

@@ -588,7 +588,15 @@ RUNS = pa.schema(
 VIEW_NAMES: tuple[str, ...] = ("runs",) + TABLE_NAMES
 
 #: ``runs.counterfactual_kind``: the re-runs of a failed request (DESIGN.md §6.10), in the order they run
-COUNTERFACTUAL_KINDS: tuple[str, ...] = ("full", "pinned", "oracle", "policy_budget", "oracle_budget", "recall")
+COUNTERFACTUAL_KINDS: tuple[str, ...] = (
+    "full",
+    "pinned",
+    "oracle",
+    "policy_budget",
+    "oracle_budget",
+    "recall",
+    "plan",
+)
 #: ``runs.counterfactual_kind`` of the culprit search's re-run: the 1-minimal set restored (DESIGN.md §19)
 CULPRITS_KIND = "culprits"
 
