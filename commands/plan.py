@@ -30,6 +30,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--rows", type=at_least(1), default=32, help="last query rows of each prompt measured")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("-o", "--output", required=True, help="the plan file to write (JSON)")
     add_force_arg(p, "over -o")
     p.set_defaults(func=run)
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     tasks = resolve_requests(spec, args, tok)
     prompts = [tok(t.prompt if args.raw else t.chat_text(tok), add_special_tokens=args.raw).input_ids for t in tasks]
     plan, evidence = plan_budgets(
-        model, prompts, args.total, by=args.by, gqa=args.gqa, steps=args.steps, rows=args.rows
+        model, prompts, args.total, by=args.by, gqa=args.gqa, steps=args.steps, rows=args.rows, progress=not args.quiet
     )
     evidence.update(tasks=spec, model=getattr(model.config, "name_or_path", None))
     plan.save(args.output, evidence=evidence)

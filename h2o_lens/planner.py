@@ -151,10 +151,12 @@ def sensitivity(
     gqa: str,
     steps: int,
     by: str = "layer",
+    progress: bool = False,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Each layer's (``by="head"``: each layer's and KV set's) loss per unit of dropped mass
     ``(L, S)``, normalised to mean 1, from the short sweeps (module docstring); all ones when
-    ``steps`` is 0 or no sweep moves the loss."""
+    ``steps`` is 0 or no sweep moves the loss. ``progress``: a bar over the sweeps' runs."""
+    from tqdm.auto import tqdm
     from transformers import DynamicCache
 
     layers, sets = conc.curve.shape[:2]
@@ -167,6 +169,9 @@ def sensitivity(
         else [(layer, s) for layer in range(layers) for s in range(sets)]
     )
     base, loss = [], np.zeros(len(units))
+    bar = tqdm(
+        total=len(prompts) * (len(units) + 1), desc="plan: calibration sweeps", unit=" runs", disable=not progress
+    )
     for ids in prompts:
         ids = list(ids)
         with torch.no_grad():
@@ -177,11 +182,14 @@ def sensitivity(
             model, ids, new, teacher, H2OConfig(plan=BudgetPlan(ratios=[total] * layers), gqa=gqa, backend="torch")
         )
         base.append(b0)
+        bar.update(1)
         for u, (layer, s) in enumerate(units):
             ratios: list[Any] = [total] * layers
             ratios[layer] = half if s is None else [half if i == s else total for i in range(sets)]
             cfg = H2OConfig(plan=BudgetPlan(ratios=ratios), gqa=gqa, backend="torch")
             loss[u] += _kl(model, ids, new, teacher, cfg) - b0
+            bar.update(1)
+    bar.close()
     loss /= len(prompts)
     i0, i1 = int(round(half * GRID)), int(round(total * GRID))
     dropped = conc.curve[:, :, i1] - conc.curve[:, :, i0]  # (L, S) mass the halving takes
@@ -228,9 +236,11 @@ def plan_budgets(
     gqa: str = "sum",
     steps: int = 8,
     rows: int = 32,
+    progress: bool = False,
 ) -> tuple[BudgetPlan, dict[str, Any]]:
     """The plan of ``total`` (a keep ratio, the mean over every layer and KV set) for ``model`` on
-    the calibration ``prompts`` (token ids), and its evidence (module docstring)."""
+    the calibration ``prompts`` (token ids), and its evidence (module docstring); ``progress``: a
+    bar over the calibration sweeps."""
     if by not in ("layer", "head"):
         raise ConfigError(f"by must be 'layer' or 'head', got {by!r}")
     if not 0 < total <= 1:
@@ -238,7 +248,7 @@ def plan_budgets(
     if not prompts:
         raise ConfigError("the planner needs at least one calibration prompt")
     conc = concentration(model, prompts, total, gqa, rows)
-    sens, sweep = sensitivity(model, prompts, total, conc, gqa, steps, by)
+    sens, sweep = sensitivity(model, prompts, total, conc, gqa, steps, by, progress)
     layers, sets = conc.curve.shape[:2]
     # calibrated, each entry stays where the sweeps measured its loss: between half and twice the
     # total (the loss per unit of mass is not known further out); uncalibrated, anywhere

@@ -38,11 +38,14 @@ def test_plan_writes_a_plan_record_runs_it(tmp_path, capsys, tiny_dir):  # noqa:
     assert main([*argv, "--steps", "2", "-o", str(out)]) == 0
     printed = capsys.readouterr()
     assert printed.out.count("layer ") == 2 and f"wrote {out}" in printed.err
+    assert "plan: calibration sweeps" in printed.err  # 2 prompts x (1 + 4 sets) sweeps, on a bar
     plan = budget_plan.load(out)
     doc = json.loads(out.read_text())
     assert len(plan.ratios) == 2 and all(len(row) == 2 for row in plan.ratios)
     assert set(doc["evidence"]) >= {"k90", "k95", "p1_coverage", "p5_coverage", "sensitivity", "shares"}
-    assert main([*argv, "--steps", "0", "-o", str(out)]) == 0  # its own file: replaced
+    assert main([*argv, "--steps", "1", "-o", str(out), "--quiet"]) == 0  # its own file: replaced
+    assert "calibration sweeps" not in capsys.readouterr().err
+    assert main([*argv, "--steps", "0", "-o", str(out)]) == 0
     runs = tmp_path / "runs"
     rc = main(["record", "--model", str(tiny_dir), "--prompt", "one two three " * 8, "--plan", str(out),
                "--max-new-tokens", "4", "--raw", "--out", str(runs)])  # fmt: skip
