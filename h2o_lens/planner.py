@@ -134,12 +134,43 @@ def _forced_logits(model: Any, ids: list[int], new: list[int], cache: Any) -> to
     return torch.log_softmax(torch.stack(out).double(), -1)
 
 
+class _Force:
+    """A logits processor that makes ``generate`` pick ``new[i]`` at its i-th step (the raw logits,
+    ``output_logits``, stay the model's own)."""
+
+    def __init__(self, new: list[int]):
+        self.new, self.i = new, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(scores, float("-inf"))
+        out[:, self.new[self.i]] = 0.0
+        self.i += 1
+        return out
+
+
 def _kl(model: Any, ids: list[int], new: list[int], teacher: torch.Tensor, config: H2OConfig) -> float:
-    """Mean KL(teacher ‖ config) over the forced steps."""
+    """Mean KL(teacher ‖ config) over the forced steps. The steps run through ``generate`` so that,
+    inside :func:`~h2o_lens.prompt_reuse.reuse_prompts`, every configuration of one prompt starts
+    from one prompt forward (DESIGN.md §12.5): a calibration sweep then costs its decode steps."""
+    from transformers import LogitsProcessorList
+
     from .runtime import h2o
 
-    with h2o(model, config) as session, torch.no_grad():
-        got = _forced_logits(model, ids, new, session.new_cache())
+    x = torch.tensor([ids])
+    with h2o(model, config), torch.no_grad():
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=len(new),
+            do_sample=False,
+            logits_processor=LogitsProcessorList([_Force(new)]),
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    got = torch.log_softmax(torch.stack([row[0] for row in out.logits]).double(), -1)
+    if got.shape[0] != teacher.shape[0]:  # an end-of-text token forced before the last step
+        raise RuntimeError(f"the forced generation gave {got.shape[0]} steps of {teacher.shape[0]}")
     return float((teacher.exp() * (teacher - got)).sum(-1).mean())
 
 
@@ -168,27 +199,29 @@ def sensitivity(
         if by == "layer"
         else [(layer, s) for layer in range(layers) for s in range(sets)]
     )
+    from .prompt_reuse import reuse_prompts
+
     base, loss = [], np.zeros(len(units))
     bar = tqdm(
         total=len(prompts) * (len(units) + 1), desc="plan: calibration sweeps", unit=" runs", disable=not progress
     )
-    for ids in prompts:
-        ids = list(ids)
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False, pad_token_id=0)
-            new = out[0, len(ids) :].tolist()
-            teacher = _forced_logits(model, ids, new, DynamicCache(config=model.config))
-        b0 = _kl(
-            model, ids, new, teacher, H2OConfig(plan=BudgetPlan(ratios=[total] * layers), gqa=gqa, backend="torch")
-        )
-        base.append(b0)
-        bar.update(1)
-        for u, (layer, s) in enumerate(units):
-            ratios: list[Any] = [total] * layers
-            ratios[layer] = half if s is None else [half if i == s else total for i in range(sets)]
-            cfg = H2OConfig(plan=BudgetPlan(ratios=ratios), gqa=gqa, backend="torch")
-            loss[u] += _kl(model, ids, new, teacher, cfg) - b0
+    with reuse_prompts(model) as shared:  # one prompt forward per prompt for all its sweeps
+        for ids in prompts:
+            ids = list(ids)
+            with torch.no_grad():
+                out = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False, pad_token_id=0)
+                new = out[0, len(ids) :].tolist()
+                teacher = _forced_logits(model, ids, new, DynamicCache(config=model.config))
+            uniform = H2OConfig(plan=BudgetPlan(ratios=[total] * layers), gqa=gqa, backend="torch")
+            b0 = _kl(model, ids, new, teacher, uniform)
+            base.append(b0)
             bar.update(1)
+            for u, (layer, s) in enumerate(units):
+                ratios: list[Any] = [total] * layers
+                ratios[layer] = half if s is None else [half if i == s else total for i in range(sets)]
+                cfg = H2OConfig(plan=BudgetPlan(ratios=ratios), gqa=gqa, backend="torch")
+                loss[u] += _kl(model, ids, new, teacher, cfg) - b0
+                bar.update(1)
     bar.close()
     loss /= len(prompts)
     i0, i1 = int(round(half * GRID)), int(round(total * GRID))
@@ -199,7 +232,12 @@ def sensitivity(
     else:
         gain = loss.reshape(layers, sets)
     s = np.maximum(gain, 0.0) / np.maximum(dropped, 1e-6)
-    evidence = {"steps": steps, "uniform_kl": float(np.mean(base)), "half_kl_increase": gain.round(6).tolist()}
+    evidence = {
+        "steps": steps,
+        "uniform_kl": float(np.mean(base)),
+        "half_kl_increase": gain.round(6).tolist(),
+        "prompts_reused": shared.hits,
+    }
     if not np.any(s > 0):
         return np.ones((layers, sets)), evidence
     return s / s.mean(), evidence

@@ -63,6 +63,30 @@ def test_planner_recovers_the_heads_built_needs(built):
     assert losses[0] < losses[1] / 2, losses
 
 
+def test_the_sweeps_forced_generation_equals_forced_forwards_and_shares_one_prompt_forward(built):
+    """A calibration sweep's KL comes from ``generate`` forced along the teacher's tokens (so that
+    every configuration of a prompt starts from one prompt forward): the same as feeding the tokens
+    one forward at a time under the same cache, and every sweep after a prompt's first is reused."""
+    from transformers import DynamicCache
+
+    import h2o_lens
+    from h2o_lens.plan import BudgetPlan
+
+    model, prompts = built
+    ids = prompts[0]
+    with torch.no_grad():
+        new = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, P:].tolist()
+        teacher = _forced_logits(model, ids, new, DynamicCache(config=model.config))
+    for plan in (BudgetPlan(ratios=[0.25, 0.25]), BudgetPlan(ratios=[[0.1, 0.5], [0.25, 0.125]])):
+        config = H2OConfig(plan=plan, backend="torch")
+        with h2o_lens.h2o(model, config) as session, torch.no_grad():
+            step_by_step = _forced_logits(model, ids, new, session.new_cache())
+        want = float((teacher.exp() * (teacher - step_by_step)).sum(-1).mean())
+        assert want > 1e-4 and _kl(model, ids, new, teacher, config) == pytest.approx(want, rel=1e-6, abs=1e-9)
+    _, ev = plan_budgets(model, prompts[:2], 0.25, by="head", steps=4, rows=ROWS)
+    assert ev["sweep"]["prompts_reused"] == 2 * 4  # per prompt: the uniform run's forward, then 4 sets reuse it
+
+
 def test_allocate_is_greedy_on_concave_curves():
     """Two rows: one saturates after 10 % of the keys, one grows linearly; the total goes where
     it buys coverage, and every row keeps its floor."""
