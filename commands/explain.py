@@ -74,10 +74,7 @@ def explain_run(
     root, run_id = os.path.dirname(run_dir), os.path.basename(os.path.normpath(run_dir))
     if not force:
         check_parent(run_dir)
-    if plan is not None:
-        from h2o_lens.plan import coerce
-
-        plan = _checked_plan(coerce(plan), run_dir, model_name, model)
+    plan = _checked_plan(plan, run_dir, model_name, model)
     if rerun:
         from .explain_culprits import check_request
 
@@ -132,14 +129,18 @@ def explain_run(
 
 
 def _checked_plan(plan: Any, run_dir: str, model_name: str | None, model: Any) -> Any:
-    """``plan`` when it has the layers and KV sets of the run's model (read from its config, no
-    weights loaded), else a ConfigError naming ``--plan``."""
+    """``plan`` (a plan, its dict or file, or None) as a plan when it has the layers and KV sets of
+    the run's model (read from its config, no weights loaded), else a ConfigError naming ``--plan``."""
     from h2o_lens.errors import ConfigError
+    from h2o_lens.plan import coerce
     from h2o_lens.shape import model_shape
     from runlog import model_source, read_manifest
 
     from .limits import model_config
 
+    plan = coerce(plan)
+    if plan is None:
+        return None
     manifest = read_manifest(run_dir)
     gqa = (manifest.get("config") or {}).get("gqa") or "sum"
     config = model.config if model is not None else model_config(model_name or model_source(manifest))
