@@ -475,6 +475,21 @@ def test_default_model_explains_a_failed_snapkv_request(kv, default_model, tmp_p
     }
 
 
+def test_the_speed_bench_reports_a_press_that_cannot_start_and_times_the_rest(kv, model, capsys):
+    """DuoAttention without a local head pattern cannot load one offline (kvpress asserts the
+    checkpoint is one of its six): ``bench press`` says so in one line per length, times the
+    other presses, and exits 1."""
+    from commands.benchmarks.press import bench_press
+
+    timed = (("DuoAttentionPress", {}), ("StreamingLLMPress", {"n_sink": 2}))
+    assert bench_press(contexts=(48,), new_tokens=2, rounds=1, model=model, timed=timed) == 1
+    lines = capsys.readouterr().out.splitlines()
+    (bad,) = [line for line in lines if "could not run" in line and line.startswith("prompt")]
+    assert "kvpress:DuoAttentionPress" in bad and "AssertionError" in bad
+    assert any(line.startswith("prompt") and "kvpress:StreamingLLMPress" in line and "ratio" in line for line in lines)
+    assert lines[-1].endswith("could not run: kvpress:DuoAttentionPress")
+
+
 def test_the_speed_bench_times_each_press_alone_and_recorded(kv, model, capsys):
     """``bench press`` on a tiny model: one line per press and length with both times and the ratio
     of the fastest rounds (the figure itself is the benchmark's; here only its accounting)."""
