@@ -11,8 +11,8 @@ reads.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import tempfile
 import weakref
 from pathlib import Path
@@ -38,8 +38,9 @@ class _Made:
         if self.file is not None:
             self.file.unlink(missing_ok=True)
             self.file = None
-        if self.folder is not None:  # made by mkdtemp for this store alone
-            shutil.rmtree(self.folder, ignore_errors=True)
+        if self.folder is not None:  # made by mkdtemp for this store alone; kept if anything else is in it
+            with contextlib.suppress(OSError):
+                os.rmdir(self.folder)
             self.folder = None
 
 

@@ -291,6 +291,17 @@ def test_a_disk_store_without_a_directory_removes_its_temporary_folder_on_close(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_disk_store_leaves_a_foreign_file_in_its_temporary_folder_and_the_folder(tmp_path, monkeypatch):
+    """Only what the store wrote goes: a file someone put in its temporary folder stays, and so
+    does the folder that holds it."""
+    store = _temporary_store(tmp_path, monkeypatch)
+    folder = store.file.parent
+    (folder / "notes.txt").write_text("someone's")
+    store.close()
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    assert (folder / "notes.txt").read_text() == "someone's"
+
+
 def test_a_disk_store_dropped_unclosed_leaves_nothing_on_disk(tmp_path, monkeypatch):
     """A cache dropped without ``close`` (a generation that is simply let go) still removes its
     store's file and folder, when the store is collected."""
