@@ -15,7 +15,6 @@ already ran under a plan are not re-run: the variant says why.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import numbers
@@ -88,4 +87,4 @@ def plan_variant(runner: Runner, plan: Any, layers: int, sets: int) -> Outcome:
     except ConfigError as exc:
         return Outcome(PLAN, slots, None, False, error=str(exc))
     extra = {"plan": digest, "plan_total": total, "run_total": run_total}
-    return runner.record_free(PLAN, lambda: dataclasses.replace(config), slots, **extra)
+    return runner.record_free(PLAN, lambda: config, slots, **extra)
