@@ -34,7 +34,9 @@ def kv_footprint(source: Source, run_id: str, *, page_size: int = 16) -> duckdb.
         ``request, sets, positions, kept_share, page_share, pages_held, pages_total``:
         ``kept_share`` = kept positions / (positions × KV sets of the full cache),
         ``page_share`` = positions in held pages / the same (the physical share
-        with pages of ``page_size``; a partly used last page counts whole).
+        with pages of ``page_size``; a partly used last page counts whole). A cold tier's
+        recall window counts as held: the entries it holds after the last refill (its own
+        pages in ``page_share``), since its slots are part of the hot budget.
     """
     rel = _footprints(connect(source), [run_id], page_size)
     return rel.project("request, sets, positions, kept_share, page_share, pages_held, pages_total").order("request")
@@ -62,21 +64,32 @@ _FOOTPRINTS = """
         GROUP BY ev.run_id, ev.request
     ), gone AS (  -- every eviction of a processed position, counted once in ev
         SELECT run_id, request, sum(n) AS n FROM ev GROUP BY run_id, request
+    ), last_refill AS (  -- a cold tier's last refill per request (DESIGN.md §2.13)
+        SELECT run_id, request, max(step) AS step FROM recalls WHERE run_id IN (SELECT run_id FROM ids)
+        GROUP BY run_id, request
+    ), win AS (  -- the window's entries after it, per set: hot slots inside B that evictions do not count
+        SELECT w.run_id, w.request, count(*) AS n
+        FROM recalls w JOIN last_refill m ON m.run_id = w.run_id AND m.request = w.request AND m.step = w.step
+        GROUP BY w.run_id, w.request, w.layer, w.kv_head, w.q_head
+    ), held AS (
+        SELECT run_id, request, sum(n) AS n, sum(ceil(n / $ps)) AS pages FROM win GROUP BY run_id, request
     )
     SELECT l.run_id, l.request,
            coalesce(kv.sets, 0) AS sets,
            l.last AS positions,  -- processed positions 0 .. last-1 (the last token is never fed)
            CASE WHEN kv.sets IS NULL THEN 1.0
-                ELSE (l.last * kv.sets - coalesce(g.n, 0)) / (l.last * kv.kv_sets)::DOUBLE END AS kept_share,
+                ELSE (l.last * kv.sets - coalesce(g.n, 0) + coalesce(h.n, 0))
+                     / (l.last * kv.kv_sets)::DOUBLE END AS kept_share,
            CASE WHEN kv.sets IS NULL THEN 1.0
-                ELSE least(1.0, ((ceil(l.last / $ps) * kv.sets - coalesce(f.pages, 0)) * $ps)
+                ELSE least(1.0, ((ceil(l.last / $ps) * kv.sets - coalesce(f.pages, 0) + coalesce(h.pages, 0)) * $ps)
                                 / (ceil(l.last / $ps) * $ps * kv.kv_sets)::DOUBLE) END AS page_share,
            CASE WHEN kv.sets IS NULL THEN NULL
-                ELSE ceil(l.last / $ps) * kv.sets - coalesce(f.pages, 0) END AS pages_held,
+                ELSE ceil(l.last / $ps) * kv.sets - coalesce(f.pages, 0) + coalesce(h.pages, 0) END AS pages_held,
            CASE WHEN kv.sets IS NULL THEN NULL ELSE ceil(l.last / $ps) * kv.sets END AS pages_total
     FROM last l LEFT JOIN kv ON kv.run_id = l.run_id AND kv.request = l.request
     LEFT JOIN freed f ON f.run_id = l.run_id AND f.request = l.request
     LEFT JOIN gone g ON g.run_id = l.run_id AND g.request = l.request
+    LEFT JOIN held h ON h.run_id = l.run_id AND h.request = l.request
     ORDER BY l.run_id, l.request
 """
 

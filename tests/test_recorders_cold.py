@@ -130,3 +130,17 @@ def test_the_replay_counts_a_recalled_position_as_present_while_in_the_window(tm
         model.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     plain = replay(plain_root / run.run_id, model=model, progress=False)
     assert plain.implementation_ok and plain.mean_dropped_mass > small.mean_dropped_mass
+
+
+def test_the_footprint_counts_the_recall_window_as_held(tmp_path):
+    """The window's slots are inside B (DESIGN.md §2.13): a run with a cold tier holds B slots per
+    set after its last step, the window's recalled entries included, as plain H2O at the same B."""
+    from analyses.curves import kv_footprint
+
+    run_id = _record(tmp_path)
+    got = kv_footprint(open_runs(tmp_path, warn=False), run_id).df()
+    sets = 2 * 2  # layers × KV heads
+    positions = PROMPT + NEW - 1  # the last token is never fed
+    assert got.positions.tolist() == [positions, positions]
+    assert got.kept_share.tolist() == pytest.approx([11 / positions] * 2)  # B = heavy 8 + recent 3
+    assert (got.pages_held * 16 >= got.kept_share * positions * sets).all()
