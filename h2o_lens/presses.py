@@ -395,8 +395,10 @@ class PressSpec:
         return cls(raw["press"], tuple(dict(params).items()))
 
 
-def parse_sweep_policy(text: str) -> tuple[str, dict[str, Any]]:
+def parse_sweep_policy(text: str, *, sweep: bool = True) -> tuple[str, dict[str, Any]]:
     """``kvpress:NAME`` or ``kvpress:NAME(key=value, ...)`` -> (the press class, its arguments).
+    ``sweep`` False: a wrapper that no compression ratio builds (DMSPress) and a ratio among the
+    arguments are taken (``bench press`` builds such a press from its own arguments).
 
     Raises
     ------
@@ -419,7 +421,7 @@ def parse_sweep_policy(text: str) -> tuple[str, dict[str, Any]]:
         )
     if cls in REFUSED:
         raise ConfigError(f"kvpress {cls} is not supported: {REFUSED[cls]} (DESIGN.md §17)")
-    if info is not None and info.wrapper and not info.scorer_wrapper:
+    if sweep and info is not None and info.wrapper and not info.scorer_wrapper:
         raise ConfigError(
             f"{text!r}: a sweep builds a press from a compression ratio, and {cls} wraps another press; "
             "sweep its scorer press (e.g. kvpress:knorm) or record the wrapper with recorders.record"
@@ -433,7 +435,7 @@ def parse_sweep_policy(text: str) -> tuple[str, dict[str, Any]]:
             if not eq or not key.strip().isidentifier():
                 raise ConfigError(f"{text!r}: {part!r} is not KEY=VALUE")
             args[key.strip()] = _value(value)
-    if ratio_field(cls) in args or "compression_ratio" in args:
+    if sweep and (ratio_field(cls) in args or "compression_ratio" in args):
         raise ConfigError(f"{text!r}: the sweep sets {ratio_field(cls)} from each keep ratio (1 - ratio); leave it out")
     return cls, args
 
@@ -535,6 +537,17 @@ def parse_press_args(items: Any) -> dict[str, Any]:
                 raise ConfigError("--press-args: the sweep sets compression_ratio from each keep ratio (1 - ratio)")
             out[key.strip()] = _value(value)
     return out
+
+
+def threshold_spec(cls: str, args: Mapping[str, Any]) -> PressSpec:
+    """A press that keeps what its scorer puts at or above a threshold (DMSPress): its own
+    arguments (``threshold`` required) and its scorer's (``press=NAME``, SnapKV by default), as a
+    spec. No compression ratio sets its slot count, so a sweep cannot build it; ``bench press`` can."""
+    own, inner_cls, inner = split_wrapper_args(cls, args)
+    if own.get("threshold") is None:
+        raise ConfigError(f"kvpress:{short_name(cls)} keeps what its scorer puts above a threshold; give one, "
+                          f"e.g. kvpress:{short_name(cls)}(threshold=0.5)")  # fmt: skip
+    return PressSpec(cls, tuple({"press": {"press": inner_cls, "params": dict(inner)}, **own}.items()))
 
 
 def sweep_spec(policy: str, ratio: float) -> PressSpec:

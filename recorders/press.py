@@ -265,6 +265,7 @@ class PressObserver:
         self._all_scorers: list[Any] = []  # every ScorerPress of the press, set on installing
         self._masking = _is_a(press, press_table.MASKING)  # it masks keys inside a whole cache
         self._gathering = _holds(press, press_table.GATHERING)  # its kept columns are matched by their bits
+        self._pending: dict[str, list[dict[str, Any]]] = {}  # rows of this forward's layers, appended at its end
 
     # -- installing -------------------------------------------------------------
     def _scorers(self, press: Any) -> list[Any]:
@@ -291,6 +292,7 @@ class PressObserver:
             self._set(self.press, "forward_hook", functools.partial(self._hook, type(self.press).forward_hook))
             yield
         finally:
+            self._flush()
             for obj, name in reversed(self._patched):
                 vars(obj).pop(name, None)
             self._patched.clear()
@@ -369,6 +371,15 @@ class PressObserver:
             self._cur = None
         stages, self._stages = self._stages, []
         seen = self._seen_scores(before_k.shape[:3])
+        try:
+            return self._observe(module, layer, before_k, before_v, prefill, mask_before, seen, stages, output)
+        finally:
+            if layer_no == len(kwargs["past_key_values"].layers) - 1:  # the forward's last layer
+                self._flush()
+
+    def _observe(self, module, layer, before_k, before_v, prefill, mask_before, seen, stages, output) -> Any:
+        """What one hook call did to ``layer`` (the cache before it: ``before_k, before_v``), logged."""
+        layer_no = module.layer_idx
         if self._masking:
             self._masked(module, layer, before_k, prefill, mask_before, seen)
             return output
@@ -400,6 +411,17 @@ class PressObserver:
             )
         self._log(layer_no, prefill, scores, len(stages) == 1, cols=cols)
         return output
+
+    def _emit(self, table: str, columns: dict[str, Any]) -> None:
+        """Rows of ``table`` for the writer, appended with the rest of the forward's (:meth:`_flush`):
+        one batch per table and forward instead of one per layer."""
+        self._pending.setdefault(table, []).append(columns)
+
+    def _flush(self) -> None:
+        """Append the rows held by :meth:`_emit` to the recording's writer, one batch per table."""
+        pending, self._pending = self._pending, {}
+        for table, batches in pending.items():
+            self.rec.writer.append(table, _joined(batches))
 
     def _name(self, layer_no: int) -> str:
         return f"kvpress {type(self.press).__name__} at layer {layer_no}"
@@ -511,7 +533,7 @@ class PressObserver:
         step_np = step.cpu().numpy()
         phase = "prefill" if prefill else "decode"
         if len(victim_pos):
-            self.rec.writer.append(
+            self._emit(
                 "evictions",
                 {
                     "request": self._ids[r.cpu().numpy()],
@@ -528,7 +550,7 @@ class PressObserver:
             )
         b, hs = survivors.shape[:2]
         age = torch.where(survivors, step[:, None, None] - pos, 0).sum(-1) / survivors.sum(-1).clamp(min=1)
-        self.rec.writer.append(
+        self._emit(
             "steps",
             {
                 "request": np.repeat(self._ids, hs),
@@ -545,6 +567,24 @@ class PressObserver:
             },
         )
         self.compressions += 1
+
+
+def _joined(batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """Column batches of one table as one: arrays joined in order (masked arrays keep their masks),
+    a scalar column repeated over its batch's rows unless every batch holds the same."""
+    if len(batches) == 1:
+        return batches[0]
+    rows = [len(b["request"]) for b in batches]
+    out: dict[str, Any] = {}
+    for key in batches[0]:
+        values = [b[key] for b in batches]
+        if all(np.ndim(v) == 0 for v in values) and all(v == values[0] for v in values):
+            out[key] = values[0]
+            continue
+        arrays = [np.full(n, v) if np.ndim(v) == 0 else v for v, n in zip(values, rows)]
+        masked = any(isinstance(a, np.ma.MaskedArray) for a in arrays)
+        out[key] = np.ma.concatenate(arrays) if masked else np.concatenate(arrays)
+    return out
 
 
 def _holds(press: Any, names: frozenset[str]) -> bool:

@@ -423,3 +423,22 @@ def test_the_speed_bench_times_a_wrapper_around_its_scorer(kv, model, capsys):
     assert bench_press(contexts=(48,), new_tokens=2, rounds=2, model=model, timed=timed) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prompt")]
     assert [r.split()[2] for r in rows] == ["kvpress:AdaKVPress", "kvpress:BlockPress"]
+
+
+def test_the_speed_bench_times_a_threshold_press(kv, model, capsys):
+    """DMSPress keeps what its scorer puts above its threshold (no compression ratio builds it):
+    the bench builds it from its own arguments, and refuses it without a threshold in one line."""
+    from commands.benchmarks.press import _timed_policy, bench_press
+    from h2o_lens import presses
+    from h2o_lens.errors import ConfigError
+
+    timed = (_timed_policy(presses, "kvpress:dms(threshold=0.5, press=random, decoding=True, sliding_window_size=8)"),)
+    assert timed[0][0] == "DMSPress"
+    assert bench_press(contexts=(48,), new_tokens=2, rounds=2, model=model, timed=timed) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prompt")]
+    assert len(rows) == 1 and "kvpress:dms(decoding=True, press='random', sliding_window_size=8, threshold=0.5)" in rows[0]
+    assert "ratio" in rows[0]
+    with pytest.raises(ConfigError, match="threshold"):
+        _timed_policy(presses, "kvpress:dms(press=random)")
+    with pytest.raises(ConfigError, match="compression ratio"):  # the sweep still refuses it
+        presses.parse_sweep_policy("kvpress:dms(threshold=0.5)")

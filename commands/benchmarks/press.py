@@ -46,7 +46,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="kvpress:NAME",
-        help="the presses timed (default snapkv, streaming_llm, tova, observed_attention, knorm)",
+        help="the presses timed (default snapkv, streaming_llm, tova, observed_attention, knorm); "
+        "kvpress:dms(threshold=T) keeps what its scorer puts above T, not the keep ratio",
     )
     b.add_argument(
         "--agreement",
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         return bench_press_agreement(model_name=args.model)
     from h2o_lens import presses
 
-    timed = tuple(presses.parse_sweep_policy(p) for p in press_items(args.policies)) or None
+    timed = tuple(_timed_policy(presses, p) for p in press_items(args.policies)) or None
     return bench_press(
         model_name=args.model,
         contexts=tuple(args.contexts or (2048, 4096)),
@@ -69,6 +70,19 @@ def run(args: argparse.Namespace) -> int:
         **({"timed": timed} if timed else {}),
     )
 
+
+def _timed_policy(presses: Any, text: str) -> tuple[str, dict[str, Any]]:
+    """A ``--policies`` item as (class, arguments): a press a compression ratio builds, as a sweep
+    parses it, or one a threshold builds (DMSPress, :func:`h2o_lens.presses.threshold_spec`)."""
+    cls, args = presses.parse_sweep_policy(text, sweep=False)
+    if cls in THRESHOLD:
+        presses.threshold_spec(cls, args)  # refused now, before the model loads
+        return cls, args
+    return presses.parse_sweep_policy(text)
+
+
+#: presses a threshold builds, not a compression ratio
+THRESHOLD = frozenset({"DMSPress"})
 
 #: the presses timed by default: their short names (h2o_lens.presses) and constructor arguments
 #: the press of the field and the registry policy it is measured against (DESIGN.md §17.2)
@@ -208,11 +222,12 @@ def bench_press(
     timed: tuple[tuple[str, dict[str, Any]], ...] = TIMED,
 ) -> int:
     """Recorded ÷ alone per press and prompt length, side by side in one process (``timed``: the
-    presses, as class names and arguments)."""
+    presses, as class names and arguments; a press of :data:`THRESHOLD` keeps what its threshold
+    says, not ``keep``)."""
     import torch
 
     from h2o_lens.models import load_model
-    from h2o_lens.presses import import_kvpress, policy_text, sweep_policy, sweep_spec
+    from h2o_lens.presses import import_kvpress, policy_text, sweep_policy, sweep_spec, threshold_spec
     from recorders import record
     from recorders.press import build_press
 
@@ -230,7 +245,10 @@ def bench_press(
             ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(context))
             kw["attention_mask"] = torch.ones_like(ids)  # a random id equal to the pad id is no padding
             for cls, args in timed:
-                press = build_press(sweep_spec(sweep_policy(cls, args), keep))  # a wrapper holds its scorer
+                if cls in THRESHOLD:  # its threshold, not the keep ratio, sets what it keeps
+                    press = build_press(threshold_spec(cls, args))
+                else:
+                    press = build_press(sweep_spec(sweep_policy(cls, args), keep))  # a wrapper holds its scorer
                 eager = cls == "ObservedAttentionPress"
                 previous = model.config._attn_implementation
                 alone, recorded = [], []
@@ -263,8 +281,10 @@ def bench_press(
                 # adds time); the median ratio is printed beside it
                 ratio = min(recorded) / min(alone)
                 worst = max(worst, ratio)
+                # a threshold press with its arguments (they, not the keep ratio, set what it keeps)
+                label = sweep_policy(cls, args) if cls in THRESHOLD else policy_text(cls, {}).removesuffix("()")
                 print(
-                    f"prompt {context:5d}  {policy_text(cls, {}).removesuffix('()'):32s} alone "
+                    f"prompt {context:5d}  {label:32s} alone "
                     f"{min(alone):6.2f} s  recorded {min(recorded):6.2f} s  ratio {ratio:.3f}  "
                     f"(medians {statistics.median(recorded) / statistics.median(alone):.3f})"
                 )
