@@ -743,6 +743,8 @@ def run_row(run: RunEntry) -> dict[str, Any]:
             value = json.dumps(config, sort_keys=True) if manifest else None
         elif name == "cold":  # the manifest's object (the config's cold holds only the settings)
             value = json.dumps(manifest["cold"], sort_keys=True) if isinstance(manifest.get("cold"), dict) else None
+        elif name == "plan":  # the config's (a plan is a setting; a manifest field of that name is not read)
+            value = config.get("plan") if isinstance(config.get("plan"), dict) else None
         elif name == "path":
             value = str(run.path)
         elif name == "integrity":

@@ -322,7 +322,7 @@ def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 _INT_BITS = {pa.int16(): 16, pa.int32(): 32, pa.int64(): 64}
 #: checked apart or not read from the file
-_OWN_FIELDS = ("run_id", "status", "model", "config", "path", "integrity", "cold")
+_OWN_FIELDS = ("run_id", "status", "model", "config", "path", "integrity", "cold", "plan")
 _WRITER_INTS = {"pid": 32, "start_ticks": 64}  # bits
 
 
@@ -444,6 +444,9 @@ def check_manifest(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], list[st
     for where, holder in (("", out), ("config.", out.get("config") or {})):  # a cold tier (DESIGN.md §2.13)
         if holder.get("cold") is not None and not isinstance(holder["cold"], dict):
             drop("cold", f"is {type(holder['cold']).__name__}, expected an object", holder, where)
+    plan = (out.get("config") or {}).get("plan")  # a budget plan (DESIGN.md §2.14)
+    if plan is not None and not isinstance(plan, dict):
+        drop("plan", f"is {type(plan).__name__}, expected an object", out["config"], "config.")
     model = out.get("model")
     if model is not None and not (
         isinstance(model, str)

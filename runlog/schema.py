@@ -582,6 +582,12 @@ RUNS = pa.schema(
             "the cold tier's manifest object as JSON: its settings, what it moved, its hit rate (DESIGN.md §2.13)",
             nullable=True,
         ),
+        _f(
+            "plan",
+            pa.string(),
+            "the budget plan the run's H2O ran under, as JSON: slots or shares per layer (and KV set) (DESIGN.md §2.14)",
+            nullable=True,
+        ),
     ]
 )
 

@@ -3,6 +3,7 @@ KV set, recorded exactly, replayed, and read back per set through the ``set_budg
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -86,6 +87,30 @@ def test_a_planned_run_logs_each_set_exactly_and_replays(tmp_path):
     con = open_runs(tmp_path)
     assert con.execute("SELECT integrity FROM runs").fetchall() == [("ok",)]
     assert con.execute("SELECT count(*) FROM problems").fetchall()[0][0] == 0
+    (plan,) = con.execute("SELECT plan FROM runs WHERE plan IS NOT NULL").fetchone()
+    assert BudgetPlan(**json.loads(plan)) == PLAN  # the runs view says which plan the run ran under
+
+
+def test_the_runs_view_holds_the_plan_and_flags_one_that_is_not_an_object(tmp_path):
+    """``runs.plan``: null for a run without a plan; a manifest whose plan is not an object is a
+    problem of its run and reads null."""
+    model = tiny_model("llama")
+    ids, mask = _batch()
+    for cfg in (H2OConfig(heavy=4, recent=4), H2OConfig(plan=PLAN)):
+        with recorders.record(model, cfg, out=tmp_path, fsync=False), torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    con = open_runs(tmp_path)
+    got = con.execute("SELECT heavy, plan IS NULL FROM runs ORDER BY heavy NULLS LAST").fetchall()
+    assert got == [(4, True), (None, False)]
+    (path,) = con.execute("SELECT path FROM runs WHERE plan IS NOT NULL").fetchone()
+    manifest = Path(path) / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["config"]["plan"] = "half of it"
+    manifest.write_text(json.dumps(data))
+    con = open_runs(tmp_path, warn=False)
+    assert con.execute("SELECT count(*) FROM runs WHERE plan IS NOT NULL").fetchone()[0] == 0
+    reasons = [r for (r,) in con.execute("SELECT reason FROM problems").fetchall()]
+    assert any("config.plan" in r and "expected an object" in r for r in reasons), reasons
 
 
 def test_roots_without_plans_read_as_before():
