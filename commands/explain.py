@@ -315,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         return 0
     from analyses import budget_distribution, connect
-    from runlog import replay_complete
+    from runlog import read_manifest, replay_complete
 
     verdicts = []
     for run_id in explainable_runs(args.root):
@@ -323,6 +323,13 @@ def run(args: argparse.Namespace) -> int:
         if not args.force and not replay_complete(path):
             print(
                 f"h2o-lens: note: {run_id} skipped: it has no complete replay (h2o-lens replay {path})",
+                file=sys.stderr,
+            )
+            continue
+        if not args.force and isinstance(read_manifest(path).get("guard"), dict):
+            print(
+                f"h2o-lens: note: {run_id} skipped: it was recorded under the guard, and explain's re-runs "
+                "have none (--force explains it as unguarded H2O)",
                 file=sys.stderr,
             )
             continue

@@ -83,7 +83,9 @@ def load_parent(run_dir: str | Path, request: int = 0) -> ParentRequest:
         raise RecorderError(f"{run_dir}: the manifest has no config object; cannot re-run the request")
     press = PressSpec.from_dict(raw["press"]) if isinstance(raw.get("press"), dict) else None
     config = H2OConfig(policy="full") if press is not None else H2OConfig(**_config_fields(raw))
-    if press is None and config.spec.evicts and row.get("heavy") is not None:
+    # a guarded run's request row holds the slots after a raise: its first slot count is the config's
+    guarded = isinstance(manifest.get("guard"), dict)
+    if press is None and config.spec.evicts and row.get("heavy") is not None and not guarded:
         config = dataclasses.replace(config, ratio=None, heavy=int(row["heavy"]), recent=int(row["recent"]))
     elif press is None and config.spec.evicts and not config.resolved:
         config = config.resolve(int(prompt.sum()))
@@ -146,6 +148,14 @@ def check_parent(run_dir: str | Path) -> None:
         raise RecorderError(
             f"run {name} has no complete replay: its KL and dropped mass are unknown, so its failures cannot "
             f"be judged. Replay it first (h2o-lens replay {run_dir}), or pass --force to explain it anyway"
+        )
+    guard = manifest.get("guard")
+    if isinstance(guard, dict):
+        raise RecorderError(
+            f"run {name} was recorded under the guard (action {guard.get('action', '?')}): explain re-runs a "
+            "request without it, so its variants would not be counterfactuals of this run. Explain the same "
+            "request recorded without --guard, or pass --force to explain it as unguarded H2O at the run's "
+            "first slot count"
         )
 
 

@@ -106,3 +106,38 @@ def test_a_counterfactual_left_unreplayed_by_a_killed_explain_is_replayed_when_r
     )
     assert rows["pinned"][0] is not None and rows["oracle"][0] is not None  # no KL shown as "-"
     assert read_manifest(tmp_path / ex.outcomes["pinned"].run_id)["counterfactual"].get("answer") is not None
+
+
+def test_a_guarded_run_is_refused_unless_forced_and_then_explained_at_its_first_slot_count(model, tmp_path, capsys):
+    """A run recorded under the guard (here one that raised the request's slot count): explain's
+    re-runs have no guard, so it refuses in one line; forced, it explains unguarded H2O at the
+    config's slot count, not the raised one the request row holds."""
+    from h2o_lens.guard import guarded
+    from h2o_lens.guard_config import GuardConfig
+
+    m, tok = model
+    enc = tok([PROMPT], return_tensors="pt", return_token_type_ids=False)
+    guard = GuardConfig(action="raise", threshold=0.0, raise_slots=12)  # every row raised at once
+    with (
+        torch.no_grad(),
+        guarded(guard),
+        recorders.record(
+            m, H2OConfig(heavy=3, recent=3), out=tmp_path, tokenizer=tok, evidence={"code": "4419"}, fsync=False
+        ) as rec,
+    ):
+        m.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    replay(rec.run_dir, model=m, progress=False)
+    assert read_manifest(rec.run_dir)["guard"]["action"] == "raise"
+    (heavy,) = connect(tmp_path).execute("SELECT heavy FROM requests").fetchone()
+    assert heavy > 3  # the row holds the raised count
+    capsys.readouterr()
+    assert main(["explain", str(rec.run_dir), "--cached", "--no-bisect"]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert "recorded under the guard (action raise)" in line and "--force" in line, line
+    assert main(["explain", "--all", "--root", str(tmp_path), "--no-bisect"]) == 0
+    assert "skipped: it was recorded under the guard" in capsys.readouterr().err
+    assert main(["explain", str(rec.run_dir), "--no-bisect", "--force"]) == 0
+    slots = connect(tmp_path).execute(
+        "SELECT counterfactual_slots FROM runs WHERE counterfactual_kind = 'pinned'"
+    ).fetchall()
+    assert slots == [(6,)]  # heavy 3 + recent 3, as the run started
