@@ -585,7 +585,7 @@ RUNS = pa.schema(
         _f(
             "plan",
             pa.string(),
-            "the budget plan the run's H2O ran under, as JSON: slots or shares per layer (and KV set) (DESIGN.md §2.14)",
+            "the budget plan the run's H2O ran under, as JSON: slots or shares per layer and KV set (DESIGN.md §2.14)",
             nullable=True,
         ),
     ]

@@ -137,7 +137,9 @@ def test_a_guarded_run_is_refused_unless_forced_and_then_explained_at_its_first_
     assert main(["explain", "--all", "--root", str(tmp_path), "--no-bisect"]) == 0
     assert "skipped: it was recorded under the guard" in capsys.readouterr().err
     assert main(["explain", str(rec.run_dir), "--no-bisect", "--force"]) == 0
-    slots = connect(tmp_path).execute(
-        "SELECT counterfactual_slots FROM runs WHERE counterfactual_kind = 'pinned'"
-    ).fetchall()
+    slots = (
+        connect(tmp_path)
+        .execute("SELECT counterfactual_slots FROM runs WHERE counterfactual_kind = 'pinned'")
+        .fetchall()
+    )
     assert slots == [(6,)]  # heavy 3 + recent 3, as the run started

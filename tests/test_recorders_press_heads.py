@@ -436,7 +436,9 @@ def test_the_speed_bench_times_a_threshold_press(kv, model, capsys):
     assert timed[0][0] == "DMSPress"
     assert bench_press(contexts=(48,), new_tokens=2, rounds=2, model=model, timed=timed) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prompt")]
-    assert len(rows) == 1 and "kvpress:dms(decoding=True, press='random', sliding_window_size=8, threshold=0.5)" in rows[0]
+    assert (
+        len(rows) == 1 and "kvpress:dms(decoding=True, press='random', sliding_window_size=8, threshold=0.5)" in rows[0]
+    )
     assert "ratio" in rows[0]
     with pytest.raises(ConfigError, match="threshold"):
         _timed_policy(presses, "kvpress:dms(press=random)")
