@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -544,9 +545,12 @@ def threshold_spec(cls: str, args: Mapping[str, Any]) -> PressSpec:
     arguments (``threshold`` required) and its scorer's (``press=NAME``, SnapKV by default), as a
     spec. No compression ratio sets its slot count, so a sweep cannot build it; ``bench press`` can."""
     own, inner_cls, inner = split_wrapper_args(cls, args)
-    if own.get("threshold") is None:
+    threshold = own.get("threshold")
+    if threshold is None:
         raise ConfigError(f"kvpress:{short_name(cls)} keeps what its scorer puts above a threshold; give one, "
                           f"e.g. kvpress:{short_name(cls)}(threshold=0.5)")  # fmt: skip
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
+        raise ConfigError(f"kvpress:{short_name(cls)}: threshold must be a finite number, got {threshold!r}")
     return PressSpec(cls, tuple({"press": {"press": inner_cls, "params": dict(inner)}, **own}.items()))
 
 

@@ -442,5 +442,7 @@ def test_the_speed_bench_times_a_threshold_press(kv, model, capsys):
     assert "ratio" in rows[0]
     with pytest.raises(ConfigError, match="threshold"):
         _timed_policy(presses, "kvpress:dms(press=random)")
+    with pytest.raises(ConfigError, match="threshold must be a finite number, got 'abc'"):
+        _timed_policy(presses, "kvpress:dms(threshold=abc)")
     with pytest.raises(ConfigError, match="compression ratio"):  # the sweep still refuses it
         presses.parse_sweep_policy("kvpress:dms(threshold=0.5)")

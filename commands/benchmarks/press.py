@@ -238,7 +238,8 @@ def bench_press(
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with tempfile.TemporaryDirectory(prefix="h2o-lens-bench-press-") as tmp:
         root = Path(tmp)
-        print(f"{type(model).__name__}: keep {keep:.0%} (compression_ratio {1 - keep:g}), {new_tokens} new tokens, "
+        kept = "" if all(c in THRESHOLD for c, _ in timed) else f"keep {keep:.0%} (compression_ratio {1 - keep:g}), "
+        print(f"{type(model).__name__}: {kept}{new_tokens} new tokens, "
               f"{rounds} rounds in ABBA order; ratio = fastest recorded / fastest alone (target <= 1.10)")  # fmt: skip
         worst, failed = 0.0, []
         for context in contexts:
