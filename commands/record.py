@@ -76,6 +76,13 @@ def add_parser(sub: Any) -> None:
         "budget refilled with the cold entries the queries attend to most, SELECTION exact | pages, "
         "a refill every EVERY decode steps (default 1) (DESIGN.md §2.13); e.g. cpu:16",
     )
+    r.add_argument(
+        "--graphs",
+        action="store_true",
+        help="replay the decode steps over a full cache from a captured graph: CUDA graphs on a GPU, on a "
+        "CPU a traced rehearsal (the same log, no speed-up); the manifest's graphs says what ran how "
+        "(DESIGN.md §2.16)",
+    )
     add_policy_args(r)
     add_plan_arg(r)
     r.set_defaults(func=run)
@@ -123,7 +130,14 @@ def run(args: argparse.Namespace) -> int:
             torch.no_grad(),
             guard_scope(guard, model, tok, enc["input_ids"]) as (processors, watch),
             record(
-                model, config, out=args.out, tokenizer=tok, evidence=evidence or None, name=args.name, prompts=[prompt]
+                model,
+                config,
+                out=args.out,
+                tokenizer=tok,
+                evidence=evidence or None,
+                name=args.name,
+                prompts=[prompt],
+                graphs=args.graphs,
             ) as rec,
         ):
             out = model.generate(
@@ -180,6 +194,11 @@ def _check_record(args: argparse.Namespace):
         raise ConfigError("--guard raises and refills one budget per request; it cannot be combined with --plan")
     # a malformed --guard, or a fit for another model, is refused before the model loads
     guard = guard_config(args.guard, fit=args.guard_fit, model=args.model, allow_other_model=args.allow_other_model)
+    if args.graphs and (args.task is not None or args.teacher_force or not config.spec.evicts):
+        raise ConfigError(
+            "--graphs replays the decode steps of a generated prompt under an evicting policy; drop it with "
+            "--task, --teacher-force or a policy that keeps every token"
+        )
     if guard is not None and args.teacher_force:
         raise ConfigError("--guard runs a request as it is generated; it cannot be combined with --teacher-force")
     if guard is not None and not config.spec.evicts:

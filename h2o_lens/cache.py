@@ -350,7 +350,8 @@ class H2OCacheLayer(CacheLayerMixin):
         """
         key, value = self.take_pending()  # (b, Hs, 1, d)
         owner = self.owner
-        step = self.next_pos  # (b,)
+        captured = owner.graph_events is not None  # a graph records this step (DESIGN.md §2.16)
+        step = self.next_pos.clone() if captured else self.next_pos  # (b,)
         q, k, v = query[:, :, 0].contiguous(), key[:, :, 0].contiguous(), value[:, :, 0].contiguous()
         for ext in owner.extensions:  # the before-step event: slots an extension added may change
             ext.before_step(self, q, k, v)
@@ -379,9 +380,14 @@ class H2OCacheLayer(CacheLayerMixin):
                 kept=self.positions,
                 protected=protected,
             )
-            if emit:
+            if emit and captured:  # to the listeners after each replay, from the graph's buffers
+                owner.graph_events.append((self, event))
+            elif emit:
                 self.announce(event)
-        self.next_pos = step + 1
+        if captured:
+            self.next_pos.add_(1)  # in place: a replay reads the same buffer
+        else:
+            self.next_pos = step + 1
         if self.fill is not None:
             caps = self.keys.shape[2] if rows is None else rows.capacity.flatten(1).amax(1)  # (b,) B_r
             self.fill = (self.fill + 1).clamp(max=caps) if rows is None else torch.minimum(self.fill + 1, caps)
@@ -622,6 +628,9 @@ class H2OCache(Cache):
         #: what the layers call at their events (:mod:`h2o_lens.extension`); set once the layers exist
         self.extensions: tuple[CacheExtension, ...] = ()
         self.hears_decode = False  # whether an extension hears the decode events (then steps build them)
+        #: while a graph records a decode step: the list its layers' decode events go to, announced
+        #: after each replay (:mod:`h2o_lens.graphs`, DESIGN.md §2.16); None otherwise
+        self.graph_events: list | None = None
         super().__init__(layers=[layer_class(self, i) for i in range(self.shape.layers)])
         self.extensions = tuple(_extension.build(self, listener, extensions))
         if config.cold is not None:  # the cold tier is an extension too (DESIGN.md §2.13)

@@ -27,6 +27,7 @@ from . import compat, hooks
 from .cache import CacheListener, H2OCache
 from .config import H2OConfig
 from .errors import ConfigError, UnsupportedModelError
+from .graphs import GraphedForward, check_graphs, graph_kind
 from .models import planned_positions, warn_past_context
 from .packed import packed_linears
 from .shape import model_shape
@@ -113,6 +114,9 @@ class H2OSession:
         self.listener = listener
         self.speculative = check_mode(speculative)
         self.last_cache: H2OCache | None = None
+        #: the forward that replays decode steps from captured graphs (``h2o(..., graphs=True)``,
+        #: DESIGN.md §2.16): its counts of replayed steps and of eager forwards by reason; None: off
+        self.graphs: GraphedForward | None = None
 
     def new_cache(self, listener: CacheListener | None = None, *, row_pins: Any = None) -> H2OCache:
         """A fresh cache for one generation (one batch of prompts); with ``row_pins`` (one set of
@@ -309,6 +313,7 @@ def h2o(
     *,
     listener: CacheListener | None = None,
     speculative: str = "rollback",
+    graphs: bool | str = False,
     **options: Any,
 ) -> Iterator[H2OSession]:
     """Run ``model`` with H2O eviction inside a ``with`` block.
@@ -325,6 +330,10 @@ def h2o(
         ``rollback`` (default) or ``defer``: how a rejected draft of assisted or
         speculative decoding (``assistant_model=``, ``prompt_lookup_num_tokens=``)
         is taken back (DESIGN.md §14).
+    graphs : bool or ``"auto"``
+        Replay the decode steps over a full cache from a captured graph (DESIGN.md §2.16):
+        a CUDA graph on a GPU, a traced rehearsal on a CPU (same results, no speed-up);
+        ``"auto"``: on a CUDA device only. ``session.graphs`` counts what ran how.
 
     The policy ``full`` leaves the model untouched (transformers' own cache),
     so a comparison runs the exact baseline. A transformers release outside the supported
@@ -338,19 +347,38 @@ def h2o(
     if not isinstance(config, H2OConfig):
         raise ConfigError(f"config must be an H2OConfig, got {type(config).__name__}")
     session = H2OSession(model, config, listener, speculative)
+    graphs = check_graphs(graphs)
     if not config.spec.evicts:
         yield session
         return
     check_model(model)
-    had_instance_generate = "generate" in vars(model)
-    saved_generate = vars(model).get("generate")
-    with hooks.attention_implementation(model, hooks.ATTN_NAME, hooks.h2o_attention, hooks.h2o_mask):
-        try:
-            original = model.generate
-            model.generate = functools.wraps(original)(functools.partial(session._generate, original))
-            yield session
-        finally:
-            if had_instance_generate:
-                model.generate = saved_generate
-            else:
-                vars(model).pop("generate", None)
+    kind = graph_kind(graphs, next(model.parameters()).device)
+    with (
+        hooks.attention_implementation(model, hooks.ATTN_NAME, hooks.h2o_attention, hooks.h2o_mask),
+        _instance_attribute(model, "generate", lambda original: functools.partial(session._generate, original)),
+        _instance_attribute(model, "forward", lambda original: _graphed(session, original, kind), kind is not None),
+    ):
+        yield session
+
+
+def _graphed(session: H2OSession, forward: Any, kind: str) -> GraphedForward:
+    session.graphs = GraphedForward(forward, kind, session.model)
+    return session.graphs
+
+
+@contextlib.contextmanager
+def _instance_attribute(obj: Any, name: str, wrap: Any, enabled: bool = True) -> Iterator[None]:
+    """``obj.<name>`` replaced by ``wrap(obj.<name>)`` on the instance, restored on exit."""
+    if not enabled:
+        yield
+        return
+    had, saved = name in vars(obj), vars(obj).get(name)
+    original = getattr(obj, name)
+    setattr(obj, name, functools.wraps(original)(wrap(original)))
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, saved)
+        else:
+            vars(obj).pop(name, None)

@@ -24,19 +24,33 @@ def median_time(fn: Callable[[], None], rounds: int) -> float:
 
 
 class Decoder:
-    """Keeps one cache warm and decodes ``steps`` tokens per call."""
+    """Keeps one cache warm and decodes ``steps`` tokens per call; ``graphs`` (``"cuda"`` or
+    ``"traced"``) replays the decode steps from a captured graph (:mod:`h2o_lens.graphs`)."""
 
-    def __init__(self, model, cache, context: torch.Tensor, last_logits_only: bool = False):
+    def __init__(self, model, cache, context: torch.Tensor, last_logits_only: bool = False, graphs: str | None = None):
+        from .graphs import GraphedForward
+
         self.model, self.cache = model, cache
+        self.forward = model if graphs is None else GraphedForward(model.__call__, graphs, model)
         extra = {"logits_to_keep": 1} if last_logits_only else {}  # long batched prompts: no P x vocab
         with torch.no_grad():
             out = model(input_ids=context, **compat.cache_kwargs(cache), use_cache=True, **extra)
         self.token = out.logits[:, -1:].argmax(-1)
 
+    @classmethod
+    def resume(cls, model, cache, token: torch.Tensor, graphs: str | None = None) -> Decoder:
+        """A decoder on a cache that already holds its prompt (a restored state), next feeding ``token``."""
+        from .graphs import GraphedForward
+
+        dec = cls.__new__(cls)
+        dec.model, dec.cache, dec.token = model, cache, token
+        dec.forward = model if graphs is None else GraphedForward(model.__call__, graphs, model)
+        return dec
+
     def run(self, steps: int) -> None:
         with torch.no_grad():
             for _ in range(steps):
-                out = self.model(input_ids=self.token, **compat.cache_kwargs(self.cache), use_cache=True)
+                out = self.forward(input_ids=self.token, **compat.cache_kwargs(self.cache), use_cache=True)
                 self.token = out.logits[:, -1:].argmax(-1)
 
 

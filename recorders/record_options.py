@@ -24,7 +24,8 @@ class RecordOptions:
     ``fsync`` every segment durable before it is visible; ``rows_per_segment`` rows of one table
     per closed segment; ``annotate`` ``(request, answer) -> columns`` of the ``requests`` table;
     ``speculative`` ``rollback`` or ``defer`` (DESIGN.md §14); ``keep_prompt_pass`` keep each
-    request's prompt pass for the replay (DESIGN.md §6.1); ``manifest`` fields that replace the
+    request's prompt pass for the replay (DESIGN.md §6.1); ``graphs`` decode steps replayed from
+    captured graphs (DESIGN.md §2.16); ``manifest`` fields that replace the
     run's own (a press recording's config, DESIGN.md §17). :func:`recorders.record` documents each.
     """
 
@@ -41,4 +42,5 @@ class RecordOptions:
     annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None
     speculative: str = "rollback"
     keep_prompt_pass: bool = False
+    graphs: bool | str = False
     manifest: Mapping[str, Any] | None = None

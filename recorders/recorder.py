@@ -538,6 +538,7 @@ def record(
     annotate: Callable[[int, str | None], Mapping[str, Any]] | None = None,
     speculative: str = "rollback",
     keep_prompt_pass: bool = False,
+    graphs: bool | str = False,
     **options: Any,
 ) -> Iterator[Recording]:
     """Record every eviction of the ``model.generate`` calls inside the block.
@@ -568,6 +569,9 @@ def record(
         first logits, as a replay computes them) in ``Recording.prompt_passes`` for
         ``replay(..., prompt_passes=...)``, which then skips the prompt forward (DESIGN.md §6.1);
         held in memory, about 2 × layers × KV heads × head dim × prompt length values a request
+    graphs : replay the decode steps over a full cache from a captured graph (``h2o(..., graphs=)``,
+        DESIGN.md §2.16); the log is the one written without, and the manifest's ``graphs`` says
+        how many steps a graph served and why the others ran eagerly
 
     With a kvpress press, ``speculative`` and ``keep_prompt_pass`` do not apply (the press runs on
     transformers' own cache) and ``Recording.press_observer`` counts its logged compressions; the
@@ -591,6 +595,7 @@ def record(
         annotate=annotate,
         speculative=speculative,
         keep_prompt_pass=keep_prompt_pass,
+        graphs=graphs,
     )
     if config is None or isinstance(config, H2OConfig):
         if config is not None and options:
@@ -598,6 +603,13 @@ def record(
         with _record(model, config if config is not None else H2OConfig(**options), opts) as rec:
             yield rec
         return
+    with _record_press(model, config, opts, options) as rec:
+        yield rec
+
+
+@contextlib.contextmanager
+def _record_press(model: Any, config: Any, opts: RecordOptions, options: dict[str, Any]) -> Iterator[Recording]:
+    """:func:`record` for a kvpress press: its checks, then the full policy under the press's hooks."""
     from .press import is_press, prepare_press, press_scope
 
     if not is_press(config):
@@ -607,10 +619,15 @@ def record(
         raise RecorderError(
             f"a press takes no keyword options but pinned (got {sorted(options)}); set its parameters on the press"
         )
+    if opts.graphs:
+        raise RecorderError(
+            "graphs replay the H2O cache's decode steps; a press runs on transformers' own cache: record it "
+            "without graphs"
+        )
     press, manifest, prefix = prepare_press(config)  # refused presses: before anything is written
     if pinned:
         manifest["config"]["pinned"] = list(pinned)
-    run = run_id if run_id is not None else new_run_id(prefix)
+    run = opts.run_id if opts.run_id is not None else new_run_id(prefix)
     opts = dataclasses.replace(opts, run_id=run, speculative="rollback", keep_prompt_pass=False, manifest=manifest)
     # the full policy leaves the model to transformers' cache; the press's hooks compress it
     with _record(model, H2OConfig(policy="full"), opts) as rec:
@@ -644,7 +661,7 @@ def _record(model: Any, config: H2OConfig, opts: RecordOptions) -> Iterator[Reco
     writer.start()
     live = store_in_run(config, writer.run_dir)  # a disk cold store lives in the run's folder while it records
     try:
-        with h2o(model, live, listener=rec, speculative=opts.speculative) as session:
+        with h2o(model, live, listener=rec, speculative=opts.speculative, graphs=opts.graphs) as session:
             rec.session = session
             inner = model.generate
             model.generate = functools.wraps(inner)(functools.partial(rec._generate, inner))
@@ -657,6 +674,8 @@ def _record(model: Any, config: H2OConfig, opts: RecordOptions) -> Iterator[Reco
                     vars(model).pop("generate", None)
                 else:
                     model.generate = inner
+        if session.graphs is not None:  # what the graphs served (DESIGN.md §2.16)
+            writer.update(graphs=session.graphs.summary())
         _write_manifest(writer, rec, config, session.last_cache, manifest)
     except BaseException as exc:
         exc = storage_failure(exc)  # a cold store's full disk reads as any write's (DESIGN.md §2.13)

@@ -541,8 +541,7 @@ def bench_decode_guard(
                 with guarded(GuardConfig(stride=stride)):
                     cache = session.new_cache()
                 cache.import_state(header, {k: v.clone() for k, v in tensors.items()})
-                guard = Decoder.__new__(Decoder)
-                guard.model, guard.cache, guard.token = model, cache, start.clone()
+                guard = Decoder.resume(model, cache, start.clone())
                 guard.run(2)  # warm-up; the guard's first step sizes its reservoir
                 same = torch.equal(guard.token, _replay(model, header, tensors, start, 2, session))
                 t_plain, t_guard = [], []
@@ -566,7 +565,6 @@ def _replay(model: Any, header: dict, tensors: dict, token: torch.Tensor, steps:
 
     cache = session.new_cache()
     cache.import_state(header, {k: v.clone() for k, v in tensors.items()})
-    dec = Decoder.__new__(Decoder)
-    dec.model, dec.cache, dec.token = model, cache, token.clone()
+    dec = Decoder.resume(model, cache, token.clone())
     dec.run(steps)
     return dec.token

@@ -11,12 +11,41 @@ NAME = "kernels"
 HELP = "the Triton kernels / the torch path, on the GPU when there is one"
 
 
+def _case(text: str) -> tuple[int, int]:
+    batch, _, context = text.lower().partition("x")
+    try:
+        pair = int(batch), int(context)
+    except ValueError:
+        pair = (0, 0)
+    if min(pair) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected BATCHxCONTEXT with two positive whole numbers (8x4096), got {text!r}"
+        )
+    return pair
+
+
 def add_arguments(b: argparse.ArgumentParser) -> None:
-    """No options: the shapes are the default model's and the dtype bfloat16."""
+    """The end-to-end table's model shape, cases and graphs; the dtype is bfloat16."""
+    b.add_argument(
+        "--shape",
+        choices=("default", "llama3-8b"),
+        default="default",
+        help="the end-to-end table's random-weight Llama: the default model's shape (8x4096, 8x32768) or "
+        "Llama-3-8B's (32 layers, 32/8 heads, d 128: 8x4096, 8x16384, 8x32768, 1x65536)",
+    )
+    b.add_argument("--cases", nargs="+", type=_case, metavar="BxN", help="batch x context cases, e.g. 8x4096")
+    b.add_argument(
+        "--no-graphs",
+        action="store_true",
+        help="leave out the graph-captured paths (StaticCache and H2O under CUDA graphs, DESIGN.md §2.16)",
+    )
+    b.add_argument("--no-kernels", action="store_true", help="the end-to-end table only")
 
 
 def run(args: argparse.Namespace) -> int:
     from h2o_lens.kernels.bench import bench_kernels
 
-    bench_kernels()
+    bench_kernels(
+        shape=args.shape, cases=tuple(args.cases or ()), graphs=not args.no_graphs, kernels=not args.no_kernels
+    )
     return 0

@@ -191,6 +191,24 @@ E2E_SHAPE = dict(
 )
 
 
+#: Llama-3-8B's shape (32 layers, 32/8 heads, head dim 128), for the end-to-end table of the shape users run
+LLAMA3_8B_SHAPE = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+    rope_theta=500000.0,
+)
+#: ``bench kernels --shape NAME``: the shape, its (batch, context) cases and the H2O backends timed
+SHAPES = {
+    "default": (E2E_SHAPE, ((8, 4096), (8, 32768)), ("triton", "torch")),
+    "llama3-8b": (LLAMA3_8B_SHAPE, ((8, 4096), (8, 16384), (8, 32768), (1, 65536)), ("triton",)),
+}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -207,6 +225,8 @@ def bench_end_to_end(
     dtype: torch.dtype = torch.bfloat16,
     shape: dict | None = None,
     backends: tuple[str, ...] = ("triton", "torch"),
+    graphs: bool = False,
+    full_dynamic: bool = True,
 ) -> dict[str, float]:
     """Decode tokens/s of a whole model, H2O at ``keep`` ÷ a full-cache SDPA decode.
 
@@ -215,23 +235,34 @@ def bench_end_to_end(
     rounds alternate ``steps`` greedy decode steps of every path on its warm cache.
     The baseline is the faster of the two full caches transformers offers:
     ``StaticCache`` (preallocated, written in place) and ``DynamicCache`` (the
-    ``generate`` default, which concatenates every step).
+    ``generate`` default, which concatenates every step; ``full_dynamic`` False leaves it out,
+    for shapes where three full caches would not fit). With ``graphs``, the ``StaticCache`` and
+    each H2O backend also decode from a captured graph (:mod:`h2o_lens.graphs`: CUDA graphs on a
+    GPU, the traced rehearsal elsewhere), and the graph-captured full cache is the baseline of
+    the ``÷ graphed full`` column.
     Prints one table and returns, per path, tokens/s, the ratio to that baseline and
     the KV bytes held (keys and values; H2O's scores and positions not included).
     """
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
     from ..config import H2OConfig
+    from ..graphs import GraphedForward, graph_kind
     from ..runtime import full_kv_bytes, h2o
     from ..timing import Decoder as _Decoder
 
     device = torch.device(device)
+    kind = graph_kind(graphs, device)
     shape = dict(E2E_SHAPE if shape is None else shape)
     total = context + (rounds + 1) * steps + 8
     cfg = LlamaConfig(**shape, max_position_embeddings=total)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # an 8B model is initialised in its own dtype, not float32 first
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg).to(dtype).eval()
+    finally:
+        torch.set_default_dtype(default)
     budget = max(2, int(round(keep * context)))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (batch, context), generator=g).to(device)
@@ -250,15 +281,20 @@ def bench_end_to_end(
             _Decoder(model, StaticCache(config=model.config, max_cache_len=total), ids, last_logits_only=True),
             "sdpa",
         )
-        decoders["full dynamic"] = (
-            _Decoder(model, DynamicCache(config=model.config), ids, last_logits_only=True),
-            "sdpa",
-        )
+        if full_dynamic:
+            dynamic = DynamicCache(config=model.config)
+            decoders["full dynamic"] = (_Decoder(model, dynamic, ids, last_logits_only=True), "sdpa")
+        if kind is not None:
+            static = StaticCache(config=model.config, max_cache_len=total)
+            decoders["full graphs"] = (_Decoder(model, static, ids, last_logits_only=True, graphs=kind), "sdpa")
         for backend in backends:
             heavy, recent = policies.half_split(budget)
             h = H2OConfig(heavy=heavy, recent=recent, backend=backend)
             session = scopes.enter_context(h2o(model, h))
             decoders[f"h2o {backend}"] = (_Decoder(model, session.new_cache(), ids, last_logits_only=True), "h2o_lens")
+            if kind is not None:
+                graphed = _Decoder(model, session.new_cache(), ids, last_logits_only=True, graphs=kind)
+                decoders[f"h2o {backend} graphs"] = (graphed, "h2o_lens")
         times = {name: [] for name in decoders}
         for r in range(rounds + 1):
             for name, (dec, impl) in decoders.items():
@@ -269,10 +305,12 @@ def bench_end_to_end(
                 _sync(device)
                 if r:
                     times[name].append(time.perf_counter() - t0)
-    full_tps = batch * steps / min(statistics.median(times["full"]), statistics.median(times["full dynamic"]))
+    full_tps = batch * steps / min(statistics.median(times[n]) for n in ("full", "full dynamic") if n in times)
+    graphed_tps = batch * steps / statistics.median(times["full graphs"]) if kind is not None else None
     tokens = context + 2 + rounds * steps + 1
     full_bytes = full_kv_bytes(model, tokens, batch=batch)
-    print(f"{'path':>12} {'tokens/s':>10} {'÷ full':>7} {'KV GiB':>8}  (÷ full: ÷ the faster full cache)")
+    extra = f" {'÷ graphed full':>14}" if kind is not None else ""
+    print(f"{'path':>18} {'tokens/s':>10} {'÷ full':>7}{extra} {'KV GiB':>8}  (÷ full: ÷ the faster eager full cache)")
     out: dict[str, float] = {}
     for name, (dec, _) in decoders.items():
         tps = batch * steps / statistics.median(times[name])
@@ -280,7 +318,13 @@ def bench_end_to_end(
         out[f"{name} tokens/s"] = tps
         out[f"{name} ÷ full"] = tps / full_tps
         out[f"{name} KV bytes"] = nbytes
-        print(f"{name:>12} {tps:>10.1f} {tps / full_tps:>7.2f} {nbytes / 2**30:>8.3f}", flush=True)
+        shown = ""
+        if graphed_tps is not None:
+            out[f"{name} ÷ graphed full"] = tps / graphed_tps
+            shown = f" {tps / graphed_tps:>14.2f}"
+        if isinstance(dec.forward, GraphedForward):
+            out[f"{name} replayed"] = dec.forward.replayed
+        print(f"{name:>18} {tps:>10.1f} {tps / full_tps:>7.2f}{shown} {nbytes / 2**30:>8.3f}", flush=True)
     return out
 
 
@@ -328,11 +372,21 @@ def _interpreter_summary() -> None:
 
 
 def bench_kernels(
-    rounds: int = 7, inner: int = 20, prefill_tokens: int = 8192, dtype: torch.dtype = torch.bfloat16
+    rounds: int = 7,
+    inner: int = 20,
+    prefill_tokens: int = 8192,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    shape: str = "default",
+    cases: tuple[tuple[int, int], ...] | None = None,
+    graphs: bool = True,
+    kernels: bool = True,
 ) -> int:
     """Print the kernel ratios on a GPU, or the interpreter correctness summary without one.
 
-    Returns 0.
+    On a GPU: the kernel tables (``kernels``), then the end-to-end table of the model ``shape``
+    (:data:`SHAPES`) at each ``(batch, context)`` of ``cases`` (default: the shape's own), with the
+    graph-captured paths beside the eager ones (``graphs``, DESIGN.md §2.16). Returns 0.
     """
     from . import triton_available
     from ._checks import interpret_mode
@@ -364,8 +418,21 @@ def bench_kernels(
         return 0
     device = torch.device("cuda", torch.cuda.current_device())
     print(f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}; medians of {rounds} alternating rounds")
-    with torch.no_grad():
-        _bench_decode(device, dtype, rounds, inner)
-        _bench_prefill_and_replay(device, dtype, rounds, prefill_tokens)
-    bench_end_to_end(device=device, dtype=dtype)
+    if kernels:
+        with torch.no_grad():
+            _bench_decode(device, dtype, rounds, inner)
+            _bench_prefill_and_replay(device, dtype, rounds, prefill_tokens)
+    dims, own_cases, backends = SHAPES[shape]
+    for batch, context in cases or own_cases:
+        bench_end_to_end(
+            context=context,
+            batch=batch,
+            device=device,
+            dtype=dtype,
+            shape=dims,
+            backends=backends,
+            graphs=graphs,
+            full_dynamic=shape == "default",
+        )
+        torch.cuda.empty_cache()
     return 0
