@@ -92,7 +92,7 @@ def test_dry_run_resolves_every_requirement_from_the_wheels_offline(tmp_path):
     tests = "tests/test_runtime_kernels.py tests/test_runtime.py tests/test_runtime_graphs.py"
     assert f"python -m pytest -q -p no:cacheprovider -m kernel {tests}" in out
     assert "python -m commands.cli bench kernels" in out
-    assert "python -m commands.cli bench kernels --shape llama3-8b --no-kernels" in out
+    assert "python -m commands.cli bench kernels --shape llama3-8b --no-kernels --max-batch 32768" in out
     for version in ("3.10", "3.11", "3.12"):
         assert f"CPython {version} from scratch: {PYTEST} resolve" in out
     assert not list(WHEELS.glob("transformers-*.whl")), "the GPU machine brings its own transformers"

@@ -219,3 +219,38 @@ def test_end_to_end_bench_times_graph_captured_paths(capsys):
     assert out["full graphs replayed"] > 0 and out["h2o torch graphs replayed"] > 0
     assert out["h2o torch graphs KV bytes"] == out["h2o torch KV bytes"] < out["full graphs KV bytes"]
     assert "÷ graphed full" in capsys.readouterr().out
+
+
+def test_max_batch_bench_turns_the_memory_saved_into_batch(capsys):
+    from h2o_lens.kernels.bench_batch import bench_max_batch
+
+    shape = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256,
+    )  # fmt: skip
+    memory, headroom = 8 << 20, 1 << 20
+    out = bench_max_batch(
+        shape=shape, context=200, keep=0.2, steps=3, rounds=1, device="cpu", dtype=torch.float32,
+        backend="torch", memory=memory, headroom=headroom,
+    )  # fmt: skip
+    full, ours = out["full"], out["h2o"]
+    # a full row holds every position (2 layers x 2 KV heads x 16 dims x K and V, float32), H2O 20 % of them
+    positions = 200 + (1 + 2) * 3 + 8
+    logits = 2 * 256 * 4
+    assert full["bytes_per_row"] == 2 * 2 * 2 * 16 * 4 * positions + logits
+    assert full["batch"] == (memory - headroom) // full["bytes_per_row"]
+    assert ours["batch"] == (memory - headroom) // ours["bytes_per_row"] > 3 * full["batch"]
+    for res in (full, ours):
+        assert res["eager"] > 0 and res["graphs"] > 0
+    assert "max batch at 200 tokens" in capsys.readouterr().out
+
+
+def test_bench_kernels_options_are_checked():
+    import subprocess
+    import sys
+
+    for bad in (["--cases", "8x0"], ["--cases", "eight"], ["--max-batch", "1"]):
+        res = subprocess.run(
+            [sys.executable, "-m", "commands.cli", "bench", "kernels", *bad], capture_output=True, text=True
+        )
+        assert res.returncode != 0 and "h2o-lens: error:" in res.stderr, (bad, res.stderr)

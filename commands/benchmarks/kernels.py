@@ -40,12 +40,28 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         help="leave out the graph-captured paths (StaticCache and H2O under CUDA graphs, DESIGN.md §2.16)",
     )
     b.add_argument("--no-kernels", action="store_true", help="the end-to-end table only")
+    b.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        metavar="CONTEXT",
+        help="then the largest batch of CONTEXT-token requests the full cache and H2O at 20 %% each hold on the "
+        "GPU, and the tokens/s of each at its batch",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from h2o_lens.kernels.bench import bench_kernels
 
+    from .common import check_ints
+
+    if args.max_batch is not None:
+        check_ints("kernels", "max-batch", [args.max_batch], 2)
     bench_kernels(
-        shape=args.shape, cases=tuple(args.cases or ()), graphs=not args.no_graphs, kernels=not args.no_kernels
+        shape=args.shape,
+        cases=tuple(args.cases or ()),
+        graphs=not args.no_graphs,
+        kernels=not args.no_kernels,
+        max_batch=args.max_batch,
     )
     return 0

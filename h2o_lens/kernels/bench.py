@@ -209,6 +209,22 @@ SHAPES = {
 }
 
 
+def random_llama(shape: dict, positions: int, device: torch.device, dtype: torch.dtype):
+    """A Llama of ``shape`` with random weights (seed 0) on ``device`` in ``dtype``, for up to
+    ``positions`` positions: decode time does not depend on the weights' values."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**shape, max_position_embeddings=positions)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # an 8B model is initialised in its own dtype, not float32 first
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(cfg).to(dtype).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -243,7 +259,7 @@ def bench_end_to_end(
     Prints one table and returns, per path, tokens/s, the ratio to that baseline and
     the KV bytes held (keys and values; H2O's scores and positions not included).
     """
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+    from transformers import DynamicCache, StaticCache
 
     from ..config import H2OConfig
     from ..graphs import GraphedForward, graph_kind
@@ -252,17 +268,9 @@ def bench_end_to_end(
 
     device = torch.device(device)
     kind = graph_kind(graphs, device)
-    shape = dict(E2E_SHAPE if shape is None else shape)
     total = context + (rounds + 1) * steps + 8
-    cfg = LlamaConfig(**shape, max_position_embeddings=total)
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # an 8B model is initialised in its own dtype, not float32 first
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg).to(dtype).eval()
-    finally:
-        torch.set_default_dtype(default)
+    model = random_llama(E2E_SHAPE if shape is None else shape, total, device, dtype)
+    cfg = model.config
     budget = max(2, int(round(keep * context)))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (batch, context), generator=g).to(device)
@@ -381,12 +389,15 @@ def bench_kernels(
     cases: tuple[tuple[int, int], ...] | None = None,
     graphs: bool = True,
     kernels: bool = True,
+    max_batch: int | None = None,
 ) -> int:
     """Print the kernel ratios on a GPU, or the interpreter correctness summary without one.
 
     On a GPU: the kernel tables (``kernels``), then the end-to-end table of the model ``shape``
     (:data:`SHAPES`) at each ``(batch, context)`` of ``cases`` (default: the shape's own), with the
-    graph-captured paths beside the eager ones (``graphs``, DESIGN.md §2.16). Returns 0.
+    graph-captured paths beside the eager ones (``graphs``, DESIGN.md §2.16), then, with
+    ``max_batch`` (a context), the largest batch of such requests each cache holds and its tokens/s
+    (:func:`h2o_lens.kernels.bench_batch.bench_max_batch`). Returns 0.
     """
     from . import triton_available
     from ._checks import interpret_mode
@@ -435,4 +446,8 @@ def bench_kernels(
             full_dynamic=shape == "default",
         )
         torch.cuda.empty_cache()
+    if max_batch is not None:
+        from .bench_batch import bench_max_batch
+
+        bench_max_batch(shape=dims, context=max_batch, device=device, dtype=dtype, graphs=graphs)
     return 0
