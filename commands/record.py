@@ -120,6 +120,12 @@ def run(args: argparse.Namespace) -> int:
         runs = [rec]
     else:
         model, tok = load_model(args.model)
+        if args.graphs and next(model.parameters()).device.type != "cuda":
+            print(
+                "h2o-lens: note: --graphs without a CUDA device runs the traced rehearsal of CUDA graphs: the same "
+                "log, no faster (DESIGN.md §2.16)",
+                file=sys.stderr,
+            )
         enc = tok(
             chat(tok, prompt, args.raw), return_tensors="pt", add_special_tokens=args.raw, return_token_type_ids=False
         )
@@ -196,8 +202,8 @@ def _check_record(args: argparse.Namespace):
     guard = guard_config(args.guard, fit=args.guard_fit, model=args.model, allow_other_model=args.allow_other_model)
     if args.graphs and (args.task is not None or args.teacher_force or not config.spec.evicts):
         raise ConfigError(
-            "--graphs replays the decode steps of a generated prompt under an evicting policy; drop it with "
-            "--task, --teacher-force or a policy that keeps every token"
+            "--graphs cannot be combined with --task, --teacher-force or a policy that keeps every token: it "
+            "replays the decode steps of a generated prompt over an evicting policy's slots"
         )
     if guard is not None and args.teacher_force:
         raise ConfigError("--guard runs a request as it is generated; it cannot be combined with --teacher-force")

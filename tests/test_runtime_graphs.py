@@ -254,3 +254,19 @@ def test_bench_kernels_options_are_checked():
             [sys.executable, "-m", "commands.cli", "bench", "kernels", *bad], capture_output=True, text=True
         )
         assert res.returncode != 0 and "h2o-lens: error:" in res.stderr, (bad, res.stderr)
+
+
+@pytest.mark.parametrize(
+    "extra", [["--task", "delayed_recall_0"], ["--teacher-force", "run-x"], ["--policy", "full", "--prompt", "hi"]]
+)
+def test_record_refuses_graphs_where_nothing_is_replayed(extra, tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "commands.cli", "record", "--graphs", "--out", str(tmp_path), *extra],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode != 0 and "h2o-lens: error: --graphs cannot be combined" in res.stderr, res.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything is written

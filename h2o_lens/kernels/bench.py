@@ -209,22 +209,6 @@ SHAPES = {
 }
 
 
-def random_llama(shape: dict, positions: int, device: torch.device, dtype: torch.dtype):
-    """A Llama of ``shape`` with random weights (seed 0) on ``device`` in ``dtype``, for up to
-    ``positions`` positions: decode time does not depend on the weights' values."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(**shape, max_position_embeddings=positions)
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # an 8B model is initialised in its own dtype, not float32 first
-    try:
-        with torch.device(device):
-            return LlamaForCausalLM(cfg).to(dtype).eval()
-    finally:
-        torch.set_default_dtype(default)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -265,6 +249,7 @@ def bench_end_to_end(
     from ..graphs import GraphedForward, graph_kind
     from ..runtime import full_kv_bytes, h2o
     from ..timing import Decoder as _Decoder
+    from .bench_batch import random_llama
 
     device = torch.device(device)
     kind = graph_kind(graphs, device)

@@ -20,10 +20,26 @@ import torch
 
 from .. import compat, policies
 
-__all__ = ["bench_max_batch"]
+__all__ = ["bench_max_batch", "random_llama"]
 
 #: memory left free beside the weights and the rows (the decode step's activations, the allocator)
 HEADROOM = 4 << 30
+
+
+def random_llama(shape: dict, positions: int, device: torch.device, dtype: torch.dtype):
+    """A Llama of ``shape`` with random weights (seed 0) on ``device`` in ``dtype``, for up to
+    ``positions`` positions: decode time does not depend on the weights' values."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**shape, max_position_embeddings=positions)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # an 8B model is initialised in its own dtype, not float32 first
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(cfg).to(dtype).eval()
+    finally:
+        torch.set_default_dtype(default)
 
 
 def _free_bytes(device: torch.device, memory: int | None) -> int:
@@ -88,7 +104,6 @@ def bench_max_batch(
     from ..graphs import graph_kind
     from ..runtime import full_kv_bytes, h2o
     from ..timing import Decoder
-    from .bench import random_llama
 
     device = torch.device(device)
     kind = graph_kind(graphs, device)
