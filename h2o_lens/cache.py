@@ -545,7 +545,7 @@ class H2OCacheLayer(CacheLayerMixin):
         """``(kv_bytes, metadata_bytes)`` physically held by this layer."""
         if self.keys is None:
             return 0, 0
-        kv = self.keys.numel() * self.keys.element_size() * 2
+        kv = sum(t.untyped_storage().nbytes() for t in (self.keys, self.values))  # block padding included
         meta = self.scores.numel() * self.scores.element_size() + self.positions.numel() * self.positions.element_size()
         if self.history is not None:
             meta += self.history.numel() * self.history.element_size()

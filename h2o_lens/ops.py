@@ -17,6 +17,8 @@ import torch
 
 from . import eviction, policies
 from .errors import ConfigError
+from .slot_blocks import ALIGN_SHARE, DECODE_BLOCK, block_storage
+from .slot_blocks import blocks as _blocks
 
 __all__ = [
     "PolicyArgs",
@@ -31,6 +33,8 @@ __all__ = [
     "DecodeResult",
     "RowBudgets",
     "DECODE_BLOCK",
+    "ALIGN_SHARE",
+    "block_storage",
 ]
 
 _NEG = float("-inf")
@@ -519,26 +523,6 @@ class RowBudgets:
         t = table.to(rows.device)[rows][:, :, None, None]  # (b, 3, 1, 1)
         used = set(rows.tolist())
         return cls(t[:, 0], t[:, 1], t[:, 2], any(budgets[i].recent == 0 for i in used))
-
-
-#: Slots per block of the torch decode step. Every matmul and reduction over slots works on
-#: blocks of this fixed width and the block results are added in order, so a row's result does
-#: not depend on how wide the storage is (a request equals itself alone, DESIGN.md §2.7).
-DECODE_BLOCK = 64
-
-
-def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The slots of ``x (b, Hs, B, ...)`` in blocks of :data:`DECODE_BLOCK`: the full blocks
-    ``(b, Hs, n, K, ...)`` (a view of the storage; a matmul copies it unless ``B`` is a multiple
-    of ``K``) and the last partial block zero-padded to ``(b, Hs, 1, K, ...)``, or None when
-    ``B`` is a multiple of ``K``."""
-    w = x.shape[2]
-    n = w // DECODE_BLOCK
-    full = x[:, :, : n * DECODE_BLOCK].unflatten(2, (n, DECODE_BLOCK))
-    if w == n * DECODE_BLOCK:
-        return full, None
-    pad = [0, 0] * (x.dim() - 3) + [0, (n + 1) * DECODE_BLOCK - w]
-    return full, torch.nn.functional.pad(x[:, :, n * DECODE_BLOCK :], pad)[:, :, None]
 
 
 def _per_block(fn, full: torch.Tensor, tail: torch.Tensor | None) -> torch.Tensor:

@@ -147,8 +147,12 @@ def lay(layer: Any, key, value, kept) -> None:
     order = torch.where(keep, positions, big).argsort(-1)[..., :cap]  # (b,Hs,min(P,B))
     kept_pos = torch.where(keep.gather(-1, order), positions.gather(-1, order), eviction.EMPTY)
     n = order.shape[-1]
-    layer.keys = key.new_zeros(b, hs, cap, d)
-    layer.values = value.new_zeros(b, hs, cap, d)
+    if owner.backend == "torch":  # the torch step reads its blocks from the storage (DESIGN.md §2.7)
+        layer.keys = ops.block_storage(key, b, hs, cap, d)
+        layer.values = ops.block_storage(value, b, hs, cap, d)
+    else:
+        layer.keys = key.new_zeros(b, hs, cap, d)
+        layer.values = value.new_zeros(b, hs, cap, d)
     layer.scores = drive.new_zeros(b, hs, cap)
     layer.positions = torch.full((b, hs, cap), eviction.EMPTY, dtype=POS_DTYPE, device=key.device)
     gidx = order[..., None].expand(b, hs, n, d)
