@@ -32,3 +32,13 @@ def test_bench_record_context_prints_replay_over_generation_and_both_peaks(capsy
     assert t_gen > 0 and abs(ratio - t_rep / t_gen) <= 0.005 * (1 + ratio) / t_gen + 5e-4
     assert last.group(4) == rec.group(2) and last.group(5) == rep.group(2)  # the same peaks, side by side
     assert float(rec.group(2)) > 0.1 and float(rep.group(2)) > 0.1  # the model alone is about 0.5 GiB
+    # record --replay: the replay started from the recording's prompt pass of the one request
+    handed = re.search(
+        r"handed: record --replay: generation \(recorded\) ([\d.]+) s, then its replay from the prompt pass "
+        r"of (\d+) request\(s\) ([\d.]+) s, peak RSS of both ([\d.]+) GiB .*max \|logit diff\| ([\d.e+-]+)",
+        out,
+    )
+    assert handed and handed.group(2) == "1", out
+    assert float(handed.group(5)) <= 2e-3  # the replay from the prompt pass reproduces the run in float32
+    ratio = re.search(r"record --replay \(.*\): replay ([\d.]+) s / generation ([\d.]+) s: ratio ([\d.]+)", out)
+    assert ratio and ratio.group(1) == handed.group(3) and ratio.group(2) == handed.group(1), out

@@ -148,7 +148,10 @@ def _memory_phase(phase: str, model_name: str | None, root: str, context: int, n
     """One phase of :func:`bench_record_memory`, in a fresh process; prints one JSON line.
 
     ``seconds``: the generation alone (record) or the whole replay (replay), each after the
-    same short warm-up forward, so neither pays the process's first-call costs.
+    same short warm-up forward, so neither pays the process's first-call costs. ``handed``: a
+    record as ``h2o-lens record --replay`` runs it, the recording keeping each request's prompt
+    pass and the replay starting from it in the same process (DESIGN.md §6.1); its
+    ``replay_seconds`` is that replay's.
     """
     import json
 
@@ -162,19 +165,30 @@ def _memory_phase(phase: str, model_name: str | None, root: str, context: int, n
     loaded = peak_rss_bytes()
     model(input_ids=torch.zeros(1, 16, dtype=torch.long))  # warm-up
     out: dict = {"phase": phase, "loaded_bytes": loaded}
-    if phase == "record":
+    if phase in ("record", "handed"):
         from recorders.recorder import record
 
         text = model.config.get_text_config(decoder=True)
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, text.vocab_size, (1, context), generator=gen)
         cfg = H2OConfig(**halves(max(2, int(round(keep * context)))))
-        with record(model, cfg, out=root, run_id="bench-memory", fsync=False) as run:
+        handed = phase == "handed"
+        run_id = "bench-handed" if handed else "bench-memory"
+        with record(model, cfg, out=root, run_id=run_id, fsync=False, keep_prompt_pass=handed) as run:
             t0 = time.perf_counter()
             model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
             out["seconds"] = time.perf_counter() - t0
         out["run_dir"] = str(run.run_dir)
         out["budget"] = cfg.describe()
+        if handed:
+            from recorders.replay import replay
+
+            t0 = time.perf_counter()
+            summary = replay(run.run_dir, model=model, progress=False, prompt_passes=run.prompt_passes)
+            out["replay_seconds"] = time.perf_counter() - t0
+            out["max_logit_diff"] = summary.max_logit_diff
+            out["implementation_ok"] = summary.implementation_ok
+            out["prompts_from_run"] = summary.prompts_from_run
     else:
         from recorders.replay import replay
 
@@ -204,7 +218,9 @@ def bench_record_memory(
     phase's peak cannot hide the other's).
 
     Prints one line per phase, then replay ÷ generation and both peaks side by side; returns 0
-    when both phases ran.
+    when both phases ran. A third process records the same prompt as ``h2o-lens record --replay``
+    does and replays it from the recording's prompt pass (DESIGN.md §6.1): its replay ÷ its
+    generation is printed last.
     """
     import json
     import shutil
@@ -224,9 +240,9 @@ def bench_record_memory(
             f"record and replay, each in a fresh process: prompt {context} tokens, {new_tokens} new, keep {keep:g}, "
             f"model {model_name or 'default'}, torch {torch.__version__} on CPU ({torch.get_num_threads()} threads)"
         )
-        target = root
         res: dict[str, dict] = {}
-        for phase in ("record", "replay"):
+        for phase in ("record", "replay", "handed"):
+            target = res["record"]["run_dir"] if phase == "replay" else root
             code = (
                 "from commands.benchmarks.record import _memory_phase; "
                 f"_memory_phase({phase!r}, {model_name!r}, {target!r}, {context!r}, {new_tokens!r}, {keep!r})"
@@ -237,24 +253,38 @@ def bench_record_memory(
                 print(f"{phase}: failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
                 return 1
             res[phase] = r = json.loads(lines[-1])
-            what = "generation (recorded)" if phase == "record" else "replay"
-            print(
-                f"{phase:>7}: {what} {r['seconds']:.2f} s, peak RSS {r['peak_bytes'] / 2**30:.2f} GiB (model loaded: "
-                f"{r['loaded_bytes'] / 2**30:.2f} GiB)"
-                + (f", {r['budget']}" if "budget" in r else "")
-                + (f", max |logit diff| {r['max_logit_diff']:.3g}" if "max_logit_diff" in r else "")
-                + replay_verdict(r)
-            )
-            target = r.get("run_dir", target)
-        rec, rep = res["record"], res["replay"]
+            print(_phase_line(phase, r))
+        rec, rep, handed = res["record"], res["replay"], res["handed"]
         print(
             f"replay {rep['seconds']:.2f} s / generation {rec['seconds']:.2f} s: ratio "
             f"{rep['seconds'] / rec['seconds']:.3f}; peak RSS record {rec['peak_bytes'] / 2**30:.2f} GiB, "
             f"replay {rep['peak_bytes'] / 2**30:.2f} GiB"
         )
+        print(
+            f"record --replay (the replay starts from the recording's prompt pass): replay "
+            f"{handed['replay_seconds']:.2f} s / generation {handed['seconds']:.2f} s: ratio "
+            f"{handed['replay_seconds'] / handed['seconds']:.3f}"
+        )
     finally:  # the runs are only measured: nothing is left behind
         shutil.rmtree(root, ignore_errors=True)
-    return 0 if rep.get("implementation_ok", True) else 3
+    return 0 if rep.get("implementation_ok", True) and handed.get("implementation_ok", True) else 3
+
+
+def _phase_line(phase: str, r: dict) -> str:
+    """One phase's line of :func:`bench_record_memory`."""
+    if phase == "handed":
+        what = (
+            f"record --replay: generation (recorded) {r['seconds']:.2f} s, then its replay from the prompt pass "
+            f"of {r['prompts_from_run']} request(s) {r['replay_seconds']:.2f} s, peak RSS of both"
+        )
+    else:
+        what = f"{'generation (recorded)' if phase == 'record' else 'replay'} {r['seconds']:.2f} s, peak RSS"
+    return (
+        f"{phase:>7}: {what} {r['peak_bytes'] / 2**30:.2f} GiB (model loaded: {r['loaded_bytes'] / 2**30:.2f} GiB)"
+        + (f", {r['budget']}" if "budget" in r and phase == "record" else "")
+        + (f", max |logit diff| {r['max_logit_diff']:.3g}" if "max_logit_diff" in r else "")
+        + replay_verdict(r)
+    )
 
 
 # -- a runs root of thousands of runs ---------------------------------------------------------
