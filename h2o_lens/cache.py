@@ -25,7 +25,7 @@ import torch
 
 from . import cache_rows as _per_row
 from . import cache_state as _state
-from . import compat, ops
+from . import compat, ops, slot_blocks
 from . import extension as _extension
 from . import plan as _plan
 from . import prompt_slots as _slots
@@ -155,7 +155,7 @@ class H2OCacheLayer(CacheLayerMixin):
         for name in names:
             t = getattr(self, name)
             if t is not None:
-                setattr(self, name, move(t))
+                setattr(self, name, slot_blocks.moved(t, move))  # block storage stays blocks (§2.7)
         for ext in self.owner.extensions:
             ext.rows_moved(self, move, kind)
 

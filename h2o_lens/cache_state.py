@@ -10,6 +10,7 @@ import torch
 from . import ops, pins
 from .config import H2OConfig
 from .errors import ConfigError
+from .slot_blocks import rebased
 
 __all__ = ["ROW_STATE", "export_state", "import_state"]
 
@@ -76,7 +77,10 @@ def import_state(cache: Any, header: dict[str, Any], tensors: dict[str, torch.Te
         layer.reset()
         for name in ROW_STATE:
             t = tensors.get(f"layer.{i}.{name}")
-            setattr(layer, name, None if t is None else t.to(device) if device is not None else t)
+            t = None if t is None else t.to(device) if device is not None else t
+            if t is not None and name in ("keys", "values") and cache.backend == "torch":
+                t = rebased(t)  # the torch step's block storage (DESIGN.md §2.7)
+            setattr(layer, name, t)
         layer.seen = int(header["seen"][i])
         layer.device, layer.dtype = layer.keys.device, layer.keys.dtype
         layer.is_initialized = True

@@ -58,6 +58,7 @@ import torch
 
 from .errors import ConfigError
 from .events import CacheListener, DecodeEvent, PrefillEvent, SegmentEvent
+from .slot_blocks import widened
 
 #: the types the events name, spelled out here: this module imports neither the cache nor ops
 #: (the cache imports it): an ``H2OCacheLayer``, an ``H2OCache`` and an ``ops.DecodeResult``
@@ -269,12 +270,11 @@ def widen(layer: H2OCacheLayer, extra: int) -> int:
     step, DESIGN.md §2.7); only the extension that added them writes them (:func:`write_slots`).
     """
     start = layer.keys.shape[2]
+    blocks = layer.owner.backend == "torch"  # the torch step's block storage (DESIGN.md §2.7)
     for name, empty in _SLOT_FIELDS:
         t = getattr(layer, name)
         if t is not None:
-            shape = list(t.shape)
-            shape[2] = extra
-            setattr(layer, name, torch.cat([t, t.new_full(shape, empty)], 2))
+            setattr(layer, name, widened(t, extra, empty, blocks))
     layer.forget_groups()
     return start
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from . import eviction, ops
 from .cache import H2OCache
 from .errors import ConfigError
 from .pins import attach as attach_pins
+from .slot_blocks import widened
 
 __all__ = ["grow_rows", "raise_prompt"]
 
@@ -57,11 +56,8 @@ def grow_rows(cache: H2OCache, rows: list[int], slots: list[int]) -> None:
             pad = {"keys": 0.0, "values": 0.0, "scores": 0.0, "history": 0, "positions": eviction.EMPTY}
             for name, value in pad.items():
                 t = getattr(layer, name)
-                if t is None:
-                    continue
-                shape = list(t.shape)
-                shape[2] = extra
-                setattr(layer, name, torch.cat([t, t.new_full(shape, value)], 2))
+                if t is not None:
+                    setattr(layer, name, widened(t, extra, value, cache.backend == "torch"))
         layer.fill = fill.to(layer.keys.device)
         layer._groups = layer._row_budgets = None
     cache.slots_changed(rows, slots, "raise")

@@ -18,6 +18,7 @@ import torch
 
 from . import compat, eviction
 from .cache import H2OCache, H2OCacheLayer
+from .slot_blocks import widened
 
 __all__ = ["refill_rows", "Refill"]
 
@@ -66,9 +67,7 @@ def _adopt_row(cache: H2OCache, r: int, fresh: H2OCache, cfg: Any) -> None:
             if t is None:
                 continue
             if extra > 0:
-                shape = list(t.shape)
-                shape[2] = extra
-                t = torch.cat([t, t.new_full(shape, value)], 2)
+                t = widened(t, extra, value, cache.backend == "torch")
             src = getattr(new, name)
             t[r] = value
             t[r, :, : src.shape[2]] = src[0].to(t.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ALIGN_SHARE", "DECODE_BLOCK", "aligned_blocks", "block_storage", "blocks"]
+__all__ = ["ALIGN_SHARE", "DECODE_BLOCK", "aligned_blocks", "block_storage", "blocks", "moved", "rebased", "widened"]
 
 #: Slots per block of the torch decode step. Every matmul and reduction over slots works on
 #: blocks of this fixed width and the block results are added in order, so a row's result does
@@ -30,6 +30,51 @@ def block_storage(like: torch.Tensor, b: int, hs: int, cap: int, d: int) -> torc
     view = like.new_zeros(b, hs, wide, d)[:, :, :cap]
     view._h2o_blocks = True  # its padding past cap stays zero: nothing writes past a row's slots
     return view
+
+
+def widened(t: torch.Tensor, extra: int, empty: float | int, blocks: bool) -> torch.Tensor:
+    """``t (b, Hs, B, ...)`` with ``extra`` slots holding ``empty`` appended on the slot axis (an
+    extension's slots, a raised budget). Slot storage (4-D keys or values) of a torch-step cache
+    (``blocks``) is allocated again by :func:`block_storage`, so a widened layer still reads its
+    blocks as a view (a concatenation would leave plain storage, copied every step)."""
+    if blocks and t.dim() == 4:
+        b, hs, w, d = t.shape
+        out = block_storage(t, b, hs, w + extra, d)
+        out[:, :, :w] = t
+        if empty:
+            out[:, :, w:] = empty
+        return out
+    shape = list(t.shape)
+    shape[2] = extra
+    return torch.cat([t, t.new_full(shape, empty)], 2)
+
+
+def moved(t: torch.Tensor, move) -> torch.Tensor:
+    """``move`` (a reorder, repeat or selection of the batch axis) applied to ``t``; on
+    :func:`block_storage` it moves each row with its zero padding, so the result is block
+    storage too, without a second copy."""
+    if aligned_blocks(t) is None:
+        return move(t)
+    b, hs, w, d = t.shape
+    whole = t.as_strided((b, hs, -(-w // DECODE_BLOCK) * DECODE_BLOCK, d), t.stride())
+    out = move(whole)
+    if not out.is_contiguous():
+        return out[:, :, :w].contiguous()
+    view = out[:, :, :w]
+    view._h2o_blocks = True
+    return view
+
+
+def rebased(t: torch.Tensor) -> torch.Tensor:
+    """Slot storage ``t (b, Hs, B, d)`` copied into :func:`block_storage` where that pads it to
+    whole blocks (a restored state's tensors), else ``t`` itself."""
+    if t.dim() != 4 or aligned_blocks(t) is not None:
+        return t
+    out = block_storage(t, *t.shape)
+    if not getattr(out, "_h2o_blocks", False):
+        return t
+    out.copy_(t)
+    return out
 
 
 def aligned_blocks(x: torch.Tensor) -> torch.Tensor | None:

@@ -37,6 +37,7 @@ from . import eviction, ops
 from .errors import ConfigError, UnsupportedModelError
 from .events import DecodeEvent, SegmentEvent
 from .extension import NOTHING, CacheExtension, StepEvent, StepNeeds
+from .slot_blocks import moved
 
 __all__ = [
     "MODES",
@@ -199,7 +200,7 @@ class Segment:
 
 
 def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.clone()
+    return None if t is None else moved(t, torch.clone)  # block storage stays blocks (DESIGN.md §2.7)
 
 
 def _state(layer: SegmentLayer, names: tuple[str, ...]) -> dict[str, torch.Tensor | None]:

@@ -54,3 +54,69 @@ def test_decode_steps_on_aligned_storage_have_the_bits_of_plain_storage(dtype, b
         assert torch.equal(r_plain.slot, r_aligned.slot)
         for a, c in zip(plain, aligned):
             assert torch.equal(a, c)  # keys, values, scores and positions after the step
+
+
+def _tiny_cache(config, prompt: int = 900):
+    """A tiny model's H2O cache after its prompt (torch backend, CPU) and the model."""
+    from tiny import tiny_model
+
+    from h2o_lens import h2o
+    from h2o_lens.timing import Decoder
+
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2, head_dim=16, vocab=256)
+    ids = torch.randint(3, 256, (1, prompt), generator=torch.Generator().manual_seed(2))
+    with h2o(model, config) as session:
+        dec = Decoder(model, session.new_cache(), ids)
+        dec.run(3)
+    return dec.cache, model
+
+
+def test_a_cold_tier_window_and_a_raised_budget_keep_the_block_storage():
+    """Slots added past the storage (a cold tier's recall window, a guard's raise) are allocated
+    in whole blocks again: the step still reads them as a view, not a copy every step."""
+    from h2o_lens import H2OConfig
+    from h2o_lens.cold_config import ColdTier
+    from h2o_lens.guard_actions import grow_rows
+
+    cache, _ = _tiny_cache(H2OConfig(heavy=410, recent=409, cold=ColdTier(recall=205)))  # 614 + a window of 205
+    for layer in cache.layers:
+        assert layer.keys.shape[2] == 819 and aligned_blocks(layer.keys) is not None
+        assert aligned_blocks(layer.values) is not None
+    cache, _ = _tiny_cache(H2OConfig(heavy=300, recent=300))
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    grow_rows(cache, [0], [1000])
+    for layer, (k, v) in zip(cache.layers, before):
+        assert layer.keys.shape[2] == 1000 and aligned_blocks(layer.keys) is not None
+        assert torch.equal(layer.keys[:, :, :600], k) and torch.equal(layer.values[:, :, :600], v)
+        assert float(layer.keys[:, :, 600:].abs().sum()) == 0.0  # the new slots are empty
+
+
+def test_moved_rows_and_a_restored_state_keep_the_block_storage():
+    """A beam reorder moves each row with its padding (block storage, no second copy); a state
+    saved and restored comes back in whole blocks; the numbers are the rows' own."""
+    from tiny import tiny_model
+
+    from h2o_lens import H2OConfig, h2o
+    from h2o_lens.cache import H2OCache
+    from h2o_lens.timing import Decoder
+
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2, head_dim=16, vocab=256)
+    ids = torch.randint(3, 256, (2, 900), generator=torch.Generator().manual_seed(3))
+    cfg = H2OConfig(heavy=410, recent=409)
+    with h2o(model, cfg) as session:
+        dec = Decoder(model, session.new_cache(), ids)
+        dec.run(2)
+        cache = dec.cache
+        before = [(layer.keys.clone(), layer.scores.clone()) for layer in cache.layers]
+        cache.reorder_cache(torch.tensor([1, 0]))
+        for layer, (k, s) in zip(cache.layers, before):
+            assert aligned_blocks(layer.keys) is not None and aligned_blocks(layer.values) is not None
+            assert torch.equal(layer.keys, k[[1, 0]]) and torch.equal(layer.scores, s[[1, 0]])
+            assert float(aligned_blocks(layer.keys)[:, :, -1, 819 - 768 :].abs().sum()) == 0.0
+        header, tensors = cache.export_state()
+        fresh = H2OCache(cfg, model.config)
+        fresh.import_state(header, tensors)
+        for a, c in zip(cache.layers, fresh.layers):
+            assert (
+                aligned_blocks(c.keys) is not None and torch.equal(a.keys, c.keys) and torch.equal(a.values, c.values)
+            )
