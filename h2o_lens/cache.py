@@ -155,7 +155,7 @@ class H2OCacheLayer(CacheLayerMixin):
         for name in names:
             t = getattr(self, name)
             if t is not None:
-                setattr(self, name, slot_blocks.moved(t, move))  # block storage stays blocks (§2.7)
+                setattr(self, name, slot_blocks.moved(t, move))  # block storage stays blocks (DESIGN.md §2.7)
         for ext in self.owner.extensions:
             ext.rows_moved(self, move, kind)
 

@@ -14,6 +14,15 @@ with only what differs between two identical runs normalised away:
 
 Everything else (every row of every table, every verdict, every number computed from the
 model) must be equal, so the digest guards a refactoring that should change nothing.
+
+Numbers with a fractional part are compared within a tolerance, not bit for bit: the tiny model
+runs in float64, but the logged scores, logits and measures are float32, whose last bits depend
+on the CPU's vector width (a sum over 16 lanes adds in another order than over 8), and a KL of
+two nearly equal distributions keeps only a few of its digits. Each file's digest is therefore
+the hash of its content with every such number (a float, or a decimal number printed in a text)
+replaced by ``F``, plus the count, the sum and the sum of magnitudes of those numbers
+(:func:`file_digest`); :func:`same_digest` says whether two digests agree within
+:data:`FLOAT_TOLERANCE`. Integers, strings, token ids, kept positions and verdicts stay exact.
 """
 
 from __future__ import annotations
@@ -205,6 +214,66 @@ def _hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+#: a decimal number in a text (a fractional part or an exponent), not part of a word or a version
+DECIMAL = re.compile(r"(?<![\w.])-?(?:\d+\.\d+(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+)(?![\w.])")
+
+#: two digests agree when their numbers' sums differ by at most ``RELATIVE`` of the sum of
+#: magnitudes plus ``PER_NUMBER`` per number: float32's last bits are 6e-8 of a value, a KL near
+#: 1e-4 loses up to 1e-6, a number printed to four digits moves by one unit in the last
+FLOAT_TOLERANCE = {"RELATIVE": 1e-5, "PER_NUMBER": 1e-5}
+
+
+def _split(obj: Any, found: list[float]) -> Any:
+    """``obj`` with each float, and each decimal number inside a string, replaced by ``"F"``;
+    the numbers appended to ``found``."""
+    if isinstance(obj, float):
+        found.append(obj)
+        return "F"
+    if isinstance(obj, str):
+
+        def number(m: re.Match) -> str:
+            found.append(float(m.group(0)))
+            return "F"
+
+        return DECIMAL.sub(number, obj)
+    if isinstance(obj, dict):
+        return {k: _split(v, found) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_split(v, found) for v in obj]
+    return obj
+
+
+def file_digest(content: Any) -> dict[str, Any]:
+    """``{"hash", "n", "sum", "abs"}``: the hash of ``content`` with its decimal numbers replaced,
+    and their count, sum and sum of magnitudes."""
+    found: list[float] = []
+    shape = _split(content, found)
+    return {"hash": _hash(shape), "n": len(found), "sum": math.fsum(found), "abs": math.fsum(map(abs, found))}
+
+
+def _joined(digests: list[dict[str, Any]]) -> dict[str, Any]:
+    """The digest of several files that normalise to the same name (their order is not kept)."""
+    if len(digests) == 1:
+        return digests[0]
+    return {
+        "hash": _hash(sorted(d["hash"] for d in digests)),
+        "n": sum(d["n"] for d in digests),
+        "sum": math.fsum(d["sum"] for d in digests),
+        "abs": math.fsum(d["abs"] for d in digests),
+    }
+
+
+def same_digest(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Whether two :func:`file_digest` results agree: the same hash and count, sums within
+    :data:`FLOAT_TOLERANCE`."""
+    if a is None or b is None:
+        return a is b
+    if a["hash"] != b["hash"] or a["n"] != b["n"]:
+        return False
+    bound = FLOAT_TOLERANCE["RELATIVE"] * max(a["abs"], b["abs"]) + FLOAT_TOLERANCE["PER_NUMBER"] * a["n"]
+    return abs(a["sum"] - b["sum"]) <= bound
+
+
 def _parquet(path: Path, norm: Normaliser) -> Any:
     table = pq.read_table(path)
     meta = {}
@@ -238,21 +307,23 @@ def _file(path: Path, norm: Normaliser) -> Any:
     return norm.text(text)
 
 
-def root_digest(root: str | Path, *, stdout: str | None = None, base: str | Path | None = None) -> dict[str, str]:
-    """``{normalised relative path: content hash}`` of every file under ``root`` (and ``stdout``);
+def root_digest(
+    root: str | Path, *, stdout: str | None = None, base: str | Path | None = None
+) -> dict[str, dict[str, Any]]:
+    """``{normalised relative path: file_digest}`` of every file under ``root`` (and ``stdout``);
     paths under ``base`` (the folder of the model) are written relative to it.
 
     The catalog cache the readers keep (``.h2o-lens-catalog.json``) is left out: it records file
     times and sizes, not outputs."""
     root = Path(root)
     norm = Normaliser(root, Path(base) if base is not None else None)
-    found: dict[str, list[str]] = {}
+    found: dict[str, list[dict[str, Any]]] = {}
     for path in sorted(root.rglob("*")):
         if not path.is_file() or path.name.startswith(".h2o-lens-catalog"):
             continue
         name = norm.text(path.relative_to(root).as_posix(), numbers=False)
-        found.setdefault(name, []).append(_hash(_file(path, norm)))
-    out = {name: digests[0] if len(digests) == 1 else _hash(sorted(digests)) for name, digests in found.items()}
+        found.setdefault(name, []).append(file_digest(_file(path, norm)))
+    out = {name: _joined(digests) for name, digests in found.items()}
     if stdout is not None:
-        out["<stdout>"] = _hash(norm.text(stdout))
+        out["<stdout>"] = file_digest(norm.text(stdout))
     return dict(sorted(out.items()))
