@@ -22,14 +22,16 @@ demo: setup
 	HF_HUB_OFFLINE=1 $(BIN)/h2o-lens demo --out demo_runs
 
 # the compatibility tier's real-model checks other than the golden kept sets run in `make compat`
-# (on the newest release too), not twice here; two pytest-xdist workers, one per core of CI's machine
+# (on the newest release too), not twice here; two pytest-xdist workers, one per core of CI's machine,
+# each with one torch thread: two workers of two OpenMP threads each on two cores spin against each
+# other and ran a long generation 3x slower than one thread each (docs/TESTING.md)
 test: setup
-	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 -m "not (compat and model) or golden" --durations=10
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 -m "not (compat and model) or golden" --durations=10
 
 # the unit and tiny-model tiers (no real model, no kernels, nothing marked slow), on two workers:
 # under 3 minutes on an idle 2-core machine (docs/TESTING.md)
 test-fast: setup
-	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 -m "not model and not slow and not kernel" --durations=10
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 -m "not model and not slow and not kernel" --durations=10
 
 # the compatibility tier on transformers 4.56, 5.2 and the newest release, each in its own venv
 # under $(COMPAT_DIR) (kept between runs; rebuilt when the requirements change): DESIGN.md §3.1

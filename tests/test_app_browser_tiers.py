@@ -38,10 +38,18 @@ def page(tmp_path_factory, tier_root):  # noqa: F811
             context.close()
 
 
-def _open(p, url: str, text: str) -> None:
+def _open(p, url: str, *texts: str) -> None:
+    """Load ``url`` and wait until the main area holds every one of ``texts`` at once: the page
+    reruns after it writes its query parameters, so a text seen once can be gone a moment later."""
     p.goto(url)
     p.wait_for_selector(f"{DONE} [data-testid=stMain] h1", timeout=120_000)
-    p.wait_for_function("(t) => document.body.innerText.includes(t)", arg=text, timeout=60_000)
+    p.wait_for_function(
+        "(ts) => { const m = document.querySelector('[data-testid=stMain]');"
+        " return m !== null && ts.every((t) => m.innerText.includes(t)); }",
+        arg=list(texts),
+        timeout=60_000,
+    )
+    p.wait_for_selector(DONE, timeout=60_000)
     assert p.locator("[data-testid=stException]").count() == 0
 
 
@@ -56,9 +64,10 @@ def test_tokens_page_marks_recalled_positions(page):
 
 def test_overview_shows_the_cold_tier(page):
     url, p, runs, shots = page
-    _open(p, f"{url}/overview?run={runs['cold']}", "Cold bytes read")
+    labels = ("Cold tier", "Hot slots", "Cold bytes written", "Cold bytes read", "Recalls")
+    _open(p, f"{url}/overview?run={runs['cold']}", *labels)
     text = p.inner_text("[data-testid=stMain]")
-    for label in ("Cold tier", "Hot slots", "Cold bytes written", "Recalls"):
+    for label in labels:
         assert label in text
     p.locator("text=Cold tier").first.scroll_into_view_if_needed()
     p.screenshot(path=str(shots / "overview-cold.png"), full_page=True)
