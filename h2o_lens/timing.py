@@ -3,15 +3,16 @@ the commands layer's (:mod:`commands.benchmarks`): medians of paired rounds, a w
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from . import compat
 
-__all__ = ["median_time", "Decoder", "step_parts", "PARTS"]
+__all__ = ["median_time", "Decoder", "step_parts", "frozen_steps", "PARTS"]
 
 
 def median_time(fn: Callable[[], None], rounds: int) -> float:
@@ -109,6 +110,32 @@ def _layer_parts(cache, layer, reps: int, gen: torch.Generator) -> dict[str, flo
             reps, lambda: ops._write_slot(*state, slot, k, v, new_score, new_pos, may_skip=args.recent == 0)
         ),
     }
+
+
+@contextlib.contextmanager
+def frozen_steps() -> Iterator[None]:
+    """Inside, every layer's torch decode step (:func:`h2o_lens.ops.decode_step`) is computed once
+    per slot storage and then returned again without being computed: a model's decode step costs
+    everything but H2O's attention and eviction. H2O's step less this one is what its attention and
+    eviction cost inside the model, where the model's weights push the slots and temporaries out of
+    the caches between layers (:func:`step_parts` times the parts apart, with warm caches). For
+    timing only: the cache's slots stop changing, so a cache stepped inside is not one to decode
+    from afterwards."""
+    from . import ops
+
+    real = ops.decode_step
+    first: dict[int, object] = {}
+
+    def frozen(query, key, value, keys, *args, **kwargs):
+        if id(keys) not in first:
+            first[id(keys)] = (keys, real(query, key, value, keys, *args, **kwargs))  # keys kept: ids stay unique
+        return first[id(keys)][1]
+
+    ops.decode_step = frozen
+    try:
+        yield
+    finally:
+        ops.decode_step = real
 
 
 def _median(reps: int, fn: Callable[[], object]) -> float:

@@ -23,8 +23,9 @@ COLUMNS = (
     "KV h2o/full",
 )
 PARTS = re.compile(
-    r"H2O's step \(ms\): attention ([\d.]+), scores ([\d.]+), victim ([\d.]+), copy ([\d.]+), "
-    r"other \(the model's projections and MLP, hooks, bookkeeping\) (-?[\d.]+)"
+    r"H2O's step \(ms\): attention ([\d.]+), scores ([\d.]+), victim ([\d.]+), copy ([\d.]+) \(timed apart\), "
+    r"other \(the model's projections and MLP, hooks, bookkeeping\) (-?[\d.]+); in the model its attention and "
+    r"eviction take (-?[\d.]+) \(the step less the step with them frozen\)"
 )
 
 
@@ -59,7 +60,7 @@ def test_bench_decode_prints_a_table_per_context_with_a_row_per_batch(capsys):
         parts = [m for m in parts if m]
         assert len(parts) == 2, out  # one per batch size
         for m in parts:
-            attention, scores, victim, copy, _ = map(float, m.groups())
+            attention, scores, victim, copy, _, _ = map(float, m.groups())
             assert min(attention, scores, victim, copy) >= 0 and attention > 0
         assert re.search(rf"prefill {n} tokens: SDPA \d+ ms, with scores \d+ ms: ratio [\d.]+", out)
         assert f"prefill {n} peak RSS: skipped" in out  # a model object cannot be loaded in a fresh process
@@ -144,3 +145,41 @@ def test_bench_decode_with_a_cold_tier_times_it_and_says_the_bytes_it_read(capsy
     # H2O at the same B without the tier is timed beside it, and the ratio is the two times'
     side = re.findall(r"without it ([\d.]+) ms/step: with ÷ without ([\d.]+)", out)
     assert len(side) == 2 and all(float(t) > 0 and float(x) > 0 for t, x in side)
+
+
+def test_frozen_steps_compute_each_layers_step_once_and_put_the_step_back():
+    """Inside ``frozen_steps`` a cache's decode steps return their first result without being
+    computed again (the model runs every thing else); outside, the real step is back and a fresh
+    cache decodes the same tokens as before."""
+    import torch
+
+    from h2o_lens import ops
+    from h2o_lens.config import H2OConfig
+    from h2o_lens.runtime import h2o
+    from h2o_lens.timing import Decoder, frozen_steps
+
+    model = tiny_model("llama", layers=2)
+    ctx = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    real, calls = ops.decode_step, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    with h2o(model, H2OConfig(heavy=4, recent=4)) as session:
+        plain = Decoder(model, session.new_cache(), ctx)
+        plain.run(4)
+        frozen = Decoder(model, session.new_cache(), ctx)
+        ops.decode_step = counting
+        try:
+            with frozen_steps():
+                assert ops.decode_step is not counting
+                frozen.run(4)
+        finally:
+            restored, ops.decode_step = ops.decode_step, real
+        assert restored is counting and len(calls) == 2  # one real step per layer, then its result again
+        kept = frozen.cache.layers[0].positions.clone()
+        again = Decoder(model, session.new_cache(), ctx)
+        again.run(4)
+    assert torch.equal(again.token, plain.token)
+    assert int(kept.max()) == 40  # the frozen cache holds the first step's token (position 40) and no later one

@@ -75,3 +75,15 @@ def test_bench_cold_runs_every_configuration_and_times_them_against_plain_h2o(ca
         assert len(cells) == 4 and all(float(c) > 0 for c in cells), name
         if name == "h2o":
             assert cells[1] == cells[3] == "1.00"
+
+
+def test_bench_cold_compares_each_round_with_plain_h2o_in_the_same_round():
+    """The ``x h2o`` column is the median of per-round ratios: a machine that slows down between
+    rounds slows both sides of a round, and a missing time leaves its round out."""
+    from commands.benchmarks.cold import _round_ratio
+
+    plain = [1.0, 2.0, 4.0]
+    tier = [1.5, 3.0, 6.0]  # 1.5x plain in every round, while the machine's pace changes 4x
+    assert _round_ratio(tier, plain) == 1.5
+    assert _round_ratio([1.5, None, 8.0], plain) == 1.75  # rounds 0 and 2: 1.5 and 2.0
+    assert _round_ratio([None, None], [1.0, 1.0]) is None

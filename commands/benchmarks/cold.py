@@ -8,7 +8,9 @@ task's checker), the requests it recovers (plain H2O wrong, the full cache right
 KV share (slots held over positions, layer 0's first KV set, the window included), the cold bytes
 read per generated token, and the decode time per token beside plain H2O's: on the first task, every
 configuration generates ``--time-tokens`` tokens per round (no listener), ``--rounds`` rounds with
-the configurations in a rotated order each round, the median compared, all in the same run. The H2O
+the configurations in a rotated order each round, each configuration's median time and the median
+over rounds of its time ÷ plain H2O's in the same round (steadier than a ratio of medians when the
+machine's pace drifts between rounds), all in the same run. The H2O
 configurations of a task share one prompt forward (DESIGN.md §12.5): a cold tier keeps what the
 keep rule drops and acts at the decode steps only.
 """
@@ -78,7 +80,7 @@ class _Tally:
 
     correct: list[bool | None] = field(default_factory=list)
     hot: list[float] = field(default_factory=list)
-    decode: dict[int, list[float]] = field(default_factory=dict)  # batch size -> seconds per decode step
+    decode: dict[int, list[float | None]] = field(default_factory=dict)  # batch size -> seconds per step, per round
     cold_read: int = 0
     tokens: int = 0
 
@@ -211,8 +213,7 @@ def _time_all(model, tok, task, configs: dict[str, Any], tally: dict[str, _Tally
             for r in range(args.rounds):
                 for name in names[r % len(names) :] + names[: r % len(names)]:
                     step = _timed(model, tok, task, configs[name], args.time_tokens, batch)
-                    if step is not None:
-                        tally[name].decode.setdefault(batch, []).append(step)
+                    tally[name].decode.setdefault(batch, []).append(step)  # None: fewer than 2 forwards
             print(f"timed {args.rounds} rounds of {args.time_tokens} tokens on {task.name}, batch {batch}", flush=True)
 
 
@@ -233,15 +234,22 @@ def _print(tally: dict[str, _Tally], args: argparse.Namespace) -> None:
     batches = sorted({b for t in tally.values() for b in t.decode})
     if not batches:
         return
-    print(f"\ndecode ms per step (median of {args.rounds} rounds of {args.time_tokens} tokens) and ÷ plain h2o's")
+    print(
+        f"\ndecode ms per step (median of {args.rounds} rounds of {args.time_tokens} tokens) and the median over "
+        "rounds of its time ÷ plain h2o's in the same round"
+    )
     print(f"{'configuration':<20}" + "".join(f" {f'b={b} ms':>10} {'x h2o':>6}" for b in batches))
     for name, t in tally.items():
         cells = []
         for b in batches:
-            step = statistics.median(t.decode[b]) if t.decode.get(b) else None
-            base = tally["h2o"].decode.get(b)
-            base = statistics.median(base) if base else None
-            cells.append(
-                f" {f'{1000 * step:.2f}' if step else '-':>10} {f'{step / base:.2f}' if step and base else '-':>6}"
-            )
+            times = [s for s in t.decode.get(b, []) if s is not None]
+            step = statistics.median(times) if times else None
+            ratio = _round_ratio(t.decode.get(b, []), tally["h2o"].decode.get(b, []))
+            cells.append(f" {f'{1000 * step:.2f}' if step else '-':>10} {f'{ratio:.2f}' if ratio else '-':>6}")
         print(f"{name:<20}" + "".join(cells))
+
+
+def _round_ratio(times: list[float | None], base: list[float | None]) -> float | None:
+    """The median over rounds of ``times[r] ÷ base[r]`` (rounds where either is missing left out)."""
+    ratios = [t / p for t, p in zip(times, base) if t and p]
+    return statistics.median(ratios) if ratios else None

@@ -238,8 +238,8 @@ def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int, budget
     from h2o_lens.cold import cold_summary
     from h2o_lens.runtime import h2o
     from h2o_lens.timing import Decoder as _Decoder
+    from h2o_lens.timing import frozen_steps, step_parts
     from h2o_lens.timing import median_time as _median_time
-    from h2o_lens.timing import step_parts
 
     model.set_attn_implementation("sdpa")
     full = DynamicCache(config=model.config)
@@ -249,6 +249,11 @@ def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int, budget
         sides["limit"] = (limit, "sdpa")
     with h2o(model, cfg) as session:
         sides["h2o"] = (_Decoder(model, session.new_cache(), ctx, last_logits_only=True), "h2o_lens")
+        if budget is not None and cfg.cold is None:  # H2O's step with its attention and eviction frozen
+            header, tensors = sides["h2o"][0].cache.export_state()
+            frozen = session.new_cache()
+            frozen.import_state(header, {k: v.clone() for k, v in tensors.items()})
+            sides["frozen"] = (_Decoder.resume(model, frozen, sides["h2o"][0].token.clone()), "h2o_lens")
         if cfg.cold is not None:  # H2O at the same B without the tier, timed in the same rounds
             plain = H2OCache(dataclasses.replace(cfg, cold=None), model.config)
             sides["plain"] = (_Decoder(model, plain, ctx, last_logits_only=True), "h2o_lens")
@@ -257,7 +262,8 @@ def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int, budget
             for name, (side, attention) in sides.items():
                 model.set_attn_implementation(attention)
                 n = steps if i else 2
-                t = _median_time(lambda side=side, n=n: side.run(n), 1) / n
+                with frozen_steps() if name == "frozen" else contextlib.nullcontext():
+                    t = _median_time(lambda side=side, n=n: side.run(n), 1) / n
                 if i:
                     times[name].append(t)
         nbytes = sides["h2o"][0].cache.nbytes()
@@ -266,15 +272,29 @@ def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int, budget
             nbytes = {**nbytes, "cold_read": cold["read"], "cold_steps": 2 + rounds * steps}
             nbytes["plain"] = statistics.median(times["plain"])  # ms of H2O without the tier
         parts = step_parts(sides["h2o"][0].cache) if budget is not None else None
+        if "frozen" in times:  # what the attention and eviction cost inside the model
+            parts = {
+                **(parts or {}),
+                "in the model": statistics.median(times["h2o"]) - statistics.median(times["frozen"]),
+            }
     med = {name: statistics.median(t) for name, t in times.items()}
     return med["full"], med["h2o"], nbytes, med.get("limit"), parts
 
 
 def _where(step: float, parts: dict[str, float]) -> str:
-    """One line: where H2O's decode step of ``step`` seconds goes, its parts timed apart."""
+    """Where H2O's decode step of ``step`` seconds goes: its parts timed apart (warm caches), the
+    rest, and (``parts["in the model"]``, when measured) what its attention and eviction cost
+    inside the model: the step less the same step with them frozen (:func:`h2o_lens.timing.frozen_steps`)."""
+    parts = dict(parts)
+    inside = parts.pop("in the model", None)
     rest = step - sum(parts.values())
     shown = ", ".join(f"{name} {t * 1e3:.2f}" for name, t in parts.items())
-    return f"H2O's step (ms): {shown}, other (the model's projections and MLP, hooks, bookkeeping) {rest * 1e3:.2f}"
+    line = f"H2O's step (ms): {shown} (timed apart), other (the model's projections and MLP, hooks, bookkeeping) "
+    line += f"{rest * 1e3:.2f}"
+    if inside is not None:
+        line += f"; in the model its attention and eviction take {inside * 1e3:.2f} (the step less the step with "
+        line += "them frozen)"
+    return line
 
 
 def bench_decode(
