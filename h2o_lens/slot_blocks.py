@@ -13,8 +13,10 @@ __all__ = ["ALIGN_SHARE", "DECODE_BLOCK", "aligned_blocks", "block_storage", "bl
 DECODE_BLOCK = 64
 
 
-#: :func:`block_storage` pads a row to whole blocks only when the padding is at most 1/ALIGN_SHARE of it
-ALIGN_SHARE = 16
+#: :func:`block_storage` pads a row to whole blocks only when the padding is at most 1/ALIGN_SHARE of it:
+#: a layer left plain copies its slots into blocks at every step (a budget plan's small layers, 410
+#: slots at 4k, took 5 % longer per step than uniform H2O at 1/16, the same time at 1/4)
+ALIGN_SHARE = 4
 
 
 def block_storage(like: torch.Tensor, b: int, hs: int, cap: int, d: int) -> torch.Tensor:

@@ -30,6 +30,8 @@ def test_block_storage_pads_rows_to_whole_blocks_only_where_it_is_cheap():
     assert wide.shape == (2, 3, 819, 8) and wide.untyped_storage().nbytes() == 2 * 3 * 832 * 8 * 4
     assert aligned_blocks(wide).shape == (2, 3, 13, DECODE_BLOCK, 8)
     assert float(aligned_blocks(wide)[:, :, -1, 819 - 768 :].abs().sum()) == 0.0  # the padding is zeros
+    planned = block_storage(like, 1, 3, 410, 8)  # a budget plan's small layer: 38 padding slots of 410
+    assert planned.untyped_storage().nbytes() == 3 * 448 * 8 * 4 and aligned_blocks(planned) is not None
     small = block_storage(like, 2, 3, 100, 8)  # 28 padding slots of 100: not worth it
     assert small.is_contiguous() and small.untyped_storage().nbytes() == 2 * 3 * 100 * 8 * 4
     assert aligned_blocks(small) is None
