@@ -231,7 +231,8 @@ def _prefill_time(model, cfg, ctx: torch.Tensor, rounds: int) -> tuple[float, fl
 def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int, budget: int | None = None):
     """Median seconds per decode step of the full cache, of H2O and (``budget`` given) of the limit,
     the full cache over the context's first ``budget`` tokens, in rotating rounds; the H2O cache's
-    bytes; and (``budget`` given) where H2O's step goes (:func:`h2o_lens.timing.step_parts`)."""
+    bytes; and (``budget`` given) where H2O's step goes (:func:`h2o_lens.timing.step_parts`) and what
+    its attention and eviction cost inside the model (without a cold tier; else None)."""
     from transformers import DynamicCache
 
     from h2o_lens.cache import H2OCache
@@ -272,21 +273,15 @@ def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int, budget
             nbytes = {**nbytes, "cold_read": cold["read"], "cold_steps": 2 + rounds * steps}
             nbytes["plain"] = statistics.median(times["plain"])  # ms of H2O without the tier
         parts = step_parts(sides["h2o"][0].cache) if budget is not None else None
-        if "frozen" in times:  # what the attention and eviction cost inside the model
-            parts = {
-                **(parts or {}),
-                "in the model": statistics.median(times["h2o"]) - statistics.median(times["frozen"]),
-            }
     med = {name: statistics.median(t) for name, t in times.items()}
-    return med["full"], med["h2o"], nbytes, med.get("limit"), parts
+    inside = med["h2o"] - med["frozen"] if "frozen" in med else None  # attention and eviction in the model
+    return med["full"], med["h2o"], nbytes, med.get("limit"), parts, inside
 
 
-def _where(step: float, parts: dict[str, float]) -> str:
+def _where(step: float, parts: dict[str, float], inside: float | None = None) -> str:
     """Where H2O's decode step of ``step`` seconds goes: its parts timed apart (warm caches), the
-    rest, and (``parts["in the model"]``, when measured) what its attention and eviction cost
-    inside the model: the step less the same step with them frozen (:func:`h2o_lens.timing.frozen_steps`)."""
-    parts = dict(parts)
-    inside = parts.pop("in the model", None)
+    rest, and (``inside``, when measured) what its attention and eviction cost inside the model:
+    the step less the same step with them frozen (:func:`h2o_lens.timing.frozen_steps`)."""
     rest = step - sum(parts.values())
     shown = ", ".join(f"{name} {t * 1e3:.2f}" for name, t in parts.items())
     line = f"H2O's step (ms): {shown} (timed apart), other (the model's projections and MLP, hooks, bookkeeping) "
@@ -355,7 +350,7 @@ def bench_decode(
         )
         for b in batches:
             ctx = torch.randint(0, text.vocab_size, (b, n), generator=gen)
-            tf, th, nbytes, tl, parts = _decode_times(model, cfg, ctx, steps, rounds, budget)
+            tf, th, nbytes, tl, parts, inside = _decode_times(model, cfg, ctx, steps, rounds, budget)
             tokens = n + 2 + rounds * steps + 1
             kv = nbytes["kv"] + nbytes["metadata"]
             share = kv / full_kv_bytes(model, tokens, batch=b)
@@ -364,7 +359,7 @@ def bench_decode(
                 f"{tl * 1e3:>14.2f} {th / tl:>10.3f} {kv / 2**20:>11.3f} {share:>12.4f}",
                 flush=True,
             )
-            print(f"{'':>6} {_where(th, parts)}", flush=True)
+            print(f"{'':>6} {_where(th, parts, inside)}", flush=True)
             if cold is not None:
                 per_step = nbytes["cold_read"] / max(1, nbytes["cold_steps"])
                 tp = nbytes["plain"]
