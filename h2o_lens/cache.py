@@ -362,12 +362,13 @@ class H2OCacheLayer(CacheLayerMixin):
         hears = owner.hears_decode
         want = hears or needs.candidates
         journal = needs.journal
-        if rows is not None and not journal and protected is None and self._kernel_step(args, want):
-            res = self._step_groups(self.groups(), q, k, v, step, scaling)
+        weights = needs.candidates  # an extension reads the step's weights: the torch step's only
+        if rows is not None and not journal and protected is None and self._kernel_step(args, want, None, weights):
+            res = self._step_groups(self.groups(), q, k, v, step, scaling, want)
         else:
             slots = (self.keys, self.values, self.scores, self.positions)
             res = self._step(
-                args, q, k, v, *slots, step, self.fill, scaling, want, self.history, rows, journal, protected
+                args, q, k, v, *slots, step, self.fill, scaling, want, self.history, rows, journal, protected, weights
             )
         event = None
         if hears:
@@ -483,10 +484,13 @@ class H2OCacheLayer(CacheLayerMixin):
             self._row_budgets = _plan.row_budgets(budgets, self.budget, self.owner.shape.sets(self.owner.config.gqa))
         return self._row_budgets
 
-    def _kernel_step(self, args: ops.PolicyArgs, want: bool, protected: torch.Tensor | None = None) -> bool:
-        """Whether the fused Triton step runs: the backend and policy have one, no listener needs
-        the candidates and nothing is protected (the kernels know no pins, DESIGN.md §2.11)."""
-        return not want and protected is None and self.owner.backend == "triton" and "decode" in args.spec.kernels
+    def _kernel_step(self, args: ops.PolicyArgs, want: bool, protected=None, weights: bool = False) -> bool:
+        """Whether the fused step runs (Triton's, or the compiled CPU one): the backend and policy
+        have one, no listener needs the candidates (the CPU step gives them) or the ``weights``, and
+        nothing is protected (the kernels know no pins, DESIGN.md §2.11)."""
+        backend = self.owner.backend
+        fused = (backend == "cpp" and not weights) or (backend == "triton" and not want)
+        return protected is None and fused and "decode" in args.spec.kernels
 
     def _step(
         self,
@@ -506,15 +510,17 @@ class H2OCacheLayer(CacheLayerMixin):
         rows: ops.RowBudgets | None = None,
         journal: bool = False,
         protected: torch.Tensor | None = None,
+        weights: bool = False,
     ) -> ops.DecodeResult:
-        """The fused Triton step when :meth:`_kernel_step` allows it (one budget, and no
+        """The fused step (Triton or compiled CPU) when :meth:`_kernel_step` allows it (one budget, and no
         rollback needs the overwritten K/V), the torch step otherwise (any per-row budgets,
         ``protected`` positions)."""
-        if rows is None and not journal and self._kernel_step(args, want, protected):
-            from .kernels import decode_step_triton
+        if rows is None and not journal and self._kernel_step(args, want, protected, weights):
+            from .kernels import fused_step
 
-            return decode_step_triton(
-                q, k, v, keys, values, scores, positions, step, fill, scaling, args, layer=self.layer_idx
+            extra = {"want_candidates": want} if self.owner.backend == "cpp" else {}
+            return fused_step(self.owner.backend)(
+                q, k, v, keys, values, scores, positions, step, fill, scaling, args, layer=self.layer_idx, **extra
             )
         return ops.decode_step(
             q,
@@ -536,9 +542,9 @@ class H2OCacheLayer(CacheLayerMixin):
             protected=protected,
         )
 
-    def _step_groups(self, groups, q, k, v, step, scaling: float) -> ops.DecodeResult:
-        if any(a.sets is not None for _, a in groups):  # KV sets of different counts: one launch
-            return _plan.kernel_step(self, q, k, v, step, scaling)
+    def _step_groups(self, groups, q, k, v, step, scaling: float, want: bool = False) -> ops.DecodeResult:
+        if self.owner.backend == "cpp" or any(a.sets is not None for _, a in groups):  # one call, rows ragged
+            return _plan.kernel_step(self, q, k, v, step, scaling, want)
         return _per_row.step_groups(self, self._step, groups, q, k, v, step, scaling)
 
     def nbytes(self) -> tuple[int, int]:
@@ -613,7 +619,7 @@ class H2OCache(Cache):
         self.request_configs: list[H2OConfig] | None = None  # resolved per prefill row
         self.row_pins = _per_row.check_row_pins(config, row_pins)  # each row's own pins, or None
         self._rows: torch.Tensor | None = None
-        self.backend: str | None = None  # "torch" | "triton", resolved at the first prefill
+        self.backend: str | None = None  # "torch" | "triton" | "cpp", resolved at the first prefill
         #: the recorder's request of each batch row (None until a recorder names them); moves with the rows
         self.request_ids: list[int] | None = None
         self.sharing: str | None = None  # "prefix" while a shared prefix is being computed (DESIGN.md §15.4)

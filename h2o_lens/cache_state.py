@@ -10,7 +10,7 @@ import torch
 from . import ops, pins
 from .config import H2OConfig
 from .errors import ConfigError
-from .slot_blocks import rebased
+from .slot_blocks import BLOCK_BACKENDS, rebased
 
 __all__ = ["ROW_STATE", "export_state", "import_state"]
 
@@ -78,7 +78,7 @@ def import_state(cache: Any, header: dict[str, Any], tensors: dict[str, torch.Te
         for name in ROW_STATE:
             t = tensors.get(f"layer.{i}.{name}")
             t = None if t is None else t.to(device) if device is not None else t
-            if t is not None and name in ("keys", "values") and cache.backend == "torch":
+            if t is not None and name in ("keys", "values") and cache.backend in BLOCK_BACKENDS:
                 t = rebased(t)  # the torch step's block storage (DESIGN.md §2.7)
             setattr(layer, name, t)
         layer.seen = int(header["seen"][i])

@@ -25,7 +25,7 @@ __all__ = ["H2OConfig", "POLICIES", "GQA_MODES", "BACKENDS", "pin", "pin_positio
 
 POLICIES = registry.names()
 GQA_MODES = ("sum", "max", "none")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpp")
 
 
 def _count(name: str, value: Any, *, allow_none: bool = True) -> None:
@@ -110,7 +110,8 @@ class H2OConfig:
         ``cold.recall`` slots inside ``B`` (out of ``heavy`` first, then ``recent``, after the
         pins) holds the cold entries the current queries attend to most. None: off.
     backend : str
-        ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
+        ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"``, ``"triton"`` or ``"cpp"`` (the
+        fused CPU decode step, compiled on first use: :mod:`h2o_lens.kernels.cpu`, DESIGN.md §2.8).
     plan : BudgetPlan, dict or path, optional
         Slot counts (or shares of the prompt) per layer and KV set instead of one budget
         (:class:`h2o_lens.plan.BudgetPlan`, DESIGN.md §2.14); a dict or the path of a plan

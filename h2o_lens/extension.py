@@ -58,7 +58,7 @@ import torch
 
 from .errors import ConfigError
 from .events import CacheListener, DecodeEvent, PrefillEvent, SegmentEvent
-from .slot_blocks import widened
+from .slot_blocks import BLOCK_BACKENDS, widened
 
 #: the types the events name, spelled out here: this module imports neither the cache nor ops
 #: (the cache imports it): an ``H2OCacheLayer``, an ``H2OCache`` and an ``ops.DecodeResult``
@@ -270,7 +270,7 @@ def widen(layer: H2OCacheLayer, extra: int) -> int:
     step, DESIGN.md §2.7); only the extension that added them writes them (:func:`write_slots`).
     """
     start = layer.keys.shape[2]
-    blocks = layer.owner.backend == "torch"  # the torch step's block storage (DESIGN.md §2.7)
+    blocks = layer.owner.backend in BLOCK_BACKENDS  # the torch step's block storage (DESIGN.md §2.7)
     for name, empty in _SLOT_FIELDS:
         t = getattr(layer, name)
         if t is not None:

@@ -195,6 +195,8 @@ def _steady_reason(cache: Any) -> str | None:
             return "the cache is still filling its slots (shapes change until every slot is used)"
         if layer.segment is not None or layer.held_prompt is not None:
             return "a verification segment is open"
+    if cache.backend == "cpp":
+        return "the fused CPU step is a compiled call that a trace cannot record"
     if cache.backend == "triton" and not torch.cuda.is_available():
         return "the Triton interpreter cannot be traced"
     return None

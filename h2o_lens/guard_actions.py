@@ -12,7 +12,7 @@ from . import eviction, ops
 from .cache import H2OCache
 from .errors import ConfigError
 from .pins import attach as attach_pins
-from .slot_blocks import widened
+from .slot_blocks import BLOCK_BACKENDS, widened
 
 __all__ = ["grow_rows", "raise_prompt"]
 
@@ -57,7 +57,7 @@ def grow_rows(cache: H2OCache, rows: list[int], slots: list[int]) -> None:
             for name, value in pad.items():
                 t = getattr(layer, name)
                 if t is not None:
-                    setattr(layer, name, widened(t, extra, value, cache.backend == "torch"))
+                    setattr(layer, name, widened(t, extra, value, cache.backend in BLOCK_BACKENDS))
         layer.fill = fill.to(layer.keys.device)
         layer._groups = layer._row_budgets = None
     cache.slots_changed(rows, slots, "raise")

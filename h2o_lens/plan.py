@@ -273,13 +273,15 @@ def eligible_mask(positions, step, args: ops.PolicyArgs, pins):
     return eviction.eligible_mask(positions, step, recent, sink, pinned=pins)
 
 
-def kernel_step(layer: Any, q, k, v, step, scaling: float) -> ops.DecodeResult:
-    """The fused Triton step of a ragged layer: one launch, each (request, KV set) with its own
-    capacity, recent window and sink (:func:`h2o_lens.kernels.decode_step_triton`'s ``rows``)."""
-    from .kernels import decode_step_triton
+def kernel_step(layer: Any, q, k, v, step, scaling: float, want: bool = False) -> ops.DecodeResult:
+    """The fused step of a ragged layer (Triton's, or the compiled CPU one): one call, each (request,
+    KV set) with its own capacity, recent window and sink (:func:`h2o_lens.kernels.decode_step_triton`'s
+    ``rows``); ``want``: with the candidate set D (the CPU step's only)."""
+    from .kernels import fused_step
 
     args = layer.groups()[0][1]
-    return decode_step_triton(
+    extra = {"want_candidates": want} if layer.owner.backend == "cpp" else {}
+    return fused_step(layer.owner.backend)(
         q,
         k,
         v,
@@ -293,6 +295,7 @@ def kernel_step(layer: Any, q, k, v, step, scaling: float) -> ops.DecodeResult:
         args,
         layer=layer.layer_idx,
         rows=layer.row_budgets(),
+        **extra,
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import eviction, ops
+from . import eviction, ops, slot_blocks
 from . import plan as _plan
 from .events import PrefillEvent
 
@@ -147,7 +147,7 @@ def lay(layer: Any, key, value, kept) -> None:
     order = torch.where(keep, positions, big).argsort(-1)[..., :cap]  # (b,Hs,min(P,B))
     kept_pos = torch.where(keep.gather(-1, order), positions.gather(-1, order), eviction.EMPTY)
     n = order.shape[-1]
-    if owner.backend == "torch":  # the torch step reads its blocks from the storage (DESIGN.md §2.7)
+    if owner.backend in slot_blocks.BLOCK_BACKENDS:  # the torch step reads its blocks in place (DESIGN.md §2.7)
         layer.keys = ops.block_storage(key, b, hs, cap, d)
         layer.values = ops.block_storage(value, b, hs, cap, d)
     else:

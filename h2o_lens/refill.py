@@ -18,7 +18,7 @@ import torch
 
 from . import compat, eviction
 from .cache import H2OCache, H2OCacheLayer
-from .slot_blocks import widened
+from .slot_blocks import BLOCK_BACKENDS, widened
 
 __all__ = ["refill_rows", "Refill"]
 
@@ -67,7 +67,7 @@ def _adopt_row(cache: H2OCache, r: int, fresh: H2OCache, cfg: Any) -> None:
             if t is None:
                 continue
             if extra > 0:
-                t = widened(t, extra, value, cache.backend == "torch")
+                t = widened(t, extra, value, cache.backend in BLOCK_BACKENDS)
             src = getattr(new, name)
             t[r] = value
             t[r, :, : src.shape[2]] = src[0].to(t.dtype)

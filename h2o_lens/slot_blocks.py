@@ -5,13 +5,27 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ALIGN_SHARE", "DECODE_BLOCK", "aligned_blocks", "block_storage", "blocks", "moved", "rebased", "widened"]
+__all__ = [
+    "ALIGN_SHARE",
+    "BLOCK_BACKENDS",
+    "DECODE_BLOCK",
+    "aligned_blocks",
+    "block_storage",
+    "blocks",
+    "moved",
+    "rebased",
+    "widened",
+]
 
 #: Slots per block of the torch decode step. Every matmul and reduction over slots works on
 #: blocks of this fixed width and the block results are added in order, so a row's result does
 #: not depend on how wide the storage is (a request equals itself alone, DESIGN.md §2.7).
 DECODE_BLOCK = 64
 
+
+#: the backends whose caches hold block storage: the torch step's, and the compiled CPU step's (which
+#: reads any layout, and falls back to the torch step for a recorder's weights or a rollback)
+BLOCK_BACKENDS = ("torch", "cpp")
 
 #: :func:`block_storage` pads a row to whole blocks only when the padding is at most 1/ALIGN_SHARE of it:
 #: a layer left plain copies its slots into blocks at every step (a budget plan's small layers, 410

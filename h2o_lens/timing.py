@@ -114,28 +114,36 @@ def _layer_parts(cache, layer, reps: int, gen: torch.Generator) -> dict[str, flo
 
 @contextlib.contextmanager
 def frozen_steps() -> Iterator[None]:
-    """Inside, every layer's torch decode step (:func:`h2o_lens.ops.decode_step`) is computed once
-    per slot storage and then returned again without being computed: a model's decode step costs
+    """Inside, every layer's decode step (the torch step :func:`h2o_lens.ops.decode_step`, or the
+    fused CPU step :func:`h2o_lens.kernels.cpu.decode_step_cpu`) is computed once per slot storage
+    and then returned again without being computed: a model's decode step costs
     everything but H2O's attention and eviction. H2O's step less this one is what its attention and
     eviction cost inside the model, where the model's weights push the slots and temporaries out of
     the caches between layers (:func:`step_parts` times the parts apart, with warm caches). For
     timing only: the cache's slots stop changing, so a cache stepped inside is not one to decode
     from afterwards."""
     from . import ops
+    from .kernels import cpu
 
-    real = ops.decode_step
     first: dict[int, object] = {}
 
-    def frozen(query, key, value, keys, *args, **kwargs):
-        if id(keys) not in first:
-            first[id(keys)] = (keys, real(query, key, value, keys, *args, **kwargs))  # keys kept: ids stay unique
-        return first[id(keys)][1]
+    def freeze(real):
+        def frozen(query, key, value, keys, *args, **kwargs):
+            if id(keys) not in first:  # keys kept beside the result: their ids stay unique
+                first[id(keys)] = (keys, real(query, key, value, keys, *args, **kwargs))
+            return first[id(keys)][1]
 
-    ops.decode_step = frozen
+        return frozen
+
+    steps = [(ops, "decode_step"), (cpu, "decode_step_cpu")]
+    reals = [getattr(mod, name) for mod, name in steps]
+    for (mod, name), real in zip(steps, reals):
+        setattr(mod, name, freeze(real))
     try:
         yield
     finally:
-        ops.decode_step = real
+        for (mod, name), real in zip(steps, reals):
+            setattr(mod, name, real)
 
 
 def _median(reps: int, fn: Callable[[], object]) -> float:

@@ -44,6 +44,13 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--keep", type=keep_share, default=None, help="B as a share of the context, in (0, 1) (default 0.2)")
     b.add_argument("--steps", type=at_least(1), default=8, help="decode steps timed per round")
     b.add_argument("--rounds", type=at_least(1), default=3, help="rounds alternating the two sides")
+    b.add_argument(
+        "--backend",
+        choices=["auto", "torch", "cpp", "triton"],
+        default="auto",
+        help="H2O's decode step: auto (Triton on CUDA, else torch), torch, cpp (the fused CPU step, built on first "
+        "use; DESIGN.md §2.8) or triton",
+    )
     b.add_argument("--guard", action="store_true", help="the guard's cost per decode step (default context 4096)")
     b.add_argument(
         "--assistant",
@@ -91,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             batches=args.batch,
             steps=args.steps,
             rounds=args.rounds,
+            backend=args.backend,
         )
     args.keep = 0.2 if args.keep is None else args.keep
     cold = _cold(args)  # before the model loads
@@ -120,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         rounds=args.rounds,
         cold=cold,
+        backend=args.backend,
     )
 
 
@@ -272,16 +281,30 @@ def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int, budget
         if cold is not None:  # a cold tier's bytes read over the steps decoded, the warm-up's included
             nbytes = {**nbytes, "cold_read": cold["read"], "cold_steps": 2 + rounds * steps}
             nbytes["plain"] = statistics.median(times["plain"])  # ms of H2O without the tier
-        parts = step_parts(sides["h2o"][0].cache) if budget is not None else None
+        torch_step = sides["h2o"][0].cache.backend == "torch"  # the parts are the torch step's
+        parts = step_parts(sides["h2o"][0].cache) if budget is not None and torch_step else None
     med = {name: statistics.median(t) for name, t in times.items()}
     inside = med["h2o"] - med["frozen"] if "frozen" in med else None  # attention and eviction in the model
     return med["full"], med["h2o"], nbytes, med.get("limit"), parts, inside
 
 
-def _where(step: float, parts: dict[str, float], inside: float | None = None) -> str:
-    """Where H2O's decode step of ``step`` seconds goes: its parts timed apart (warm caches), the
-    rest, and (``inside``, when measured) what its attention and eviction cost inside the model:
-    the step less the same step with them frozen (:func:`h2o_lens.timing.frozen_steps`)."""
+def _resolved(backend: str) -> str:
+    """The backend H2O's step runs on here (a model on the CPU), named as the table prints it."""
+    from h2o_lens.kernels import resolve_backend
+
+    name = resolve_backend(backend, "cpu")
+    return {"torch": "torch (the torch step)", "cpp": "cpp (the fused CPU step)"}.get(name, name)
+
+
+def _where(step: float, parts: dict[str, float] | None, inside: float | None = None) -> str:
+    """Where H2O's decode step of ``step`` seconds goes: its parts timed apart (warm caches; the torch
+    step's, None for a fused step), the rest, and (``inside``, when measured) what its attention and
+    eviction cost inside the model: the step less the same step with them frozen
+    (:func:`h2o_lens.timing.frozen_steps`)."""
+    if parts is None:
+        if inside is None:
+            return "H2O's step: a fused step, not split into parts"
+        return f"H2O's step (ms): in the model its fused attention and eviction take {inside * 1e3:.2f}"
     rest = step - sum(parts.values())
     shown = ", ".join(f"{name} {t * 1e3:.2f}" for name, t in parts.items())
     line = f"H2O's step (ms): {shown} (timed apart), other (the model's projections and MLP, hooks, bookkeeping) "
@@ -302,11 +325,13 @@ def bench_decode(
     model=None,
     memory: bool = True,
     cold: Any = None,
+    backend: str = "auto",
 ) -> int:
     """Decode tokens/s of H2O at ``keep`` ÷ the full cache, per context and batch size, and the
     prefill with scores ÷ the SDPA prefill, in time and in peak RSS, side by side in one run.
     ``cold``: a :class:`~h2o_lens.cold_config.ColdTier` the H2O side runs with (its window inside
-    B); each row then says the cold bytes read per decode step.
+    B); each row then says the cold bytes read per decode step. ``backend``: the H2O side's
+    (:class:`~h2o_lens.config.H2OConfig`'s ``backend``; the table says which ran).
 
     For each context: a table with a row per batch size (every row of the batch the same
     context of random tokens): full-cache and H2O ms/step and tokens/s, measured in
@@ -342,8 +367,8 @@ def bench_decode(
     failed = 0
     for n in contexts:
         budget = ratio_slots(keep, n)
-        cfg = H2OConfig(**halves(budget), cold=cold)
-        print(f"\ncontext {n}, H2O B={budget} ({cfg.describe()})")
+        cfg = H2OConfig(**halves(budget), cold=cold, backend=backend)
+        print(f"\ncontext {n}, H2O B={budget} ({cfg.describe()}), backend {_resolved(backend)}")
         print(
             f"{'batch':>6} {'full ms/step':>13} {'full tok/s':>11} {'h2o ms/step':>12} {'h2o tok/s':>10} "
             f"{'h2o/full tok/s':>15} {'limit ms/step':>14} {'h2o/limit':>10} {'KV MiB h2o':>11} {'KV h2o/full':>12}"

@@ -125,10 +125,12 @@ def bench_decode_plan(
     steps: int = 8,
     rounds: int = 3,
     model: Any = None,
+    backend: str = "auto",
 ) -> int:
     """Decode ms/step of H2O under the plan in ``plan_path`` ÷ uniform H2O at the same total slots
     (module docstring), per context and batch size; the table prints both totals, both ms/step and
-    tokens/s, the ratio planned/uniform and the KV bytes each cache holds. Returns 0."""
+    tokens/s, the ratio planned/uniform and the KV bytes each cache holds. ``backend``: both sides'
+    (:class:`~h2o_lens.config.H2OConfig`'s). Returns 0."""
     import torch
 
     from h2o_lens.config import H2OConfig
@@ -154,14 +156,14 @@ def bench_decode_plan(
     print(
         f"model {type(model).__name__}: {shape.layers} layers, {sets} KV sets per layer (gqa {gqa}); "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; --plan {plan_path}: {plan.describe()}, "
-        f"by {by}; {steps} steps x {rounds} rounds alternating uniform / planned, medians",
+        f"by {by}; backend {backend}; {steps} steps x {rounds} rounds alternating uniform / planned, medians",
         flush=True,
     )
     for n in contexts:
         resolved, total, budget = uniform_slots(plan, n, sets)
         ragged = sum(len(set(resolved.counts(i, sets))) > 1 for i in range(resolved.layers))
-        uniform = H2OConfig(**halves(budget), gqa=gqa)
-        planned = H2OConfig(plan=resolved, gqa=gqa)
+        uniform = H2OConfig(**halves(budget), gqa=gqa, backend=backend)
+        planned = H2OConfig(plan=resolved, gqa=gqa, backend=backend)
         print(
             f"\ncontext {n}: planned {total} slots ({resolved.describe()}, {ragged} ragged layers); "
             f"uniform H2O B={budget} x {shape.layers} layers x {sets} KV sets = {budget * shape.layers * sets} "

@@ -29,6 +29,8 @@ __all__ = [
     "resolve_backend",
     "KernelInputError",
     "decode_step_triton",
+    "decode_step_cpu",
+    "fused_step",
     "prefill_scores_triton",
     "replay_dropped_mass_triton",
     "replay_dropped_mass_torch",
@@ -38,6 +40,7 @@ __all__ = [
 
 _LAUNCHERS = {
     "decode_step_triton": ".decode",
+    "decode_step_cpu": ".cpu",
     "prefill_scores_triton": ".prefill",
     "replay_dropped_mass_triton": ".replay",
     "replay_dropped_mass_torch": ".replay",
@@ -57,19 +60,22 @@ def triton_available() -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """The backend that runs on ``device``: ``"torch"`` or ``"triton"``.
+    """The backend that runs on ``device``: ``"torch"``, ``"triton"`` or ``"cpp"``.
 
     ``"auto"`` picks Triton on a CUDA device when triton imports, torch
     otherwise. ``"triton"`` is honoured on CUDA, and on CPU only under
-    ``TRITON_INTERPRET=1``; anything else raises :class:`~h2o_lens.errors.ConfigError`.
+    ``TRITON_INTERPRET=1``; ``"cpp"`` (the fused CPU step) on CPU where it builds;
+    anything else raises :class:`~h2o_lens.errors.ConfigError`.
     """
     device = torch.device(device)
     if backend == "torch":
         return "torch"
     if backend == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "cpp":
+        return _cpp_backend(device)
     if backend != "triton":
-        raise ConfigError(f"unknown backend {backend!r}; expected auto, torch or triton")
+        raise ConfigError(f"unknown backend {backend!r}; expected auto, torch, triton or cpp")
     if not triton_available():
         raise ConfigError(
             "backend='triton' but triton does not import here; install it "
@@ -82,6 +88,29 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
             "imported to run the kernels in Triton's (slow) interpreter"
         )
     return "triton"
+
+
+def _cpp_backend(device: torch.device) -> str:
+    if device.type != "cpu":
+        raise ConfigError(f"backend='cpp' is the fused CPU step, got tensors on {device}; use 'auto' or 'triton'")
+    from .cpu import cpu_step_problem
+
+    problem = cpu_step_problem()
+    if problem is not None:
+        raise ConfigError(f"backend='cpp': {problem}; use backend='torch' (or install a C++ compiler and ninja)")
+    return "cpp"
+
+
+def fused_step(backend: str) -> Any:
+    """The fused decode step of a resolved ``backend`` (``"triton"`` or ``"cpp"``), which share one
+    contract (:func:`decode_step_triton`)."""
+    if backend == "cpp":
+        from .cpu import decode_step_cpu
+
+        return decode_step_cpu
+    from .decode import decode_step_triton
+
+    return decode_step_triton
 
 
 def __getattr__(name: str) -> Any:

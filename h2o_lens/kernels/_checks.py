@@ -70,13 +70,18 @@ def check_tensor(
         )
 
 
-def check_device(fn: str, **tensors: torch.Tensor | None) -> torch.device:
-    """All tensors on one device, which is CUDA, or CPU under ``TRITON_INTERPRET=1``."""
+def check_device(fn: str, *, on_cpu: bool = False, **tensors: torch.Tensor | None) -> torch.device:
+    """All tensors on one device, which is CUDA, or CPU under ``TRITON_INTERPRET=1``; with
+    ``on_cpu`` (the fused CPU step, :mod:`h2o_lens.kernels.cpu`), the CPU."""
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     first = next(iter(devices.values()))
     if any(d != first for d in devices.values()):
         listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise KernelInputError(f"{fn}: tensors are on different devices ({listing}); move them to one device")
+    if on_cpu:
+        if first.type != "cpu":
+            raise KernelInputError(f"{fn}: tensors are on {first}; the fused CPU step takes CPU tensors")
+        return first
     if first.type != "cuda" and not interpret_mode():
         raise KernelInputError(
             f"{fn}: tensors are on {first}, but Triton kernels need a CUDA device; on CPU set "

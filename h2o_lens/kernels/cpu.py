@@ -1,0 +1,210 @@
+"""The fused H2O decode step on CPU: ``decode_cpu.cpp`` beside this file, built on first use.
+
+The torch step (:func:`h2o_lens.ops.decode_step`) runs some forty small tensor operations per
+layer; at batch 1 their dispatch, not the slots' bytes, sets the step's time (docs/BENCHMARKS.md,
+#49's profile). This step does the same work in one call per layer, a loop per (request, KV set),
+with the semantics of the fused Triton step (DESIGN.md §2.8). It is compiled with the C++
+compiler and ninja of the machine (:func:`torch.utils.cpp_extension.load_inline`) into
+torch's extension folder, once per source version; :func:`cpu_step_available` says whether
+that works here, and :func:`cpu_step_problem` why not.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from .. import ops, policies
+from ._checks import FLOAT_DTYPES, INT_DTYPES, KernelInputError, check_device, check_tensor
+
+__all__ = ["decode_step_cpu", "cpu_step_available", "cpu_step_problem", "check_step_inputs"]
+
+_SOURCE = Path(__file__).with_name("decode_cpu.cpp")
+
+
+@functools.cache
+def _module():
+    """The built extension (built here the first time; later processes load it)."""
+    from torch.utils import cpp_extension
+
+    source = _SOURCE.read_text()
+    flags = _arch_flags()
+    key = "\n".join([source, torch.__version__, *flags])
+    tag = hashlib.sha256(key.encode()).hexdigest()[:12]  # a build per source, torch and instruction set
+    bin_dir = os.path.dirname(sys.executable)  # a ninja installed in this environment
+    if shutil.which("ninja") is None and os.path.exists(os.path.join(bin_dir, "ninja")):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    return cpp_extension.load_inline(
+        name=f"h2o_lens_decode_cpu_{tag}",
+        cpp_sources=[source],
+        extra_cflags=["-O3", "-fopenmp", *flags],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def _arch_flags() -> list[str]:
+    """Vector instructions for the compiler where torch found them on this CPU (AVX2 with FMA, or
+    AVX-512): the loops over ``d`` then run 8 or 16 lanes wide. Part of the build's name, so a
+    build is never loaded on a CPU without them."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap in ("AVX2", "AVX512"):
+        return ["-mavx2", "-mfma"]
+    return []
+
+
+@functools.cache
+def cpu_step_problem() -> str | None:
+    """Why the fused CPU step cannot be built here (no C++ compiler, no ninja, a failed build),
+    in one line, or None when it loads."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (c++ or $CXX) on the PATH"
+    try:
+        _module()
+    except Exception as exc:  # a missing ninja, a compiler error: the torch step runs instead
+        first = str(exc).strip().splitlines()
+        return f"building the fused CPU step failed: {first[0] if first else type(exc).__name__}"
+    return None
+
+
+def cpu_step_available() -> bool:
+    """Whether the fused CPU step builds and loads on this machine."""
+    return cpu_step_problem() is None
+
+
+def check_step_inputs(
+    fn: str, query, key, value, keys, values, scores, positions, step, fill, on_cpu: bool = False
+) -> tuple[int, ...]:
+    """Shapes, dtypes and devices of a fused decode step's inputs, as both fused steps take them
+    (``on_cpu``: this file's); returns ``(b, Hs, B, d, Hq)`` or raises :class:`KernelInputError`."""
+    if keys.dim() != 4:
+        raise KernelInputError(f"{fn}: keys has shape {tuple(keys.shape)}, expected (b, Hs, B, d)")
+    b, hs, cap, d = keys.shape
+    if query.dim() != 3 or query.shape[0] != b or query.shape[2] != d or query.shape[1] % hs:
+        raise KernelInputError(
+            f"{fn}: query has shape {tuple(query.shape)}, expected (b={b}, Hq, d={d}) "
+            f"with Hq a multiple of the {hs} KV sets of keys"
+        )
+    hq = query.shape[1]
+    dt = (keys.dtype,)
+    dense = not on_cpu  # the CPU step reads strided slots (block storage); its caller checks the inner axes
+    check_tensor(fn, "keys", keys, (b, hs, cap, d), FLOAT_DTYPES, dense)
+    check_tensor(fn, "values", values, (b, hs, cap, d), dt, dense)
+    check_tensor(fn, "query", query, (b, hq, d), dt)
+    check_tensor(fn, "key", key, (b, hs, d), dt)
+    check_tensor(fn, "value", value, (b, hs, d), dt)
+    check_tensor(fn, "scores", scores, (b, hs, cap), (torch.float32,), dense)
+    check_tensor(fn, "positions", positions, (b, hs, cap), INT_DTYPES, dense)
+    check_tensor(fn, "step", step, (b,), INT_DTYPES)
+    if fill is not None:
+        check_tensor(fn, "fill", fill, (b,), INT_DTYPES)
+    check_device(
+        fn,
+        on_cpu=on_cpu,
+        query=query,
+        key=key,
+        value=value,
+        keys=keys,
+        values=values,
+        scores=scores,
+        positions=positions,
+        step=step,
+        fill=fill,
+    )
+    if cap < 1:
+        raise KernelInputError(f"{fn}: keys has {cap} slots; the cache needs at least one")
+    return b, hs, cap, d, hq
+
+
+def decode_step_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    step: torch.Tensor,
+    fill: torch.Tensor | None,
+    scaling: float,
+    args: ops.PolicyArgs,
+    *,
+    layer: int = 0,
+    rows: ops.RowBudgets | None = None,
+    want_candidates: bool = False,
+) -> ops.DecodeResult:
+    """Fused H2O decode step on CPU: the contract, arguments and results of
+    :func:`h2o_lens.kernels.decode_step_triton` (in place), on CPU tensors; ``want_candidates``
+    also returns the candidate set D (``cand_scores``, ``cand_positions``, ``(b, Hs, B + 1)``, as
+    :func:`h2o_lens.ops.decode_step` does), which a recorder reads.
+
+    Keys and values may be any storage whose last axis is contiguous (the torch backend's block
+    storage included, DESIGN.md §2.7); scores and positions need a contiguous slot axis. A
+    policy without a ``"decode"`` kernel runs :func:`h2o_lens.ops.decode_step`.
+    """
+    fn = "decode_step_cpu"
+    spec = args.spec
+    if not spec.evicts:
+        raise KernelInputError(
+            f"{fn}: policy {args.policy!r} does not evict, so it has no decode step; "
+            f"expected one of {', '.join(p.name for p in policies.evicting())}"
+        )
+    if "decode" not in spec.kernels:
+        return ops.decode_step(
+            query,
+            key,
+            value,
+            keys,
+            values,
+            scores,
+            positions,
+            step,
+            fill,
+            scaling,
+            args,
+            layer=layer,
+            rows=rows,
+            want_candidates=want_candidates,
+        )
+    if spec.scored and not spec.accumulates:
+        raise KernelInputError(f"{fn}: policy {args.policy!r} is scored but does not accumulate; no fused step")
+    b, hs, cap, d, _ = check_step_inputs(fn, query, key, value, keys, values, scores, positions, step, fill, True)
+    for name, t in (("keys", keys), ("values", values)):
+        if t.stride(3) != 1:
+            raise KernelInputError(f"{fn}: {name} needs a contiguous last axis (stride {t.stride()})")
+    for name, t in (("scores", scores), ("positions", positions)):
+        if t.stride(2) != 1:
+            raise KernelInputError(f"{fn}: {name} needs a contiguous slot axis (stride {t.stride()})")
+    table = None
+    if rows is not None:
+        parts = [t.to(dtype=torch.int64).expand(b, hs, 1) for t in (rows.capacity, rows.recent, rows.sink)]
+        table = torch.cat(parts, -1).contiguous()
+    problem = cpu_step_problem()
+    if problem is not None:
+        raise KernelInputError(f"{fn}: {problem}")
+    res = _module().decode_step(
+        query.contiguous(),
+        key.contiguous(),
+        value.contiguous(),
+        keys,
+        values,
+        scores,
+        positions,
+        step.to(torch.int64),
+        None if fill is None else fill.to(torch.int64),
+        table,
+        float(scaling),
+        int(args.recent),
+        int(args.sink),
+        bool(spec.accumulates),
+        args.gqa == "max",
+        want_candidates,
+    )
+    cands = dict(cand_scores=res[3], cand_positions=res[4]) if want_candidates else {}
+    return ops.DecodeResult(out=res[0], slot=res[1], evicts=res[2], **cands)
