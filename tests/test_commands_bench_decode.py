@@ -183,3 +183,42 @@ def test_frozen_steps_compute_each_layers_step_once_and_put_the_step_back():
         again.run(4)
     assert torch.equal(again.token, plain.token)
     assert int(kept.max()) == 40  # the frozen cache holds the first step's token (position 40) and no later one
+
+
+def test_bench_decode_on_the_cpp_backend_names_it_and_freezes_its_fused_step(capsys):
+    """``backend="cpp"``: the table names the fused CPU step, the row's step is not split into the
+    torch step's parts, and the in-model figure freezes the fused step (so it is measured)."""
+    from h2o_lens.kernels.cpu import cpu_step_problem
+
+    if cpu_step_problem() is not None:
+        pytest.skip(cpu_step_problem())
+    model = tiny_model("llama", layers=2)
+    assert bench_decode(model=model, contexts=(48,), batches=(1, 2), steps=2, rounds=1, backend="cpp") == 0
+    out = capsys.readouterr().out
+    assert "backend cpp (the fused CPU step)" in out
+    assert sorted(_rows(out, 48)) == [1, 2]
+    found = re.findall(r"H2O's step \(ms\): in the model its fused attention and eviction take (-?[\d.]+)", out)
+    assert len(found) == 2 and "timed apart" not in out
+
+
+def test_frozen_steps_freeze_the_fused_cpu_step_too():
+    import torch
+
+    from h2o_lens import ops
+    from h2o_lens.kernels import cpu
+    from h2o_lens.timing import frozen_steps
+
+    if cpu.cpu_step_problem() is not None:
+        pytest.skip(cpu.cpu_step_problem())
+    real = cpu.decode_step_cpu
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 1, 6, 8, generator=gen), torch.randn(1, 1, 6, 8, generator=gen)
+    state = [keys, values, torch.zeros(1, 1, 6), torch.arange(6, dtype=torch.int32).view(1, 1, 6)]
+    new = [torch.randn(1, 1, 8, generator=gen) for _ in range(3)]
+    args = ops.PolicyArgs("h2o", 3, 3, 0, "sum")
+    with frozen_steps():
+        first = cpu.decode_step_cpu(*new, *state, torch.tensor([6]), None, 0.3, args)
+        kept = state[3].clone()
+        again = cpu.decode_step_cpu(*new, *state, torch.tensor([7]), None, 0.3, args)
+    assert again is first and torch.equal(state[3], kept)  # the second call computed nothing
+    assert cpu.decode_step_cpu is real

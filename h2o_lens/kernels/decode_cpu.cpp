@@ -58,6 +58,7 @@ void step_row(
     recent = table[row * 3 + 1];
     sink = table[row * 3 + 2];
   }
+  const int64_t width = std::min(cap, cap_r);  // the slots past a row's capacity weigh nothing
   const T* kbase = keys + bi * s.ks0 + h * s.ks1;
   const T* vbase = values + bi * s.vs0 + h * s.vs1;
   float* sc = scores + bi * s.ss0 + h * s.ss1;
@@ -67,18 +68,18 @@ void step_row(
   const int64_t now = step[bi];
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  std::vector<float> q(g_n * d), acc(g_n * d), p(g_n * cap), m(g_n), l(g_n), p_new(g_n);
+  std::vector<float> q(g_n * d), acc(g_n * d), p(g_n * width), m(g_n), l(g_n), p_new(g_n);
   for (int64_t g = 0; g < g_n; ++g) {
     const T* qg = query + (bi * s.hs * g_n + h * g_n + g) * d;
     for (int64_t i = 0; i < d; ++i) q[g * d + i] = static_cast<float>(qg[i]);
   }
   // logits: the new token's seeds the running maximum (it is never masked)
   for (int64_t g = 0; g < g_n; ++g) m[g] = p_new[g] = dot(&q[g * d], kn, d) * scale;
-  for (int64_t j = 0; j < cap; ++j) {
-    const bool live = j < cap_r && pos[j] >= 0;
+  for (int64_t j = 0; j < width; ++j) {
+    const bool live = pos[j] >= 0;
     for (int64_t g = 0; g < g_n; ++g) {
       const float x = live ? dot(&q[g * d], kbase + j * s.ks2, d) * scale : neg_inf;
-      p[g * cap + j] = x;
+      p[g * width + j] = x;
       if (x > m[g]) m[g] = x;
     }
   }
@@ -86,18 +87,18 @@ void step_row(
   for (int64_t g = 0; g < g_n; ++g) {
     p_new[g] = std::exp(p_new[g] - m[g]);
     float total = p_new[g];
-    float* pg = &p[g * cap];
-    for (int64_t j = 0; j < cap; ++j) {
+    float* pg = &p[g * width];
+    for (int64_t j = 0; j < width; ++j) {
       pg[j] = std::exp(pg[j] - m[g]);
       total += pg[j];
     }
     l[g] = total;
     for (int64_t i = 0; i < d; ++i) acc[g * d + i] = p_new[g] * static_cast<float>(vn[i]);
   }
-  for (int64_t j = 0; j < cap; ++j) {
-    if (!(j < cap_r && pos[j] >= 0)) continue;  // weight 0: nothing to add
+  for (int64_t j = 0; j < width; ++j) {
+    if (pos[j] < 0) continue;  // weight 0: nothing to add
     const T* vj = vbase + j * s.vs2;
-    for (int64_t g = 0; g < g_n; ++g) axpy(&acc[g * d], p[g * cap + j], vj, d);
+    for (int64_t g = 0; g < g_n; ++g) axpy(&acc[g * d], p[g * width + j], vj, d);
   }
   for (int64_t g = 0; g < g_n; ++g) {
     T* og = out + (bi * s.hs * g_n + h * g_n + g) * d;
@@ -110,10 +111,10 @@ void step_row(
       const float w = p_new[g] / l[g];
       new_score = g == 0 ? w : (agg_max ? std::max(new_score, w) : new_score + w);
     }
-    for (int64_t j = 0; j < cap; ++j) {
+    for (int64_t j = 0; j < width; ++j) {
       float a = 0.f;
       for (int64_t g = 0; g < g_n; ++g) {
-        const float w = p[g * cap + j] / l[g];
+        const float w = p[g * width + j] / l[g];
         a = g == 0 ? w : (agg_max ? std::max(a, w) : a + w);
       }
       sc[j] += a;
@@ -131,7 +132,7 @@ void step_row(
   float best_s = std::numeric_limits<float>::infinity();
   int64_t best_p = std::numeric_limits<int64_t>::max(), best_j = -1;
   int64_t oldest_p = std::numeric_limits<int64_t>::max(), oldest_j = 0;  // nothing eligible
-  for (int64_t j = 0; j < cap_r && j < cap; ++j) {
+  for (int64_t j = 0; j < width; ++j) {
     const int64_t pj = pos[j];
     if (pj < oldest_p) oldest_p = pj, oldest_j = j;
     if (pj < 0 || pj > limit || pj < sink) continue;
