@@ -16,13 +16,20 @@ from h2o_lens import plan as budget_plan
 HEADER = ("batch", "uniform ms/step", "planned ms/step", "planned/uniform", "uniform tok/s", "planned tok/s")
 
 
-def test_bench_decode_plan_times_planned_and_uniform_h2o_at_the_same_total(tmp_path, capsys, tiny_dir):  # noqa: F811
+@pytest.mark.parametrize("backend", ["auto", "cpp"])
+def test_bench_decode_plan_times_planned_and_uniform_h2o_at_the_same_total(tmp_path, capsys, tiny_dir, backend):  # noqa: F811
+    if backend == "cpp":
+        from h2o_lens.kernels.cpu import cpu_step_problem
+
+        if cpu_step_problem() is not None:
+            pytest.skip(cpu_step_problem())
     plan = tmp_path / "plan.json"
     budget_plan.BudgetPlan(ratios=[(0.1, 0.3), 0.2]).save(plan)  # layer 0 ragged (by KV set), layer 1 one share
-    argv = ["bench", "decode", "--model", str(tiny_dir), "--plan", str(plan), "--contexts", "48"]
+    argv = ["bench", "decode", "--model", str(tiny_dir), "--plan", str(plan), "--contexts", "48", "--backend", backend]
     assert main([*argv, "--batch", "1", "2", "--steps", "2", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
     assert "alternating uniform / planned" in out and "by KV set" in out, out
+    assert f"backend {backend};" in out
     # at 48 tokens: 5 + 14 slots in layer 0, 10 + 10 in layer 1; the uniform B is 39 / 4 rounded
     totals = (
         r"context 48: planned (\d+) slots .*?(\d+) ragged layers\); uniform H2O B=(\d+) x 2 layers x 2 KV sets = (\d+)"

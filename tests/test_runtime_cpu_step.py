@@ -215,6 +215,32 @@ def test_a_request_in_a_batch_equals_itself_alone_bit_for_bit():
         assert torch.equal(r_b.cand_scores[r, :, :c], r_a.cand_scores[0, :, :c])
 
 
+@pytest.mark.parametrize("recent", [3, 0])
+def test_slots_past_the_capacity_are_attended_and_never_chosen(recent):
+    """An extension's slots (a recall window) past each row's capacity: they hold positions, the
+    step attends to them and never evicts from or writes into them, as the torch step does."""
+    b, hq, hs, cap, d, c = 2, 4, 2, 24, 16, 18
+    state = _random_state(b, hs, cap, d, 9)
+    state["scores"][:, :, c:] = -5.0  # the lowest scores of all: never chosen all the same
+    rows = ops.RowBudgets(
+        torch.full((b, 1, 1), c), torch.full((b, 1, 1), recent), torch.zeros(b, 1, 1, dtype=torch.int64), recent == 0
+    )
+    args = ops.PolicyArgs("h2o", c - recent, recent, 0, "sum")
+    for i in range(3):
+        new = _new(b, hq, hs, d, 20 + i)
+        step = torch.tensor([100 + i, 100 + i])
+        same, ref = _clone(state), _clone(state, torch.float64)
+        common = dict(step=step, fill=None, scaling=0.25, args=args, rows=rows)
+        r_same = ops.decode_step(**new, **same, **common)
+        r_ref = ops.decode_step(**{n: x.double() for n, x in new.items()}, **ref, **common)
+        r_c = decode_step_cpu(**new, **state, **common)
+        assert torch.equal(r_c.slot, r_same.slot) and torch.equal(r_c.evicts, r_same.evicts)
+        assert bool((r_c.slot < c).all() | (r_c.slot == cap).all())
+        assert torch.equal(state["positions"], same["positions"])
+        _within(f"step {i} out", r_c.out, r_same.out, r_ref.out)
+        _within(f"step {i} scores", state["scores"], same["scores"], ref["scores"])
+
+
 def test_reads_block_storage_in_place():
     """Keys and values as the torch backend allocates them (rows padded to whole blocks): the same
     results as from contiguous copies, and the slots written in place."""

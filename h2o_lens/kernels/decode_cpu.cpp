@@ -3,8 +3,8 @@
 //
 // It is the contract of h2o_lens.ops.decode_step for the rows the fused Triton step also takes
 // (an accumulating or unscored policy, no pins, no rollback journal, no candidate set): FP32
-// logits, weights and scores for every storage dtype; empty slots (position -1) and slots past a
-// row's capacity are never attended or chosen; the lowest eligible score leaves, a tie evicts the
+// logits, weights and scores for every storage dtype; empty slots (position -1) are never attended,
+// slots past a row's capacity never chosen; the lowest eligible score leaves, a tie evicts the
 // older position, then the lower slot; with no recent window the new token competes (slot B).
 // Every sum runs in slot order within its row, so a row's result depends on nothing but its own
 // slots: a request decoded in a batch equals itself alone, bit for bit (DESIGN.md §2.7).
@@ -58,11 +58,15 @@ void step_row(
     recent = table[row * 3 + 1];
     sink = table[row * 3 + 2];
   }
-  const int64_t width = std::min(cap, cap_r);  // the slots past a row's capacity weigh nothing
+  // slots past a row's capacity are attended when they hold a position (an extension's, such as a
+  // recall window) and never chosen; past the last slot that holds one, nothing weighs anything
+  P* pos = positions + bi * s.ps0 + h * s.ps1;
+  int64_t width = cap;
+  while (width > 0 && pos[width - 1] < 0) --width;
+  const int64_t choosable = std::min(cap, cap_r);
   const T* kbase = keys + bi * s.ks0 + h * s.ks1;
   const T* vbase = values + bi * s.vs0 + h * s.vs1;
   float* sc = scores + bi * s.ss0 + h * s.ss1;
-  P* pos = positions + bi * s.ps0 + h * s.ps1;
   const T* kn = key + row * d;
   const T* vn = value + row * d;
   const int64_t now = step[bi];
@@ -132,7 +136,7 @@ void step_row(
   float best_s = std::numeric_limits<float>::infinity();
   int64_t best_p = std::numeric_limits<int64_t>::max(), best_j = -1;
   int64_t oldest_p = std::numeric_limits<int64_t>::max(), oldest_j = 0;  // nothing eligible
-  for (int64_t j = 0; j < width; ++j) {
+  for (int64_t j = 0; j < choosable; ++j) {
     const int64_t pj = pos[j];
     if (pj < oldest_p) oldest_p = pj, oldest_j = j;
     if (pj < 0 || pj > limit || pj < sink) continue;
