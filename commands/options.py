@@ -72,6 +72,13 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gqa", default="sum", help="sum | max | none")
     g.add_argument("--sink", type=at_least(0), default=4, help="first tokens kept by the sink policy")
     g.add_argument("--seed", type=int, default=0, help="seed of the random policy and of sampling")
+    g.add_argument(
+        "--backend",
+        choices=["auto", "torch", "cpp", "triton"],
+        default="auto",
+        help="the decode step: auto (Triton on CUDA, else torch), torch, cpp (the fused CPU step, compiled on "
+        "first use; DESIGN.md §2.8) or triton",
+    )
 
 
 def add_task_args(p: argparse.ArgumentParser, default: str) -> None:
@@ -113,7 +120,9 @@ def policy_config(args: argparse.Namespace):
         if given:
             raise ConfigError(f"--plan gives the budget; drop {' and '.join(given)}")
         try:
-            return H2OConfig(policy=args.policy, plan=args.plan, gqa=args.gqa, sink=args.sink, seed=args.seed)
+            return H2OConfig(
+                policy=args.policy, plan=args.plan, gqa=args.gqa, sink=args.sink, seed=args.seed, backend=args.backend
+            )
         except ConfigError as exc:
             raise ConfigError(f"--plan {args.plan}: {exc}") from None
     if not policies.get(args.policy).evicts:  # no slots: a budget given with it is ignored
@@ -121,7 +130,14 @@ def policy_config(args: argparse.Namespace):
     elif ratio is None and heavy is None and recent is None:
         heavy, recent = 64, 64
     return H2OConfig(
-        policy=args.policy, heavy=heavy, recent=recent, ratio=ratio, gqa=args.gqa, sink=args.sink, seed=args.seed
+        policy=args.policy,
+        heavy=heavy,
+        recent=recent,
+        ratio=ratio,
+        gqa=args.gqa,
+        sink=args.sink,
+        seed=args.seed,
+        backend=args.backend,
     )
 
 

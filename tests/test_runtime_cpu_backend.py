@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from runtime_utils import KeptRecorder, assert_same_sets, capture_qk, left_pad, reference_sets
+from test_commands_sweep_grid import tiny_dir  # noqa: F401  (a module fixture)
 from tiny import local_attention, tiny_model
 
 import h2o_lens
@@ -142,3 +143,22 @@ def test_graphs_run_the_cpp_backend_eagerly_and_say_why():
             reasons = dict(session.graphs.fallbacks) if graphs else {}
     assert torch.equal(out[False], out[True]) and replayed == 0
     assert any("cpp" not in r and "compiled call" in r for r in reasons), reasons
+
+
+def test_record_takes_backend_cpp_and_the_manifest_names_it(tmp_path, tiny_dir):  # noqa: F811
+    """``h2o-lens record --backend cpp`` on a tiny model folder: the run is recorded on the fused
+    CPU step and its manifest says so; an unknown backend is refused by the parser."""
+    from commands.cli import main
+    from runlog import open_runs, read_manifest
+
+    runs = tmp_path / "runs"
+    argv = ["record", "--model", str(tiny_dir), "--prompt", "one two three four " * 6, "--raw"]
+    assert (
+        main([*argv, "--heavy", "4", "--recent", "4", "--max-new-tokens", "6", "--backend", "cpp", "--out", str(runs)])
+        == 0
+    )
+    (run_id,) = open_runs(runs).execute("SELECT run_id FROM runs").fetchall()[0]
+    manifest = read_manifest(runs / run_id)
+    assert manifest["backend"] == "cpp" and manifest["config"]["backend"] == "cpp"
+    assert len(load_run(runs / run_id, tables=("evictions",))["evictions"]) > 0
+    assert main([*argv, "--backend", "metal", "--out", str(runs)]) == 2
