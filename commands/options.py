@@ -15,6 +15,7 @@ __all__ = [
     "DEFAULT_PROMPT",
     "add_plan_arg",
     "add_policy_args",
+    "add_backend_arg",
     "add_task_args",
     "policy_config",
     "mib",
@@ -72,7 +73,12 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gqa", default="sum", help="sum | max | none")
     g.add_argument("--sink", type=at_least(0), default=4, help="first tokens kept by the sink policy")
     g.add_argument("--seed", type=int, default=0, help="seed of the random policy and of sampling")
-    g.add_argument(
+    add_backend_arg(g)
+
+
+def add_backend_arg(p) -> None:
+    """``--backend``: the decode step (:class:`~h2o_lens.config.H2OConfig`'s ``backend``)."""
+    p.add_argument(
         "--backend",
         choices=["auto", "torch", "cpp", "triton"],
         default="auto",
@@ -113,6 +119,7 @@ def policy_config(args: argparse.Namespace):
     from h2o_lens.errors import ConfigError
 
     heavy, recent, ratio = args.heavy, args.recent, args.ratio
+    common = dict(policy=args.policy, gqa=args.gqa, sink=args.sink, seed=args.seed, backend=args.backend)
     if getattr(args, "plan", None) is not None:  # a budget plan (DESIGN.md §2.14), read before any model loads
         if not policies.get(args.policy).evicts:
             raise ConfigError(f"--plan gives slots to an evicting policy; --policy {args.policy} keeps every token")
@@ -120,25 +127,14 @@ def policy_config(args: argparse.Namespace):
         if given:
             raise ConfigError(f"--plan gives the budget; drop {' and '.join(given)}")
         try:
-            return H2OConfig(
-                policy=args.policy, plan=args.plan, gqa=args.gqa, sink=args.sink, seed=args.seed, backend=args.backend
-            )
+            return H2OConfig(plan=args.plan, **common)
         except ConfigError as exc:
             raise ConfigError(f"--plan {args.plan}: {exc}") from None
     if not policies.get(args.policy).evicts:  # no slots: a budget given with it is ignored
         heavy = recent = ratio = None
     elif ratio is None and heavy is None and recent is None:
         heavy, recent = 64, 64
-    return H2OConfig(
-        policy=args.policy,
-        heavy=heavy,
-        recent=recent,
-        ratio=ratio,
-        gqa=args.gqa,
-        sink=args.sink,
-        seed=args.seed,
-        backend=args.backend,
-    )
+    return H2OConfig(heavy=heavy, recent=recent, ratio=ratio, **common)
 
 
 def mib(n: int) -> str:

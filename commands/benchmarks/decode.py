@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..options import at_least, keep_share
+from ..options import add_backend_arg, at_least, keep_share
 from .common import check_ints, check_keep, halves, in_fresh_process, peak_rss_bytes
 from .decode_checks import check_decode, decode_bytes
 
@@ -44,13 +44,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--keep", type=keep_share, default=None, help="B as a share of the context, in (0, 1) (default 0.2)")
     b.add_argument("--steps", type=at_least(1), default=8, help="decode steps timed per round")
     b.add_argument("--rounds", type=at_least(1), default=3, help="rounds alternating the two sides")
-    b.add_argument(
-        "--backend",
-        choices=["auto", "torch", "cpp", "triton"],
-        default="auto",
-        help="H2O's decode step: auto (Triton on CUDA, else torch), torch, cpp (the fused CPU step, built on first "
-        "use; DESIGN.md §2.8) or triton",
-    )
+    add_backend_arg(b)
     b.add_argument("--guard", action="store_true", help="the guard's cost per decode step (default context 4096)")
     b.add_argument(
         "--assistant",

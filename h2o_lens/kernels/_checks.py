@@ -14,6 +14,8 @@ __all__ = [
     "interpret_mode",
     "check_tensor",
     "check_device",
+    "check_step_inputs",
+    "rows_table",
     "next_pow2",
     "cdiv",
     "dot_options",
@@ -88,6 +90,57 @@ def check_device(fn: str, *, on_cpu: bool = False, **tensors: torch.Tensor | Non
             "TRITON_INTERPRET=1 before triton is imported (slow, for tests) or use backend='torch'"
         )
     return first
+
+
+def check_step_inputs(
+    fn: str, query, key, value, keys, values, scores, positions, step, fill, on_cpu: bool = False
+) -> tuple[int, ...]:
+    """Shapes, dtypes and devices of a fused decode step's inputs, as both fused steps take them
+    (``on_cpu``: this file's); returns ``(b, Hs, B, d, Hq)`` or raises :class:`KernelInputError`."""
+    if keys.dim() != 4:
+        raise KernelInputError(f"{fn}: keys has shape {tuple(keys.shape)}, expected (b, Hs, B, d)")
+    b, hs, cap, d = keys.shape
+    if query.dim() != 3 or query.shape[0] != b or query.shape[2] != d or query.shape[1] % hs:
+        raise KernelInputError(
+            f"{fn}: query has shape {tuple(query.shape)}, expected (b={b}, Hq, d={d}) "
+            f"with Hq a multiple of the {hs} KV sets of keys"
+        )
+    hq = query.shape[1]
+    dt = (keys.dtype,)
+    dense = not on_cpu  # the CPU step reads strided slots (block storage); its caller checks the inner axes
+    check_tensor(fn, "keys", keys, (b, hs, cap, d), FLOAT_DTYPES, dense)
+    check_tensor(fn, "values", values, (b, hs, cap, d), dt, dense)
+    check_tensor(fn, "query", query, (b, hq, d), dt)
+    check_tensor(fn, "key", key, (b, hs, d), dt)
+    check_tensor(fn, "value", value, (b, hs, d), dt)
+    check_tensor(fn, "scores", scores, (b, hs, cap), (torch.float32,), dense)
+    check_tensor(fn, "positions", positions, (b, hs, cap), INT_DTYPES, dense)
+    check_tensor(fn, "step", step, (b,), INT_DTYPES)
+    if fill is not None:
+        check_tensor(fn, "fill", fill, (b,), INT_DTYPES)
+    check_device(
+        fn,
+        on_cpu=on_cpu,
+        query=query,
+        key=key,
+        value=value,
+        keys=keys,
+        values=values,
+        scores=scores,
+        positions=positions,
+        step=step,
+        fill=fill,
+    )
+    if cap < 1:
+        raise KernelInputError(f"{fn}: keys has {cap} slots; the cache needs at least one")
+    return b, hs, cap, d, hq
+
+
+def rows_table(rows, b: int, hs: int, device: torch.device) -> torch.Tensor:
+    """A :class:`~h2o_lens.ops.RowBudgets`' capacity, recent window and sink per request and KV set,
+    ``(b, Hs, 3)`` int64 contiguous on ``device``: the table both fused steps read."""
+    parts = [t.to(device=device, dtype=torch.int64).expand(b, hs, 1) for t in (rows.capacity, rows.recent, rows.sink)]
+    return torch.cat(parts, -1).contiguous()
 
 
 def dot_options(dtype: torch.dtype) -> dict:

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from .. import ops, policies
-from ._checks import FLOAT_DTYPES, INT_DTYPES, KernelInputError, check_device, check_tensor
+from ._checks import KernelInputError, check_step_inputs, rows_table
 
-__all__ = ["decode_step_cpu", "cpu_step_available", "cpu_step_problem", "check_step_inputs"]
+__all__ = ["decode_step_cpu", "cpu_step_available", "cpu_step_problem"]
 
 _SOURCE = Path(__file__).with_name("decode_cpu.cpp")
 
@@ -78,50 +78,6 @@ def cpu_step_available() -> bool:
     return cpu_step_problem() is None
 
 
-def check_step_inputs(
-    fn: str, query, key, value, keys, values, scores, positions, step, fill, on_cpu: bool = False
-) -> tuple[int, ...]:
-    """Shapes, dtypes and devices of a fused decode step's inputs, as both fused steps take them
-    (``on_cpu``: this file's); returns ``(b, Hs, B, d, Hq)`` or raises :class:`KernelInputError`."""
-    if keys.dim() != 4:
-        raise KernelInputError(f"{fn}: keys has shape {tuple(keys.shape)}, expected (b, Hs, B, d)")
-    b, hs, cap, d = keys.shape
-    if query.dim() != 3 or query.shape[0] != b or query.shape[2] != d or query.shape[1] % hs:
-        raise KernelInputError(
-            f"{fn}: query has shape {tuple(query.shape)}, expected (b={b}, Hq, d={d}) "
-            f"with Hq a multiple of the {hs} KV sets of keys"
-        )
-    hq = query.shape[1]
-    dt = (keys.dtype,)
-    dense = not on_cpu  # the CPU step reads strided slots (block storage); its caller checks the inner axes
-    check_tensor(fn, "keys", keys, (b, hs, cap, d), FLOAT_DTYPES, dense)
-    check_tensor(fn, "values", values, (b, hs, cap, d), dt, dense)
-    check_tensor(fn, "query", query, (b, hq, d), dt)
-    check_tensor(fn, "key", key, (b, hs, d), dt)
-    check_tensor(fn, "value", value, (b, hs, d), dt)
-    check_tensor(fn, "scores", scores, (b, hs, cap), (torch.float32,), dense)
-    check_tensor(fn, "positions", positions, (b, hs, cap), INT_DTYPES, dense)
-    check_tensor(fn, "step", step, (b,), INT_DTYPES)
-    if fill is not None:
-        check_tensor(fn, "fill", fill, (b,), INT_DTYPES)
-    check_device(
-        fn,
-        on_cpu=on_cpu,
-        query=query,
-        key=key,
-        value=value,
-        keys=keys,
-        values=values,
-        scores=scores,
-        positions=positions,
-        step=step,
-        fill=fill,
-    )
-    if cap < 1:
-        raise KernelInputError(f"{fn}: keys has {cap} slots; the cache needs at least one")
-    return b, hs, cap, d, hq
-
-
 def decode_step_cpu(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -155,23 +111,9 @@ def decode_step_cpu(
             f"{fn}: policy {args.policy!r} does not evict, so it has no decode step; "
             f"expected one of {', '.join(p.name for p in policies.evicting())}"
         )
+    inputs = (query, key, value, keys, values, scores, positions, step, fill, scaling, args)
     if "decode" not in spec.kernels:
-        return ops.decode_step(
-            query,
-            key,
-            value,
-            keys,
-            values,
-            scores,
-            positions,
-            step,
-            fill,
-            scaling,
-            args,
-            layer=layer,
-            rows=rows,
-            want_candidates=want_candidates,
-        )
+        return ops.decode_step(*inputs, layer=layer, rows=rows, want_candidates=want_candidates)
     if spec.scored and not spec.accumulates:
         raise KernelInputError(f"{fn}: policy {args.policy!r} is scored but does not accumulate; no fused step")
     b, hs, cap, d, _ = check_step_inputs(fn, query, key, value, keys, values, scores, positions, step, fill, True)
@@ -181,10 +123,7 @@ def decode_step_cpu(
     for name, t in (("scores", scores), ("positions", positions)):
         if t.stride(2) != 1:
             raise KernelInputError(f"{fn}: {name} needs a contiguous slot axis (stride {t.stride()})")
-    table = None
-    if rows is not None:
-        parts = [t.to(dtype=torch.int64).expand(b, hs, 1) for t in (rows.capacity, rows.recent, rows.sink)]
-        table = torch.cat(parts, -1).contiguous()
+    table = None if rows is None else rows_table(rows, b, hs, keys.device)
     problem = cpu_step_problem()
     if problem is not None:
         raise KernelInputError(f"{fn}: {problem}")

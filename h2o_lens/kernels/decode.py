@@ -23,7 +23,7 @@ import functools
 import torch
 
 from .. import ops, policies
-from ._checks import FLOAT_DTYPES, INT_DTYPES, KernelInputError, check_device, check_tensor, dot_options, next_pow2
+from ._checks import KernelInputError, check_step_inputs, dot_options, next_pow2, rows_table
 
 __all__ = ["decode_step_triton"]
 
@@ -279,40 +279,7 @@ def decode_step_triton(
             "do not accumulate; the kernel adds weights (SCORED) or leaves scores alone; "
             f"fix its entry in h2o_lens/policies (known: {', '.join(policies.names())})"
         )
-    if keys.dim() != 4:
-        raise KernelInputError(f"{fn}: keys has shape {tuple(keys.shape)}, expected (b, Hs, B, d)")
-    b, hs, cap, d = keys.shape
-    if query.dim() != 3 or query.shape[0] != b or query.shape[2] != d or query.shape[1] % hs:
-        raise KernelInputError(
-            f"{fn}: query has shape {tuple(query.shape)}, expected (b={b}, Hq, d={d}) "
-            f"with Hq a multiple of the {hs} KV sets of keys"
-        )
-    hq = query.shape[1]
-    dt = (keys.dtype,)
-    check_tensor(fn, "keys", keys, (b, hs, cap, d), FLOAT_DTYPES)
-    check_tensor(fn, "values", values, (b, hs, cap, d), dt)
-    check_tensor(fn, "query", query, (b, hq, d), dt)
-    check_tensor(fn, "key", key, (b, hs, d), dt)
-    check_tensor(fn, "value", value, (b, hs, d), dt)
-    check_tensor(fn, "scores", scores, (b, hs, cap), (torch.float32,))
-    check_tensor(fn, "positions", positions, (b, hs, cap), INT_DTYPES)
-    check_tensor(fn, "step", step, (b,), INT_DTYPES)
-    if fill is not None:
-        check_tensor(fn, "fill", fill, (b,), INT_DTYPES)
-    check_device(
-        fn,
-        query=query,
-        key=key,
-        value=value,
-        keys=keys,
-        values=values,
-        scores=scores,
-        positions=positions,
-        step=step,
-        fill=fill,
-    )
-    if cap < 1:
-        raise KernelInputError(f"{fn}: keys has {cap} slots; the cache needs at least one")
+    b, hs, cap, d, hq = check_step_inputs(fn, query, key, value, keys, values, scores, positions, step, fill)
     if block_n is None:
         block_n = 64 if d > 64 else 128
         block_n = max(16, min(block_n, next_pow2(cap)))
@@ -324,13 +291,7 @@ def decode_step_triton(
     if b == 0:
         empty = torch.empty(0, hs, dtype=torch.int64, device=keys.device)
         return ops.DecodeResult(out=out, slot=empty, evicts=empty.bool())
-    table = None
-    if rows is not None:
-        parts = [
-            t.to(device=keys.device, dtype=torch.int64).expand(b, hs, 1)
-            for t in (rows.capacity, rows.recent, rows.sink)
-        ]
-        table = torch.cat(parts, -1).contiguous()  # (b, Hs, 3)
+    table = None if rows is None else rows_table(rows, b, hs, keys.device)  # (b, Hs, 3)
     logits = torch.empty(b, hs, group, cap, dtype=torch.float32, device=keys.device)  # scratch
     slot = torch.empty(b, hs, dtype=torch.int64, device=keys.device)
     evicts = torch.empty(b, hs, dtype=torch.bool, device=keys.device)
