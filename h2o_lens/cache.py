@@ -362,9 +362,9 @@ class H2OCacheLayer(CacheLayerMixin):
         hears = owner.hears_decode
         want = hears or needs.candidates
         journal = needs.journal
-        weights = needs.candidates  # an extension reads the step's weights: the torch step's only
-        if rows is not None and not journal and protected is None and self._kernel_step(args, want, None, weights):
-            res = self._step_groups(self.groups(), q, k, v, step, scaling, want)
+        weights = needs.candidates  # an extension reads the step's softmax weights
+        if rows is not None and self._kernel_step(args, want, protected, journal):
+            res = self._step_groups(self.groups(), q, k, v, step, scaling, (want, weights, journal, protected))
         else:
             slots = (self.keys, self.values, self.scores, self.positions)
             res = self._step(
@@ -430,7 +430,7 @@ class H2OCacheLayer(CacheLayerMixin):
         """
         key, value = self.take_pending()  # (b, Hs, m, d)
         self.end_segment(0)
-        at_once = _speculative.batched(self, query.shape[2])
+        at_once = self.owner.backend != "cpp" and _speculative.batched(self, query.shape[2])  # torch bits
         seg = _speculative.begin(self, scaling, at_once)
         self.segment = seg
         if at_once:
@@ -484,13 +484,15 @@ class H2OCacheLayer(CacheLayerMixin):
             self._row_budgets = _plan.row_budgets(budgets, self.budget, self.owner.shape.sets(self.owner.config.gqa))
         return self._row_budgets
 
-    def _kernel_step(self, args: ops.PolicyArgs, want: bool, protected=None, weights: bool = False) -> bool:
-        """Whether the fused step runs (Triton's, or the compiled CPU one): the backend and policy
-        have one, no listener needs the candidates (the CPU step gives them) or the ``weights``, and
-        nothing is protected (the kernels know no pins, DESIGN.md §2.11)."""
+    def _kernel_step(self, args: ops.PolicyArgs, want: bool, protected=None, journal: bool = False) -> bool:
+        """Whether the fused step runs: the backend and policy have one, and on Triton no listener
+        needs the candidates, nothing is protected (its kernel knows no pins, DESIGN.md §2.11) and
+        no ``journal`` is kept; the compiled CPU step gives all of them, in FP32, BF16 and FP16 (an
+        FP64 cache takes the torch step, DESIGN.md §2.8)."""
         backend = self.owner.backend
-        fused = (backend == "cpp" and not weights) or (backend == "triton" and not want)
-        return protected is None and fused and "decode" in args.spec.kernels
+        triton = backend == "triton" and not want and protected is None and not journal
+        cpp = backend == "cpp" and self.keys.dtype != torch.float64
+        return (cpp or triton) and "decode" in args.spec.kernels
 
     def _step(
         self,
@@ -512,13 +514,14 @@ class H2OCacheLayer(CacheLayerMixin):
         protected: torch.Tensor | None = None,
         weights: bool = False,
     ) -> ops.DecodeResult:
-        """The fused step (Triton or compiled CPU) when :meth:`_kernel_step` allows it (one budget, and no
-        rollback needs the overwritten K/V), the torch step otherwise (any per-row budgets,
-        ``protected`` positions)."""
-        if rows is None and not journal and self._kernel_step(args, want, protected, weights):
+        """The fused step (Triton or compiled CPU) when :meth:`_kernel_step` allows it and every row
+        has the one budget, the torch step otherwise."""
+        if rows is None and self._kernel_step(args, want, protected, journal):
             from .kernels import fused_step
 
-            extra = {"want_candidates": want} if self.owner.backend == "cpp" else {}
+            extra = {}
+            if self.owner.backend == "cpp":  # what the torch step gives, asked of the CPU step
+                extra = dict(want_candidates=want, weights=weights, journal=journal, protected=protected)
             return fused_step(self.owner.backend)(
                 q, k, v, keys, values, scores, positions, step, fill, scaling, args, layer=self.layer_idx, **extra
             )
@@ -542,9 +545,9 @@ class H2OCacheLayer(CacheLayerMixin):
             protected=protected,
         )
 
-    def _step_groups(self, groups, q, k, v, step, scaling: float, want: bool = False) -> ops.DecodeResult:
+    def _step_groups(self, groups, q, k, v, step, scaling: float, asks=(False, False, False, None)) -> ops.DecodeResult:
         if self.owner.backend == "cpp" or any(a.sets is not None for _, a in groups):  # one call, rows ragged
-            return _plan.kernel_step(self, q, k, v, step, scaling, want)
+            return _plan.kernel_step(self, q, k, v, step, scaling, asks)
         return _per_row.step_groups(self, self._step, groups, q, k, v, step, scaling)
 
     def nbytes(self) -> tuple[int, int]:

@@ -81,8 +81,9 @@ __all__ = [
 @dataclass(frozen=True)
 class StepNeeds:
     """What a decode step computes for an extension: ``candidates`` the candidate set D, its
-    scores and the step's softmax weights (the torch step: a fused kernel gives none of them);
-    ``journal`` the K/V the step overwrites (``DecodeResult.old_key``, ``old_value``)."""
+    scores and the step's softmax weights (the torch step and the compiled CPU step give them, the
+    Triton step none); ``journal`` the K/V the step overwrites (``DecodeResult.old_key``,
+    ``old_value``)."""
 
     candidates: bool = False
     journal: bool = False

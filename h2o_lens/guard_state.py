@@ -122,7 +122,7 @@ class GuardState(CacheExtension):
         return layer_idx % self.config.stride == 0
 
     def step_needs(self, layer: Any) -> StepNeeds:
-        # a layer that computes signals reads the torch step's weights and candidates (the reservoir
+        # a layer that computes signals reads the step's weights and candidates (the reservoir
         # samples the overwritten key); the others keep the backend's step
         if not self.scores_layer(layer.layer_idx):
             return NOTHING

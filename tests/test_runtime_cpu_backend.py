@@ -4,6 +4,7 @@ torch backend does; where an extension reads the step's weights, the torch step 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -117,16 +118,34 @@ def test_a_recorded_run_on_the_cpp_backend_logs_what_the_torch_backend_logs(tmp_
     assert calls_c["cpp"] > 0 and calls_c["torch"] == 0 and calls_t["cpp"] == 0
 
 
-def test_an_extension_that_reads_the_weights_gets_the_torch_step(counted):
-    """The guard's signals read the step's softmax weights, which only the torch step gives: its
-    scoring layers take the torch step, the others keep the fused one (DESIGN.md §2.8)."""
+def test_the_guard_pins_and_the_cold_tier_run_on_the_fused_step(counted):
+    """What the extensions ask of a step (the guard's softmax weights and overwritten keys, the
+    pins' protection, the cold tier's candidates and overwritten K/V) the fused step gives: every
+    decode step is a fused call, and each run generates and keeps what it does on the torch backend
+    (DESIGN.md §2.8)."""
+    from h2o_lens.cold_config import ColdTier
     from h2o_lens.guard import GuardConfig, guarded
 
-    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
-    with h2o_lens.h2o(model, H2OConfig(heavy=4, recent=3, backend="cpp")), torch.no_grad():
-        with guarded(GuardConfig(stride=2)):
-            model.generate(_ids(12, seed=6), max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert counted["torch"] == 5 and counted["cpp"] == 5  # layer 0 scores, layer 1 does not
+    model = local_attention(tiny_model("llama", layers=2, q_heads=4, kv_heads=2, seed=7))
+    ids = _ids(16, seed=6)
+    runs = {
+        "guard": (H2OConfig(heavy=4, recent=3), GuardConfig(stride=1, reservoir=0.5)),
+        "pins": (H2OConfig(heavy=4, recent=3, pinned=(1, 5)), None),
+        "cold": (H2OConfig(heavy=5, recent=4, cold=ColdTier(store="cpu", recall=2)), None),
+    }
+    for name, (cfg, guard) in runs.items():
+        got = {}
+        for backend in ("torch", "cpp"):
+            before = dict(counted)
+            with h2o_lens.h2o(model, dataclasses.replace(cfg, backend=backend)) as session, torch.no_grad():
+                with guarded(guard) if guard is not None else contextlib.nullcontext():
+                    out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+                cache = session.last_cache
+            sets = [sorted(p for p in layer.positions[0].flatten().tolist() if p >= 0) for layer in cache.layers]
+            got[backend] = (out, sets, {k: counted[k] - before[k] for k in counted})
+        (out_t, sets_t, calls_t), (out_c, sets_c, calls_c) = got["torch"], got["cpp"]
+        assert torch.equal(out_t, out_c) and sets_t == sets_c, name
+        assert calls_c == {"cpp": 2 * 7, "torch": 0} and calls_t["cpp"] == 0, (name, calls_c)
 
 
 def test_graphs_run_the_cpp_backend_eagerly_and_say_why():
@@ -162,3 +181,39 @@ def test_record_takes_backend_cpp_and_the_manifest_names_it(tmp_path, tiny_dir):
     assert manifest["backend"] == "cpp" and manifest["config"]["backend"] == "cpp"
     assert len(load_run(runs / run_id, tables=("evictions",))["evictions"]) > 0
     assert main([*argv, "--backend", "metal", "--out", str(runs)]) == 2
+
+
+@pytest.mark.parametrize("mode", ["rollback", "defer"])
+def test_speculative_decoding_on_the_fused_step_equals_plain_decoding(counted, mode):
+    """Prompt lookup on a repeating prompt under ``backend="cpp"``: its segments run the fused step
+    step by step (a rollback restores what the step returned it overwrote), so the tokens and slots
+    equal plain greedy decoding's on the same backend, and the scores up to FP32 rounding (the
+    segment's queries come from a forward of several tokens, whose projections round differently in
+    FP32, on the torch backend too; DESIGN.md §14)."""
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2, seed=2)
+    ids = torch.cat([_ids(6, seed=8)] * 4, 1)
+    cfg = H2OConfig(heavy=6, recent=6, backend="cpp")
+    state = {}
+    for name, extra in (("plain", {}), ("speculative", {"prompt_lookup_num_tokens": 4})):
+        options = {"speculative": mode} if extra else {}
+        with h2o_lens.h2o(model, cfg, **options) as session, torch.no_grad():
+            out = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, **extra)
+            state[name] = (out, [(la.positions.clone(), la.scores.clone()) for la in session.last_cache.layers])
+    (plain, layers_p), (spec, layers_s) = state["plain"], state["speculative"]
+    assert torch.equal(plain, spec)
+    for (pos_p, sc_p), (pos_s, sc_s) in zip(layers_p, layers_s):
+        assert torch.equal(pos_p, pos_s)
+        torch.testing.assert_close(sc_p, sc_s, rtol=1e-5, atol=1e-6)
+    assert counted["torch"] == 0 and counted["cpp"] > 2 * 16
+
+
+def test_an_fp64_model_takes_the_torch_step_on_the_cpp_backend(counted):
+    """The fused step computes in FP32: an FP64 cache on ``backend="cpp"`` takes the torch step
+    (FP64 throughout) and generates what the torch backend does."""
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2).double()
+    ids = _ids(12, seed=9)
+    outs = []
+    for backend in ("torch", "cpp"):
+        with h2o_lens.h2o(model, H2OConfig(heavy=4, recent=3, backend=backend)), torch.no_grad():
+            outs.append(model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    assert torch.equal(outs[0], outs[1]) and counted["cpp"] == 0 and counted["torch"] == 2 * 5 * 2

@@ -106,10 +106,14 @@ def test_steps_match_the_torch_step_and_the_fp64_reference(name):
         new = dict(query=q[rows, :, t], key=k[rows, :, t], value=v[rows, :, t])
         step = t.to(torch.int32)
         same, ref = _clone(state), _clone(state, torch.float64)
-        common = dict(step=step, fill=fill, scaling=scaling, args=args, want_candidates=True)
+        common = dict(step=step, fill=fill, scaling=scaling, args=args, want_candidates=True, journal=True)
         r_same = ops.decode_step(**new, **same, **common)
         r_ref = ops.decode_step(**{n: x.double() for n, x in new.items()}, **ref, **common)
-        r_c = decode_step_cpu(**new, **state, **common)
+        r_c = decode_step_cpu(**new, **state, **common, weights=True)
+        _within(f"step {i} weights", r_c.weights, r_same.weights, r_ref.weights)
+        kept = r_c.slot < args.capacity  # where a slot was written: what it held before
+        assert torch.equal(r_c.old_key[kept], r_same.old_key[kept])
+        assert torch.equal(r_c.old_value[kept], r_same.old_value[kept])
         for other in (r_same, r_ref):
             assert torch.equal(r_c.slot, other.slot), f"step {i}: slots {r_c.slot.tolist()} vs {other.slot.tolist()}"
             assert torch.equal(r_c.evicts, other.evicts), f"step {i}: evicts differ"
@@ -260,6 +264,30 @@ def test_reads_block_storage_in_place():
     assert torch.equal(r_plain.out, r_block.out) and torch.equal(r_plain.slot, r_block.slot)
     for n in state:
         assert torch.equal(state[n], blocked[n])
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_pinned_positions_are_never_chosen(per_row):
+    """Pins (DESIGN.md §2.11), for every row or per row padded with -2: never eligible, as in the
+    torch step, whose victims they would otherwise be (the lowest scores)."""
+    b, hq, hs, cap, d = 2, 4, 2, 30, 16
+    state = _random_state(b, hs, cap, d, 11)
+    low = state["positions"][:, :, :3]  # give three positions of every row the lowest scores
+    state["scores"][:, :, :3] = -1.0
+    pins = low[0, 0].to(torch.int64)
+    if per_row:
+        pins = torch.stack([low[r, 0].to(torch.int64) for r in range(b)])[:, None, :]
+        pins = torch.cat([pins, torch.full((b, 1, 2), -2)], -1)  # the padding no slot holds
+    args = ops.PolicyArgs("h2o", 20, 10, 0, "sum")
+    for i in range(3):
+        new = _new(b, hq, hs, d, 30 + i)
+        common = dict(step=torch.tensor([200 + i] * b), fill=None, scaling=0.25, args=args, protected=pins)
+        same = _clone(state)
+        r_same = ops.decode_step(**new, **same, **common)
+        r_c = decode_step_cpu(**new, **state, **common)
+        assert torch.equal(r_c.slot, r_same.slot) and torch.equal(state["positions"], same["positions"])
+    for r in range(b if per_row else 1):  # the pinned positions of KV set 0 are all still held there
+        assert set(low[r, 0].tolist()) <= set(state["positions"][r, 0].tolist())
 
 
 def test_ties_evict_the_older_position_then_the_lower_slot():

@@ -94,11 +94,18 @@ def decode_step_cpu(
     layer: int = 0,
     rows: ops.RowBudgets | None = None,
     want_candidates: bool = False,
+    weights: bool = False,
+    journal: bool = False,
+    protected: torch.Tensor | None = None,
 ) -> ops.DecodeResult:
     """Fused H2O decode step on CPU: the contract, arguments and results of
-    :func:`h2o_lens.kernels.decode_step_triton` (in place), on CPU tensors; ``want_candidates``
-    also returns the candidate set D (``cand_scores``, ``cand_positions``, ``(b, Hs, B + 1)``, as
-    :func:`h2o_lens.ops.decode_step` does), which a recorder reads.
+    :func:`h2o_lens.ops.decode_step` (in place), on CPU tensors, for the policies with a fused step
+    (:func:`h2o_lens.kernels.decode_step_triton`'s). What the torch step gives besides, it gives
+    when asked: ``want_candidates`` the candidate set D (``cand_scores``, ``cand_positions``,
+    ``(b, Hs, B + 1)``; a recorder reads it), ``weights`` the softmax weights ``(b, Hs, G, B + 1)``
+    (the guard's signals), ``journal`` the key and value the write overwrote (``old_key``,
+    ``old_value``; a rollback, the cold tier); ``protected`` as :func:`h2o_lens.ops.decode_step`
+    takes it (pins: never eligible).
 
     Keys and values may be any storage whose last axis is contiguous (the torch backend's block
     storage included, DESIGN.md §2.7); scores and positions need a contiguous slot axis. A
@@ -113,7 +120,8 @@ def decode_step_cpu(
         )
     inputs = (query, key, value, keys, values, scores, positions, step, fill, scaling, args)
     if "decode" not in spec.kernels:
-        return ops.decode_step(*inputs, layer=layer, rows=rows, want_candidates=want_candidates)
+        extra = dict(want_candidates=want_candidates, journal=journal, protected=protected)
+        return ops.decode_step(*inputs, layer=layer, rows=rows, **extra)
     if spec.scored and not spec.accumulates:
         raise KernelInputError(f"{fn}: policy {args.policy!r} is scored but does not accumulate; no fused step")
     b, hs, cap, d, _ = check_step_inputs(fn, query, key, value, keys, values, scores, positions, step, fill, True)
@@ -124,6 +132,9 @@ def decode_step_cpu(
         if t.stride(2) != 1:
             raise KernelInputError(f"{fn}: {name} needs a contiguous slot axis (stride {t.stride()})")
     table = None if rows is None else rows_table(rows, b, hs, keys.device)
+    pins = None
+    if protected is not None and protected.numel():  # (b, K) int64, each row sorted
+        pins = protected.to(torch.int64).reshape(-1, protected.shape[-1]).expand(b, -1).sort(-1).values.contiguous()
     problem = cpu_step_problem()
     if problem is not None:
         raise KernelInputError(f"{fn}: {problem}")
@@ -144,6 +155,18 @@ def decode_step_cpu(
         bool(spec.accumulates),
         args.gqa == "max",
         want_candidates,
+        pins,
+        weights,
+        journal,
     )
-    cands = dict(cand_scores=res[3], cand_positions=res[4]) if want_candidates else {}
-    return ops.DecodeResult(out=res[0], slot=res[1], evicts=res[2], **cands)
+    out, slot, evicts, cand_scores, cand_positions, w, old_key, old_value = res
+    return ops.DecodeResult(
+        out=out,
+        slot=slot,
+        evicts=evicts,
+        cand_scores=cand_scores,
+        cand_positions=cand_positions,
+        old_key=old_key,
+        old_value=old_value,
+        weights=w,
+    )

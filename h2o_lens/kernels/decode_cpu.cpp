@@ -1,8 +1,9 @@
 // The fused H2O decode step on CPU (DESIGN.md §2.8): attention, score update, victim choice and
 // slot write for one layer in one call, each (request, KV set) a loop of its own.
 //
-// It is the contract of h2o_lens.ops.decode_step for the rows the fused Triton step also takes
-// (an accumulating or unscored policy, no pins, no rollback journal, no candidate set): FP32
+// It is the contract of h2o_lens.ops.decode_step for the policies the fused Triton step takes (an
+// accumulating or unscored one), with what the torch step also gives when asked (the candidate
+// set, the softmax weights, the overwritten key and value) and pinned positions: FP32
 // logits, weights and scores for every storage dtype; empty slots (position -1) are never attended,
 // slots past a row's capacity never chosen; the lowest eligible score leaves, a tie evicts the
 // older position, then the lower slot; with no recent window the new token competes (slot B).
@@ -12,6 +13,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -50,7 +52,8 @@ void step_row(
     int64_t row, const Shape& s, const T* query, const T* key, const T* value, T* keys, T* values,
     float* scores, P* positions, const int64_t* step, const int64_t* fill, const int64_t* table,
     float scale, int64_t recent_all, int64_t sink_all, bool scored, bool agg_max, T* out,
-    int64_t* slot_out, bool* evict_out, float* cand_s, P* cand_p) {
+    int64_t* slot_out, bool* evict_out, float* cand_s, P* cand_p, const int64_t* pins, int64_t n_pins,
+    float* weights, T* old_k, T* old_v) {
   const int64_t bi = row / s.hs, h = row % s.hs, d = s.d, g_n = s.group, cap = s.cap;
   int64_t cap_r = cap, recent = recent_all, sink = sink_all;
   if (table != nullptr) {
@@ -108,6 +111,13 @@ void step_row(
     T* og = out + (bi * s.hs * g_n + h * g_n + g) * d;
     for (int64_t i = 0; i < d; ++i) og[i] = static_cast<T>(acc[g * d + i] / l[g]);
   }
+  if (weights != nullptr) {  // (G, B + 1): the slots' weights, then the new token's
+    for (int64_t g = 0; g < g_n; ++g) {
+      float* wg = weights + (row * g_n + g) * (cap + 1);
+      for (int64_t j = 0; j < cap; ++j) wg[j] = j < width ? p[g * width + j] / l[g] : 0.f;
+      wg[cap] = p_new[g] / l[g];
+    }
+  }
   // the group's weights added to the scores (sum over the group in head order, or the largest)
   float new_score = 0.f;
   if (scored) {
@@ -140,6 +150,7 @@ void step_row(
     const int64_t pj = pos[j];
     if (pj < oldest_p) oldest_p = pj, oldest_j = j;
     if (pj < 0 || pj > limit || pj < sink) continue;
+    if (n_pins > 0 && std::binary_search(pins + bi * n_pins, pins + (bi + 1) * n_pins, pj)) continue;
     if (best_j < 0 || sc[j] < best_s || (sc[j] == best_s && pj < best_p)) best_s = sc[j], best_p = pj, best_j = j;
   }
   bool found = best_j >= 0;
@@ -157,6 +168,12 @@ void step_row(
   }
   slot_out[row] = slot;
   evict_out[row] = evicts;
+  if (old_k != nullptr) {  // what the write overwrites (slot B: the last slot's, meaningless)
+    const int64_t at = std::min(slot, cap - 1);
+    const T* kd = keys + bi * s.ks0 + h * s.ks1 + at * s.ks2;
+    const T* vd = values + bi * s.vs0 + h * s.vs1 + at * s.vs2;
+    for (int64_t i = 0; i < d; ++i) old_k[row * d + i] = kd[i], old_v[row * d + i] = vd[i];
+  }
   if (slot < cap) {
     T* kd = keys + bi * s.ks0 + h * s.ks1 + slot * s.ks2;
     T* vd = values + bi * s.vs0 + h * s.vs1 + slot * s.vs2;
@@ -171,7 +188,8 @@ void run(const Shape& s, at::Tensor& query, at::Tensor& key, at::Tensor& value, 
          at::Tensor& values, at::Tensor& scores, at::Tensor& positions, at::Tensor& step,
          const at::Tensor& fill, const at::Tensor& table, double scale, int64_t recent, int64_t sink,
          bool scored, bool agg_max, at::Tensor& out, at::Tensor& slot, at::Tensor& evicts,
-         const at::Tensor& cand_s, const at::Tensor& cand_p) {
+         const at::Tensor& cand_s, const at::Tensor& cand_p, const at::Tensor& pins, const at::Tensor& w,
+         const at::Tensor& old_k, const at::Tensor& old_v) {
   const T* qp = query.data_ptr<T>();
   const T* kp = key.data_ptr<T>();
   const T* vp = value.data_ptr<T>();
@@ -187,10 +205,15 @@ void run(const Shape& s, at::Tensor& query, at::Tensor& key, at::Tensor& value, 
   bool* eo = evicts.data_ptr<bool>();
   float* cs = cand_s.defined() ? cand_s.data_ptr<float>() : nullptr;
   P* cp = cand_p.defined() ? cand_p.data_ptr<P>() : nullptr;
+  const int64_t* pn = pins.defined() ? pins.data_ptr<int64_t>() : nullptr;
+  const int64_t n_pins = pins.defined() ? pins.size(1) : 0;
+  float* wp = w.defined() ? w.data_ptr<float>() : nullptr;
+  T* ok = old_k.defined() ? old_k.data_ptr<T>() : nullptr;
+  T* ov = old_v.defined() ? old_v.data_ptr<T>() : nullptr;
   at::parallel_for(0, s.b * s.hs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       step_row<T, P>(row, s, qp, kp, vp, ks, vs, sc, ps, st, fl, tb, static_cast<float>(scale), recent, sink,
-                     scored, agg_max, op, so, eo, cs, cp);
+                     scored, agg_max, op, so, eo, cs, cp, pn, n_pins, wp, ok, ov);
     }
   });
 }
@@ -201,13 +224,16 @@ void run(const Shape& s, at::Tensor& query, at::Tensor& key, at::Tensor& value, 
 // on d; scores (b, Hs, B) float32 and positions (b, Hs, B) int32/int64 with unit stride on B;
 // step and fill (b,) int64 (fill undefined: every slot used); table (b, Hs, 3) int64 capacity,
 // recent and sink per row and KV set, or undefined. Returns out (b, Hq, d), slot (b, Hs) int64
-// (B: the new token evicted itself), evicts (b, Hs) bool and, with candidates, the candidate set D
-// (b, Hs, B + 1): its scores after the update and its positions, the new token last (else empty
-// tensors); keys, values, scores and positions are updated in place.
+// (B: the new token evicted itself), evicts (b, Hs) bool, and what was asked (else None): with
+// candidates, the candidate set D (b, Hs, B + 1), its scores after the update and its positions,
+// the new token last; with weights, the softmax weights (b, Hs, G, B + 1); with journal, the key
+// and value the write overwrote (b, Hs, d). pins (b, K) int64, each row sorted: positions never
+// eligible. keys, values, scores and positions are updated in place.
 std::vector<at::Tensor> decode_step(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor keys,
                                     at::Tensor values, at::Tensor scores, at::Tensor positions, at::Tensor step,
                                     c10::optional<at::Tensor> fill, c10::optional<at::Tensor> table, double scale,
-                                    int64_t recent, int64_t sink, bool scored, bool agg_max, bool candidates) {
+                                    int64_t recent, int64_t sink, bool scored, bool agg_max, bool candidates,
+                                    c10::optional<at::Tensor> pins, bool weights, bool journal) {
   Shape s{};
   s.b = keys.size(0), s.hs = keys.size(1), s.cap = keys.size(2), s.d = keys.size(3);
   s.group = query.size(1) / s.hs;
@@ -223,23 +249,28 @@ std::vector<at::Tensor> decode_step(at::Tensor query, at::Tensor key, at::Tensor
   at::Tensor evicts = at::empty({s.b, s.hs}, step.options().dtype(at::kBool));
   at::Tensor fl = fill.has_value() ? fill->contiguous() : at::Tensor();
   at::Tensor tb = table.has_value() ? table->contiguous() : at::Tensor();
-  at::Tensor cand_s, cand_p;
+  at::Tensor cand_s, cand_p, w, old_k, old_v;
   if (candidates) {
     cand_s = at::empty({s.b, s.hs, s.cap + 1}, scores.options());
     cand_p = at::empty({s.b, s.hs, s.cap + 1}, positions.options());
   }
+  if (weights) w = at::empty({s.b, s.hs, s.group, s.cap + 1}, scores.options());
+  if (journal) {
+    old_k = at::empty({s.b, s.hs, s.d}, keys.options());
+    old_v = at::empty({s.b, s.hs, s.d}, values.options());
+  }
+  at::Tensor pn = pins.has_value() ? pins->contiguous() : at::Tensor();
   const bool wide = positions.scalar_type() == at::kLong;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, keys.scalar_type(), "h2o_decode_step_cpu", [&] {
     if (wide) {
       run<scalar_t, int64_t>(s, query, key, value, keys, values, scores, positions, step, fl, tb, scale, recent, sink,
-                             scored, agg_max, out, slot, evicts, cand_s, cand_p);
+                             scored, agg_max, out, slot, evicts, cand_s, cand_p, pn, w, old_k, old_v);
     } else {
       run<scalar_t, int32_t>(s, query, key, value, keys, values, scores, positions, step, fl, tb, scale, recent, sink,
-                             scored, agg_max, out, slot, evicts, cand_s, cand_p);
+                             scored, agg_max, out, slot, evicts, cand_s, cand_p, pn, w, old_k, old_v);
     }
   });
-  if (!candidates) return {out, slot, evicts};
-  return {out, slot, evicts, cand_s, cand_p};
+  return {out, slot, evicts, cand_s, cand_p, w, old_k, old_v};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
