@@ -40,8 +40,14 @@ def _module():
     bin_dir = os.path.dirname(sys.executable)  # a ninja installed in this environment
     if shutil.which("ninja") is None and os.path.exists(os.path.join(bin_dir, "ninja")):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    name = f"h2o_lens_decode_cpu_{tag}"
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    if not any(root.glob(f"*/{name}/{name}.so")) and not (root / name / f"{name}.so").exists():
+        print(
+            "h2o-lens: building the fused CPU decode step (once per machine and version, about 30 s)", file=sys.stderr
+        )
     return cpp_extension.load_inline(
-        name=f"h2o_lens_decode_cpu_{tag}",
+        name=name,
         cpp_sources=[source],
         extra_cflags=["-O3", "-fopenmp", *flags],
         extra_ldflags=["-fopenmp"],
