@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     b = cache.nbytes()
     print(
-        f"policy: {cache.resolved_config.describe()} | prompt {prompt_len} tokens, generated {len(new)}",
+        f"policy: {cache.resolved_config.describe()} | prompt {prompt_len} tokens, generated {len(new)} | "
+        f"decode step: {cache.backend}",
         file=sys.stderr,
     )
     print(

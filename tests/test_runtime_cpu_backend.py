@@ -164,23 +164,26 @@ def test_graphs_run_the_cpp_backend_eagerly_and_say_why():
     assert any("cpp" not in r and "compiled call" in r for r in reasons), reasons
 
 
-def test_record_takes_backend_cpp_and_the_manifest_names_it(tmp_path, tiny_dir):  # noqa: F811
+def test_record_takes_backend_cpp_and_the_manifest_names_it(tmp_path, tiny_dir, capsys):  # noqa: F811
     """``h2o-lens record --backend cpp`` on a tiny model folder: the run is recorded on the fused
-    CPU step and its manifest says so; an unknown backend is refused by the parser."""
+    CPU step and its manifest says so; an unknown backend is refused by the parser; ``generate
+    --backend cpp`` says which step decoded."""
     from commands.cli import main
     from runlog import open_runs, read_manifest
 
     runs = tmp_path / "runs"
     argv = ["record", "--model", str(tiny_dir), "--prompt", "one two three four " * 6, "--raw"]
-    assert (
-        main([*argv, "--heavy", "4", "--recent", "4", "--max-new-tokens", "6", "--backend", "cpp", "--out", str(runs)])
-        == 0
-    )
+    budget = ["--heavy", "4", "--recent", "4", "--max-new-tokens", "6"]
+    assert main([*argv, *budget, "--backend", "cpp", "--out", str(runs)]) == 0
     (run_id,) = open_runs(runs).execute("SELECT run_id FROM runs").fetchall()[0]
     manifest = read_manifest(runs / run_id)
     assert manifest["backend"] == "cpp" and manifest["config"]["backend"] == "cpp"
     assert len(load_run(runs / run_id, tables=("evictions",))["evictions"]) > 0
     assert main([*argv, "--backend", "metal", "--out", str(runs)]) == 2
+    gen = ["generate", "--model", str(tiny_dir), "--prompt", "one two three four " * 6, "--raw", *budget]
+    capsys.readouterr()
+    assert main([*gen, "--backend", "cpp"]) == 0
+    assert "decode step: cpp" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode", ["rollback", "defer"])
