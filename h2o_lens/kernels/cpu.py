@@ -2,8 +2,8 @@
 
 The torch step (:func:`h2o_lens.ops.decode_step`) runs some forty small tensor operations per
 layer; at batch 1 their dispatch, not the slots' bytes, sets the step's time (docs/BENCHMARKS.md,
-#49's profile). This step does the same work in one call per layer, a loop per (request, KV set),
-with the semantics of the fused Triton step (DESIGN.md §2.8). It is compiled with the C++
+"The limit"). This step does the same work in one call per layer, a loop per (request, KV set),
+with the torch step's semantics and what it gives when asked (DESIGN.md §2.8). It is compiled with the C++
 compiler and ninja of the machine (:func:`torch.utils.cpp_extension.load_inline`) into
 torch's extension folder, once per source version; :func:`cpu_step_available` says whether
 that works here, and :func:`cpu_step_problem` why not.
