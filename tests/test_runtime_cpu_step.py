@@ -341,3 +341,40 @@ def test_backend_cpp_resolves_on_cpu_and_says_why_not_elsewhere(monkeypatch):
     monkeypatch.setattr(cpu, "cpu_step_problem", lambda: "no C++ compiler (c++ or $CXX) on the PATH")
     with pytest.raises(ConfigError, match="no C.. compiler.*backend='torch'"):
         resolve_backend("cpp", "cpu")
+
+
+def test_a_build_killed_half_way_does_not_block_the_next_load(tmp_path):
+    """torch leaves its lock file behind when a build is killed; a later process would wait on it
+    for ever. Under the step's own lock (released when its holder dies) the stale file is removed."""
+    import subprocess
+    import sys
+
+    from h2o_lens.kernels import cpu
+
+    cpu._module()
+    build = next(p for p in cpu._build_root().glob("h2o_lens_decode_cpu_*") if p.is_dir() and any(p.glob("*.so")))
+    (build / "lock").touch()  # what a killed build leaves
+    code = "from h2o_lens.kernels.cpu import cpu_step_problem; print(cpu_step_problem())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "None", done.stderr[-2000:]
+
+
+def test_a_full_disk_is_said_in_one_line(monkeypatch):
+    """A build that fails for want of room says so (the assembler's own output does not)."""
+    import collections
+    import shutil
+
+    from h2o_lens.kernels import cpu
+
+    def fail():
+        raise RuntimeError("Error building extension 'x': [1/2] c++ -c main.cpp\nas: BFD assertion fail")
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(cpu, "_module", fail)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(2**20, 2**20, 0))
+    cpu.cpu_step_problem.cache_clear()
+    try:
+        problem = cpu.cpu_step_problem()
+    finally:
+        cpu.cpu_step_problem.cache_clear()
+    assert "0.0 MiB free in" in problem and "\n" not in problem

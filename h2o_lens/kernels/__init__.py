@@ -97,7 +97,10 @@ def _cpp_backend(device: torch.device) -> str:
 
     problem = cpu_step_problem()
     if problem is not None:
-        raise ConfigError(f"backend='cpp': {problem}; use backend='torch' (or install a C++ compiler and ninja)")
+        raise ConfigError(
+            f"backend='cpp': {problem}; use backend='torch' (the build needs a C++ compiler, ninja and room in "
+            "torch's extension folder, TORCH_EXTENSIONS_DIR)"
+        )
     return "cpp"
 
 

@@ -11,11 +11,13 @@ that works here, and :func:`cpu_step_problem` why not.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -26,6 +28,7 @@ from ._checks import KernelInputError, check_step_inputs, rows_table
 __all__ = ["decode_step_cpu", "cpu_step_available", "cpu_step_problem"]
 
 _SOURCE = Path(__file__).with_name("decode_cpu.cpp")
+_BUILD_ROOM = 16 * 2**20  # bytes a build writes (its object file and library), with room to spare
 
 
 @functools.cache
@@ -41,18 +44,50 @@ def _module():
     if shutil.which("ninja") is None and os.path.exists(os.path.join(bin_dir, "ninja")):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     name = f"h2o_lens_decode_cpu_{tag}"
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
-    if not any(root.glob(f"*/{name}/{name}.so")) and not (root / name / f"{name}.so").exists():
-        print(
-            "h2o-lens: building the fused CPU decode step (once per machine and version, about 30 s)", file=sys.stderr
+    root = _build_root()
+    build = root / name
+    build.mkdir(parents=True, exist_ok=True)
+    with _build_lock(root / f"{name}.lock"):
+        # torch's own lock file is left behind by a build killed half way, and every later load
+        # would wait on it for ever; under this lock (released when its holder dies) it is stale
+        (build / "lock").unlink(missing_ok=True)
+        if not (build / f"{name}.so").exists():
+            print(
+                "h2o-lens: building the fused CPU decode step (once per machine and version, about 30 s)",
+                file=sys.stderr,
+            )
+        return cpp_extension.load_inline(
+            name=name,
+            cpp_sources=[source],
+            extra_cflags=["-O3", "-fopenmp", *flags],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            verbose=False,
         )
-    return cpp_extension.load_inline(
-        name=name,
-        cpp_sources=[source],
-        extra_cflags=["-O3", "-fopenmp", *flags],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+
+
+def _build_root() -> Path:
+    """torch's extension folder (``TORCH_EXTENSIONS_DIR``, else its default)."""
+    from torch.utils import cpp_extension
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock between the processes that build or load the step (pytest's workers, two
+    commands at once), held on an open file, so the system releases it when its holder dies."""
+    try:
+        import fcntl
+    except ImportError:  # no fcntl (Windows): torch's own lock only
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _arch_flags() -> list[str]:
@@ -73,10 +108,22 @@ def cpu_step_problem() -> str | None:
         return "no C++ compiler (c++ or $CXX) on the PATH"
     try:
         _module()
-    except Exception as exc:  # a missing ninja, a compiler error: the torch step runs instead
-        first = str(exc).strip().splitlines()
-        return f"building the fused CPU step failed: {first[0] if first else type(exc).__name__}"
+    except Exception as exc:  # a missing ninja, a compiler error, a full disk: the torch step runs instead
+        root = _build_root()
+        free = shutil.disk_usage(root).free if root.exists() else None
+        if free is not None and free < _BUILD_ROOM:  # the assembler's own words do not say so
+            return f"building the fused CPU step failed: {free / 2**20:.1f} MiB free in {root} (it needs about 10)"
+        return f"building the fused CPU step failed: {_reason(exc)}"
     return None
+
+
+def _reason(exc: Exception) -> str:
+    """The line of a failed build that says why (the compiler's error, a full disk), not the
+    command line it ran; at most 200 characters."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    said = [line for line in lines if "error" in line.lower() or "no space" in line.lower()]
+    why = next((line for line in said if not line.startswith("[")), lines[0] if lines else type(exc).__name__)
+    return why if len(why) <= 200 else why[:197] + "..."
 
 
 def cpu_step_available() -> bool:
