@@ -519,11 +519,9 @@ class H2OCacheLayer(CacheLayerMixin):
         if rows is None and self._kernel_step(args, want, protected, journal):
             from .kernels import fused_step
 
-            extra = {}
-            if self.owner.backend == "cpp":  # what the torch step gives, asked of the CPU step
-                extra = dict(want_candidates=want, weights=weights, journal=journal, protected=protected)
-            return fused_step(self.owner.backend)(
-                q, k, v, keys, values, scores, positions, step, fill, scaling, args, layer=self.layer_idx, **extra
+            asks = (want, weights, journal, protected)  # what the torch step gives, asked of the CPU step
+            return fused_step(self.owner.backend, asks)(
+                q, k, v, keys, values, scores, positions, step, fill, scaling, args, layer=self.layer_idx
             )
         return ops.decode_step(
             q,

@@ -281,9 +281,7 @@ def kernel_step(layer: Any, q, k, v, step, scaling: float, asks=(False, False, F
     from .kernels import fused_step
 
     args = layer.groups()[0][1]
-    names = ("want_candidates", "weights", "journal", "protected")
-    extra = dict(zip(names, asks)) if layer.owner.backend == "cpp" else {}
-    return fused_step(layer.owner.backend)(
+    return fused_step(layer.owner.backend, asks)(
         q,
         k,
         v,
@@ -297,7 +295,6 @@ def kernel_step(layer: Any, q, k, v, step, scaling: float, asks=(False, False, F
         args,
         layer=layer.layer_idx,
         rows=layer.row_budgets(),
-        **extra,
     )
 
 
