@@ -302,7 +302,29 @@ class ColdExtension(CacheExtension):
         if due and (not self.gated or (st.window.shape[-1] and self.open is not None and bool(self.open.any()))):
             self._refill(layer, st, query, tier)  # a gated tier with every window closed reads nothing
 
+    def _fused(self, layer: Any, st: _Layer) -> bool:
+        """Whether the layer's refill and append take the compiled calls (a cache on the fused CPU
+        step, DESIGN.md §2.8): an FP32-scored store on the host, no per-slot history, no gate."""
+        return (
+            layer.owner.backend == "cpp"
+            and not self.gated
+            and layer.history is None
+            and st.store.acc == torch.float32
+            and layer.keys.device.type == "cpu"
+        )
+
     def _refill(self, layer: Any, st: _Layer, query: torch.Tensor, tier: Any) -> None:
+        if self._fused(layer, st):
+            from .kernels.cpu import cold_refill_cpu
+
+            scan = tier.pages_scanned if tier.select == "pages" else None
+            agg_max = layer.owner.config.gqa == "max"
+            got = cold_refill_cpu(query, st.store, st.window, layer, st.start, agg_max, scan)
+            new, filled, score, held, keys_read, entries = got
+            st.store.count_read(keys_read, entries)
+            st.window, st.full, st.slot_of, st.mapped = new, False, None, None
+            st.log.append((layer.next_pos.detach().to("cpu").clone(), held, score, filled))
+            return
         r, start, store = st.window.shape[-1], st.start, st.store
         old = st.window
         store.write_scores(old, layer.scores[:, :, start : start + r], every=st.full)  # the occupants go back
@@ -358,6 +380,10 @@ class ColdExtension(CacheExtension):
             raise ConfigError("the cold tier does not support verification segments (speculative decoding)")
         res = step.result
         width = layer.keys.shape[2]
+        if self._fused(layer, st):
+            st.store.append_fused(res, *st.new, width)
+            st.new = None
+            return
         gone_key, gone_value = res.old_key, res.old_value
         if int(res.slot.max()) >= width:  # the new token was its own victim somewhere
             self_victim = (res.slot >= width)[..., None]

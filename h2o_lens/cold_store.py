@@ -185,6 +185,26 @@ class ColdStore:
             self._summarise(first // PAGE, -(-self.most // PAGE))
         return total
 
+    def append_fused(self, result, key: torch.Tensor, value: torch.Tensor, width: int) -> int:
+        """:meth:`append` of a decode step's victims in one compiled call (the fused CPU step's
+        caches, DESIGN.md §2.8): ``result`` the step's :class:`~h2o_lens.ops.DecodeResult` (its
+        slot, candidate set and overwritten K/V), ``key, value (b, Hs, d)`` its new token's (the
+        victim where the slot is ``width`` or past it). Returns the number appended."""
+        from .kernels.cpu import cold_append_cpu
+
+        self._grow(self.most + 1)
+        total = cold_append_cpu(self, result, key, value, width)
+        if total == self.b * self.hs:
+            self.most, self.least, self.total = self.most + 1, self.least + 1, self.total + total
+        elif total:
+            self._counted()
+        self.written += total * self.entry_bytes
+        return total
+
+    def count_read(self, keys: int, entries: int) -> None:
+        """Count ``keys`` keys scored and ``entries`` keys and values brought back as bytes read."""
+        self.read_bytes += keys * self.d * self.itemsize + entries * self.entry_bytes
+
     def _counted(self) -> None:
         self.most, self.least, self.total = int(self.count.max()), int(self.count.min()), int(self.count.sum())
 
@@ -290,8 +310,10 @@ class ColdStore:
         rewrites its file)."""
         keys, values = move(self.kv[0]), move(self.kv[1])
         self.b, self._rows, self._page_rows = keys.shape[0], None, None
-        self.count, self.positions, self.scores = move(self.count), move(self.positions), move(self.scores)
-        self.low, self.high = move(self.low), move(self.high)
+        self.count, self.positions, self.scores = (
+            move(t).contiguous() for t in (self.count, self.positions, self.scores)
+        )
+        self.low, self.high = move(self.low).contiguous(), move(self.high).contiguous()  # a fused call reads them flat
         self.kv = self._alloc(keys.shape[2])
         self.kv[0], self.kv[1] = keys, values
         self._counted()

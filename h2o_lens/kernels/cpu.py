@@ -19,15 +19,17 @@ import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .. import ops, policies
 from ._checks import KernelInputError, check_step_inputs, rows_table
 
-__all__ = ["decode_step_cpu", "cpu_step_available", "cpu_step_problem"]
+__all__ = ["decode_step_cpu", "cpu_step_available", "cpu_step_problem", "cold_refill_cpu", "cold_append_cpu"]
 
-_SOURCE = Path(__file__).with_name("decode_cpu.cpp")
+#: compiled as one unit, in this order: the step, the cold tier's calls, the bindings of both
+_SOURCES = tuple(Path(__file__).with_name(f) for f in ("decode_cpu.cpp", "cold_cpu.cpp", "cpu_bindings.cpp"))
 _BUILD_ROOM = 16 * 2**20  # bytes a build writes (its object file and library), with room to spare
 
 
@@ -36,9 +38,9 @@ def _module():
     """The built extension (built here the first time; later processes load it)."""
     from torch.utils import cpp_extension
 
-    source = _SOURCE.read_text()
+    sources = [p.read_text() for p in _SOURCES]
     flags = _arch_flags()
-    key = "\n".join([source, torch.__version__, *flags])
+    key = "\n".join([*sources, torch.__version__, *flags])
     tag = hashlib.sha256(key.encode()).hexdigest()[:12]  # a build per source, torch and instruction set
     bin_dir = os.path.dirname(sys.executable)  # a ninja installed in this environment
     if shutil.which("ninja") is None and os.path.exists(os.path.join(bin_dir, "ninja")):
@@ -53,12 +55,12 @@ def _module():
         (build / "lock").unlink(missing_ok=True)
         if not (build / f"{name}.so").exists():
             print(
-                "h2o-lens: building the fused CPU decode step (once per machine and version, about 30 s)",
+                "h2o-lens: building the fused CPU decode step (once per machine and version, about 40 s)",
                 file=sys.stderr,
             )
         return cpp_extension.load_inline(
             name=name,
-            cpp_sources=[source],
+            cpp_sources=sources,
             extra_cflags=["-O3", "-fopenmp", *flags],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
@@ -222,4 +224,68 @@ def decode_step_cpu(
         old_key=old_key,
         old_value=old_value,
         weights=w,
+    )
+
+
+def cold_refill_cpu(
+    query: torch.Tensor, store: Any, window: torch.Tensor, layer: Any, start: int, agg_max: bool, scan: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """The cold tier's refill of one layer's recall window in one call (``cold_cpu.cpp``), with
+    the semantics of the torch refill in :mod:`h2o_lens.cold` (DESIGN.md §2.13). ``query (b, Hq,
+    d)`` the step's; ``store`` the layer's :class:`~h2o_lens.cold_store.ColdStore` (float32
+    scores); ``window (b, Hs, r)`` its records in the window; ``layer`` the cache layer (its
+    slots, written in place, and its ``scaling``), the window at slots ``start …``; ``agg_max``
+    the group's aggregation (else the sum); ``scan`` the pages read (None: ``exact``).
+    Returns the new window, the slots filled, each slot's score and position ``(b, Hs, r)``, the
+    keys scored and the records brought in."""
+    problem = cpu_step_problem()
+    if problem is not None:
+        raise KernelInputError(f"cold_refill_cpu: {problem}")
+    pages = scan is not None
+    new, filled, score, held, totals = _module().cold_refill(
+        query.contiguous(),
+        store.kv,
+        store.positions,
+        store.scores,
+        store.count,
+        store.low if pages else None,
+        store.high if pages else None,
+        window.contiguous(),
+        layer.keys,
+        layer.values,
+        layer.scores,
+        layer.positions,
+        int(start),
+        float(layer.scaling),
+        bool(agg_max),
+        int(scan) if pages else 0,
+    )
+    keys_read, entries = totals.tolist()
+    return new, filled, score, held, keys_read, entries
+
+
+def cold_append_cpu(store: Any, result: ops.DecodeResult, key: torch.Tensor, value: torch.Tensor, width: int) -> int:
+    """A decode step's victims (``result``: its slot, evicts, candidate set and overwritten K/V;
+    ``key, value (b, Hs, d)`` the step's new ones, a victim where the slot is ``width`` or past it)
+    appended to ``store`` in one call (``cold_cpu.cpp``); the store has room for one more record
+    per row. Returns the number written."""
+    summaries = store.summaries
+    return int(
+        _module().cold_append(
+            store.kv,
+            store.positions,
+            store.scores,
+            store.count,
+            store.low if summaries else None,
+            store.high if summaries else None,
+            result.slot.contiguous(),
+            result.evicts.contiguous(),
+            result.cand_scores.contiguous(),
+            result.cand_positions.contiguous(),
+            result.old_key.contiguous(),
+            result.old_value.contiguous(),
+            key.contiguous(),
+            value.contiguous(),
+            int(width),
+        )
     )

@@ -272,7 +272,3 @@ std::vector<at::Tensor> decode_step(at::Tensor query, at::Tensor key, at::Tensor
   });
   return {out, slot, evicts, cand_s, cand_p, w, old_k, old_v};
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_step", &decode_step, "the fused H2O decode step of one layer on CPU");
-}
