@@ -273,3 +273,26 @@ def test_a_bfloat16_batch_recalls_the_evicted_bits(fused):
     watch = next(e for e in cache.extensions if isinstance(e, Watch))
     assert fused["refill"] == fused["append"] == 2 * 19
     assert watch.bad == [] and cold_summary(cache)["recalled"] > 0
+
+
+def test_bench_cold_takes_backend_cpp(capsys, tmp_path, fused):
+    """``h2o-lens bench cold --backend cpp``: plain H2O and every cold configuration decode on the
+    fused step with the compiled refill, and each row's accuracy and bytes read are the torch
+    backend's (the same tasks, the same answers)."""
+    from tiny import save_tiny
+
+    from commands.cli import main
+
+    folder = save_tiny(tmp_path / "m")
+    argv = ["bench", "cold", "--model", str(folder), "--tasks", "builtin:delayed_reference", "--count", "2"]
+    argv += ["--stores", "cpu", "--new-tokens", "6", "--rounds", "0"]
+    tables = {}
+    for backend in ("torch", "cpp"):
+        before = dict(fused)
+        assert main([*argv, "--backend", backend]) == 0
+        out = capsys.readouterr().out
+        assert f"backend {backend}" in out
+        tables[backend] = [line for line in out.splitlines() if line.startswith(("full", "h2o", "cold"))]
+        ran = fused["refill"] - before["refill"]
+        assert (ran > 0) if backend == "cpp" else ran == 0, backend
+    assert len(tables["cpp"]) == 4 and tables["cpp"] == tables["torch"]

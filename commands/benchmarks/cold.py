@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..options import add_task_args, at_least, share, split_list
+from ..options import add_backend_arg, add_task_args, at_least, share, split_list
 from .common import HeldSlots
 
 __all__ = ["add_arguments", "run", "bench_cold"]
@@ -58,6 +58,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         metavar="B",
         help="batch sizes timed: the first task's prompt repeated B times (default 1)",
     )
+    add_backend_arg(b)  # plain h2o's and the cold tier's decode step (cpp: the tier's refill compiled too)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,7 +156,7 @@ def _one(model, tok, task, config, new_tokens: int | None) -> tuple[bool | None,
     return verdict, hot, (cold or {}).get("read", 0), len(tokens)
 
 
-def _configs(p: int, ratio: float, window: float, stores, selections, every=(1,)) -> dict[str, Any]:
+def _configs(p: int, ratio: float, window: float, stores, selections, every=(1,), backend="auto") -> dict[str, Any]:
     from h2o_lens import policies
     from h2o_lens.cold_config import ColdTier
     from h2o_lens.config import H2OConfig
@@ -164,12 +165,13 @@ def _configs(p: int, ratio: float, window: float, stores, selections, every=(1,)
 
     slots = policies.ratio_slots(ratio, p)
     recall = max(1, round(window * p))
-    out: dict[str, Any] = {"full": None, "h2o": H2OConfig(**halves(slots))}
+    out: dict[str, Any] = {"full": None, "h2o": H2OConfig(**halves(slots), backend=backend)}
     for store in stores:
         for select in selections:
             for k in every:
                 name = f"cold {store} {select}" + (f" /{k}" if k != 1 else "")
-                out[name] = H2OConfig(**halves(slots), cold=ColdTier(store, recall, select=select, every=k))
+                tier = ColdTier(store, recall, select=select, every=k)
+                out[name] = H2OConfig(**halves(slots), cold=tier, backend=backend)
     return out
 
 
@@ -186,7 +188,7 @@ def bench_cold(args: argparse.Namespace, stores, selections) -> int:
     tally: dict[str, _Tally] = {}
     for i, task in enumerate(tasks):
         p = tok(task.chat_text(tok), return_tensors="pt", add_special_tokens=False).input_ids.shape[1]
-        configs = _configs(p, args.ratio, args.window, stores, selections, args.every)
+        configs = _configs(p, args.ratio, args.window, stores, selections, args.every, args.backend)
         with reuse_prompts(model):  # one H2O prompt forward per task: a cold tier only observes it
             outcomes = {name: _one(model, tok, task, config, args.new_tokens) for name, config in configs.items()}
         for name, (verdict, hot, read, n) in outcomes.items():
@@ -222,7 +224,7 @@ def _print(tally: dict[str, _Tally], args: argparse.Namespace) -> None:
     lost = [i for i, (f, h) in enumerate(zip(full, plain)) if f and h is False]
     print(
         f"\nratio {args.ratio}, window {args.window} of the prompt inside it (equal hot memory to plain h2o); "
-        f"{len(full)} tasks, {len(lost)} that plain h2o gets wrong and the full cache right"
+        f"{len(full)} tasks, {len(lost)} that plain h2o gets wrong and the full cache right; backend {args.backend}"
     )
     print(f"{'configuration':<20} {'accuracy':>9} {'recovered':>10} {'hot KV':>7} {'cold B/token':>13}")
     for name, t in tally.items():
