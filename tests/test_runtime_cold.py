@@ -120,32 +120,39 @@ def test_kept_cold_and_recalled_sets_equal_the_reference(select, gqa):
     """Every layer and KV set, every step: the policy's slots, the window, the victims and the
     store's records (in write order, which the pages follow) are the FP64 reference's. The prompt
     evicts more than one page, so ``pages`` (one page read exactly) differs from ``exact``."""
+    check_reference(select, gqa, "torch")
+
+
+def check_reference(select: str, gqa: str, backend: str, new: int = 30) -> None:
+    """A tiny model's generation with a cold tier on ``backend`` against the FP64 reference, every
+    layer, KV set and step (the test above; tests/test_runtime_cold_cpu.py on ``cpp``)."""
     model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
-    prompt, new = 40, 30
-    cfg = H2OConfig(heavy=10, recent=3, gqa=gqa, cold=ColdTier(recall=4, select=select, scan=1, every=1))
+    prompt = 40
+    cold = ColdTier(recall=4, select=select, scan=1, every=1)
+    cfg = H2OConfig(heavy=10, recent=3, gqa=gqa, cold=cold, backend=backend)
     qk = {}
     _, cache = _generate(model, cfg, _ids(prompt), new, Watch, qk=qk)
     watch = next(e for e in cache.extensions if isinstance(e, Watch))
-    cold = _cold(cache)
+    ext = _cold(cache)
     for layer in range(2):
         ref = _reference(qk, layer, 2, prompt, cfg, gqa)
         steps = len(watch.kept[layer])
         for g in range(2):
-            where = f"{select} gqa={gqa} layer {layer} set {g}"
+            where = f"{select} gqa={gqa} {backend} layer {layer} set {g}"
             assert [s[0][g] for s in watch.kept[layer]] == ref[g].kept[:steps], where
             assert [s[0][g] for s in watch.window[layer]] == ref[g].window[:steps], where
             assert [s[0][g] for s in watch.victims[layer]] == ref[g].victims[:steps], where
-            store = cold.layers[layer].store
+            store = ext.layers[layer].store
             n = int(store.count[0, g])
             assert store.positions[0, g, :n].tolist() == ref[g].records[:n], where
             # the scores: a record carries what it had when evicted plus what the window gave it
             got = store.scores[0, g, :n].clone()
-            st = cold.layers[layer]
+            st = ext.layers[layer]
             win = st.window[0, g]
             held = cache.layers[layer].scores[0, g, st.start : st.start + len(win)]
             got[win[win >= 0]] = held[win >= 0].to(got.dtype)
             assert np.allclose(got.numpy(), ref[g].record_scores[:n], rtol=1e-4, atol=1e-5), where
-        assert watch.bad == []
+    assert watch.bad == []
 
 
 def test_every_k_and_a_batch_equal_the_reference_per_request():

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from test_runtime_cold import Watch, _cold, _generate, _ids, _reference
+from test_runtime_cold import Watch, _generate, _ids, check_reference
 from tiny import tiny_model
 
 import h2o_lens
@@ -181,33 +181,8 @@ def test_ties_take_the_newer_position_and_the_later_page(how):
 def test_kept_cold_and_recalled_sets_equal_the_reference_on_the_compiled_calls(select_, gqa, fused):
     """The FP64 reference check of the torch refill (tests/test_runtime_cold.py), on
     ``backend="cpp"``: every layer, KV set and step, the slots, window, victims and records."""
-    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
-    prompt, new = 40, 30
-    cold = ColdTier(recall=4, select=select_, scan=1, every=1)
-    cfg = H2OConfig(heavy=10, recent=3, gqa=gqa, cold=cold, backend="cpp")
-    qk = {}
-    _, cache = _generate(model, cfg, _ids(prompt), new, Watch, qk=qk)
-    assert fused["refill"] == fused["append"] == 2 * (new - 1)
-    watch = next(e for e in cache.extensions if isinstance(e, Watch))
-    ext = _cold(cache)
-    for layer in range(2):
-        ref = _reference(qk, layer, 2, prompt, cfg, gqa)
-        steps = len(watch.kept[layer])
-        for g in range(2):
-            where = f"{select_} gqa={gqa} layer {layer} set {g}"
-            assert [s[0][g] for s in watch.kept[layer]] == ref[g].kept[:steps], where
-            assert [s[0][g] for s in watch.window[layer]] == ref[g].window[:steps], where
-            assert [s[0][g] for s in watch.victims[layer]] == ref[g].victims[:steps], where
-            store = ext.layers[layer].store
-            n = int(store.count[0, g])
-            assert store.positions[0, g, :n].tolist() == ref[g].records[:n], where
-            got = store.scores[0, g, :n].clone()
-            st = ext.layers[layer]
-            win = st.window[0, g]
-            held = cache.layers[layer].scores[0, g, st.start : st.start + len(win)]
-            got[win[win >= 0]] = held[win >= 0].to(got.dtype)
-            assert np.allclose(got.numpy(), ref[g].record_scores[:n], rtol=1e-4, atol=1e-5), where
-    assert watch.bad == []
+    check_reference(select_, gqa, "cpp", new=30)
+    assert fused["refill"] == fused["append"] == 2 * 29
 
 
 @pytest.mark.parametrize("store", ["cpu", "disk"])

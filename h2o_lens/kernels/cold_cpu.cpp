@@ -31,22 +31,10 @@
 namespace h2o_cold {
 
 constexpr int64_t kPage = 16;  // records per page summary (h2o_lens.cold_config.PAGE)
-constexpr int kLanes = 8;      // partial sums of a dot product or a softmax's total
+constexpr int kLanes = h2o_cpu::kLanes;  // partial sums of a dot product or a softmax's total
 constexpr int64_t kChunk = 128;  // keys scored by every query of a group before the next ones
 
-// A dot product: lane l adds the terms i ≡ l (mod 8) in order (a fused multiply-add each, where
-// the compiler has one), the lanes then added in a fixed tree. The AVX2 path below gives the same
-// bits for eight keys at once.
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t d) {
-  float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] += q[i + l] * static_cast<float>(k[i + l]);
-  }
-  for (int l = 0; i < d; ++i, ++l) acc[l] += q[i] * static_cast<float>(k[i]);
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
+using h2o_cpu::dot;  // cpu_common.cpp; the AVX2 path below gives its bits for eight keys at once
 
 // e^x for x <= 0 (a softmax's shifted logits): 2^n · p(r), n = round(x / ln 2), r = x − n ln 2
 // (ln 2 in two parts), p a degree-7 polynomial (Cephes' expf coefficients); 0 below −87.3, where
@@ -251,10 +239,9 @@ inline int64_t best_of(const float* value, const int64_t* order, int64_t m, int6
   }
 }
 
-struct Refill {
+struct Refill : h2o_cpu::SlotStrides {
   int64_t hs, group, d, records, pages_cap;  // store: records and pages per row
   int64_t r, start, scan;                    // the window's slots, its first slot; pages read
-  int64_t ks0, ks1, ks2, vs0, vs1, vs2, ss0, ss1, ps0, ps1;  // the layer's strides
   bool pages, agg_max;
   float scale;
 };
@@ -452,7 +439,7 @@ std::vector<at::Tensor> cold_refill(at::Tensor query, at::Tensor kv, at::Tensor 
                                     at::Tensor count, c10::optional<at::Tensor> low, c10::optional<at::Tensor> high,
                                     at::Tensor window, at::Tensor keys, at::Tensor values, at::Tensor scores,
                                     at::Tensor positions, int64_t start, double scale, bool agg_max, int64_t scan) {
-  h2o_cold::Refill s{};
+  h2o_cold::Refill s{h2o_cpu::slot_strides(keys, values, scores, positions, "cold_refill")};
   const int64_t b = kv.size(1);
   s.hs = kv.size(2), s.records = kv.size(3), s.d = kv.size(4);
   s.group = query.size(1) / s.hs;
@@ -460,12 +447,6 @@ std::vector<at::Tensor> cold_refill(at::Tensor query, at::Tensor kv, at::Tensor 
   s.pages = low.has_value();
   s.pages_cap = s.pages ? low->size(2) : 0;
   s.agg_max = agg_max, s.scale = static_cast<float>(scale);
-  s.ks0 = keys.stride(0), s.ks1 = keys.stride(1), s.ks2 = keys.stride(2);
-  s.vs0 = values.stride(0), s.vs1 = values.stride(1), s.vs2 = values.stride(2);
-  s.ss0 = scores.stride(0), s.ss1 = scores.stride(1);
-  s.ps0 = positions.stride(0), s.ps1 = positions.stride(1);
-  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "cold_refill: keys and values need unit stride on d");
-  TORCH_CHECK(scores.stride(2) == 1 && positions.stride(2) == 1, "cold_refill: scores and positions need unit stride");
   TORCH_CHECK(start >= 0 && start + s.r <= keys.size(2), "cold_refill: the window lies outside the layer's slots");
   for (const at::Tensor* t : {&query, &kv, &store_pos, &store_sc, &count, &window}) {
     TORCH_CHECK(t->is_contiguous(), "cold_refill: the query, the store and the window must be contiguous");

@@ -28,8 +28,10 @@ from ._checks import KernelInputError, check_step_inputs, rows_table
 
 __all__ = ["decode_step_cpu", "cpu_step_available", "cpu_step_problem", "cold_refill_cpu", "cold_append_cpu"]
 
-#: compiled as one unit, in this order: the step, the cold tier's calls, the bindings of both
-_SOURCES = tuple(Path(__file__).with_name(f) for f in ("decode_cpu.cpp", "cold_cpu.cpp", "cpu_bindings.cpp"))
+#: compiled as one unit, in this order: what they share, the step, the cold tier's calls, the bindings
+_SOURCES = tuple(
+    Path(__file__).with_name(f) for f in ("cpu_common.cpp", "decode_cpu.cpp", "cold_cpu.cpp", "cpu_bindings.cpp")
+)
 _BUILD_ROOM = 16 * 2**20  # bytes a build writes (its object file and library), with room to spare
 
 
@@ -244,12 +246,7 @@ def cold_refill_cpu(
     pages = scan is not None
     new, filled, score, held, totals = _module().cold_refill(
         query.contiguous(),
-        store.kv,
-        store.positions,
-        store.scores,
-        store.count,
-        store.low if pages else None,
-        store.high if pages else None,
+        *_store_args(store, pages),
         window.contiguous(),
         layer.keys,
         layer.values,
@@ -269,15 +266,9 @@ def cold_append_cpu(store: Any, result: ops.DecodeResult, key: torch.Tensor, val
     ``key, value (b, Hs, d)`` the step's new ones, a victim where the slot is ``width`` or past it)
     appended to ``store`` in one call (``cold_cpu.cpp``); the store has room for one more record
     per row. Returns the number written."""
-    summaries = store.summaries
     return int(
         _module().cold_append(
-            store.kv,
-            store.positions,
-            store.scores,
-            store.count,
-            store.low if summaries else None,
-            store.high if summaries else None,
+            *_store_args(store, store.summaries),
             result.slot.contiguous(),
             result.evicts.contiguous(),
             result.cand_scores.contiguous(),
@@ -289,3 +280,9 @@ def cold_append_cpu(store: Any, result: ops.DecodeResult, key: torch.Tensor, val
             int(width),
         )
     )
+
+
+def _store_args(store: Any, summaries: bool) -> tuple:
+    """A cold store's tensors as the compiled calls take them (its page summaries, or None)."""
+    low, high = (store.low, store.high) if summaries else (None, None)
+    return store.kv, store.positions, store.scores, store.count, low, high

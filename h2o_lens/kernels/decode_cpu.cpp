@@ -21,30 +21,15 @@
 
 namespace {
 
-constexpr int kLanes = 8;  // partial sums of a dot product, added in a fixed order
-
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t d) {
-  float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] += q[i + l] * static_cast<float>(k[i + l]);
-  }
-  for (int l = 0; i < d; ++i, ++l) acc[l] += q[i] * static_cast<float>(k[i]);
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
+using h2o_cpu::dot;  // cpu_common.cpp
 
 template <typename T>
 inline void axpy(float* out, float a, const T* v, int64_t d) {
   for (int64_t i = 0; i < d; ++i) out[i] += a * static_cast<float>(v[i]);
 }
 
-struct Shape {
+struct Shape : h2o_cpu::SlotStrides {
   int64_t b, hs, cap, d, group;
-  int64_t ks0, ks1, ks2;  // keys and values strides (the last is 1)
-  int64_t vs0, vs1, vs2;
-  int64_t ss0, ss1;        // scores and positions strides (the last is 1)
-  int64_t ps0, ps1;
 };
 
 template <typename T, typename P>
@@ -234,15 +219,9 @@ std::vector<at::Tensor> decode_step(at::Tensor query, at::Tensor key, at::Tensor
                                     c10::optional<at::Tensor> fill, c10::optional<at::Tensor> table, double scale,
                                     int64_t recent, int64_t sink, bool scored, bool agg_max, bool candidates,
                                     c10::optional<at::Tensor> pins, bool weights, bool journal) {
-  Shape s{};
+  Shape s{h2o_cpu::slot_strides(keys, values, scores, positions, "decode_step")};
   s.b = keys.size(0), s.hs = keys.size(1), s.cap = keys.size(2), s.d = keys.size(3);
   s.group = query.size(1) / s.hs;
-  s.ks0 = keys.stride(0), s.ks1 = keys.stride(1), s.ks2 = keys.stride(2);
-  s.vs0 = values.stride(0), s.vs1 = values.stride(1), s.vs2 = values.stride(2);
-  s.ss0 = scores.stride(0), s.ss1 = scores.stride(1);
-  s.ps0 = positions.stride(0), s.ps1 = positions.stride(1);
-  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "keys and values need unit stride on d");
-  TORCH_CHECK(scores.stride(2) == 1 && positions.stride(2) == 1, "scores and positions need unit stride on B");
   TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous(), "query, key, value contiguous");
   at::Tensor out = at::empty_like(query);
   at::Tensor slot = at::empty({s.b, s.hs}, step.options().dtype(at::kLong));
