@@ -271,3 +271,21 @@ def test_bench_cold_takes_backend_cpp(capsys, tmp_path, fused):
         ran = fused["refill"] - before["refill"]
         assert (ran > 0) if backend == "cpp" else ran == 0, backend
     assert len(tables["cpp"]) == 4 and tables["cpp"] == tables["torch"]
+
+
+@pytest.mark.parametrize("newest_last", [True, False])
+def test_keys_scored_in_blocks_and_in_the_tail_tie_exactly(newest_last):
+    """37 copies of one key: the first 32 are scored eight at a time (the vector path where the
+    build has one), the last 5 one at a time; every value ties, so the window takes the 8 newest
+    positions, whichever end of the records they lie at (a tail scored a bit higher or lower
+    would take some of its own instead)."""
+    gen = torch.Generator().manual_seed(2)
+    n, r, d = 37, 8, 64
+    key = torch.randn(1, d, generator=gen).expand(n, d)
+    positions = torch.arange(n) if newest_last else torch.arange(n).flip(0)
+    st = ColdStore("cpu", 1, 1, d, torch.float32, pin=False, directory=None, name="t", summaries=False)
+    st.append(key[None, None], key[None, None], torch.zeros(1, 1, n), positions[None, None])
+    slots = _Slots(1, 1, 12, d, torch.float32)
+    window = torch.full((1, 1, r), -1, dtype=torch.int64)
+    new, *_ = cpu.cold_refill_cpu(torch.randn(1, 3, d, generator=gen), st, window, slots, 12 - r, False, None)
+    assert sorted(positions[new[0, 0]].tolist()) == list(range(n - r, n))

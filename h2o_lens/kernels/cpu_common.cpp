@@ -1,22 +1,32 @@
 // What the fused CPU calls share (compiled first, before decode_cpu.cpp and cold_cpu.cpp).
 #include <torch/extension.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace h2o_cpu {
 
 constexpr int kLanes = 8;  // partial sums of a dot product, added in a fixed order
 
-// A dot product: lane l adds the terms i ≡ l (mod 8) in order (a fused multiply-add each, where
-// the compiler has one), the lanes then added in a fixed tree.
+// acc + a · b: one rounding where the build has FMA (whatever the compiler's contraction rules),
+// so that a vector path with fused multiply-adds gives the same bits.
+inline float mul_add(float a, float b, float acc) {
+#ifdef __FMA__
+  return std::fma(a, b, acc);
+#else
+  return acc + a * b;
+#endif
+}
+
+// A dot product: lane l adds the terms i ≡ l (mod 8) in order, the lanes then added in a fixed tree.
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
   float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int64_t i = 0;
   for (; i + kLanes <= d; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] += q[i + l] * static_cast<float>(k[i + l]);
+    for (int l = 0; l < kLanes; ++l) acc[l] = mul_add(q[i + l], static_cast<float>(k[i + l]), acc[l]);
   }
-  for (int l = 0; i < d; ++i, ++l) acc[l] += q[i] * static_cast<float>(k[i]);
+  for (int l = 0; i < d; ++i, ++l) acc[l] = mul_add(q[i], static_cast<float>(k[i]), acc[l]);
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
