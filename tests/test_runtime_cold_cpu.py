@@ -289,3 +289,18 @@ def test_keys_scored_in_blocks_and_in_the_tail_tie_exactly(newest_last):
     window = torch.full((1, 1, r), -1, dtype=torch.int64)
     new, *_ = cpu.cold_refill_cpu(torch.randn(1, 3, d, generator=gen), st, window, slots, 12 - r, False, None)
     assert sorted(positions[new[0, 0]].tolist()) == list(range(n - r, n))
+
+
+def test_beam_search_moves_the_stores_rows_as_on_the_torch_backend(fused):
+    """Three beams over two prompts: the beams' reorders move every store's rows (the compiled
+    calls read them flat); the sequences and the bytes are the torch backend's."""
+    model = tiny_model("llama", layers=2, q_heads=4, kv_heads=2)
+    ids = _ids(40, seed=4, batch=2)
+    got = {}
+    for backend in ("torch", "cpp"):
+        cfg = H2OConfig(heavy=10, recent=4, backend=backend, cold=ColdTier(recall=4, select="pages", scan=1))
+        with h2o_lens.h2o(model, cfg) as session, torch.no_grad():
+            out = model.generate(ids, max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0)
+        got[backend] = (out, cold_summary(session.last_cache))
+    assert fused["refill"] > 0 and torch.equal(got["torch"][0], got["cpp"][0])
+    assert got["torch"][1] == got["cpp"][1] and got["cpp"][1]["recalled"] > 0
