@@ -378,3 +378,38 @@ def test_a_full_disk_is_said_in_one_line(monkeypatch):
     finally:
         cpu.cpu_step_problem.cache_clear()
     assert "0.0 MiB free in" in problem and "\n" not in problem
+
+
+def test_the_build_touches_only_its_own_folder_in_a_users_extensions_dir(tmp_path, monkeypatch):
+    """``TORCH_EXTENSIONS_DIR`` may be a folder of the user's: the build writes only its own lock
+    file and its own named folder there, and the stale lock it clears is the one inside that folder;
+    a ``lock`` of the user's (at the top, or in another folder) and every other file stay."""
+    from torch.utils import cpp_extension
+
+    from h2o_lens.kernels import cpu
+
+    root = tmp_path / "exts"
+    (root / "other").mkdir(parents=True)
+    foreign = {root / "lock": "mine", root / "notes.txt": "keep", root / "other" / "lock": "theirs"}
+    for path, text in foreign.items():
+        path.write_text(text)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
+    seen = {}
+
+    def fake_load_inline(name, build_directory, **kwargs):  # the compile itself is tested elsewhere
+        seen["name"], seen["dir"] = name, build_directory
+        return object()
+
+    monkeypatch.setattr(cpp_extension, "load_inline", fake_load_inline)
+    stale = None
+    for _ in range(2):  # the second time, a killed build's lock is inside the step's folder
+        cpu._module.__wrapped__()
+        build = root / seen["name"]
+        assert seen["dir"] == str(build) and build.is_dir()
+        if stale is not None:
+            assert not stale.exists()
+        stale = build / "lock"
+        stale.touch()
+    assert {p: p.read_text() for p in foreign} == foreign
+    made = {p.relative_to(root).as_posix() for p in root.rglob("*")} - {"lock", "notes.txt", "other", "other/lock"}
+    assert made == {seen["name"], f"{seen['name']}.lock", f"{seen['name']}/lock"}
