@@ -543,7 +543,7 @@ class H2OCacheLayer(CacheLayerMixin):
             protected=protected,
         )
 
-    def _step_groups(self, groups, q, k, v, step, scaling: float, asks=(False, False, False, None)) -> ops.DecodeResult:
+    def _step_groups(self, groups, q, k, v, step, scaling: float, asks: tuple | None = None) -> ops.DecodeResult:
         if self.owner.backend == "cpp" or any(a.sets is not None for _, a in groups):  # one call, rows ragged
             return _plan.kernel_step(self, q, k, v, step, scaling, asks)
         return _per_row.step_groups(self, self._step, groups, q, k, v, step, scaling)

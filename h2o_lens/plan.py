@@ -273,11 +273,11 @@ def eligible_mask(positions, step, args: ops.PolicyArgs, pins):
     return eviction.eligible_mask(positions, step, recent, sink, pinned=pins)
 
 
-def kernel_step(layer: Any, q, k, v, step, scaling: float, asks=(False, False, False, None)) -> ops.DecodeResult:
+def kernel_step(layer: Any, q, k, v, step, scaling: float, asks: tuple | None = None) -> ops.DecodeResult:
     """The fused step of a ragged layer (Triton's, or the compiled CPU one): one call, each (request,
     KV set) with its own capacity, recent window and sink (:func:`h2o_lens.kernels.decode_step_triton`'s
     ``rows``); ``asks``: what the CPU step also gives or takes, ``(want_candidates, weights, journal,
-    protected)`` (the Triton step is called without them)."""
+    protected)`` or None (the Triton step is called without them)."""
     from .kernels import fused_step
 
     args = layer.groups()[0][1]

@@ -104,16 +104,16 @@ def _cpp_backend(device: torch.device) -> str:
     return "cpp"
 
 
-def fused_step(backend: str, asks: tuple = (False, False, False, None)) -> Any:
+def fused_step(backend: str, asks: tuple | None = None) -> Any:
     """The fused decode step of a resolved ``backend`` (``"triton"`` or ``"cpp"``), which share one
     contract (:func:`decode_step_triton`). ``asks`` ``(want_candidates, weights, journal,
-    protected)``: what the CPU step is to give or take besides (bound to it); the Triton step
-    takes none of them (:meth:`h2o_lens.cache.H2OCacheLayer._kernel_step` sends it none)."""
+    protected)``: what the CPU step is to give or take besides (bound to it; None: nothing); the
+    Triton step takes none of them (:meth:`h2o_lens.cache.H2OCacheLayer._kernel_step` sends it none)."""
     if backend == "cpp":
         from .cpu import decode_step_cpu
 
         names = ("want_candidates", "weights", "journal", "protected")
-        return functools.partial(decode_step_cpu, **dict(zip(names, asks)))
+        return functools.partial(decode_step_cpu, **dict(zip(names, asks or ())))
     from .decode import decode_step_triton
 
     return decode_step_triton
