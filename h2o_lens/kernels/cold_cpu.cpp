@@ -26,6 +26,7 @@
 #include <functional>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace h2o_cold {
@@ -122,40 +123,50 @@ inline void query_dots(const float* q, const T* k, int64_t m, int64_t d, float* 
   for (; c < m; ++c) out[c] = dot(q, k + c * d, d);
 }
 
+// The largest of x[0 … m − 1] (−inf for none).
+inline float largest(const float* x, int64_t m) {
+  float top = -std::numeric_limits<float>::infinity();
+  int64_t c = 0;
+#ifdef H2O_COLD_AVX2
+  __m256 most = _mm256_set1_ps(top);
+  for (; c + kLanes <= m; c += kLanes) most = _mm256_max_ps(most, _mm256_loadu_ps(x + c));
+  float lanes[kLanes];
+  _mm256_storeu_ps(lanes, most);
+  for (int l = 0; l < kLanes; ++l) top = std::max(top, lanes[l]);
+#endif
+  for (; c < m; ++c) top = std::max(top, x[c]);
+  return top;
+}
+
 // logits[g · stride + c] for the g_n queries `q` (g_n, d) and keys c < m: chunk by chunk, so that
-// a chunk's keys are read from memory once for the whole group.
+// a chunk's keys are read from memory once for the whole group. `top` (g_n, or null): each
+// query's largest logit so far, raised to this call's where larger.
 template <typename T>
-inline void group_dots(const float* q, int64_t g_n, const T* k, int64_t m, int64_t d, float* logits, int64_t stride) {
+inline void group_dots(const float* q, int64_t g_n, const T* k, int64_t m, int64_t d, float* logits, int64_t stride,
+                       float* top) {
   for (int64_t c0 = 0; c0 < m; c0 += kChunk) {
     const int64_t len = std::min(kChunk, m - c0);
     if (c0 + kChunk < m) prefetch(k + (c0 + kChunk) * d, std::min(kChunk, m - c0 - kChunk) * d * sizeof(T));
-    for (int64_t g = 0; g < g_n; ++g) query_dots(q + g * d, k + c0 * d, len, d, logits + g * stride + c0);
+    for (int64_t g = 0; g < g_n; ++g) {
+      float* out = logits + g * stride + c0;
+      query_dots(q + g * d, k + c0 * d, len, d, out);
+      if (top != nullptr) top[g] = std::max(top[g], largest(out, len));
+    }
   }
 }
 
-// Each query head's softmax over the m entries of `logits` (G, m), aggregated over the group
-// into `value` (m): the sum in head order, or the largest. `logits` is overwritten. A softmax's
-// total is kLanes partial sums (entry c into sum c mod kLanes, in order) added in dot()'s tree.
-inline void aggregate_softmax(float* logits, int64_t g_n, int64_t m, bool agg_max, float* value) {
+// Each query head's softmax over the m entries of `logits` (G, m), its largest entry `top[g]`,
+// aggregated over the group into `value` (m): the sum in head order, or the largest. `logits` is
+// overwritten. A softmax's total is kLanes partial sums (entry c into sum c mod kLanes, in order)
+// added in dot()'s tree.
+inline void aggregate_softmax(float* logits, const float* top, int64_t g_n, int64_t m, bool agg_max, float* value) {
   for (int64_t g = 0; g < g_n; ++g) {
     float* lg = logits + g * m;
-    float top = -std::numeric_limits<float>::infinity();
+    float part[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     int64_t c = 0;
 #ifdef H2O_COLD_AVX2
     {
-      __m256 most = _mm256_set1_ps(top);
-      for (; c + kLanes <= m; c += kLanes) most = _mm256_max_ps(most, _mm256_loadu_ps(lg + c));
-      float lanes[kLanes];
-      _mm256_storeu_ps(lanes, most);
-      for (int l = 0; l < kLanes; ++l) top = std::max(top, lanes[l]);
-    }
-#endif
-    for (; c < m; ++c) top = std::max(top, lg[c]);
-    float part[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    c = 0;
-#ifdef H2O_COLD_AVX2
-    {
-      const __m256 shift = _mm256_set1_ps(top);
+      const __m256 shift = _mm256_set1_ps(top[g]);
       __m256 acc = _mm256_setzero_ps();
       for (; c + kLanes <= m; c += kLanes) {
         const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(lg + c), shift));
@@ -167,13 +178,13 @@ inline void aggregate_softmax(float* logits, int64_t g_n, int64_t m, bool agg_ma
 #else
     for (; c + kLanes <= m; c += kLanes) {
       for (int l = 0; l < kLanes; ++l) {
-        lg[c + l] = exp_neg(lg[c + l] - top);
+        lg[c + l] = exp_neg(lg[c + l] - top[g]);
         part[l] += lg[c + l];
       }
     }
 #endif
     for (int l = 0; c < m; ++c, ++l) {
-      lg[c] = exp_neg(lg[c] - top);
+      lg[c] = exp_neg(lg[c] - top[g]);
       part[l] += lg[c];
     }
     const float total = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
@@ -187,56 +198,72 @@ inline void aggregate_softmax(float* logits, int64_t g_n, int64_t m, bool agg_ma
   }
 }
 
-// The k best of m entries by `value` (each >= 0), a tie taking the larger `order` (a newer
-// position, a later page); `out` gets their indices, in no set order. Returns how many (min(k,
-// m)). A non-negative float's bits order as it does: a histogram of the bits over their range
-// narrows down the bucket that holds the k-th best (a few passes, no data-dependent branches),
-// and only that bucket's entries are sorted, by value and then by `order`.
-inline int64_t best_of(const float* value, const int64_t* order, int64_t m, int64_t k, std::vector<int64_t>& out) {
-  out.resize(m);
+inline uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+}
+
+// The k best of m entries by `value` (each >= 0), a tie taking the larger order(c) (a newer
+// position, a later page); `out` (room for k) gets their indices, in no set order. Returns how
+// many (min(k, m)). A non-negative float's bits order as it does: a histogram of the bits over
+// their range finds the bucket that holds the k-th best; the entries above it are taken, the
+// bucket's are narrowed down by histograms of their own until few are left, and those few are
+// ranked by value and then by order. `tied` is scratch.
+template <typename Order>
+inline int64_t best_of(const float* value, Order order, int64_t m, int64_t k, int64_t* out,
+                       std::vector<int64_t>& tied) {
   if (k >= m) {
     for (int64_t c = 0; c < m; ++c) out[c] = c;
     return m;
   }
-  std::vector<uint32_t> bits(m);
-  std::memcpy(bits.data(), value, m * sizeof(float));
-  uint32_t lo = bits[0], hi = bits[0];
-  for (int64_t c = 1; c < m; ++c) lo = std::min(lo, bits[c]), hi = std::max(hi, bits[c]);
-  int64_t need = k;  // how many of the entries in [lo, hi] are still to be taken
-  uint32_t hist[1025];
-  while (true) {
-    const uint32_t range = hi - lo;
+  uint32_t lo = bits_of(value[0]), hi = lo;
+  for (int64_t c = 1; c < m; ++c) {
+    const uint32_t u = bits_of(value[c]);
+    lo = std::min(lo, u), hi = std::max(hi, u);
+  }
+  uint32_t hist[1024];
+  // the bucket of [lo, hi] (split into at most 1024) that holds the need-th best of `n` entries
+  // whose bits lie in [lo, hi], narrowed to [lo, hi]; returns how many lie above it
+  auto narrow = [&](auto&& each, int64_t need, uint32_t& b_lo, uint32_t& b_hi) {
     int shift = 0;
-    while ((range >> shift) >= 1024) ++shift;
-    const uint32_t buckets = (range >> shift) + 1;
+    while (((b_hi - b_lo) >> shift) >= 1024) ++shift;
+    const uint32_t buckets = ((b_hi - b_lo) >> shift) + 1, base = b_lo;
     std::fill(hist, hist + buckets, 0u);
-    for (int64_t c = 0; c < m; ++c) {
-      const uint32_t u = bits[c];
-      hist[u >= lo && u <= hi ? (u - lo) >> shift : 1024] += 1;
-    }
+    each([&](uint32_t u) { ++hist[(u - base) >> shift]; });
     uint32_t at = buckets;
     int64_t above = 0;
-    while (at > 0 && above + hist[at - 1] < need) above += hist[--at];
-    --at;  // the bucket that holds the need-th best of [lo, hi]
-    need -= above;
-    const uint32_t b_lo = lo + (at << shift);
-    const uint32_t b_hi = at + 1 == buckets ? hi : lo + ((at + 1) << shift) - 1;
-    if (shift == 0 || hist[at] <= 64 || b_lo == b_hi) {  // sort this bucket's entries
-      int64_t n_out = 0;
-      std::vector<int64_t> tied;
-      for (int64_t c = 0; c < m; ++c) {
-        if (bits[c] > b_hi) out[n_out++] = c;
-        else if (bits[c] >= b_lo) tied.push_back(c);
-      }
-      std::sort(tied.begin(), tied.end(), [&](int64_t a, int64_t b) {
-        return bits[a] > bits[b] || (bits[a] == bits[b] && order[a] > order[b]);
-      });
-      for (int64_t t = 0; t < need; ++t) out[n_out++] = tied[t];
-      out.resize(n_out);
-      return n_out;
-    }
-    lo = b_lo, hi = b_hi;
+    while (above + hist[at - 1] < need) above += hist[--at];
+    --at;
+    b_lo = base + (at << shift);
+    b_hi = at + 1 == buckets ? b_hi : base + ((at + 1) << shift) - 1;
+    return above;
+  };
+  int64_t need = k, n_out = 0;
+  need -= narrow([&](auto&& f) { for (int64_t c = 0; c < m; ++c) f(bits_of(value[c])); }, need, lo, hi);
+  tied.clear();
+  for (int64_t c = 0; c < m; ++c) {
+    const uint32_t u = bits_of(value[c]);
+    if (u > hi) out[n_out++] = c;
+    else if (u >= lo) tied.push_back(c);
   }
+  while (static_cast<int64_t>(tied.size()) > 64 && lo < hi) {
+    need -= narrow([&](auto&& f) { for (int64_t c : tied) f(bits_of(value[c])); }, need, lo, hi);
+    size_t kept = 0;
+    for (int64_t c : tied) {
+      const uint32_t u = bits_of(value[c]);
+      if (u > hi) out[n_out++] = c;
+      else if (u >= lo) tied[kept++] = c;
+    }
+    tied.resize(kept);
+  }
+  auto better = [&](int64_t a, int64_t b) {
+    const uint32_t ua = bits_of(value[a]), ub = bits_of(value[b]);
+    return ua > ub || (ua == ub && order(a) > order(b));
+  };
+  std::nth_element(tied.begin(), tied.begin() + (need - 1), tied.end(), better);
+  for (int64_t t = 0; t < need; ++t) out[n_out++] = tied[t];
+  return n_out;
 }
 
 struct Refill : h2o_cpu::SlotStrides {
@@ -245,6 +272,25 @@ struct Refill : h2o_cpu::SlotStrides {
   bool pages, agg_max;
   float scale;
 };
+
+// A thread's working memory across rows and calls (sized up as needed, never cleared).
+struct Scratch {
+  std::vector<float> q, top, up, down, bound, low_part, logits, value;
+  std::vector<int64_t> cand, pick, tied;
+  std::vector<std::pair<int64_t, int64_t>> incoming;  // (position, record)
+  std::vector<uint8_t> mark;
+};
+
+inline Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+template <typename V>
+inline typename V::value_type* room(V& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
 
 template <typename T, typename P>
 void refill_row(int64_t row, const Refill& s, const T* query, const T* store_k, const T* store_v,
@@ -260,6 +306,7 @@ void refill_row(int64_t row, const Refill& s, const T* query, const T* store_k, 
   const int64_t* spos = store_pos + row * s.records;
   const T* sk = store_k + row * s.records * d;
   const T* sv = store_v + row * s.records * d;
+  Scratch& w = scratch();
   // the occupants' scores go back to their records
   for (int64_t j = 0; j < r; ++j) {
     if (win[j] >= 0) ssc[win[j]] = lsc[j];
@@ -267,56 +314,63 @@ void refill_row(int64_t row, const Refill& s, const T* query, const T* store_k, 
   const int64_t pages = (n + kPage - 1) / kPage;
   const bool by_page = s.pages && pages > s.scan;
   // the step's queries of the KV set's group, scaled in the storage dtype as the model's are
-  std::vector<float> q(g_n * d);
+  float* q = room(w.q, g_n * d);
   for (int64_t g = 0; g < g_n; ++g) {
     const T* qg = query + ((bi * s.hs + h) * g_n + g) * d;
     for (int64_t i = 0; i < d; ++i) q[g * d + i] = static_cast<float>(static_cast<T>(static_cast<float>(qg[i]) * s.scale));
   }
-  // the candidates: every record, or the records of the best pages
-  std::vector<int64_t> cand, pick;
-  if (!by_page) {
-    cand.resize(n);
-    for (int64_t c = 0; c < n; ++c) cand[c] = c;
-  } else {
-    std::vector<float> up(g_n * d), down(g_n * d), bound(g_n * pages), value(pages);
-    std::vector<int64_t> order(pages);
+  float* top = room(w.top, g_n);
+  std::fill(top, top + g_n, -std::numeric_limits<float>::infinity());
+  // the candidates: every record, or the records of the best pages (their runs of records)
+  int64_t m = n;
+  int64_t* cand = nullptr;  // candidate c's record (null: record c)
+  if (by_page) {
+    float* up = room(w.up, g_n * d);
+    float* down = room(w.down, g_n * d);
+    float* bound = room(w.bound, g_n * pages);
+    float* over_low = room(w.low_part, g_n * pages);
+    float* value = room(w.value, pages);
     for (int64_t i = 0; i < g_n * d; ++i) up[i] = std::max(q[i], 0.f), down[i] = q[i] - up[i];
-    const float* lo = low + row * s.pages_cap * d;
-    const float* hi = high + row * s.pages_cap * d;
-    std::vector<float> over_low(g_n * pages);
-    for (int64_t p = 0; p < pages; ++p) order[p] = p;
-    group_dots(up.data(), g_n, hi, pages, d, bound.data(), pages);
-    group_dots(down.data(), g_n, lo, pages, d, over_low.data(), pages);
+    group_dots(up, g_n, high + row * s.pages_cap * d, pages, d, bound, pages, nullptr);
+    group_dots(down, g_n, low + row * s.pages_cap * d, pages, d, over_low, pages, nullptr);
     for (int64_t i = 0; i < g_n * pages; ++i) bound[i] += over_low[i];
-    aggregate_softmax(bound.data(), g_n, pages, s.agg_max, value.data());
-    const int64_t got = best_of(value.data(), order.data(), pages, s.scan, pick);
-    std::sort(pick.begin(), pick.begin() + got);  // the pages' records in record order
+    for (int64_t g = 0; g < g_n; ++g) top[g] = std::max(top[g], largest(bound + g * pages, pages));
+    aggregate_softmax(bound, top, g_n, pages, s.agg_max, value);
+    int64_t* pick = room(w.pick, s.scan);
+    const int64_t got = best_of(value, [](int64_t p) { return p; }, pages, s.scan, pick, w.tied);
+    std::sort(pick, pick + got);  // the pages' records in record order
     for (int64_t i = 0; i < got; ++i) {
       prefetch(sk + pick[i] * kPage * d, kPage * d * sizeof(T));
       prefetch(spos + pick[i] * kPage, kPage * sizeof(int64_t));
     }
+    cand = room(w.cand, got * kPage);
+    m = 0;
     for (int64_t i = 0; i < got; ++i) {
-      for (int64_t c = pick[i] * kPage; c < std::min(n, (pick[i] + 1) * kPage); ++c) cand.push_back(c);
+      for (int64_t c = pick[i] * kPage; c < std::min(n, (pick[i] + 1) * kPage); ++c) cand[m++] = c;
     }
+    std::fill(top, top + g_n, -std::numeric_limits<float>::infinity());
   }
-  const int64_t m = static_cast<int64_t>(cand.size());
   tally[2 * row] = m;
   // each candidate's value, the recall best of them
-  std::vector<float> logits(g_n * m), value(m);
-  std::vector<int64_t> order(m);
-  for (int64_t c = 0; c < m;) {  // a run of consecutive records (all of them, or one page) at a time
-    int64_t len = 1;
-    while (c + len < m && cand[c + len] == cand[c] + len) ++len;
-    group_dots(q.data(), g_n, sk + cand[c] * d, len, d, &logits[c], m);
-    c += len;
+  float* logits = room(w.logits, g_n * m);
+  float* value = room(w.value, m);
+  if (cand == nullptr) {
+    group_dots(q, g_n, sk, m, d, logits, m, top);
+  } else {
+    for (int64_t c = 0; c < m;) {  // a run of consecutive records (one page, or adjacent pages) at a time
+      int64_t len = 1;
+      while (c + len < m && cand[c + len] == cand[c] + len) ++len;
+      group_dots(q, g_n, sk + cand[c] * d, len, d, logits + c, m, top);
+      c += len;
+    }
   }
-  for (int64_t c = 0; c < m; ++c) order[c] = spos[cand[c]];
-  aggregate_softmax(logits.data(), g_n, m, s.agg_max, value.data());
-  const int64_t chosen = best_of(value.data(), order.data(), m, r, pick);
+  aggregate_softmax(logits, top, g_n, m, s.agg_max, value);
+  auto record = [&](int64_t c) { return cand == nullptr ? c : cand[c]; };
+  int64_t* pick = room(w.pick, std::min(r, m));
+  const int64_t chosen = best_of(value, [&](int64_t c) { return spos[record(c)]; }, m, r, pick, w.tied);
   // the swap: an occupant chosen again stays; the incoming, by position, fill the freed slots
-  std::vector<int64_t> incoming;
-  std::vector<uint8_t> mark(n, 0);
-  for (int64_t i = 0; i < chosen; ++i) mark[cand[pick[i]]] = 1;
+  uint8_t* mark = room(w.mark, n);
+  for (int64_t i = 0; i < chosen; ++i) mark[record(pick[i])] = 1;
   int64_t* nw = new_w + row * r;
   bool* fl = filled + row * r;
   for (int64_t j = 0; j < r; ++j) {
@@ -325,15 +379,17 @@ void refill_row(int64_t row, const Refill& s, const T* query, const T* store_k, 
     nw[j] = stays ? win[j] : -1;
     fl[j] = false;
   }
+  w.incoming.clear();
   for (int64_t i = 0; i < chosen; ++i) {
-    if (mark[cand[pick[i]]] != 1) continue;
-    incoming.push_back(cand[pick[i]]);
+    const int64_t rec = record(pick[i]);
+    if (mark[rec] == 1) w.incoming.emplace_back(spos[rec], rec);
+    mark[rec] = 0;  // the marks are all clear again for the next row
   }
-  std::sort(incoming.begin(), incoming.end(), [&](int64_t a, int64_t b) { return spos[a] < spos[b]; });
+  std::sort(w.incoming.begin(), w.incoming.end());
   size_t next = 0;
-  for (int64_t j = 0; j < r && next < incoming.size(); ++j) {
+  for (int64_t j = 0; j < r && next < w.incoming.size(); ++j) {
     if (nw[j] >= 0) continue;
-    nw[j] = incoming[next++];
+    nw[j] = w.incoming[next++].second;
     fl[j] = true;
   }
   tally[2 * row + 1] = static_cast<int64_t>(next);
@@ -354,7 +410,6 @@ void refill_row(int64_t row, const Refill& s, const T* query, const T* store_k, 
     }
   }
 }
-
 template <typename T, typename P>
 void refill(const Refill& s, int64_t rows, const at::Tensor& query, at::Tensor& kv, at::Tensor& store_pos,
             at::Tensor& store_sc, const at::Tensor& count, const at::Tensor& low, const at::Tensor& high,
