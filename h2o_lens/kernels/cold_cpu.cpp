@@ -30,6 +30,7 @@
 #include <vector>
 
 namespace h2o_cold {
+namespace {  // internal linkage: another build in the same process keeps its own
 
 constexpr int64_t kPage = 16;  // records per page summary (h2o_lens.cold_config.PAGE)
 constexpr int kLanes = h2o_cpu::kLanes;  // partial sums of a dot product or a softmax's total
@@ -479,6 +480,7 @@ int64_t append(int64_t rows, int64_t records, int64_t pages_cap, int64_t d, int6
   return added;
 }
 
+}  // namespace
 }  // namespace h2o_cold
 
 // One layer's refill. query (b, Hq, d) contiguous, the storage dtype; the store: kv (2, b, Hs, N,

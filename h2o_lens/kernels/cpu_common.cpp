@@ -5,6 +5,7 @@
 #include <cstdint>
 
 namespace h2o_cpu {
+namespace {  // internal linkage: another build in the same process keeps its own
 
 constexpr int kLanes = 8;  // partial sums of a dot product, added in a fixed order
 
@@ -45,4 +46,5 @@ inline SlotStrides slot_strides(const at::Tensor& keys, const at::Tensor& values
           values.stride(2), scores.stride(0), scores.stride(1), positions.stride(0), positions.stride(1)};
 }
 
+}  // namespace
 }  // namespace h2o_cpu
