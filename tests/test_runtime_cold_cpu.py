@@ -291,6 +291,41 @@ def test_keys_scored_in_blocks_and_in_the_tail_tie_exactly(newest_last):
     assert sorted(positions[new[0, 0]].tolist()) == list(range(n - r, n))
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_crowd_of_near_values_at_the_windows_edge_is_ranked_exactly(seed):
+    """3,000 records: 20 far above, 280 far below and 2,700 crowded into 6 % of one value (60
+    logits 1e-3 apart, 45 copies each), so the ranking's first histogram leaves thousands in the
+    bucket of the window's edge and narrows them again. The window takes the 20, the 3 best
+    crowded values whole and the 17 newest copies of the 4th, as ranking by logit and then by
+    position says, and as the torch refill takes."""
+    gen = torch.Generator().manual_seed(seed)
+    d, r = 8, 20 + 3 * 45 + 17
+    logits = torch.cat(
+        [
+            5 + torch.arange(20.0),
+            (torch.arange(60.0) * 1e-3).repeat_interleave(45),
+            -10 - 50 * torch.rand(280, generator=gen),
+        ]
+    )
+    order = torch.randperm(len(logits), generator=gen)  # record order is neither rank nor position order
+    logits = logits[order]
+    n = len(logits)
+    key = torch.zeros(1, 1, n, d)
+    key[0, 0, :, 0] = logits
+    positions = torch.randperm(4 * n, generator=gen)[:n]
+    st = ColdStore("cpu", 1, 1, d, torch.float32, pin=False, directory=None, name="t", summaries=False)
+    st.append(key, torch.randn(1, 1, n, d, generator=gen), torch.zeros(1, 1, n), positions[None, None])
+    slots = _Slots(1, 1, r + 4, d, torch.float32, scaling=1.0)
+    window = torch.full((1, 1, r), -1, dtype=torch.int64)
+    query = torch.zeros(1, 1, d)
+    query[0, 0, 0] = 1.0
+    want = _torch_refill(st, window, slots, 4, query, "sum", "exact", None)
+    new, *_ = cpu.cold_refill_cpu(query, st, window, slots, 4, False, None)
+    ranked = sorted(range(n), key=lambda c: (float(logits[c]), int(positions[c])), reverse=True)
+    assert sorted(new[0, 0].tolist()) == sorted(ranked[:r])
+    assert torch.equal(new, want[2])
+
+
 def test_beam_search_moves_the_stores_rows_as_on_the_torch_backend(fused):
     """Three beams over two prompts: the beams' reorders move every store's rows (the compiled
     calls read them flat); the sequences and the bytes are the torch backend's."""
