@@ -57,7 +57,8 @@ def _module():
         (build / "lock").unlink(missing_ok=True)
         if not (build / f"{name}.so").exists():
             print(
-                "h2o-lens: building the fused CPU decode step (once per machine and version, about 40 s)",
+                "h2o-lens: building the fused CPU calls, the decode step and the cold tier's refill and append "
+                "(once per machine and version, about 40 s)",
                 file=sys.stderr,
             )
         return cpp_extension.load_inline(
