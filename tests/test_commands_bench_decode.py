@@ -136,15 +136,17 @@ def test_bench_decode_with_a_cold_tier_times_it_and_says_the_bytes_it_read(capsy
     from h2o_lens.cold_config import parse_cold
 
     model = tiny_model("llama", layers=2)
-    assert bench_decode(model=model, contexts=(64,), batches=(1, 2), steps=2, rounds=1, cold=parse_cold("cpu:3")) == 0
+    assert bench_decode(model=model, contexts=(64,), batches=(1, 2), steps=2, rounds=2, cold=parse_cold("cpu:3")) == 0
     out = capsys.readouterr().out
     assert "cold=cpu:3:exact" in out.split("context 64, H2O B=")[1].splitlines()[0]
     assert sorted(_rows(out, 64)) == [1, 2]
     read = [int(m.replace(",", "")) for m in re.findall(r"cold tier: ([\d,]+) bytes read per step", out)]
     assert len(read) == 2 and all(r > 0 for r in read)
     # H2O at the same B without the tier is timed beside it, and the ratio is the two times'
-    side = re.findall(r"without it ([\d.]+) ms/step: with ÷ without ([\d.]+)", out)
-    assert len(side) == 2 and all(float(t) > 0 and float(x) > 0 for t, x in side)
+    side = re.findall(r"without it ([\d.]+) ms/step: with ÷ without ([\d.]+) \(per round ([\d.]+)–([\d.]+)", out)
+    assert len(side) == 2 and all(float(t) > 0 and float(x) > 0 for t, x, *_ in side)
+    # and the spread of the two rounds' ratios, which holds their median
+    assert all(0 < float(lo) <= float(x) <= float(hi) for _, x, lo, hi in side)
 
 
 def test_frozen_steps_compute_each_layers_step_once_and_put_the_step_back():

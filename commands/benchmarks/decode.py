@@ -275,6 +275,7 @@ def _decode_times(model, cfg, ctx: torch.Tensor, steps: int, rounds: int, budget
         if cold is not None:  # a cold tier's bytes read over the steps decoded, the warm-up's included
             nbytes = {**nbytes, "cold_read": cold["read"], "cold_steps": 2 + rounds * steps}
             nbytes["plain"] = statistics.median(times["plain"])  # ms of H2O without the tier
+            nbytes["rounds"] = [h / p for h, p in zip(times["h2o"], times["plain"], strict=True)]  # with ÷ without
         torch_step = sides["h2o"][0].cache.backend == "torch"  # the parts are the torch step's
         parts = step_parts(sides["h2o"][0].cache) if budget is not None and torch_step else None
     med = {name: statistics.median(t) for name, t in times.items()}
@@ -381,10 +382,10 @@ def bench_decode(
             print(f"{'':>6} {_where(th, parts, inside)}", flush=True)
             if cold is not None:
                 per_step = nbytes["cold_read"] / max(1, nbytes["cold_steps"])
-                tp = nbytes["plain"]
+                tp, each = nbytes["plain"], nbytes["rounds"]
                 print(
                     f"{'':>6} cold tier: {per_step:,.0f} bytes read per step; H2O at the same B without it "
-                    f"{tp * 1e3:.2f} ms/step: with ÷ without {th / tp:.3f}",
+                    f"{tp * 1e3:.2f} ms/step: with ÷ without {th / tp:.3f} (per round {min(each):.3f}–{max(each):.3f})",
                     flush=True,
                 )
         ts, th = _prefill_time(model, cfg, torch.randint(0, text.vocab_size, (1, n), generator=gen), rounds)
