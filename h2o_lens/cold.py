@@ -199,6 +199,7 @@ class _Layer:
     full: bool = False  # every window slot holds an entry
     slot_of: torch.Tensor | None = None  # (b·Hs, N + 1) each record's window slot (-1: none; the last column: none)
     mapped: torch.Tensor | None = None  # the window ``slot_of`` was built from
+    fused: bool = False  # the refill and append take the compiled calls (ColdExtension._fused)
 
 
 class ColdExtension(CacheExtension):
@@ -290,6 +291,7 @@ class ColdExtension(CacheExtension):
         st.window = torch.full((b, hs, width), -1, dtype=torch.int64)
         st.full = False
         st.steps, st.log, st.owner = 0, [], layer.owner
+        st.fused = self._fused(layer, st)
 
     def before_step(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         st = self.layers.get(layer.layer_idx)
@@ -304,7 +306,8 @@ class ColdExtension(CacheExtension):
 
     def _fused(self, layer: Any, st: _Layer) -> bool:
         """Whether the layer's refill and append take the compiled calls (a cache on the fused CPU
-        step, DESIGN.md §2.8): an FP32-scored store on the host, no per-slot history, no gate."""
+        step, DESIGN.md §2.8): an FP32-scored store on the host, no per-slot history, no gate.
+        Decided once per prefill (none of it changes while the store lives)."""
         return (
             layer.owner.backend == "cpp"
             and not self.gated
@@ -314,7 +317,7 @@ class ColdExtension(CacheExtension):
         )
 
     def _refill(self, layer: Any, st: _Layer, query: torch.Tensor, tier: Any) -> None:
-        if self._fused(layer, st):
+        if st.fused:
             from .kernels.cpu import cold_refill_cpu
 
             scan = tier.pages_scanned if tier.select == "pages" else None
@@ -380,7 +383,7 @@ class ColdExtension(CacheExtension):
             raise ConfigError("the cold tier does not support verification segments (speculative decoding)")
         res = step.result
         width = layer.keys.shape[2]
-        if self._fused(layer, st):
+        if st.fused:
             st.store.append_fused(res, *st.new, width)
             st.new = None
             return
