@@ -99,6 +99,8 @@ class H2OCacheLayer(CacheLayerMixin):
                 "kwargs dict, so the H2O attention function cannot reach the cache; this "
                 "architecture is not supported (supported: Llama, Qwen2/3, Mistral, Phi-3 families)"
             )
+        if self.pending is not None:  # the last forward's K/V never reached H2O's attention
+            raise UnsupportedModelError.unattended(self.layer_idx)
         copies = self.owner.shape.copies(self.owner.config.gqa)  # G under gqa="none", else 1
         if copies > 1:
             key_states = key_states.repeat_interleave(copies, dim=1)
@@ -119,8 +121,7 @@ class H2OCacheLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def get_max_cache_shape(self) -> int:  # get_max_length's name up to transformers 5.12
-        return -1
+    get_max_cache_shape = get_max_length  # its name up to transformers 5.12
 
     def reset(self) -> None:
         self.keys = self.values = self.scores = self.history = self.positions = None

@@ -27,6 +27,16 @@ class ConfigError(H2OLensError, ValueError):
 class UnsupportedModelError(H2OLensError, TypeError):
     """The model cannot be hooked by the H2O runtime."""
 
+    @classmethod
+    def unattended(cls, layer: int) -> UnsupportedModelError:
+        """A cache layer's update while the last forward's keys and values still wait for H2O's attention."""
+        return cls(
+            f"layer {layer}: an H2O cache got new keys and values before H2O's attention took the last ones: "
+            "another attention implementation ran on it (model.set_attn_implementation inside "
+            "h2o_lens.h2o(...)?) or a forward failed half way, and the cache cannot hold tokens it never "
+            "attended; use a new cache (session.new_cache())"
+        )
+
 
 class DefaultModelMissingError(H2OLensError, ImportError):
     """The packaged default model is not installed."""

@@ -239,6 +239,12 @@ def test_bad_input_errors():
     with h2o_lens.h2o(model, heavy=2, recent=2):
         with pytest.raises(UnsupportedModelError, match="without an H2O cache"):
             model(_ids(5))
+    # a cache whose K/V went through another attention (the model switched inside the session)
+    # is refused at the next forward, never decoded as if it held the prompt
+    with h2o_lens.h2o(model, heavy=2, recent=2) as session:
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(UnsupportedModelError, match="before H2O's attention took the last ones"):
+            _greedy(model, _ids(8), 3, past_key_values=session.new_cache())
     # a sliding-window model past its window is refused
     import transformers as tf
 
