@@ -9,7 +9,7 @@ from runtime_utils import left_pad as _left_pad
 from tiny import FAMILIES, tiny_model
 
 import h2o_lens
-from h2o_lens import H2OConfig
+from h2o_lens import H2OConfig, compat
 from h2o_lens.errors import ConfigError, UnsupportedModelError
 
 VOCAB = 256
@@ -244,7 +244,7 @@ def test_bad_input_errors():
     with h2o_lens.h2o(model, heavy=2, recent=2) as session:
         model.set_attn_implementation("sdpa")
         with pytest.raises(UnsupportedModelError, match="before H2O's attention took the last ones"):
-            _greedy(model, _ids(8), 3, past_key_values=session.new_cache())
+            _greedy(model, _ids(8), 3, **compat.cache_kwargs(session.new_cache()))
     # a sliding-window model past its window is refused
     import transformers as tf
 
