@@ -101,6 +101,26 @@ inline void prefetch(const void* p, int64_t bytes) {
 #endif
 }
 
+// dst[0 … n) = src[0 … n), with stores that bypass the caches where both ends allow it: the
+// window's slots are written once here and read once by the step's attention, and an ordinary
+// store would first read each line in. The caller fences (_mm_sfence) before another thread reads.
+template <typename T>
+inline void copy_through(const T* src, T* dst, int64_t n) {
+#ifdef H2O_COLD_AVX2
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  if (bytes % 32 == 0 && (reinterpret_cast<uintptr_t>(dst) & 31) == 0) {
+    const char* from = reinterpret_cast<const char*>(src);
+    char* to = reinterpret_cast<char*>(dst);
+    for (int64_t o = 0; o < bytes; o += 32) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(to + o),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + o)));
+    }
+    return;
+  }
+#endif
+  std::copy(src, src + n, dst);
+}
+
 // out[c] = the dot product of `q` with key c of k (m keys, `d` apart), c < m.
 template <typename T>
 inline void query_dots(const float* q, const T* k, int64_t m, int64_t d, float* out) {
@@ -406,8 +426,8 @@ void refill_row(int64_t row, const Refill& s, const T* query, const T* store_k, 
     if (fl[j]) {
       T* kd = keys + bi * s.ks0 + h * s.ks1 + (s.start + j) * s.ks2;
       T* vd = values + bi * s.vs0 + h * s.vs1 + (s.start + j) * s.vs2;
-      std::copy(sk + rec * d, sk + (rec + 1) * d, kd);
-      std::copy(sv + rec * d, sv + (rec + 1) * d, vd);
+      copy_through(sk + rec * d, kd, d);
+      copy_through(sv + rec * d, vd, d);
     }
   }
 }
@@ -430,6 +450,9 @@ void refill(const Refill& s, int64_t rows, const at::Tensor& query, at::Tensor& 
                        new_w.data_ptr<int64_t>(), filled.data_ptr<bool>(), score_out.data_ptr<float>(),
                        held.data_ptr<int64_t>(), tally.data());
     }
+#ifdef H2O_COLD_AVX2
+    _mm_sfence();  // the window's slots written through (copy_through) before the step reads them
+#endif
   });
 }
 
