@@ -73,8 +73,8 @@ def add_parser(sub: Any) -> None:
         default=None,
         metavar="STORE:RECALL[:SELECTION[:EVERY]]",
         help="a cold tier: evicted K/V kept in STORE (cpu | disk) and a window of RECALL slots inside the "
-        "budget refilled with the cold entries the queries attend to most, SELECTION exact | pages, "
-        "a refill every EVERY decode steps (default 1) (DESIGN.md §2.13); e.g. cpu:16",
+        "budget refilled with the cold entries the queries attend to most, SELECTION exact | pages | pages=N "
+        "(the N best pages), a refill every EVERY decode steps (default 1) (DESIGN.md §2.13); e.g. cpu:16",
     )
     r.add_argument(
         "--graphs",

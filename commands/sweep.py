@@ -68,7 +68,7 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="a cold tier (DESIGN.md §2.13): every cell of an evicting policy gets a twin (curve POLICY+cold) "
         "whose evicted K/V go to STORE (cpu | disk) and a window of RECALL slots inside its budget is refilled "
-        "with the cold entries the queries attend to most, SELECTION exact | pages (default exact), "
+        "with the cold entries the queries attend to most, SELECTION exact | pages | pages=N (default exact), "
         "a refill every EVERY decode steps (default 1)",
     )
     sw.add_argument(

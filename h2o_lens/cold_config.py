@@ -49,7 +49,8 @@ class ColdTier:
         entries ranked by an upper bound of q·k from their element-wise key min/max, then
         q·k inside the ``scan`` best pages).
     scan : int, optional
-        Pages read exactly under ``"pages"``; default ``ceil(2 · recall / PAGE)``.
+        Pages read exactly under ``"pages"``; default ``ceil(recall / PAGE)``, as many entries as
+        the window holds (Quest's budget).
     directory : str, optional
         Where the ``disk`` store writes its files.
     """
@@ -76,14 +77,15 @@ class ColdTier:
     @property
     def pages_scanned(self) -> int:
         """Pages whose entries are scored exactly under ``select="pages"``."""
-        return self.scan if self.scan is not None else max(1, math.ceil(2 * self.recall / PAGE))
+        return self.scan if self.scan is not None else max(1, math.ceil(self.recall / PAGE))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
         every = f" every={self.every}" if self.every != 1 else ""
-        return f"cold={self.store}:{self.recall}:{self.select}{every}"
+        scan = f"={self.scan}" if self.scan is not None and self.select == "pages" else ""
+        return f"cold={self.store}:{self.recall}:{self.select}{scan}{every}"
 
 
 def cold_tier(value: Any) -> ColdTier | None:
@@ -101,14 +103,20 @@ def cold_tier(value: Any) -> ColdTier | None:
 
 def parse_cold(text: str) -> ColdTier:
     """``STORE:RECALL[:SELECTION[:EVERY]]`` (the CLI's ``--cold``), e.g. ``cpu:32``, ``disk:32:pages``
-    or ``cpu:32:pages:4`` (a refill every 4th decode step)."""
+    or ``cpu:32:pages:4`` (a refill every 4th decode step); ``pages=N`` reads the N best pages
+    (default :attr:`ColdTier.pages_scanned`), e.g. ``cpu:32:pages=4``."""
     parts = text.split(":")
-    if len(parts) not in (2, 3, 4) or not parts[1].isdigit() or (len(parts) == 4 and not parts[3].isdigit()):
+    select, _, scan = (parts[2] if len(parts) >= 3 else "exact").partition("=")
+    if (
+        len(parts) not in (2, 3, 4)
+        or not parts[1].isdigit()
+        or (len(parts) == 4 and not parts[3].isdigit())
+        or (_ and (select != "pages" or not scan.isdigit()))
+    ):
         raise ConfigError(
             f"--cold takes STORE:RECALL[:SELECTION[:EVERY]] (store {'|'.join(STORES)}, a window of RECALL slots, "
-            f"selection {'|'.join(SELECTIONS)}, a refill every EVERY decode steps), e.g. cpu:32, disk:32:pages "
-            f"or cpu:32:pages:4; got {text!r}"
+            f"selection {'|'.join(SELECTIONS)} or pages=N for the N best pages, a refill every EVERY decode steps), "
+            f"e.g. cpu:32, disk:32:pages, cpu:32:pages=4 or cpu:32:pages:4; got {text!r}"
         )
-    select = parts[2] if len(parts) >= 3 else "exact"
     every = int(parts[3]) if len(parts) == 4 else 1
-    return ColdTier(store=parts[0], recall=int(parts[1]), select=select, every=every)
+    return ColdTier(store=parts[0], recall=int(parts[1]), select=select, every=every, scan=int(scan) if _ else None)

@@ -92,7 +92,7 @@ def cold_trace(
     q = np.asarray(query, dtype=np.float64) * scaling
     k = np.asarray(key, dtype=np.float64)
     n = q.shape[1]
-    scan = scan if scan is not None else max(1, -(-2 * recall // PAGE))
+    scan = scan if scan is not None else max(1, -(-recall // PAGE))
     out = ColdTrace()
     score: dict[int, float] = {i: 0.0 for i in range(prefill)}
     for u in range(prefill):

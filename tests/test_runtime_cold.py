@@ -258,6 +258,13 @@ def test_the_cold_config_checks_and_round_trips():
     assert H2OConfig(**cfg.to_dict()) == cfg and "cold=disk:3:pages" in cfg.describe()
     assert "cold" not in H2OConfig(heavy=6, recent=4).to_dict()
     assert np.isclose(cfg.cold.pages_scanned, 1)
+    assert ColdTier(recall=205, select="pages").pages_scanned == 13  # the window's worth of pages
+    chosen = parse_cold("cpu:32:pages=5:2")
+    assert (chosen.select, chosen.scan, chosen.every, chosen.pages_scanned) == ("pages", 5, 2, 5)
+    assert parse_cold(chosen.describe().removeprefix("cold=").split()[0]).scan == 5
+    for bad in ("cpu:32:exact=3", "cpu:32:pages=", "cpu:32:pages=x"):
+        with pytest.raises(ConfigError, match="STORE:RECALL"):
+            parse_cold(bad)
     assert parse_cold("cpu:8:pages:4") == ColdTier(store="cpu", recall=8, select="pages", every=4)
     for bad in ("cpu:8:pages:x", "cpu:8:pages:4:1", "cpu:8:pages:0"):
         with pytest.raises(ConfigError, match="STORE:RECALL|every"):
@@ -413,3 +420,18 @@ def _merge(kept: torch.Tensor, other: torch.Tensor, r: int) -> torch.Tensor:
     rest = [int(x) for x in other if int(x) not in set(kept.tolist())]
     out = torch.tensor(kept.tolist() + rest[: r - kept.numel()])
     return out[torch.randperm(r, generator=torch.Generator().manual_seed(r))]
+
+
+def test_the_reference_reads_the_tiers_default_page_count():
+    """With no ``scan``, the FP64 reference reads the pages :class:`ColdTier` reads by default (the
+    window's worth, ⌈r/16⌉), and that count decides what the window holds."""
+    rng = np.random.default_rng(3)
+    q, k = rng.standard_normal((2, 200, 8)), rng.standard_normal((200, 8))
+    differs = False
+    for recall in (4, 20, 36):
+        scan = ColdTier(recall=recall, select="pages").pages_scanned
+        assert scan == -(-recall // PAGE)
+        default = cold_trace(q, k, 150, 40, 10, recall, select="pages")
+        assert default == cold_trace(q, k, 150, 40, 10, recall, select="pages", scan=scan), recall
+        differs |= default != cold_trace(q, k, 150, 40, 10, recall, select="pages", scan=scan + 1)
+    assert differs  # the count is one the trace depends on

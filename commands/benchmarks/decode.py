@@ -61,8 +61,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         metavar="STORE:RECALL[:SELECTION[:EVERY]]",
         default=None,
         help="time H2O with a cold tier (DESIGN.md §2.13): a window of RECALL slots inside B, evicted K/V in "
-        "STORE (cpu | disk), SELECTION exact | pages, a refill every EVERY steps; the cold bytes read per step "
-        "and H2O at the same B without the tier beside it",
+        "STORE (cpu | disk), SELECTION exact | pages | pages=N, a refill every EVERY steps; the cold bytes read "
+        "per step and H2O at the same B without the tier beside it",
     )
     b.add_argument(
         "--plan",
