@@ -106,12 +106,12 @@ def parse_cold(text: str) -> ColdTier:
     or ``cpu:32:pages:4`` (a refill every 4th decode step); ``pages=N`` reads the N best pages
     (default :attr:`ColdTier.pages_scanned`), e.g. ``cpu:32:pages=4``."""
     parts = text.split(":")
-    select, _, scan = (parts[2] if len(parts) >= 3 else "exact").partition("=")
+    select, given, scan = (parts[2] if len(parts) >= 3 else "exact").partition("=")
     if (
         len(parts) not in (2, 3, 4)
         or not parts[1].isdigit()
         or (len(parts) == 4 and not parts[3].isdigit())
-        or (_ and (select != "pages" or not scan.isdigit()))
+        or (given and (select != "pages" or not scan.isdigit()))
     ):
         raise ConfigError(
             f"--cold takes STORE:RECALL[:SELECTION[:EVERY]] (store {'|'.join(STORES)}, a window of RECALL slots, "
@@ -119,4 +119,4 @@ def parse_cold(text: str) -> ColdTier:
             f"e.g. cpu:32, disk:32:pages, cpu:32:pages=4 or cpu:32:pages:4; got {text!r}"
         )
     every = int(parts[3]) if len(parts) == 4 else 1
-    return ColdTier(store=parts[0], recall=int(parts[1]), select=select, every=every, scan=int(scan) if _ else None)
+    return ColdTier(store=parts[0], recall=int(parts[1]), select=select, every=every, scan=int(scan) if given else None)
