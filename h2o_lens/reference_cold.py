@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cold_config import PAGE
+from .cold_config import PAGE, ColdTier
 from .reference import aggregate, evict, keep_prompt, softmax
 
 __all__ = ["ColdTrace", "cold_trace", "choose"]
@@ -92,7 +92,7 @@ def cold_trace(
     q = np.asarray(query, dtype=np.float64) * scaling
     k = np.asarray(key, dtype=np.float64)
     n = q.shape[1]
-    scan = scan if scan is not None else max(1, -(-recall // PAGE))
+    scan = scan if scan is not None else ColdTier(recall=recall, select="pages").pages_scanned
     out = ColdTrace()
     score: dict[int, float] = {i: 0.0 for i in range(prefill)}
     for u in range(prefill):
